@@ -1,0 +1,58 @@
+"""Every Celery setting of celery-autotune; each non-default one says why.
+
+The one required input is the Redis URL, from the environment (credentials never live in files):
+
+    AUTOTUNE_REDIS_URL   redis://[:password@]host:port/db   broker, result backend and our state
+                         (default redis://127.0.0.1:6379/0)
+    AUTOTUNE_VISIBILITY_TIMEOUT   seconds; must exceed the longest experiment (default 4 h)
+
+Experiments are long, expensive tasks that run one at a time per slot, so the defaults that suit
+short web tasks are wrong here in several places.
+"""
+import os
+
+REDIS_URL = os.environ.get("AUTOTUNE_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+broker_url = REDIS_URL
+# Chords need a result backend; Redis gives native chord joins (no chord_unlock polling task).
+result_backend = REDIS_URL
+broker_connection_retry_on_startup = True
+
+# Security: JSON only. Pickle would let anyone who can write to Redis run code on every slot.
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+event_serializer = "json"
+
+# A slot runs one experiment at a time and must not hoard a second one while busy: the scheduler
+# decides placement, and a prefetched message would sit behind a long run.
+worker_concurrency = 1
+worker_prefetch_multiplier = 1
+
+# Acknowledge after the experiment, so a message is not lost when a worker dies before finishing
+# it; a pool child killed mid-run requeues its task instead of failing the whole chord.
+task_acks_late = True
+task_reject_on_worker_lost = True
+
+# With acks_late, Redis redelivers any message still unacknowledged after the visibility timeout,
+# even to a healthy worker that is still running it: the timeout must exceed the longest
+# experiment. kombu only sweeps every interval x throttle seconds (default ~100 s); throttle 1
+# brings a dead node's messages back within ~10 s of the timeout.
+broker_transport_options = {
+    "visibility_timeout": int(os.environ.get("AUTOTUNE_VISIBILITY_TIMEOUT", 4 * 3600)),
+    "unacked_restore_interval": 10,
+    "unacked_restore_throttle": 1,
+}
+result_backend_transport_options = {"retry_policy": {"timeout": 5.0}}
+result_expires = 7 * 24 * 3600
+
+# Chord callbacks, and anything not routed to a slot, go to the control worker.
+task_default_queue = "control"
+
+# Flower shows tasks only when workers send events and the client sends task-sent events.
+worker_send_task_events = True
+task_send_sent_event = True
+task_track_started = True
+
+# Slot workers run for days; a task leaking memory in the pool child must not grow forever.
+worker_max_tasks_per_child = 50

@@ -1,0 +1,1 @@
+"""Decides: what to run, where, and which configuration was best."""

@@ -1,0 +1,215 @@
+"""`python -m scheduler.autotune cfg.json [options] [-- train.py args...]`: tune, report, write the winner.
+
+With AUTOTUNE_REDIS_URL set it uses the slot and control workers already running on that Redis;
+otherwise it starts an embedded cluster on this machine (private redis-server, one slot worker per
+device, a control worker) and stops it afterwards, also on errors and Ctrl-C.
+
+Finished experiments are kept in the results folder: running the same command again reuses every
+experiment whose config is unchanged and re-runs only the rest (`"overwrite": true` starts afresh).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console
+
+from scheduler.arguments import with_config
+from scheduler.config import TuningConfig, load_config
+from scheduler.errors import ClusterError, ConfigError, UsageError
+from scheduler.outputs import print_table, write_experiment_descriptions, write_results
+from scheduler.ranking import metric_value
+from scheduler.space import Experiment, user_list_experiments
+from workers.local_cluster import LocalCluster, LocalClusterError
+from workers.paths import read_json, safe_child
+from workers.registry import control_alive, live_slots
+from workers.slot import parse_size
+
+console = Console(highlight=False)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    own, script = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(
+        prog="python -m scheduler.autotune",
+        description="Find the fastest DeepSpeed configuration for a training script.")
+    parser.add_argument("config", help="DeepSpeed config with an \"autotuning\" section (JSON or hjson)")
+    parser.add_argument("--slots", type=int, default=os.cpu_count() or 1,
+                        help="embedded cluster: slot workers to start (default: number of cores)")
+    parser.add_argument("--slot-memory", help="embedded cluster on CPU: memory cap per slot, e.g. 3GiB "
+                        "(default: total RAM / slots)")
+    parser.add_argument("--num_gpus", type=int, help="slots per experiment (default: all slots of a node)")
+    parser.add_argument("--num_nodes", type=int, default=1, help="nodes per experiment (default 1)")
+    parser.add_argument("--exp-timeout", type=float, default=900.0,
+                        help="wall-clock limit of one experiment in seconds (default 900)")
+    return parser.parse_args(own), script
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        return run(*parse_args(sys.argv[1:] if argv is None else argv))
+    except (UsageError, LocalClusterError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished experiments are kept; run the same command to resume",
+              file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace, script_args: list[str]) -> int:
+    cfg = load_config(args.config)
+    script, base_args = _script(cfg, script_args)
+    _check_numbers(args)
+    if cfg.overwrite:
+        shutil.rmtree(cfg.results_dir, ignore_errors=True)
+        shutil.rmtree(cfg.exps_dir, ignore_errors=True)
+    cfg.results_dir.mkdir(parents=True, exist_ok=True)
+    url = os.environ.get("AUTOTUNE_REDIS_URL")
+    if url:
+        return tune(cfg, args, script, base_args, _connect(url))
+    with LocalCluster(args.slots, cfg.results_dir / "cluster", slot_memory=args.slot_memory) as cluster:
+        console.print(f"embedded cluster: redis-server and {args.slots} slot workers + control "
+                      f"on {cluster.node} (logs in {cfg.results_dir / 'cluster'})")
+        os.environ["AUTOTUNE_REDIS_URL"] = cluster.url
+        try:
+            return tune(cfg, args, script, base_args, redis.Redis.from_url(cluster.url))
+        finally:
+            os.environ.pop("AUTOTUNE_REDIS_URL", None)
+
+
+def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: tuple[str, ...],
+         client: redis.Redis) -> int:
+    from scheduler.driver import Driver  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
+    from tasks import app
+
+    slots = live_slots(client)
+    if not slots:
+        raise ClusterError("no slot workers are registered in Redis; start one per device with "
+                           "`celery -A tasks worker -Q gpu0 -n gpu0@%h`")
+    if not control_alive(client):
+        raise ClusterError("no control worker is running; start one with "
+                           "`celery -A tasks worker -Q control -n control@%h`")
+    per_node = max(sum(1 for s in slots if s.node == node) for node in {s.node for s in slots})
+    num_gpus = args.num_gpus or per_node
+    experiments = user_list_experiments(cfg, args.num_nodes, num_gpus)
+    write_experiment_descriptions(cfg.exps_dir, experiments)
+
+    records = _finished_before(cfg.results_dir, experiments)
+    todo = [e for e in experiments if e.name not in records]
+    console.print(f"{len(experiments)} experiments ({len(records)} already measured), "
+                  f"{args.num_nodes} node(s) x {num_gpus} slot(s) each, metric {cfg.metric}")
+
+    def argv_for(exp: Experiment, config_path: Path) -> list[str]:
+        return with_config(str(script), base_args, config_path)
+
+    def report(record: dict[str, Any]) -> None:
+        records[record["name"]] = record
+        value = metric_value(record, cfg.metric)
+        shown = f"{cfg.metric}={value:,.2f}" if value is not None else record.get("status")
+        console.print(f"[{len(records)}/{len(experiments)}] {record['name']:<24} "
+                      f"{record.get('status', '?'):<10} {shown}  {record.get('wall_s') or 0:.1f}s "
+                      f"on {','.join(record.get('slots') or [])}")
+
+    driver = Driver(client, app, job=uuid.uuid4().hex, results_root=cfg.results_dir,
+                    script_argv=argv_for, cwd=os.getcwd(), timeout_s=args.exp_timeout, on_record=report)
+    started = time.time()
+    try:
+        driver.run(todo)
+    except BaseException:
+        driver.cancel()
+        _report(cfg, experiments, records, started, argv_for)
+        raise
+    winner = _report(cfg, experiments, records, started, argv_for)
+    return 0 if winner is not None else 1
+
+
+def _report(cfg: TuningConfig, experiments: list[Experiment], records: dict[str, dict[str, Any]],
+            started: float, argv_for) -> dict[str, Any] | None:
+    winner = write_results(cfg.results_dir, experiments, records, cfg.metric, cfg.maximize,
+                           time.time() - started, argv_for)
+    print_table(console, experiments, records, cfg.metric, winner)
+    console.print((cfg.results_dir / "summary.txt").read_text())
+    if winner is None:
+        console.print("no experiment succeeded: see the cause in each experiment's result.json")
+    else:
+        console.print(f"best: {winner['name']} -> {cfg.results_dir / 'ds_config_optimal.json'}\n"
+                      f"run it: {(cfg.results_dir / 'cmd_optimal.txt').read_text().strip()}")
+    return winner
+
+
+def _finished_before(results_dir: Path, experiments: list[Experiment]) -> dict[str, dict[str, Any]]:
+    """Records of experiments already measured with exactly the same config (resume)."""
+    records = {}
+    for exp in experiments:
+        record = read_json(safe_child(results_dir, exp.name) / "result.json")
+        if isinstance(record, dict) and record.get("ds_config") == exp.ds_config \
+                and record.get("status") != "lost":
+            records[exp.name] = record
+    return records
+
+
+def _script(cfg: TuningConfig, script_args: list[str]) -> tuple[Path, tuple[str, ...]]:
+    if script_args:
+        script, args = Path(script_args[0]).resolve(), tuple(script_args[1:])
+        where = "the command line"
+    elif cfg.user_script is not None:
+        script, args, where = cfg.user_script, cfg.user_args, f"{cfg.path}: autotuning.user_script"
+    else:
+        raise ConfigError(f"{cfg.path}: no training script; name it after `--` "
+                          "(python -m scheduler.autotune cfg.json -- train.py ...) "
+                          "or as autotuning.user_script")
+    if not script.is_file():
+        raise ConfigError(f"{where}: training script {script} not found; check the path")
+    return script, args
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for name in ("slots", "num_gpus", "num_nodes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-') if name == 'slots' else name} must be at least 1")
+    if args.exp_timeout <= 0:
+        raise UsageError("--exp-timeout must be a positive number of seconds")
+    if args.slot_memory is not None:
+        try:
+            parse_size(args.slot_memory)
+        except ValueError as exc:
+            raise UsageError(f"--slot-memory: {exc}") from None
+
+
+def _connect(url: str) -> redis.Redis:
+    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
+    where = f"{client.connection_pool.connection_kwargs.get('host')}:" \
+            f"{client.connection_pool.connection_kwargs.get('port')}"
+    try:
+        client.ping()
+    except redis.AuthenticationError:
+        raise ClusterError(f"Redis at {where} refused the credentials in AUTOTUNE_REDIS_URL; "
+                           "fix the password in the URL") from None
+    except redis.ResponseError as exc:
+        if "NOAUTH" in str(exc) or "AUTH" in str(exc):
+            raise ClusterError(f"Redis at {where} needs a password; put it in AUTOTUNE_REDIS_URL "
+                               "as redis://:PASSWORD@host:port/0") from None
+        raise ClusterError(f"Redis at {where} answered {exc}") from None
+    except redis.RedisError as exc:
+        raise ClusterError(f"cannot reach Redis at {where} (AUTOTUNE_REDIS_URL): {exc}; start "
+                           "redis-server there or unset AUTOTUNE_REDIS_URL for an embedded cluster") from None
+    return client
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Reading the user's DeepSpeed config and its "autotuning" section into a checked `TuningConfig`.
+
+Users bring the config they give `deepspeed --autotuning`; it must load unchanged. Every problem is
+reported as one line naming the file and field and saying how to fix it (`ConfigError`), so the
+command exits 2 without a traceback.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hjson
+
+from scheduler.errors import ConfigError
+
+#: DeepSpeed's autotuning keys (deepspeed/autotuning/constants.py), plus ours: user_script, user_args.
+KNOWN_AUTOTUNING_KEYS = frozenset({
+    "enabled", "fast", "results_dir", "exps_dir", "overwrite", "start_profile_step",
+    "end_profile_step", "metric", "metric_path", "tuner_type", "tuner_early_stopping",
+    "tuner_num_trials", "arg_mappings", "max_train_batch_size", "min_train_batch_size",
+    "min_train_micro_batch_size_per_gpu", "max_train_micro_batch_size_per_gpu",
+    "num_tuning_micro_batch_sizes", "mp_size", "model_info", "model_info_path",
+    "user_script", "user_args",
+})
+#: Metric name -> whether bigger is better. `flops` is accepted for FLOPS_per_gpu (DeepSpeed crashes).
+METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}
+METRIC_ALIASES = {"flops": "FLOPS_per_gpu", "FLOPS": "FLOPS_per_gpu"}
+ALL_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    """What to tune and how, from one config file."""
+
+    path: Path
+    ds_config: dict[str, Any]  #: the user's config as written (lists and "all" included)
+    metric: str  #: throughput | latency | FLOPS_per_gpu
+    micro_batch_sizes: tuple[int, ...]
+    stages: tuple[int, ...]
+    gradient_accumulation_steps: int
+    results_dir: Path
+    exps_dir: Path
+    overwrite: bool
+    start_profile_step: int
+    end_profile_step: int
+    user_script: Path | None  #: from autotuning.user_script, resolved against the config's folder
+    user_args: tuple[str, ...]
+
+    @property
+    def maximize(self) -> bool:
+        return METRICS[self.metric]
+
+
+def load_config(path: str | Path, cwd: Path | None = None) -> TuningConfig:
+    """Load and check `path`; relative results/exps dirs are relative to `cwd` (DeepSpeed's rule)."""
+    path = Path(path)
+    raw = _read(path)
+    autotuning = raw.get("autotuning")
+    if not isinstance(autotuning, dict):
+        raise ConfigError(f'{path}: no "autotuning" section; add "autotuning": {{"enabled": true}} '
+                          "to the config to tune it")
+    _check_known_keys(path, autotuning)
+    cwd = cwd or Path.cwd()
+    script = autotuning.get("user_script")
+    user_args = autotuning.get("user_args", [])
+    if not isinstance(user_args, list) or not all(isinstance(a, (str, int, float)) for a in user_args):
+        raise ConfigError(f"{path}: autotuning.user_args must be a list of strings, e.g. "
+                          '["--steps", "50"]')
+    start, end = _int(path, autotuning, "start_profile_step", 3), _int(path, autotuning, "end_profile_step", 5)
+    if start > end:
+        raise ConfigError(f"{path}: autotuning.start_profile_step ({start}) is after "
+                          f"end_profile_step ({end}); make start <= end")
+    return TuningConfig(
+        path=path,
+        ds_config=raw,
+        metric=_metric(path, autotuning.get("metric", "throughput")),
+        micro_batch_sizes=_micro_batch_sizes(path, raw.get("train_micro_batch_size_per_gpu", 1)),
+        stages=_stages(path, raw.get("zero_optimization", {})),
+        gradient_accumulation_steps=_positive_int(
+            path, "gradient_accumulation_steps", raw.get("gradient_accumulation_steps", 1)),
+        results_dir=cwd / autotuning.get("results_dir", "autotuning_results"),
+        exps_dir=cwd / autotuning.get("exps_dir", "autotuning_exps"),
+        overwrite=bool(autotuning.get("overwrite", False)),
+        start_profile_step=start,
+        end_profile_step=end,
+        user_script=(path.parent / script).resolve() if isinstance(script, str) and script else None,
+        user_args=tuple(str(a) for a in user_args),
+    )
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; give the path of your DeepSpeed config "
+                          'with an "autotuning" section') from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.__class__.__name__}: "
+                          f"{getattr(exc, 'strerror', None) or exc}); check the path and its permissions") from None
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys(path))
+    except json.JSONDecodeError as json_error:
+        try:
+            data = hjson.loads(text, object_pairs_hook=_no_duplicate_keys(path))
+        except hjson.HjsonDecodeError:
+            raise ConfigError(f"{path}:{json_error.lineno}:{json_error.colno}: invalid JSON/hjson: "
+                              f"{json_error.msg}; fix the syntax there") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object {{...}}, not {type(data).__name__}")
+    return json.loads(json.dumps(data))
+
+
+def _no_duplicate_keys(path: Path):
+    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ConfigError(f'{path}: duplicate key "{key}"; keep one of them')
+            seen[key] = value
+        return seen
+    return build
+
+
+def _check_known_keys(path: Path, autotuning: dict[str, Any]) -> None:
+    unknown = sorted(set(autotuning) - KNOWN_AUTOTUNING_KEYS)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, KNOWN_AUTOTUNING_KEYS, n=1)
+            hints.append(f'"{key}"' + (f' (did you mean "{close[0]}"?)' if close else ""))
+        raise ConfigError(f"{path}: unknown autotuning key{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(hints)}; remove or rename it")
+
+
+def _metric(path: Path, value: Any) -> str:
+    name = METRIC_ALIASES.get(value, value)
+    if name not in METRICS:
+        raise ConfigError(f'{path}: autotuning.metric "{value}" is not one of throughput, latency, '
+                          "FLOPS_per_gpu (or flops)")
+    return name
+
+
+def _micro_batch_sizes(path: Path, value: Any) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        raise ConfigError(f"{path}: train_micro_batch_size_per_gpu is an empty list; give sizes such as [4, 8]")
+    sizes = [_positive_int(path, "train_micro_batch_size_per_gpu", v) for v in values]
+    return tuple(sorted(set(sizes)))
+
+
+def _stages(path: Path, zero: Any) -> tuple[int, ...]:
+    if not isinstance(zero, dict):
+        raise ConfigError(f'{path}: zero_optimization must be an object such as {{"stage": 1}}')
+    value = zero.get("stage", 0)
+    if value == "all":
+        return ALL_STAGES
+    values = value if isinstance(value, list) else [value]
+    if not values or any(isinstance(v, bool) or v not in ALL_STAGES for v in values):
+        raise ConfigError(f'{path}: zero_optimization.stage {json.dumps(value)} is not valid; use 0-3, '
+                          'a list such as [0, 1], or "all"')
+    return tuple(sorted(set(values)))
+
+
+def _positive_int(path: Path, field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{path}: {field} must be a positive integer (or a list of them), "
+                          f"got {json.dumps(value)}")
+    return value
+
+
+def _int(path: Path, autotuning: dict[str, Any], key: str, default: int) -> int:
+    value = autotuning.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{path}: autotuning.{key} must be a non-negative integer, got {json.dumps(value)}")
+    return value

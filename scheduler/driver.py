@@ -1,0 +1,170 @@
+"""Runs a list of experiments on the cluster: reserve slots, send chords, collect records.
+
+Event-driven: it dispatches on start and whenever an experiment finishes (the chord callback
+pushes an event that this loop pops with a blocking wait), never on a polling tick. While
+experiments run it renews their gang leases; an experiment whose record never arrives within its
+time limit plus a grace is revoked and recorded `lost`, so a dead worker cannot stall the job.
+Dispatch is FIFO by submission; a later experiment never overtakes a waiting head one.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from scheduler.errors import ClusterError
+from scheduler.gang import GangReservations
+from scheduler.placement import fits_ever, largest_shape, place
+from scheduler.space import Experiment
+from tasks.experiment import experiment_signature
+from workers import keys
+from workers.paths import safe_child, write_json
+from workers.registry import live_slots
+from workers.slot import Slot
+
+LEASE_S = 60.0
+LOST_GRACE_S = 120.0
+WAIT_FOR_SLOTS_S = 1.0
+
+
+@dataclass
+class _Running:
+    exp: Experiment
+    attempt: str
+    queues: list[str]
+    token: str
+    rank_task_ids: list[str]
+    deadline: float
+
+
+class Driver:
+    """Runs experiments for one tuning job and returns one record per experiment."""
+
+    def __init__(self, client: redis.Redis, app, *, job: str, results_root: Path,
+                 script_argv: Callable[[Experiment, Path], list[str]], cwd: str,
+                 timeout_s: float, on_record: Callable[[dict[str, Any]], None] = lambda r: None,
+                 lease_s: float = LEASE_S) -> None:
+        self._client, self._app = client, app
+        self._gangs = GangReservations(client)
+        self._job, self._root, self._cwd = job, results_root.resolve(), cwd
+        self._script_argv, self._timeout_s, self._on_record = script_argv, timeout_s, on_record
+        self._lease_s = lease_s
+        self._running: dict[str, _Running] = {}
+        self._exp_ids = iter(range(1, 1 << 30))
+
+    def run(self, experiments: list[Experiment]) -> list[dict[str, Any]]:
+        pending = deque(experiments)
+        records: list[dict[str, Any]] = []
+        next_renew = time.monotonic() + self._lease_s / 3
+        while pending or self._running:
+            self._dispatch(pending)
+            wait_s = WAIT_FOR_SLOTS_S if pending and not self._running else self._lease_s / 3
+            popped = self._client.blpop([keys.job_events(self._job)], timeout=max(1, int(wait_s)))
+            if popped is not None:
+                record = self._finished(json.loads(popped[1]))
+                if record is not None:
+                    records.append(record)
+                    self._on_record(record)
+            if time.monotonic() >= next_renew:
+                self._renew_leases()
+                next_renew = time.monotonic() + self._lease_s / 3
+            for record in self._expire_lost():
+                records.append(record)
+                self._on_record(record)
+        return records
+
+    def cancel(self) -> None:
+        """Stop every running experiment of this job now (revoke + group kill) and free its slots."""
+        for running in list(self._running.values()):
+            self._app.control.revoke(running.rank_task_ids, terminate=True, signal="SIGTERM")
+            self._gangs.release(running.queues, running.token)
+        self._running.clear()
+
+    def _dispatch(self, pending: deque[Experiment]) -> None:
+        while pending:
+            head = pending[0]
+            slots = live_slots(self._client)
+            placement = place(slots, self._gangs.held([s.queue for s in slots]),
+                              head.num_nodes, head.num_gpus)
+            if placement is None:
+                if not fits_ever(slots, head.num_nodes, head.num_gpus):
+                    self._refuse(head, slots)
+                return
+            queues = [slot.queue for node in placement for slot in node]
+            token = self._gangs.reserve(queues, self._lease_s)
+            if token is None:
+                return
+            pending.popleft()
+            self._start(head, placement, queues, token)
+
+    def _refuse(self, exp: Experiment, slots: list[Slot]) -> None:
+        nodes, per_node = largest_shape(slots)
+        if not slots:
+            raise ClusterError("no live slot workers: start them with "
+                               "`celery -A tasks worker -Q gpu0 -n gpu0@%h` (one per device)")
+        raise ClusterError(f"{exp.name} needs {exp.num_nodes} node(s) x {exp.num_gpus} slot(s) but the "
+                           f"cluster has {nodes} node(s) with at most {per_node} slot(s) each; "
+                           f"use --num_nodes {min(nodes, exp.num_nodes)} --num_gpus {per_node} or fewer")
+
+    def _start(self, exp: Experiment, placement: list[list[Slot]], queues: list[str], token: str) -> None:
+        attempt = uuid.uuid4().hex
+        exp_id = next(self._exp_ids)
+        result_dir = safe_child(self._root, exp.name)
+        argv = self._script_argv(exp, result_dir / "ds_config.json")
+        description = {
+            "name": exp.name, "exp_id": exp_id, "ds_config": exp.ds_config,
+            "num_gpus": exp.num_gpus, "num_nodes": exp.num_nodes, "result_dir": str(result_dir),
+            "slots": queues, "user_script": argv[0], "user_args": argv[1:],
+        }
+        finish = {"job": self._job, "name": exp.name, "exp_id": exp_id, "attempt": attempt,
+                  "results_root": str(self._root), "world_size": exp.world_size,
+                  "ds_config": exp.ds_config, "timeout_s": self._timeout_s}
+        rank_specs = []
+        for node_rank, node_slots in enumerate(placement):
+            for local_rank, slot in enumerate(node_slots):
+                rank_specs.append((slot.queue, {
+                    "job": self._job, "name": exp.name, "attempt": attempt,
+                    "results_root": str(self._root), "script_argv": argv, "ds_config": exp.ds_config,
+                    "rank": node_rank * exp.num_gpus + local_rank, "world_size": exp.world_size,
+                    "local_rank": local_rank, "local_world_size": exp.num_gpus,
+                    "node_rank": node_rank, "timeout_s": self._timeout_s, "cwd": self._cwd,
+                    "exp": description,
+                }))
+        result = experiment_signature(finish, rank_specs).apply_async()
+        header_ids = [child.id for child in (result.parent.results if result.parent else [])]
+        self._running[exp.name] = _Running(exp, attempt, queues, token, header_ids,
+                                           time.monotonic() + self._timeout_s + LOST_GRACE_S)
+
+    def _finished(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        running = self._running.get(event.get("name", ""))
+        if running is None or running.attempt != event.get("attempt"):
+            return None  # a stale event from an earlier launch or another driver of this job
+        del self._running[running.exp.name]
+        self._gangs.release(running.queues, running.token)
+        return event["record"]
+
+    def _renew_leases(self) -> None:
+        for running in self._running.values():
+            self._gangs.renew(running.queues, running.token, self._lease_s)
+
+    def _expire_lost(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        lost = [r for r in self._running.values() if now > r.deadline]
+        records = []
+        for running in lost:
+            self._app.control.revoke(running.rank_task_ids, terminate=True, signal="SIGTERM")
+            self._gangs.release(running.queues, running.token)
+            del self._running[running.exp.name]
+            record = {"name": running.exp.name, "status": "lost", "metrics": None,
+                      "ds_config": running.exp.ds_config, "slots": running.queues,
+                      "cause": {"error": "no record from the slot workers within the time limit"}}
+            write_json(safe_child(self._root, running.exp.name) / "result.json", record)
+            records.append(record)
+        return records

@@ -1,0 +1,31 @@
+"""One small exception hierarchy, so that every user-facing failure is printed the same way.
+
+A `UsageError` is the user's to fix: its message names the file or field and the fix, and the
+command-line tools print it as a single line and exit with status 2. Anything else is a bug or a
+fault and keeps its traceback.
+"""
+from __future__ import annotations
+
+
+class AutotuneError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class UsageError(AutotuneError):
+    """Bad input from the user: the message names the file/field and the fix."""
+
+
+class HostfileError(UsageError):
+    """A hostfile that does not follow DeepSpeed's `host slots=N` grammar."""
+
+
+class ResourceFilterError(UsageError):
+    """An --include/--exclude/--num_nodes/--num_gpus selection that cannot be satisfied."""
+
+
+class ConfigError(UsageError):
+    """A tuning config (cfg.json) that cannot be read or does not describe a search."""
+
+
+class ClusterError(UsageError):
+    """The cluster cannot be reached or started: Redis, workers, redis-server binary."""

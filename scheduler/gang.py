@@ -1,0 +1,77 @@
+"""All-or-nothing reservations of several slots at once, with a lease that cannot leak.
+
+One Lua script takes every slot of an experiment with one owner token and a PX lease, or takes
+none, in a single atomic step: two schedulers can never each hold half of what both need (the
+deadlock of taking locks one by one), and a scheduler that dies holds its slots for at most one
+lease. Renew and release check the token, so a stale owner can never free someone else's slots.
+"""
+from __future__ import annotations
+
+import uuid
+
+import redis
+
+from workers import keys
+
+_RESERVE = """
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end
+end
+for i = 1, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
+end
+return 1
+"""
+_RENEW = """
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) ~= ARGV[1] then return 0 end
+end
+for i = 1, #KEYS do
+  redis.call('PEXPIRE', KEYS[i], ARGV[2])
+end
+return 1
+"""
+_RELEASE = """
+local released = 0
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then
+    redis.call('DEL', KEYS[i])
+    released = released + 1
+  end
+end
+return released
+"""
+
+
+class GangReservations:
+    """Reserve, renew and release sets of slot queues in Redis."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._reserve = client.register_script(_RESERVE)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+
+    @staticmethod
+    def _keys(queues: list[str]) -> list[str]:
+        return [keys.gang(q) for q in sorted(set(queues))]
+
+    def reserve(self, queues: list[str], lease_s: float) -> str | None:
+        """A new owner token if every queue was free (all now held), else None (none held)."""
+        token = uuid.uuid4().hex
+        taken = self._reserve(keys=self._keys(queues), args=[token, int(lease_s * 1000)])
+        return token if taken == 1 else None
+
+    def renew(self, queues: list[str], token: str, lease_s: float) -> bool:
+        """Extend the lease; False if the token no longer holds every queue (the lease expired)."""
+        return self._renew(keys=self._keys(queues), args=[token, int(lease_s * 1000)]) == 1
+
+    def release(self, queues: list[str], token: str) -> int:
+        """Free the queues this token holds; returns how many it still held."""
+        return int(self._release(keys=self._keys(queues), args=[token]))
+
+    def held(self, queues: list[str]) -> set[str]:
+        """Which of `queues` are reserved by anyone right now."""
+        ordered = sorted(set(queues))
+        values = self._client.mget([keys.gang(q) for q in ordered]) if ordered else []
+        return {q for q, v in zip(ordered, values) if v is not None}

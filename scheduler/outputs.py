@@ -1,0 +1,110 @@
+"""What a tuning job leaves behind, in DeepSpeed's layout and more.
+
+    <exps_dir>/<name>.json          each experiment's description (DeepSpeed's format)
+    <results_dir>/<name>/...        each experiment's folder (written by the slots and the callback)
+    <results_dir>/summary.txt       DeepSpeed's table, plus wall time and failures per class
+    <results_dir>/results.jsonl     one line per experiment: name, config, status, metrics, timings
+    <results_dir>/ds_config_optimal.json   the winner's config without the autotuning section
+    <results_dir>/cmd_optimal.txt   a shell-quoted command that trains with ds_config_optimal.json
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from tabulate import tabulate
+
+from scheduler.ranking import best, metric_value, status_counts
+from scheduler.space import Experiment, optimal_config
+from workers.failure import Status
+from workers.paths import safe_child, write_atomic, write_json
+
+FAILURE_CLASSES = [s.value for s in Status if s is not Status.OK]
+
+
+def write_experiment_descriptions(exps_dir: Path, experiments: list[Experiment]) -> None:
+    for exp in experiments:
+        write_json(safe_child(exps_dir, f"{exp.name}.json"), {
+            "name": exp.name, "ds_config": exp.ds_config,
+            "num_gpus": exp.num_gpus, "num_nodes": exp.num_nodes,
+        })
+
+
+def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any]], metric: str,
+                 maximize: bool, elapsed_s: float) -> str:
+    """DeepSpeed's summary table (one row per ZeRO stage, then global) and our extra columns."""
+    spaces: dict[str, list[dict[str, Any]]] = {}
+    for exp in experiments:
+        if exp.name in records:
+            spaces.setdefault(exp.space, []).append(records[exp.name])
+    rows = []
+    for space, space_records in [*spaces.items(), ("global", list(records.values()))]:
+        winner = best(space_records, metric, maximize)
+        counts = status_counts(space_records)
+        rows.append([space, len(space_records),
+                     metric_value(winner, metric) if winner else None,
+                     winner["name"] if winner else None,
+                     round(sum(r.get("wall_s", 0.0) or 0.0 for r in space_records), 1),
+                     ", ".join(f"{k}={counts[k]}" for k in FAILURE_CLASSES if counts[k]) or "-"])
+    table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val",
+                                    "best_exp_name", "experiment_s", "failures"], tablefmt="pipe")
+    elapsed = datetime.timedelta(seconds=round(elapsed_s, 1))
+    return (f"{table}\n\nTuning completed in {elapsed}. Total number of experiments: {len(records)}."
+            f" Metric: {metric} ({'max' if maximize else 'min'}).\n")
+
+
+def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int) -> list[str]:
+    """DeepSpeed's launcher command for a full training run with the given script arguments."""
+    return ["deepspeed", "--num_nodes", str(num_nodes), "--num_gpus", str(num_gpus), *script_argv]
+
+
+def write_results(results_dir: Path, experiments: list[Experiment], records: dict[str, dict[str, Any]],
+                  metric: str, maximize: bool, elapsed_s: float,
+                  optimal_argv: Callable[[Experiment, Path], list[str]]) -> dict[str, Any] | None:
+    """Write every output file; returns the best record (None if no experiment succeeded)."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    ordered = [records[e.name] for e in experiments if e.name in records]
+    write_atomic(results_dir / "results.jsonl", "".join(
+        json.dumps({key: record.get(key) for key in
+                    ("name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at",
+                     "peak_rss_bytes", "slots", "cause")}) + "\n"
+        for record in ordered))
+    write_atomic(results_dir / "summary.txt",
+                 summary_text(experiments, records, metric, maximize, elapsed_s))
+    winner = best(ordered, metric, maximize)
+    for stale in ("ds_config_optimal.json", "cmd_optimal.txt"):
+        (results_dir / stale).unlink(missing_ok=True)
+    if winner is None:
+        return None
+    exp = next(e for e in experiments if e.name == winner["name"])
+    optimal_path = (results_dir / "ds_config_optimal.json").resolve()
+    write_json(optimal_path, optimal_config(winner["ds_config"]))
+    command = launch_command(optimal_argv(exp, optimal_path), exp.num_nodes, exp.num_gpus)
+    write_atomic(results_dir / "cmd_optimal.txt", shlex.join(command) + "\n")
+    return winner
+
+
+def print_table(console: Console, experiments: list[Experiment], records: dict[str, dict[str, Any]],
+                metric: str, winner: dict[str, Any] | None) -> None:
+    """The results table for the terminal: every experiment, its status and metric, the winner marked."""
+    table = Table(title=f"celery-autotune results ({metric})")
+    for column in ("experiment", "stage", "mbs", "gas", "status", metric, "wall s", "peak RSS MiB"):
+        table.add_column(column, justify="left" if column in ("experiment", "status") else "right")
+    for exp in experiments:
+        record = records.get(exp.name)
+        if record is None:
+            continue
+        value = metric_value(record, metric)
+        mark = " *" if winner is not None and record is winner else ""
+        table.add_row(exp.name + mark, str(exp.stage), str(exp.micro_batch_size),
+                      str(exp.gradient_accumulation_steps), record.get("status", "?"),
+                      f"{value:,.2f}" if value is not None else "-",
+                      f"{record.get('wall_s') or 0:.1f}",
+                      f"{(record.get('peak_rss_bytes') or 0) / 2**20:,.0f}")
+    console.print(table)

@@ -1,0 +1,39 @@
+"""Where an experiment can run now: pure choice of slots, no Redis.
+
+An experiment asks for `num_nodes x num_gpus` slots with at least `min_memory` bytes each, on
+distinct nodes when it spans several. Real device ids are kept (DeepSpeed renumbers them), and
+nodes of different sizes are all usable (DeepSpeed truncates every node to the smallest).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from workers.slot import Slot
+
+
+def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
+          min_memory: int = 0) -> list[list[Slot]] | None:
+    """One list of `num_gpus` free slots per node for `num_nodes` nodes, or None if it does not fit now.
+
+    Nodes are taken in name order and devices in id order, so the same cluster state always gives
+    the same placement (reproducible experiments, readable logs).
+    """
+    free_by_node: dict[str, list[Slot]] = defaultdict(list)
+    for slot in sorted(slots, key=lambda s: (s.node, s.device)):
+        if slot.queue not in busy and slot.memory_bytes >= min_memory:
+            free_by_node[slot.node].append(slot)
+    chosen = [free[:num_gpus] for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus]
+    return chosen[:num_nodes] if len(chosen) >= num_nodes else None
+
+
+def largest_shape(slots: list[Slot]) -> tuple[int, int]:
+    """(nodes, slots on the biggest node): the most any single experiment could ask for here."""
+    per_node: dict[str, int] = defaultdict(int)
+    for slot in slots:
+        per_node[slot.node] += 1
+    return len(per_node), max(per_node.values(), default=0)
+
+
+def fits_ever(slots: list[Slot], num_nodes: int, num_gpus: int, min_memory: int = 0) -> bool:
+    """Whether the shape could run on this cluster at all, once every slot is free."""
+    return place(slots, set(), num_nodes, num_gpus, min_memory) is not None

@@ -1,0 +1,81 @@
+"""Worker start-up and shutdown: bind a slot worker to its device and register it.
+
+`celery -A tasks worker -Q gpu0 -n gpu0@%h`: when the worker starts, the bare `gpu0` becomes this
+node's `<node>.gpu0` queue, the slot is described (GPU via nvidia-smi, else a CPU slot with a
+memory cap and thread budget) and registered in Redis with a heartbeat. This happens in the main
+process before the pool forks, so pool children inherit the binding through the environment and
+the worker itself never initialises CUDA. A worker on `-Q control` registers as a control worker.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from urllib.parse import urlparse
+
+import redis
+from celery import signals
+
+from workers import keys
+from workers.launch import kill_group
+from workers.registry import Heartbeat, register_control, register_slot
+from workers.slot import address_towards, describe_local_slot, node_name, parse_queue, slot_queue
+
+log = logging.getLogger(__name__)
+_heartbeats: list[Heartbeat] = []
+
+
+def redis_client(conf) -> redis.Redis:
+    return redis.Redis.from_url(conf.broker_url, socket_timeout=30, health_check_interval=30)
+
+
+@signals.celeryd_after_setup.connect
+def bind_and_register(sender: str, instance, conf, **_: object) -> None:
+    queues = instance.app.amqp.queues
+    node = node_name(sender)
+    client = redis_client(conf)
+    slot_queues = [(name, parse_queue(name)) for name in list(queues.consume_from)]
+    slot_queues = [(name, parsed) for name, parsed in slot_queues if parsed is not None]
+    if len(slot_queues) > 1:
+        raise SystemExit("a slot worker serves exactly one device: give one -Q gpu<i>")
+    if slot_queues:
+        name, (queue_node, device) = slot_queues[0]
+        if queue_node is None:
+            queues.select_add(slot_queue(node, device))
+            queues.deselect([name])
+        elif queue_node != node:
+            node = queue_node
+        host, port = _redis_host_port(conf.broker_url)
+        slot = describe_local_slot(node, device, address_towards(host, port), worker=sender)
+        os.environ["AUTOTUNE_SLOT_JSON"] = json.dumps(slot.to_redis())
+        if slot.kind == "cuda":
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+        _heartbeats.append(register_slot(client, slot))
+        log.info("slot %s registered: %s", slot.queue, slot)
+    if "control" in queues.consume_from:
+        _heartbeats.append(register_control(client, node, sender))
+
+
+@signals.worker_shutdown.connect
+def unregister(**_: object) -> None:
+    while _heartbeats:
+        _heartbeats.pop().stop()
+
+
+@signals.task_revoked.connect
+def kill_revoked_rank(request=None, **_: object) -> None:
+    """Backup for revoke(terminate=True): the pool child's own cleanup may be cut short."""
+    slot_json = os.environ.get("AUTOTUNE_SLOT_JSON")
+    if request is None or not slot_json:
+        return
+    node = json.loads(slot_json)["node"]
+    from tasks import app
+
+    pgid = redis_client(app.conf).get(keys.pgid(node, request.id))
+    if pgid:
+        kill_group(int(pgid), grace_s=0.0)
+
+
+def _redis_host_port(url: str) -> tuple[str, int]:
+    parsed = urlparse(url)
+    return parsed.hostname or "127.0.0.1", parsed.port or 6379

@@ -1,0 +1,336 @@
+"""Resource selection: DeepSpeed's include/exclude/num_nodes/num_gpus rules, with real device ids kept."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scheduler.errors import ResourceFilterError, UsageError
+from scheduler.resources import (
+    ResourceRequest,
+    Resources,
+    apply_visible_devices,
+    filter_devices,
+    parse_node_specs,
+    resolve_resources,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+POOL = {"worker-0": 4, "worker-1": 4, "worker-2": 2}
+ALL = {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3], "worker-2": [0, 1]}
+
+
+def resolve(**request: object) -> Resources:
+    return resolve_resources(POOL, ResourceRequest(**request), hostfile="hf")
+
+
+def ordered(mapping: dict[str, list[int]]) -> list[tuple[str, list[int]]]:
+    return list(mapping.items())
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("a", {"a": None}),
+        ("a:1,0", {"a": (0, 1)}),
+        ("a:0@a:1", {"a": (0, 1)}),
+        ("a:1,1@a:1", {"a": (1,)}),
+        ("a@a:1", {"a": None}),
+        ("a:1@a", {"a": None}),
+        ("b:2@a:0", {"b": (2,), "a": (0,)}),
+        (" a : 0 , 1 @ b ", {"a": (0, 1), "b": None}),
+        ("a:10,2", {"a": (2, 10)}),
+    ],
+    ids=["bare", "sorted", "merged", "deduplicated", "bare-wins", "bare-wins-later", "two-hosts", "blanks",
+         "numeric-sort"],
+)
+def test_parse_node_specs(spec: str, expected: dict[str, tuple[int, ...] | None]) -> None:
+    parsed = parse_node_specs(spec)
+    assert list(parsed.items()) == list(expected.items())
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("a:", "an empty device id in 'a:'"),
+        ("a:x", "device id 'x' in 'a:x' is not a non-negative integer"),
+        ("a:1:2", "more than one ':' in 'a:1:2'"),
+        ("a:1,,2", "an empty device id"),
+        ("@a", "an empty node"),
+        ("a@", "an empty node"),
+        ("a@@b", "an empty node"),
+        (":1", "no host name before ':'"),
+        ("a:-1", "device id '-1'"),
+        ("a:+1", "device id '+1'"),
+    ],
+)
+def test_parse_node_specs_grammar_errors(spec: str, fragment: str) -> None:
+    with pytest.raises(ResourceFilterError) as caught:
+        parse_node_specs(spec, "--exclude")
+    message = str(caught.value)
+    assert message.startswith(f"--exclude {spec!r}: ")
+    assert fragment in message
+    assert "expected NODE[:ID[,ID...]]" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("include", "expected"),
+    [
+        ("worker-1", {"worker-1": [0, 1, 2, 3]}),
+        ("worker-0:0,1@worker-1:3", {"worker-0": [0, 1], "worker-1": [3]}),
+        ("worker-1:3@worker-0:1", {"worker-0": [1], "worker-1": [3]}),
+        ("worker-0:0@worker-0:1", {"worker-0": [0, 1]}),
+        ("worker-0:2,0,2", {"worker-0": [0, 2]}),
+        ("worker-0@worker-0:1", {"worker-0": [0, 1, 2, 3]}),
+        ("worker-2:1@worker-0:3", {"worker-0": [3], "worker-2": [1]}),
+    ],
+    ids=["whole-host", "slots", "hostfile-order", "merged", "dedup-sorted", "bare-merged-is-whole", "real-ids"],
+)
+def test_include(include: str, expected: dict[str, list[int]]) -> None:
+    assert ordered(resolve(include=include).hosts) == ordered(expected)
+
+
+@pytest.mark.parametrize(
+    ("exclude", "expected"),
+    [
+        ("worker-1", {"worker-0": [0, 1, 2, 3], "worker-2": [0, 1]}),
+        ("worker-0:0,3", {"worker-0": [1, 2], "worker-1": [0, 1, 2, 3], "worker-2": [0, 1]}),
+        ("worker-2:0@worker-2:1", {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}),
+        ("worker-0:1@worker-0:1", {"worker-0": [0, 2, 3], "worker-1": [0, 1, 2, 3], "worker-2": [0, 1]}),
+        ("worker-1:0@worker-1", {"worker-0": [0, 1, 2, 3], "worker-2": [0, 1]}),
+        ("worker-2@worker-0:0", {"worker-0": [1, 2, 3], "worker-1": [0, 1, 2, 3]}),
+    ],
+    ids=["whole-host", "slots", "emptied-host-dropped", "duplicate", "bare-merged-is-whole", "mixed"],
+)
+def test_exclude(exclude: str, expected: dict[str, list[int]]) -> None:
+    assert ordered(resolve(exclude=exclude).hosts) == ordered(expected)
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "expected"),
+    [
+        ({}, ALL),
+        ({"num_nodes": 2}, {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}),
+        ({"num_nodes": 3}, ALL),
+        ({"num_gpus": 2}, {"worker-0": [0, 1], "worker-1": [0, 1], "worker-2": [0, 1]}),
+        ({"num_nodes": 1, "num_gpus": 3}, {"worker-0": [0, 1, 2]}),
+    ],
+    ids=["everything", "first-two-hosts", "all-hosts", "first-two-devices", "both"],
+)
+def test_num_nodes_and_num_gpus(request_kwargs: dict[str, int], expected: dict[str, list[int]]) -> None:
+    assert ordered(resolve(**request_kwargs).hosts) == ordered(expected)
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "fragment"),
+    [
+        ({"include": "worker-9"}, "--include 'worker-9': host 'worker-9' is not in hostfile hf "
+                                  "(hosts: worker-0, worker-1, worker-2)"),
+        ({"include": "worker-0:4"}, "--include 'worker-0:4': host 'worker-0' has no device id 4 (its ids: 0,1,2,3)"),
+        ({"include": "worker-0:7,4"}, "has no device id 4,7"),
+        ({"exclude": "worker-2:2"}, "--exclude 'worker-2:2': host 'worker-2' has no device id 2 (its ids: 0,1)"),
+        ({"exclude": "nobody:0"}, "host 'nobody' is not in hostfile hf"),
+        ({"include": "worker-0", "exclude": "worker-1"}, "--include and --exclude cannot be used together"),
+        ({"include": "worker-0", "num_nodes": 1}, "--num_nodes/--num_gpus cannot be combined with --include/--exclude"),
+        ({"exclude": "worker-0", "num_gpus": 1}, "cannot be combined with --include/--exclude"),
+        ({"num_nodes": 0}, "--num_nodes must be at least 1, got 0"),
+        ({"num_gpus": -1}, "--num_gpus must be at least 1, got -1"),
+        ({"num_nodes": 4}, "--num_nodes 4 but hostfile hf has only 3 hosts with devices"),
+        ({"num_gpus": 3}, "--num_gpus 3 but host 'worker-2' has only 2 devices"),
+        ({"exclude": "worker-0@worker-1@worker-2"}, "leaves no devices on hostfile hf"),
+    ],
+    ids=["unknown-include-host", "unknown-include-slot", "unknown-slots-sorted", "unknown-exclude-slot",
+         "unknown-exclude-host", "include-and-exclude", "num_nodes-with-include", "num_gpus-with-exclude",
+         "zero-nodes", "negative-gpus", "too-many-nodes", "too-many-gpus", "everything-excluded"],
+)
+def test_selection_errors(request_kwargs: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ResourceFilterError) as caught:
+        resolve(**request_kwargs)
+    message = str(caught.value)
+    assert fragment in message
+    assert "\n" not in message
+    assert isinstance(caught.value, UsageError)
+
+
+ZERO_SLOT_POOL = {"empty": 0, "b": 2, "c": 1}
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "expected"),
+    [
+        ({}, {"b": [0, 1], "c": [0]}),
+        ({"num_nodes": 1}, {"b": [0, 1]}),
+        ({"include": "empty@c"}, {"c": [0]}),
+        ({"exclude": "b:0"}, {"b": [1], "c": [0]}),
+    ],
+    ids=["dropped", "not-counted-as-node", "included-empty-dropped", "exclude"],
+)
+def test_hosts_without_devices_are_dropped(request_kwargs: dict[str, object], expected: dict[str, list[int]]) -> None:
+    resources = resolve_resources(ZERO_SLOT_POOL, ResourceRequest(**request_kwargs), hostfile="hf")
+    assert ordered(resources.hosts) == ordered(expected)
+
+
+@pytest.mark.parametrize(
+    ("pool", "request_kwargs", "fragment"),
+    [
+        ({"empty": 0}, {}, "hostfile hf offers no devices"),
+        (ZERO_SLOT_POOL, {"include": "empty"}, "--include 'empty' selects no devices"),
+        (ZERO_SLOT_POOL, {"include": "empty:0"}, "host 'empty' has no device id 0 (its ids: none)"),
+    ],
+)
+def test_selection_with_no_devices_is_an_error(pool, request_kwargs, fragment: str) -> None:
+    with pytest.raises(ResourceFilterError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        resolve_resources(pool, ResourceRequest(**request_kwargs), hostfile="hf")
+
+
+LOCAL = {"localhost": 4}
+
+
+@pytest.mark.parametrize(
+    ("visible", "request_kwargs", "expected", "note"),
+    [
+        ("2,3", {}, [2, 3], "CUDA_VISIBLE_DEVICES=2,3 read as --include localhost:2,3"),
+        ("3,1", {}, [1, 3], "read as --include localhost:3,1"),
+        ("1,1", {}, [1], "read as --include localhost:1,1"),
+        (" 0 , 2 ", {}, [0, 2], "read as --include localhost:0,2"),
+        ("", {}, [0, 1, 2, 3], None),
+        (None, {}, [0, 1, 2, 3], None),
+        ("2,3", {"num_gpus": 1}, [0], "CUDA_VISIBLE_DEVICES=2,3 ignored because"),
+        ("2,3", {"num_nodes": 1}, [0, 1, 2, 3], "ignored because"),
+        ("2,3", {"include": "localhost:1"}, [1], "ignored because"),
+        ("2,3", {"exclude": "localhost:0"}, [1, 2, 3], "ignored because"),
+    ],
+    ids=["applied", "sorted", "deduplicated", "blanks", "empty", "unset", "num_gpus-wins", "num_nodes-wins",
+         "include-wins", "exclude-wins"],
+)
+def test_cuda_visible_devices_on_the_local_machine(visible, request_kwargs, expected: list[int], note) -> None:
+    resources = resolve_resources(LOCAL, ResourceRequest(**request_kwargs), visible_devices=visible)
+    assert resources.hosts == {"localhost": expected}
+    if note is None:
+        assert resources.notes == ()
+    else:
+        assert len(resources.notes) == 1 and note in resources.notes[0]
+
+
+def test_cuda_visible_devices_targets_the_local_host_by_its_given_name() -> None:
+    resources = resolve_resources({"node-7": 8}, visible_devices="5")
+    assert resources.hosts == {"node-7": [5]}
+
+
+def test_cuda_visible_devices_is_ignored_with_a_hostfile() -> None:
+    resources = resolve_resources({"worker-0": 2}, hostfile="hf", visible_devices="1")
+    assert resources.hosts == {"worker-0": [0, 1]}
+    assert resources.notes == ("CUDA_VISIBLE_DEVICES=1 ignored: a hostfile was given, devices come from it",)
+
+
+@pytest.mark.parametrize(
+    ("visible", "request_kwargs", "fragment"),
+    [
+        ("GPU-8d2c,1", {}, "CUDA_VISIBLE_DEVICES='GPU-8d2c,1': 'GPU-8d2c' is not an integer device id"),
+        ("-1", {}, "'-1' is not an integer device id"),
+        ("0,", {}, "'' is not an integer device id"),
+        ("4,5", {}, "CUDA_VISIBLE_DEVICES=4,5 (read as --include) 'localhost:4,5': host 'localhost' has no device id 4,5"),
+        (None, {"num_nodes": 2}, "--num_nodes 2 needs a hostfile"),
+    ],
+    ids=["uuid", "minus-one", "trailing-comma", "beyond-device-count", "num_nodes-without-hostfile"],
+)
+def test_local_selection_errors(visible, request_kwargs, fragment: str) -> None:
+    with pytest.raises(ResourceFilterError) as caught:
+        resolve_resources(LOCAL, ResourceRequest(**request_kwargs), visible_devices=visible)
+    assert fragment in str(caught.value)
+
+
+def test_apply_visible_devices_builds_an_include_request() -> None:
+    request, notes = apply_visible_devices(ResourceRequest(), "2,3", hostfile_given=False, local_host="box")
+    assert (request.include, request.exclude, request.num_nodes, request.num_gpus) == ("box:2,3", "", None, None)
+    assert notes == ("CUDA_VISIBLE_DEVICES=2,3 read as --include box:2,3",)
+
+
+def test_filter_devices_keeps_real_ids_of_a_partial_pool() -> None:
+    available = {"a": [2, 5, 7], "b": [1]}
+    assert filter_devices(available, exclude="a:5") == {"a": [2, 7], "b": [1]}
+    with pytest.raises(ResourceFilterError, match=r"has no device id 0 \(its ids: 2,5,7\)"):
+        filter_devices(available, include="a:0")
+
+
+def test_resources_is_frozen_hashable_and_json_serialisable() -> None:
+    resources = Resources.from_mapping({"b": [0, 1], "a": [3]}, notes=["n"])
+    assert json.loads(json.dumps(resources.to_json_dict())) == {
+        "hosts": {"b": [0, 1], "a": [3]}, "num_nodes": 2, "num_devices": 3, "notes": ["n"],
+    }
+    assert list(resources.hosts) == ["b", "a"]
+    assert hash(resources) == hash(Resources.from_mapping({"b": [0, 1], "a": [3]}, notes=["n"]))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resources.notes = ()  # type: ignore[misc]
+
+
+def run_cli(*args: str, visible: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    env["PYTHONPATH"] = str(ROOT)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return subprocess.run(
+        [sys.executable, "-m", "scheduler.resources", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+@pytest.fixture
+def hostfile(tmp_path) -> Path:
+    path = tmp_path / "hostfile"
+    path.write_text("# two nodes\nworker-0 slots=4\nworker-1 slots=2 # small\n", encoding="utf-8")
+    return path
+
+
+def test_cli_prints_the_selection_as_json(hostfile: Path) -> None:
+    completed = run_cli("--hostfile", str(hostfile), "--include", "worker-1:1@worker-0:2,0")
+    assert completed.returncode == 0, completed.stderr
+    printed = json.loads(completed.stdout)
+    assert list(printed["hosts"].items()) == [("worker-0", [0, 2]), ("worker-1", [1])]
+    assert (printed["num_nodes"], printed["num_devices"], printed["hostfile"]) == (2, 3, str(hostfile))
+    assert completed.stderr == ""
+
+
+def test_cli_without_hostfile_uses_local_devices_and_cuda_visible_devices() -> None:
+    completed = run_cli("--local_devices", "4", visible="3,1")
+    assert completed.returncode == 0, completed.stderr
+    printed = json.loads(completed.stdout)
+    assert printed["hosts"] == {"localhost": [1, 3]}
+    assert printed["hostfile"] is None
+    assert printed["num_devices"] == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--include", "worker-9"], "host 'worker-9' is not in hostfile"),
+        (["--include", "worker-0", "--exclude", "worker-1"], "cannot be used together"),
+        (["--num_nodes", "x"], "invalid int value: 'x'"),
+        (["--local_devices", "2"], "--local_devices only applies without --hostfile"),
+    ],
+    ids=["unknown-host", "include-and-exclude", "argparse-error", "local-devices-with-hostfile"],
+)
+def test_cli_usage_error_is_one_line_and_exit_2(hostfile: Path, args: list[str], fragment: str) -> None:
+    completed = run_cli("--hostfile", str(hostfile), *args)
+    assert completed.returncode == 2
+    assert completed.stdout == ""
+    lines = completed.stderr.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: ")
+    assert fragment in lines[0]
+    assert "Traceback" not in completed.stderr
+
+
+def test_cli_missing_hostfile_is_one_line_and_exit_2(tmp_path) -> None:
+    completed = run_cli("--hostfile", str(tmp_path / "absent"))
+    assert completed.returncode == 2
+    assert completed.stderr.splitlines() == [
+        f"error: hostfile {tmp_path / 'absent'}: file not found; pass the path of an existing hostfile, "
+        f"or leave the hostfile out to use only this machine"
+    ]

@@ -1,0 +1,164 @@
+"""Run one command in its own process group, watched: memory cap, wall-clock limit, peer abort.
+
+The training script may fork (DataLoader workers, compilers, launchers), so everything is done to
+the process group: RSS is summed over the whole tree, and every kill is a group kill, TERM then
+KILL. The group is also killed after a normal exit, so stragglers never outlive an experiment.
+Any BaseException while waiting (billiard's SystemExit on SIGTERM, a revoke, a time limit) kills the
+group before it propagates: a worker that stops never leaves a training process behind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from workers.failure import KillReason
+
+POLL_S = 0.1
+ABORT_CHECK_EVERY = 5  #: polls between checks of the peer-abort flag (a Redis GET)
+KILL_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """How a watched process group ended."""
+
+    exit_code: int | None  #: negative: killed by that signal; None: could not be started
+    killed_for: KillReason | None
+    peak_rss_bytes: int
+    started_at: float
+    ended_at: float
+    start_error: str = ""
+
+    @property
+    def wall_s(self) -> float:
+        return self.ended_at - self.started_at
+
+
+def group_alive(pgid: int) -> bool:
+    """True while a non-zombie process of the group exists (kill -0 succeeds on zombies)."""
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
+
+
+def kill_group(pgid: int, grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM the group, give it `grace_s` to exit, then SIGKILL what is left."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not group_alive(pgid):
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def tree_rss(root: psutil.Process) -> int:
+    """Resident memory of a process and all its descendants, in bytes."""
+    total = 0
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            continue
+    return total
+
+
+def run_watched(
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str,
+    stdout_path: Path,
+    stderr_path: Path,
+    timeout_s: float,
+    memory_cap_bytes: int | None,
+    cpus: tuple[int, ...] = (),
+    should_abort: Callable[[], bool] = lambda: False,
+    on_start: Callable[[int], None] = lambda pgid: None,
+) -> LaunchResult:
+    """Run `argv` (never a shell string) to completion or until a limit; see the module docstring."""
+    started = time.time()
+    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+        try:
+            proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=err,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            return LaunchResult(None, None, 0, started, time.time(), start_error=str(exc))
+    if cpus:
+        try:
+            os.sched_setaffinity(proc.pid, cpus)
+        except OSError:
+            pass
+    on_start(proc.pid)
+    try:
+        killed_for, peak = _watch(proc, started + timeout_s, memory_cap_bytes, should_abort)
+    except BaseException:
+        kill_group(proc.pid)
+        proc.wait()
+        raise
+    kill_group(proc.pid)
+    exit_code = proc.wait()
+    return LaunchResult(exit_code, killed_for, peak, started, time.time())
+
+
+def _watch(
+    proc: subprocess.Popen,
+    deadline: float,
+    memory_cap_bytes: int | None,
+    should_abort: Callable[[], bool],
+) -> tuple[KillReason | None, int]:
+    root = psutil.Process(proc.pid)
+    peak = 0
+    polls = 0
+    while proc.poll() is None:
+        peak = max(peak, tree_rss(root))
+        reason = None
+        if memory_cap_bytes is not None and peak > memory_cap_bytes:
+            reason = KillReason.MEMORY
+        elif time.time() > deadline:
+            reason = KillReason.TIMEOUT
+        elif polls % ABORT_CHECK_EVERY == 0 and should_abort():
+            reason = KillReason.PEER_FAILED
+        if reason is not None:
+            kill_group(proc.pid)
+            proc.wait()
+            return reason, peak
+        polls += 1
+        try:
+            proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+    return None, peak
+
+
+def tail(path: Path, limit: int = 4000) -> str:
+    """The last `limit` bytes of a log file, decoded leniently ('' if missing)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - limit))
+            return handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""

@@ -1,0 +1,165 @@
+"""An embedded cluster on this machine: a private redis-server, one slot worker per local device,
+and a control worker, all torn down afterwards.
+
+Used when no AUTOTUNE_REDIS_URL is configured, so a laptop or a single GPU box needs nothing
+running beforehand. Every process starts in its own session (Ctrl-C in the terminal reaches only
+the autotuner, which then stops them in order) and is stopped by PID: workers get a cold shutdown
+(SIGQUIT: the running experiment's process group is killed, no waiting for it to finish), then
+SIGKILL after a grace; training groups recorded in Redis are killed; Redis goes last.
+The Redis password is random and passed on stdin, so it never appears in a process list.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from workers import keys
+from workers.launch import kill_group
+from workers.registry import control_alive, live_slots
+
+START_TIMEOUT_S = 120.0
+STOP_GRACE_S = 15.0
+
+
+class LocalClusterError(RuntimeError):
+    """The embedded cluster could not start; the message says what to install or check."""
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalCluster:
+    """Context manager: `with LocalCluster(2, log_dir) as cluster: cluster.url ...`."""
+
+    def __init__(self, slots: int, log_dir: Path, slot_memory: str | None = None,
+                 node: str | None = None) -> None:
+        self.slots = slots
+        self.log_dir = Path(log_dir)
+        self.slot_memory = slot_memory
+        self.node = node or socket.gethostname()
+        self.url = ""
+        self._redis: subprocess.Popen | None = None
+        self._workers: list[subprocess.Popen] = []
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def pids(self) -> list[int]:
+        procs = ([self._redis] if self._redis else []) + self._workers
+        return [p.pid for p in procs]
+
+    def start(self) -> None:
+        server = shutil.which("redis-server")
+        if server is None:
+            raise LocalClusterError("redis-server not found on PATH; install it (Debian/Ubuntu: "
+                                    "apt-get install -y redis-server, macOS: brew install redis) "
+                                    "or set AUTOTUNE_REDIS_URL to use a running cluster")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        port, password = free_tcp_port(), secrets.token_hex(16)
+        self._redis = _spawn([server, "-"], self.log_dir / "redis.log", os.environ.copy(), stdin=True)
+        config = (f"port {port}\nbind 127.0.0.1\nrequirepass {password}\nsave \"\"\n"
+                  f"appendonly no\ndir {self.log_dir}\n")
+        self._redis.stdin.write(config.encode())
+        self._redis.stdin.close()
+        self.url = f"redis://:{password}@127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(self.url)
+        self._wait(lambda: _pings(client), "redis-server", self.log_dir / "redis.log")
+
+        env = {**os.environ, "AUTOTUNE_REDIS_URL": self.url, "AUTOTUNE_NODE": self.node,
+               "AUTOTUNE_SLOTS_PER_NODE": str(self.slots), "PYTHONUNBUFFERED": "1"}
+        if self.slot_memory:
+            env["AUTOTUNE_SLOT_MEMORY"] = self.slot_memory
+        for device in range(self.slots):
+            self._start_worker(f"gpu{device}", f"gpu{device}@{self.node}", 1, env)
+        self._start_worker("control", f"control@{self.node}", 2, env)
+        self._wait(lambda: len(live_slots(client)) >= self.slots and control_alive(client),
+                   f"{self.slots} slot workers and a control worker", self.log_dir / "control.log")
+
+    def _start_worker(self, queue: str, name: str, concurrency: int, env: dict[str, str]) -> None:
+        log = self.log_dir / f"{queue}.log"
+        argv = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", name,
+                "-c", str(concurrency), "--without-gossip", "--without-mingle", "-l", "INFO"]
+        self._workers.append(_spawn(argv, log, env))
+
+    def _wait(self, ready, what: str, log: Path) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            dead = [p for p in ([self._redis] + self._workers) if p is not None and p.poll() is not None]
+            if dead:
+                raise LocalClusterError(f"a process of the embedded cluster exited during start-up "
+                                        f"({' '.join(map(str, dead[0].args[:6]))}); see {self.log_dir}")
+            try:
+                if ready():
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.2)
+        raise LocalClusterError(f"{what} did not come up within {START_TIMEOUT_S:.0f}s; see {log}")
+
+    def stop(self) -> None:
+        """Stop everything this cluster started, by PID; safe to call twice."""
+        client = redis.Redis.from_url(self.url, socket_timeout=2) if self.url else None
+        for worker in self._workers:
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGQUIT)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for worker in self._workers:
+            try:
+                worker.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            kill_group(worker.pid, grace_s=0.0)
+            worker.wait()
+        if client is not None:
+            _kill_recorded_groups(client, self.node)
+        if self._redis is not None and self._redis.poll() is None:
+            self._redis.terminate()
+            try:
+                self._redis.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self._redis.kill()
+                self._redis.wait()
+        self._workers.clear()
+
+
+def _spawn(argv: list[str], log: Path, env: dict[str, str], stdin: bool = False) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def _pings(client: redis.Redis) -> bool:
+    return bool(client.ping())
+
+
+def _kill_recorded_groups(client: redis.Redis, node: str) -> None:
+    """Training process groups whose worker died before cleaning up (recorded by run_rank)."""
+    try:
+        for key in client.scan_iter(match=keys.pgid_pattern(node)):
+            pgid = client.get(key)
+            if pgid:
+                kill_group(int(pgid), grace_s=2.0)
+    except redis.RedisError:
+        pass

@@ -1,0 +1,190 @@
+"""One rank of one experiment on this slot: the body of the `run_rank` task.
+
+It prepares the experiment folder, meets the other ranks (rendezvous), runs the user's script
+watched (see `workers.launch`), reads the metrics file and returns a JSON record. It never raises
+for anything the experiment does: a record with a failure class is the answer, so the chord's
+callback always runs and one bad experiment never stops the others.
+
+Folder written (shared with DeepSpeed's layout): exp.json, ds_config.json, cmd.txt,
+stdout.log/stderr.log (rank 0; other ranks rank<N>.stdout.log/.stderr.log), and the metrics file
+the script itself writes (DeepSpeed's engine does, when `autotuning.enabled`).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from workers import keys, rendezvous
+from workers.failure import Status, classify, describe_exit
+from workers.launch import run_watched, tail
+from workers.paths import read_json, safe_child, write_atomic, write_json
+from workers.slot import Slot
+
+ABORT_TTL_S = 3600
+PGID_TTL_S = 7 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a slot needs to run one rank; sent as JSON inside the task message."""
+
+    job: str
+    name: str
+    attempt: str  #: fresh token per launch: keys rendezvous and abort to this launch only
+    results_root: str  #: absolute; the experiment folder is results_root/name
+    script_argv: list[str]  #: the user's script and its arguments (config path already set)
+    ds_config: dict[str, Any]
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    timeout_s: float
+    rendezvous_timeout_s: float = 120.0
+    cwd: str = ""
+    metric_file: str = "metrics.json"  #: what rank 0's script writes (model_info.json when profiling)
+    exp: dict[str, Any] = field(default_factory=dict)  #: the experiment description for exp.json
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RankSpec:
+        return cls(**data)
+
+    @property
+    def result_dir(self) -> Path:
+        return safe_child(self.results_root, self.name)
+
+
+def script_command(script_argv: list[str]) -> list[str]:
+    """The argv that runs the user's script: Python scripts through `workers.entry` (OOM exit code)."""
+    script, *args = script_argv
+    if script.endswith(".py"):
+        return [sys.executable, "-m", "workers.entry", script, *args]
+    return [script, *args]
+
+
+def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int]) -> dict[str, str]:
+    """The environment torchrun or DeepSpeed's launcher would give this rank, bound to the slot."""
+    env = dict(os.environ)
+    env.update(slot.child_env())
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    env.update({
+        "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank),
+        "WORLD_SIZE": str(spec.world_size), "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+        "LOCAL_SIZE": str(spec.local_world_size), "GROUP_RANK": str(spec.node_rank),
+        "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "") -> dict[str, Any]:
+    """Run one rank and return its record; never raises for anything the experiment does."""
+    started = time.time()
+    base = {"name": spec.name, "rank": spec.rank, "slot": slot.queue, "node": slot.node,
+            "device": slot.device, "worker": slot.worker or socket.gethostname()}
+    try:
+        return {**base, **_run(spec, slot, client, task_id)}
+    except Exception as exc:  # a bug or fault of ours: still a record, so the chord completes
+        _signal_abort(client, spec.attempt)
+        return {**base, "status": Status.CRASHED.value, "exit": "not started",
+                "error": f"{type(exc).__name__}: {exc}", "started_at": started,
+                "ended_at": time.time(), "wall_s": time.time() - started, "peak_rss_bytes": 0}
+
+
+def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[str, Any]:
+    result_dir = spec.result_dir
+    result_dir.mkdir(parents=True, exist_ok=True)
+    metric_path = result_dir / spec.metric_file
+    ds_config = _with_metric_path(spec.ds_config, metric_path)
+    write_json(result_dir / "ds_config.json", ds_config)
+    command = script_command(spec.script_argv)
+    if spec.rank == 0:
+        metric_path.unlink(missing_ok=True)
+        write_json(result_dir / "exp.json", {**spec.exp, "ds_config": ds_config})
+        write_atomic(result_dir / "cmd.txt", shlex.join(command) + "\n")
+
+    master = _meet(spec, slot, client)
+    if master is None:
+        now = time.time()
+        return {"status": Status.RENDEZVOUS_FAILED.value, "exit": "not started",
+                "error": f"no address from rank 0 within {spec.rendezvous_timeout_s:.0f}s",
+                "started_at": now, "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0}
+
+    log_prefix = "" if spec.rank == 0 else f"rank{spec.rank}."
+    stderr_path = result_dir / f"{log_prefix}stderr.log"
+    pgid_key = keys.pgid(slot.node, task_id or spec.attempt)
+    abort_key = keys.abort(spec.attempt)
+    cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
+    try:
+        launch = run_watched(
+            command, env=rank_env(spec, slot, master), cwd=cwd,
+            stdout_path=result_dir / f"{log_prefix}stdout.log", stderr_path=stderr_path,
+            timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
+            should_abort=lambda: bool(client.exists(abort_key)),
+            on_start=lambda pgid: client.set(pgid_key, pgid, ex=PGID_TTL_S),
+        )
+    finally:
+        client.delete(pgid_key)
+
+    metrics = read_json(metric_path) if spec.rank == 0 else None
+    has_metrics = isinstance(metrics, dict)
+    status = classify(launch.exit_code, launch.killed_for, spec.rank == 0, has_metrics)
+    if status is not Status.OK:
+        _signal_abort(client, spec.attempt)
+    record = {
+        "status": status.value, "exit": describe_exit(launch.exit_code),
+        "exit_code": launch.exit_code, "started_at": launch.started_at,
+        "ended_at": launch.ended_at, "wall_s": round(launch.wall_s, 3),
+        "peak_rss_bytes": launch.peak_rss_bytes,
+        "memory_cap_bytes": slot.host_memory_cap,
+        "master": f"{master[0]}:{master[1]}",
+    }
+    if has_metrics:
+        record["metrics"] = metrics
+    if launch.start_error:
+        record["error"] = launch.start_error
+    if status is not Status.OK:
+        record["stderr_tail"] = tail(stderr_path, 2000)
+    return record
+
+
+def _with_metric_path(ds_config: dict[str, Any], metric_path: Path) -> dict[str, Any]:
+    """The experiment's config with DeepSpeed's metric file pointed into its own folder."""
+    config = copy.deepcopy(ds_config)
+    autotuning = config.get("autotuning")
+    if isinstance(autotuning, dict):
+        key = "model_info_path" if metric_path.name == "model_info.json" else "metric_path"
+        autotuning[key] = str(metric_path)
+    return config
+
+
+def _meet(spec: RankSpec, slot: Slot, client: redis.Redis) -> tuple[str, int] | None:
+    if spec.world_size == 1:
+        return slot.address, rendezvous.free_port(slot.address)
+    if spec.rank == 0:
+        port = rendezvous.free_port(slot.address)
+        rendezvous.publish(client, spec.attempt, slot.address, port, spec.world_size - 1)
+        return slot.address, port
+    return rendezvous.wait(client, spec.attempt, spec.rendezvous_timeout_s)
+
+
+def _signal_abort(client: redis.Redis, attempt: str) -> None:
+    try:
+        client.set(keys.abort(attempt), "1", ex=ABORT_TTL_S)
+    except redis.RedisError:
+        pass
+
+
+def slot_from_env() -> Slot:
+    """The slot this worker serves, as its main process described it before forking the pool."""
+    return Slot.from_redis(json.loads(os.environ["AUTOTUNE_SLOT_JSON"]))

@@ -1,0 +1,42 @@
+"""One experiment record from its ranks' records: the pure part of the chord callback.
+
+The experiment takes its root cause's status (see `workers.failure.experiment_status`), rank 0's
+metrics, and the sum of what it cost. The record is what `result.json` holds and what the tuner
+reads; `metrics.json` keeps exactly DeepSpeed's metric dict, so tools that read DeepSpeed's
+layout keep working.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from workers.failure import Status, experiment_status
+
+
+def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The experiment record for `exp` (its description) from one record per rank."""
+    ranks = sorted(rank_records, key=lambda r: r.get("rank", 0))
+    by_end = sorted(ranks, key=lambda r: r.get("ended_at", 0.0))
+    status = experiment_status([Status(r.get("status", Status.LOST.value)) for r in by_end])
+    if len(ranks) < exp.get("world_size", len(ranks)):
+        status = Status.LOST if status is Status.OK else status
+    rank0 = next((r for r in ranks if r.get("rank") == 0), {})
+    started = min((r.get("started_at", 0.0) for r in ranks), default=0.0)
+    ended = max((r.get("ended_at", 0.0) for r in ranks), default=0.0)
+    record = {
+        "name": exp["name"],
+        "exp_id": exp.get("exp_id"),
+        "status": status.value,
+        "metrics": rank0.get("metrics") if status is Status.OK else None,
+        "ds_config": exp.get("ds_config"),
+        "slots": [r.get("slot") for r in ranks],
+        "started_at": started,
+        "ended_at": ended,
+        "wall_s": round(ended - started, 3) if ranks else 0.0,
+        "peak_rss_bytes": max((r.get("peak_rss_bytes", 0) for r in ranks), default=0),
+        "ranks": ranks,
+    }
+    cause = next((r for r in by_end if r.get("status") == status.value), None)
+    if status is not Status.OK and cause is not None:
+        record["cause"] = {key: cause[key] for key in ("rank", "slot", "exit", "error", "stderr_tail")
+                           if key in cause}
+    return record

@@ -1,0 +1,80 @@
+"""Slots announce themselves in Redis and keep announcing while they live.
+
+A registration is a hash with a short TTL that a heartbeat thread renews. A worker that dies
+(SIGKILL, node lost) simply stops renewing and its slot disappears from the cluster view within one
+TTL; a clean shutdown deletes it at once. Nobody has to notice the death for the view to be right.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from workers import keys
+from workers.slot import Slot
+
+HEARTBEAT_S = 3.0
+TTL_S = 10.0
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Keeps one hash key alive in Redis until stopped."""
+
+    def __init__(self, client: redis.Redis, key: str, fields: dict[str, str]) -> None:
+        self._client, self._key, self._fields = client, key, fields
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat {key}", daemon=True)
+
+    def start(self) -> None:
+        self._beat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=HEARTBEAT_S + 1)
+        try:
+            self._client.delete(self._key)
+        except redis.RedisError as exc:
+            log.warning("could not unregister %s: %s", self._key, exc)
+
+    def _beat(self) -> None:
+        pipe = self._client.pipeline()
+        pipe.hset(self._key, mapping=self._fields)
+        pipe.pexpire(self._key, int(TTL_S * 1000))
+        pipe.execute()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat()
+            except redis.RedisError as exc:  # Redis restarting: keep trying, re-register after
+                log.warning("heartbeat for %s failed: %s", self._key, exc)
+
+
+def register_slot(client: redis.Redis, slot: Slot) -> Heartbeat:
+    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis())
+    beat.start()
+    return beat
+
+
+def register_control(client: redis.Redis, node: str, worker: str) -> Heartbeat:
+    beat = Heartbeat(client, keys.control(node), {"node": node, "worker": worker})
+    beat.start()
+    return beat
+
+
+def live_slots(client: redis.Redis) -> list[Slot]:
+    """Every slot whose heartbeat is current, sorted by node then device."""
+    slots = []
+    for key in client.scan_iter(match=keys.SLOT_PATTERN, count=500):
+        fields = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+        if fields:
+            slots.append(Slot.from_redis(fields))
+    return sorted(slots, key=lambda s: (s.node, s.device))
+
+
+def control_alive(client: redis.Redis) -> bool:
+    return any(True for _ in client.scan_iter(match=keys.control("*"), count=100))

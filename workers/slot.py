@@ -1,0 +1,166 @@
+"""What a slot is, what it can hold, and how a child process is bound to it.
+
+A slot is one device of one node, served by one Celery worker through the queue `<node>.gpu<i>`.
+On a GPU node the child sees only its device (CUDA_VISIBLE_DEVICES) and the capacity is the
+device's memory as `nvidia-smi` reports it, so the worker never initialises CUDA itself. On a node
+without GPUs, `gpu<i>` is a CPU slot: a memory cap (AUTOTUNE_SLOT_MEMORY, default total RAM /
+slots) that our monitor enforces, and a thread budget (cores / slots) with CPU affinity.
+
+Environment read here (all optional):
+    AUTOTUNE_NODE             node name (default: the worker's --hostname node part, else the host name)
+    AUTOTUNE_ADDRESS          address other nodes use to reach this node (default: the interface
+                              that routes to Redis)
+    AUTOTUNE_SLOT_MEMORY      memory cap per slot, e.g. "3GiB" (CPU slots; on GPU slots it caps host RAM)
+    AUTOTUNE_SLOTS_PER_NODE   slots sharing this node's RAM and cores (CPU default: number of cores)
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import asdict, dataclass
+
+import psutil
+
+_QUEUE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+)\.)?gpu(?P<device>\d+)$")
+_SIZE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '3GiB', '512MiB', '2G', '1500000000'. ValueError on anything else."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"not a memory size: {text!r} (use e.g. 3GiB, 512MiB, 2G or a byte count)")
+    unit = (match["unit"] or "").upper().removesuffix("B")
+    if unit not in _UNITS:
+        raise ValueError(f"not a memory size: {text!r} (use e.g. 3GiB, 512MiB, 2G or a byte count)")
+    return int(float(match["num"]) * _UNITS[unit])
+
+
+def parse_queue(queue: str) -> tuple[str | None, int] | None:
+    """('node2', 0) from 'node2.gpu0', (None, 0) from the bare 'gpu0', None for other queues."""
+    match = _QUEUE.match(queue)
+    if not match:
+        return None
+    return match["node"], int(match["device"])
+
+
+def slot_queue(node: str, device: int) -> str:
+    return f"{node}.gpu{device}"
+
+
+def node_name(worker_hostname: str | None) -> str:
+    """AUTOTUNE_NODE, else the node part of the worker's `name@node`, else this host's name."""
+    if os.environ.get("AUTOTUNE_NODE"):
+        return os.environ["AUTOTUNE_NODE"]
+    if worker_hostname and "@" in worker_hostname:
+        return worker_hostname.split("@", 1)[1]
+    return socket.gethostname()
+
+
+def address_towards(host: str, port: int) -> str:
+    """AUTOTUNE_ADDRESS, else the local address of the interface that routes to (host, port)."""
+    if os.environ.get("AUTOTUNE_ADDRESS"):
+        return os.environ["AUTOTUNE_ADDRESS"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+
+
+def gpu_memory_bytes(device: int) -> int | None:
+    """Total memory of GPU `device` from nvidia-smi, or None when this node has no such GPU."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        index, _, mib = line.partition(",")
+        if index.strip() == str(device):
+            return int(float(mib)) * 1024**2
+    return None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One (node, device) as the scheduler sees it, registered in Redis by its worker."""
+
+    node: str
+    device: int
+    kind: str  #: "cuda" or "cpu"
+    memory_bytes: int  #: what an experiment may use on this slot
+    address: str  #: how ranks on other nodes reach this node (rank 0's MASTER_ADDR)
+    threads: int  #: CPU threads an experiment on this slot should use
+    cpus: tuple[int, ...]  #: cores the slot's children are pinned to (CPU slots)
+    worker: str = ""  #: Celery nodename of the worker serving the slot
+
+    @property
+    def queue(self) -> str:
+        return slot_queue(self.node, self.device)
+
+    @property
+    def host_memory_cap(self) -> int | None:
+        """The RSS cap our monitor enforces: always on CPU slots, on GPU slots only if asked."""
+        if self.kind == "cpu":
+            return self.memory_bytes
+        explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
+        return parse_size(explicit) if explicit else None
+
+    def to_redis(self) -> dict[str, str]:
+        fields = asdict(self)
+        fields["cpus"] = ",".join(map(str, self.cpus))
+        return {key: str(value) for key, value in fields.items()}
+
+    @classmethod
+    def from_redis(cls, fields: dict[str, str]) -> Slot:
+        return cls(
+            node=fields["node"], device=int(fields["device"]), kind=fields["kind"],
+            memory_bytes=int(fields["memory_bytes"]), address=fields["address"],
+            threads=int(fields["threads"]),
+            cpus=tuple(int(c) for c in fields.get("cpus", "").split(",") if c),
+            worker=fields.get("worker", ""),
+        )
+
+    def child_env(self) -> dict[str, str]:
+        """Variables that bind a training process to this slot."""
+        env = {"AUTOTUNE_SLOT": self.queue, "OMP_NUM_THREADS": str(self.threads),
+               "MKL_NUM_THREADS": str(self.threads)}
+        if self.kind == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(self.device)
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            env.setdefault("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
+        return env
+
+
+def describe_local_slot(node: str, device: int, address: str, worker: str = "") -> Slot:
+    """The slot this node offers as device `device`: a GPU if nvidia-smi lists one, else a CPU slot."""
+    cores = os.cpu_count() or 1
+    gpu_memory = gpu_memory_bytes(device)
+    if gpu_memory is not None:
+        slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or _gpu_count() or 1
+        threads = max(1, cores // slots)
+        return Slot(node, device, "cuda", gpu_memory, address, threads, (), worker)
+    slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or cores
+    explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
+    memory = parse_size(explicit) if explicit else psutil.virtual_memory().total // slots
+    threads = max(1, cores // slots)
+    first = (device * threads) % cores
+    cpus = tuple(sorted({(first + i) % cores for i in range(threads)}))
+    return Slot(node, device, "cpu", memory, address, threads, cpus, worker)
+
+
+def _gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
