@@ -33,7 +33,7 @@ from workers.paths import read_json, safe_child
 from workers.registry import control_alive, live_slots
 from workers.slot import parse_size
 
-console = Console(highlight=False)
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

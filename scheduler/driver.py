@@ -8,6 +8,7 @@ Dispatch is FIFO by submission; a later experiment never overtakes a waiting hea
 """
 from __future__ import annotations
 
+import gc
 import json
 import time
 import uuid
@@ -60,7 +61,14 @@ class Driver:
         self._exp_ids = iter(range(1, 1 << 30))
 
     def run(self, experiments: list[Experiment]) -> list[dict[str, Any]]:
-        pending = deque(experiments)
+        try:
+            return self._run(deque(experiments))
+        finally:
+            # Celery's AsyncResult unsubscribes from Redis in __del__; collect them now, while the
+            # interpreter can still do that, instead of at exit (a noisy ImportError there).
+            gc.collect()
+
+    def _run(self, pending: deque[Experiment]) -> list[dict[str, Any]]:
         records: list[dict[str, Any]] = []
         next_renew = time.monotonic() + self._lease_s / 3
         while pending or self._running:
