@@ -1,0 +1,55 @@
+"""A stand-in training script for integration tests: its behaviour is chosen per micro-batch size.
+
+`--behaviour 1=ok,2=oom,3=crash` makes the experiment with micro-batch size 2 allocate memory
+until the slot's cap stops it, the one with 3 exit with status 3, and so on. Modes:
+ok (metrics written; with WORLD_SIZE > 1 a real gloo all-reduce first), oom (grows RSS),
+memory_error (raises MemoryError), crash (exit 3), no_metrics (exit 0, no file), hang (sleeps).
+Every rank writes `<result_dir>/started.rank<N>` with its pid as soon as it starts.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--deepspeed_config", required=True)
+parser.add_argument("--behaviour", default="")
+args = parser.parse_args()
+
+config_path = Path(args.deepspeed_config)
+config = json.loads(config_path.read_text())
+mbs = config["train_micro_batch_size_per_gpu"]
+modes = dict(item.split("=") for item in args.behaviour.split(",") if item)
+mode = modes.get(str(mbs), "ok")
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+(config_path.parent / f"started.rank{rank}").write_text(str(os.getpid()))
+
+if mode == "oom":
+    hog = []
+    while True:
+        hog.append(b"\x01" * (128 * 2**20))
+        time.sleep(0.02)
+if mode == "memory_error":
+    raise MemoryError("simulated allocation failure")
+if mode == "crash":
+    sys.exit(3)
+if mode == "hang":
+    time.sleep(3600)
+
+if world > 1:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    assert total.item() == world * (world + 1) / 2, total
+    dist.destroy_process_group()
+if mode == "ok" and rank == 0:
+    stage = config["zero_optimization"]["stage"]
+    metrics = {"throughput": mbs * 100.0 / (1 + stage), "latency": 1000.0 / mbs,
+               "FLOPS_per_gpu": 1e9, "rank": 0, "world_size": world,
+               "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"}
+    Path(config["autotuning"]["metric_path"]).write_text(json.dumps(metrics))
