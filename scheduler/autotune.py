@@ -30,7 +30,7 @@ from scheduler.ranking import metric_value
 from scheduler.space import Experiment, user_list_experiments
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child
-from workers.registry import control_alive, live_slots
+from workers.registry import connect, control_alive, live_slots
 from workers.slot import parse_size
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, LocalClusterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except redis.RedisError as exc:
+        print(f"error: Redis failed during the run ({type(exc).__name__}: {exc}); finished "
+              "experiments are kept: run the same command again to resume", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: finished experiments are kept; run the same command to resume",
               file=sys.stderr)
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
                       f"on {cluster.node} (logs in {cfg.results_dir / 'cluster'})")
         os.environ["AUTOTUNE_REDIS_URL"] = cluster.url
         try:
-            return tune(cfg, args, script, base_args, redis.Redis.from_url(cluster.url))
+            return tune(cfg, args, script, base_args, connect(cluster.url))
         finally:
             os.environ.pop("AUTOTUNE_REDIS_URL", None)
 
@@ -188,7 +192,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def _connect(url: str) -> redis.Redis:
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
+    client = connect(url)
     where = f"{client.connection_pool.connection_kwargs.get('host')}:" \
             f"{client.connection_pool.connection_kwargs.get('port')}"
     try:

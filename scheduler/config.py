@@ -81,8 +81,8 @@ def load_config(path: str | Path, cwd: Path | None = None) -> TuningConfig:
         stages=_stages(path, raw.get("zero_optimization", {})),
         gradient_accumulation_steps=_positive_int(
             path, "gradient_accumulation_steps", raw.get("gradient_accumulation_steps", 1)),
-        results_dir=cwd / autotuning.get("results_dir", "autotuning_results"),
-        exps_dir=cwd / autotuning.get("exps_dir", "autotuning_exps"),
+        results_dir=cwd / _directory(path, autotuning, "results_dir", "autotuning_results"),
+        exps_dir=cwd / _directory(path, autotuning, "exps_dir", "autotuning_exps"),
         overwrite=bool(autotuning.get("overwrite", False)),
         start_profile_step=start,
         end_profile_step=end,
@@ -105,9 +105,10 @@ def _read(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as json_error:
         try:
             data = hjson.loads(text, object_pairs_hook=_no_duplicate_keys(path))
-        except hjson.HjsonDecodeError:
-            raise ConfigError(f"{path}:{json_error.lineno}:{json_error.colno}: invalid JSON/hjson: "
-                              f"{json_error.msg}; fix the syntax there") from None
+        except hjson.HjsonDecodeError as hjson_error:
+            error = hjson_error if path.suffix == ".hjson" else json_error
+            raise ConfigError(f"{path}:{error.lineno}:{error.colno}: invalid JSON/hjson: "
+                              f"{error.msg}; fix the syntax there") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a JSON object {{...}}, not {type(data).__name__}")
     return json.loads(json.dumps(data))
@@ -136,8 +137,8 @@ def _check_known_keys(path: Path, autotuning: dict[str, Any]) -> None:
 
 
 def _metric(path: Path, value: Any) -> str:
-    name = METRIC_ALIASES.get(value, value)
-    if name not in METRICS:
+    name = METRIC_ALIASES.get(value, value) if isinstance(value, str) else value
+    if not isinstance(name, str) or name not in METRICS:
         raise ConfigError(f'{path}: autotuning.metric "{value}" is not one of throughput, latency, '
                           "FLOPS_per_gpu (or flops)")
     return name
@@ -158,7 +159,7 @@ def _stages(path: Path, zero: Any) -> tuple[int, ...]:
     if value == "all":
         return ALL_STAGES
     values = value if isinstance(value, list) else [value]
-    if not values or any(isinstance(v, bool) or v not in ALL_STAGES for v in values):
+    if not values or any(type(v) is not int or v not in ALL_STAGES for v in values):
         raise ConfigError(f'{path}: zero_optimization.stage {json.dumps(value)} is not valid; use 0-3, '
                           'a list such as [0, 1], or "all"')
     return tuple(sorted(set(values)))
@@ -167,6 +168,14 @@ def _stages(path: Path, zero: Any) -> tuple[int, ...]:
 def _positive_int(path: Path, field: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{path}: {field} must be a positive integer (or a list of them), "
+                          f"got {json.dumps(value)}")
+    return value
+
+
+def _directory(path: Path, autotuning: dict[str, Any], key: str, default: str) -> str:
+    value = autotuning.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: autotuning.{key} must be a folder path (a non-empty string), "
                           f"got {json.dumps(value)}")
     return value
 

@@ -8,7 +8,6 @@ Dispatch is FIFO by submission; a later experiment never overtakes a waiting hea
 """
 from __future__ import annotations
 
-import gc
 import json
 import time
 import uuid
@@ -27,7 +26,7 @@ from scheduler.space import Experiment
 from tasks.experiment import experiment_signature
 from workers import keys
 from workers.paths import safe_child, write_json
-from workers.registry import live_slots
+from workers.registry import BLOCK_S, live_slots
 from workers.slot import Slot
 
 LEASE_S = 60.0
@@ -61,19 +60,12 @@ class Driver:
         self._exp_ids = iter(range(1, 1 << 30))
 
     def run(self, experiments: list[Experiment]) -> list[dict[str, Any]]:
-        try:
-            return self._run(deque(experiments))
-        finally:
-            # Celery's AsyncResult unsubscribes from Redis in __del__; collect them now, while the
-            # interpreter can still do that, instead of at exit (a noisy ImportError there).
-            gc.collect()
-
-    def _run(self, pending: deque[Experiment]) -> list[dict[str, Any]]:
+        pending = deque(experiments)
         records: list[dict[str, Any]] = []
         next_renew = time.monotonic() + self._lease_s / 3
         while pending or self._running:
             self._dispatch(pending)
-            wait_s = WAIT_FOR_SLOTS_S if pending and not self._running else self._lease_s / 3
+            wait_s = WAIT_FOR_SLOTS_S if pending and not self._running else min(BLOCK_S, self._lease_s / 3)
             popped = self._client.blpop([keys.job_events(self._job)], timeout=max(1, int(wait_s)))
             if popped is not None:
                 record = self._finished(json.loads(popped[1]))
@@ -146,7 +138,13 @@ class Driver:
                     "exp": description,
                 }))
         result = experiment_signature(finish, rank_specs).apply_async()
-        header_ids = [child.id for child in (result.parent.results if result.parent else [])]
+        header = result.parent.results if result.parent else []
+        header_ids = [child.id for child in header]
+        consumer = self._app.backend.result_consumer
+        for task_id in (result.id, *header_ids):
+            # Records arrive as job events, not through Celery results: unsubscribe now, while
+            # Redis is up, instead of from AsyncResult.__del__ at interpreter exit.
+            consumer.cancel_for(task_id)
         self._running[exp.name] = _Running(exp, attempt, queues, token, header_ids,
                                            time.monotonic() + self._timeout_s + LOST_GRACE_S)
 

@@ -54,7 +54,7 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
                      ", ".join(f"{k}={counts[k]}" for k in FAILURE_CLASSES if counts[k]) or "-"])
     table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val",
                                     "best_exp_name", "experiment_s", "failures"], tablefmt="pipe")
-    elapsed = datetime.timedelta(seconds=round(elapsed_s, 1))
+    elapsed = datetime.timedelta(seconds=round(elapsed_s))
     return (f"{table}\n\nTuning completed in {elapsed}. Total number of experiments: {len(records)}."
             f" Metric: {metric} ({'max' if maximize else 'min'}).\n")
 

@@ -5,6 +5,7 @@ them, so it picks the slowest config when asked for latency). Ties keep the earl
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -14,7 +15,9 @@ def metric_value(record: dict[str, Any], metric: str) -> float | None:
     if record.get("status") != "ok":
         return None
     value = (record.get("metrics") or {}).get(metric)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def best(records: list[dict[str, Any]], metric: str, maximize: bool) -> dict[str, Any] | None:

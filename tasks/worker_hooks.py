@@ -18,7 +18,7 @@ from celery import signals
 
 from workers import keys
 from workers.launch import kill_group
-from workers.registry import Heartbeat, register_control, register_slot
+from workers.registry import Heartbeat, connect, register_control, register_slot
 from workers.slot import address_towards, describe_local_slot, node_name, parse_queue, slot_queue
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ _heartbeats: list[Heartbeat] = []
 
 
 def redis_client(conf) -> redis.Redis:
-    return redis.Redis.from_url(conf.broker_url, socket_timeout=30, health_check_interval=30)
+    return connect(conf.broker_url)
 
 
 @signals.celeryd_after_setup.connect

@@ -6,6 +6,7 @@ running beforehand. Every process starts in its own session (Ctrl-C in the termi
 the autotuner, which then stops them in order) and is stopped by PID: workers get a cold shutdown
 (SIGQUIT: the running experiment's process group is killed, no waiting for it to finish), then
 SIGKILL after a grace; training groups recorded in Redis are killed; Redis goes last.
+Their PIDs are in <log_dir>/pids.json, for cleaning up by hand after a `kill -9` of the autotuner.
 The Redis password is random and passed on stdin, so it never appears in a process list.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ import redis
 
 from workers import keys
 from workers.launch import kill_group
-from workers.registry import control_alive, live_slots
+from workers.paths import write_json
+from workers.registry import connect, control_alive, live_slots
 
 START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 15.0
@@ -83,7 +85,7 @@ class LocalCluster:
         self._redis.stdin.write(config.encode())
         self._redis.stdin.close()
         self.url = f"redis://:{password}@127.0.0.1:{port}/0"
-        client = redis.Redis.from_url(self.url)
+        client = connect(self.url)
         self._wait(lambda: _pings(client), "redis-server", self.log_dir / "redis.log")
 
         env = {**os.environ, "AUTOTUNE_REDIS_URL": self.url, "AUTOTUNE_NODE": self.node,
@@ -93,6 +95,8 @@ class LocalCluster:
         for device in range(self.slots):
             self._start_worker(f"gpu{device}", f"gpu{device}@{self.node}", 1, env)
         self._start_worker("control", f"control@{self.node}", 2, env)
+        write_json(self.log_dir / "pids.json", {"redis-server": self._redis.pid,
+                                                "workers": [w.pid for w in self._workers]})
         self._wait(lambda: len(live_slots(client)) >= self.slots and control_alive(client),
                    f"{self.slots} slot workers and a control worker", self.log_dir / "control.log")
 

@@ -17,7 +17,7 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]{0,199}$")
 
 def safe_child(root: str | os.PathLike, name: str) -> Path:
     """`root/name`, refusing names with separators, '..', or anything resolving outside root."""
-    if not _SAFE_NAME.match(name) or ".." in name:
+    if not _SAFE_NAME.fullmatch(name) or ".." in name:
         raise ValueError(f"unsafe experiment name {name!r}: use letters, digits and _.+=-")
     base = Path(root).resolve()
     child = (base / name).resolve()

@@ -14,10 +14,19 @@ import redis
 from workers import keys
 from workers.slot import Slot
 
+#: Longer than any blocking call we make (BLPOP waits at most BLOCK_S), so a quiet wait is not an error.
+SOCKET_TIMEOUT_S = 30.0
+BLOCK_S = 10.0
 HEARTBEAT_S = 3.0
 TTL_S = 10.0
 
 log = logging.getLogger(__name__)
+
+
+def connect(url: str) -> redis.Redis:
+    """The one way this project opens Redis: bounded connect, and reads that outlast BLPOP waits."""
+    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=SOCKET_TIMEOUT_S,
+                                health_check_interval=30)
 
 
 class Heartbeat:

@@ -7,10 +7,12 @@ No polling, and a rank that never hears gets `rendezvous_failed` instead of hang
 from __future__ import annotations
 
 import socket
+import time
 
 import redis
 
 from workers import keys
+from workers.registry import BLOCK_S
 
 KEY_TTL_S = 3600
 
@@ -34,8 +36,10 @@ def publish(client: redis.Redis, attempt: str, address: str, port: int, waiting_
 
 def wait(client: redis.Redis, attempt: str, timeout_s: float) -> tuple[str, int] | None:
     """(addr, port) published by rank 0, or None if nothing arrived within `timeout_s`."""
-    popped = client.blpop([keys.rendezvous(attempt)], timeout=max(1, int(timeout_s)))
-    if popped is None:
-        return None
-    address, _, port = popped[1].decode().rpartition(":")
-    return address, int(port)
+    deadline = time.monotonic() + timeout_s
+    while (remaining := deadline - time.monotonic()) > 0:
+        popped = client.blpop([keys.rendezvous(attempt)], timeout=max(1, int(min(remaining, BLOCK_S))))
+        if popped is not None:
+            address, _, port = popped[1].decode().rpartition(":")
+            return address, int(port)
+    return None

@@ -1,0 +1,58 @@
+"""The embedded cluster: `python -m scheduler.autotune` with no AUTOTUNE_REDIS_URL starts its own
+redis-server and workers, and leaves no process behind, whether it finishes or is interrupted."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import ROOT, processes_with_marker, wait_for, write_config
+
+pytestmark = pytest.mark.integration
+
+
+def _env(marker: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "AUTOTUNE_REDIS_URL"}
+    env["AUTOTUNE_TEST_MARKER"] = marker
+    return env
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_tears_everything_down(tmp_path, sig):
+    marker = secrets.token_hex(8)
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2])
+    cfg_data = json.loads(cfg.read_text())
+    cfg_data["autotuning"]["user_args"] = ["--behaviour", "2=hang"]
+    cfg.write_text(json.dumps(cfg_data))
+    proc = subprocess.Popen([sys.executable, "-m", "scheduler.autotune", str(cfg), "--slots", "2",
+                             "--num_gpus", "2"], cwd=tmp_path, env=_env(marker),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hung = tmp_path / "autotuning_results" / "z0_gas1_tmbspg2"
+    try:
+        wait_for(lambda: (hung / "started.rank0").exists() and (hung / "started.rank1").exists(),
+                 120, "the hanging experiment to start on both slots")
+        pids = json.loads((tmp_path / "autotuning_results" / "cluster" / "pids.json").read_text())
+        cluster_pids = [pids["redis-server"], *pids["workers"]]
+        assert all(psutil.pid_exists(pid) for pid in cluster_pids)  # the cluster really is running
+        assert len(processes_with_marker(marker)) >= 4  # 3 workers (+ pool children) and 2 ranks
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "interrupted" in err and "Traceback" not in err
+    assert processes_with_marker(marker) == []
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in cluster_pids)
+    # what was measured before the interrupt is kept and reported
+    first = json.loads((tmp_path / "autotuning_results" / "z0_gas1_tmbspg1" / "result.json").read_text())
+    assert first["status"] == "ok"
+    assert "z0_gas1_tmbspg1" in (tmp_path / "autotuning_results" / "summary.txt").read_text()

@@ -1,0 +1,309 @@
+"""What a tuning job leaves behind (`scheduler.outputs`): summary table, results.jsonl, optimal config/command."""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from scheduler.arguments import with_config
+from scheduler.outputs import (
+    FAILURE_CLASSES,
+    launch_command,
+    print_table,
+    summary_text,
+    write_experiment_descriptions,
+    write_results,
+)
+from scheduler.space import Experiment, experiment_name
+
+RESULT_KEYS = ["name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at", "peak_rss_bytes",
+               "slots", "cause"]
+
+
+def make_exp(stage: int, mbs: int, gas: int = 1, num_nodes: int = 1, num_gpus: int = 2) -> Experiment:
+    ds_config = {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": mbs * gas * num_nodes * num_gpus,
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}},
+        "autotuning": {"enabled": True, "start_profile_step": 3, "end_profile_step": 5},
+    }
+    return Experiment(experiment_name(stage, gas, mbs), stage, mbs, gas, ds_config, num_nodes, num_gpus)
+
+
+def make_record(exp: Experiment, status: str, wall_s: float | None = 1.0, **metrics: float) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "name": exp.name, "exp_id": f"id-{exp.name}", "status": status,
+        "metrics": metrics if status == "ok" else None, "ds_config": exp.ds_config, "slots": ["n.gpu0", "n.gpu1"],
+        "started_at": 100.0, "ended_at": 100.0 + (wall_s or 0.0), "wall_s": wall_s, "peak_rss_bytes": 2**30,
+        "ranks": [{"rank": 0}],
+    }
+    if status != "ok":
+        record["cause"] = {"rank": 1, "exit": 1}
+    return record
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The body rows of a tabulate 'pipe' table, cells stripped."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    header, separator, *body = lines
+    assert set(separator) <= set("|:- ")
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in body]
+
+
+def num(cell: str) -> float | None:
+    return float(cell) if cell else None
+
+
+# z0: mbs 1 ok (10.5), mbs 2 oom; z1: mbs 1 crashed, mbs 2 ok (20)
+EXPS = [make_exp(0, 1), make_exp(0, 2), make_exp(1, 1), make_exp(1, 2)]
+RECORDS = {
+    EXPS[0].name: make_record(EXPS[0], "ok", 2.0, throughput=10.5, latency=0.4),
+    EXPS[1].name: make_record(EXPS[1], "oom", 1.5),
+    EXPS[2].name: make_record(EXPS[2], "crashed", 1.0),
+    EXPS[3].name: make_record(EXPS[3], "ok", 3.0, throughput=20.0, latency=0.6),
+}
+
+# ---------------------------------------------------------------- summary
+
+
+def test_summary_header() -> None:
+    text = summary_text(EXPS, RECORDS, "throughput", True, 10.0)
+    header = [cell.strip() for cell in text.splitlines()[0].strip("|").split("|")]
+    assert header == ["tuning_space", "num_experiments", "best_metric_val", "best_exp_name", "experiment_s",
+                      "failures"]
+
+
+@pytest.mark.parametrize(
+    ("metric", "maximize", "expected"),
+    [
+        ("throughput", True, [
+            ["z0", 2, 10.5, "z0_gas1_tmbspg1", 3.5, "oom=1"],
+            ["z1", 2, 20.0, "z1_gas1_tmbspg2", 4.0, "crashed=1"],
+            ["global", 4, 20.0, "z1_gas1_tmbspg2", 7.5, "oom=1, crashed=1"],
+        ]),
+        ("latency", False, [
+            ["z0", 2, 0.4, "z0_gas1_tmbspg1", 3.5, "oom=1"],
+            ["z1", 2, 0.6, "z1_gas1_tmbspg2", 4.0, "crashed=1"],
+            ["global", 4, 0.4, "z0_gas1_tmbspg1", 7.5, "oom=1, crashed=1"],
+        ]),
+    ],
+)
+def test_summary_rows_per_stage_then_global(metric: str, maximize: bool, expected: list[list[Any]]) -> None:
+    text = summary_text(EXPS, RECORDS, metric, maximize, 10.0)
+    rows = table_rows(text)
+    parsed = [[r[0], int(r[1]), num(r[2]), r[3], num(r[4]), r[5]] for r in rows]
+    assert parsed == expected
+    assert f"Metric: {metric} ({'max' if maximize else 'min'})." in text
+
+
+def test_summary_total_line() -> None:
+    text = summary_text(EXPS, RECORDS, "throughput", True, 65.0)
+    assert text.endswith("\n\nTuning completed in 0:01:05. Total number of experiments: 4. "
+                         "Metric: throughput (max).\n")
+
+
+@pytest.mark.parametrize(("elapsed", "shown"), [(0.0, "0:00:00"), (59.96, "0:01:00"), (3725.0, "1:02:05"),
+                                                (90000.0, "1 day, 1:00:00")])
+def test_summary_elapsed(elapsed: float, shown: str) -> None:
+    assert f"Tuning completed in {shown}." in summary_text(EXPS, RECORDS, "throughput", True, elapsed)
+
+
+def test_summary_nothing_succeeded() -> None:
+    records = {e.name: make_record(e, status, None) for e, status in zip(EXPS, ["oom", "timeout", "lost", "oom"])}
+    text = summary_text(EXPS, records, "throughput", True, 1.0)
+    rows = table_rows(text)
+    assert [r[0] for r in rows] == ["z0", "z1", "global"]
+    assert [(r[2], r[3]) for r in rows] == [("", ""), ("", ""), ("", "")]
+    assert [num(r[4]) for r in rows] == [0.0, 0.0, 0.0]
+    assert [r[5] for r in rows] == ["oom=1, timeout=1", "oom=1, lost=1", "oom=2, timeout=1, lost=1"]
+
+
+def test_summary_failure_columns_in_class_order() -> None:
+    statuses = ["lost", "aborted", "rendezvous_failed", "no_metrics", "crashed", "timeout", "oom", "crashed"]
+    exps = [make_exp(2, mbs) for mbs in range(1, len(statuses) + 1)]
+    records = {e.name: make_record(e, s) for e, s in zip(exps, statuses)}
+    rows = table_rows(summary_text(exps, records, "throughput", True, 1.0))
+    expected = "oom=1, timeout=1, crashed=2, no_metrics=1, rendezvous_failed=1, aborted=1, lost=1"
+    assert [r[5] for r in rows] == [expected, expected]
+    assert FAILURE_CLASSES == ["oom", "timeout", "crashed", "no_metrics", "rendezvous_failed", "aborted", "lost"]
+
+
+def test_summary_no_failures_dash() -> None:
+    exps = [make_exp(3, 4)]
+    records = {exps[0].name: make_record(exps[0], "ok", 1.25, throughput=3.0)}
+    rows = table_rows(summary_text(exps, records, "throughput", True, 1.0))
+    assert [r[0] for r in rows] == ["z3", "global"]
+    assert [r[5] for r in rows] == ["-", "-"]
+    assert [r[3] for r in rows] == ["z3_gas1_tmbspg4", "z3_gas1_tmbspg4"]
+
+
+def test_summary_spaces_follow_experiment_order_and_skip_unrecorded() -> None:
+    exps = [make_exp(3, 1), make_exp(3, 2), make_exp(0, 1), make_exp(2, 1)]
+    records = {e.name: make_record(e, "ok", 1.0, throughput=float(i)) for i, e in enumerate(exps[:3])}
+    text = summary_text(exps, records, "throughput", True, 1.0)
+    rows = table_rows(text)
+    assert [(r[0], int(r[1])) for r in rows] == [("z3", 2), ("z0", 1), ("global", 3)]
+    assert rows[0][3] == "z3_gas1_tmbspg2"
+    assert rows[2][3] == "z0_gas1_tmbspg1"
+    assert "Total number of experiments: 3." in text
+
+
+def test_summary_tie_keeps_earlier_experiment() -> None:
+    exps = [make_exp(1, 1), make_exp(1, 2)]
+    records = {e.name: make_record(e, "ok", 1.0, throughput=5.0) for e in exps}
+    rows = table_rows(summary_text(exps, records, "throughput", True, 1.0))
+    assert [r[3] for r in rows] == ["z1_gas1_tmbspg1", "z1_gas1_tmbspg1"]
+
+
+# ---------------------------------------------------------------- write_results
+
+
+def optimal_argv(exp: Experiment, path: Path) -> list[str]:
+    return with_config("/x/train.py", ("--steps", "5", "--name", "a b"), path)
+
+
+def test_write_results_files(tmp_path: Path) -> None:
+    results_dir = tmp_path / "deep" / "results"
+    winner = write_results(results_dir, EXPS, RECORDS, "throughput", True, 12.0, optimal_argv)
+    assert winner is RECORDS[EXPS[3].name]
+
+    lines = (results_dir / "results.jsonl").read_text().splitlines()
+    assert len(lines) == len(EXPS)
+    parsed = [json.loads(line) for line in lines]
+    assert [p["name"] for p in parsed] == [e.name for e in EXPS]
+    assert all(list(p) == RESULT_KEYS for p in parsed)
+    assert [p["status"] for p in parsed] == ["ok", "oom", "crashed", "ok"]
+    assert parsed[0]["metrics"] == {"throughput": 10.5, "latency": 0.4}
+    assert parsed[0]["cause"] is None
+    assert parsed[1]["cause"] == {"rank": 1, "exit": 1}
+    assert parsed[3]["ds_config"] == EXPS[3].ds_config
+    assert "ranks" not in parsed[0] and "exp_id" not in parsed[0]
+
+    assert (results_dir / "summary.txt").read_text() == summary_text(EXPS, RECORDS, "throughput", True, 12.0)
+
+    optimal_path = (results_dir / "ds_config_optimal.json").resolve()
+    optimal = json.loads(optimal_path.read_text())
+    assert "autotuning" not in optimal
+    assert optimal == {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 4,
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+    }
+    assert "autotuning" in EXPS[3].ds_config  # the experiment's own config is untouched
+
+    command_text = (results_dir / "cmd_optimal.txt").read_text()
+    assert command_text.endswith("\n") and command_text.count("\n") == 1
+    assert shlex.split(command_text) == [
+        "deepspeed", "--num_nodes", "1", "--num_gpus", "2", "/x/train.py", "--steps", "5", "--name", "a b",
+        "--deepspeed_config", str(optimal_path),
+    ]
+    assert optimal_path.is_absolute()
+
+
+def test_write_results_latency_winner_and_argv_arguments(tmp_path: Path) -> None:
+    calls: list[tuple[Experiment, Path]] = []
+
+    def argv(exp: Experiment, path: Path) -> list[str]:
+        calls.append((exp, path))
+        return ["train.py", "--deepspeed_config", str(path)]
+
+    winner = write_results(tmp_path, EXPS, RECORDS, "latency", False, 1.0, argv)
+    assert winner is RECORDS[EXPS[0].name]
+    assert len(calls) == 1
+    assert calls[0][0] is EXPS[0]
+    assert calls[0][1] == (tmp_path / "ds_config_optimal.json").resolve()
+    optimal = json.loads((tmp_path / "ds_config_optimal.json").read_text())
+    assert optimal["train_micro_batch_size_per_gpu"] == 1
+    assert optimal["zero_optimization"]["stage"] == 0
+
+
+def test_write_results_multi_node_command(tmp_path: Path) -> None:
+    exps = [make_exp(2, 8, gas=2, num_nodes=2, num_gpus=4)]
+    records = {exps[0].name: make_record(exps[0], "ok", throughput=1.0)}
+    write_results(tmp_path, exps, records, "throughput", True, 1.0, optimal_argv)
+    command = shlex.split((tmp_path / "cmd_optimal.txt").read_text())
+    assert command[:5] == ["deepspeed", "--num_nodes", "2", "--num_gpus", "4"]
+    assert json.loads((tmp_path / "ds_config_optimal.json").read_text())["train_batch_size"] == 128  # 8 * 2 * 2 * 4
+
+
+def test_write_results_only_recorded_experiments(tmp_path: Path) -> None:
+    records = {EXPS[2].name: RECORDS[EXPS[2].name], EXPS[0].name: RECORDS[EXPS[0].name]}
+    write_results(tmp_path, EXPS, records, "throughput", True, 1.0, optimal_argv)
+    names = [json.loads(line)["name"] for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert names == [EXPS[0].name, EXPS[2].name]  # experiment order, not dict order
+
+
+def test_write_results_nothing_succeeded_removes_stale_optimal_files(tmp_path: Path) -> None:
+    (tmp_path / "ds_config_optimal.json").write_text('{"stale": true}\n')
+    (tmp_path / "cmd_optimal.txt").write_text("deepspeed stale.py\n")
+    records = {e.name: make_record(e, "crashed") for e in EXPS}
+    calls: list[Any] = []
+    result = write_results(tmp_path, EXPS, records, "throughput", True, 1.0,
+                           lambda exp, path: calls.append(exp) or [])
+    assert result is None
+    assert calls == []
+    assert not (tmp_path / "ds_config_optimal.json").exists()
+    assert not (tmp_path / "cmd_optimal.txt").exists()
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
+    assert "crashed=4" in (tmp_path / "summary.txt").read_text()
+
+
+def test_write_results_no_records(tmp_path: Path) -> None:
+    assert write_results(tmp_path, EXPS, {}, "throughput", True, 0.0, optimal_argv) is None
+    assert (tmp_path / "results.jsonl").read_text() == ""
+    assert "Total number of experiments: 0." in (tmp_path / "summary.txt").read_text()
+    assert not (tmp_path / "cmd_optimal.txt").exists()
+
+
+def test_write_results_overwrites_previous_winner(tmp_path: Path) -> None:
+    write_results(tmp_path, EXPS, RECORDS, "throughput", True, 1.0, optimal_argv)
+    write_results(tmp_path, EXPS, RECORDS, "latency", False, 1.0, optimal_argv)
+    optimal = json.loads((tmp_path / "ds_config_optimal.json").read_text())
+    assert optimal["train_micro_batch_size_per_gpu"] == 1
+    assert optimal["zero_optimization"]["stage"] == 0
+
+
+# ---------------------------------------------------------------- smaller pieces
+
+
+@pytest.mark.parametrize(
+    ("argv", "nodes", "gpus", "expected"),
+    [
+        (["t.py"], 1, 1, ["deepspeed", "--num_nodes", "1", "--num_gpus", "1", "t.py"]),
+        (["t.py", "--a", "b c"], 2, 8, ["deepspeed", "--num_nodes", "2", "--num_gpus", "8", "t.py", "--a", "b c"]),
+    ],
+)
+def test_launch_command(argv: list[str], nodes: int, gpus: int, expected: list[str]) -> None:
+    assert launch_command(argv, nodes, gpus) == expected
+
+
+def test_write_experiment_descriptions(tmp_path: Path) -> None:
+    exps = [make_exp(0, 1), make_exp(3, 4, num_nodes=2, num_gpus=4)]
+    write_experiment_descriptions(tmp_path / "exps", exps)
+    assert sorted(p.name for p in (tmp_path / "exps").iterdir()) == ["z0_gas1_tmbspg1.json", "z3_gas1_tmbspg4.json"]
+    assert json.loads((tmp_path / "exps" / "z3_gas1_tmbspg4.json").read_text()) == {
+        "name": "z3_gas1_tmbspg4", "ds_config": exps[1].ds_config, "num_gpus": 4, "num_nodes": 2,
+    }
+
+
+def test_write_experiment_descriptions_refuses_unsafe_names(tmp_path: Path) -> None:
+    bad = Experiment("../escape", 0, 1, 1, {})
+    with pytest.raises(ValueError):
+        write_experiment_descriptions(tmp_path / "exps", [bad])
+    assert not (tmp_path / "escape.json").exists()
+
+
+def test_print_table_marks_winner() -> None:
+    console = Console(record=True, width=200, color_system=None)
+    winner = RECORDS[EXPS[3].name]
+    print_table(console, EXPS, RECORDS, "throughput", winner)
+    text = console.export_text()
+    assert f"{EXPS[3].name} *" in text
+    assert f"{EXPS[0].name} *" not in text
+    assert "10.50" in text and "20.00" in text
+    assert "oom" in text and "crashed" in text
+    assert "1,024" in text  # 1 GiB peak RSS in MiB

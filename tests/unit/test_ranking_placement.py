@@ -1,0 +1,260 @@
+"""Picking the best experiment (`scheduler.ranking`) and slots for an experiment (`scheduler.placement`)."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from scheduler.placement import fits_ever, largest_shape, place
+from scheduler.ranking import best, metric_value, status_counts
+from workers.slot import Slot
+
+GiB = 1024**3
+
+# ---------------------------------------------------------------- ranking
+
+
+def rec(name: str, status: str = "ok", **metrics: Any) -> dict[str, Any]:
+    return {"name": name, "status": status, "metrics": metrics}
+
+
+@pytest.mark.parametrize(
+    ("record", "metric", "expected"),
+    [
+        (rec("a", throughput=12), "throughput", 12.0),
+        (rec("a", throughput=12.5), "throughput", 12.5),
+        (rec("a", latency=0), "latency", 0.0),
+        (rec("a", "crashed", throughput=12), "throughput", None),
+        (rec("a", "oom", throughput=12), "throughput", None),
+        (rec("a", latency=0.1), "throughput", None),
+        (rec("a", throughput="12"), "throughput", None),
+        (rec("a", throughput=True), "throughput", None),
+        (rec("a", throughput=None), "throughput", None),
+        ({"name": "a", "status": "ok", "metrics": None}, "throughput", None),
+        ({"name": "a", "status": "ok"}, "throughput", None),
+        ({"name": "a", "metrics": {"throughput": 3}}, "throughput", None),
+    ],
+    ids=["int", "float", "zero", "crashed", "oom", "other-metric", "string", "bool", "null", "metrics-null",
+         "no-metrics", "no-status"],
+)
+def test_metric_value(record: dict, metric: str, expected: float | None) -> None:
+    value = metric_value(record, metric)
+    assert value == expected
+    if expected is not None:
+        assert isinstance(value, float)
+
+
+@pytest.mark.parametrize(
+    ("records", "metric", "maximize", "winner"),
+    [
+        ([rec("a", throughput=5), rec("b", throughput=9), rec("c", throughput=7)], "throughput", True, "b"),
+        ([rec("a", latency=0.3), rec("b", latency=0.1), rec("c", latency=0.2)], "latency", False, "b"),
+        ([rec("a", latency=0.3), rec("b", latency=0.1), rec("c", latency=0.2)], "latency", True, "a"),
+        ([rec("a", throughput=5), rec("b", "crashed", throughput=500), rec("c", throughput=6)], "throughput", True,
+         "c"),
+        ([rec("a", "oom", latency=0.001), rec("b", latency=0.5)], "latency", False, "b"),
+        ([rec("a"), rec("b", throughput=1), rec("c", latency=9)], "throughput", True, "b"),
+        ([rec("a", throughput=7), rec("b", throughput=9), rec("c", throughput=9)], "throughput", True, "b"),
+        ([rec("a", latency=2), rec("b", latency=1), rec("c", latency=1.0)], "latency", False, "b"),
+        ([rec("a", FLOPS_per_gpu=1e12), rec("b", FLOPS_per_gpu=2e12)], "FLOPS_per_gpu", True, "b"),
+        ([rec("a", throughput=-1), rec("b", throughput=0)], "throughput", True, "b"),
+    ],
+    ids=["throughput-max", "latency-min", "latency-maximised-if-asked", "failed-ignored", "oom-ignored",
+         "missing-metric-ignored", "tie-keeps-earlier-max", "tie-keeps-earlier-min", "flops", "zero-beats-negative"],
+)
+def test_best(records: list[dict], metric: str, maximize: bool, winner: str) -> None:
+    chosen = best(records, metric, maximize)
+    assert chosen is not None
+    assert chosen["name"] == winner
+    assert any(chosen is r for r in records)
+
+
+@pytest.mark.parametrize(
+    "records",
+    [[], [rec("a", "crashed", throughput=1)], [rec("a", latency=1)], [rec("a", "timeout"), rec("b", "lost")]],
+    ids=["empty", "all-failed", "metric-missing", "no-metrics"],
+)
+def test_best_none(records: list[dict]) -> None:
+    assert best(records, "throughput", True) is None
+
+
+def test_best_nan_never_wins() -> None:
+    records = [rec("a", throughput=float("nan")), rec("b", throughput=5.0)]
+    assert best(records, "throughput", True)["name"] == "b"
+
+
+def test_status_counts() -> None:
+    records = [rec("a"), rec("b", "oom"), rec("c", "oom"), {"name": "d"}, rec("e", "crashed")]
+    assert status_counts(records) == Counter({"ok": 1, "oom": 2, "lost": 1, "crashed": 1})
+    assert status_counts([]) == Counter()
+
+
+# ---------------------------------------------------------------- placement
+
+
+def slot(node: str, device: int, memory: int = 16 * GiB, kind: str = "cuda") -> Slot:
+    return Slot(node=node, device=device, kind=kind, memory_bytes=memory, address=f"10.0.0.{len(node)}",
+                threads=4, cpus=(), worker=f"w{device}@{node}")
+
+
+def queues(placement: list[list[Slot]] | None) -> list[list[str]] | None:
+    return None if placement is None else [[s.queue for s in node] for node in placement]
+
+
+NODE_A = [slot("a", d) for d in (3, 1, 0, 2)]  # given out of order on purpose
+
+
+@pytest.mark.parametrize(
+    ("busy", "num_gpus", "expected"),
+    [
+        (set(), 1, [["a.gpu0"]]),
+        (set(), 2, [["a.gpu0", "a.gpu1"]]),
+        (set(), 4, [["a.gpu0", "a.gpu1", "a.gpu2", "a.gpu3"]]),
+        ({"a.gpu0"}, 1, [["a.gpu1"]]),
+        ({"a.gpu0"}, 2, [["a.gpu1", "a.gpu2"]]),
+        ({"a.gpu1"}, 2, [["a.gpu0", "a.gpu2"]]),
+        ({"a.gpu0", "a.gpu2"}, 2, [["a.gpu1", "a.gpu3"]]),
+        ({"a.gpu0", "a.gpu1", "a.gpu2"}, 1, [["a.gpu3"]]),
+        ({"a.gpu0", "a.gpu1", "a.gpu2"}, 2, None),
+        ({"a.gpu0", "a.gpu1", "a.gpu2", "a.gpu3"}, 1, None),
+        (set(), 5, None),
+        ({"b.gpu0", "other"}, 4, [["a.gpu0", "a.gpu1", "a.gpu2", "a.gpu3"]]),
+    ],
+    ids=["one", "two", "all", "skip-busy", "skip-busy-two", "hole", "holes", "last", "not-now", "all-busy",
+         "too-big", "unrelated-busy"],
+)
+def test_place_single_node(busy: set[str], num_gpus: int, expected: list[list[str]] | None) -> None:
+    assert queues(place(NODE_A, busy, 1, num_gpus)) == expected
+
+
+@pytest.mark.parametrize(
+    ("busy", "num_gpus", "expected"),
+    [
+        (set(), 1, [["n.gpu2"]]),
+        (set(), 2, [["n.gpu2", "n.gpu5"]]),
+        ({"n.gpu2"}, 1, [["n.gpu5"]]),
+        ({"n.gpu0", "n.gpu1"}, 2, [["n.gpu2", "n.gpu5"]]),
+        (set(), 3, None),
+    ],
+)
+def test_place_keeps_real_device_ids(busy: set[str], num_gpus: int, expected: list[list[str]] | None) -> None:
+    slots = [slot("n", 5), slot("n", 2)]
+    placement = place(slots, busy, 1, num_gpus)
+    assert queues(placement) == expected
+    if placement:
+        assert [s.device for s in placement[0]] == [int(q.rsplit("gpu", 1)[1]) for q in expected[0]]
+
+
+def test_place_orders_devices_numerically() -> None:
+    slots = [slot("n", 10), slot("n", 9), slot("n", 2)]
+    assert queues(place(slots, set(), 1, 3)) == [["n.gpu2", "n.gpu9", "n.gpu10"]]
+
+
+def test_place_returns_the_slot_objects() -> None:
+    slots = [slot("n", 1, 8 * GiB), slot("n", 0, 8 * GiB)]
+    placement = place(slots, set(), 1, 1)
+    assert placement is not None
+    assert placement[0][0] is slots[1]
+
+
+MIXED = [slot("m", 0, 8 * GiB), slot("m", 1, 24 * GiB), slot("m", 2, 16 * GiB), slot("m", 3, 24 * GiB)]
+
+
+@pytest.mark.parametrize(
+    ("min_memory", "num_gpus", "expected"),
+    [
+        (0, 2, [["m.gpu0", "m.gpu1"]]),
+        (8 * GiB, 2, [["m.gpu0", "m.gpu1"]]),
+        (8 * GiB + 1, 2, [["m.gpu1", "m.gpu2"]]),
+        (16 * GiB, 3, [["m.gpu1", "m.gpu2", "m.gpu3"]]),
+        (20 * GiB, 2, [["m.gpu1", "m.gpu3"]]),
+        (20 * GiB, 3, None),
+        (24 * GiB + 1, 1, None),
+    ],
+)
+def test_place_min_memory(min_memory: int, num_gpus: int, expected: list[list[str]] | None) -> None:
+    assert queues(place(MIXED, set(), 1, num_gpus, min_memory)) == expected
+
+
+CLUSTER = [slot(node, d) for node in ("c", "a", "b") for d in (1, 0)] + [slot("d", 0)]
+
+
+@pytest.mark.parametrize(
+    ("busy", "num_nodes", "num_gpus", "expected"),
+    [
+        (set(), 2, 1, [["a.gpu0"], ["b.gpu0"]]),
+        (set(), 3, 2, [["a.gpu0", "a.gpu1"], ["b.gpu0", "b.gpu1"], ["c.gpu0", "c.gpu1"]]),
+        (set(), 4, 1, [["a.gpu0"], ["b.gpu0"], ["c.gpu0"], ["d.gpu0"]]),
+        (set(), 4, 2, None),
+        (set(), 5, 1, None),
+        ({"a.gpu0"}, 2, 2, [["b.gpu0", "b.gpu1"], ["c.gpu0", "c.gpu1"]]),
+        ({"a.gpu0"}, 2, 1, [["a.gpu1"], ["b.gpu0"]]),
+        ({"a.gpu0", "b.gpu1"}, 3, 2, None),
+        ({"a.gpu0", "b.gpu1"}, 2, 1, [["a.gpu1"], ["b.gpu0"]]),
+        ({"a.gpu0", "a.gpu1", "b.gpu0", "b.gpu1"}, 2, 1, [["c.gpu0"], ["d.gpu0"]]),
+        ({"a.gpu0", "a.gpu1", "b.gpu0", "b.gpu1", "c.gpu1"}, 3, 1, None),
+    ],
+    ids=["2x1", "3x2", "4x1", "4x2-too-big", "5x1-too-many", "skip-half-busy-node", "busy-device-skipped",
+         "not-now", "two-partial-nodes", "skip-busy-nodes", "not-enough-free-nodes"],
+)
+def test_place_multi_node(busy: set[str], num_nodes: int, num_gpus: int, expected: list[list[str]] | None) -> None:
+    placement = place(CLUSTER, busy, num_nodes, num_gpus)
+    assert queues(placement) == expected
+    if placement:
+        nodes = [group[0].node for group in placement]
+        assert len(set(nodes)) == num_nodes
+        assert all(len({s.node for s in group}) == 1 for group in placement)
+
+
+def test_place_is_deterministic_whatever_the_input_order() -> None:
+    forward = place(CLUSTER, {"c.gpu0"}, 2, 1)
+    backward = place(list(reversed(CLUSTER)), {"c.gpu0"}, 2, 1)
+    assert queues(forward) == queues(backward) == [["a.gpu0"], ["b.gpu0"]]
+
+
+def test_place_empty_cluster() -> None:
+    assert place([], set(), 1, 1) is None
+
+
+HETERO = [slot("big", d) for d in range(4)] + [slot("small", d, 8 * GiB) for d in range(2)]
+
+
+@pytest.mark.parametrize(
+    ("num_nodes", "num_gpus", "min_memory", "expected"),
+    [
+        (1, 1, 0, True),
+        (1, 4, 0, True),
+        (1, 5, 0, False),
+        (2, 2, 0, True),
+        (2, 3, 0, False),
+        (3, 1, 0, False),
+        (2, 1, 16 * GiB, False),
+        (1, 4, 16 * GiB, True),
+        (1, 1, 32 * GiB, False),
+    ],
+)
+def test_fits_ever(num_nodes: int, num_gpus: int, min_memory: int, expected: bool) -> None:
+    assert fits_ever(HETERO, num_nodes, num_gpus, min_memory) is expected
+
+
+def test_fits_ever_ignores_what_is_busy_now() -> None:
+    busy = {s.queue for s in HETERO}
+    assert place(HETERO, busy, 1, 1) is None
+    assert fits_ever(HETERO, 1, 4) is True
+
+
+@pytest.mark.parametrize(
+    ("slots", "shape"),
+    [
+        ([], (0, 0)),
+        ([slot("a", 0)], (1, 1)),
+        (NODE_A, (1, 4)),
+        (HETERO, (2, 4)),
+        (CLUSTER, (4, 2)),
+        ([slot("n", 5), slot("n", 2)], (1, 2)),
+    ],
+    ids=["empty", "one", "one-node", "hetero", "cluster", "sparse-ids"],
+)
+def test_largest_shape(slots: list[Slot], shape: tuple[int, int]) -> None:
+    assert largest_shape(slots) == shape

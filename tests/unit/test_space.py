@@ -1,0 +1,231 @@
+"""The search space (`scheduler.space`) and the script's argument list (`scheduler.arguments`)."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scheduler.arguments import with_config
+from scheduler.config import load_config
+from scheduler.space import Experiment, experiment_config, experiment_name, optimal_config, user_list_experiments
+
+# ---------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize(
+    ("stage", "gas", "mbs", "name"),
+    [(0, 1, 1, "z0_gas1_tmbspg1"), (3, 4, 16, "z3_gas4_tmbspg16"), (2, 16, 128, "z2_gas16_tmbspg128")],
+)
+def test_experiment_name(stage: int, gas: int, mbs: int, name: str) -> None:
+    assert experiment_name(stage, gas, mbs) == name
+
+
+@pytest.mark.parametrize(
+    ("num_nodes", "num_gpus", "world", "stage", "space"),
+    [(1, 1, 1, 0, "z0"), (1, 4, 4, 3, "z3"), (2, 8, 16, 1, "z1")],
+)
+def test_experiment_world_size_and_space(num_nodes: int, num_gpus: int, world: int, stage: int, space: str) -> None:
+    exp = Experiment("n", stage, 1, 1, {}, num_nodes=num_nodes, num_gpus=num_gpus)
+    assert exp.world_size == world
+    assert exp.space == space
+
+
+# ---------------------------------------------------------------- user list
+
+
+def tuning_config(tmp_path: Path, data: dict[str, Any]):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(data))
+    return load_config(path, cwd=tmp_path)
+
+
+USER_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": [8, 2, 4, 2],
+    "gradient_accumulation_steps": 3,
+    "zero_optimization": {"stage": [3, 1], "overlap_comm": True, "reduce_bucket_size": 5e8},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    "fp16": {"enabled": True},
+    "autotuning": {
+        "enabled": True, "metric": "latency", "start_profile_step": 2, "end_profile_step": 7,
+        "user_script": "train.py", "user_args": ["--steps", "10"], "results_dir": "res",
+        "exps_dir": "exps", "overwrite": True, "fast": False,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("num_nodes", "num_gpus"),
+    [(1, 1), (1, 2), (2, 4)],
+)
+def test_user_list_experiments_order_and_names(tmp_path: Path, num_nodes: int, num_gpus: int) -> None:
+    cfg = tuning_config(tmp_path, USER_CONFIG)
+    exps = user_list_experiments(cfg, num_nodes, num_gpus)
+    assert [e.name for e in exps] == [
+        "z1_gas3_tmbspg2", "z1_gas3_tmbspg4", "z1_gas3_tmbspg8",
+        "z3_gas3_tmbspg2", "z3_gas3_tmbspg4", "z3_gas3_tmbspg8",
+    ]
+    assert [(e.stage, e.micro_batch_size) for e in exps] == [(1, 2), (1, 4), (1, 8), (3, 2), (3, 4), (3, 8)]
+    assert {e.gradient_accumulation_steps for e in exps} == {3}
+    assert {(e.num_nodes, e.num_gpus) for e in exps} == {(num_nodes, num_gpus)}
+
+
+@pytest.mark.parametrize(
+    ("num_nodes", "num_gpus", "mbs", "train_batch_size"),
+    [(1, 1, 2, 6), (1, 2, 4, 24), (2, 4, 8, 192)],  # mbs * gas(3) * world
+)
+def test_experiment_ds_config(tmp_path: Path, num_nodes: int, num_gpus: int, mbs: int, train_batch_size: int) -> None:
+    cfg = tuning_config(tmp_path, USER_CONFIG)
+    exps = {e.name: e for e in user_list_experiments(cfg, num_nodes, num_gpus)}
+    for stage in (1, 3):
+        ds = exps[f"z{stage}_gas3_tmbspg{mbs}"].ds_config
+        assert ds["train_micro_batch_size_per_gpu"] == mbs
+        assert ds["gradient_accumulation_steps"] == 3
+        assert ds["train_batch_size"] == train_batch_size
+        assert ds["zero_optimization"] == {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 5e8}
+        assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-4}}
+        assert ds["fp16"] == {"enabled": True}
+        assert ds["autotuning"] == {
+            "enabled": True, "metric": "latency", "start_profile_step": 2, "end_profile_step": 7,
+            "overwrite": True, "fast": False,
+        }
+        for ours in ("user_script", "user_args", "results_dir", "exps_dir"):
+            assert ours not in ds["autotuning"]
+
+
+def test_experiment_configs_are_independent(tmp_path: Path) -> None:
+    cfg = tuning_config(tmp_path, USER_CONFIG)
+    exps = user_list_experiments(cfg, 1, 1)
+    exps[0].ds_config["optimizer"]["params"]["lr"] = 99
+    exps[0].ds_config["zero_optimization"]["overlap_comm"] = False
+    assert exps[1].ds_config["optimizer"]["params"]["lr"] == 1e-4
+    assert exps[1].ds_config["zero_optimization"]["overlap_comm"] is True
+
+
+def test_user_config_not_mutated(tmp_path: Path) -> None:
+    cfg = tuning_config(tmp_path, USER_CONFIG)
+    before = copy.deepcopy(cfg.ds_config)
+    exps = user_list_experiments(cfg, 2, 2)
+    assert len(exps) == 6
+    assert cfg.ds_config == before
+    assert cfg.ds_config["autotuning"]["user_script"] == "train.py"
+    assert cfg.ds_config["zero_optimization"]["stage"] == [3, 1]
+    assert cfg.ds_config["train_micro_batch_size_per_gpu"] == [8, 2, 4, 2]
+    assert "train_batch_size" not in cfg.ds_config
+
+
+def test_single_point_config_without_zero_or_autotuning_keys(tmp_path: Path) -> None:
+    cfg = tuning_config(tmp_path, {"autotuning": {}})
+    (exp,) = user_list_experiments(cfg, 1, 1)
+    assert exp.name == "z0_gas1_tmbspg1"
+    assert exp.ds_config == {
+        "autotuning": {"enabled": True, "start_profile_step": 3, "end_profile_step": 5},
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 1,
+        "zero_optimization": {"stage": 0},
+    }
+
+
+def test_stage_all_gives_four_spaces(tmp_path: Path) -> None:
+    cfg = tuning_config(tmp_path, {"autotuning": {}, "zero_optimization": {"stage": "all"},
+                                   "train_micro_batch_size_per_gpu": 4})
+    exps = user_list_experiments(cfg, 1, 1)
+    assert [e.space for e in exps] == ["z0", "z1", "z2", "z3"]
+    assert [e.ds_config["zero_optimization"]["stage"] for e in exps] == [0, 1, 2, 3]
+
+
+def test_experiment_config_direct() -> None:
+    user = {"zero_optimization": None, "autotuning": {"enabled": False, "exps_dir": "e"}}
+    snapshot = copy.deepcopy(user)
+    config = experiment_config(user, stage=2, mbs=5, gas=2, world_size=3, start_profile_step=1,
+                               end_profile_step=4)
+    assert config == {
+        "zero_optimization": {"stage": 2},
+        "autotuning": {"enabled": True, "start_profile_step": 1, "end_profile_step": 4},
+        "train_micro_batch_size_per_gpu": 5,
+        "gradient_accumulation_steps": 2,
+        "train_batch_size": 30,
+    }
+    assert user == snapshot
+
+
+# ---------------------------------------------------------------- optimal config
+
+
+def test_optimal_config_drops_autotuning_and_keeps_the_rest() -> None:
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "autotuning": {"enabled": True, "start_profile_step": 3, "end_profile_step": 5},
+    }
+    snapshot = copy.deepcopy(ds)
+    optimal = optimal_config(ds)
+    assert optimal == {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    }
+    assert ds == snapshot
+    optimal["zero_optimization"]["offload_optimizer"]["device"] = "nvme"
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_optimal_config_without_autotuning_section() -> None:
+    assert optimal_config({"fp16": {"enabled": True}}) == {"fp16": {"enabled": True}}
+
+
+# ---------------------------------------------------------------- script arguments
+
+CFG = Path("/results/z1_gas1_tmbspg4/ds_config.json")
+
+
+@pytest.mark.parametrize(
+    ("base", "expected"),
+    [
+        (("--deepspeed_config", "ds.json"), ["--deepspeed_config", str(CFG)]),
+        (("--steps", "5", "--deepspeed_config", "ds.json", "--lr", "0.1"),
+         ["--steps", "5", "--deepspeed_config", str(CFG), "--lr", "0.1"]),
+        (("--deepspeed_config=ds.json",), [f"--deepspeed_config={CFG}"]),
+        (("--a", "1", "--deepspeed_config=old/ds.json", "--b"), ["--a", "1", f"--deepspeed_config={CFG}", "--b"]),
+        (("--deepspeed", "ds.json", "--bf16"), ["--deepspeed", str(CFG), "--bf16"]),
+        (("--deepspeed=ds.json",), [f"--deepspeed={CFG}"]),
+        ((), ["--deepspeed_config", str(CFG)]),
+        (("--steps", "5"), ["--steps", "5", "--deepspeed_config", str(CFG)]),
+        (("--name", "a b", "--quote", "it's \"x\"", "--deepspeed_config", "c.json"),
+         ["--name", "a b", "--quote", "it's \"x\"", "--deepspeed_config", str(CFG)]),
+        (("--name", "a b", "--empty", ""), ["--name", "a b", "--empty", "", "--deepspeed_config", str(CFG)]),
+        (("--deepspeed_configs", "x"), ["--deepspeed_configs", "x", "--deepspeed_config", str(CFG)]),
+    ],
+    ids=["flag-value", "flag-value-middle", "equals", "equals-middle", "hf-style", "hf-equals", "none",
+         "none-appended", "spaces-and-quotes", "empty-arg", "similar-flag-not-matched"],
+)
+def test_with_config(base: tuple[str, ...], expected: list[str]) -> None:
+    snapshot = tuple(base)
+    assert with_config("train.py", base, CFG) == ["train.py", *expected]
+    assert base == snapshot
+
+
+def test_with_config_returns_fresh_lists() -> None:
+    base = ("--steps", "5")
+    first = with_config("t.py", base, Path("/a.json"))
+    second = with_config("t.py", base, Path("/b.json"))
+    first.append("--extra")
+    assert second == ["t.py", "--steps", "5", "--deepspeed_config", "/b.json"]
+    assert base == ("--steps", "5")
+
+
+def test_with_config_only_first_occurrence_replaced() -> None:
+    result = with_config("t.py", ("--deepspeed_config", "a.json", "--deepspeed_config", "b.json"), CFG)
+    assert result == ["t.py", "--deepspeed_config", str(CFG), "--deepspeed_config", "b.json"]
+
+
+def test_with_config_deepspeed_boolean_flag_then_deepspeed_config() -> None:
+    result = with_config("t.py", ("--deepspeed", "--deepspeed_config", "ds.json"), CFG)
+    assert result == ["t.py", "--deepspeed", "--deepspeed_config", str(CFG)]
+
+
+def test_with_config_deepspeed_boolean_flag_then_other_option() -> None:
+    result = with_config("t.py", ("--deepspeed", "--steps", "5"), CFG)
+    assert result == ["t.py", "--deepspeed", "--steps", "5", "--deepspeed_config", str(CFG)]
