@@ -1,0 +1,1 @@
+"""Moves processes between hosts: machine set-up (setup.sh) now; fabric start/stop of workers later."""
