@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from urllib.parse import urlparse
 
 import redis
 from celery import signals
+from celery.exceptions import TimeLimitExceeded
 
 from workers import keys
-from workers.launch import kill_group
+from workers.launch import group_runs_slot, kill_group
 from workers.registry import Heartbeat, connect, register_control, register_slot
-from workers.slot import address_towards, describe_local_slot, node_name, parse_queue, slot_queue
+from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
 
 log = logging.getLogger(__name__)
 _heartbeats: list[Heartbeat] = []
@@ -50,6 +52,10 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
         os.environ["AUTOTUNE_SLOT_JSON"] = json.dumps(slot.to_redis())
         if slot.kind == "cuda":
             os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+        orphans = kill_orphans(client, slot.queue)
+        if orphans:
+            log.warning("killed %d training process group(s) left by an earlier worker of %s",
+                        orphans, slot.queue)
         _heartbeats.append(register_slot(client, slot))
         log.info("slot %s registered: %s", slot.queue, slot)
     if "control" in queues.consume_from:
@@ -65,15 +71,41 @@ def unregister(**_: object) -> None:
 @signals.task_revoked.connect
 def kill_revoked_rank(request=None, **_: object) -> None:
     """Backup for revoke(terminate=True): the pool child's own cleanup may be cut short."""
+    if request is not None:
+        _kill_recorded_group(request.id)
+
+
+@signals.task_failure.connect
+def kill_timed_out_rank(task_id: str | None = None, exception: BaseException | None = None,
+                        **_: object) -> None:
+    """A hard time limit SIGKILLs the pool child 0.1 s after SIGTERM: finish its job from here."""
+    if task_id and isinstance(exception, TimeLimitExceeded):
+        _kill_recorded_group(task_id)
+
+
+def _kill_recorded_group(task_id: str) -> None:
+    """Kill the training group a rank task recorded, without blocking the worker's main loop."""
     slot_json = os.environ.get("AUTOTUNE_SLOT_JSON")
-    if request is None or not slot_json:
+    if not slot_json:
         return
-    node = json.loads(slot_json)["node"]
     from tasks import app
 
-    pgid = redis_client(app.conf).get(keys.pgid(node, request.id))
-    if pgid:
-        kill_group(int(pgid), grace_s=0.0)
+    queue = Slot.from_redis(json.loads(slot_json)).queue
+    pgid = redis_client(app.conf).get(keys.pgid(queue, task_id))
+    if pgid and group_runs_slot(int(pgid), queue):
+        threading.Thread(target=kill_group, args=(int(pgid),), daemon=True).start()
+
+
+def kill_orphans(client: redis.Redis, queue: str) -> int:
+    """Kill training groups left by an earlier worker of this slot (one that was SIGKILLed)."""
+    killed = 0
+    for key in client.scan_iter(match=keys.pgid_pattern(queue)):
+        pgid = client.get(key)
+        if pgid and group_runs_slot(int(pgid), queue):
+            kill_group(int(pgid))
+            killed += 1
+        client.delete(key)
+    return killed
 
 
 def _redis_host_port(url: str) -> tuple[str, int]:

@@ -8,7 +8,8 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:gang:<node>.gpu<i>         str   owner token of a gang reservation of that slot (PX lease)
     autotune:rdzv:<attempt>             list  rank 0's "addr:port", pushed once per waiting rank
     autotune:abort:<attempt>            str   set when a rank of that attempt failed: the others stop
-    autotune:pgid:<node>:<task_id>      str   process group of a running rank (cleanup after a crash)
+    autotune:pgid:<node>.gpu<i>:<task>  str   process group of a rank running on that slot (cleanup
+                                              when its worker died without killing it)
     autotune:job:<job>:events           list  finished experiments of a tuning job, for its driver
 
 `attempt` is a fresh token per launch of an experiment, so a retried experiment never meets the
@@ -40,12 +41,12 @@ def abort(attempt: str) -> str:
     return f"{PREFIX}abort:{attempt}"
 
 
-def pgid(node: str, task_id: str) -> str:
-    return f"{PREFIX}pgid:{node}:{task_id}"
+def pgid(queue: str, task_id: str) -> str:
+    return f"{PREFIX}pgid:{queue}:{task_id}"
 
 
-def pgid_pattern(node: str) -> str:
-    return f"{PREFIX}pgid:{node}:*"
+def pgid_pattern(queue: str = "*") -> str:
+    return f"{PREFIX}pgid:{queue}:*"
 
 
 def job_events(job: str) -> str:

@@ -69,6 +69,17 @@ def kill_group(pgid: int, grace_s: float = KILL_GRACE_S) -> None:
         pass
 
 
+def group_runs_slot(pgid: int, queue: str) -> bool:
+    """Whether a live process of group `pgid` was started for slot `queue` (guards against PID reuse)."""
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.environ().get("AUTOTUNE_SLOT") == queue:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
+
+
 def tree_rss(root: psutil.Process) -> int:
     """Resident memory of a process and all its descendants, in bytes."""
     total = 0

@@ -136,7 +136,7 @@ class LocalCluster:
             kill_group(worker.pid, grace_s=0.0)
             worker.wait()
         if client is not None:
-            _kill_recorded_groups(client, self.node)
+            _kill_recorded_groups(client)
         if self._redis is not None and self._redis.poll() is None:
             self._redis.terminate()
             try:
@@ -158,10 +158,10 @@ def _pings(client: redis.Redis) -> bool:
     return bool(client.ping())
 
 
-def _kill_recorded_groups(client: redis.Redis, node: str) -> None:
-    """Training process groups whose worker died before cleaning up (recorded by run_rank)."""
+def _kill_recorded_groups(client: redis.Redis) -> None:
+    """Training groups whose worker died before cleaning up (recorded by run_rank); this Redis is ours."""
     try:
-        for key in client.scan_iter(match=keys.pgid_pattern(node)):
+        for key in client.scan_iter(match=keys.pgid_pattern()):
             pgid = client.get(key)
             if pgid:
                 kill_group(int(pgid), grace_s=2.0)

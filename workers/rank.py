@@ -122,7 +122,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
 
     log_prefix = "" if spec.rank == 0 else f"rank{spec.rank}."
     stderr_path = result_dir / f"{log_prefix}stderr.log"
-    pgid_key = keys.pgid(slot.node, task_id or spec.attempt)
+    pgid_key = keys.pgid(slot.queue, task_id or spec.attempt)
     abort_key = keys.abort(spec.attempt)
     cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
     try:
