@@ -27,6 +27,7 @@ class Experiment:
     ds_config: dict[str, Any] = field(compare=False)
     num_nodes: int = 1
     num_gpus: int = 1
+    tuning_space: str = ""  #: full mode: DeepSpeed's space name (e.g. z1_rbs_abs_tmbspg)
 
     @property
     def world_size(self) -> int:
@@ -34,8 +35,8 @@ class Experiment:
 
     @property
     def space(self) -> str:
-        """The tuning space it belongs to in summary.txt (DeepSpeed: one per ZeRO stage)."""
-        return f"z{self.stage}"
+        """The tuning space it belongs to in summary.txt (fast mode: one per ZeRO stage)."""
+        return self.tuning_space or f"z{self.stage}"
 
 
 def experiment_name(stage: int, gas: int, mbs: int) -> str:
