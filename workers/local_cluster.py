@@ -6,11 +6,14 @@ running beforehand. Every process starts in its own session (Ctrl-C in the termi
 the autotuner, which then stops them in order) and is stopped by PID: workers get a cold shutdown
 (SIGQUIT: the running experiment's process group is killed, no waiting for it to finish), then
 SIGKILL after a grace; training groups recorded in Redis are killed; Redis goes last.
-Their PIDs are in <log_dir>/pids.json, for cleaning up by hand after a `kill -9` of the autotuner.
+If the autotuner itself is killed with SIGKILL, the kernel tells its children (Linux parent-death
+signal): workers get SIGQUIT and Redis SIGTERM, so even then nothing is left running. Their PIDs
+are also in <log_dir>/pids.json.
 The Redis password is random and passed on stdin, so it never appears in a process list.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -29,6 +32,7 @@ from workers.paths import write_json
 from workers.registry import connect, control_alive, live_slots
 
 START_TIMEOUT_S = 120.0
+PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 15.0
 
 
@@ -79,7 +83,8 @@ class LocalCluster:
                                     "or set AUTOTUNE_REDIS_URL to use a running cluster")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port, password = free_tcp_port(), secrets.token_hex(16)
-        self._redis = _spawn([server, "-"], self.log_dir / "redis.log", os.environ.copy(), stdin=True)
+        self._redis = _spawn([server, "-"], self.log_dir / "redis.log", os.environ.copy(),
+                             stdin=True, death_signal=signal.SIGTERM)
         config = (f"port {port}\nbind 127.0.0.1\nrequirepass {password}\nsave \"\"\n"
                   f"appendonly no\ndir {self.log_dir}\n")
         self._redis.stdin.write(config.encode())
@@ -104,7 +109,7 @@ class LocalCluster:
         log = self.log_dir / f"{queue}.log"
         argv = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", name,
                 "-c", str(concurrency), "--without-gossip", "--without-mingle", "-l", "INFO"]
-        self._workers.append(_spawn(argv, log, env))
+        self._workers.append(_spawn(argv, log, env, death_signal=signal.SIGQUIT))
 
     def _wait(self, ready, what: str, log: Path) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -147,11 +152,23 @@ class LocalCluster:
         self._workers.clear()
 
 
-def _spawn(argv: list[str], log: Path, env: dict[str, str], stdin: bool = False) -> subprocess.Popen:
+def _spawn(argv: list[str], log: Path, env: dict[str, str], death_signal: int,
+           stdin: bool = False) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent(death_signal))
+
+
+def _die_with_parent(sig: int):
+    """A preexec hook asking Linux to send `sig` to the child when this process dies (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def set_death_signal() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, sig)
+    return set_death_signal
 
 
 def _pings(client: redis.Redis) -> bool:

@@ -54,17 +54,14 @@ def load_ds_config(value: str) -> dict[str, Any]:
     """Returns the DeepSpeed config named by ``value``: a JSON/hjson file path or base64 JSON."""
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as config_file:
-            text = config_file.read()
-        source = f"config file {value!r}"
-    else:
-        text = _decode_base64(value)
-        if text is None:
-            raise ValueError(f"DeepSpeed config {_shorten(value)} is neither an existing file nor base64-encoded JSON")
-        source = f"base64 DeepSpeed config {_shorten(value)}"
-    config = _parse_json_or_hjson(text, source)
-    if not isinstance(config, dict):
-        raise ValueError(f"{source} holds a {type(config).__name__}, not a JSON object")
-    return config
+            return _parse_config_object(config_file.read(), f"config file {value!r}")
+    text = _decode_base64(value)
+    if text is not None:
+        try:
+            return _parse_config_object(text, "decoded base64")
+        except ValueError:
+            pass
+    raise ValueError(f"DeepSpeed config {_shorten(value)} is neither an existing file nor base64-encoded JSON")
 
 
 def _decode_base64(value: str) -> str | None:
@@ -77,18 +74,21 @@ def _decode_base64(value: str) -> str | None:
         return None
 
 
-def _parse_json_or_hjson(text: str, source: str) -> Any:
+def _parse_config_object(text: str, source: str) -> dict[str, Any]:
     try:
-        return json.loads(text)
+        config = json.loads(text)
     except json.JSONDecodeError as json_error:
         try:
             import hjson
         except ImportError:
             raise ValueError(f"{source} is not valid JSON: {json_error}") from json_error
         try:
-            return hjson.loads(text)
+            config = hjson.loads(text)
         except hjson.HjsonDecodeError as hjson_error:
             raise ValueError(f"{source} is not valid JSON or hjson: {hjson_error}") from hjson_error
+    if not isinstance(config, dict):
+        raise ValueError(f"{source} holds a {type(config).__name__}, not a JSON object")
+    return config
 
 
 def _shorten(value: str, limit: int = 120) -> str:

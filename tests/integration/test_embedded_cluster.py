@@ -45,8 +45,7 @@ def test_interrupt_tears_everything_down(tmp_path, sig):
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _stop_politely(proc)
     assert proc.returncode == 130, out + err
     assert "interrupted" in err and "Traceback" not in err
     assert processes_with_marker(marker) == []
@@ -56,3 +55,38 @@ def test_interrupt_tears_everything_down(tmp_path, sig):
     first = json.loads((tmp_path / "autotuning_results" / "z0_gas1_tmbspg1" / "result.json").read_text())
     assert first["status"] == "ok"
     assert "z0_gas1_tmbspg1" in (tmp_path / "autotuning_results" / "summary.txt").read_text()
+
+
+def test_autotuner_killed_with_sigkill_leaves_nothing(tmp_path):
+    """Even `kill -9` of the autotuner: the kernel's parent-death signal stops its cluster."""
+    marker = secrets.token_hex(8)
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[5])
+    cfg_data = json.loads(cfg.read_text())
+    cfg_data["autotuning"]["user_args"] = ["--behaviour", "5=hang"]
+    cfg.write_text(json.dumps(cfg_data))
+    proc = subprocess.Popen([sys.executable, "-m", "scheduler.autotune", str(cfg), "--slots", "2",
+                             "--num_gpus", "2"], cwd=tmp_path, env=_env(marker),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    hung = tmp_path / "autotuning_results" / "z0_gas1_tmbspg5"
+    try:
+        wait_for(lambda: (hung / "started.rank1").exists(), 120, "the experiment to start")
+        pids = json.loads((tmp_path / "autotuning_results" / "cluster" / "pids.json").read_text())
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: not processes_with_marker(marker), 30, "workers and training to exit")
+        wait_for(lambda: not psutil.pid_exists(pids["redis-server"])
+                 or psutil.Process(pids["redis-server"]).status() == psutil.STATUS_ZOMBIE,
+                 15, "redis-server to exit")
+    finally:
+        _stop_politely(proc)
+
+
+def _stop_politely(proc: subprocess.Popen) -> None:
+    """Test clean-up: interrupt (so the autotuner tears its cluster down), kill only if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
