@@ -1,0 +1,152 @@
+"""Which environment variables a multi-node launch carries to every node, and how.
+
+Why this exists: a remote node does not inherit the launching shell's environment, so DeepSpeed's
+runner copies a chosen part of it onto each node (as `export` statements for pdsh, `-x`/`-genv`
+flags for MPI, `--export=` for Slurm). Users rely on that for NCCL tuning and PYTHONPATH, and on
+`.deepspeed_env` files for anything else. This module computes that set, as pure logic, and renders
+it as shell text that survives any value.
+
+Rules kept from DeepSpeed's runner:
+- a variable of the launching environment is exported when its name starts with one of
+  EXPORT_PREFIXES (`MLFLOW`, `PYTHON`, `MV2`, `UCX`, and the CUDA accelerator's `NCCL`);
+- when `AISC_JOB_NAME` is set, the exact names `NCCL_IB_HCA` and `UCX_NET_DEVICES` are not exported
+  (such clusters configure those per node);
+- PYTHONPATH is exported with the working directory in front, so the user's modules resolve on
+  every node;
+- then the env file is applied: its name is `$DS_ENV_FILE` or `.deepspeed_env`, read first from the
+  home directory and then from the working directory; both are applied, so the working directory's
+  file wins, and a file wins over the environment. Lines are `KEY=VALUE`, split at the first `=`,
+  key and value stripped of surrounding blanks. Keys keep the position of their first appearance.
+
+Deliberate differences from DeepSpeed, and why:
+- values are kept raw and quoted with `shlex.quote` only when shell text is rendered. DeepSpeed
+  wraps a value in double quotes when it holds an unusual character, which lets the remote shell
+  expand `$`, backticks and `\\`, breaks on values containing `"`, and leaves literal quote
+  characters in MPI and Slurm flags, where no shell removes them.
+- values taken from the environment are not stripped: the remote value equals the local one.
+- blank lines and lines starting with `#` in an env file are skipped (DeepSpeed fails on them with
+  an unpacking error); a line without `=` or with a key that is not a shell variable name is an
+  error naming the file and line (DeepSpeed accepts `export K=V` and produces a broken command).
+- environment variables whose names are not shell variable names are skipped: no shell can set them.
+- an empty PYTHONPATH is replaced by the working directory alone; DeepSpeed writes `cwd:`, whose
+  trailing empty entry means "the current directory" to Python.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Callable, Iterable, Mapping
+
+from scheduler.errors import UsageError
+
+EXPORT_PREFIXES: tuple[str, ...] = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
+"""Name prefixes of the variables copied from the launching environment to every node."""
+
+EXCLUDED_WHEN_SET: Mapping[str, tuple[str, ...]] = {"AISC_JOB_NAME": ("NCCL_IB_HCA", "UCX_NET_DEVICES")}
+"""While the key variable is set, these exact names are not exported."""
+
+ENV_FILE_NAME = ".deepspeed_env"
+ENV_FILE_VARIABLE = "DS_ENV_FILE"
+
+ReadText = Callable[[str], "str | None"]
+"""Reads a file's text; returns None when there is no regular file at that path."""
+
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def is_variable_name(name: str) -> bool:
+    """True for names a POSIX shell can export (letters, digits, underscore; no leading digit)."""
+    return _VARIABLE_NAME.match(name) is not None
+
+
+def launch_pythonpath(environ: Mapping[str, str], cwd: str) -> str:
+    """PYTHONPATH for the nodes: the working directory, then whatever PYTHONPATH already held."""
+    existing = environ.get("PYTHONPATH", "")
+    return f"{cwd}:{existing}" if existing else cwd
+
+
+def exports_from_environ(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
+    """The variables of `environ` that DeepSpeed's prefix rule exports, in `environ` order."""
+    with_path = dict(environ)
+    with_path["PYTHONPATH"] = launch_pythonpath(environ, cwd)
+    excluded = _excluded_names(environ)
+    return {
+        name: value
+        for name, value in with_path.items()
+        if name.startswith(EXPORT_PREFIXES) and name not in excluded and is_variable_name(name)
+    }
+
+
+def env_file_paths(environ: Mapping[str, str], home_dir: str, cwd: str) -> tuple[str, str]:
+    """The two env files, in the order they are applied: home directory, then working directory."""
+    name = environ.get(ENV_FILE_VARIABLE) or ENV_FILE_NAME
+    return os.path.join(home_dir, name), os.path.join(cwd, name)
+
+
+def parse_env_file(text: str, source: str = "<env file>") -> dict[str, str]:
+    """Parse `KEY=VALUE` lines; blank lines and `#` comments are skipped, later keys win."""
+    entries: dict[str, str] = {}
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        key, equals, value = stripped.partition("=")
+        key = key.strip()
+        if not equals:
+            raise UsageError(f"{source}, line {line_number}: {stripped!r} has no '='; write KEY=VALUE")
+        if not is_variable_name(key):
+            raise UsageError(
+                f"{source}, line {line_number}: {key!r} is not a variable name; "
+                f"write KEY=VALUE with KEY made of letters, digits and '_' (no 'export')"
+            )
+        entries[key] = value.strip()
+    return entries
+
+
+def read_env_file(path: str) -> str | None:
+    """The text of the env file at `path`, or None when there is no regular file there."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not UTF-8 text; save it as plain KEY=VALUE lines") from None
+    except OSError as error:
+        raise UsageError(f"{path}: cannot be read ({error.strerror}); make it readable or remove it") from None
+
+
+def collect_exports(
+    environ: Mapping[str, str],
+    *,
+    home_dir: str,
+    cwd: str,
+    read_text: ReadText = read_env_file,
+) -> dict[str, str]:
+    """Everything exported to every node, in order: prefixed variables, then both env files."""
+    exports = exports_from_environ(environ, cwd)
+    for path in env_file_paths(environ, home_dir, cwd):
+        text = read_text(path)
+        if text is not None:
+            exports.update(parse_env_file(text, source=path))
+    return exports
+
+
+def export_statement(name: str, value: str) -> str:
+    """`export NAME=VALUE;` with the value quoted so that a shell reads it back unchanged."""
+    if not is_variable_name(name):
+        raise UsageError(f"cannot export {name!r}: not a shell variable name")
+    return f"export {name}={shlex.quote(value)};"
+
+
+def render_exports(exports: Mapping[str, str]) -> str:
+    """All exports as one shell fragment, `export A=1; export B='x y';`, in mapping order."""
+    return " ".join(export_statement(name, value) for name, value in exports.items())
+
+
+def _excluded_names(environ: Mapping[str, str]) -> frozenset[str]:
+    names: Iterable[str] = (
+        name for trigger, listed in EXCLUDED_WHEN_SET.items() if trigger in environ for name in listed
+    )
+    return frozenset(names)
