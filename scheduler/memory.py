@@ -1,0 +1,331 @@
+"""Per-rank memory of one training run: an analytical model that opens the search, then measured lines.
+
+Why: DeepSpeed's autotuner picks the ZeRO stages to try and the micro-batch sizes to probe from an
+estimate that is wrong in several ways (fp32 counted as 16 bytes per parameter, bf16 treated as fp32,
+mp_size dividing the model a second time after ZeRO sharding, offload ignored). Each wrong guess costs
+an out-of-memory probe: a process start, a model load and a crash. Here the analytical model is only
+the opening guess. Every successful probe reports its peak memory; a line mem(mbs) = a + b*mbs is
+fitted per stage, carried to the next stage by the analytical difference between the two stages, and
+bounded from above by the OOMs seen, so later probes land just under the real limit.
+
+Numbers used (documented choices, not measurements):
+- Model states per parameter: fp32 4 (weights) + 4 (gradients) + 12 (Adam); fp16/bf16 2 + 2 + 12,
+  where 12 is Adam's two fp32 moments plus an fp32 master copy of the weights. For pure fp32 without
+  ZeRO the master copy does not exist, so the model over-counts by 4 bytes there; calibration absorbs it.
+- `DEFAULT_OVERHEAD_BYTES` (512 MiB): what a training process holds besides model states and
+  activations (framework runtime on CPU slots; CUDA context, allocator reserve and communication
+  buckets on GPUs). Used only until a probe is measured; the fitted intercept replaces it.
+- `SAFETY` (0.95): fitted lines predict the largest batch whose memory stays under 95 % of the
+  capacity, because peak memory varies a few percent between runs (allocator fragmentation, the
+  monitor's sampling) and the fit is used to pick probes directly. The analytical model is used
+  without the margin, like DeepSpeed's estimate: its probes already straddle the prediction by 5 %.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_OVERHEAD_BYTES = 512 * MiB
+SAFETY = 0.95
+#: A micro-batch size no configuration reaches; returned when memory does not grow with the batch.
+NO_LIMIT = 1 << 31
+#: Adam's two fp32 moments plus the fp32 master copy of the weights.
+_OPTIMIZER_BYTES = 12
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the profile run (or the user's `autotuning.model_info`) says about the model."""
+
+    num_params: int  #: whole model, all model-parallel ranks together
+    trainable_num_params: int
+    activation_mem_per_gpu: int  #: bytes of activations for one sample on one rank
+
+    @classmethod
+    def from_mapping(cls, data: Any) -> ModelInfo | None:
+        """From a profile record's metrics or `autotuning.model_info`; None when a value is missing."""
+        if not isinstance(data, Mapping):
+            return None
+        num_params = _number(data.get("num_params"))
+        activation = _number(data.get("activation_mem_per_gpu"))
+        if not num_params or activation is None:
+            return None
+        trainable = _number(data.get("trainable_num_params"))
+        trainable = num_params if trainable is None else min(trainable, num_params)
+        return cls(num_params, trainable, max(activation, 0))
+
+
+def _number(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return int(value)
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """The parts of a run's shape and ds_config that decide where model states live."""
+
+    world_size: int = 1
+    mp_size: int = 1
+    mixed_precision: bool = False  #: fp16 or bf16 weights and gradients
+    offload_optimizer: bool = False  #: optimizer states leave the memory the capacity measures
+    offload_param: bool = False  #: parameters leave it (ZeRO-3 only)
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that ZeRO shards over: the model-parallel groups split the world first."""
+        return max(1, self.world_size // max(1, self.mp_size))
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Mapping[str, Any], world_size: int, mp_size: int = 1,
+                       host_memory: bool = False) -> TrainingSetup:
+        """`host_memory`: the capacity is host RAM (a CPU slot), so offloading to "cpu" frees nothing."""
+        zero = ds_config.get("zero_optimization")
+        zero = zero if isinstance(zero, Mapping) else {}
+        freeing = ("nvme",) if host_memory else ("cpu", "nvme")
+        return cls(world_size=world_size, mp_size=mp_size, mixed_precision=mixed_precision(ds_config),
+                   offload_optimizer=_offload_device(zero, "offload_optimizer") in freeing,
+                   offload_param=_offload_device(zero, "offload_param") in freeing)
+
+
+def mixed_precision(ds_config: Mapping[str, Any]) -> bool:
+    """fp16 or bf16 enabled ("auto" counts as enabled: the smaller estimate, so no stage is wrongly skipped)."""
+    for key in ("fp16", "bf16", "bfloat16"):
+        section = ds_config.get(key)
+        if isinstance(section, Mapping) and section.get("enabled") in (True, "auto"):
+            return True
+    return False
+
+
+def _offload_device(zero: Mapping[str, Any], key: str) -> str:
+    section = zero.get(key)
+    device = section.get("device") if isinstance(section, Mapping) else None
+    return device.lower() if isinstance(device, str) else "none"
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes held by one rank."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(info: ModelInfo, setup: TrainingSetup, stage: int) -> StateBytes:
+    """Per-rank model states at a ZeRO stage: model parallelism splits the model once, ZeRO shards
+    the optimizer (stage >= 1), gradients (>= 2) and parameters (3) over the data-parallel ranks."""
+    width = 2 if setup.mixed_precision else 4
+    params = _ceil_div(info.num_params, setup.mp_size)
+    trainable = _ceil_div(info.trainable_num_params, setup.mp_size)
+    dp = setup.dp_size
+    return StateBytes(
+        params=0 if stage >= 3 and setup.offload_param else _ceil_div(params * width, dp if stage >= 3 else 1),
+        grads=_ceil_div(trainable * width, dp if stage >= 2 else 1),
+        optimizer=0 if setup.offload_optimizer else _ceil_div(trainable * _OPTIMIZER_BYTES, dp if stage >= 1 else 1),
+    )
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // max(1, b))
+
+
+@dataclass(frozen=True)
+class StageFit:
+    """Whether a stage can run micro-batch 1 at all, and by how much it misses."""
+
+    stage: int
+    required_bytes: int
+    capacity_bytes: int
+
+    @property
+    def shortfall_bytes(self) -> int:
+        return max(0, self.required_bytes - self.capacity_bytes)
+
+    @property
+    def feasible(self) -> bool:
+        return self.shortfall_bytes == 0
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The analytical estimate: model states + fixed overhead + activations per sample."""
+
+    info: ModelInfo
+    setup: TrainingSetup
+    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
+
+    def state(self, stage: int) -> StateBytes:
+        return model_state_bytes(self.info, self.setup, stage)
+
+    def fixed_bytes(self, stage: int) -> int:
+        """Memory that does not grow with the micro-batch."""
+        return self.state(stage).total + self.overhead_bytes
+
+    def required_bytes(self, stage: int, mbs: int) -> int:
+        return self.fixed_bytes(stage) + self.info.activation_mem_per_gpu * mbs
+
+    def fits(self, stage: int, mbs: int, capacity_bytes: int) -> bool:
+        return self.required_bytes(stage, mbs) <= capacity_bytes
+
+    def max_micro_batch_size(self, stage: int, capacity_bytes: int) -> int:
+        """The largest micro-batch that fits (0: not even one sample)."""
+        return _line_max(self.fixed_bytes(stage), self.info.activation_mem_per_gpu, capacity_bytes)
+
+    def gate(self, stage: int, capacity_bytes: int) -> StageFit:
+        return StageFit(stage, self.required_bytes(stage, 1), capacity_bytes)
+
+
+def stage_gate(model: MemoryModel, stages: Sequence[int], capacity_bytes: int) -> tuple[StageFit, ...]:
+    """One `StageFit` per stage, in the given order."""
+    return tuple(model.gate(stage, capacity_bytes) for stage in stages)
+
+
+def _line_max(intercept: float, slope: float, budget: float) -> int:
+    if slope <= 0:
+        return NO_LIMIT if intercept <= budget else 0
+    return max(0, min(NO_LIMIT, math.floor((budget - intercept) / slope)))
+
+
+# ---------------------------------------------------------------- calibration
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One finished probe of a stage: a measured peak (success) or an OOM (an upper bound)."""
+
+    micro_batch_size: int
+    peak_bytes: int | None = None  #: None: succeeded without a usable measurement, or failed
+    oom: bool = False
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted line mem(mbs) = intercept + slope * mbs for one stage."""
+
+    intercept: float
+    slope: float
+    points: int  #: distinct micro-batch sizes the fit used
+
+    def bytes_at(self, mbs: int) -> float:
+        return self.intercept + self.slope * mbs
+
+    def max_micro_batch_size(self, capacity_bytes: int, safety: float = SAFETY) -> int:
+        return _line_max(self.intercept, self.slope, capacity_bytes * safety)
+
+    def shifted(self, delta_bytes: float) -> Calibration:
+        """The same line moved by `delta_bytes`: another stage's fit carried to this one."""
+        return Calibration(self.intercept + delta_bytes, self.slope, self.points)
+
+
+def calibrate(observations: Sequence[Observation], prior_slope: float) -> Calibration | None:
+    """Least squares over the measured peaks (None without any). With one distinct micro-batch size
+    the slope is `prior_slope` and only the intercept is fitted; a negative slope is clamped to 0."""
+    points = [(o.micro_batch_size, o.peak_bytes) for o in observations if o.peak_bytes and not o.oom]
+    if not points:
+        return None
+    xs = [float(x) for x, _ in points]
+    ys = [float(y) for _, y in points]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    distinct = len(set(xs))
+    if distinct == 1:
+        slope = max(0.0, prior_slope)
+    else:
+        slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread)
+    return Calibration(mean_y - slope * mean_x, slope, distinct)
+
+
+def bounds(observations: Sequence[Observation]) -> tuple[int, int | None]:
+    """(largest micro-batch that succeeded or 0, smallest that ran out of memory or None)."""
+    ok = [o.micro_batch_size for o in observations if not o.oom]
+    ooms = [o.micro_batch_size for o in observations if o.oom]
+    return max(ok, default=0), min(ooms, default=None)
+
+
+def predict_max_micro_batch_size(model: MemoryModel, stage: int, capacity_bytes: int,
+                                 observations: Mapping[int, Sequence[Observation]],
+                                 safety: float = SAFETY) -> int:
+    """The largest micro-batch expected to fit at `stage`.
+
+    The stage's own fit if it has measured probes, else the nearest measured stage's fit shifted by
+    the analytical difference between the two stages, else the analytical model. A known success is
+    a lower bound; the prediction always stays below the smallest OOM seen at this stage.
+    """
+    own = list(observations.get(stage, ()))
+    line = _line_for(model, stage, observations)
+    if line is None:
+        predicted = model.max_micro_batch_size(stage, capacity_bytes)
+    else:
+        predicted = line.max_micro_batch_size(capacity_bytes, safety)
+    largest_ok, smallest_oom = bounds(own)
+    predicted = max(predicted, largest_ok)
+    return max(0, min(predicted, smallest_oom - 1)) if smallest_oom is not None else predicted
+
+
+def _line_for(model: MemoryModel, stage: int,
+              observations: Mapping[int, Sequence[Observation]]) -> Calibration | None:
+    fits = {s: calibrate(obs, _prior_slope(model, s, observations)) for s, obs in observations.items()}
+    fitted = sorted((abs(s - stage), s) for s, fit in fits.items() if fit is not None)
+    if not fitted:
+        return None
+    source = fitted[0][1]
+    return fits[source].shifted(model.fixed_bytes(stage) - model.fixed_bytes(source))
+
+
+def _prior_slope(model: MemoryModel, stage: int, observations: Mapping[int, Sequence[Observation]]) -> float:
+    """Slope for a single-point fit: the nearest stage's multi-point fit, else the profile's activations."""
+    for _, other in sorted((abs(s - stage), s) for s in observations if s != stage):
+        fit = calibrate(observations[other], prior_slope=0.0)
+        if fit is not None and fit.points >= 2:
+            return fit.slope
+    return float(model.info.activation_mem_per_gpu)
+
+
+# ---------------------------------------------------------------- DeepSpeed's estimate, for comparison
+
+
+def deepspeed_fp16(ds_config: Mapping[str, Any]) -> bool:
+    """DeepSpeed's precision test: only the fp16 section counts (bf16 is estimated as fp32)."""
+    section = ds_config.get("fp16")
+    return bool(section.get("enabled", False)) if isinstance(section, Mapping) else False
+
+
+def deepspeed_instantiation_bytes(num_params: int, stage: int, fp16: bool, world_size: int,
+                                  mp_size: int = 1) -> float:
+    """DeepSpeed 0.19's model-state estimate (section 1.7): 20 B/param in fp16 and 16 in fp32,
+    sharded over the whole world and then divided by mp_size again; offload ignored."""
+    if not num_params:
+        return 0.0
+    params = num_params * (2 if fp16 else 4)
+    grads = num_params * (2 if fp16 else 4)
+    optimizer = num_params * (16 if fp16 else 8)
+    optimizer = optimizer / world_size if stage >= 1 else optimizer
+    grads = grads / world_size if stage >= 2 else grads
+    params = params / world_size if stage >= 3 else params
+    return (params + grads + optimizer) / mp_size
+
+
+def deepspeed_stage_fits(info: ModelInfo, stage: int, fp16: bool, world_size: int, mp_size: int,
+                         capacity_bytes: int) -> StageFit:
+    """DeepSpeed's gate: a stage is tried when capacity > instantiation + one sample's activations."""
+    required = deepspeed_instantiation_bytes(info.num_params, stage, fp16, world_size, mp_size)
+    required += info.activation_mem_per_gpu
+    return StageFit(stage, math.floor(required) + 1, capacity_bytes)
+
+
+def deepspeed_max_micro_batch_size(info: ModelInfo, stage: int, fp16: bool, world_size: int, mp_size: int,
+                                   capacity_bytes: int) -> int:
+    """DeepSpeed's `int(gpu_mem - instantiation) // activation_mem` (its `calculated_max_mbs`)."""
+    inst = deepspeed_instantiation_bytes(info.num_params, stage, fp16, world_size, mp_size)
+    if info.activation_mem_per_gpu <= 0:
+        return NO_LIMIT
+    return max(0, int(capacity_bytes - inst) // info.activation_mem_per_gpu)
