@@ -27,7 +27,9 @@ from scheduler.config import TuningConfig, load_config
 from scheduler.errors import ClusterError, ConfigError, UsageError
 from scheduler.outputs import print_table, write_experiment_descriptions, write_results
 from scheduler.ranking import metric_value
-from scheduler.space import Experiment, user_list_experiments
+from scheduler.fast_search import PROFILE, SearchSettings, fast_search
+from scheduler.phases import Phase, drive
+from scheduler.space import Experiment
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child
 from workers.registry import connect, control_alive, live_slots
@@ -105,36 +107,59 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
                            "`celery -A tasks worker -Q control -n control@%h`")
     per_node = max(sum(1 for s in slots if s.node == node) for node in {s.node for s in slots})
     num_gpus = args.num_gpus or per_node
-    experiments = user_list_experiments(cfg, args.num_nodes, num_gpus)
-    write_experiment_descriptions(cfg.exps_dir, experiments)
+    settings = SearchSettings.from_config(
+        cfg, capacity_bytes=min(s.memory_bytes for s in slots), num_nodes=args.num_nodes,
+        num_gpus=num_gpus, device_kind="cpu" if all(s.kind == "cpu" for s in slots) else "gpu")
+    console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {args.num_nodes} node(s) x "
+                  f"{num_gpus} slot(s) per experiment, metric {cfg.metric}, "
+                  f"slot memory {settings.capacity_bytes / 2**30:.1f} GiB")
 
-    records = _finished_before(cfg.results_dir, experiments)
-    todo = [e for e in experiments if e.name not in records]
-    console.print(f"{len(experiments)} experiments ({len(records)} already measured), "
-                  f"{args.num_nodes} node(s) x {num_gpus} slot(s) each, metric {cfg.metric}")
+    experiments: list[Experiment] = []
+    records: dict[str, dict[str, Any]] = {}
 
     def argv_for(exp: Experiment, config_path: Path) -> list[str]:
         return with_config(str(script), base_args, config_path)
 
     def report(record: dict[str, Any]) -> None:
         records[record["name"]] = record
+        _check_metric_key(cfg, record)
         value = metric_value(record, cfg.metric)
         shown = f"{cfg.metric}={value:,.2f}" if value is not None else record.get("status")
-        console.print(f"[{len(records)}/{len(experiments)}] {record['name']:<24} "
-                      f"{record.get('status', '?'):<10} {shown}  {record.get('wall_s') or 0:.1f}s "
-                      f"on {','.join(record.get('slots') or [])}")
+        console.print(f"  {record['name']:<28} {record.get('status', '?'):<10} {shown}  "
+                      f"{record.get('wall_s') or 0:.1f}s on {','.join(record.get('slots') or [])}")
 
     driver = Driver(client, app, job=uuid.uuid4().hex, results_root=cfg.results_dir,
                     script_argv=argv_for, cwd=os.getcwd(), timeout_s=args.exp_timeout, on_record=report)
+
+    def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:
+        experiments.extend(e for e in phase.experiments if e not in experiments)
+        reused = {e.name: r for e in phase.experiments if (r := _measured_before(cfg.results_dir, e))}
+        records.update(reused)
+        todo = [e for e in phase.experiments if e.name not in reused]
+        console.print(f"phase {phase.name}: {len(todo)} to run"
+                      + (f", {len(reused)} already measured" if reused else ""))
+        write_experiment_descriptions(cfg.exps_dir, todo)
+        driver.run(todo)
+        return {e.name: records[e.name] for e in phase.experiments}
+
     started = time.time()
     try:
-        driver.run(todo)
+        drive(fast_search(settings), run_phase)
     except BaseException:
         driver.cancel()
         _report(cfg, experiments, records, started, argv_for)
         raise
     winner = _report(cfg, experiments, records, started, argv_for)
     return 0 if winner is not None else 1
+
+
+def _check_metric_key(cfg: TuningConfig, record: dict[str, Any]) -> None:
+    """A script that never writes the metric asked for would make every experiment look failed."""
+    metrics = record.get("metrics")
+    if record.get("status") == "ok" and record["name"] != PROFILE and isinstance(metrics, dict) \
+            and cfg.metric not in metrics:
+        raise ConfigError(f"{cfg.path}: autotuning.metric is \"{cfg.metric}\" but the script's metrics "
+                          f"file has only {sorted(metrics)}; choose one of those or write \"{cfg.metric}\"")
 
 
 def _report(cfg: TuningConfig, experiments: list[Experiment], records: dict[str, dict[str, Any]],
@@ -151,15 +176,13 @@ def _report(cfg: TuningConfig, experiments: list[Experiment], records: dict[str,
     return winner
 
 
-def _finished_before(results_dir: Path, experiments: list[Experiment]) -> dict[str, dict[str, Any]]:
-    """Records of experiments already measured with exactly the same config (resume)."""
-    records = {}
-    for exp in experiments:
-        record = read_json(safe_child(results_dir, exp.name) / "result.json")
-        if isinstance(record, dict) and record.get("ds_config") == exp.ds_config \
-                and record.get("status") != "lost":
-            records[exp.name] = record
-    return records
+def _measured_before(results_dir: Path, exp: Experiment) -> dict[str, Any] | None:
+    """The record of `exp` if an earlier run measured exactly this config (resume), else None."""
+    record = read_json(safe_child(results_dir, exp.name) / "result.json")
+    if isinstance(record, dict) and record.get("ds_config") == exp.ds_config \
+            and record.get("status") != "lost":
+        return record
+    return None
 
 
 def _script(cfg: TuningConfig, script_args: list[str]) -> tuple[Path, tuple[str, ...]]:

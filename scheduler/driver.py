@@ -125,7 +125,8 @@ class Driver:
         }
         finish = {"job": self._job, "name": exp.name, "exp_id": exp_id, "attempt": attempt,
                   "results_root": str(self._root), "world_size": exp.world_size,
-                  "ds_config": exp.ds_config, "timeout_s": self._timeout_s}
+                  "ds_config": exp.ds_config, "timeout_s": self._timeout_s,
+                  "metric_file": exp.metric_file}
         rank_specs = []
         for node_rank, node_slots in enumerate(placement):
             for local_rank, slot in enumerate(node_slots):
@@ -135,7 +136,7 @@ class Driver:
                     "rank": node_rank * exp.num_gpus + local_rank, "world_size": exp.world_size,
                     "local_rank": local_rank, "local_world_size": exp.num_gpus,
                     "node_rank": node_rank, "timeout_s": self._timeout_s, "cwd": self._cwd,
-                    "exp": description,
+                    "metric_file": exp.metric_file, "exp": description,
                 }))
         result = experiment_signature(finish, rank_specs).apply_async()
         header = result.parent.results if result.parent else []

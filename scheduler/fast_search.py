@@ -246,7 +246,8 @@ class _Session:
         config = experiment_config(st.ds_config, 3, 1, 1, st.dp_size, st.start_profile_step, st.end_profile_step)
         config["memory_breakdown"] = False
         config["autotuning"]["model_info"] = {"profile": True}
-        return Experiment(PROFILE, 3, 1, 1, config, st.num_nodes, st.num_gpus, tuning_space=PROFILE)
+        return Experiment(PROFILE, 3, 1, 1, config, st.num_nodes, st.num_gpus, tuning_space=PROFILE,
+                          metric_file="model_info.json")
 
     def stage_records(self, stage: int) -> list[tuple[Experiment, dict[str, Any]]]:
         return [(exp, rec) for exp, rec in self.measured.values() if exp.stage == stage and exp.name != PROFILE]

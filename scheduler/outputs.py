@@ -26,6 +26,8 @@ from workers.failure import Status
 from workers.paths import safe_child, write_atomic, write_json
 
 FAILURE_CLASSES = [s.value for s in Status if s is not Status.OK]
+#: The model-info profile run is not a tuning experiment: DeepSpeed leaves it out of the counts too.
+PROFILE_SPACE = "profile_model_info"
 
 
 def write_experiment_descriptions(exps_dir: Path, experiments: list[Experiment]) -> None:
@@ -41,10 +43,11 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     """DeepSpeed's summary table (one row per ZeRO stage, then global) and our extra columns."""
     spaces: dict[str, list[dict[str, Any]]] = {}
     for exp in experiments:
-        if exp.name in records:
+        if exp.name in records and exp.space != PROFILE_SPACE:
             spaces.setdefault(exp.space, []).append(records[exp.name])
+    tuned = [r for space_records in spaces.values() for r in space_records]
     rows = []
-    for space, space_records in [*spaces.items(), ("global", list(records.values()))]:
+    for space, space_records in [*spaces.items(), ("global", tuned)]:
         winner = best(space_records, metric, maximize)
         counts = status_counts(space_records)
         rows.append([space, len(space_records),
@@ -55,7 +58,7 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val",
                                     "best_exp_name", "experiment_s", "failures"], tablefmt="pipe")
     elapsed = datetime.timedelta(seconds=round(elapsed_s))
-    return (f"{table}\n\nTuning completed in {elapsed}. Total number of experiments: {len(records)}."
+    return (f"{table}\n\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."
             f" Metric: {metric} ({'max' if maximize else 'min'}).\n")
 
 

@@ -1,8 +1,8 @@
 """The experiments of a search, each a complete DeepSpeed config with a DeepSpeed-style name.
 
-"User list" mode: every combination of the listed micro-batch sizes and ZeRO stages, named as
-DeepSpeed's fast mode names them (`z{stage}_gas{gas}_tmbspg{mbs}`), so results folders read the
-same. Each experiment config is built from the user's config, never by mutating it.
+Experiments are named as DeepSpeed names them (`z{stage}_gas{gas}_tmbspg{mbs}` in fast mode), so
+results folders read the same. Each experiment config is built from the user's config, never by
+mutating it. Which experiments to run is decided by the searches (`fast_search`, `full_space`).
 """
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.config import TuningConfig
 
 #: Our own keys in the autotuning section; DeepSpeed's engine must not see them.
 _OURS = ("user_script", "user_args", "results_dir", "exps_dir")
@@ -28,6 +27,7 @@ class Experiment:
     num_nodes: int = 1
     num_gpus: int = 1
     tuning_space: str = ""  #: full mode: DeepSpeed's space name (e.g. z1_rbs_abs_tmbspg)
+    metric_file: str = "metrics.json"  #: what rank 0 writes: model_info.json for the profile run
 
     @property
     def world_size(self) -> int:
@@ -44,12 +44,15 @@ def experiment_name(stage: int, gas: int, mbs: int) -> str:
 
 
 def experiment_config(user_config: dict[str, Any], stage: int, mbs: int, gas: int,
-                      world_size: int, start_profile_step: int, end_profile_step: int) -> dict[str, Any]:
-    """The user's config pinned to one point of the search, with profiling switched on."""
+                      dp_size: int, start_profile_step: int, end_profile_step: int) -> dict[str, Any]:
+    """The user's config pinned to one point of the search, with profiling switched on.
+
+    `dp_size` is the data-parallel degree (ranks / mp_size): train_batch_size = mbs * gas * dp_size.
+    """
     config = copy.deepcopy(user_config)
     config["train_micro_batch_size_per_gpu"] = mbs
     config["gradient_accumulation_steps"] = gas
-    config["train_batch_size"] = mbs * gas * world_size
+    config["train_batch_size"] = mbs * gas * dp_size
     zero = dict(config.get("zero_optimization") or {})
     zero["stage"] = stage
     config["zero_optimization"] = zero
@@ -58,23 +61,6 @@ def experiment_config(user_config: dict[str, Any], stage: int, mbs: int, gas: in
                       end_profile_step=end_profile_step)
     config["autotuning"] = autotuning
     return config
-
-
-def user_list_experiments(cfg: TuningConfig, num_nodes: int, num_gpus: int) -> list[Experiment]:
-    """Every (stage, micro-batch size) combination, stage-major, smallest batch first."""
-    gas = cfg.gradient_accumulation_steps
-    world = num_nodes * num_gpus
-    return [
-        Experiment(
-            name=experiment_name(stage, gas, mbs), stage=stage, micro_batch_size=mbs,
-            gradient_accumulation_steps=gas,
-            ds_config=experiment_config(cfg.ds_config, stage, mbs, gas, world,
-                                        cfg.start_profile_step, cfg.end_profile_step),
-            num_nodes=num_nodes, num_gpus=num_gpus,
-        )
-        for stage in cfg.stages
-        for mbs in cfg.micro_batch_sizes
-    ]
 
 
 def optimal_config(ds_config: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,8 @@ def finish_experiment(rank_records: list[dict[str, Any]], exp: dict[str, Any]) -
     """Aggregate the ranks, write result.json and metrics.json, and tell the job's driver."""
     record = aggregate(exp, rank_records)
     result_dir = safe_child(exp["results_root"], exp["name"])
-    if record["status"] == "ok" and record["metrics"] is not None:
+    if record["status"] == "ok" and record["metrics"] is not None \
+            and exp.get("metric_file", "metrics.json") == "metrics.json":
         write_json(result_dir / "metrics.json", record["metrics"], indent=None)
     write_json(result_dir / "result.json", record)
     client = redis_client(app.conf)

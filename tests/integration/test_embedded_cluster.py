@@ -34,7 +34,7 @@ def test_interrupt_tears_everything_down(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-m", "scheduler.autotune", str(cfg), "--slots", "2",
                              "--num_gpus", "2"], cwd=tmp_path, env=_env(marker),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    hung = tmp_path / "autotuning_results" / "z0_gas1_tmbspg2"
+    hung = tmp_path / "autotuning_results" / "z0_gas1_tmbspg2"  # gas = max(list) 2 // mbs 2
     try:
         wait_for(lambda: (hung / "started.rank0").exists() and (hung / "started.rank1").exists(),
                  120, "the hanging experiment to start on both slots")
@@ -52,9 +52,9 @@ def test_interrupt_tears_everything_down(tmp_path, sig):
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                    for pid in cluster_pids)
     # what was measured before the interrupt is kept and reported
-    first = json.loads((tmp_path / "autotuning_results" / "z0_gas1_tmbspg1" / "result.json").read_text())
+    first = json.loads((tmp_path / "autotuning_results" / "z0_gas2_tmbspg1" / "result.json").read_text())
     assert first["status"] == "ok"
-    assert "z0_gas1_tmbspg1" in (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert "z0_gas2_tmbspg1" in (tmp_path / "autotuning_results" / "summary.txt").read_text()
 
 
 def test_autotuner_killed_with_sigkill_leaves_nothing(tmp_path):

@@ -33,24 +33,28 @@ def test_every_failure_class_and_the_others_still_run(hand_cluster, tmp_path):
                          "--behaviour", behaviour], tmp_path, {"AUTOTUNE_REDIS_URL": hand_cluster["url"]})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = tmp_path / "autotuning_results"
-    statuses = {mbs: _result(results, f"z1_gas1_tmbspg{mbs}")["status"] for mbs in range(1, 7)}
+    # a listed set of micro-batch sizes keeps the global batch: gas = max(list) // mbs (DeepSpeed's rule)
+    names = {mbs: f"z1_gas{max(1, 6 // mbs)}_tmbspg{mbs}" for mbs in range(1, 7)}
+    statuses = {mbs: _result(results, name)["status"] for mbs, name in names.items()}
     assert statuses == {1: "ok", 2: "oom", 3: "crashed", 4: "no_metrics", 5: "timeout", 6: "oom"}
+    profile = _result(results, "profile_model_info")
+    assert profile["status"] == "ok" and profile["metrics"]["num_params"] == 1000
 
-    oom = _result(results, "z1_gas1_tmbspg2")
+    oom = _result(results, names[2])
     assert oom["peak_rss_bytes"] > 2**30 * 0.9  # killed by the monitor near the 1 GiB slot cap
     assert oom["ranks"][0]["exit"] == "signal SIGTERM"
-    crash = _result(results, "z1_gas1_tmbspg3")
+    crash = _result(results, names[3])
     assert crash["cause"]["exit"] == "exit 3"
-    assert _result(results, "z1_gas1_tmbspg6")["ranks"][0]["exit"] == "exit 86"
-    ok = _result(results, "z1_gas1_tmbspg1")
+    assert _result(results, names[6])["ranks"][0]["exit"] == "exit 86"
+    ok = _result(results, names[1])
     assert ok["metrics"]["throughput"] == 50.0  # 1 * 100 / (1 + stage 1)
-    assert json.loads((results / "z1_gas1_tmbspg1" / "metrics.json").read_text()) == ok["metrics"]
+    assert json.loads((results / names[1] / "metrics.json").read_text()) == ok["metrics"]
 
     # the hung experiment's process was killed with its group, not left behind
-    hung_pid = int((results / "z1_gas1_tmbspg5" / "started.rank0").read_text())
+    hung_pid = int((results / names[5] / "started.rank0").read_text())
     assert not psutil.pid_exists(hung_pid) or psutil.Process(hung_pid).status() == psutil.STATUS_ZOMBIE
     summary = (results / "summary.txt").read_text()
-    assert "z1_gas1_tmbspg1" in summary and "oom=2" in summary
+    assert names[1] in summary and "oom=2" in summary and "profile_model_info" not in summary
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert optimal["train_micro_batch_size_per_gpu"] == 1 and "autotuning" not in optimal
     # no slot stays reserved once the job is over
@@ -64,19 +68,19 @@ def test_two_rank_experiment_meets_through_redis(hand_cluster, tmp_path):
                         {"AUTOTUNE_REDIS_URL": hand_cluster["url"]})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = tmp_path / "autotuning_results"
-    for name in ("z0_gas1_tmbspg2", "z0_gas1_tmbspg4", "z2_gas1_tmbspg2", "z2_gas1_tmbspg4"):
+    for name in ("z0_gas2_tmbspg2", "z0_gas1_tmbspg4", "z2_gas2_tmbspg2", "z2_gas1_tmbspg4"):
         record = _result(results, name)
         assert record["status"] == "ok", record
         assert sorted(r["slot"] for r in record["ranks"]) == ["testnode.gpu0", "testnode.gpu1"]
         assert record["metrics"]["world_size"] == 2
         assert {r["master"] for r in record["ranks"]} == {record["metrics"]["master"]}
-        assert record["ds_config"]["train_batch_size"] == 2 * record["ds_config"]["train_micro_batch_size_per_gpu"]
+        assert record["ds_config"]["train_batch_size"] == 8  # 2 ranks x max(list) 4
     winner = json.loads((results / "ds_config_optimal.json").read_text())
     assert (winner["zero_optimization"]["stage"], winner["train_micro_batch_size_per_gpu"]) == (0, 4)
 
     # resume: the same command again measures nothing new
     again = run_autotune([str(cfg), "--num_gpus", "2"], tmp_path, {"AUTOTUNE_REDIS_URL": hand_cluster["url"]})
-    assert again.returncode == 0 and "(4 already measured)" in again.stdout
+    assert again.returncode == 0 and again.stdout.count("already measured") == 3  # profile, z0, z2
 
 
 def test_bad_redis_credentials_are_one_clear_line(hand_cluster, tmp_path):

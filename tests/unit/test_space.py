@@ -10,7 +10,7 @@ import pytest
 
 from scheduler.arguments import with_config
 from scheduler.config import load_config
-from scheduler.space import Experiment, experiment_config, experiment_name, optimal_config, user_list_experiments
+from scheduler.space import Experiment, experiment_config, experiment_name, optimal_config
 
 # ---------------------------------------------------------------- names
 
@@ -56,31 +56,21 @@ USER_CONFIG: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize(
-    ("num_nodes", "num_gpus"),
-    [(1, 1), (1, 2), (2, 4)],
-)
-def test_user_list_experiments_order_and_names(tmp_path: Path, num_nodes: int, num_gpus: int) -> None:
-    cfg = tuning_config(tmp_path, USER_CONFIG)
-    exps = user_list_experiments(cfg, num_nodes, num_gpus)
-    assert [e.name for e in exps] == [
-        "z1_gas3_tmbspg2", "z1_gas3_tmbspg4", "z1_gas3_tmbspg8",
-        "z3_gas3_tmbspg2", "z3_gas3_tmbspg4", "z3_gas3_tmbspg8",
-    ]
-    assert [(e.stage, e.micro_batch_size) for e in exps] == [(1, 2), (1, 4), (1, 8), (3, 2), (3, 4), (3, 8)]
-    assert {e.gradient_accumulation_steps for e in exps} == {3}
-    assert {(e.num_nodes, e.num_gpus) for e in exps} == {(num_nodes, num_gpus)}
+def _configs(cfg, dp_size: int) -> dict[tuple[int, int], dict[str, Any]]:
+    return {(stage, mbs): experiment_config(cfg.ds_config, stage, mbs, cfg.gradient_accumulation_steps,
+                                            dp_size, cfg.start_profile_step, cfg.end_profile_step)
+            for stage in cfg.stages for mbs in cfg.micro_batch_sizes}
 
 
 @pytest.mark.parametrize(
-    ("num_nodes", "num_gpus", "mbs", "train_batch_size"),
-    [(1, 1, 2, 6), (1, 2, 4, 24), (2, 4, 8, 192)],  # mbs * gas(3) * world
+    ("dp_size", "mbs", "train_batch_size"),
+    [(1, 2, 6), (2, 4, 24), (8, 8, 192)],  # mbs * gas(3) * data-parallel ranks
 )
-def test_experiment_ds_config(tmp_path: Path, num_nodes: int, num_gpus: int, mbs: int, train_batch_size: int) -> None:
+def test_experiment_ds_config(tmp_path: Path, dp_size: int, mbs: int, train_batch_size: int) -> None:
     cfg = tuning_config(tmp_path, USER_CONFIG)
-    exps = {e.name: e for e in user_list_experiments(cfg, num_nodes, num_gpus)}
+    configs = _configs(cfg, dp_size)
     for stage in (1, 3):
-        ds = exps[f"z{stage}_gas3_tmbspg{mbs}"].ds_config
+        ds = configs[(stage, mbs)]
         assert ds["train_micro_batch_size_per_gpu"] == mbs
         assert ds["gradient_accumulation_steps"] == 3
         assert ds["train_batch_size"] == train_batch_size
@@ -97,18 +87,17 @@ def test_experiment_ds_config(tmp_path: Path, num_nodes: int, num_gpus: int, mbs
 
 def test_experiment_configs_are_independent(tmp_path: Path) -> None:
     cfg = tuning_config(tmp_path, USER_CONFIG)
-    exps = user_list_experiments(cfg, 1, 1)
-    exps[0].ds_config["optimizer"]["params"]["lr"] = 99
-    exps[0].ds_config["zero_optimization"]["overlap_comm"] = False
-    assert exps[1].ds_config["optimizer"]["params"]["lr"] == 1e-4
-    assert exps[1].ds_config["zero_optimization"]["overlap_comm"] is True
+    configs = _configs(cfg, 1)
+    configs[(1, 2)]["optimizer"]["params"]["lr"] = 99
+    configs[(1, 2)]["zero_optimization"]["overlap_comm"] = False
+    assert configs[(1, 4)]["optimizer"]["params"]["lr"] == 1e-4
+    assert configs[(1, 4)]["zero_optimization"]["overlap_comm"] is True
 
 
 def test_user_config_not_mutated(tmp_path: Path) -> None:
     cfg = tuning_config(tmp_path, USER_CONFIG)
     before = copy.deepcopy(cfg.ds_config)
-    exps = user_list_experiments(cfg, 2, 2)
-    assert len(exps) == 6
+    assert len(_configs(cfg, 4)) == 6
     assert cfg.ds_config == before
     assert cfg.ds_config["autotuning"]["user_script"] == "train.py"
     assert cfg.ds_config["zero_optimization"]["stage"] == [3, 1]
@@ -116,31 +105,10 @@ def test_user_config_not_mutated(tmp_path: Path) -> None:
     assert "train_batch_size" not in cfg.ds_config
 
 
-def test_single_point_config_without_zero_or_autotuning_keys(tmp_path: Path) -> None:
-    cfg = tuning_config(tmp_path, {"autotuning": {}})
-    (exp,) = user_list_experiments(cfg, 1, 1)
-    assert exp.name == "z0_gas1_tmbspg1"
-    assert exp.ds_config == {
-        "autotuning": {"enabled": True, "start_profile_step": 3, "end_profile_step": 5},
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": 1,
-        "zero_optimization": {"stage": 0},
-    }
-
-
-def test_stage_all_gives_four_spaces(tmp_path: Path) -> None:
-    cfg = tuning_config(tmp_path, {"autotuning": {}, "zero_optimization": {"stage": "all"},
-                                   "train_micro_batch_size_per_gpu": 4})
-    exps = user_list_experiments(cfg, 1, 1)
-    assert [e.space for e in exps] == ["z0", "z1", "z2", "z3"]
-    assert [e.ds_config["zero_optimization"]["stage"] for e in exps] == [0, 1, 2, 3]
-
-
 def test_experiment_config_direct() -> None:
     user = {"zero_optimization": None, "autotuning": {"enabled": False, "exps_dir": "e"}}
     snapshot = copy.deepcopy(user)
-    config = experiment_config(user, stage=2, mbs=5, gas=2, world_size=3, start_profile_step=1,
+    config = experiment_config(user, stage=2, mbs=5, gas=2, dp_size=3, start_profile_step=1,
                                end_profile_step=4)
     assert config == {
         "zero_optimization": {"stage": 2},

@@ -4,7 +4,8 @@
 until the slot's cap stops it, the one with 3 exit with status 3, and so on. Modes:
 ok (metrics written; with WORLD_SIZE > 1 a real gloo all-reduce first), oom (grows RSS),
 memory_error (raises MemoryError), crash (exit 3), no_metrics (exit 0, no file), hang (sleeps).
-Every rank writes `<result_dir>/started.rank<N>` with its pid as soon as it starts.
+Every rank writes `<result_dir>/started.rank<N>` with its pid as soon as it starts. In DeepSpeed's
+model-info profile mode it writes model_info.json for a tiny model and exits.
 """
 import argparse
 import json
@@ -20,6 +21,12 @@ args = parser.parse_args()
 
 config_path = Path(args.deepspeed_config)
 config = json.loads(config_path.read_text())
+autotuning = config.get("autotuning", {})
+if autotuning.get("model_info", {}).get("profile"):  # DeepSpeed's model-info profile run
+    if int(os.environ["RANK"]) == 0:
+        Path(autotuning["model_info_path"]).write_text(json.dumps(
+            {"num_params": 1000, "trainable_num_params": 1000, "activation_mem_per_gpu": 2**20, "rank": 0}))
+    sys.exit(0)
 mbs = config["train_micro_batch_size_per_gpu"]
 modes = dict(item.split("=") for item in args.behaviour.split(",") if item)
 mode = modes.get(str(mbs), "ok")
