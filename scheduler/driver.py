@@ -21,7 +21,7 @@ import redis
 
 from scheduler.errors import ClusterError
 from scheduler.gang import GangReservations
-from scheduler.placement import fits_ever, largest_shape, place
+from scheduler.placement import fits_ever, largest_shape, pinned_placement, place
 from scheduler.space import Experiment
 from tasks.experiment import experiment_signature
 from workers import keys
@@ -50,12 +50,15 @@ class Driver:
     def __init__(self, client: redis.Redis, app, *, job: str, results_root: Path,
                  script_argv: Callable[[Experiment, Path], list[str]], cwd: str,
                  timeout_s: float, on_record: Callable[[dict[str, Any]], None] = lambda r: None,
-                 lease_s: float = LEASE_S) -> None:
+                 lease_s: float = LEASE_S, pinned: list[list[str]] | None = None) -> None:
+        """`pinned`: run every experiment on exactly these slot queues (one list per node), as a
+        launch with a hostfile and filters asks; otherwise any free slots of the right shape."""
         self._client, self._app = client, app
         self._gangs = GangReservations(client)
         self._job, self._root, self._cwd = job, results_root.resolve(), cwd
         self._script_argv, self._timeout_s, self._on_record = script_argv, timeout_s, on_record
         self._lease_s = lease_s
+        self._pinned = pinned
         self._running: dict[str, _Running] = {}
         self._exp_ids = iter(range(1, 1 << 30))
 
@@ -91,11 +94,14 @@ class Driver:
         while pending:
             head = pending[0]
             slots = live_slots(self._client)
-            placement = place(slots, self._gangs.held([s.queue for s in slots]),
-                              head.num_nodes, head.num_gpus)
-            if placement is None:
-                if not fits_ever(slots, head.num_nodes, head.num_gpus):
+            busy = self._gangs.held([s.queue for s in slots])
+            if self._pinned is not None:
+                placement = pinned_placement(slots, busy, self._pinned)
+            else:
+                placement = place(slots, busy, head.num_nodes, head.num_gpus)
+                if placement is None and not fits_ever(slots, head.num_nodes, head.num_gpus):
                     self._refuse(head, slots)
+            if placement is None:
                 return
             queues = [slot.queue for node in placement for slot in node]
             token = self._gangs.reserve(queues, self._lease_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from scheduler.errors import ClusterError
 from workers.slot import Slot
 
 
@@ -24,6 +25,21 @@ def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
             free_by_node[slot.node].append(slot)
     chosen = [free[:num_gpus] for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus]
     return chosen[:num_nodes] if len(chosen) >= num_nodes else None
+
+
+def pinned_placement(slots: list[Slot], busy: set[str], queues_per_node: list[list[str]]) -> list[list[Slot]] | None:
+    """Exactly the named slot queues (one list per node), or None while any of them is busy.
+
+    Raises ClusterError when a named slot has no live worker: waiting would never end.
+    """
+    by_queue = {slot.queue: slot for slot in slots}
+    missing = [q for node in queues_per_node for q in node if q not in by_queue]
+    if missing:
+        raise ClusterError(f"no live slot worker for {', '.join(missing)}: start "
+                           f"`celery -A tasks worker -Q gpu<i> -n gpu<i>@<host>` there, or change the selection")
+    if any(q in busy for node in queues_per_node for q in node):
+        return None
+    return [[by_queue[q] for q in node] for node in queues_per_node]
 
 
 def largest_shape(slots: list[Slot]) -> tuple[int, int]:

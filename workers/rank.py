@@ -52,7 +52,8 @@ class RankSpec:
     timeout_s: float
     rendezvous_timeout_s: float = 120.0
     cwd: str = ""
-    metric_file: str = "metrics.json"  #: what rank 0's script writes (model_info.json when profiling)
+    metric_file: str = "metrics.json"  #: what rank 0's script writes (model_info.json when profiling;
+                                       #: "" for a real training run, which writes none)
     exp: dict[str, Any] = field(default_factory=dict)  #: the experiment description for exp.json
 
     @classmethod
@@ -104,7 +105,7 @@ def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "")
 def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[str, Any]:
     result_dir = spec.result_dir
     result_dir.mkdir(parents=True, exist_ok=True)
-    metric_path = result_dir / spec.metric_file
+    metric_path = result_dir / (spec.metric_file or "metrics.json")
     ds_config = _with_metric_path(spec.ds_config, metric_path)
     write_json(result_dir / "ds_config.json", ds_config)
     command = script_command(spec.script_argv)
@@ -136,9 +137,10 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     finally:
         client.delete(pgid_key)
 
-    metrics = read_json(metric_path) if spec.rank == 0 else None
+    expects_metrics = spec.rank == 0 and bool(spec.metric_file)
+    metrics = read_json(metric_path) if expects_metrics else None
     has_metrics = isinstance(metrics, dict)
-    status = classify(launch.exit_code, launch.killed_for, spec.rank == 0, has_metrics)
+    status = classify(launch.exit_code, launch.killed_for, expects_metrics, has_metrics)
     if status is not Status.OK:
         _signal_abort(client, spec.attempt)
     record = {
