@@ -109,7 +109,8 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
     num_gpus = args.num_gpus or per_node
     settings = SearchSettings.from_config(
         cfg, capacity_bytes=min(s.memory_bytes for s in slots), num_nodes=args.num_nodes,
-        num_gpus=num_gpus, device_kind="cpu" if all(s.kind == "cpu" for s in slots) else "gpu")
+        num_gpus=num_gpus, device_kind="cpu" if all(s.kind == "cpu" for s in slots) else "gpu",
+        concurrency=len(slots) // (args.num_nodes * num_gpus))
     console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {args.num_nodes} node(s) x "
                   f"{num_gpus} slot(s) per experiment, metric {cfg.metric}, "
                   f"slot memory {settings.capacity_bytes / 2**30:.1f} GiB")

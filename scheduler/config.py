@@ -16,14 +16,15 @@ import hjson
 
 from scheduler.errors import ConfigError
 
-#: DeepSpeed's autotuning keys (deepspeed/autotuning/constants.py), plus ours: user_script, user_args.
+#: DeepSpeed's autotuning keys (deepspeed/autotuning/constants.py), plus ours: user_script,
+#: user_args (the script, when not given after `--`) and tuner_seed (random/model-based tuners).
 KNOWN_AUTOTUNING_KEYS = frozenset({
     "enabled", "fast", "results_dir", "exps_dir", "overwrite", "start_profile_step",
     "end_profile_step", "metric", "metric_path", "tuner_type", "tuner_early_stopping",
     "tuner_num_trials", "arg_mappings", "max_train_batch_size", "min_train_batch_size",
     "min_train_micro_batch_size_per_gpu", "max_train_micro_batch_size_per_gpu",
     "num_tuning_micro_batch_sizes", "mp_size", "model_info", "model_info_path",
-    "user_script", "user_args",
+    "user_script", "user_args", "tuner_seed",
 })
 #: Metric name -> whether bigger is better. `flops` is accepted for FLOPS_per_gpu (DeepSpeed crashes).
 METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}

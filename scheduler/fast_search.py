@@ -1,5 +1,6 @@
-"""DeepSpeed's fast-mode autotuning (ZeRO stage x micro-batch size, gradient accumulation from
-max_train_batch_size) as a generator of phases, with DeepSpeed's defects fixed.
+"""DeepSpeed's autotuning search as a generator of phases, with DeepSpeed's defects fixed: fast mode
+(ZeRO stage x micro-batch size, gradient accumulation from max_train_batch_size) and, with
+`"fast": false`, full mode (each stage's ZeRO knobs explored by a tuner after its fast search).
 
 Why this shape: the search is DeepSpeed's own (section 1.8 of the reference notes), so results and
 experiment names read the same, but it is written against `scheduler.phases.Search` so the caller can
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.config import TuningConfig
+from scheduler.full_space import full_experiments
 from scheduler.errors import ConfigError, UsageError
 from scheduler.memory import (
     DEFAULT_OVERHEAD_BYTES, GiB, SAFETY, MemoryModel, ModelInfo, Observation, StageFit, TrainingSetup,
@@ -33,6 +35,7 @@ from scheduler.memory import (
 from scheduler.phases import Phase, Search
 from scheduler.ranking import best, metric_value
 from scheduler.space import Experiment, experiment_config, experiment_name
+from scheduler.tuners import TUNER_TYPES, StopRule, Trial, make_tuner, plan
 
 PROFILE = "profile_model_info"
 #: DeepSpeed's METRIC_PERCENT_DIFF_CONST: a larger batch must improve the metric by more than this.
@@ -82,6 +85,13 @@ class SearchSettings:
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
     peak_memory_key: str = "peak_rss_bytes"  #: the record field holding the memory the capacity limits
     estimator: str = "calibrated"  #: or "deepspeed": DeepSpeed's estimate, to compare OOM probes
+    fast: bool = True  #: False: after a stage's fast search, tune its ZeRO knobs (full mode)
+    tuner_type: str = "gridsearch"
+    tuner_num_trials: int = 50
+    tuner_early_stopping: int = 5
+    tuner_seed: int = 0  #: seeds the random and model-based tuners; part of the config, so replay matches
+    concurrency: int = 1  #: experiments that can run at once (slots // ranks per experiment)
+    tuning_config: TuningConfig | None = field(default=None, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -104,7 +114,8 @@ class SearchSettings:
 
     @classmethod
     def from_config(cls, cfg: TuningConfig, *, capacity_bytes: int, num_nodes: int, num_gpus: int,
-                    device_kind: str = "gpu", estimator: str = "calibrated") -> SearchSettings:
+                    device_kind: str = "gpu", estimator: str = "calibrated",
+                    concurrency: int = 1) -> SearchSettings:
         """The fields a TuningConfig does not carry come from `autotuning`, with DeepSpeed's defaults."""
         if device_kind not in ("cpu", "gpu") or estimator not in ESTIMATORS:
             raise ValueError(f"device_kind {device_kind!r} or estimator {estimator!r} is not known")
@@ -130,7 +141,27 @@ class SearchSettings:
             mp_size=mp_size, model_info=ModelInfo.from_mapping(section.get("model_info")),
             num_nodes=num_nodes, num_gpus=num_gpus, host_memory=device_kind == "cpu",
             peak_memory_key="peak_rss_bytes" if device_kind == "cpu" else "peak_device_bytes", estimator=estimator,
+            fast=bool(section.get("fast", True)), tuner_type=_tuner_type(cfg, section),
+            tuner_num_trials=_positive(cfg, section, "tuner_num_trials", 50),
+            tuner_early_stopping=_count(cfg, section, "tuner_early_stopping", 5),
+            tuner_seed=_count(cfg, section, "tuner_seed", 0), concurrency=max(1, concurrency),
+            tuning_config=cfg,
         )
+
+
+def _tuner_type(cfg: TuningConfig, section: Mapping[str, Any]) -> str:
+    value = section.get("tuner_type", "gridsearch")
+    if value not in TUNER_TYPES:
+        raise ConfigError(f"{cfg.path}: autotuning.tuner_type {value!r} is not one of "
+                          f"{', '.join(TUNER_TYPES)}")
+    return value
+
+
+def _count(cfg: TuningConfig, section: Mapping[str, Any], key: str, default: int) -> int:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{cfg.path}: autotuning.{key} must be a non-negative integer, got {value!r}")
+    return value
 
 
 def _positive(cfg: TuningConfig, section: Mapping[str, Any], key: str, default: int | None) -> int | None:
@@ -208,10 +239,15 @@ def fast_search(settings: SearchSettings) -> Search:
             yield from _run_list(session, stage)
         return
     carried_best = carried_max = 0
+    carried_metric: float | None = None
     for stage in stages:
-        best_mbs, max_mbs = yield from _tune_stage(session, stage, carried_max)
+        best_mbs, max_mbs, candidates = yield from _tune_stage(session, stage, carried_max)
+        stage_metric = session.metric(_best_name(session, stage))
+        if not settings.fast and stage > 0 and candidates and best_mbs > carried_best \
+                and not _worse(stage_metric, carried_metric, settings.maximize):
+            yield from tune_full_space(session, stage, *candidates)
         if best_mbs > carried_best:
-            carried_best, carried_max = best_mbs, max_mbs
+            carried_best, carried_max, carried_metric = best_mbs, max_mbs, stage_metric
 
 
 class _Session:
@@ -345,22 +381,22 @@ def _run_list(session: _Session, stage: int) -> Step:
 
 
 def _tune_stage(session: _Session, stage: int, prev_max: int) -> Step:
-    """Returns (the stage's best micro-batch size by the metric, the largest that ran); (0, 0) when the
-    stage is skipped or even its smallest size fails."""
+    """Returns (the stage's best micro-batch size by the metric, the largest that ran, (candidate
+    sizes, mtbpg) for full mode); (0, 0, None) when the stage is skipped or even its smallest fails."""
     st = session.settings
     if prev_max and session.predicted_max(stage, safety=1.0) < prev_max:
-        return 0, 0  # it cannot hold a larger batch than an earlier, cheaper stage (DeepSpeed's rule)
+        return 0, 0, None  # it cannot hold a larger batch than an earlier, cheaper stage (DeepSpeed's rule)
     start = prev_max or min(max(st.first_micro_batch_size, st.min_micro_batch_size), st.micro_batch_cap)
     top = yield from _min_and_max(session, stage, start, "min_max")
     if top is None and not prev_max and start != st.min_micro_batch_size:
         start = st.min_micro_batch_size
         top = yield from _min_and_max(session, stage, start, "min_fallback")
     if top is None:
-        return 0, 0
+        return 0, 0, None
     if top == start:
         top = yield from _bisect(session, stage, start)
-    yield from _candidates_and_fine(session, stage, start, top)
-    return session.best_mbs(stage), top
+    candidates = yield from _candidates_and_fine(session, stage, start, top)
+    return session.best_mbs(stage), top, candidates
 
 
 def _min_and_max(session: _Session, stage: int, start: int, label: str) -> Step:
@@ -428,9 +464,41 @@ def _candidates_and_fine(session: _Session, stage: int, start: int, top: int) ->
     best_value = session.metric(experiment_name(stage, gas, top))
     for mbs in fine_grained_micro_batch_sizes(sizes, start, top):
         if best_value is None:
-            return
+            break
         [record] = yield from session.measure(f"z{stage}_fine_{mbs}", [session.experiment(stage, mbs, gas)])
         value = metric_value(record, st.metric)
         if value is None or gain(best_value, value, st.maximize) <= PLATEAU:
-            return
+            break
         best_value = value
+    return sizes, mtbpg
+
+
+def tune_full_space(session: _Session, stage: int, sizes: Sequence[int], mtbpg: int) -> Step:
+    """Full mode for one stage: DeepSpeed's ZeRO-knob space x the fast search's candidate sizes, explored
+    by the configured tuner in batches as wide as the slots allow, until its trial cap or early stop."""
+    st = session.settings
+    cfg = st.tuning_config
+    if cfg is None:
+        return
+    experiments = full_experiments(cfg, stage, sizes, mtbpg, st.num_nodes, st.num_gpus)
+    tuner = make_tuner(st.tuner_type, experiments, seed=st.tuner_seed, maximize=st.maximize)
+    rule = StopRule(st.maximize, st.tuner_num_trials, st.tuner_early_stopping)
+    history: list[Trial] = []
+    while batch := plan(tuner, history, rule, st.concurrency):
+        records = yield from session.measure(f"{experiments[0].space}_trial{len(history) + 1}",
+                                             [experiments[i] for i in batch])
+        history.extend(Trial(i, metric_value(record, st.metric)) for i, record in zip(batch, records))
+
+
+def _best_name(session: _Session, stage: int) -> str:
+    pairs = session.stage_records(stage)
+    winner = best([rec for _, rec in pairs], session.settings.metric, session.settings.maximize)
+    return winner["name"] if winner else ""
+
+
+def _worse(value: float | None, reference: float | None, maximize: bool) -> bool:
+    if reference is None:
+        return False
+    if value is None:
+        return True
+    return value < reference if maximize else value > reference

@@ -426,3 +426,52 @@ def test_settings_from_config_rejects_bad_values(tmp_path: Path, autotuning: dic
     data["autotuning"].update(autotuning)
     with pytest.raises(ConfigError, match=message):
         SearchSettings.from_config(tuning_config(tmp_path, data), capacity_bytes=GiB, num_nodes=1, num_gpus=4)
+
+
+# ---------------------------------------------------------------- full mode: ZeRO knobs through a tuner
+
+
+@dataclass(frozen=True)
+class KnobLaw(Law):
+    """Like Law, but overlap_comm and a larger reduce bucket really are faster: full mode has a point."""
+
+    def run(self, exp) -> dict[str, Any]:
+        record = super().run(exp)
+        zero = exp.ds_config.get("zero_optimization", {})
+        if record.get("metrics") and "throughput" in record["metrics"]:
+            bonus = 1.0 + 0.1 * bool(zero.get("overlap_comm")) + 1e-10 * float(zero.get("reduce_bucket_size", 0))
+            record["metrics"] = {**record["metrics"], "throughput": record["metrics"]["throughput"] * bonus}
+        return record
+
+
+def full_settings(tmp_path: Path, tuner_type: str, trials: int, concurrency: int = 2) -> SearchSettings:
+    user = {**USER_CONFIG, "zero_optimization": {"stage": [0, 1]},
+            "autotuning": {**USER_CONFIG["autotuning"], "fast": False, "tuner_type": tuner_type,
+                           "tuner_num_trials": trials, "tuner_early_stopping": 50,
+                           "model_info": {"num_params": N, "trainable_num_params": N,
+                                          "activation_mem_per_gpu": ACT}}}
+    cfg = tuning_config(tmp_path, user)
+    return SearchSettings.from_config(cfg, capacity_bytes=LAW.capacity, num_nodes=1, num_gpus=4,
+                                      concurrency=concurrency)
+
+
+@pytest.mark.parametrize("tuner_type", ["gridsearch", "random", "model_based"])
+def test_full_mode_tunes_zero_knobs_of_stage_1_after_its_fast_search(tmp_path: Path, tuner_type: str) -> None:
+    search_settings = full_settings(tmp_path, tuner_type, trials=5)
+    assert not search_settings.fast
+    runner = Runner(KnobLaw())
+    phases = drive(fast_search(search_settings), runner)
+    trial_phases = [p for p in phases if "_trial" in p.name]
+    assert trial_phases, layout(phases)
+    assert all(p.name.startswith("z1_") for p in trial_phases)  # stage 0 is never full-tuned
+    assert all(len(p.experiments) <= 2 for p in trial_phases)  # batches as wide as the slots allow
+    assert sum(len(p.experiments) for p in trial_phases) == 5  # the trial cap, exactly
+    assert {exp.space for p in trial_phases for exp in p.experiments} == {trial_phases[0].experiments[0].space}
+    # replaying from the stored records asks for nothing new (resume after a crash)
+    again = drive(fast_search(search_settings), lambda phase: {e.name: runner.records[e.name] for e in phase.experiments})
+    assert layout(again) == layout(phases)
+
+
+def test_fast_mode_never_runs_trials(tmp_path: Path) -> None:
+    fast = replace(full_settings(tmp_path, "gridsearch", trials=5), fast=True)
+    assert not [p for p in run(fast, KnobLaw())[0] if "_trial" in p.name]
