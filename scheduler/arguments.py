@@ -5,10 +5,17 @@ gets a fresh list. The config argument is pointed at the experiment's own config
 `--deepspeed_config X` or `--deepspeed_config=X` wherever it is; otherwise the Hugging Face style
 `--deepspeed X.json` (DeepSpeed's rule: only a next token naming a .json file is a config, since
 plain `--deepspeed` is DeepSpeed's on/off switch); otherwise `--deepspeed_config X` is appended.
+
+`autotuning.arg_mappings` serves scripts that take the batch settings as their own flags (Hugging
+Face Trainer: `--per_device_train_batch_size`, `--gradient_accumulation_steps`): each mapped flag
+is set to the experiment's value, again on a fresh copy of the base arguments.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+from scheduler.errors import ConfigError
 
 
 def with_config(script: str, base_args: tuple[str, ...], config_path: Path) -> list[str]:
@@ -30,3 +37,55 @@ def with_config(script: str, base_args: tuple[str, ...], config_path: Path) -> l
             args[index + 1] = str(config_path)
             return [script, *args]
     return [script, *args, "--deepspeed_config", str(config_path)]
+
+
+def parse_arg_mappings(mappings: object, source: str) -> dict[str, str]:
+    """autotuning.arg_mappings as {ds_config key (dotted for nested): script flag}, whitespace stripped."""
+    if mappings is None:
+        return {}
+    if not isinstance(mappings, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in mappings.items()):
+        raise ConfigError(f'{source}: autotuning.arg_mappings must map config keys to script flags, e.g. '
+                          '{"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}')
+    return {key.strip(): flag.strip() for key, flag in mappings.items()}
+
+
+def check_arg_mappings(mappings: dict[str, str], base_args: tuple[str, ...], source: str) -> None:
+    """Every mapped flag must be among the script's arguments: its value is what gets replaced."""
+    missing = [flag for flag in mappings.values() if _flag_index(list(base_args), flag) is None]
+    if missing:
+        raise ConfigError(f"{source}: autotuning.arg_mappings names {', '.join(missing)} but the script "
+                          f"arguments {list(base_args)} do not contain {'them' if len(missing) > 1 else 'it'}; "
+                          "add the flag with any value to the script arguments")
+
+
+def with_mapped_args(base_args: tuple[str, ...], mappings: dict[str, str],
+                     ds_config: dict[str, Any]) -> tuple[str, ...]:
+    """The script arguments with each mapped flag set to the experiment's config value (a new tuple)."""
+    args = list(base_args)
+    for key, flag in mappings.items():
+        value = _lookup(ds_config, key)
+        index = _flag_index(args, flag)
+        if value is None or index is None:
+            continue
+        if args[index] == flag:
+            args[index + 1] = str(value)
+        else:
+            args[index] = f"{flag}={value}"
+    return tuple(args)
+
+
+def _flag_index(args: list[str], flag: str) -> int | None:
+    for index, arg in enumerate(args):
+        if (arg == flag and index + 1 < len(args)) or arg.startswith(flag + "="):
+            return index
+    return None
+
+
+def _lookup(config: dict[str, Any], dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value

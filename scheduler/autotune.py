@@ -16,25 +16,27 @@ import signal
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import redis
 from rich.console import Console
 
-from scheduler.arguments import with_config
+from scheduler.arguments import check_arg_mappings, parse_arg_mappings, with_config, with_mapped_args
 from scheduler.config import TuningConfig, load_config
 from scheduler.errors import ClusterError, ConfigError, UsageError
 from scheduler.outputs import print_table, write_experiment_descriptions, write_results
 from scheduler.ranking import metric_value
 from scheduler.fast_search import PROFILE, SearchSettings, fast_search
 from scheduler.phases import Phase, drive
-from scheduler.space import Experiment
+from scheduler.space import Experiment, optimal_config
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child
 from workers.registry import connect, control_alive, live_slots
 from workers.slot import parse_size
 
+RUN_TIMEOUT_S = 7 * 24 * 3600.0  #: a real training run: the limit only guards against a hang forever
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
 
 
@@ -52,6 +54,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--num_nodes", type=int, default=1, help="nodes per experiment (default 1)")
     parser.add_argument("--exp-timeout", type=float, default=900.0,
                         help="wall-clock limit of one experiment in seconds (default 900)")
+    parser.add_argument("--run", action="store_true",
+                        help="after tuning, train with the optimal config on the same kind of slots "
+                        "(DeepSpeed's --autotuning run)")
     return parser.parse_args(own), script
 
 
@@ -75,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, script_args: list[str]) -> int:
     cfg = load_config(args.config)
     script, base_args = _script(cfg, script_args)
+    mappings = parse_arg_mappings(cfg.ds_config["autotuning"].get("arg_mappings"), str(cfg.path))
+    check_arg_mappings(mappings, base_args, str(cfg.path))
     _check_numbers(args)
     if cfg.overwrite:
         shutil.rmtree(cfg.results_dir, ignore_errors=True)
@@ -82,19 +89,19 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     cfg.results_dir.mkdir(parents=True, exist_ok=True)
     url = os.environ.get("AUTOTUNE_REDIS_URL")
     if url:
-        return tune(cfg, args, script, base_args, _connect(url))
+        return tune(cfg, args, script, base_args, mappings, _connect(url))
     with LocalCluster(args.slots, cfg.results_dir / "cluster", slot_memory=args.slot_memory) as cluster:
         console.print(f"embedded cluster: redis-server and {args.slots} slot workers + control "
                       f"on {cluster.node} (logs in {cfg.results_dir / 'cluster'})")
         os.environ["AUTOTUNE_REDIS_URL"] = cluster.url
         try:
-            return tune(cfg, args, script, base_args, connect(cluster.url))
+            return tune(cfg, args, script, base_args, mappings, connect(cluster.url))
         finally:
             os.environ.pop("AUTOTUNE_REDIS_URL", None)
 
 
 def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: tuple[str, ...],
-         client: redis.Redis) -> int:
+         mappings: dict[str, str], client: redis.Redis) -> int:
     from scheduler.driver import Driver  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
     from tasks import app
 
@@ -119,7 +126,7 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
     records: dict[str, dict[str, Any]] = {}
 
     def argv_for(exp: Experiment, config_path: Path) -> list[str]:
-        return with_config(str(script), base_args, config_path)
+        return with_config(str(script), with_mapped_args(base_args, mappings, exp.ds_config), config_path)
 
     def report(record: dict[str, Any]) -> None:
         records[record["name"]] = record
@@ -151,7 +158,36 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
         _report(cfg, experiments, records, started, argv_for)
         raise
     winner = _report(cfg, experiments, records, started, argv_for)
-    return 0 if winner is not None else 1
+    if winner is None:
+        return 1
+    if args.run:
+        return _train_with_optimal(cfg, args, client, app, argv_for,
+                                   next(e for e in experiments if e.name == winner["name"]))
+    return 0
+
+
+def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: redis.Redis, app,
+                        argv_for, best: Experiment) -> int:
+    """DeepSpeed's `--autotuning run`, but the training really trains: the optimal config has no
+    autotuning section, so nothing exits after the profiled steps. Ranks run on the slot workers."""
+    from scheduler.driver import Driver
+
+    optimal = replace(best, name="run_optimal", ds_config=optimal_config(best.ds_config),
+                      tuning_space="run_optimal", metric_file="")
+    console.print(f"training with the optimal config {best.name} on {best.num_nodes} node(s) x "
+                  f"{best.num_gpus} slot(s); logs in {cfg.results_dir / optimal.name}")
+    outcome: dict[str, Any] = {}
+    driver = Driver(client, app, job=uuid.uuid4().hex, results_root=cfg.results_dir,
+                    script_argv=argv_for, cwd=os.getcwd(), timeout_s=RUN_TIMEOUT_S,
+                    on_record=outcome.update)
+    try:
+        driver.run([optimal])
+    except BaseException:
+        driver.cancel()
+        raise
+    console.print(f"training {outcome.get('status')}: "
+                  + ", ".join(f"rank {r.get('rank')} {r.get('exit')}" for r in outcome.get("ranks", [])))
+    return 0 if outcome.get("status") == "ok" else 1
 
 
 def _check_metric_key(cfg: TuningConfig, record: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ Dispatch is FIFO by submission; a later experiment never overtakes a waiting hea
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections import deque
@@ -20,7 +21,7 @@ from typing import Any
 import redis
 
 from scheduler.errors import ClusterError
-from scheduler.gang import GangReservations
+from workers.gang import GangReservations
 from scheduler.placement import fits_ever, largest_shape, pinned_placement, place
 from scheduler.space import Experiment
 from tasks.experiment import experiment_signature
@@ -29,7 +30,7 @@ from workers.paths import safe_child, write_json
 from workers.registry import BLOCK_S, live_slots
 from workers.slot import Slot
 
-LEASE_S = 60.0
+LEASE_S = float(os.environ.get("AUTOTUNE_LEASE_S", 60.0))  #: how long a dead scheduler can hold slots
 LOST_GRACE_S = 120.0
 WAIT_FOR_SLOTS_S = 1.0
 
@@ -130,6 +131,7 @@ class Driver:
             "slots": queues, "user_script": argv[0], "user_args": argv[1:],
         }
         finish = {"job": self._job, "name": exp.name, "exp_id": exp_id, "attempt": attempt,
+                  "slots": queues, "gang_token": token,
                   "results_root": str(self._root), "world_size": exp.world_size,
                   "ds_config": exp.ds_config, "timeout_s": self._timeout_s,
                   "metric_file": exp.metric_file}
@@ -159,8 +161,7 @@ class Driver:
         running = self._running.get(event.get("name", ""))
         if running is None or running.attempt != event.get("attempt"):
             return None  # a stale event from an earlier launch or another driver of this job
-        del self._running[running.exp.name]
-        self._gangs.release(running.queues, running.token)
+        del self._running[running.exp.name]  # the callback already released its slots
         return event["record"]
 
     def _renew_leases(self) -> None:

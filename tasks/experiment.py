@@ -14,6 +14,7 @@ from typing import Any
 from tasks import app
 from tasks.worker_hooks import redis_client
 from workers import keys
+from workers.gang import GangReservations
 from workers.paths import safe_child, write_json
 from workers.rank import RankSpec, run_rank as run_rank_body, slot_from_env
 from workers.records import aggregate
@@ -40,6 +41,8 @@ def finish_experiment(rank_records: list[dict[str, Any]], exp: dict[str, Any]) -
         write_json(result_dir / "metrics.json", record["metrics"], indent=None)
     write_json(result_dir / "result.json", record)
     client = redis_client(app.conf)
+    if exp.get("gang_token"):
+        GangReservations(client).release(exp["slots"], exp["gang_token"])
     pipe = client.pipeline()
     event = {"name": exp["name"], "attempt": exp["attempt"], "record": record}
     pipe.rpush(keys.job_events(exp["job"]), json.dumps(event))

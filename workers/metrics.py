@@ -180,6 +180,8 @@ def summarise_window(
         name: trimmed_mean(durations_s[name]) * 1e6 for name in TIMER_NAMES if durations_s.get(name)
     }
     latency_us = sum(record.values()) * gradient_accumulation_steps
+    if latency_us <= 0:
+        raise ValueError("no fwd/bwd/step time was recorded during the profiled optimizer step")
     record["latency"] = latency_us
     if flops_per_optimizer_step is not None:
         record["FLOPS_per_gpu"] = flops_per_optimizer_step * 1e6 / latency_us

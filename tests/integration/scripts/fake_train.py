@@ -2,10 +2,12 @@
 
 `--behaviour 1=ok,2=oom,3=crash` makes the experiment with micro-batch size 2 allocate memory
 until the slot's cap stops it, the one with 3 exit with status 3, and so on. Modes:
-ok (metrics written; with WORLD_SIZE > 1 a real gloo all-reduce first), oom (grows RSS),
+ok (metrics written; with WORLD_SIZE > 1 a real gloo all-reduce first; with --law, memory and
+throughput follow a synthetic law so the fast search has something to find), oom (grows RSS),
 memory_error (raises MemoryError), crash (exit 3), no_metrics (exit 0, no file), hang (sleeps).
 Every rank writes `<result_dir>/started.rank<N>` with its pid as soon as it starts. In DeepSpeed's
-model-info profile mode it writes model_info.json for a tiny model and exits.
+model-info profile mode it writes model_info.json for a tiny model and exits. Without an enabled
+autotuning section (a real training run) it writes trained.rank<N> instead of metrics.
 """
 import argparse
 import json
@@ -17,6 +19,10 @@ from pathlib import Path
 parser = argparse.ArgumentParser()
 parser.add_argument("--deepspeed_config", required=True)
 parser.add_argument("--behaviour", default="")
+parser.add_argument("--law", action="store_true",
+                    help="memory grows 24 MiB per sample; throughput peaks at micro-batch 16, best at ZeRO-1")
+parser.add_argument("--per_device_train_batch_size", type=int)
+parser.add_argument("--gradient_accumulation_steps", type=int)
 args = parser.parse_args()
 
 config_path = Path(args.deepspeed_config)
@@ -25,7 +31,7 @@ autotuning = config.get("autotuning", {})
 if autotuning.get("model_info", {}).get("profile"):  # DeepSpeed's model-info profile run
     if int(os.environ["RANK"]) == 0:
         Path(autotuning["model_info_path"]).write_text(json.dumps(
-            {"num_params": 1000, "trainable_num_params": 1000, "activation_mem_per_gpu": 2**20, "rank": 0}))
+            {"num_params": 1000, "trainable_num_params": 1000, "activation_mem_per_gpu": 24 * 2**20, "rank": 0}))
     sys.exit(0)
 mbs = config["train_micro_batch_size_per_gpu"]
 modes = dict(item.split("=") for item in args.behaviour.split(",") if item)
@@ -33,6 +39,9 @@ mode = modes.get(str(mbs), "ok")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 (config_path.parent / f"started.rank{rank}").write_text(str(os.getpid()))
 
+if args.law and autotuning.get("enabled"):
+    ballast = b"\x01" * (24 * 2**20 * mbs)  # activations: the slot's memory cap decides what fits
+    time.sleep(0.3)
 if mode == "oom":
     hog = []
     while True:
@@ -54,9 +63,16 @@ if world > 1:
     dist.all_reduce(total)
     assert total.item() == world * (world + 1) / 2, total
     dist.destroy_process_group()
-if mode == "ok" and rank == 0:
+if not autotuning.get("enabled"):  # a real training run: no metrics, just proof that it trained
+    (config_path.parent / f"trained.rank{rank}").write_text(json.dumps(config))
+elif mode == "ok" and rank == 0:
     stage = config["zero_optimization"]["stage"]
-    metrics = {"throughput": mbs * 100.0 / (1 + stage), "latency": 1000.0 / mbs,
+    throughput = mbs * 100.0 / (1 + stage)
+    if args.law:
+        throughput = 1000.0 * mbs / (mbs + 4) * (1.0 - abs(mbs - 16) / 64) * (1.2 if stage == 1 else 1.0)
+        throughput *= 1.1 if config["zero_optimization"].get("overlap_comm") else 1.0
+    metrics = {"throughput": throughput, "latency": 1000.0 / mbs,
                "FLOPS_per_gpu": 1e9, "rank": 0, "world_size": world,
-               "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"}
-    Path(config["autotuning"]["metric_path"]).write_text(json.dumps(metrics))
+               "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+               "argv": sys.argv[1:]}
+    Path(autotuning["metric_path"]).write_text(json.dumps(metrics))

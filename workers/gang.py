@@ -4,6 +4,10 @@ One Lua script takes every slot of an experiment with one owner token and a PX l
 none, in a single atomic step: two schedulers can never each hold half of what both need (the
 deadlock of taking locks one by one), and a scheduler that dies holds its slots for at most one
 lease. Renew and release check the token, so a stale owner can never free someone else's slots.
+
+It lives in `workers/` because both ends use it: the scheduler reserves and renews, and the chord
+callback on the control worker releases as soon as an experiment is recorded, so slots free up
+even when the scheduler that reserved them has died.
 """
 from __future__ import annotations
 

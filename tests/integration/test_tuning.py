@@ -1,0 +1,152 @@
+"""The autotuner end to end on a hand-started cluster (two 1 GiB CPU slots): DeepSpeed's fast mode
+over every stage against a script whose memory really grows with the micro-batch, full mode with each
+tuner, resume after the scheduler is killed, --run, arg_mappings, and the bad inputs of the search."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS, run_autotune, wait_for, write_config
+from workers import keys
+
+pytestmark = pytest.mark.integration
+LAW_ARGS = ["--law"]
+
+
+def _config(tmp_path: Path, **autotuning) -> Path:
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=4,
+                       zero_optimization={"stage": "all"})
+    data = json.loads(cfg.read_text())
+    data["autotuning"].update({"user_args": LAW_ARGS, "max_train_micro_batch_size_per_gpu": 64, **autotuning})
+    cfg.write_text(json.dumps(data))
+    return cfg
+
+
+def _env(hand_cluster, **extra):
+    return {"AUTOTUNE_REDIS_URL": hand_cluster["url"], "AUTOTUNE_LEASE_S": "6", **extra}
+
+
+def _records(results: Path) -> dict[str, dict]:
+    return {json.loads(line)["name"]: json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()}
+
+
+def test_fast_mode_all_stages(hand_cluster, tmp_path):
+    cfg = _config(tmp_path)
+    proc = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, _env(hand_cluster))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = tmp_path / "autotuning_results"
+    records = _records(results)
+    assert records["profile_model_info"]["status"] == "ok"
+    summary = (results / "summary.txt").read_text()
+    for stage in range(4):
+        assert f"| z{stage} " in summary
+    assert any(r["status"] == "oom" for r in records.values()) or all(
+        r["ds_config"]["train_micro_batch_size_per_gpu"] < 42 for r in records.values())
+    # memory really limits the search: nothing above the 1 GiB cap ever succeeded
+    ok = [r for r in records.values() if r["status"] == "ok" and r["name"] != "profile_model_info"]
+    assert max(r["ds_config"]["train_micro_batch_size_per_gpu"] for r in ok) < 42
+    optimal = json.loads((results / "ds_config_optimal.json").read_text())
+    assert optimal["zero_optimization"]["stage"] == 1  # the law makes ZeRO-1 20 % faster
+    assert "autotuning" not in optimal
+    assert len(set(records)) == len(records)  # no experiment ran twice
+
+
+@pytest.mark.parametrize("tuner", ["gridsearch", "random", "model_based"])
+def test_full_mode_with_each_tuner(hand_cluster, tmp_path, tuner):
+    cfg = _config(tmp_path, fast=False, tuner_type=tuner, tuner_num_trials=4, tuner_seed=7)
+    data = json.loads(cfg.read_text())
+    data["zero_optimization"] = {"stage": [0, 1], "overlap_comm": [False, True]}
+    cfg.write_text(json.dumps(data))
+    proc = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, _env(hand_cluster))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trials = [line for line in proc.stdout.splitlines() if line.startswith("phase z1_") and "_trial" in line]
+    assert trials, proc.stdout
+    records = _records(tmp_path / "autotuning_results")
+    full = [r for r in records.values() if "_oc" in r["name"]]
+    assert 1 <= len(full) <= 4  # the trial cap
+    assert all(r["ds_config"]["zero_optimization"]["stage"] == 1 for r in full)
+
+
+def test_resume_after_the_scheduler_is_killed(hand_cluster, tmp_path):
+    cfg = _config(tmp_path)
+    env = {key: value for key, value in os.environ.items() if key != "AUTOTUNE_REDIS_URL"}
+    env.update(_env(hand_cluster))
+    results = tmp_path / "autotuning_results"
+    proc = subprocess.Popen([sys.executable, "-m", "scheduler.autotune", str(cfg), "--num_gpus", "1"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(list(results.glob("*/result.json"))) >= 4, 120, "four finished experiments")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # experiments in flight when the scheduler died still finish and are recorded by the callback
+    wait_for(lambda: not list(hand_cluster["client"].scan_iter(match=keys.gang("*"))), 30,
+             "the dead scheduler's slots to be released")
+    before = {p.parent.name: json.loads(p.read_text())["started_at"] for p in results.glob("*/result.json")}
+    again = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, _env(hand_cluster))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already measured" in again.stdout
+    after = {p.parent.name: json.loads(p.read_text())["started_at"] for p in results.glob("*/result.json")}
+    assert {name: after[name] for name in before} == before  # nothing measured before ran again
+    assert len(after) > len(before)
+
+
+def test_run_trains_with_the_optimal_config(hand_cluster, tmp_path):
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[2, 4],
+                       zero_optimization={"stage": [0, 1]})
+    proc = run_autotune([str(cfg), "--num_gpus", "2", "--run"], tmp_path, _env(hand_cluster))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "autotuning_results" / "run_optimal"
+    trained = json.loads((run_dir / "trained.rank0").read_text())
+    assert (run_dir / "trained.rank1").exists()  # both ranks trained
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert trained == optimal and "autotuning" not in trained
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "ok"
+
+
+def test_arg_mappings_set_the_script_flags(hand_cluster, tmp_path):
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[2, 4])
+    data = json.loads(cfg.read_text())
+    data["autotuning"]["arg_mappings"] = {" train_micro_batch_size_per_gpu ": "--per_device_train_batch_size",
+                                          "gradient_accumulation_steps": "--gradient_accumulation_steps "}
+    data["autotuning"]["user_args"] = ["--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1"]
+    cfg.write_text(json.dumps(data))
+    proc = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, _env(hand_cluster))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name, (mbs, gas) in {"z0_gas2_tmbspg2": (2, 2), "z0_gas1_tmbspg4": (4, 1)}.items():
+        argv = _records(tmp_path / "autotuning_results")[name]["metrics"]["argv"]
+        assert argv[argv.index("--per_device_train_batch_size") + 1] == str(mbs)
+        assert argv[argv.index("--gradient_accumulation_steps") + 1] == str(gas)
+
+    data["autotuning"]["user_args"] = ["--gradient_accumulation_steps", "1"]
+    cfg.write_text(json.dumps(data))
+    missing = run_autotune([str(cfg)], tmp_path, _env(hand_cluster))
+    assert missing.returncode == 2 and "--per_device_train_batch_size" in missing.stderr
+    assert missing.stderr.count("\n") == 1
+
+
+def test_no_stage_fits_says_by_how_much(hand_cluster, tmp_path):
+    cfg = _config(tmp_path, model_info={"num_params": 2 * 10**9, "trainable_num_params": 2 * 10**9,
+                                        "activation_mem_per_gpu": 2**20})
+    proc = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, _env(hand_cluster))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "GiB" in proc.stderr and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_a_metric_the_script_never_writes(hand_cluster, tmp_path):
+    cfg = write_config(tmp_path / "cfg.json")
+    data = json.loads(cfg.read_text())
+    data["autotuning"]["metric"] = "flops"
+    data["autotuning"]["user_args"] = []
+    cfg.write_text(json.dumps(data))
+    script = tmp_path / "no_flops.py"
+    script.write_text((SCRIPTS / "fake_train.py").read_text().replace('"FLOPS_per_gpu": 1e9, ', ""))
+    proc = run_autotune([str(cfg), "--", str(script)], tmp_path, _env(hand_cluster))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "FLOPS_per_gpu" in proc.stderr and "throughput" in proc.stderr
