@@ -2,13 +2,17 @@
 
 Event-driven: it dispatches on start and whenever an experiment finishes (the chord callback
 pushes an event that this loop pops with a blocking wait), never on a polling tick. While
-experiments run it renews their gang leases; an experiment whose record never arrives within its
-time limit plus a grace is revoked and recorded `lost`, so a dead worker cannot stall the job.
+experiments run it renews their gang leases (re-taking them if they lapsed, e.g. after a Redis
+restart). An experiment whose record never arrives within its time limit plus a grace (a worker or
+node died, Redis lost the message) is revoked and launched again, up to MAX_ATTEMPTS launches
+counted in Redis before each launch, then recorded `lost`: a dead worker cannot stall the job.
+While Redis is unreachable the loop waits for it instead of failing.
 Dispatch is FIFO by submission; a later experiment never overtakes a waiting head one.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -27,12 +31,19 @@ from scheduler.space import Experiment
 from tasks.experiment import experiment_signature
 from workers import keys
 from workers.paths import safe_child, write_json
-from workers.registry import BLOCK_S, live_slots
+from workers.registry import BLOCK_S, HEARTBEAT_S, TTL_S, live_slots
 from workers.slot import Slot
 
 LEASE_S = float(os.environ.get("AUTOTUNE_LEASE_S", 60.0))  #: how long a dead scheduler can hold slots
-LOST_GRACE_S = 120.0
+LOST_GRACE_S = float(os.environ.get("AUTOTUNE_LOST_GRACE_S", 120.0))
+MAX_ATTEMPTS = int(os.environ.get("AUTOTUNE_MAX_ATTEMPTS", 3))  #: launches of one experiment, counted in Redis
+ATTEMPTS_TTL_S = 7 * 24 * 3600
+REDIS_OUTAGE_S = 300.0  #: how long to wait for a restarting Redis before giving up
+SLOT_GONE_S = TTL_S + HEARTBEAT_S  #: a slot unregistered this long has lost its worker (not a blip)
 WAIT_FOR_SLOTS_S = 1.0
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,6 +54,9 @@ class _Running:
     token: str
     rank_task_ids: list[str]
     deadline: float
+    attempts: int
+    instances: dict[str, str]  #: slot queue -> worker instance that took the launch
+    slots_missing_since: float | None = None
 
 
 class Driver:
@@ -64,25 +78,40 @@ class Driver:
         self._exp_ids = iter(range(1, 1 << 30))
 
     def run(self, experiments: list[Experiment]) -> list[dict[str, Any]]:
-        pending = deque(experiments)
-        records: list[dict[str, Any]] = []
+        self._pending = deque(experiments)
+        self._records: list[dict[str, Any]] = []
         next_renew = time.monotonic() + self._lease_s / 3
-        while pending or self._running:
-            self._dispatch(pending)
-            wait_s = WAIT_FOR_SLOTS_S if pending and not self._running else min(BLOCK_S, self._lease_s / 3)
-            popped = self._client.blpop([keys.job_events(self._job)], timeout=max(1, int(wait_s)))
-            if popped is not None:
-                record = self._finished(json.loads(popped[1]))
-                if record is not None:
-                    records.append(record)
-                    self._on_record(record)
-            if time.monotonic() >= next_renew:
-                self._renew_leases()
-                next_renew = time.monotonic() + self._lease_s / 3
-            for record in self._expire_lost():
-                records.append(record)
-                self._on_record(record)
-        return records
+        outage_since: float | None = None
+        while self._pending or self._running:
+            try:
+                self._step()
+                if time.monotonic() >= next_renew:
+                    self._renew_leases()
+                    next_renew = time.monotonic() + self._lease_s / 3
+                self._expire_lost()
+                outage_since = None
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis restarting: slots re-register by heartbeat, records are on disk; wait for it.
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since > REDIS_OUTAGE_S:
+                    raise
+                log.warning("Redis unreachable (%s); retrying", exc)
+                time.sleep(1.0)
+        return self._records
+
+    def _step(self) -> None:
+        self._dispatch(self._pending)
+        idle = self._pending and not self._running
+        wait_s = WAIT_FOR_SLOTS_S if idle else min(BLOCK_S, self._lease_s / 3)
+        popped = self._client.blpop([keys.job_events(self._job)], timeout=max(1, int(wait_s)))
+        if popped is not None:
+            record = self._finished(json.loads(popped[1]))
+            if record is not None:
+                self._record(record)
+
+    def _record(self, record: dict[str, Any]) -> None:
+        self._records.append(record)
+        self._on_record(record)
 
     def cancel(self) -> None:
         """Stop every running experiment of this job now (revoke + group kill) and free its slots."""
@@ -144,8 +173,10 @@ class Driver:
                     "rank": node_rank * exp.num_gpus + local_rank, "world_size": exp.world_size,
                     "local_rank": local_rank, "local_world_size": exp.num_gpus,
                     "node_rank": node_rank, "timeout_s": self._timeout_s, "cwd": self._cwd,
-                    "metric_file": exp.metric_file, "exp": description,
+                    "metric_file": exp.metric_file, "exp": description, "gang_token": token,
                 }))
+        attempts = int(self._client.hincrby(keys.job_attempts(self._job), exp.name, 1))
+        self._client.expire(keys.job_attempts(self._job), ATTEMPTS_TTL_S)
         result = experiment_signature(finish, rank_specs).apply_async()
         header = result.parent.results if result.parent else []
         header_ids = [child.id for child in header]
@@ -155,30 +186,55 @@ class Driver:
             # Redis is up, instead of from AsyncResult.__del__ at interpreter exit.
             consumer.cancel_for(task_id)
         self._running[exp.name] = _Running(exp, attempt, queues, token, header_ids,
-                                           time.monotonic() + self._timeout_s + LOST_GRACE_S)
+                                           time.monotonic() + self._timeout_s + LOST_GRACE_S, attempts,
+                                           {slot.queue: slot.instance for node in placement for slot in node})
 
     def _finished(self, event: dict[str, Any]) -> dict[str, Any] | None:
         running = self._running.get(event.get("name", ""))
         if running is None or running.attempt != event.get("attempt"):
             return None  # a stale event from an earlier launch or another driver of this job
-        del self._running[running.exp.name]  # the callback already released its slots
+        del self._running[running.exp.name]
+        # The callback released the slots; release again in case a lease renewal re-took them since.
+        self._gangs.release(running.queues, running.token)
         return event["record"]
 
     def _renew_leases(self) -> None:
-        for running in self._running.values():
-            self._gangs.renew(running.queues, running.token, self._lease_s)
+        for running in list(self._running.values()):
+            if self._gangs.renew(running.queues, running.token, self._lease_s):
+                continue
+            token = self._gangs.reserve(running.queues, self._lease_s)  # lapsed (e.g. Redis restarted)
+            if token is not None:
+                running.token = token
+            else:
+                self._lose(running, "its slots were taken by another job after its lease lapsed")
 
-    def _expire_lost(self) -> list[dict[str, Any]]:
+    def _expire_lost(self) -> None:
         now = time.monotonic()
-        lost = [r for r in self._running.values() if now > r.deadline]
-        records = []
-        for running in lost:
-            self._app.control.revoke(running.rank_task_ids, terminate=True, signal="SIGTERM")
-            self._gangs.release(running.queues, running.token)
-            del self._running[running.exp.name]
-            record = {"name": running.exp.name, "status": "lost", "metrics": None,
-                      "ds_config": running.exp.ds_config, "slots": running.queues,
-                      "cause": {"error": "no record from the slot workers within the time limit"}}
-            write_json(safe_child(self._root, running.exp.name) / "result.json", record)
-            records.append(record)
-        return records
+        live = {slot.queue: slot.instance for slot in live_slots(self._client)} if self._running else {}
+        for running in list(self._running.values()):
+            gone = [q for q in running.queues if q not in live]
+            restarted = [q for q in running.queues if q in live and live[q] != running.instances.get(q)]
+            running.slots_missing_since = (running.slots_missing_since or now) if gone else None
+            if now > running.deadline:
+                self._lose(running, "no record from the slot workers within the time limit plus "
+                           f"{LOST_GRACE_S:.0f}s (a worker or node died, or Redis lost the task)")
+            elif restarted:
+                self._lose(running, f"the worker of {', '.join(restarted)} restarted during the run")
+            elif gone and now - running.slots_missing_since > SLOT_GONE_S:
+                self._lose(running, f"the worker of {', '.join(gone)} stopped sending heartbeats")
+
+    def _lose(self, running: _Running, why: str) -> None:
+        """Stop a launch that went missing; retry it while attempts remain, else record it `lost`."""
+        self._app.control.revoke(running.rank_task_ids, terminate=True, signal="SIGTERM")
+        self._gangs.release(running.queues, running.token)
+        del self._running[running.exp.name]
+        if running.attempts < MAX_ATTEMPTS:
+            log.warning("%s lost (%s); retrying, attempt %d of %d", running.exp.name, why,
+                        running.attempts + 1, MAX_ATTEMPTS)
+            self._pending.appendleft(running.exp)
+            return
+        record = {"name": running.exp.name, "status": "lost", "metrics": None,
+                  "ds_config": running.exp.ds_config, "slots": running.queues,
+                  "cause": {"error": f"{why}; gave up after {running.attempts} attempts"}}
+        write_json(safe_child(self._root, running.exp.name) / "result.json", record)
+        self._record(record)

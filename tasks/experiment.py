@@ -34,6 +34,8 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 @app.task(name="autotune.finish_experiment")
 def finish_experiment(rank_records: list[dict[str, Any]], exp: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json, and tell the job's driver."""
+    if rank_records and all(r.get("stale") for r in rank_records):
+        return {"name": exp["name"], "status": "lost", "stale": True}  # a newer launch owns the folder
     record = aggregate(exp, rank_records)
     result_dir = safe_child(exp["results_root"], exp["name"])
     if record["status"] == "ok" and record["metrics"] is not None \

@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import threading
+import uuid
+from dataclasses import replace
 from urllib.parse import urlparse
 
 import redis
@@ -48,7 +50,8 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
         elif queue_node != node:
             node = queue_node
         host, port = _redis_host_port(conf.broker_url)
-        slot = describe_local_slot(node, device, address_towards(host, port), worker=sender)
+        slot = replace(describe_local_slot(node, device, address_towards(host, port), worker=sender),
+                       instance=uuid.uuid4().hex[:12])
         os.environ["AUTOTUNE_SLOT_JSON"] = json.dumps(slot.to_redis())
         if slot.kind == "cuda":
             os.environ["CUDA_VISIBLE_DEVICES"] = str(device)

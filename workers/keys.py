@@ -11,6 +11,7 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:pgid:<node>.gpu<i>:<task>  str   process group of a rank running on that slot (cleanup
                                               when its worker died without killing it)
     autotune:job:<job>:events           list  finished experiments of a tuning job, for its driver
+    autotune:job:<job>:attempts         hash  experiment name -> launches so far (counted before launch)
 
 `attempt` is a fresh token per launch of an experiment, so a retried experiment never meets the
 rendezvous or abort flag of an earlier launch. Celery's own broker and result keys are Celery's.
@@ -51,3 +52,7 @@ def pgid_pattern(queue: str = "*") -> str:
 
 def job_events(job: str) -> str:
     return f"{PREFIX}job:{job}:events"
+
+
+def job_attempts(job: str) -> str:
+    return f"{PREFIX}job:{job}:attempts"

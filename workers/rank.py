@@ -55,6 +55,7 @@ class RankSpec:
     metric_file: str = "metrics.json"  #: what rank 0's script writes (model_info.json when profiling;
                                        #: "" for a real training run, which writes none)
     exp: dict[str, Any] = field(default_factory=dict)  #: the experiment description for exp.json
+    gang_token: str = ""  #: the reservation this launch runs under; a message outliving it is stale
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankSpec:
@@ -103,6 +104,13 @@ def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "")
 
 
 def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[str, Any]:
+    if spec.gang_token and client.get(keys.gang(slot.queue)) != spec.gang_token.encode():
+        # Redelivered long after its launch was given up (a worker died holding the message):
+        # running it now would overwrite the folder of a newer launch of the same experiment.
+        now = time.time()
+        return {"status": Status.LOST.value, "stale": True, "exit": "not started",
+                "error": "the reservation of this launch is gone", "started_at": now,
+                "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0}
     result_dir = spec.result_dir
     result_dir.mkdir(parents=True, exist_ok=True)
     metric_path = result_dir / (spec.metric_file or "metrics.json")

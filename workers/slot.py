@@ -101,6 +101,7 @@ class Slot:
     threads: int  #: CPU threads an experiment on this slot should use
     cpus: tuple[int, ...]  #: cores the slot's children are pinned to (CPU slots)
     worker: str = ""  #: Celery nodename of the worker serving the slot
+    instance: str = ""  #: new at every worker start: a changed value means the worker restarted
 
     @property
     def queue(self) -> str:
@@ -126,7 +127,7 @@ class Slot:
             memory_bytes=int(fields["memory_bytes"]), address=fields["address"],
             threads=int(fields["threads"]),
             cpus=tuple(int(c) for c in fields.get("cpus", "").split(",") if c),
-            worker=fields.get("worker", ""),
+            worker=fields.get("worker", ""), instance=fields.get("instance", ""),
         )
 
     def child_env(self) -> dict[str, str]:

@@ -4,7 +4,8 @@
 until the slot's cap stops it, the one with 3 exit with status 3, and so on. Modes:
 ok (metrics written; with WORLD_SIZE > 1 a real gloo all-reduce first; with --law, memory and
 throughput follow a synthetic law so the fast search has something to find), oom (grows RSS),
-memory_error (raises MemoryError), crash (exit 3), no_metrics (exit 0, no file), hang (sleeps).
+memory_error (raises MemoryError), crash (exit 3), no_metrics (exit 0, no file), hang (sleeps),
+slow<N> (sleeps N seconds, then ok).
 Every rank writes `<result_dir>/started.rank<N>` with its pid as soon as it starts. In DeepSpeed's
 model-info profile mode it writes model_info.json for a tiny model and exits. Without an enabled
 autotuning section (a real training run) it writes trained.rank<N> instead of metrics.
@@ -53,6 +54,9 @@ if mode == "crash":
     sys.exit(3)
 if mode == "hang":
     time.sleep(3600)
+if mode.startswith("slow"):  # slow<seconds>: a run long enough to be interrupted, then ok
+    time.sleep(float(mode[4:] or 4))
+    mode = "ok"
 
 if world > 1:
     import torch

@@ -1,0 +1,328 @@
+"""`python -m scheduler.run [options] train.py [args...]`: what `deepspeed train.py ...` does, on Celery slots.
+
+Why: after tuning, people launch training as DeepSpeed taught them: a hostfile and --include/--exclude/
+--num_nodes/--num_gpus (resolved by `scheduler.resources`, CUDA_VISIBLE_DEVICES rule included), the
+script's arguments untouched (argv lists end to end), one rank per selected device.
+
+`--launcher celery` (default) runs ONE Experiment through `Driver(pinned=...)`: each selected (host,
+device) is the slot queue `<host>.gpu<device>`, so hostfile hostnames must be the workers' node names
+(AUTOTUNE_NODE, else the `name@node` of `-n`); `localhost` is this machine. With AUTOTUNE_REDIS_URL the
+running workers serve it (a selected slot without a live worker: one `error:` line, exit 2); without
+it an embedded cluster runs here and is torn down after. Ranks log to `<log_dir>/run/` (rank 0:
+stdout.log/stderr.log, rank N: rankN.stdout.log/rankN.stderr.log; result.json: every rank's record).
+Exit 0 when every rank succeeded, else the root-cause rank's exit code (killed by signal N: 128+N).
+Ctrl-C/SIGTERM revokes every rank, kills its process group, stops the embedded cluster, exits 130.
+`--launcher pdsh|openmpi|mpich|impi|mvapich|slurm` runs DeepSpeed's command (`scheduler.launchers`) in
+its own process group, forwards Ctrl-C/SIGTERM to it and returns its exit code; one host runs
+DeepSpeed's per-node launcher locally, as DeepSpeed does. `--dry_run` prints the argv as JSON.
+
+Deliberate differences from DeepSpeed's runner, and why:
+- the default launcher is celery: no ssh or pdsh needed, ranks run on exactly the selected slots.
+- celery ranks get RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT in the
+  environment as torchrun sets them, and no `--local_rank=N` argument (the Driver passes the argv
+  unchanged; deepspeed.init_distributed reads the environment). They meet at a free port of rank 0's
+  node, so --master_addr/--master_port/--launcher_args are errors; their output goes to files.
+- celery needs equal device counts on every host (the Driver numbers ranks node x devices + local);
+  --elastic_training needs --launcher pdsh (torchrun on every host, or locally on one host).
+- --timeout (default a week) stops a hung run (other launchers: exit 124); DeepSpeed waits forever.
+- MASTER_ADDR defaults to the first host's name (one host: 127.0.0.1), not its `hostname -I` via ssh.
+- ssh is checked in BatchMode on every host (DeepSpeed: the first); an interrupt exits 130 (DeepSpeed:
+  1); a rank killed by signal N exits 128+N (DeepSpeed: 256-N); no remote `pkill -f` after pdsh.
+- the embedded cluster has workers for device ids 0..max(selected) (LocalCluster counts from 0), no
+  RAM cap per CPU rank (training, not a probe), AUTOTUNE_VISIBILITY_TIMEOUT = --timeout + 1 h;
+  external workers need theirs above the run's length too, or Redis redelivers a rank.
+- not offered: --module --no_python --no_local_rank --no_ssh --node_rank --force_multi --save_pid
+  --enable_each_rank_log --bind_cores_to_rank --bind_core_list --venv_script --ssh_port --quiet.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, NoReturn
+
+import psutil
+import redis
+
+from scheduler import elastic
+from scheduler.environment import collect_exports
+from scheduler.errors import ClusterError, UsageError
+from scheduler.hostfile import LOCAL_HOSTNAME, local_pool, read_hostfile
+from scheduler.launchers import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchSpec, MvapichLauncher, get_launcher,
+                                 local_command, needs_multinode, require_backend)
+from scheduler.resources import ResourceRequest, Resources, detect_local_devices, resolve_resources
+from scheduler.space import Experiment
+from workers.launch import kill_group
+from workers.local_cluster import LocalCluster, LocalClusterError
+from workers.paths import read_json, safe_child
+from workers.registry import connect, control_alive
+from workers.slot import slot_queue
+
+RUN_NAME = "run"
+DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
+SSH_TIMEOUT_S = 30
+STOP_WAIT_S = 20.0
+VISIBILITY_MARGIN_S = 3600
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse whose errors are UsageErrors, so they print as one `error:` line with exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(prog="python -m scheduler.run", allow_abbrev=False)
+    add = parser.add_argument
+    add("-H", "--hostfile", help="'HOSTNAME slots=N' per line (default: this machine only)")
+    add("-i", "--include", default="", help="NODE[:ID[,ID...]][@NODE...]: use only these")
+    add("-e", "--exclude", default="", help="NODE[:ID[,ID...]][@NODE...]: use all but these")
+    add("--num_nodes", type=int, help="use the first N hosts")
+    add("--num_gpus", "--num_accelerators", dest="num_gpus", type=int, help="first G devices per host")
+    add("--launcher", default="celery", type=str.lower, choices=("celery", *LAUNCHERS))
+    add("--launcher_args", default="", help="extra arguments for pdsh/mpirun/srun")
+    add("--master_addr", default="", help="non-celery launchers (default: the first host)")
+    add("--master_port", type=int, help=f"non-celery launchers (default {DEFAULT_MASTER_PORT})")
+    add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds (default: a week)")
+    add("--slots", type=int, help="without --hostfile: devices of this machine (default: GPUs, else cores)")
+    add("--log_dir", help="celery: where ranks log (default ./run_logs/<UTC time>-<pid>)")
+    add("--no_ssh_check", action="store_true", help="skip the passwordless ssh check of every host")
+    add("--elastic_training", action="store_true", help="torchrun with --min/--max_elastic_nodes")
+    add("--min_elastic_nodes", type=int)
+    add("--max_elastic_nodes", type=int)
+    add("--dry_run", action="store_true", help="print the command as JSON and run nothing")
+    add("user_script", help="the training script")
+    add("user_args", nargs=argparse.REMAINDER, help="its arguments, passed unchanged")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        return run(build_parser().parse_args(sys.argv[1:] if argv is None else list(argv)))
+    except (UsageError, LocalClusterError) as exc:
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr)
+        return 2
+    except redis.RedisError as exc:
+        print(f"error: Redis failed ({type(exc).__name__}: {exc}); check that it runs and the password "
+              "in AUTOTUNE_REDIS_URL, or unset it for an embedded cluster", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: every rank was stopped", file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.timeout <= 0:
+        raise UsageError("--timeout must be a positive number of seconds")
+    request = ResourceRequest(include=args.include, exclude=args.exclude,
+                              num_nodes=args.num_nodes, num_gpus=args.num_gpus)
+    resources = resolve(args, request)
+    for note in resources.notes:
+        print(f"note: {note}")
+    settings = elastic.resolve_elastic(
+        elastic_training=args.elastic_training, min_nodes=args.min_elastic_nodes,
+        max_nodes=args.max_elastic_nodes, num_hosts=resources.num_nodes, environ=os.environ)
+    log_dir = Path(args.log_dir or f"run_logs/{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{os.getpid()}").resolve()
+    if args.launcher == "celery":
+        return run_on_slots(args, resources, settings, log_dir)
+    return run_backend(args, resources, request, settings)
+
+
+def resolve(args: argparse.Namespace, request: ResourceRequest) -> Resources:
+    """The selected hosts and devices, exactly as `python -m scheduler.resources` resolves them."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if args.hostfile is not None:
+        if args.slots is not None:
+            raise UsageError("--slots only applies without --hostfile; drop one of them")
+        return resolve_resources(read_hostfile(args.hostfile), request, hostfile=args.hostfile,
+                                 visible_devices=visible)
+    if args.slots is not None and args.slots < 1:
+        raise UsageError(f"--slots must be at least 1, got {args.slots}")
+    count = args.slots if args.slots is not None else detect_local_devices()[0]
+    return resolve_resources(local_pool(LOCAL_HOSTNAME, count), request, visible_devices=visible)
+
+
+def run_on_slots(args: argparse.Namespace, resources: Resources, settings: elastic.ElasticSettings | None,
+                 log_dir: Path) -> int:
+    """The celery launcher: one Experiment pinned to the selected slots, on running or embedded workers."""
+    if settings is not None:
+        raise UsageError("--elastic_training needs --launcher pdsh (torchrun on every host, or locally on "
+                         "one host); the celery launcher runs a fixed set of ranks")
+    for flag in ("--master_addr", "--master_port", "--launcher_args"):
+        if getattr(args, flag[2:]):
+            raise UsageError(f"{flag} is for the other launchers (celery ranks meet at a free port): drop it")
+    counts = {entry.host: len(entry.device_ids) for entry in resources.entries}
+    if len(set(counts.values())) > 1:
+        raise UsageError(f"the celery launcher needs the same number of devices on every host, got {counts}; "
+                         "select them with --num_gpus or --include")
+    if not Path(args.user_script).is_file():
+        raise UsageError(f"training script {args.user_script} not found; check the path")
+    url = os.environ.get("AUTOTUNE_REDIS_URL")
+    this_node = (os.environ.get("AUTOTUNE_NODE") if url else None) or socket.gethostname()
+    queues = [[slot_queue(this_node if entry.host == LOCAL_HOSTNAME else entry.host, device)
+               for device in entry.device_ids] for entry in resources.entries]
+    argv = [args.user_script, *args.user_args]
+    if args.dry_run:
+        print(json.dumps({"slots": queues, "argv": argv}, indent=2))
+        return 0
+    if url:
+        return run_experiment(connect(url), argv, queues, args.timeout, log_dir)
+    if resources.num_nodes > 1:
+        raise UsageError("a hostfile with several hosts needs running workers: set AUTOTUNE_REDIS_URL "
+                         "(see README) or use --launcher pdsh")
+    os.environ.setdefault("AUTOTUNE_VISIBILITY_TIMEOUT", str(int(args.timeout) + VISIBILITY_MARGIN_S))
+    with LocalCluster(max(resources.entries[0].device_ids) + 1, log_dir / "cluster", node=this_node,
+                      slot_memory=str(psutil.virtual_memory().total)) as cluster:
+        print(f"embedded cluster on {cluster.node}: logs in {log_dir / 'cluster'}")
+        os.environ["AUTOTUNE_REDIS_URL"] = cluster.url
+        return run_experiment(connect(cluster.url), argv, queues, args.timeout, log_dir)
+
+
+def run_experiment(client: redis.Redis, argv: list[str], queues: list[list[str]], timeout_s: float,
+                   log_dir: Path) -> int:
+    """Run the script once on exactly `queues`, print every rank's outcome, return the exit status."""
+    from scheduler.driver import Driver  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
+    from tasks import app
+
+    if not control_alive(client):
+        raise ClusterError("no control worker is running; start one with "
+                           "`celery -A tasks worker -Q control -n control@%h`")
+    experiment = Experiment(name=RUN_NAME, stage=0, micro_batch_size=0, gradient_accumulation_steps=0,
+                            ds_config=user_ds_config(argv[1:]), num_nodes=len(queues),
+                            num_gpus=len(queues[0]), metric_file="")
+    driver = Driver(client, app, job=uuid.uuid4().hex, results_root=log_dir, cwd=os.getcwd(),
+                    script_argv=lambda exp, config_path: list(argv), timeout_s=timeout_s, pinned=queues)
+    slots = [queue for node in queues for queue in node]
+    print(f"running {argv[0]} as {len(slots)} rank(s) on {', '.join(slots)}; "
+          f"logs in {safe_child(log_dir, RUN_NAME)}", flush=True)
+    try:
+        [record] = driver.run([experiment])
+    except BaseException:
+        driver.cancel()
+        raise
+    for rank in record.get("ranks", []):
+        print(f"rank {rank.get('rank')} on {rank.get('slot')}: {rank.get('status')} "
+              f"({rank.get('exit')}, {rank.get('wall_s', 0):.1f}s)")
+    cause = record.get("cause") or {}
+    if cause:
+        print(f"run {record['status']}: root cause rank {cause.get('rank')} ({cause.get('exit')}); its "
+              f"stderr ends with:\n{cause.get('stderr_tail', '')}", file=sys.stderr)
+    return exit_status(record)
+
+
+def exit_status(record: dict[str, Any]) -> int:
+    """0 when every rank succeeded, else the root-cause rank's exit code (signal N: 128+N; none: 1)."""
+    if record.get("status") == "ok":
+        return 0
+    cause_rank = (record.get("cause") or {}).get("rank")
+    codes = [r.get("exit_code") for r in record.get("ranks", []) if r.get("rank") == cause_rank]
+    return shell_status(codes[0]) if codes and codes[0] else 1
+
+
+def shell_status(code: int) -> int:
+    """A return code as a shell reports it: a death by signal N is 128+N."""
+    return 128 - code if code < 0 else code
+
+
+def user_ds_config(user_args: Sequence[str]) -> dict[str, Any]:
+    """The JSON config of `--deepspeed_config X` / `--deepspeed X.json`, for the run's records; else {}."""
+    for index, arg in enumerate(user_args):
+        following = user_args[index + 1] if index + 1 < len(user_args) else ""
+        if arg.startswith(("--deepspeed_config=", "--deepspeed=")):
+            config = read_json(Path(arg.split("=", 1)[1]))
+        elif arg == "--deepspeed_config" or (arg == "--deepspeed" and following.endswith(".json")):
+            config = read_json(Path(following))
+        else:
+            continue
+        return config if isinstance(config, dict) else {}
+    return {}
+
+
+def run_backend(args: argparse.Namespace, resources: Resources, request: ResourceRequest,
+                settings: elastic.ElasticSettings | None) -> int:
+    """pdsh/MPI/Slurm: DeepSpeed's command in its own process group (DeepSpeed's local launch on one host)."""
+    multinode, cwd = needs_multinode(resources), os.getcwd()
+    spec = LaunchSpec(
+        resources=resources, user_script=args.user_script, user_args=tuple(args.user_args), cwd=cwd,
+        master_addr=args.master_addr or (resources.entries[0].host if multinode else "127.0.0.1"),
+        master_port=DEFAULT_MASTER_PORT if args.master_port is None else args.master_port,
+        launcher_args=args.launcher_args, hostfile=args.hostfile, request=request, elastic=settings,
+        exports=collect_exports(os.environ, home_dir=os.path.expanduser("~"), cwd=cwd) if multinode else {})
+    launcher = get_launcher(args.launcher)
+    if multinode:
+        argv, env = launcher.command(spec), launcher.launch_env(spec, os.environ)
+    else:
+        argv = local_command(spec)
+        env = elastic.node_environment(elastic.shared_device_ids(resources)) if settings else {}
+    if args.dry_run:
+        print(json.dumps({"argv": argv, "env": env}, indent=2))
+        return 0
+    if multinode:
+        require_backend(launcher)
+        if not args.no_ssh_check:
+            check_ssh(list(resources.hosts))
+        if isinstance(launcher, MvapichLauncher):
+            Path(launcher.hostfile_path).write_text(launcher.hostfile_text(spec))
+    return run_command(argv, {**os.environ, **env}, args.timeout)
+
+
+def check_ssh(hosts: list[str]) -> None:
+    """Every host must take passwordless ssh, as the backends need; the first that does not is named."""
+    for host in hosts:
+        try:
+            subprocess.run(["ssh", "-o", "PasswordAuthentication=no", "-o", "BatchMode=yes", host, "hostname"],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=SSH_TIMEOUT_S, check=True)
+        except (OSError, subprocess.SubprocessError):
+            raise UsageError(f"host {host} is not reachable with passwordless ssh (`ssh {host} hostname` failed); "
+                             "set up ssh keys for it, or pass --no_ssh_check") from None
+
+
+def run_command(argv: list[str], env: dict[str, str], timeout_s: float) -> int:
+    """Run `argv` in its own process group; Ctrl-C/SIGTERM and the timeout stop the whole group."""
+    print(f"launching: {json.dumps(argv)}", flush=True)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    try:
+        return shell_status(proc.wait(timeout=timeout_s))
+    except subprocess.TimeoutExpired:
+        _stop_group(proc)
+        print(f"error: the launch ran past --timeout {timeout_s:g}s and was stopped", file=sys.stderr)
+        return 124
+    except BaseException:
+        _stop_group(proc)
+        raise
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGINT twice (DeepSpeed's launcher stops its ranks on one, pdsh aborts on a second within 1 s),
+    then TERM and, after a grace, KILL to whatever is left of the group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+    kill_group(proc.pid, grace_s=STOP_WAIT_S)
+    proc.wait()
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    """Ctrl-C or SIGTERM: stop the run; later signals are ignored so that the cleanup runs to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

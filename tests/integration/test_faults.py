@@ -1,0 +1,159 @@
+"""Faults during a tuning job on a cluster of its own: a slot worker killed with SIGKILL mid-experiment
+and Redis restarted mid-job. The job still completes, the lost experiment is launched again (attempts
+counted in Redis), no training process is left behind and no slot stays reserved. Each test prints
+the time from the fault to the recovery it waits for."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from conftest import ROOT, processes_with_marker, wait_for, write_config
+from workers import keys
+from workers.local_cluster import free_tcp_port
+from workers.registry import control_alive, live_slots
+
+pytestmark = pytest.mark.integration
+
+
+class Cluster:
+    """A private redis-server (restartable on the same port) and workers started by hand."""
+
+    def __init__(self, tmp_path) -> None:
+        self.tmp = tmp_path
+        self.port, self.password = free_tcp_port(), secrets.token_hex(8)
+        self.url = f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        self.marker = secrets.token_hex(8)
+        self.redis: subprocess.Popen | None = None
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.client = redis.Redis.from_url(self.url, socket_timeout=5)
+
+    def start_redis(self) -> None:
+        self.redis = subprocess.Popen(["redis-server", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                      start_new_session=True)
+        self.redis.stdin.write(f"port {self.port}\nbind 127.0.0.1\nrequirepass {self.password}\n"
+                               f"save \"\"\nappendonly no\ndir {self.tmp}\n".encode())
+        self.redis.stdin.close()
+        wait_for(self.client.ping, 10, "redis-server")
+
+    def stop_redis(self) -> None:
+        self.redis.send_signal(signal.SIGKILL)
+        self.redis.wait()
+
+    def start_worker(self, queue: str, concurrency: int = 1) -> None:
+        env = {**os.environ, "AUTOTUNE_REDIS_URL": self.url, "AUTOTUNE_NODE": "faultnode",
+               "AUTOTUNE_SLOT_MEMORY": "1GiB", "AUTOTUNE_SLOTS_PER_NODE": "2",
+               "AUTOTUNE_TEST_MARKER": self.marker}
+        with open(self.tmp / f"{queue}.log", "ab") as log:
+            self.workers[queue] = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n",
+                 f"{queue}@faultnode", "-c", str(concurrency), "--without-gossip", "--without-mingle"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self) -> None:
+        wait_for(lambda: len(live_slots(self.client)) == 2 and control_alive(self.client), 90, "workers")
+
+    def stop(self) -> None:
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGQUIT)
+        for proc in self.workers.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if self.redis is not None and self.redis.poll() is None:
+            self.redis.terminate()
+            self.redis.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cluster = Cluster(tmp_path)
+    cluster.start_redis()
+    for queue in ("gpu0", "gpu1", "control"):
+        cluster.start_worker(queue, 2 if queue == "control" else 1)
+    cluster.wait_ready()
+    yield cluster
+    cluster.stop()
+    wait_for(lambda: not processes_with_marker(cluster.marker), 20, "every process of the cluster to exit")
+
+
+def _start_job(cluster, tmp_path, behaviour: str, sizes: list[int]) -> subprocess.Popen:
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=sizes)
+    data = json.loads(cfg.read_text())
+    data["autotuning"]["user_args"] = ["--behaviour", behaviour]
+    data["autotuning"]["model_info"] = {"num_params": 1000, "trainable_num_params": 1000,
+                                        "activation_mem_per_gpu": 2**20}
+    cfg.write_text(json.dumps(data))
+    env = {**os.environ, "AUTOTUNE_REDIS_URL": cluster.url, "AUTOTUNE_LEASE_S": "6",
+           "AUTOTUNE_LOST_GRACE_S": "5"}
+    return subprocess.Popen([sys.executable, "-m", "scheduler.autotune", str(cfg), "--num_gpus", "1",
+                             "--exp-timeout", "40"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_slot_worker_killed_mid_experiment(cluster, tmp_path):
+    results = tmp_path / "autotuning_results"
+    job = _start_job(cluster, tmp_path, "1=slow8,2=slow8", [1, 2])
+    try:
+        wait_for(lambda: all((results / f"z0_gas{2 // m}_tmbspg{m}" / "started.rank0").exists() for m in (1, 2)),
+                 60, "both experiments to start")
+        victim_dir = next(d for d in (results / "z0_gas2_tmbspg1", results / "z0_gas1_tmbspg2")
+                          if json.loads((d / "exp.json").read_text())["slots"] == ["faultnode.gpu0"])
+        orphan = int((victim_dir / "started.rank0").read_text())
+        cluster.workers["gpu0"].send_signal(signal.SIGKILL)  # the main process: no clean-up at all
+        killed_at = time.monotonic()
+        cluster.start_worker("gpu0")  # an operator (or systemd) restarts it
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out + err
+    recovered = time.monotonic() - killed_at
+    record = json.loads((victim_dir / "result.json").read_text())
+    assert record["status"] == "ok", record  # launched again after the loss, and finished
+    attempts = cluster.client.hgetall(next(iter(cluster.client.scan_iter(match=keys.job_attempts("*")))))
+    assert attempts[victim_dir.name.encode()] == b"2"
+    assert not _alive(orphan)  # the restarted worker killed the training group its predecessor left
+    assert list(cluster.client.scan_iter(match=keys.gang("*"))) == []
+    print(f"\nslot worker SIGKILL -> job complete with the experiment re-run: {recovered:.1f}s")
+
+
+def test_redis_restarted_mid_job(cluster, tmp_path):
+    results = tmp_path / "autotuning_results"
+    job = _start_job(cluster, tmp_path, "1=slow5,2=slow5,3=slow5", [1, 2, 3])
+    try:
+        wait_for(lambda: len(list(results.glob("*/started.rank0"))) >= 2, 60, "experiments to start")
+        cluster.stop_redis()
+        time.sleep(2)
+        cluster.start_redis()
+        restarted_at = time.monotonic()
+        out, err = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out + err
+    statuses = {d.name: json.loads((d / "result.json").read_text())["status"]
+                for d in results.iterdir() if (d / "result.json").exists()}
+    assert statuses and set(statuses.values()) == {"ok"}, statuses
+    assert len(statuses) == 3
+    wait_for(lambda: len(live_slots(cluster.client)) == 2, 15, "slots to re-register after the restart")
+    print(f"\nRedis restart -> job complete: {time.monotonic() - restarted_at:.1f}s")
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
