@@ -7,12 +7,14 @@ restart). An experiment whose record never arrives within its time limit plus a 
 node died, Redis lost the message) is revoked and launched again, up to MAX_ATTEMPTS launches
 counted in Redis before each launch, then recorded `lost`: a dead worker cannot stall the job.
 While Redis is unreachable the loop waits for it instead of failing.
-Dispatch is FIFO by submission; a later experiment never overtakes a waiting head one.
+Dispatch is FIFO by submission with EASY backfill (`scheduler.backfill`): a later experiment starts
+in free slots only when it cannot delay the waiting head past its estimated start.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -24,9 +26,10 @@ from typing import Any
 
 import redis
 
+from scheduler.backfill import Waiting, backfill, estimate_run_s
 from scheduler.errors import ClusterError
 from workers.gang import GangReservations
-from scheduler.placement import fits_ever, largest_shape, pinned_placement, place
+from scheduler.placement import fits_ever, largest_shape, pinned_placement
 from scheduler.space import Experiment
 from tasks.experiment import experiment_signature
 from workers import keys
@@ -56,6 +59,7 @@ class _Running:
     deadline: float
     attempts: int
     instances: dict[str, str]  #: slot queue -> worker instance that took the launch
+    started: float
     slots_missing_since: float | None = None
 
 
@@ -75,6 +79,7 @@ class Driver:
         self._lease_s = lease_s
         self._pinned = pinned
         self._running: dict[str, _Running] = {}
+        self._walls: dict[tuple[int, int], list[float]] = {}  #: (stage, mbs) -> wall s of finished runs
         self._exp_ids = iter(range(1, 1 << 30))
 
     def run(self, experiments: list[Experiment]) -> list[dict[str, Any]]:
@@ -121,24 +126,45 @@ class Driver:
         self._running.clear()
 
     def _dispatch(self, pending: deque[Experiment]) -> None:
-        while pending:
-            head = pending[0]
-            slots = live_slots(self._client)
-            busy = self._gangs.held([s.queue for s in slots])
-            if self._pinned is not None:
-                placement = pinned_placement(slots, busy, self._pinned)
-            else:
-                placement = place(slots, busy, head.num_nodes, head.num_gpus)
-                if placement is None and not fits_ever(slots, head.num_nodes, head.num_gpus):
-                    self._refuse(head, slots)
-            if placement is None:
-                return
+        if not pending:
+            return
+        slots = live_slots(self._client)
+        busy = self._gangs.held([s.queue for s in slots])
+        if self._pinned is not None:
+            self._dispatch_pinned(pending, slots, busy)
+            return
+        for exp in pending:
+            if not fits_ever(slots, exp.num_nodes, exp.num_gpus):
+                self._refuse(exp, slots)
+        by_name = {exp.name: exp for exp in pending}
+        waiting = [Waiting(e.name, e.num_nodes, e.num_gpus, self._timeout_s) for e in pending]
+        for name, placement in backfill(waiting, slots, self._frees_at(busy), time.monotonic()):
             queues = [slot.queue for node in placement for slot in node]
             token = self._gangs.reserve(queues, self._lease_s)
             if token is None:
-                return
-            pending.popleft()
-            self._start(head, placement, queues, token)
+                return  # another job took a slot meanwhile: plan again at the next event
+            pending.remove(by_name[name])
+            self._start(by_name[name], placement, queues, token)
+
+    def _dispatch_pinned(self, pending: deque[Experiment], slots: list[Slot], busy: set[str]) -> None:
+        """Every experiment wants the same named slots, so they simply run one after another."""
+        placement = pinned_placement(slots, busy, self._pinned)
+        if placement is None:
+            return
+        queues = [slot.queue for node in placement for slot in node]
+        token = self._gangs.reserve(queues, self._lease_s)
+        if token is not None:
+            self._start(pending.popleft(), placement, queues, token)
+
+    def _frees_at(self, busy: set[str]) -> dict[str, float]:
+        """When each busy slot should free: ours from start + the shape's mean wall time (or the time
+        limit), slots held by other jobs unknown (infinite)."""
+        frees_at = dict.fromkeys(busy, math.inf)
+        for running in self._running.values():
+            shape = (running.exp.stage, running.exp.micro_batch_size)
+            end = running.started + estimate_run_s(self._timeout_s, self._walls.get(shape, ()))
+            frees_at.update({q: end for q in running.queues if q in frees_at})
+        return frees_at
 
     def _refuse(self, exp: Experiment, slots: list[Slot]) -> None:
         nodes, per_node = largest_shape(slots)
@@ -187,7 +213,8 @@ class Driver:
             consumer.cancel_for(task_id)
         self._running[exp.name] = _Running(exp, attempt, queues, token, header_ids,
                                            time.monotonic() + self._timeout_s + LOST_GRACE_S, attempts,
-                                           {slot.queue: slot.instance for node in placement for slot in node})
+                                           {slot.queue: slot.instance for node in placement for slot in node},
+                                           time.monotonic())
 
     def _finished(self, event: dict[str, Any]) -> dict[str, Any] | None:
         running = self._running.get(event.get("name", ""))
@@ -196,7 +223,11 @@ class Driver:
         del self._running[running.exp.name]
         # The callback released the slots; release again in case a lease renewal re-took them since.
         self._gangs.release(running.queues, running.token)
-        return event["record"]
+        record = event["record"]
+        if record.get("status") == "ok" and record.get("wall_s"):
+            shape = (running.exp.stage, running.exp.micro_batch_size)
+            self._walls.setdefault(shape, []).append(record["wall_s"])
+        return record
 
     def _renew_leases(self) -> None:
         for running in list(self._running.values()):

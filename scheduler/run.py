@@ -25,6 +25,8 @@ Deliberate differences from DeepSpeed's runner, and why:
 - celery needs equal device counts on every host (the Driver numbers ranks node x devices + local);
   --elastic_training needs --launcher pdsh (torchrun on every host, or locally on one host).
 - --timeout (default a week) stops a hung run (other launchers: exit 124); DeepSpeed waits forever.
+- the Driver relaunches a run lost with its worker or node (AUTOTUNE_MAX_ATTEMPTS, default 3, as
+  torchrun restarts); DeepSpeed never does. A run lost for good exits 1.
 - MASTER_ADDR defaults to the first host's name (one host: 127.0.0.1), not its `hostname -I` via ssh.
 - ssh is checked in BatchMode on every host (DeepSpeed: the first); an interrupt exits 130 (DeepSpeed:
   1); a rank killed by signal N exits 128+N (DeepSpeed: 256-N); no remote `pkill -f` after pdsh.

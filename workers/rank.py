@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 
 from workers import keys, rendezvous
@@ -86,7 +87,19 @@ def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int]) -> dict[str, s
         "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
         "PYTHONUNBUFFERED": "1",
     })
+    interface = _interface_holding(slot.address)
+    if interface and "GLOO_SOCKET_IFNAME" not in env:
+        env["GLOO_SOCKET_IFNAME"] = interface
     return env
+
+
+def _interface_holding(address: str) -> str | None:
+    """The local interface that has `address`: gloo's own sockets must use the same one as
+    MASTER_ADDR, or a node whose host name does not resolve advertises 127.0.0.1 to its peers."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.address == address for entry in addresses):
+            return name
+    return None
 
 
 def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "") -> dict[str, Any]:

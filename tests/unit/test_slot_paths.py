@@ -106,7 +106,7 @@ CUDA_SLOT = Slot("gpu-host", 1, "cuda", 80 * GiB, "10.0.0.9", 8, (), "w1@gpu-hos
 def test_to_redis_strings() -> None:
     assert CPU_SLOT.to_redis() == {
         "node": "n1", "device": "2", "kind": "cpu", "memory_bytes": str(3 * GiB), "address": "10.0.0.5",
-        "threads": "4", "cpus": "4,5,6,7", "worker": "w2@n1",
+        "threads": "4", "cpus": "4,5,6,7", "worker": "w2@n1", "instance": "",
     }
     assert CUDA_SLOT.to_redis()["cpus"] == ""
 

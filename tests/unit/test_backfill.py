@@ -1,0 +1,174 @@
+"""Dispatch decisions (`scheduler.backfill`): hand-computed EASY-backfill cases, DeepSpeed's strict
+FIFO beside them, and a seeded check that backfill never moves the head's reservation later."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from scheduler.backfill import Reservation, Start, Waiting, backfill, estimate_run_s, reservation, strict_fifo
+from workers.slot import Slot
+
+GiB = 1024**3
+NOW = 100.0
+
+
+def cluster(**nodes: int | tuple[int, int]) -> list[Slot]:
+    """`a=2` is node a with 2 slots of 16 GiB; `b=(2, 40)` is node b with 2 slots of 40 GiB."""
+    slots = []
+    for node, spec in nodes.items():
+        count, gib = spec if isinstance(spec, tuple) else (spec, 16)
+        slots += [Slot(node, d, "cuda", gib * GiB, f"10.0.0.{ord(node)}", 4, ()) for d in range(count)]
+    return slots
+
+
+def w(name: str, nodes: int, gpus: int, est: float, mem_gib: int = 0) -> Waiting:
+    return Waiting(name, nodes, gpus, est, mem_gib * GiB)
+
+
+def named(starts: list[Start]) -> list[tuple[str, list[str]]]:
+    return [(start.name, start.queues) for start in starts]
+
+
+C4 = cluster(a=2, b=2)
+C6 = cluster(a=2, b=2, c=2)
+
+# (slots, busy queue -> estimated free time, queue, expected backfill starts); now = 100.
+CASES = {
+    "head-fits": (C4, {}, [w("A", 1, 1, 10)], [("A", ["a.gpu0"])]),
+    "all-fit-in-order": (C4, {}, [w("A", 1, 2, 10), w("B", 1, 1, 10), w("C", 1, 1, 10)],
+                         [("A", ["a.gpu0", "a.gpu1"]), ("B", ["b.gpu0"]), ("C", ["b.gpu1"])]),
+    # a 2-slot gang holds node a until 200, b.gpu0 frees at 150: the 1x2 head is promised b at 150.
+    "short-backfills": (C4, {"a.gpu0": 200, "a.gpu1": 200, "b.gpu0": 150},
+                        [w("H", 1, 2, 100), w("S", 1, 1, 40)], [("S", ["b.gpu1"])]),
+    "ends-at-shadow-backfills": (C4, {"a.gpu0": 200, "a.gpu1": 200, "b.gpu0": 150},
+                                 [w("H", 1, 2, 100), w("S", 1, 1, 50)], [("S", ["b.gpu1"])]),
+    "long-would-delay-head": (C4, {"a.gpu0": 200, "a.gpu1": 200, "b.gpu0": 150},
+                              [w("H", 1, 2, 100), w("L", 1, 1, 60)], []),
+    # the head is promised node a at 150; b.gpu1 is outside the reservation, so any length fits there.
+    "long-on-unreserved-slot": (C4, {"a.gpu0": 150, "a.gpu1": 150, "b.gpu0": 300},
+                                [w("H", 1, 2, 100), w("L", 1, 1, 1000)], [("L", ["b.gpu1"])]),
+    # 2x2 head: at 180 only c has two free slots; at 200 b and c do -> reserved b+c at 200.
+    "multi-node-head": (C6, {"a.gpu0": 120, "a.gpu1": 300, "b.gpu0": 200, "c.gpu0": 180},
+                        [w("H", 2, 2, 100), w("X", 1, 1, 50), w("Y", 1, 1, 500), w("Z", 1, 1, 90)],
+                        [("X", ["b.gpu1"]), ("Z", ["c.gpu1"])]),
+    # 2x1 head: node a's two free slots are one node; it is promised a.gpu0 + b.gpu0 at 150.
+    "distinct-nodes": (C4, {"b.gpu0": 150, "b.gpu1": 200}, [w("H", 2, 1, 100), w("L", 1, 1, 1000)],
+                       [("L", ["a.gpu1"])]),
+    # the head needs 32 GiB: only node b's slots, promised b.gpu0 at 150; small slots stay open.
+    "memory": (cluster(a=2, b=(2, 40)), {"b.gpu0": 150, "b.gpu1": 300},
+               [w("H", 1, 1, 100, 32), w("L", 1, 1, 1000), w("M", 1, 1, 10, 32), w("N", 1, 1, 1000)],
+               [("L", ["a.gpu0"]), ("N", ["a.gpu1"])]),
+    # node a has 4 slots, b has 2: the 1x4 head can only ever run on a, all of it free at 170.
+    "heterogeneous-nodes": (cluster(a=4, b=2), {"a.gpu0": 130, "a.gpu1": 170, "b.gpu0": 110},
+                            [w("H", 1, 4, 100), w("L", 1, 2, 1000), w("S", 1, 1, 60), w("T", 1, 1, 1000)],
+                            [("S", ["a.gpu2"]), ("T", ["b.gpu1"])]),
+    # the whole cluster is reserved at 200: short items start in queue order until slots run out.
+    "fifo-among-backfilled": (C4, {"a.gpu0": 200, "a.gpu1": 200},
+                              [w("H", 2, 2, 100), w("P", 1, 1, 50), w("Q", 1, 1, 500), w("R", 1, 1, 80),
+                               w("S", 1, 1, 10)],
+                              [("P", ["b.gpu0"]), ("R", ["b.gpu1"])]),
+    # A starts now on b.gpu0 (ends 150 by its estimate), so the head is promised node b at 150.
+    "started-head-counts": (C4, {"a.gpu0": 300, "a.gpu1": 300},
+                            [w("A", 1, 1, 50), w("H", 1, 2, 10), w("L", 1, 1, 100), w("S", 1, 1, 40)],
+                            [("A", ["b.gpu0"]), ("S", ["b.gpu1"])]),
+    "nothing-free": (C4, dict.fromkeys(["a.gpu0", "a.gpu1", "b.gpu0", "b.gpu1"], 150.0),
+                     [w("H", 1, 1, 10), w("S", 1, 1, 1)], []),
+    "nothing-fits": (C4, {"a.gpu0": 150, "b.gpu0": 150}, [w("H", 1, 2, 10), w("G", 2, 2, 1)], []),
+    "empty-queue": (C4, {}, [], []),
+    # another job holds node a with no known end: nothing can be promised to the head.
+    "unknown-end": (C4, {"a.gpu0": math.inf, "a.gpu1": math.inf, "b.gpu0": 150},
+                    [w("H", 2, 2, 100), w("L", 1, 1, 1000)], [("L", ["b.gpu1"])]),
+    # a.gpu0 overran its estimate: it frees "any moment", so not even a 1 s item may take a.gpu1.
+    "overdue-estimate": (C4, {"a.gpu0": 50, "b.gpu0": 300, "b.gpu1": 300}, [w("H", 1, 2, 100), w("S", 1, 1, 1)],
+                         []),
+    "head-never-fits": (C4, {"a.gpu0": 150}, [w("H", 3, 1, 10), w("L", 1, 1, 1000)], [("L", ["a.gpu1"])]),
+}
+
+
+@pytest.mark.parametrize(("slots", "frees_at", "queue", "expected"), CASES.values(), ids=CASES.keys())
+def test_backfill(slots: list[Slot], frees_at: dict[str, float], queue: list[Waiting],
+                  expected: list[tuple[str, list[str]]]) -> None:
+    assert named(backfill(queue, slots, frees_at, NOW)) == expected
+
+
+@pytest.mark.parametrize(("slots", "frees_at", "queue", "expected"), CASES.values(), ids=CASES.keys())
+def test_strict_fifo_never_passes_a_blocked_head(slots: list[Slot], frees_at: dict[str, float],
+                                                 queue: list[Waiting], expected: list) -> None:
+    starts = strict_fifo(queue, slots, frees_at, NOW)
+    assert [s.name for s in starts] == [item.name for item in queue[:len(starts)]]
+    assert named(starts) == named(backfill(queue, slots, frees_at, NOW))[:len(starts)]
+
+
+@pytest.mark.parametrize(
+    ("slots", "frees_at", "head", "expected"),
+    [
+        (C4, {"a.gpu0": 200, "a.gpu1": 200, "b.gpu0": 150}, w("H", 1, 2, 1),
+         Reservation(150, frozenset({"b.gpu0", "b.gpu1"}))),
+        (C6, {"a.gpu0": 120, "a.gpu1": 300, "b.gpu0": 200, "c.gpu0": 180}, w("H", 2, 2, 1),
+         Reservation(200, frozenset({"b.gpu0", "b.gpu1", "c.gpu0", "c.gpu1"}))),
+        (C4, {"b.gpu0": 150, "b.gpu1": 200}, w("H", 2, 1, 1), Reservation(150, frozenset({"a.gpu0", "b.gpu0"}))),
+        (C4, {"a.gpu0": 50, "a.gpu1": 50}, w("H", 2, 2, 1),
+         Reservation(NOW, frozenset({"a.gpu0", "a.gpu1", "b.gpu0", "b.gpu1"}))),
+        (C4, {"a.gpu0": math.inf}, w("H", 2, 2, 1),
+         Reservation(math.inf, frozenset({"a.gpu0", "a.gpu1", "b.gpu0", "b.gpu1"}))),
+        (C4, {}, w("H", 1, 3, 1), None),
+        (C4, {}, w("H", 1, 1, 1, 17), None),
+    ],
+    ids=["one-node", "two-nodes", "distinct-nodes", "overdue-is-now", "unknown-end", "too-wide", "too-big"],
+)
+def test_reservation(slots: list[Slot], frees_at: dict[str, float], head: Waiting,
+                     expected: Reservation | None) -> None:
+    assert reservation(head, slots, frees_at, NOW) == expected
+
+
+@pytest.mark.parametrize(
+    ("limit", "walls", "expected"),
+    [(600, (), 600), (600, (100, 200), 150), (600, (500, 900), 600), (600, [0.5], 0.5)],
+    ids=["no-history", "mean", "capped-by-limit", "list"],
+)
+def test_estimate_run_s(limit: float, walls: tuple[float, ...], expected: float) -> None:
+    assert estimate_run_s(limit, walls) == expected
+
+
+@pytest.mark.parametrize(("nodes", "gpus", "est"), [(0, 1, 1), (1, 0, 1), (1, 1, -1), (1, 1, math.nan)],
+                         ids=["no-nodes", "no-slots", "negative", "nan"])
+def test_waiting_rejects_nonsense(nodes: int, gpus: int, est: float) -> None:
+    with pytest.raises(ValueError, match="X"):
+        Waiting("X", nodes, gpus, est)
+
+
+def random_state(rng: random.Random) -> tuple[list[Slot], dict[str, float], list[Waiting]]:
+    slots = cluster(**{node: (rng.randint(1, 4), rng.choice([16, 40])) for node in "abc"[:rng.randint(1, 3)]})
+    frees_at = {s.queue: NOW + rng.choice([0, 10, 50, 200, 400]) for s in slots if rng.random() < 0.6}
+    queue = [w(f"e{i}", rng.choice([1, 1, 2]), rng.randint(1, 3), rng.choice([5, 60, 150, 1000]),
+               rng.choice([0, 0, 32])) for i in range(rng.randint(1, 8))]
+    return slots, frees_at, queue
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_backfill_never_delays_the_head(seed: int) -> None:
+    """Invariants on random states: free slots only, no slot twice, submission order kept, and with
+    every started item ending at now + its estimate, the head's promised start does not move later."""
+    slots, frees_at, queue = random_state(random.Random(seed))
+    starts = backfill(queue, slots, frees_at, NOW)
+    used = [q for start in starts for q in start.queues]
+    assert len(used) == len(set(used)) and not set(used) & set(frees_at)
+    order = [item.name for item in queue]
+    assert [s.name for s in starts] == sorted((s.name for s in starts), key=order.index)
+    fifo = strict_fifo(queue, slots, frees_at, NOW)
+    blocked = queue[len(fifo):]
+    if not blocked:
+        return
+    estimate = {item.name: item.estimate_s for item in queue}
+    before = dict(frees_at)
+    for start in fifo:
+        before.update(dict.fromkeys(start.queues, NOW + estimate[start.name]))
+    after = dict(frees_at)
+    for start in starts:
+        after.update(dict.fromkeys(start.queues, NOW + estimate[start.name]))
+    promised = reservation(blocked[0], slots, before, NOW)
+    if promised is not None:
+        kept = reservation(blocked[0], slots, after, NOW)
+        assert kept is not None and kept.start_at <= promised.start_at

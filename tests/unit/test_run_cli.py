@@ -1,0 +1,259 @@
+"""`python -m scheduler.run` without Redis: argument errors, the commands it would launch, backends and ssh.
+
+Bad input must end in one `error:` line and exit 2; the launch commands must carry the user's
+arguments byte for byte (spaces, quotes, `$`), so they are checked as parsed argv lists, and for pdsh
+as the words a remote shell reads back. Fake `pdsh`/`ssh` programs on PATH stand in for the real ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from scheduler import run as run_cli
+
+USER_ARGS = ["--name", "two words", "--quote", 'say "hi"', "it's", "$HOME;`x`"]
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """No Redis, no user env files, and the signal handlers main() installs are put back afterwards."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("AUTOTUNE_REDIS_URL", "AUTOTUNE_NODE", "CUDA_VISIBLE_DEVICES", "DS_ENV_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "train.py").write_text("print('training')\n")
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+@pytest.fixture
+def two_hosts(tmp_path) -> Path:
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    return hostfile
+
+
+def fake_program(bin_dir: Path, name: str, exit_code: int, record: Path | None = None) -> None:
+    """An executable `name` that writes its argv as JSON to `record` and exits with `exit_code`."""
+    bin_dir.mkdir(exist_ok=True)
+    program = bin_dir / name
+    save = f"import json, sys; open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n" if record else ""
+    program.write_text(f"#!{sys.executable}\n{save}raise SystemExit({exit_code})\n")
+    program.chmod(program.stat().st_mode | stat.S_IXUSR)
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = run_cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def dry_run(capsys, *argv: str) -> dict:
+    code, out, err = run_main(capsys, *argv, "--dry_run", "train.py", *USER_ARGS)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("argv, needles", [
+    ([], ("required: user_script",)),
+    (["--bogus", "train.py"], ("unrecognized arguments: --bogus",)),
+    (["--launcher", "rsh", "train.py"], ("invalid choice: 'rsh'",)),
+    (["--include", "localhost:0", "--exclude", "localhost:1", "--slots", "2", "train.py"],
+     ("--include and --exclude",)),
+    (["--num_nodes", "0", "train.py"], ("--num_nodes must be at least 1",)),
+    (["--num_nodes", "2", "--slots", "2", "train.py"], ("needs a hostfile",)),
+    (["--include", "localhost:5", "--slots", "2", "train.py"], ("no device id 5",)),
+    (["--hostfile", "missing-hostfile", "train.py"], ("missing-hostfile", "not found")),
+    (["--slots", "0", "train.py"], ("--slots must be at least 1",)),
+    (["--timeout", "0", "train.py"], ("--timeout",)),
+    (["--slots", "1", "missing.py"], ("missing.py", "not found")),
+    (["--slots", "1", "--master_port", "1234", "train.py"], ("--master_port", "drop it")),
+    (["--slots", "1", "--launcher", "pdsh", "--master_port", "70000", "train.py"], ("not a TCP port",)),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needles):
+    assert_one_line_error(*run_main(capsys, *argv)[::2], *needles)
+
+
+def test_slots_with_hostfile_is_an_error(capsys, two_hosts):
+    assert_one_line_error(*run_main(capsys, "--hostfile", str(two_hosts), "--slots", "2", "train.py")[::2],
+                          "--slots only applies without --hostfile")
+
+
+def test_celery_needs_equal_devices_per_host(capsys, tmp_path):
+    (tmp_path / "uneven").write_text("a slots=2\nb slots=1\n")
+    assert_one_line_error(*run_main(capsys, "--hostfile", "uneven", "train.py")[::2], "same number of devices")
+
+
+def test_several_hosts_without_redis_need_running_workers(capsys, two_hosts):
+    assert_one_line_error(*run_main(capsys, "--hostfile", str(two_hosts), "train.py")[::2], "AUTOTUNE_REDIS_URL")
+
+
+def test_argparse_error_from_the_command_line_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "scheduler.run", "--num_gpus", "two", "train.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(run_cli.__file__).parents[1])})
+    assert_one_line_error(proc.returncode, proc.stderr, "--num_gpus", "invalid int value")
+
+
+def test_user_script_and_args_pass_unchanged_even_when_they_look_like_our_flags(capsys):
+    plan = run_main(capsys, "--slots", "2", "--dry_run", "train.py", "--timeout", "5", "--launcher", "x",
+                    *USER_ARGS)[1]
+    assert json.loads(plan)["argv"] == ["train.py", "--timeout", "5", "--launcher", "x", *USER_ARGS]
+
+
+def test_celery_dry_run_maps_devices_to_slot_queues(capsys, monkeypatch, two_hosts):
+    monkeypatch.setenv("AUTOTUNE_REDIS_URL", "redis://127.0.0.1:1/0")  # never contacted in a dry run
+    plan = dry_run(capsys, "--hostfile", str(two_hosts), "--include", "worker-0:1@worker-1:0")
+    assert plan["slots"] == [["worker-0.gpu1"], ["worker-1.gpu0"]]
+    monkeypatch.setenv("AUTOTUNE_NODE", "box")
+    assert dry_run(capsys, "--slots", "4", "--exclude", "localhost:0,2")["slots"] == [["box.gpu1", "box.gpu3"]]
+
+
+def test_cuda_visible_devices_selects_local_slots(capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    monkeypatch.setenv("AUTOTUNE_REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("AUTOTUNE_NODE", "box")
+    code, out, _ = run_main(capsys, "--slots", "4", "--dry_run", "train.py")
+    assert code == 0 and "note: CUDA_VISIBLE_DEVICES=1,3 read as --include localhost:1,3" in out
+    assert json.loads(out[out.index("{"):])["slots"] == [["box.gpu1", "box.gpu3"]]
+
+
+def test_pdsh_dry_run_quotes_each_remote_word_once(capsys, two_hosts, tmp_path):
+    argv = dry_run(capsys, "--hostfile", str(two_hosts), "--launcher", "pdsh")["argv"]
+    assert argv[:6] == ["pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1"]
+    remote = shlex.split(" ".join(argv[6:]))  # what each host's shell reads
+    assert remote[-len(USER_ARGS) - 1:] == ["train.py", *USER_ARGS]
+    assert f"cd {tmp_path};" in " ".join(argv) and "--master_addr=worker-0" in remote
+    assert "--node_rank=%n" in remote and "--master_port=29500" in remote
+
+
+def test_openmpi_and_slurm_dry_runs_carry_raw_user_args(capsys, two_hosts):
+    openmpi = dry_run(capsys, "--hostfile", str(two_hosts), "--launcher", "openmpi")["argv"]
+    assert openmpi[:5] == ["mpirun", "-n", "4", "-hostfile", str(two_hosts)]
+    assert openmpi[-len(USER_ARGS) - 3:] == [sys.executable, "-u", "train.py", *USER_ARGS]
+    slurm = dry_run(capsys, "--hostfile", str(two_hosts), "--launcher", "slurm", "--launcher_args", "-p 'a b'")
+    assert slurm["argv"][:5] == ["srun", "-n", "4", "-p", "a b"]
+    assert slurm["argv"][-len(USER_ARGS) - 3:] == [sys.executable, "-u", "train.py", *USER_ARGS]
+
+
+def test_one_host_runs_deepspeeds_local_launcher(capsys):
+    argv = dry_run(capsys, "--launcher", "pdsh", "--slots", "2", "--include", "localhost:1")["argv"]
+    assert argv[:4] == [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
+    assert "--master_addr=127.0.0.1" in argv and argv[-len(USER_ARGS) - 1:] == ["train.py", *USER_ARGS]
+
+
+def test_missing_backend_names_the_program(capsys, monkeypatch, tmp_path, two_hosts):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    for launcher, program in (("pdsh", "'pdsh'"), ("openmpi", "'ompi_info'"), ("slurm", "'sinfo'")):
+        code, _, err = run_main(capsys, "--hostfile", str(two_hosts), "--launcher", launcher, "train.py")
+        assert_one_line_error(code, err, "not installed", program)
+
+
+def test_unreachable_host_names_it_and_the_escape_hatch(capsys, monkeypatch, tmp_path, two_hosts):
+    fake_program(tmp_path / "bin", "pdsh", 0)
+    fake_program(tmp_path / "bin", "ssh", 255)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    code, _, err = run_main(capsys, "--hostfile", str(two_hosts), "--launcher", "pdsh", "train.py")
+    assert_one_line_error(code, err, "worker-0", "--no_ssh_check")
+
+
+def test_backend_runs_with_argv_intact_and_its_exit_code_is_returned(capsys, monkeypatch, tmp_path, two_hosts):
+    seen = tmp_path / "pdsh-argv.json"
+    fake_program(tmp_path / "bin", "pdsh", 5, record=seen)
+    fake_program(tmp_path / "bin", "ssh", 0)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    code, out, _ = run_main(capsys, "--hostfile", str(two_hosts), "--launcher", "pdsh", "train.py", *USER_ARGS)
+    assert code == 5
+    launched = json.loads(seen.read_text())
+    assert shlex.split(" ".join(launched[5:]))[-len(USER_ARGS) - 1:] == ["train.py", *USER_ARGS]
+    code, _, _ = run_main(capsys, "--hostfile", str(two_hosts), "--launcher", "pdsh", "--no_ssh_check",
+                          "train.py")
+    assert code == 5  # --no_ssh_check: the failing-ssh check is skipped, pdsh still runs
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--min_elastic_nodes", "1"], ("only apply with --elastic_training",)),
+    (["--elastic_training"], ("needs a node range",)),
+    (["--elastic_training", "--min_elastic_nodes", "2", "--max_elastic_nodes", "1"], ("larger than",)),
+    (["--elastic_training", "--min_elastic_nodes", "3", "--max_elastic_nodes", "4"], ("only 2 hosts are selected",)),
+    (["--elastic_training", "--max_elastic_nodes", "2"], ("needs --launcher pdsh",)),
+    (["--elastic_training", "--max_elastic_nodes", "2", "--launcher", "openmpi"],
+     ("not supported with --launcher openmpi",)),
+])
+def test_elastic_errors(capsys, two_hosts, argv, needles):
+    code, _, err = run_main(capsys, "--hostfile", str(two_hosts), *argv, "--dry_run", "train.py")
+    assert_one_line_error(code, err, *needles)
+
+
+def test_elastic_pdsh_runs_torchrun_on_every_host(capsys, two_hosts):
+    plan = dry_run(capsys, "--hostfile", str(two_hosts), "--launcher", "pdsh", "--elastic_training",
+                   "--min_elastic_nodes", "1", "--max_elastic_nodes", "2")
+    remote = shlex.split(" ".join(plan["argv"][6:]))
+    assert "torch.distributed.run" in remote and "--nnodes=1:2" in remote
+    assert "--rdzv_endpoint=worker-0:29500" in remote and remote[-len(USER_ARGS) - 1:] == ["train.py", *USER_ARGS]
+
+
+def test_elastic_on_one_host_runs_torchrun_locally(capsys):
+    plan = dry_run(capsys, "--launcher", "pdsh", "--slots", "2", "--elastic_training", "--max_elastic_nodes", "1")
+    assert plan["argv"][:4] == [sys.executable, "-u", "-m", "torch.distributed.run"]
+    assert plan["env"]["CUDA_VISIBLE_DEVICES"] == "0,1" and "--nproc_per_node=2" in plan["argv"]
+
+
+def test_exit_status_is_the_root_cause_ranks_code():
+    ranks = [{"rank": 0, "exit_code": -15, "status": "aborted"}, {"rank": 1, "exit_code": 7, "status": "crashed"}]
+    assert run_cli.exit_status({"status": "crashed", "cause": {"rank": 1}, "ranks": ranks}) == 7
+    killed = [{"rank": 0, "exit_code": -9, "status": "crashed"}]
+    assert run_cli.exit_status({"status": "crashed", "cause": {"rank": 0}, "ranks": killed}) == 137
+    assert run_cli.exit_status({"status": "lost", "ranks": []}) == 1
+    assert run_cli.exit_status({"status": "ok", "ranks": [{"rank": 0, "exit_code": 0}]}) == 0
+
+
+def test_user_ds_config_is_read_from_either_flag(tmp_path):
+    (tmp_path / "ds.json").write_text('{"train_batch_size": 8}')
+    assert run_cli.user_ds_config(["--deepspeed_config", "ds.json"]) == {"train_batch_size": 8}
+    assert run_cli.user_ds_config(["--deepspeed=ds.json"]) == {"train_batch_size": 8}
+    assert run_cli.user_ds_config(["--deepspeed", "ds.json"]) == {"train_batch_size": 8}
+    assert run_cli.user_ds_config(["--deepspeed", "--other", "ds.json"]) == {}
+    assert run_cli.user_ds_config(["--deepspeed_config", "absent.json"]) == {}
+
+
+def test_sigterm_is_forwarded_and_the_backends_process_group_is_stopped(tmp_path, two_hosts):
+    """The fake pdsh leaves a background child (which ignores SIGINT, as in any script): only a
+    group kill after the forwarded SIGINT stops it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pdsh").write_text(f"#!/bin/sh\nsleep 1000 &\necho $! > {tmp_path}/child.pid\nwait\n")
+    (bin_dir / "pdsh").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(Path(run_cli.__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "scheduler.run", "--hostfile", str(two_hosts), "--launcher",
+                             "pdsh", "--no_ssh_check", "train.py"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child_pid = tmp_path / "child.pid"
+    deadline = time.monotonic() + 30
+    while not (child_pid.exists() and child_pid.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert not psutil.pid_exists(int(child_pid.read_text())) or \
+        psutil.Process(int(child_pid.read_text())).status() == psutil.STATUS_ZOMBIE
