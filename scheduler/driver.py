@@ -187,7 +187,7 @@ class Driver:
         }
         finish = {"job": self._job, "name": exp.name, "exp_id": exp_id, "attempt": attempt,
                   "slots": queues, "gang_token": token,
-                  "results_root": str(self._root), "world_size": exp.world_size,
+                  "results_root": str(self._root), "world_size": len(queues),
                   "ds_config": exp.ds_config, "timeout_s": self._timeout_s,
                   "metric_file": exp.metric_file}
         rank_specs = []
@@ -196,8 +196,9 @@ class Driver:
                 rank_specs.append((slot.queue, {
                     "job": self._job, "name": exp.name, "attempt": attempt,
                     "results_root": str(self._root), "script_argv": argv, "ds_config": exp.ds_config,
-                    "rank": node_rank * exp.num_gpus + local_rank, "world_size": exp.world_size,
-                    "local_rank": local_rank, "local_world_size": exp.num_gpus,
+                    "rank": sum(len(n) for n in placement[:node_rank]) + local_rank,
+                    "world_size": len(queues), "local_rank": local_rank,
+                    "local_world_size": len(node_slots),
                     "node_rank": node_rank, "timeout_s": self._timeout_s, "cwd": self._cwd,
                     "metric_file": exp.metric_file, "exp": description, "gang_token": token,
                 }))

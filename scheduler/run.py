@@ -22,15 +22,14 @@ Deliberate differences from DeepSpeed's runner, and why:
   environment as torchrun sets them, and no `--local_rank=N` argument (the Driver passes the argv
   unchanged; deepspeed.init_distributed reads the environment). They meet at a free port of rank 0's
   node, so --master_addr/--master_port/--launcher_args are errors; their output goes to files.
-- celery needs equal device counts on every host (the Driver numbers ranks node x devices + local);
-  --elastic_training needs --launcher pdsh (torchrun on every host, or locally on one host).
+- --elastic_training needs --launcher pdsh (torchrun on every host, or locally on one host).
 - --timeout (default a week) stops a hung run (other launchers: exit 124); DeepSpeed waits forever.
 - the Driver relaunches a run lost with its worker or node (AUTOTUNE_MAX_ATTEMPTS, default 3, as
   torchrun restarts); DeepSpeed never does. A run lost for good exits 1.
 - MASTER_ADDR defaults to the first host's name (one host: 127.0.0.1), not its `hostname -I` via ssh.
 - ssh is checked in BatchMode on every host (DeepSpeed: the first); an interrupt exits 130 (DeepSpeed:
   1); a rank killed by signal N exits 128+N (DeepSpeed: 256-N); no remote `pkill -f` after pdsh.
-- the embedded cluster has workers for device ids 0..max(selected) (LocalCluster counts from 0), no
+- the embedded cluster starts a worker for exactly each selected device id, no
   RAM cap per CPU rank (training, not a probe), AUTOTUNE_VISIBILITY_TIMEOUT = --timeout + 1 h;
   external workers need theirs above the run's length too, or Redis redelivers a rank.
 - not offered: --module --no_python --no_local_rank --no_ssh --node_rank --force_multi --save_pid
@@ -166,10 +165,6 @@ def run_on_slots(args: argparse.Namespace, resources: Resources, settings: elast
     for flag in ("--master_addr", "--master_port", "--launcher_args"):
         if getattr(args, flag[2:]):
             raise UsageError(f"{flag} is for the other launchers (celery ranks meet at a free port): drop it")
-    counts = {entry.host: len(entry.device_ids) for entry in resources.entries}
-    if len(set(counts.values())) > 1:
-        raise UsageError(f"the celery launcher needs the same number of devices on every host, got {counts}; "
-                         "select them with --num_gpus or --include")
     if not Path(args.user_script).is_file():
         raise UsageError(f"training script {args.user_script} not found; check the path")
     url = os.environ.get("AUTOTUNE_REDIS_URL")
@@ -186,7 +181,8 @@ def run_on_slots(args: argparse.Namespace, resources: Resources, settings: elast
         raise UsageError("a hostfile with several hosts needs running workers: set AUTOTUNE_REDIS_URL "
                          "(see README) or use --launcher pdsh")
     os.environ.setdefault("AUTOTUNE_VISIBILITY_TIMEOUT", str(int(args.timeout) + VISIBILITY_MARGIN_S))
-    with LocalCluster(max(resources.entries[0].device_ids) + 1, log_dir / "cluster", node=this_node,
+    devices = resources.entries[0].device_ids
+    with LocalCluster(len(devices), log_dir / "cluster", node=this_node, devices=devices,
                       slot_memory=str(psutil.virtual_memory().total)) as cluster:
         print(f"embedded cluster on {cluster.node}: logs in {log_dir / 'cluster'}")
         os.environ["AUTOTUNE_REDIS_URL"] = cluster.url

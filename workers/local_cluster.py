@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -50,8 +51,9 @@ class LocalCluster:
     """Context manager: `with LocalCluster(2, log_dir) as cluster: cluster.url ...`."""
 
     def __init__(self, slots: int, log_dir: Path, slot_memory: str | None = None,
-                 node: str | None = None) -> None:
-        self.slots = slots
+                 node: str | None = None, devices: Sequence[int] | None = None) -> None:
+        self.devices = list(devices) if devices is not None else list(range(slots))
+        self.slots = len(self.devices)
         self.log_dir = Path(log_dir)
         self.slot_memory = slot_memory
         self.node = node or socket.gethostname()
@@ -97,7 +99,7 @@ class LocalCluster:
                "AUTOTUNE_SLOTS_PER_NODE": str(self.slots), "PYTHONUNBUFFERED": "1"}
         if self.slot_memory:
             env["AUTOTUNE_SLOT_MEMORY"] = self.slot_memory
-        for device in range(self.slots):
+        for device in self.devices:
             self._start_worker(f"gpu{device}", f"gpu{device}@{self.node}", 1, env)
         self._start_worker("control", f"control@{self.node}", 2, env)
         write_json(self.log_dir / "pids.json", {"redis-server": self._redis.pid,
