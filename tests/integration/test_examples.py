@@ -1,0 +1,59 @@
+"""The bundled examples, for real: the DeepSpeed GPT through the embedded cluster (what the README's
+first command does, smaller), and the plain-torch GPT with two ranks on hand-started workers."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, processes_with_marker, run_autotune
+
+pytestmark = pytest.mark.integration
+EXAMPLES = ROOT / "examples"
+
+
+def _small_config(tmp_path: Path, source: str, sizes: list[int], stages: list[int]) -> Path:
+    data = json.loads((EXAMPLES / source).read_text())
+    data["train_micro_batch_size_per_gpu"] = sizes
+    data["zero_optimization"]["stage"] = stages
+    data["autotuning"]["user_script"] = str(EXAMPLES / data["autotuning"]["user_script"])
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_deepspeed_example_through_the_embedded_cluster(tmp_path):
+    marker = secrets.token_hex(8)
+    cfg = _small_config(tmp_path, "cfg.json", [2, 4], [0, 1])
+    proc = run_autotune([str(cfg), "--slots", "2", "--num_gpus", "1", "--slot-memory", "3GiB"], tmp_path,
+                        {"AUTOTUNE_TEST_MARKER": marker}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = tmp_path / "autotuning_results"
+    profile = json.loads((results / "profile_model_info" / "result.json").read_text())
+    assert profile["status"] == "ok" and profile["metrics"]["num_params"] > 1_000_000  # DeepSpeed's own model info
+    for name in ("z0_gas2_tmbspg2", "z0_gas1_tmbspg4", "z1_gas2_tmbspg2", "z1_gas1_tmbspg4"):
+        metrics = json.loads((results / name / "metrics.json").read_text())  # written by DeepSpeed's engine
+        assert metrics["throughput"] > 0 and metrics["latency"] > 0 and {"fwd", "bwd", "step"} <= set(metrics)
+    optimal = json.loads((results / "ds_config_optimal.json").read_text())
+    assert "autotuning" not in optimal and optimal["optimizer"]["params"]["torch_adam"] is True
+    command = (results / "cmd_optimal.txt").read_text()
+    assert command.startswith("deepspeed ") and str(results / "ds_config_optimal.json") in command
+    assert "celery-autotune results" in proc.stdout and "Total number of experiments: 4" in proc.stdout
+    assert processes_with_marker(marker) == []  # redis-server, workers and training all gone
+
+
+def test_plain_torch_example_two_ranks(hand_cluster, tmp_path):
+    cfg = _small_config(tmp_path, "cfg_torch.json", [2, 4], [0, 1])
+    proc = run_autotune([str(cfg), "--num_gpus", "2"], tmp_path, {"AUTOTUNE_REDIS_URL": hand_cluster["url"]},
+                        timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = tmp_path / "autotuning_results"
+    info = json.loads((results / "profile_model_info" / "model_info.json").read_text())
+    assert info["num_params"] > 1_000_000 and info["activation_mem_per_gpu"] > 0
+    for name in ("z0_gas2_tmbspg2", "z1_gas1_tmbspg4"):
+        record = json.loads((results / name / "result.json").read_text())
+        assert record["status"] == "ok" and len(record["ranks"]) == 2
+        assert record["metrics"]["throughput"] > 0
