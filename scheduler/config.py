@@ -10,6 +10,7 @@ import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import hjson
@@ -70,7 +71,8 @@ def load_config(path: str | Path, cwd: Path | None = None) -> TuningConfig:
     if not isinstance(user_args, list) or not all(isinstance(a, (str, int, float)) for a in user_args):
         raise ConfigError(f"{path}: autotuning.user_args must be a list of strings, e.g. "
                           '["--steps", "50"]')
-    start, end = _int(path, autotuning, "start_profile_step", 3), _int(path, autotuning, "end_profile_step", 5)
+    start = non_negative_int(path, autotuning, "start_profile_step", 3)
+    end = non_negative_int(path, autotuning, "end_profile_step", 5)
     if start > end:
         raise ConfigError(f"{path}: autotuning.start_profile_step ({start}) is after "
                           f"end_profile_step ({end}); make start <= end")
@@ -181,7 +183,8 @@ def _directory(path: Path, autotuning: dict[str, Any], key: str, default: str) -
     return value
 
 
-def _int(path: Path, autotuning: dict[str, Any], key: str, default: int) -> int:
+def non_negative_int(path: Path, autotuning: Mapping[str, Any], key: str, default: int) -> int:
+    """autotuning.<key> as an int >= 0, or a ConfigError naming the file and key."""
     value = autotuning.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{path}: autotuning.{key} must be a non-negative integer, got {json.dumps(value)}")

@@ -25,7 +25,7 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.config import TuningConfig
+from scheduler.config import TuningConfig, non_negative_int
 from scheduler.full_space import full_experiments
 from scheduler.errors import ConfigError, UsageError
 from scheduler.memory import (
@@ -143,8 +143,8 @@ class SearchSettings:
             peak_memory_key="peak_rss_bytes" if device_kind == "cpu" else "peak_device_bytes", estimator=estimator,
             fast=bool(section.get("fast", True)), tuner_type=_tuner_type(cfg, section),
             tuner_num_trials=_positive(cfg, section, "tuner_num_trials", 50),
-            tuner_early_stopping=_count(cfg, section, "tuner_early_stopping", 5),
-            tuner_seed=_count(cfg, section, "tuner_seed", 0), concurrency=max(1, concurrency),
+            tuner_early_stopping=non_negative_int(cfg.path, section, "tuner_early_stopping", 5),
+            tuner_seed=non_negative_int(cfg.path, section, "tuner_seed", 0), concurrency=max(1, concurrency),
             tuning_config=cfg,
         )
 
@@ -154,13 +154,6 @@ def _tuner_type(cfg: TuningConfig, section: Mapping[str, Any]) -> str:
     if value not in TUNER_TYPES:
         raise ConfigError(f"{cfg.path}: autotuning.tuner_type {value!r} is not one of "
                           f"{', '.join(TUNER_TYPES)}")
-    return value
-
-
-def _count(cfg: TuningConfig, section: Mapping[str, Any], key: str, default: int) -> int:
-    value = section.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{cfg.path}: autotuning.{key} must be a non-negative integer, got {value!r}")
     return value
 
 
