@@ -23,6 +23,7 @@ from typing import Any
 import redis
 from rich.console import Console
 
+from scheduler import status
 from scheduler.arguments import check_arg_mappings, parse_arg_mappings, with_config, with_mapped_args
 from scheduler.config import TuningConfig, load_config
 from scheduler.errors import ClusterError, ConfigError, UsageError
@@ -45,7 +46,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m scheduler.autotune",
         description="Find the fastest DeepSpeed configuration for a training script.")
-    parser.add_argument("config", help="DeepSpeed config with an \"autotuning\" section (JSON or hjson)")
+    parser.add_argument("config", nargs="?",
+                        help="DeepSpeed config with an \"autotuning\" section (JSON or hjson)")
+    parser.add_argument("--status", action="store_true",
+                        help="show the cluster at AUTOTUNE_REDIS_URL: slots, who holds them, jobs and "
+                        "why their next experiment waits; tunes nothing")
     parser.add_argument("--slots", type=int, default=os.cpu_count() or 1,
                         help="embedded cluster: slot workers to start (default: number of cores)")
     parser.add_argument("--slot-memory", help="embedded cluster on CPU: memory cap per slot, e.g. 3GiB "
@@ -78,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, script_args: list[str]) -> int:
+    if args.status:
+        return show_status()
+    if args.config is None:
+        raise UsageError("give the config to tune: python -m scheduler.autotune cfg.json (or --status)")
     cfg = load_config(args.config)
     script, base_args = _script(cfg, script_args)
     mappings = parse_arg_mappings(cfg.ds_config["autotuning"].get("arg_mappings"), str(cfg.path))
@@ -188,6 +197,15 @@ def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: red
     console.print(f"training {outcome.get('status')}: "
                   + ", ".join(f"rank {r.get('rank')} {r.get('exit')}" for r in outcome.get("ranks", [])))
     return 0 if outcome.get("status") == "ok" else 1
+
+
+def show_status() -> int:
+    url = os.environ.get("AUTOTUNE_REDIS_URL")
+    if not url:
+        raise UsageError("--status needs the cluster's Redis: set AUTOTUNE_REDIS_URL "
+                         "(an embedded cluster lives only as long as its autotuner)")
+    status.render(console, status.collect(_connect(url)))
+    return 0
 
 
 def _check_metric_key(cfg: TuningConfig, record: dict[str, Any]) -> None:

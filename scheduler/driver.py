@@ -102,10 +102,12 @@ class Driver:
                     raise
                 log.warning("Redis unreachable (%s); retrying", exc)
                 time.sleep(1.0)
+        self._client.delete(keys.job_state(self._job))
         return self._records
 
     def _step(self) -> None:
         self._dispatch(self._pending)
+        self._publish_state()
         idle = self._pending and not self._running
         wait_s = WAIT_FOR_SLOTS_S if idle else min(BLOCK_S, self._lease_s / 3)
         popped = self._client.blpop([keys.job_events(self._job)], timeout=max(1, int(wait_s)))
@@ -113,6 +115,22 @@ class Driver:
             record = self._finished(json.loads(popped[1]))
             if record is not None:
                 self._record(record)
+
+    def _publish_state(self) -> None:
+        """What `python -m scheduler.autotune --status` shows for this job; expires with the driver."""
+        head = self._pending[0] if self._pending else None
+        waiting = ""
+        if head is not None:
+            waiting = (f"needs {head.num_nodes} node(s) x {head.num_gpus} free slot(s) at once; "
+                       "the slots that fit are reserved")
+        pipe = self._client.pipeline()
+        pipe.hset(keys.job_state(self._job), mapping={
+            "results_dir": str(self._root), "pending": len(self._pending),
+            "running": ",".join(sorted(self._running)) or "-",
+            "head": head.name if head else "-", "head_waits": waiting or "-",
+            "updated": round(time.time(), 1)})
+        pipe.expire(keys.job_state(self._job), int(self._lease_s * 2))
+        pipe.execute()
 
     def _record(self, record: dict[str, Any]) -> None:
         self._records.append(record)
@@ -140,7 +158,7 @@ class Driver:
         waiting = [Waiting(e.name, e.num_nodes, e.num_gpus, self._timeout_s) for e in pending]
         for name, placement in backfill(waiting, slots, self._frees_at(busy), time.monotonic()):
             queues = [slot.queue for node in placement for slot in node]
-            token = self._gangs.reserve(queues, self._lease_s)
+            token = self._gangs.reserve(queues, self._lease_s, owner=f"{self._job}/{name}")
             if token is None:
                 return  # another job took a slot meanwhile: plan again at the next event
             pending.remove(by_name[name])
@@ -152,7 +170,7 @@ class Driver:
         if placement is None:
             return
         queues = [slot.queue for node in placement for slot in node]
-        token = self._gangs.reserve(queues, self._lease_s)
+        token = self._gangs.reserve(queues, self._lease_s, owner=f"{self._job}/{pending[0].name}")
         if token is not None:
             self._start(pending.popleft(), placement, queues, token)
 
@@ -234,7 +252,8 @@ class Driver:
         for running in list(self._running.values()):
             if self._gangs.renew(running.queues, running.token, self._lease_s):
                 continue
-            token = self._gangs.reserve(running.queues, self._lease_s)  # lapsed (e.g. Redis restarted)
+            token = self._gangs.reserve(running.queues, self._lease_s,  # lapsed (e.g. Redis restarted)
+                                        owner=f"{self._job}/{running.exp.name}")
             if token is not None:
                 running.token = token
             else:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
+import time
 import uuid
 from dataclasses import replace
 from urllib.parse import urlparse
 
+import psutil
 import redis
 from celery import signals
 from celery.exceptions import TimeLimitExceeded
@@ -63,6 +66,27 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
         log.info("slot %s registered: %s", slot.queue, slot)
     if "control" in queues.consume_from:
         _heartbeats.append(register_control(client, node, sender))
+    parent = os.environ.get("AUTOTUNE_EXIT_WITH_PARENT")
+    if parent:
+        threading.Thread(target=exit_with_parent, args=(int(parent),), daemon=True,
+                         name="exit with parent").start()
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """Embedded-cluster workers end with their autotuner, even a SIGKILLed one, even when their
+    Redis is already gone (a cold shutdown would wait for it): kill the training groups below us,
+    then our own group."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    me = psutil.Process()
+    for child in me.children(recursive=True):
+        try:
+            pgid = os.getpgid(child.pid)
+        except ProcessLookupError:
+            continue
+        if pgid != os.getpgid(0):
+            kill_group(pgid, grace_s=2.0)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 @signals.worker_shutdown.connect

@@ -60,9 +60,13 @@ class GangReservations:
     def _keys(queues: list[str]) -> list[str]:
         return [keys.gang(q) for q in sorted(set(queues))]
 
-    def reserve(self, queues: list[str], lease_s: float) -> str | None:
-        """A new owner token if every queue was free (all now held), else None (none held)."""
-        token = uuid.uuid4().hex
+    def reserve(self, queues: list[str], lease_s: float, owner: str = "") -> str | None:
+        """A new owner token if every queue was free (all now held), else None (none held).
+
+        The token starts with `owner` (e.g. "job/experiment"), so whoever looks at a slot's key
+        can tell who holds it; the random part keeps it unguessable.
+        """
+        token = f"{owner}#{uuid.uuid4().hex}" if owner else uuid.uuid4().hex
         taken = self._reserve(keys=self._keys(queues), args=[token, int(lease_s * 1000)])
         return token if taken == 1 else None
 
@@ -73,6 +77,12 @@ class GangReservations:
     def release(self, queues: list[str], token: str) -> int:
         """Free the queues this token holds; returns how many it still held."""
         return int(self._release(keys=self._keys(queues), args=[token]))
+
+    def holders(self, queues: list[str]) -> dict[str, str]:
+        """queue -> owner of its reservation, for the reserved ones among `queues`."""
+        ordered = sorted(set(queues))
+        values = self._client.mget([keys.gang(q) for q in ordered]) if ordered else []
+        return {q: v.decode().partition("#")[0] or "?" for q, v in zip(ordered, values) if v is not None}
 
     def held(self, queues: list[str]) -> set[str]:
         """Which of `queues` are reserved by anyone right now."""

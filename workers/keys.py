@@ -12,6 +12,8 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
                                               when its worker died without killing it)
     autotune:job:<job>:events           list  finished experiments of a tuning job, for its driver
     autotune:job:<job>:attempts         hash  experiment name -> launches so far (counted before launch)
+    autotune:job:<job>:state            hash  what `--status` shows: results dir, queue depth, running,
+                                              the head experiment and why it waits (expires if the driver dies)
 
 `attempt` is a fresh token per launch of an experiment, so a retried experiment never meets the
 rendezvous or abort flag of an earlier launch. Celery's own broker and result keys are Celery's.
@@ -56,3 +58,10 @@ def job_events(job: str) -> str:
 
 def job_attempts(job: str) -> str:
     return f"{PREFIX}job:{job}:attempts"
+
+
+def job_state(job: str) -> str:
+    return f"{PREFIX}job:{job}:state"
+
+
+JOB_STATE_PATTERN = PREFIX + "job:*:state"

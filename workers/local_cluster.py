@@ -7,7 +7,9 @@ the autotuner, which then stops them in order) and is stopped by PID: workers ge
 (SIGQUIT: the running experiment's process group is killed, no waiting for it to finish), then
 SIGKILL after a grace; training groups recorded in Redis are killed; Redis goes last.
 If the autotuner itself is killed with SIGKILL, the kernel tells its children (Linux parent-death
-signal): workers get SIGQUIT and Redis SIGTERM, so even then nothing is left running. Their PIDs
+signal): workers get SIGQUIT and Redis SIGTERM; and each worker notices its parent is gone
+(AUTOTUNE_EXIT_WITH_PARENT) and kills its training groups and itself, since a cold shutdown can
+hang on the Redis that just died. So even then nothing is left running. Their PIDs
 are also in <log_dir>/pids.json.
 The Redis password is random and passed on stdin, so it never appears in a process list.
 """
@@ -96,6 +98,7 @@ class LocalCluster:
         self._wait(lambda: _pings(client), "redis-server", self.log_dir / "redis.log")
 
         env = {**os.environ, "AUTOTUNE_REDIS_URL": self.url, "AUTOTUNE_NODE": self.node,
+               "AUTOTUNE_EXIT_WITH_PARENT": str(os.getpid()),
                "AUTOTUNE_SLOTS_PER_NODE": str(self.slots), "PYTHONUNBUFFERED": "1"}
         if self.slot_memory:
             env["AUTOTUNE_SLOT_MEMORY"] = self.slot_memory

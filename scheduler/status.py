@@ -1,0 +1,50 @@
+"""`python -m scheduler.autotune --status`: the cluster as the scheduler sees it, for the operator.
+
+Slots (live by heartbeat) with who holds each one, and every tuning job with a live driver: its
+queue depth, what runs, and why its head experiment waits. Everything comes from Redis, so it
+works from any host that can reach the cluster's Redis.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from workers import keys
+from workers.gang import GangReservations
+from workers.registry import live_slots
+
+
+def collect(client: redis.Redis) -> dict[str, Any]:
+    """Slots with their holders and the published state of every live job."""
+    slots = live_slots(client)
+    holders = GangReservations(client).holders([s.queue for s in slots])
+    jobs = []
+    for key in sorted(client.scan_iter(match=keys.JOB_STATE_PATTERN)):
+        fields = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+        if fields:
+            jobs.append({"job": key.decode().split(":")[2], **fields})
+    return {
+        "slots": [{"queue": s.queue, "kind": s.kind, "memory_gib": round(s.memory_bytes / 2**30, 1),
+                   "worker": s.worker, "held_by": holders.get(s.queue, "")} for s in slots],
+        "jobs": jobs,
+    }
+
+
+def render(console: Console, status: dict[str, Any]) -> None:
+    slots = Table(title=f"slots ({len(status['slots'])} live)")
+    for column in ("slot", "kind", "memory GiB", "worker", "held by (job/experiment)"):
+        slots.add_column(column)
+    for slot in status["slots"]:
+        slots.add_row(slot["queue"], slot["kind"], str(slot["memory_gib"]), slot["worker"],
+                      slot["held_by"] or "free")
+    console.print(slots)
+    jobs = Table(title=f"tuning jobs ({len(status['jobs'])} running)")
+    for column in ("job", "results", "queued", "running", "head", "head waits because"):
+        jobs.add_column(column)
+    for job in status["jobs"]:
+        jobs.add_row(job["job"][:12], job.get("results_dir", ""), job.get("pending", ""),
+                     job.get("running", ""), job.get("head", ""), job.get("head_waits", ""))
+    console.print(jobs)

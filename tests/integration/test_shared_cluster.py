@@ -1,0 +1,157 @@
+"""Sharing a cluster: concurrent gang reservations never double-book a slot, two tuning jobs run on
+one 4-slot cluster at the same time without double booking or deadlock, `--status` shows who holds
+what, and a job asking for a shape no node has is refused with the largest shape that fits."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from conftest import ROOT, SCRIPTS, processes_with_marker, run_autotune, wait_for, write_config
+from workers.gang import GangReservations
+from workers.registry import control_alive, live_slots
+
+pytestmark = pytest.mark.integration
+
+
+def _overlap_s(intervals: list[tuple[float, float]]) -> float:
+    """Seconds during which two of the intervals overlap (0 when none ever do)."""
+    ordered = sorted(intervals)
+    overlap, latest_end = 0.0, float("-inf")
+    for start, end in ordered:
+        overlap += max(0.0, min(end, latest_end) - start)
+        latest_end = max(latest_end, end)
+    return overlap
+
+
+def test_concurrent_reservers_never_double_book(redis_url):
+    queues = [f"contended.gpu{i}" for i in range(4)]
+    gangs = [queues[0:3], queues[1:4], queues[0:2], queues[2:4], [queues[1]], queues]
+    occupancy: dict[str, list[tuple[float, float]]] = {q: [] for q in queues}
+    attempts, acquired, lock = [0], [0], threading.Lock()
+    deadline = time.monotonic() + 4.0
+
+    def reserver(seed: int) -> None:
+        client = redis.Redis.from_url(redis_url)
+        reservations = GangReservations(client)
+        rng = random.Random(seed)
+        while time.monotonic() < deadline:
+            gang = rng.choice(gangs)
+            token = reservations.reserve(gang, lease_s=5)
+            with lock:
+                attempts[0] += 1
+            if token is None:
+                continue
+            start = time.monotonic()
+            time.sleep(rng.uniform(0.001, 0.01))
+            end = time.monotonic()
+            assert reservations.release(gang, token) == len(gang)
+            with lock:
+                acquired[0] += 1
+                for queue in gang:
+                    occupancy[queue].append((start, end))
+
+    threads = [threading.Thread(target=reserver, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    double_booked = sum(_overlap_s(intervals) for intervals in occupancy.values())
+    print(f"\nreservations attempted {attempts[0]}, acquired {acquired[0]}, "
+          f"double-booked slot-seconds {double_booked:.6f}")
+    assert acquired[0] > 50 and attempts[0] > acquired[0]  # real contention happened
+    assert double_booked == 0.0
+
+
+def test_overlap_helper_counts_overlap():
+    assert _overlap_s([(0, 2), (1, 3)]) == 1.0 and _overlap_s([(0, 1), (1, 2)]) == 0.0
+
+
+@pytest.fixture(scope="module")
+def four_slots(redis_url, tmp_path_factory):
+    """Two nodes with two CPU slots each (node names from `-n gpuX@node`), on a Redis db of their own."""
+    url = redis_url.rsplit("/", 1)[0] + "/3"
+    logs = tmp_path_factory.mktemp("four-slot-logs")
+    marker = os.urandom(8).hex()
+    env = {**os.environ, "AUTOTUNE_REDIS_URL": url, "AUTOTUNE_SLOT_MEMORY": "1GiB",
+           "AUTOTUNE_SLOTS_PER_NODE": "2", "AUTOTUNE_TEST_MARKER": marker}
+    env.pop("AUTOTUNE_NODE", None)
+    procs = []
+    for queue, name in [("gpu0", "gpu0@nodea"), ("gpu1", "gpu1@nodea"), ("gpu0", "gpu0@nodeb"),
+                        ("gpu1", "gpu1@nodeb"), ("control", "control@nodea")]:
+        with open(logs / f"{name}.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", name,
+                 "--without-gossip", "--without-mingle"], cwd=ROOT, env=env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True))
+    client = redis.Redis.from_url(url)
+    try:
+        wait_for(lambda: len(live_slots(client)) == 4 and control_alive(client), 90, "four slots")
+        yield {"url": url, "client": client}
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGQUIT)
+        for proc in procs:
+            proc.wait(timeout=30)
+        wait_for(lambda: not processes_with_marker(marker), 20, "the four-slot cluster to exit")
+
+
+def _job_config(tmp_path: Path, sizes: list[int]) -> Path:
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=sizes,
+                       zero_optimization={"stage": [0, 1]})
+    data = json.loads(cfg.read_text())
+    data["autotuning"]["user_args"] = ["--behaviour", ",".join(f"{m}=slow1" for m in sizes)]
+    data["autotuning"]["model_info"] = {"num_params": 1000, "trainable_num_params": 1000,
+                                        "activation_mem_per_gpu": 2**20}
+    cfg.write_text(json.dumps(data))
+    return cfg
+
+
+def test_two_jobs_share_four_slots(four_slots, tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "AUTOTUNE_REDIS_URL"}
+    env["AUTOTUNE_REDIS_URL"] = four_slots["url"]
+    jobs = []
+    for name, shape, sizes in (("a", ["--num_nodes", "2", "--num_gpus", "1"], [1, 2, 3]), ("b", ["--num_gpus", "1"], [4, 5, 6])):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        cfg = _job_config(workdir, sizes)
+        jobs.append((workdir, subprocess.Popen([sys.executable, "-m", "scheduler.autotune", str(cfg), *shape],
+                                               cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True)))
+    seen_status = ""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "2 running" not in seen_status:
+        seen_status = subprocess.run([sys.executable, "-m", "scheduler.autotune", "--status"], cwd=ROOT,
+                                     env={**env, "COLUMNS": "200"}, capture_output=True, text=True).stdout
+        time.sleep(0.5)
+    outputs = [proc.communicate(timeout=180) for _, proc in jobs]
+    for (workdir, proc), (out, err) in zip(jobs, outputs):
+        assert proc.returncode == 0, out + err
+    assert "tuning jobs (2 running)" in seen_status, seen_status
+    occupancy: dict[str, list[tuple[float, float]]] = {}
+    for workdir, _ in jobs:
+        for line in (workdir / "autotuning_results" / "results.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            for slot in record["slots"]:
+                occupancy.setdefault(slot, []).append((record["started_at"], record["ended_at"]))
+    assert sum(_overlap_s(v) for v in occupancy.values()) == 0.0
+    assert {slot.split(".")[0] for slot in occupancy} == {"nodea", "nodeb"}  # both nodes were used
+    assert list(four_slots["client"].scan_iter(match="autotune:gang:*")) == []
+
+
+def test_shape_no_node_has_is_refused_with_the_largest_that_fits(four_slots, tmp_path):
+    cfg = _job_config(tmp_path, [1])
+    proc = run_autotune([str(cfg), "--num_gpus", "3"], tmp_path, {"AUTOTUNE_REDIS_URL": four_slots["url"]})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--num_nodes 1 --num_gpus 2" in proc.stderr and proc.stderr.count("\n") == 1
