@@ -77,7 +77,9 @@ class Block(nn.Module):
         self.ln_attn = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln_mlp = nn.LayerNorm(config.d_model)
-        self.mlp = nn.Sequential(nn.Linear(config.d_model, hidden), nn.GELU(), nn.Linear(hidden, config.d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, hidden), nn.GELU(), nn.Linear(hidden, config.d_model)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_attn(x))

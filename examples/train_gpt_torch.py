@@ -44,7 +44,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpt_model import GPT, SyntheticTokens, add_model_arguments, config_from_arguments, training_flops_per_sample
+from gpt_model import (
+    GPT,
+    SyntheticTokens,
+    add_model_arguments,
+    config_from_arguments,
+    training_flops_per_sample,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 # Lets a checkout run the example without installing the package; an installed copy still wins.
@@ -61,7 +67,9 @@ from workers.metrics import (  # noqa: E402
 
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed config: JSON file path or base64 JSON")
+    parser.add_argument(
+        "--deepspeed_config", required=True, help="DeepSpeed config: JSON/hjson file path or base64 JSON"
+    )
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the DeepSpeed launcher; unused")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps to train when not autotuning")
     parser.add_argument("--seed", type=int, default=1234)
@@ -134,7 +142,8 @@ def main() -> None:
     for _ in range(args.steps * accumulation):
         tokens, targets = data.batch(batch_sizes.micro_batch_per_gpu)
         boundary = metrics.is_gradient_accumulation_boundary
-        skip_gradient_sync = trained_model.no_sync() if distributed and not boundary else contextlib.nullcontext()
+        accumulating = distributed and not boundary
+        skip_gradient_sync = trained_model.no_sync() if accumulating else contextlib.nullcontext()
         with skip_gradient_sync:
             with metrics.timed("fwd"), autocast:
                 loss = trained_model(tokens, targets)

@@ -42,6 +42,7 @@ LOST_GRACE_S = float(os.environ.get("AUTOTUNE_LOST_GRACE_S", 120.0))
 MAX_ATTEMPTS = int(os.environ.get("AUTOTUNE_MAX_ATTEMPTS", 3))  #: launches of one experiment, counted in Redis
 ATTEMPTS_TTL_S = 7 * 24 * 3600
 REDIS_OUTAGE_S = 300.0  #: how long to wait for a restarting Redis before giving up
+REFUSE_GRACE_S = 60.0  #: after the first launch, how long the cluster may lack a fitting shape
 SLOT_GONE_S = TTL_S + HEARTBEAT_S  #: a slot unregistered this long has lost its worker (not a blip)
 WAIT_FOR_SLOTS_S = 1.0
 
@@ -80,6 +81,8 @@ class Driver:
         self._pinned = pinned
         self._running: dict[str, _Running] = {}
         self._walls: dict[tuple[int, int], list[float]] = {}  #: (stage, mbs) -> wall s of finished runs
+        self._dispatched_any = False
+        self._misfit_since: float | None = None
         self._exp_ids = iter(range(1, 1 << 30))
 
     def run(self, experiments: list[Experiment]) -> list[dict[str, Any]]:
@@ -151,9 +154,15 @@ class Driver:
         if self._pinned is not None:
             self._dispatch_pinned(pending, slots, busy)
             return
-        for exp in pending:
-            if not fits_ever(slots, exp.num_nodes, exp.num_gpus):
-                self._refuse(exp, slots)
+        misfit = next((e for e in pending if not fits_ever(slots, e.num_nodes, e.num_gpus)), None)
+        if misfit is not None:
+            # Refused at once at submission; later, slots may only be re-registering (a worker or
+            # Redis restarting), so the cluster gets a grace period to come back first.
+            self._misfit_since = self._misfit_since or time.monotonic()
+            if not self._dispatched_any or time.monotonic() - self._misfit_since > REFUSE_GRACE_S:
+                self._refuse(misfit, slots)
+            return
+        self._misfit_since = None
         by_name = {exp.name: exp for exp in pending}
         waiting = [Waiting(e.name, e.num_nodes, e.num_gpus, self._timeout_s) for e in pending]
         for name, placement in backfill(waiting, slots, self._frees_at(busy), time.monotonic()):
@@ -163,6 +172,7 @@ class Driver:
                 return  # another job took a slot meanwhile: plan again at the next event
             pending.remove(by_name[name])
             self._start(by_name[name], placement, queues, token)
+            self._dispatched_any = True
 
     def _dispatch_pinned(self, pending: deque[Experiment], slots: list[Slot], busy: set[str]) -> None:
         """Every experiment wants the same named slots, so they simply run one after another."""

@@ -61,7 +61,9 @@ def load_ds_config(value: str) -> dict[str, Any]:
             return _parse_config_object(text, "decoded base64")
         except ValueError:
             pass
-    raise ValueError(f"DeepSpeed config {_shorten(value)} is neither an existing file nor base64-encoded JSON")
+    raise ValueError(
+        f"DeepSpeed config {_shorten(value)} is neither an existing file nor base64-encoded JSON"
+    )
 
 
 def _decode_base64(value: str) -> str | None:
@@ -110,7 +112,9 @@ class BatchSizes:
             for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
         )
         if micro is None and total is None:
-            raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu")
+            raise ValueError(
+                "the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu"
+            )
         if micro is None:
             accumulation = accumulation or 1
             micro = total // world_size // accumulation
@@ -120,7 +124,8 @@ class BatchSizes:
             total = micro * accumulation * world_size
         if total != micro * accumulation * world_size or min(total, micro, accumulation) < 1:
             raise ValueError(
-                f"inconsistent batch settings: train_batch_size={total} != train_micro_batch_size_per_gpu={micro}"
+                f"inconsistent batch settings: train_batch_size={total}"
+                f" != train_micro_batch_size_per_gpu={micro}"
                 f" * gradient_accumulation_steps={accumulation} * world_size={world_size}"
             )
         return cls(total, micro, accumulation)
@@ -149,12 +154,15 @@ class AutotuningSettings:
         section = config.get("autotuning") or {}
         enabled = bool(section.get("enabled", False))
         model_info = section.get("model_info") or {}
+        working_directory = os.getcwd()
         return cls(
             enabled=enabled,
             start_profile_step=int(section.get("start_profile_step", DEFAULT_START_PROFILE_STEP)),
             end_profile_step=int(section.get("end_profile_step", DEFAULT_END_PROFILE_STEP)),
-            metric_path=section.get("metric_path") or os.path.join(os.getcwd(), DEFAULT_METRIC_FILENAME),
-            model_info_path=section.get("model_info_path") or os.path.join(os.getcwd(), DEFAULT_MODEL_INFO_FILENAME),
+            metric_path=section.get("metric_path")
+            or os.path.join(working_directory, DEFAULT_METRIC_FILENAME),
+            model_info_path=section.get("model_info_path")
+            or os.path.join(working_directory, DEFAULT_MODEL_INFO_FILENAME),
             profile_model_info=enabled and bool(model_info.get("profile", False)),
         )
 

@@ -122,7 +122,7 @@ def test_two_jobs_share_four_slots(four_slots, tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "AUTOTUNE_REDIS_URL"}
     env["AUTOTUNE_REDIS_URL"] = four_slots["url"]
     jobs = []
-    for name, shape, sizes in (("a", ["--num_nodes", "2", "--num_gpus", "1"], [1, 2, 3]), ("b", ["--num_gpus", "1"], [4, 5, 6])):
+    for name, shape, sizes in (("a", ["--num_nodes", "2", "--num_gpus", "1"], [1, 2]), ("b", ["--num_gpus", "1"], [4, 5])):
         workdir = tmp_path / name
         workdir.mkdir()
         cfg = _job_config(workdir, sizes)

@@ -41,9 +41,15 @@ class FakeClock:
 
 
 def autotuning_config(tmp_path, **overrides) -> dict:
-    section = {"enabled": True, "start_profile_step": 1, "end_profile_step": 2, "metric_path": str(tmp_path / "m.json")}
-    section.update(overrides.pop("autotuning", {}))
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, **overrides, "autotuning": section}
+    section = {
+        "enabled": True,
+        "start_profile_step": 1,
+        "end_profile_step": 2,
+        "metric_path": str(tmp_path / "m.json"),
+        **overrides.pop("autotuning", {}),
+    }
+    batch = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+    return {**batch, **overrides, "autotuning": section}
 
 
 def run_micro_step(metrics: AutotuningMetrics, clock: FakeClock, fwd: float, bwd: float, step: float) -> None:
@@ -83,7 +89,10 @@ def test_load_ds_config_reads_an_hjson_file(tmp_path):
     assert load_ds_config(str(path)) == {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}}
 
 
-@pytest.mark.parametrize("value", ["no_such_config.json", "!!not base64!!", base64.b64encode(b"\xff\xfe").decode()])
+UNDECODABLE = ["no_such_config.json", "!!not base64!!", base64.b64encode(b"\xff\xfe").decode()]
+
+
+@pytest.mark.parametrize("value", UNDECODABLE)
 def test_load_ds_config_names_the_value_it_cannot_decode(value):
     with pytest.raises(ValueError, match="neither an existing file nor base64") as error:
         load_ds_config(value)
@@ -138,14 +147,17 @@ def test_batch_sizes_are_completed_like_deepspeed(config, world_size, expected):
 
 def test_batch_sizes_reject_inconsistent_or_untuned_values():
     with pytest.raises(ValueError, match="inconsistent"):
-        BatchSizes.from_ds_config({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}, 1)
+        BatchSizes.from_ds_config(
+            {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}, 1
+        )
     with pytest.raises(ValueError, match="must be an integer"):
         BatchSizes.from_ds_config({"train_micro_batch_size_per_gpu": [2, 8]}, 1)
 
 
 def test_settings_default_paths_are_in_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    settings = AutotuningSettings.from_ds_config({"autotuning": {"enabled": True, "model_info": {"profile": True}}})
+    config = {"autotuning": {"enabled": True, "model_info": {"profile": True}}}
+    settings = AutotuningSettings.from_ds_config(config)
     assert settings.metric_path == os.path.join(str(tmp_path), "autotuning_metric.json")
     assert settings.model_info_path == os.path.join(str(tmp_path), "autotuning_model_info.json")
     assert (settings.start_profile_step, settings.end_profile_step) == (3, 5)
@@ -153,7 +165,8 @@ def test_settings_default_paths_are_in_the_working_directory(tmp_path, monkeypat
 
 
 def test_model_info_profiling_needs_autotuning_enabled():
-    settings = AutotuningSettings.from_ds_config({"autotuning": {"enabled": False, "model_info": {"profile": True}}})
+    config = {"autotuning": {"enabled": False, "model_info": {"profile": True}}}
+    settings = AutotuningSettings.from_ds_config(config)
     assert not settings.profile_model_info
 
 
@@ -200,7 +213,9 @@ def test_summarise_window_refuses_an_empty_window():
 def test_exit_after_optimizer_step_end_profile_step_plus_one_with_accumulation(tmp_path):
     config = autotuning_config(tmp_path, gradient_accumulation_steps=3, autotuning={"end_profile_step": 2})
     clock = FakeClock()
-    metrics = AutotuningMetrics.from_ds_config(config, rank=0, world_size=2, flops_per_optimizer_step=6e9, clock=clock)
+    metrics = AutotuningMetrics.from_ds_config(
+        config, rank=0, world_size=2, flops_per_optimizer_step=6e9, clock=clock
+    )
     boundaries = []
     for _ in range(8):  # optimizer steps 1 and 2 plus two micro-steps of step 3
         boundaries.append(metrics.is_gradient_accumulation_boundary)
@@ -232,7 +247,9 @@ def test_exit_after_optimizer_step_end_profile_step_plus_one_with_accumulation(t
 def test_metric_window_is_the_last_optimizer_step_only(tmp_path):
     config = autotuning_config(tmp_path, gradient_accumulation_steps=2, autotuning={"end_profile_step": 1})
     clock = FakeClock()
-    metrics = AutotuningMetrics.from_ds_config(config, rank=0, world_size=2, flops_per_optimizer_step=1.6e9, clock=clock)
+    metrics = AutotuningMetrics.from_ds_config(
+        config, rank=0, world_size=2, flops_per_optimizer_step=1.6e9, clock=clock
+    )
     run_micro_step(metrics, clock, fwd=5.0, bwd=5.0, step=5.0)  # optimizer step 1: outside the window
     run_micro_step(metrics, clock, fwd=5.0, bwd=5.0, step=5.0)
     run_micro_step(metrics, clock, fwd=0.010, bwd=0.020, step=0.000)  # optimizer step 2: the window
@@ -308,5 +325,6 @@ def test_write_model_info_uses_deepspeeds_format(tmp_path):
     model[1].weight.requires_grad_(False)
     path = tmp_path / "model_info.json"
     record = write_model_info(str(path), model, activation_mem_per_gpu=12345)
-    assert record == {"num_params": 16 + 10, "trainable_num_params": 16 + 2, "activation_mem_per_gpu": 12345, "rank": 0}
+    expected = {"num_params": 16 + 10, "trainable_num_params": 16 + 2, "activation_mem_per_gpu": 12345}
+    assert record == {**expected, "rank": 0}
     assert json.loads(path.read_text()) == record
