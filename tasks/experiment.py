@@ -8,8 +8,9 @@ raises makes Celery skip the chord body, and the experiment would never be recor
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
+
+from celery import chord
 
 from tasks import app
 from tasks.worker_hooks import redis_client
@@ -55,14 +56,8 @@ def finish_experiment(rank_records: list[dict[str, Any]], exp: dict[str, Any]) -
 
 def experiment_signature(exp: dict[str, Any], rank_specs: list[tuple[str, dict[str, Any]]]):
     """The chord for one experiment: rank tasks routed to their slots' queues, callback on control."""
-    from celery import chord
-
     limit = int(exp["timeout_s"]) + TIME_LIMIT_GRACE_S
     header = [run_rank.s(spec).set(queue=queue, time_limit=limit) for queue, spec in rank_specs]
     return chord(header, finish_experiment.s(exp).set(queue="control"))
-
-
-def result_dir_of(exp: dict[str, Any]) -> Path:
-    return safe_child(exp["results_root"], exp["name"])
 
 
