@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from scheduler.backfill import Waiting, backfill, estimate_run_s
+from scheduler.backfill import Policy, Waiting, backfill, estimate_run_s
 from scheduler.errors import ClusterError
 from workers.gang import GangReservations
 from scheduler.placement import fits_ever, largest_shape, pinned_placement
@@ -70,15 +70,18 @@ class Driver:
     def __init__(self, client: redis.Redis, app, *, job: str, results_root: Path,
                  script_argv: Callable[[Experiment, Path], list[str]], cwd: str,
                  timeout_s: float, on_record: Callable[[dict[str, Any]], None] = lambda r: None,
-                 lease_s: float = LEASE_S, pinned: list[list[str]] | None = None) -> None:
+                 lease_s: float = LEASE_S, pinned: list[list[str]] | None = None,
+                 policy: Policy = backfill) -> None:
         """`pinned`: run every experiment on exactly these slot queues (one list per node), as a
-        launch with a hostfile and filters asks; otherwise any free slots of the right shape."""
+        launch with a hostfile and filters asks; otherwise any free slots of the right shape.
+        `policy`: `scheduler.backfill.backfill` (default) or `strict_fifo` (DeepSpeed's, for benchmarks)."""
         self._client, self._app = client, app
         self._gangs = GangReservations(client)
         self._job, self._root, self._cwd = job, results_root.resolve(), cwd
         self._script_argv, self._timeout_s, self._on_record = script_argv, timeout_s, on_record
         self._lease_s = lease_s
         self._pinned = pinned
+        self._policy = policy
         self._running: dict[str, _Running] = {}
         self._walls: dict[tuple[int, int], list[float]] = {}  #: (stage, mbs) -> wall s of finished runs
         self._dispatched_any = False
@@ -165,7 +168,7 @@ class Driver:
         self._misfit_since = None
         by_name = {exp.name: exp for exp in pending}
         waiting = [Waiting(e.name, e.num_nodes, e.num_gpus, self._timeout_s) for e in pending]
-        for name, placement in backfill(waiting, slots, self._frees_at(busy), time.monotonic()):
+        for name, placement in self._policy(waiting, slots, self._frees_at(busy), time.monotonic()):
             queues = [slot.queue for node in placement for slot in node]
             token = self._gangs.reserve(queues, self._lease_s, owner=f"{self._job}/{name}")
             if token is None:
