@@ -258,7 +258,9 @@ def predict_max_micro_batch_size(model: MemoryModel, stage: int, capacity_bytes:
 
     The stage's own fit if it has measured probes, else the nearest measured stage's fit shifted by
     the analytical difference between the two stages, else the analytical model. A known success is
-    a lower bound; the prediction always stays below the smallest OOM seen at this stage.
+    a lower bound; the prediction always stays below the smallest OOM seen at this stage, and below
+    the nearest measured stage's smallest OOM moved by the same analytical difference (the fitted
+    line is an average; an OOM is where the peaks really are).
     """
     own = list(observations.get(stage, ()))
     line = _line_for(model, stage, observations)
@@ -266,9 +268,24 @@ def predict_max_micro_batch_size(model: MemoryModel, stage: int, capacity_bytes:
         predicted = model.max_micro_batch_size(stage, capacity_bytes)
     else:
         predicted = line.max_micro_batch_size(capacity_bytes, safety)
+        borrowed = _borrowed_oom_bound(model, stage, observations, line.slope)
+        if borrowed is not None:
+            predicted = min(predicted, borrowed - 1)
     largest_ok, smallest_oom = bounds(own)
     predicted = max(predicted, largest_ok)
     return max(0, min(predicted, smallest_oom - 1)) if smallest_oom is not None else predicted
+
+
+def _borrowed_oom_bound(model: MemoryModel, stage: int, observations: Mapping[int, Sequence[Observation]],
+                        slope: float) -> int | None:
+    """The nearest other stage's smallest OOM, moved by the stages' analytical difference."""
+    if observations.get(stage) or slope <= 0:
+        return None
+    for _, other in sorted((abs(s - stage), s) for s in observations if s != stage):
+        smallest_oom = bounds(list(observations[other]))[1]
+        if smallest_oom is not None:
+            return smallest_oom + int((model.fixed_bytes(other) - model.fixed_bytes(stage)) // slope)
+    return None
 
 
 def _line_for(model: MemoryModel, stage: int,
