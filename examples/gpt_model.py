@@ -12,9 +12,9 @@ parameters, 2.5M of them outside the embeddings) are chosen so that activation
 memory dominates at large micro-batches: the ``seq x vocab`` logits and their
 log-softmax take 16 MiB per sample in the forward pass, about 27 MiB per sample
 at the backward peak, against a fixed ~0.5 GiB for the interpreter, torch,
-DeepSpeed, the weights and Adam.  A micro-batch of 16 then stays under 1.1 GiB
-while 256 passes a 3 GiB cap during its first forward pass, and one step costs
-roughly 50 ms per sample on one core.  Attention is written out explicitly, as
+DeepSpeed, the weights and Adam.  A micro-batch of 8 then peaks at 0.65-0.9
+GiB per rank (ZeRO 0-3) while 48 passes a 1.25 GiB cap during its first
+forward pass, and training costs roughly 40-55 ms per sample on one core.  Attention is written out explicitly, as
 in the classic GPT implementation, so its ``heads x seq x seq`` scores are
 materialised too.
 

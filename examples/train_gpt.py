@@ -12,9 +12,14 @@ and prints the final loss on rank 0.
 passes the latter); DeepSpeed decodes both.  Run one rank by hand with::
 
     DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=.venv/torch_extensions \\
-    RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 \\
+    RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 LOCAL_SIZE=1 \\
     MASTER_ADDR=127.0.0.1 MASTER_PORT=29611 \\
     .venv/bin/python examples/train_gpt.py --deepspeed_config cfg.json
+
+LOCAL_SIZE matters on CPU: without it DeepSpeed's CPU accelerator runs
+``numactl --hardware`` on every ``device_count()`` call, hundreds of times per
+ZeRO-3 run.  In model-info mode the folder of ``model_info_path`` must exist;
+DeepSpeed does not create it.
 """
 
 from __future__ import annotations
