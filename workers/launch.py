@@ -81,7 +81,12 @@ def group_runs_slot(pgid: int, queue: str) -> bool:
 
 
 def tree_rss(root: psutil.Process) -> int:
-    """Resident memory of a process and all its descendants, in bytes."""
+    """Memory of a process and all its descendants, in bytes, each page counted once.
+
+    Proportional set size (PSS), not RSS: a child forked but not yet exec'd (DeepSpeed spawns
+    numactl and compilers) shares all its parent's pages, and summing RSS would count them twice,
+    turning a healthy run into a false OOM. RSS is the fallback where PSS cannot be read.
+    """
     total = 0
     try:
         procs = [root, *root.children(recursive=True)]
@@ -89,9 +94,12 @@ def tree_rss(root: psutil.Process) -> int:
         return 0
     for proc in procs:
         try:
-            total += proc.memory_info().rss
-        except psutil.Error:
-            continue
+            total += proc.memory_full_info().pss
+        except (psutil.Error, AttributeError):
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                continue
     return total
 
 
