@@ -24,16 +24,20 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
-def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 20) -> None:
+    """Signal the process group `proc` leads, then SIGKILL it if it outlives the grace period."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
     try:
-        proc.wait(timeout=timeout)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         proc.wait()
 
 
@@ -76,7 +80,7 @@ def redis_url(tmp_path_factory):
     client = redis.Redis.from_url(url)
     wait_for(client.ping, 10, "redis-server")
     yield url
-    _stop(proc)
+    stop_group(proc)
 
 
 @pytest.fixture(scope="session")
@@ -98,7 +102,7 @@ def hand_cluster(redis_url, tmp_path_factory):
     wait_for(lambda: len(live_slots(client)) == 2 and control_alive(client), 90, "workers to register")
     yield {"url": redis_url, "client": client, "marker": marker, "logs": logs}
     for proc in procs:
-        _stop(proc, signal.SIGQUIT)
+        stop_group(proc, signal.SIGQUIT)
     wait_for(lambda: not processes_with_marker(marker), 20, "worker processes to exit")
 
 

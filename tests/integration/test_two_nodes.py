@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, processes_with_marker, wait_for, write_config
+from conftest import ROOT, processes_with_marker, stop_group, wait_for, write_config
 from netns import Host, NamespacesUnavailable, create_two_hosts, delete_hosts, inside, namespace_exists
 
 pytestmark = pytest.mark.integration
@@ -88,23 +88,6 @@ class Cluster:
     url: str  #: Redis on node 1's address; only usable from inside a namespace
     marker: str
     logs: Path
-
-
-def _stop_group(proc: subprocess.Popen, sig: int, grace_s: float) -> None:
-    """Signal the process group `proc` leads, then SIGKILL it if it outlives the grace period."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def _log_tails(logs: Path, limit: int = 1500) -> str:
@@ -191,7 +174,7 @@ def cluster(hosts, request, tmp_path_factory) -> Cluster:
 
     request.addfinalizer(lambda: _kill_leftovers(marker))
     redis_proc = _start_redis(node1, password, tmp_path_factory.mktemp("two-node-redis"))
-    request.addfinalizer(lambda: _stop_group(redis_proc, signal.SIGTERM, WORKER_GRACE_S))
+    request.addfinalizer(lambda: stop_group(redis_proc, signal.SIGTERM, WORKER_GRACE_S))
     up, state = _probe(base_env, node1, 15)
     assert up, f"redis-server in {node1.namespace} did not answer: {state}"
 
@@ -201,7 +184,7 @@ def cluster(hosts, request, tmp_path_factory) -> Cluster:
             proc = subprocess.Popen(_worker_command(host, node, queue, concurrency),
                                     cwd=ROOT, env=_worker_env(base_env, host), stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
-        request.addfinalizer(lambda proc=proc: _stop_group(proc, signal.SIGQUIT, WORKER_GRACE_S))
+        request.addfinalizer(lambda proc=proc: stop_group(proc, signal.SIGQUIT, WORKER_GRACE_S))
 
     ready, state = _probe(base_env, node1, REGISTER_TIMEOUT_S, slots=2, control=True)
     assert ready, f"workers did not register within {REGISTER_TIMEOUT_S}s: {state}\n{_log_tails(logs)}"
@@ -249,7 +232,7 @@ def _autotune_on_node1(cluster: Cluster, args: list[str], cwd: Path,
         try:
             out, err = proc.communicate(timeout=20)
         except subprocess.TimeoutExpired:
-            _stop_group(proc, signal.SIGKILL, 5)
+            stop_group(proc, signal.SIGKILL, 5)
             out, err = proc.communicate()
         raise AssertionError(f"autotune did not finish within {timeout}s:\n{out}\n{err}\n"
                              f"{_log_tails(cluster.logs)}") from None
