@@ -1,14 +1,14 @@
 """Strict FIFO vs EASY backfill on real Celery slot workers: the same mixed-gang workload, twice.
 
 Unlike bench/backfill.py (a simulation of the policy), this MEASURES: an embedded cluster (a real
-redis-server, one real slot worker per slot, a control worker) runs the workload through the real
-Driver, once with `strict_fifo` (DeepSpeed's ResourceManager rule) and once with `backfill`.
+redis-server, one real slot worker per slot, a control worker) runs the workload as a fixed job
+(dispatched by the control worker), once with `strict_fifo` (DeepSpeed's ResourceManager rule) and once with `backfill`.
 Each experiment is tests/integration/scripts/fake_train.py sleeping for its run time, so what is
 measured is scheduling: reservations, chords, rendezvous and process start-up included.
 
 Utilisation = busy slot-seconds / (slots x makespan), from each experiment's own start and end
 times as its slot workers recorded them. Estimates are the time limit (the same for every
-experiment here), which is what the Driver knows before anything has finished.
+experiment here), which is what dispatch knows before anything has finished.
 
     .venv/bin/python bench/backfill_real.py [--slots 4] [--seed 3] [--experiments 12]
 """
@@ -46,15 +46,18 @@ def workload(seed: int, count: int, slots: int) -> tuple[list[Experiment], str]:
 
 
 def measure(policy: Policy, experiments: list[Experiment], behaviour: str, slots: int, url: str) -> dict:
-    from scheduler.driver import Driver
+    from scheduler.jobs import JobSpec, run_fixed
     from tasks import app
 
     results = Path(tempfile.mkdtemp(prefix=f"bench-{policy.__name__}-"))
-    driver = Driver(connect(url), app, job=uuid.uuid4().hex, results_root=results,
-                    script_argv=lambda exp, cfg: [str(FAKE), "--behaviour", behaviour,
-                                                  "--deepspeed_config", str(cfg)],
-                    cwd=str(ROOT), timeout_s=TIME_LIMIT_S, policy=policy)
-    records = driver.run(list(experiments))
+
+    def argv(exp: Experiment) -> list[str]:
+        return [str(FAKE), "--behaviour", behaviour, "--deepspeed_config", str(results / exp.name / "ds_config.json")]
+
+    spec = JobSpec(job=uuid.uuid4().hex, results_root=str(results), cwd=str(ROOT), timeout_s=TIME_LIMIT_S,
+                   experiments=[{**exp.to_json(), "argv": argv(exp)} for exp in experiments],
+                   policy=policy.__name__)
+    records = run_fixed(connect(url), app, spec)
     assert all(r["status"] == "ok" for r in records), [r["status"] for r in records]
     start = min(r["started_at"] for r in records)
     end = max(r["ended_at"] for r in records)

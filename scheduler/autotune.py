@@ -27,10 +27,10 @@ from scheduler import status
 from scheduler.arguments import check_arg_mappings, parse_arg_mappings, with_config, with_mapped_args
 from scheduler.config import TuningConfig, load_config
 from scheduler.errors import ClusterError, ConfigError, UsageError
-from scheduler.outputs import print_table, write_experiment_descriptions, write_results
-from scheduler.ranking import metric_value
-from scheduler.fast_search import PROFILE, SearchSettings, fast_search
-from scheduler.phases import Phase, drive
+from scheduler.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
+from scheduler.outputs import print_table, write_results
+from scheduler.progress import optimal_argv, outcome, search_of
+from scheduler.ranking import best, metric_value
 from scheduler.space import Experiment, optimal_config
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child
@@ -59,6 +59,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--num_nodes", type=int, default=1, help="nodes per experiment (default 1)")
     parser.add_argument("--exp-timeout", type=float, default=900.0,
                         help="wall-clock limit of one experiment in seconds (default 900)")
+    parser.add_argument("--min-slot-memory", help="run experiments only on slots with at least this much "
+                        "memory, e.g. 40GiB (heterogeneous clusters; default: every slot)")
     parser.add_argument("--run", action="store_true",
                         help="after tuning, train with the optimal config on the same kind of slots "
                         "(DeepSpeed's --autotuning run)")
@@ -72,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, LocalClusterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except JobCrashed as exc:
+        print(f"error: the control worker failed on this job ({exc}); finished experiments are kept: "
+              "run the same command again to resume", file=sys.stderr)
+        return 1
     except redis.RedisError as exc:
         print(f"error: Redis failed during the run ({type(exc).__name__}: {exc}); finished "
               "experiments are kept: run the same command again to resume", file=sys.stderr)
@@ -111,9 +117,55 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
 
 def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: tuple[str, ...],
          mappings: dict[str, str], client: redis.Redis) -> int:
-    from scheduler.driver import Driver  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
-    from tasks import app
+    from tasks import app  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
 
+    slots = _usable_slots(client, args.min_slot_memory)
+    per_node = max(sum(1 for s in slots if s.node == node) for node in {s.node for s in slots})
+    num_gpus = args.num_gpus or per_node
+    device_kind = "cpu" if all(s.kind == "cpu" for s in slots) else "gpu"
+    spec = JobSpec(
+        job=job_id_for(cfg.results_dir), results_root=str(cfg.results_dir.resolve()), cwd=os.getcwd(),
+        timeout_s=args.exp_timeout, min_memory=_min_memory(args.min_slot_memory),
+        tune=TuneSpec(config_path=str(cfg.path), ds_config=cfg.ds_config, exps_dir=str(cfg.exps_dir.resolve()),
+                      script=str(script), base_args=list(base_args), mappings=mappings,
+                      capacity_bytes=min(s.memory_bytes for s in slots), num_nodes=args.num_nodes,
+                      num_gpus=num_gpus, device_kind=device_kind,
+                      concurrency=len(slots) // (args.num_nodes * num_gpus)))
+    search_of(spec)  # a config the search refuses is reported here, before anything is submitted
+    console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {args.num_nodes} node(s) x "
+                  f"{num_gpus} slot(s) per experiment, metric {cfg.metric}, "
+                  f"slot memory {spec.tune.capacity_bytes / 2**30:.1f} GiB")
+    if submit(client, app, spec):
+        console.print("the job for this results folder was still running on the cluster: watching it")
+
+    def show(event: dict[str, Any]) -> None:
+        if event["kind"] == "phase":
+            console.print(f"phase {event['name']}: {event['todo']} to run"
+                          + (f", {event['reused']} already measured" if event["reused"] else ""))
+        elif event["kind"] == "record":
+            record = event["record"]
+            value = metric_value(record, cfg.metric)
+            shown = f"{cfg.metric}={value:,.2f}" if value is not None else record.get("status")
+            console.print(f"  {record['name']:<28} {record.get('status', '?'):<10} {shown}  "
+                          f"{record.get('wall_s') or 0:.1f}s on {','.join(record.get('slots') or [])}")
+
+    try:
+        done = watch(client, app, spec, show)
+    except KeyboardInterrupt:
+        cancel(client, app, spec.job)
+        _report(cfg, spec, client, partial=True)
+        raise
+    winner = _report(cfg, spec, client)
+    if winner is None:
+        return 1
+    if args.run:
+        experiments, _ = outcome(client, spec)
+        return _train_with_optimal(cfg, args, client, app, spec,
+                                   next(e for e in experiments if e.name == done["winner"]))
+    return 0
+
+
+def _usable_slots(client: redis.Redis, min_slot_memory: str | None) -> list:
     slots = live_slots(client)
     if not slots:
         raise ClusterError("no slot workers are registered in Redis; start one per device with "
@@ -121,82 +173,35 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
     if not control_alive(client):
         raise ClusterError("no control worker is running; start one with "
                            "`celery -A tasks worker -Q control -n control@%h`")
-    per_node = max(sum(1 for s in slots if s.node == node) for node in {s.node for s in slots})
-    num_gpus = args.num_gpus or per_node
-    settings = SearchSettings.from_config(
-        cfg, capacity_bytes=min(s.memory_bytes for s in slots), num_nodes=args.num_nodes,
-        num_gpus=num_gpus, device_kind="cpu" if all(s.kind == "cpu" for s in slots) else "gpu",
-        concurrency=len(slots) // (args.num_nodes * num_gpus))
-    console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {args.num_nodes} node(s) x "
-                  f"{num_gpus} slot(s) per experiment, metric {cfg.metric}, "
-                  f"slot memory {settings.capacity_bytes / 2**30:.1f} GiB")
+    floor = _min_memory(min_slot_memory)
+    usable = [s for s in slots if s.memory_bytes >= floor]
+    if not usable:
+        biggest = max(s.memory_bytes for s in slots)
+        raise ClusterError(f"--min-slot-memory {min_slot_memory}: no slot has that much; the largest has "
+                           f"{biggest / 2**30:.2f} GiB, ask for at most that")
+    return usable
 
-    experiments: list[Experiment] = []
-    records: dict[str, dict[str, Any]] = {}
 
-    def argv_for(exp: Experiment, config_path: Path) -> list[str]:
-        return with_config(str(script), with_mapped_args(base_args, mappings, exp.ds_config), config_path)
-
-    def report(record: dict[str, Any]) -> None:
-        records[record["name"]] = record
-        _check_metric_key(cfg, record)
-        value = metric_value(record, cfg.metric)
-        shown = f"{cfg.metric}={value:,.2f}" if value is not None else record.get("status")
-        console.print(f"  {record['name']:<28} {record.get('status', '?'):<10} {shown}  "
-                      f"{record.get('wall_s') or 0:.1f}s on {','.join(record.get('slots') or [])}")
-
-    driver = Driver(client, app, job=uuid.uuid4().hex, results_root=cfg.results_dir,
-                    script_argv=argv_for, cwd=os.getcwd(), timeout_s=args.exp_timeout, on_record=report)
-
-    def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:
-        experiments.extend(e for e in phase.experiments if e not in experiments)
-        reused = {e.name: r for e in phase.experiments if (r := _measured_before(cfg.results_dir, e))}
-        records.update(reused)
-        todo = [e for e in phase.experiments if e.name not in reused]
-        console.print(f"phase {phase.name}: {len(todo)} to run"
-                      + (f", {len(reused)} already measured" if reused else ""))
-        write_experiment_descriptions(cfg.exps_dir, todo)
-        driver.run(todo)
-        return {e.name: records[e.name] for e in phase.experiments}
-
-    started = time.time()
-    try:
-        drive(fast_search(settings), run_phase)
-    except BaseException:
-        driver.cancel()
-        _report(cfg, experiments, records, started, argv_for)
-        raise
-    winner = _report(cfg, experiments, records, started, argv_for)
-    if winner is None:
-        return 1
-    if args.run:
-        return _train_with_optimal(cfg, args, client, app, argv_for,
-                                   next(e for e in experiments if e.name == winner["name"]))
-    return 0
+def _min_memory(min_slot_memory: str | None) -> int:
+    return parse_size(min_slot_memory) if min_slot_memory else 0
 
 
 def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: redis.Redis, app,
-                        argv_for, best: Experiment) -> int:
+                        tuned_spec: JobSpec, best: Experiment) -> int:
     """DeepSpeed's `--autotuning run`, but the training really trains: the optimal config has no
     autotuning section, so nothing exits after the profiled steps. Ranks run on the slot workers."""
-    from scheduler.driver import Driver
-
     optimal = replace(best, name="run_optimal", ds_config=optimal_config(best.ds_config),
-                      tuning_space="run_optimal", metric_file="")
+                      tuning_space="run_optimal", metric_file="", min_memory=tuned_spec.min_memory)
+    argv = optimal_argv(tuned_spec)(optimal, safe_child(cfg.results_dir, optimal.name) / "ds_config.json")
+    spec = JobSpec(job=uuid.uuid4().hex, results_root=tuned_spec.results_root, cwd=os.getcwd(),
+                   timeout_s=RUN_TIMEOUT_S, experiments=[{**optimal.to_json(), "argv": argv}],
+                   min_memory=tuned_spec.min_memory)
     console.print(f"training with the optimal config {best.name} on {best.num_nodes} node(s) x "
                   f"{best.num_gpus} slot(s); logs in {cfg.results_dir / optimal.name}")
-    outcome: dict[str, Any] = {}
-    driver = Driver(client, app, job=uuid.uuid4().hex, results_root=cfg.results_dir,
-                    script_argv=argv_for, cwd=os.getcwd(), timeout_s=RUN_TIMEOUT_S,
-                    on_record=outcome.update)
-    try:
-        driver.run([optimal])
-    except BaseException:
-        driver.cancel()
-        raise
-    console.print(f"training {outcome.get('status')}: "
-                  + ", ".join(f"rank {r.get('rank')} {r.get('exit')}" for r in outcome.get("ranks", [])))
-    return 0 if outcome.get("status") == "ok" else 1
+    [outcome_record] = run_fixed(client, app, spec)
+    console.print(f"training {outcome_record.get('status')}: "
+                  + ", ".join(f"rank {r.get('rank')} {r.get('exit')}" for r in outcome_record.get("ranks", [])))
+    return 0 if outcome_record.get("status") == "ok" else 1
 
 
 def show_status() -> int:
@@ -208,36 +213,25 @@ def show_status() -> int:
     return 0
 
 
-def _check_metric_key(cfg: TuningConfig, record: dict[str, Any]) -> None:
-    """A script that never writes the metric asked for would make every experiment look failed."""
-    metrics = record.get("metrics")
-    if record.get("status") == "ok" and record["name"] != PROFILE and isinstance(metrics, dict) \
-            and cfg.metric not in metrics:
-        raise ConfigError(f"{cfg.path}: autotuning.metric is \"{cfg.metric}\" but the script's metrics "
-                          f"file has only {sorted(metrics)}; choose one of those or write \"{cfg.metric}\"")
-
-
-def _report(cfg: TuningConfig, experiments: list[Experiment], records: dict[str, dict[str, Any]],
-            started: float, argv_for) -> dict[str, Any] | None:
-    winner = write_results(cfg.results_dir, experiments, records, cfg.metric, cfg.maximize,
-                           time.time() - started, argv_for)
+def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis, partial: bool = False) -> dict[str, Any] | None:
+    """Print the results table and summary. The control worker wrote the outputs of a finished job;
+    an interrupted one gets them written here from what was measured so far."""
+    experiments, records = outcome(client, spec)
+    if partial:
+        write_results(cfg.results_dir, experiments, records, cfg.metric, cfg.maximize,
+                      time.time() - spec.submitted_at, optimal_argv(spec))
+    summary = cfg.results_dir / "summary.txt"
+    optimal = read_json(cfg.results_dir / "ds_config_optimal.json")
+    winner = best(list(records.values()), cfg.metric, cfg.maximize) if optimal is not None else None
     print_table(console, experiments, records, cfg.metric, winner)
-    console.print((cfg.results_dir / "summary.txt").read_text())
+    if summary.exists():
+        console.print(summary.read_text())
     if winner is None:
         console.print("no experiment succeeded: see the cause in each experiment's result.json")
     else:
         console.print(f"best: {winner['name']} -> {cfg.results_dir / 'ds_config_optimal.json'}\n"
                       f"run it: {(cfg.results_dir / 'cmd_optimal.txt').read_text().strip()}")
     return winner
-
-
-def _measured_before(results_dir: Path, exp: Experiment) -> dict[str, Any] | None:
-    """The record of `exp` if an earlier run measured exactly this config (resume), else None."""
-    record = read_json(safe_child(results_dir, exp.name) / "result.json")
-    if isinstance(record, dict) and record.get("ds_config") == exp.ds_config \
-            and record.get("status") != "lost":
-        return record
-    return None
 
 
 def _script(cfg: TuningConfig, script_args: list[str]) -> tuple[Path, tuple[str, ...]]:
@@ -262,11 +256,13 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-') if name == 'slots' else name} must be at least 1")
     if args.exp_timeout <= 0:
         raise UsageError("--exp-timeout must be a positive number of seconds")
-    if args.slot_memory is not None:
-        try:
-            parse_size(args.slot_memory)
-        except ValueError as exc:
-            raise UsageError(f"--slot-memory: {exc}") from None
+    for flag in ("slot_memory", "min_slot_memory"):
+        value = getattr(args, flag)
+        if value is not None:
+            try:
+                parse_size(value)
+            except ValueError as exc:
+                raise UsageError(f"--{flag.replace('_', '-')}: {exc}") from None
 
 
 def _connect(url: str) -> redis.Redis:

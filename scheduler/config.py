@@ -59,7 +59,12 @@ class TuningConfig:
 def load_config(path: str | Path, cwd: Path | None = None) -> TuningConfig:
     """Load and check `path`; relative results/exps dirs are relative to `cwd` (DeepSpeed's rule)."""
     path = Path(path)
-    raw = _read(path)
+    return parse_config(_read(path), path, cwd)
+
+
+def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> TuningConfig:
+    """Check a config already read (a control worker rebuilds a job's config this way); `path` names
+    it in error messages."""
     autotuning = raw.get("autotuning")
     if not isinstance(autotuning, dict):
         raise ConfigError(f'{path}: no "autotuning" section; add "autotuning": {{"enabled": true}} '

@@ -47,19 +47,21 @@ def drive(search: Search, run_phase: Callable[[Phase], Mapping[str, dict[str, An
         return phases
 
 
-def replay(search: Search, stored: Mapping[str, dict[str, Any]]) -> tuple[list[Phase], Phase | None]:
-    """Answers phases from `stored` records while it can.
+def replay(search: Search, lookup: Callable[[Experiment], dict[str, Any] | None]) -> tuple[list[Phase], Phase | None]:
+    """Answers phases from stored records (`lookup(exp)`: its record, or None) while it can.
 
-    Returns the phases answered and the first phase with an experiment not in `stored` (None when the
-    search finished). The search is then suspended at that phase: run its missing experiments and
-    `send` the records of all of its experiments.
+    Returns the phases answered and the first phase with an experiment `lookup` cannot answer (None
+    when the search finished). The search is then suspended at that phase: run its missing
+    experiments and `send` the records of all of its experiments.
     """
     answered: list[Phase] = []
     try:
         phase = next(search)
-        while all(name in stored for name in phase.names):
+        while True:
+            records = {exp.name: lookup(exp) for exp in phase.experiments}
+            if any(record is None for record in records.values()):
+                return answered, phase
             answered.append(phase)
-            phase = search.send({name: stored[name] for name in phase.names})
+            phase = search.send(records)
     except StopIteration:
         return answered, None
-    return answered, phase

@@ -4,7 +4,7 @@ Why: after tuning, people launch training as DeepSpeed taught them: a hostfile a
 --num_nodes/--num_gpus (resolved by `scheduler.resources`, CUDA_VISIBLE_DEVICES rule included), the
 script's arguments untouched (argv lists end to end), one rank per selected device.
 
-`--launcher celery` (default) runs ONE Experiment through `Driver(pinned=...)`: each selected (host,
+`--launcher celery` (default) runs ONE Experiment as a fixed job pinned to the selected slots (`scheduler.jobs`): each selected (host,
 device) is the slot queue `<host>.gpu<device>`, so hostfile hostnames must be the workers' node names
 (AUTOTUNE_NODE, else the `name@node` of `-n`); `localhost` is this machine. With AUTOTUNE_REDIS_URL the
 running workers serve it (a selected slot without a live worker: one `error:` line, exit 2); without
@@ -19,12 +19,12 @@ DeepSpeed's per-node launcher locally, as DeepSpeed does. `--dry_run` prints the
 Deliberate differences from DeepSpeed's runner, and why:
 - the default launcher is celery: no ssh or pdsh needed, ranks run on exactly the selected slots.
 - celery ranks get RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT in the
-  environment as torchrun sets them, and no `--local_rank=N` argument (the Driver passes the argv
+  environment as torchrun sets them, and no `--local_rank=N` argument (the job passes the argv
   unchanged; deepspeed.init_distributed reads the environment). They meet at a free port of rank 0's
   node, so --master_addr/--master_port/--launcher_args are errors; their output goes to files.
 - --elastic_training needs --launcher pdsh (torchrun on every host, or locally on one host).
 - --timeout (default a week) stops a hung run (other launchers: exit 124); DeepSpeed waits forever.
-- the Driver relaunches a run lost with its worker or node (AUTOTUNE_MAX_ATTEMPTS, default 3, as
+- the control worker relaunches a run lost with its worker or node (AUTOTUNE_MAX_ATTEMPTS, default 3, as
   torchrun restarts); DeepSpeed never does. A run lost for good exits 1.
 - MASTER_ADDR defaults to the first host's name (one host: 127.0.0.1), not its `hostname -I` via ssh.
 - ssh is checked in BatchMode on every host (DeepSpeed: the first); an interrupt exits 130 (DeepSpeed:
@@ -58,6 +58,7 @@ import redis
 from scheduler import elastic
 from scheduler.environment import collect_exports
 from scheduler.errors import ClusterError, UsageError
+from scheduler.jobs import JobSpec, run_fixed
 from scheduler.hostfile import LOCAL_HOSTNAME, local_pool, read_hostfile
 from scheduler.launchers import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchSpec, MvapichLauncher, get_launcher,
                                  local_command, needs_multinode, require_backend)
@@ -192,8 +193,7 @@ def run_on_slots(args: argparse.Namespace, resources: Resources, settings: elast
 def run_experiment(client: redis.Redis, argv: list[str], queues: list[list[str]], timeout_s: float,
                    log_dir: Path) -> int:
     """Run the script once on exactly `queues`, print every rank's outcome, return the exit status."""
-    from scheduler.driver import Driver  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
-    from tasks import app
+    from tasks import app  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
 
     if not control_alive(client):
         raise ClusterError("no control worker is running; start one with "
@@ -201,16 +201,13 @@ def run_experiment(client: redis.Redis, argv: list[str], queues: list[list[str]]
     experiment = Experiment(name=RUN_NAME, stage=0, micro_batch_size=0, gradient_accumulation_steps=0,
                             ds_config=user_ds_config(argv[1:]), num_nodes=len(queues),
                             num_gpus=len(queues[0]), metric_file="")
-    driver = Driver(client, app, job=uuid.uuid4().hex, results_root=log_dir, cwd=os.getcwd(),
-                    script_argv=lambda exp, config_path: list(argv), timeout_s=timeout_s, pinned=queues)
+    spec = JobSpec(job=uuid.uuid4().hex, results_root=str(log_dir.resolve()), cwd=os.getcwd(),
+                   timeout_s=timeout_s, experiments=[{**experiment.to_json(), "argv": list(argv)}],
+                   pinned=queues)
     slots = [queue for node in queues for queue in node]
     print(f"running {argv[0]} as {len(slots)} rank(s) on {', '.join(slots)}; "
           f"logs in {safe_child(log_dir, RUN_NAME)}", flush=True)
-    try:
-        [record] = driver.run([experiment])
-    except BaseException:
-        driver.cancel()
-        raise
+    [record] = run_fixed(client, app, spec)
     for rank in record.get("ranks", []):
         print(f"rank {rank.get('rank')} on {rank.get('slot')}: {rank.get('status')} "
               f"({rank.get('exit')}, {rank.get('wall_s', 0):.1f}s)")

@@ -7,7 +7,7 @@ mutating it. Which experiments to run is decided by the searches (`fast_search`,
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -28,6 +28,14 @@ class Experiment:
     num_gpus: int = 1
     tuning_space: str = ""  #: full mode: DeepSpeed's space name (e.g. z1_rbs_abs_tmbspg)
     metric_file: str = "metrics.json"  #: what rank 0 writes: model_info.json for the profile run
+    min_memory: int = 0  #: bytes every slot it runs on must offer (heterogeneous clusters)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Experiment:
+        return cls(**data)
 
     @property
     def world_size(self) -> int:

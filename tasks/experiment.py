@@ -1,28 +1,28 @@
-"""The two tasks of an experiment chord: one `run_rank` per rank on its slot, then `finish_experiment`.
+"""The tasks of a tuning job, thin shells over `workers/` (what runs on a slot) and `scheduler/`
+(what the control workers decide).
+
+An experiment is a chord sent by `scheduler.dispatch`:
 
     chord([run_rank(spec_r) on <node>.gpu<i> for each rank r], finish_experiment(exp) on control)
 
 `run_rank` never raises (it returns a record with a failure class), because a header task that
 raises makes Celery skip the chord body, and the experiment would never be recorded.
+`finish_experiment` writes the record to the results folder first (the durable record), then, under
+the cluster lock, closes the launch, advances the job (the next phase, or the job's end) and
+dispatches whatever can start now. `advance_job` is the same step for a job just submitted.
 """
 from __future__ import annotations
 
-import json
+import logging
 from typing import Any
-
-from celery import chord
 
 from tasks import app
 from tasks.worker_hooks import redis_client
-from workers import keys
-from workers.gang import GangReservations
 from workers.paths import safe_child, write_json
 from workers.rank import RankSpec, run_rank as run_rank_body, slot_from_env
 from workers.records import aggregate
 
-#: Celery's hard limit is only a backstop behind our own per-experiment timeout and group kill.
-TIME_LIMIT_GRACE_S = 300
-EVENTS_TTL_S = 7 * 24 * 3600
+log = logging.getLogger(__name__)
 
 
 @app.task(name="autotune.run_rank", bind=True, acks_late=True)
@@ -34,7 +34,10 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 
 @app.task(name="autotune.finish_experiment")
 def finish_experiment(rank_records: list[dict[str, Any]], exp: dict[str, Any]) -> dict[str, Any]:
-    """Aggregate the ranks, write result.json and metrics.json, and tell the job's driver."""
+    """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
+    from scheduler.dispatch import cluster_lock, dispatch, record_finished
+    from scheduler.progress import advance
+
     if rank_records and all(r.get("stale") for r in rank_records):
         return {"name": exp["name"], "status": "lost", "stale": True}  # a newer launch owns the folder
     record = aggregate(exp, rank_records)
@@ -44,20 +47,39 @@ def finish_experiment(rank_records: list[dict[str, Any]], exp: dict[str, Any]) -
         write_json(result_dir / "metrics.json", record["metrics"], indent=None)
     write_json(result_dir / "result.json", record)
     client = redis_client(app.conf)
-    if exp.get("gang_token"):
-        GangReservations(client).release(exp["slots"], exp["gang_token"])
-    pipe = client.pipeline()
-    event = {"name": exp["name"], "attempt": exp["attempt"], "record": record}
-    pipe.rpush(keys.job_events(exp["job"]), json.dumps(event))
-    pipe.expire(keys.job_events(exp["job"]), EVENTS_TTL_S)
-    pipe.execute()
+    with cluster_lock(client):
+        record_finished(client, exp["job"], exp["name"], exp["attempt"], exp["slots"], exp["gang_token"], record)
+        advance(client, exp["job"])
+        dispatch(client, app)
     return record
 
 
-def experiment_signature(exp: dict[str, Any], rank_specs: list[tuple[str, dict[str, Any]]]):
-    """The chord for one experiment: rank tasks routed to their slots' queues, callback on control."""
-    limit = int(exp["timeout_s"]) + TIME_LIMIT_GRACE_S
-    header = [run_rank.s(spec).set(queue=queue, time_limit=limit) for queue, spec in rank_specs]
-    return chord(header, finish_experiment.s(exp).set(queue="control"))
+@app.task(name="autotune.advance_job")
+def advance_job(job: str) -> None:
+    """A job's first step after submission (or after its submitter re-attached)."""
+    from scheduler.dispatch import cluster_lock, dispatch
+    from scheduler.progress import advance
+
+    client = redis_client(app.conf)
+    with cluster_lock(client):
+        advance(client, job)
+        dispatch(client, app)
 
 
+def sweep_forever(client, stop) -> None:
+    """The control worker's fallback for what no event announces (`scheduler.dispatch` docstring):
+    every SWEEP_S, lost launches are retried or recorded and dispatch runs again."""
+    from scheduler.dispatch import SWEEP_S, cluster_lock, dispatch, sweep
+    from scheduler.progress import advance
+    from workers import keys
+
+    while not stop.wait(SWEEP_S):
+        try:
+            if not client.zcard(keys.JOBS):
+                continue
+            with cluster_lock(client):
+                for job in sweep(client, app):
+                    advance(client, job)
+                dispatch(client, app)
+        except Exception:  # Redis restarting, a lock timeout: the next sweep tries again
+            log.warning("control sweep failed; retrying in %.0fs", SWEEP_S, exc_info=True)

@@ -4,7 +4,8 @@
 node's `<node>.gpu0` queue, the slot is described (GPU via nvidia-smi, else a CPU slot with a
 memory cap and thread budget) and registered in Redis with a heartbeat. This happens in the main
 process before the pool forks, so pool children inherit the binding through the environment and
-the worker itself never initialises CUDA. A worker on `-Q control` registers as a control worker.
+the worker itself never initialises CUDA. A worker on `-Q control` registers as a control worker
+and, once its pool is up, runs the sweep thread (`tasks.experiment.sweep_forever`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from workers.slot import Slot, address_towards, describe_local_slot, node_name, 
 
 log = logging.getLogger(__name__)
 _heartbeats: list[Heartbeat] = []
+_stop_sweeping = threading.Event()
 
 
 def redis_client(conf) -> redis.Redis:
@@ -89,8 +91,20 @@ def exit_with_parent(parent_pid: int) -> None:
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
+@signals.worker_ready.connect
+def start_sweeping(sender=None, **_: object) -> None:
+    """Started after the pool forked its children, so no child inherits a thread's held lock."""
+    if sender is None or "control" not in sender.app.amqp.queues.consume_from:
+        return
+    from tasks.experiment import sweep_forever
+
+    threading.Thread(target=sweep_forever, args=(redis_client(sender.app.conf), _stop_sweeping),
+                     daemon=True, name="control sweep").start()
+
+
 @signals.worker_shutdown.connect
 def unregister(**_: object) -> None:
+    _stop_sweeping.set()
     while _heartbeats:
         _heartbeats.pop().stop()
 

@@ -5,9 +5,10 @@ none, in a single atomic step: two schedulers can never each hold half of what b
 deadlock of taking locks one by one), and a scheduler that dies holds its slots for at most one
 lease. Renew and release check the token, so a stale owner can never free someone else's slots.
 
-It lives in `workers/` because both ends use it: the scheduler reserves and renews, and the chord
-callback on the control worker releases as soon as an experiment is recorded, so slots free up
-even when the scheduler that reserved them has died.
+It lives in `workers/` because both ends use it: dispatch (on the control worker) reserves, each
+running rank keeps its own slot's lease alive (`keep`), and the chord callback releases as soon as
+an experiment is recorded. So a lease outlives its experiment only by one lease at most, whoever
+dies: a lost node stops renewing and its slots free themselves.
 """
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ for i = 1, #KEYS do
 end
 return 1
 """
+_KEEP = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 2
+end
+return 0
+"""
 _RELEASE = """
 local released = 0
 for i = 1, #KEYS do
@@ -55,6 +68,7 @@ class GangReservations:
         self._reserve = client.register_script(_RESERVE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._keep = client.register_script(_KEEP)
 
     @staticmethod
     def _keys(queues: list[str]) -> list[str]:
@@ -73,6 +87,17 @@ class GangReservations:
     def renew(self, queues: list[str], token: str, lease_s: float) -> bool:
         """Extend the lease; False if the token no longer holds every queue (the lease expired)."""
         return self._renew(keys=self._keys(queues), args=[token, int(lease_s * 1000)]) == 1
+
+    def keep(self, queue: str, token: str, lease_s: float) -> bool:
+        """A running rank's renewal of its own slot: extend the lease, or take the slot back if the
+        key vanished (Redis restarted without its data); False only if someone else holds it now."""
+        return int(self._keep(keys=[keys.gang(queue)], args=[token, int(lease_s * 1000)])) > 0
+
+    def holds(self, queues: list[str], token: str) -> bool:
+        """Whether `token` still holds every one of `queues` (its lease has not lapsed)."""
+        ordered = sorted(set(queues))
+        values = self._client.mget([keys.gang(q) for q in ordered]) if ordered else []
+        return all(v is not None and v.decode() == token for v in values)
 
     def release(self, queues: list[str], token: str) -> int:
         """Free the queues this token holds; returns how many it still held."""

@@ -10,10 +10,20 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:abort:<attempt>            str   set when a rank of that attempt failed: the others stop
     autotune:pgid:<node>.gpu<i>:<task>  str   process group of a rank running on that slot (cleanup
                                               when its worker died without killing it)
-    autotune:job:<job>:events           list  finished experiments of a tuning job, for its driver
+    autotune:seq                        str   counter: submission order of jobs and of queued experiments
+    autotune:jobs                       zset  active jobs, scored by submission order
+    autotune:lock:dispatch              str   held while one control process plans and launches
+    autotune:job:<job>:spec             str   the job (JSON): what to run and how; its presence = active
+    autotune:job:<job>:queue            hash  experiment name -> waiting launch (JSON, with its order)
+    autotune:job:<job>:running          hash  experiment name -> running launch (JSON): attempt, slots,
+                                              gang token, rank task ids, deadline, worker instances
+    autotune:job:<job>:walls            hash  "<stage>/<mbs>" -> wall times of finished runs (estimates)
+    autotune:job:<job>:recorded         set   names recorded during this job (a fixed job never reuses
+                                              an older folder's result)
+    autotune:job:<job>:events           list  what the job's submitter prints: phases, records, the end
     autotune:job:<job>:attempts         hash  experiment name -> launches so far (counted before launch)
     autotune:job:<job>:state            hash  what `--status` shows: results dir, queue depth, running,
-                                              the head experiment and why it waits (expires if the driver dies)
+                                              the head experiment and why it waits
 
 `attempt` is a fresh token per launch of an experiment, so a retried experiment never meets the
 rendezvous or abort flag of an earlier launch. Celery's own broker and result keys are Celery's.
@@ -65,3 +75,32 @@ def job_state(job: str) -> str:
 
 
 JOB_STATE_PATTERN = PREFIX + "job:*:state"
+SEQUENCE = PREFIX + "seq"
+JOBS = PREFIX + "jobs"
+DISPATCH_LOCK = PREFIX + "lock:dispatch"
+
+
+def job_spec(job: str) -> str:
+    return f"{PREFIX}job:{job}:spec"
+
+
+def job_queue(job: str) -> str:
+    return f"{PREFIX}job:{job}:queue"
+
+
+def job_running(job: str) -> str:
+    return f"{PREFIX}job:{job}:running"
+
+
+def job_walls(job: str) -> str:
+    return f"{PREFIX}job:{job}:walls"
+
+
+def job_recorded(job: str) -> str:
+    return f"{PREFIX}job:{job}:recorded"
+
+
+def job_keys(job: str) -> list[str]:
+    """The keys that make a job active; deleted together when it ends (events and attempts stay)."""
+    return [job_spec(job), job_queue(job), job_running(job), job_walls(job), job_recorded(job),
+            job_state(job)]

@@ -26,6 +26,7 @@ import psutil
 import redis
 
 from workers import keys, rendezvous
+from workers.gang import GangReservations
 from workers.failure import Status, classify, describe_exit
 from workers.launch import run_watched, tail
 from workers.paths import read_json, safe_child, write_atomic, write_json
@@ -57,6 +58,7 @@ class RankSpec:
                                        #: "" for a real training run, which writes none)
     exp: dict[str, Any] = field(default_factory=dict)  #: the experiment description for exp.json
     gang_token: str = ""  #: the reservation this launch runs under; a message outliving it is stale
+    lease_s: float = 60.0  #: the reservation's lease, which this rank renews for its own slot
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankSpec:
@@ -135,7 +137,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         write_json(result_dir / "exp.json", {**spec.exp, "ds_config": ds_config})
         write_atomic(result_dir / "cmd.txt", shlex.join(command) + "\n")
 
-    master = _meet(spec, slot, client)
+    stop_check = _StopCheck(client, keys.abort(spec.attempt), slot.queue, spec.gang_token, spec.lease_s)
+    master = _meet(spec, slot, client, stop_check)
     if master is None:
         now = time.time()
         return {"status": Status.RENDEZVOUS_FAILED.value, "exit": "not started",
@@ -145,14 +148,13 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     log_prefix = "" if spec.rank == 0 else f"rank{spec.rank}."
     stderr_path = result_dir / f"{log_prefix}stderr.log"
     pgid_key = keys.pgid(slot.queue, task_id or spec.attempt)
-    abort_key = keys.abort(spec.attempt)
     cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
     try:
         launch = run_watched(
             command, env=rank_env(spec, slot, master), cwd=cwd,
             stdout_path=result_dir / f"{log_prefix}stdout.log", stderr_path=stderr_path,
             timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
-            should_abort=lambda: bool(client.exists(abort_key)),
+            should_abort=stop_check,
             on_start=lambda pgid: client.set(pgid_key, pgid, ex=PGID_TTL_S),
         )
     finally:
@@ -181,6 +183,31 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     return record
 
 
+class _StopCheck:
+    """Polled while the script runs: stop when a peer rank failed, and keep this slot's lease alive.
+
+    Renewal happens here, in the rank, rather than in a scheduler process: the lease then lapses
+    exactly when the rank's worker or node is gone, which is what frees the slot and tells the
+    control worker's sweep that the experiment was lost. A Redis outage is not a reason to stop.
+    """
+
+    def __init__(self, client: redis.Redis, abort_key: str, queue: str, token: str, lease_s: float) -> None:
+        self._client, self._abort_key, self._queue, self._token = client, abort_key, queue, token
+        self._lease_s = lease_s
+        self._gangs = GangReservations(client) if token else None
+        self._renew_at = 0.0
+
+    def __call__(self) -> bool:
+        try:
+            if self._gangs is not None and time.monotonic() >= self._renew_at:
+                self._renew_at = time.monotonic() + self._lease_s / 3
+                if not self._gangs.keep(self._queue, self._token, self._lease_s):
+                    return True  # another launch owns the slot now: this one was given up
+            return bool(self._client.exists(self._abort_key))
+        except redis.RedisError:
+            return False
+
+
 def _with_metric_path(ds_config: dict[str, Any], metric_path: Path) -> dict[str, Any]:
     """The experiment's config with DeepSpeed's metric file pointed into its own folder."""
     config = copy.deepcopy(ds_config)
@@ -191,14 +218,15 @@ def _with_metric_path(ds_config: dict[str, Any], metric_path: Path) -> dict[str,
     return config
 
 
-def _meet(spec: RankSpec, slot: Slot, client: redis.Redis) -> tuple[str, int] | None:
+def _meet(spec: RankSpec, slot: Slot, client: redis.Redis, stop_check: _StopCheck) -> tuple[str, int] | None:
     if spec.world_size == 1:
         return slot.address, rendezvous.free_port(slot.address)
     if spec.rank == 0:
         port = rendezvous.free_port(slot.address)
         rendezvous.publish(client, spec.attempt, slot.address, port, spec.world_size - 1)
         return slot.address, port
-    return rendezvous.wait(client, spec.attempt, spec.rendezvous_timeout_s)
+    return rendezvous.wait(client, spec.attempt, spec.rendezvous_timeout_s, keep_alive=stop_check,
+                           every_s=max(1.0, spec.lease_s / 3))
 
 
 def _signal_abort(client: redis.Redis, attempt: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -34,11 +35,15 @@ def publish(client: redis.Redis, attempt: str, address: str, port: int, waiting_
         pipe.execute()
 
 
-def wait(client: redis.Redis, attempt: str, timeout_s: float) -> tuple[str, int] | None:
-    """(addr, port) published by rank 0, or None if nothing arrived within `timeout_s`."""
+def wait(client: redis.Redis, attempt: str, timeout_s: float, keep_alive: Callable[[], object] = lambda: None,
+         every_s: float = BLOCK_S) -> tuple[str, int] | None:
+    """(addr, port) published by rank 0, or None if nothing arrived within `timeout_s`.
+    `keep_alive` runs at least every `every_s` seconds while waiting (the rank's lease renewal)."""
     deadline = time.monotonic() + timeout_s
     while (remaining := deadline - time.monotonic()) > 0:
-        popped = client.blpop([keys.rendezvous(attempt)], timeout=max(1, int(min(remaining, BLOCK_S))))
+        keep_alive()
+        popped = client.blpop([keys.rendezvous(attempt)],
+                              timeout=max(1, int(min(remaining, BLOCK_S, every_s))))
         if popped is not None:
             address, _, port = popped[1].decode().rpartition(":")
             return address, int(port)

@@ -74,26 +74,68 @@ def test_full_mode_with_each_tuner(hand_cluster, tmp_path, tuner):
     assert all(r["ds_config"]["zero_optimization"]["stage"] == 1 for r in full)
 
 
-def test_resume_after_the_scheduler_is_killed(hand_cluster, tmp_path):
-    cfg = _config(tmp_path)
+def _start_scheduler(hand_cluster, cfg: Path, tmp_path: Path) -> subprocess.Popen:
     env = {key: value for key, value in os.environ.items() if key != "AUTOTUNE_REDIS_URL"}
     env.update(_env(hand_cluster))
-    results = tmp_path / "autotuning_results"
-    proc = subprocess.Popen([sys.executable, "-m", "scheduler.autotune", str(cfg), "--num_gpus", "1"],
+    return subprocess.Popen([sys.executable, "-m", "scheduler.autotune", str(cfg), "--num_gpus", "1"],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _started(results: Path) -> dict[str, float]:
+    return {p.parent.name: json.loads(p.read_text())["started_at"] for p in results.glob("*/result.json")}
+
+
+def _stop_scheduler(proc: subprocess.Popen, results: Path, finished: int, sig: int) -> None:
     try:
-        wait_for(lambda: len(list(results.glob("*/result.json"))) >= 4, 120, "four finished experiments")
+        wait_for(lambda: len(list(results.glob("*/result.json"))) >= finished, 120,
+                 f"{finished} finished experiments")
     finally:
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(sig)
         proc.wait()
-    # experiments in flight when the scheduler died still finish and are recorded by the callback
+
+
+def test_the_job_goes_on_after_the_scheduler_is_killed(hand_cluster, tmp_path):
+    """The control worker's chord callbacks advance the phases: the job ends on its own."""
+    cfg, results = _config(tmp_path), tmp_path / "autotuning_results"
+    _stop_scheduler(_start_scheduler(hand_cluster, cfg, tmp_path), results, 3, signal.SIGKILL)
+    killed_with = len(_started(results))
+    wait_for(lambda: (results / "ds_config_optimal.json").exists(), 180, "the job to finish without its scheduler")
+    assert not list(hand_cluster["client"].scan_iter(match=keys.gang("*")))  # no slot left reserved
+    records = _records(results)
+    assert len(records) > killed_with and all(r["status"] in ("ok", "oom") for r in records.values())
+    assert {f"| z{stage} " in (results / "summary.txt").read_text() for stage in range(4)} == {True}
+    before = _started(results)
+    again = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, _env(hand_cluster))
+    assert again.returncode == 0, again.stdout + again.stderr
+    phases = [line for line in again.stdout.splitlines() if line.startswith("phase ")]
+    assert phases and all(": 0 to run" in line and "already measured" in line for line in phases)
+    assert _started(results) == before  # the re-run only reported: nothing ran again
+
+
+def test_running_the_command_again_attaches_to_the_running_job(hand_cluster, tmp_path):
+    cfg, results = _config(tmp_path), tmp_path / "autotuning_results"
+    _stop_scheduler(_start_scheduler(hand_cluster, cfg, tmp_path), results, 2, signal.SIGKILL)
+    before = _started(results)
+    again = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, _env(hand_cluster))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "still running on the cluster: watching it" in again.stdout
+    after = _started(results)
+    assert {name: after[name] for name in before} == before and len(after) > len(before)
+    assert len(_records(results)) == len(after)  # one record per experiment: nothing ran twice
+
+
+def test_resume_after_the_job_is_interrupted(hand_cluster, tmp_path):
+    """Ctrl-C cancels the job on the cluster; the same command resumes it: finished experiments are
+    reused, the interrupted ones run again."""
+    cfg, results = _config(tmp_path), tmp_path / "autotuning_results"
+    _stop_scheduler(_start_scheduler(hand_cluster, cfg, tmp_path), results, 4, signal.SIGINT)
     wait_for(lambda: not list(hand_cluster["client"].scan_iter(match=keys.gang("*"))), 30,
-             "the dead scheduler's slots to be released")
-    before = {p.parent.name: json.loads(p.read_text())["started_at"] for p in results.glob("*/result.json")}
+             "the cancelled job's slots to be released")
+    before = _started(results)
     again = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, _env(hand_cluster))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "already measured" in again.stdout
-    after = {p.parent.name: json.loads(p.read_text())["started_at"] for p in results.glob("*/result.json")}
+    after = _started(results)
     assert {name: after[name] for name in before} == before  # nothing measured before ran again
     assert len(after) > len(before)
 

@@ -240,7 +240,7 @@ def phases_after(phases: list[tuple[str, tuple[str, ...]]], name: str) -> list[t
 
 def test_replay_from_stored_records_yields_the_same_phases() -> None:
     phases, runner = run(settings())
-    answered, pending = replay(fast_search(settings()), runner.records)
+    answered, pending = replay(fast_search(settings()), lambda e: runner.records.get(e.name))
     assert pending is None
     assert answered == phases
     assert [[e.ds_config for e in p.experiments] for p in answered] == [[e.ds_config for e in p.experiments]
@@ -251,7 +251,7 @@ def test_replay_stops_at_the_first_unfinished_phase_and_continues() -> None:
     phases, runner = run(settings())
     stored = {name: runner.records[name] for phase in phases[:4] for name in phase.names}
     search = fast_search(settings())
-    answered, pending = replay(search, stored)
+    answered, pending = replay(search, lambda e: stored.get(e.name))
     assert answered == phases[:4] and pending == phases[4]
     rest = [pending]
     rest += drive_from(search, pending, Runner())

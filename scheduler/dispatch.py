@@ -1,0 +1,307 @@
+"""Cluster-wide dispatch, run by the control workers: which queued experiment starts now, and where.
+
+Event-driven: dispatch runs after a job is submitted and after every recorded experiment (in the
+chord callback), so a freed slot is reused at once; the control worker's sweep (every SWEEP_S)
+only catches what no event announces: lost launches, slots freed by an expired lease, workers that
+(re)appeared. One Redis lock (`cluster_lock`) serialises every planning step across control
+workers; the gang reservation itself is atomic anyway, so a slot can never be double-booked.
+
+Order: every queued experiment of every active job, by its submission sequence number (FIFO across
+jobs), with EASY backfill (`scheduler.backfill`): a later experiment starts in free slots only when
+it cannot delay the waiting head past its estimated start. A job may ask for strict FIFO
+(DeepSpeed's ResourceManager rule; benchmarks compare both); it is used while every active job asks
+for it. A job pinned to named slots (`python -m scheduler.run` with a hostfile) waits for exactly
+those. Estimates: a waiting experiment's time limit; a running one ends at its start plus the mean
+wall time of finished experiments of the same (stage, micro batch) in its job, or its time limit.
+
+A launch is `lost` when no record came within its time limit plus a grace, when a worker of its
+slots restarted or stopped sending heartbeats, or when its lease lapsed on a slot whose rank has not
+reported (the ranks renew their own slots' leases, so a lapse means that rank's worker or node is
+gone). A lost launch is revoked and queued again at its old place while attempts remain (counted in
+Redis before each launch), then recorded `lost`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+import redis
+from celery import chord
+
+from scheduler.backfill import Waiting, backfill, estimate_run_s, strict_fifo
+from scheduler.errors import ClusterError
+from scheduler.jobs import ATTEMPTS_TTL_S, JobSpec, active_jobs, end, load_spec, publish
+from scheduler.placement import fits_ever, largest_shape, pinned_placement
+from scheduler.space import Experiment
+from workers import keys
+from workers.gang import GangReservations
+from workers.paths import safe_child, write_json
+from workers.registry import HEARTBEAT_S, TTL_S, live_slots
+from workers.slot import Slot
+
+SWEEP_S = 2.0
+LOCK_TIMEOUT_S = 120.0
+REFUSE_GRACE_S = 60.0  #: after a job's first launch, how long the cluster may lack a fitting shape
+SLOT_GONE_S = TTL_S + HEARTBEAT_S  #: a slot unregistered this long has lost its worker (not a blip)
+#: Celery's hard limit is only a backstop behind our own per-experiment timeout and group kill.
+TIME_LIMIT_GRACE_S = 300
+
+log = logging.getLogger(__name__)
+
+
+def cluster_lock(client: redis.Redis):
+    """The lock every planning step holds (`with cluster_lock(client): ...`)."""
+    return client.lock(keys.DISPATCH_LOCK, timeout=LOCK_TIMEOUT_S, blocking_timeout=2 * LOCK_TIMEOUT_S)
+
+
+def dispatch(client: redis.Redis, app) -> None:
+    """Start every queued experiment the policy allows now (module docstring)."""
+    specs = [spec for spec in map(lambda job: load_spec(client, job), active_jobs(client)) if spec]
+    if not specs:
+        return
+    slots = live_slots(client)
+    gangs = GangReservations(client)
+    busy = gangs.held([s.queue for s in slots])
+    waiting = sorted(((entry["seq"], spec, entry) for spec in specs for entry in _queued(client, spec)),
+                     key=lambda item: item[0])
+    free_waiting = []
+    for _, spec, entry in waiting:
+        if spec.pinned is not None:
+            _start_pinned(client, app, spec, entry, slots, busy)
+        elif _fits_or_refused(client, spec, entry, slots):
+            free_waiting.append((spec, entry))
+    jobs = {spec.job: spec for spec in specs}
+    policy = strict_fifo if all(spec.policy == "strict_fifo" for spec in specs) else backfill
+    by_key = {f"{spec.job}/{entry['exp']['name']}": (spec, entry) for spec, entry in free_waiting
+              if load_spec(client, spec.job) is not None}
+    items = [Waiting(key, entry["exp"]["num_nodes"], entry["exp"]["num_gpus"], spec.timeout_s,
+                     entry["exp"].get("min_memory", 0)) for key, (spec, entry) in by_key.items()]
+    for key, placement in policy(items, slots, _frees_at(client, jobs, busy), time.time()):
+        spec, entry = by_key[key]
+        queues = [slot.queue for node in placement for slot in node]
+        token = gangs.reserve(queues, spec.lease_s, owner=key)
+        if token is None:
+            break  # taken between our read and now (cannot happen under the lock; be safe)
+        _start(client, app, spec, entry, placement, token)
+        busy.update(queues)
+    for spec in specs:
+        _publish_state(client, spec)
+
+
+def _queued(client: redis.Redis, spec: JobSpec) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in client.hvals(keys.job_queue(spec.job))]
+
+
+def _start_pinned(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], slots: list[Slot],
+                  busy: set[str]) -> None:
+    """Every experiment of a pinned job wants the same named slots: they run one after another."""
+    try:
+        placement = pinned_placement(slots, busy, spec.pinned or [])
+    except ClusterError as exc:
+        end(client, spec.job, {"kind": "failed", "error": str(exc), "usage": True})
+        return
+    if placement is None:
+        return
+    queues = [slot.queue for node in placement for slot in node]
+    token = GangReservations(client).reserve(queues, spec.lease_s, owner=f"{spec.job}/{entry['exp']['name']}")
+    if token is not None:
+        _start(client, app, spec, entry, placement, token)
+        busy.update(queues)
+
+
+def _fits_or_refused(client: redis.Redis, spec: JobSpec, entry: dict[str, Any], slots: list[Slot]) -> bool:
+    """Whether the experiment's shape fits the live cluster at all. A job is refused at once when it
+    has launched nothing yet; later, slots may only be re-registering (a worker or Redis restarting),
+    so the cluster gets REFUSE_GRACE_S to come back first."""
+    exp = entry["exp"]
+    if fits_ever(slots, exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0)):
+        client.hdel(keys.job_state(spec.job), "misfit_since")
+        return True
+    state = keys.job_state(spec.job)
+    client.hsetnx(state, "misfit_since", time.time())
+    since = float(client.hget(state, "misfit_since") or time.time())
+    if not client.hexists(state, "dispatched") or time.time() - since > REFUSE_GRACE_S:
+        end(client, spec.job, {"kind": "failed", "error": refusal(exp, slots), "usage": True})
+    return False
+
+
+def refusal(exp: dict[str, Any], slots: list[Slot]) -> str:
+    """Why an experiment can never run here, with the largest shape that would."""
+    if not slots:
+        return ("no live slot workers: start them with `celery -A tasks worker -Q gpu0 -n gpu0@%h` "
+                "(one per device)")
+    memory = exp.get("min_memory", 0)
+    fitting = [s for s in slots if s.memory_bytes >= memory]
+    if not fitting:
+        biggest = max(s.memory_bytes for s in slots)
+        return (f"{exp['name']} needs slots with {memory / 2**30:.1f} GiB but the largest slot has "
+                f"{biggest / 2**30:.1f} GiB; ask for at most that (--min-slot-memory)")
+    nodes, per_node = largest_shape(fitting)
+    return (f"{exp['name']} needs {exp['num_nodes']} node(s) x {exp['num_gpus']} slot(s) but the cluster has "
+            f"{nodes} node(s) with at most {per_node} slot(s) each"
+            + (f" of {memory / 2**30:.1f} GiB" if memory else "")
+            + f"; use --num_nodes {min(nodes, exp['num_nodes'])} --num_gpus {per_node} or fewer")
+
+
+def _frees_at(client: redis.Redis, jobs: dict[str, JobSpec], busy: set[str]) -> dict[str, float]:
+    """When each busy slot should free: our jobs' running experiments from their start plus their
+    shape's mean wall time (or the time limit); slots held by anything else: unknown (infinite)."""
+    frees_at = dict.fromkeys(busy, math.inf)
+    for job, spec in jobs.items():
+        walls = {shape.decode(): json.loads(raw) for shape, raw in client.hgetall(keys.job_walls(job)).items()}
+        for raw in client.hvals(keys.job_running(job)):
+            running = json.loads(raw)
+            end_at = running["started"] + estimate_run_s(spec.timeout_s, walls.get(_shape(running["exp"]), ()))
+            frees_at.update({q: end_at for q in running["queues"] if q in frees_at})
+    return frees_at
+
+
+def _shape(exp: dict[str, Any]) -> str:
+    return f"{exp['stage']}/{exp['micro_batch_size']}"
+
+
+def _start(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], placement: list[list[Slot]],
+           token: str) -> None:
+    """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first."""
+    exp = Experiment.from_json(entry["exp"])
+    queues = [slot.queue for node in placement for slot in node]
+    attempt = uuid.uuid4().hex
+    exp_id = int(client.hincrby(keys.job_state(spec.job), "exp_ids", 1))
+    result_dir = safe_child(spec.results_root, exp.name)
+    description = {"name": exp.name, "exp_id": exp_id, "ds_config": exp.ds_config, "num_gpus": exp.num_gpus,
+                   "num_nodes": exp.num_nodes, "result_dir": str(result_dir), "slots": queues,
+                   "user_script": entry["argv"][0], "user_args": entry["argv"][1:]}
+    finish = {"job": spec.job, "name": exp.name, "exp_id": exp_id, "attempt": attempt, "slots": queues,
+              "gang_token": token, "results_root": spec.results_root, "world_size": len(queues),
+              "ds_config": exp.ds_config, "timeout_s": spec.timeout_s, "metric_file": exp.metric_file}
+    limit = int(spec.timeout_s) + TIME_LIMIT_GRACE_S
+    header, rank_tasks = [], {}
+    for node_rank, node_slots in enumerate(placement):
+        for local_rank, slot in enumerate(node_slots):
+            rank_spec = {
+                "job": spec.job, "name": exp.name, "attempt": attempt, "results_root": spec.results_root,
+                "script_argv": entry["argv"], "ds_config": exp.ds_config,
+                "rank": sum(len(n) for n in placement[:node_rank]) + local_rank, "world_size": len(queues),
+                "local_rank": local_rank, "local_world_size": len(node_slots), "node_rank": node_rank,
+                "timeout_s": spec.timeout_s, "cwd": spec.cwd, "metric_file": exp.metric_file,
+                "exp": description, "gang_token": token, "lease_s": spec.lease_s,
+            }
+            task_id = uuid.uuid4().hex
+            rank_tasks[slot.queue] = task_id
+            header.append(app.signature("autotune.run_rank", args=(rank_spec,), queue=slot.queue,
+                                        time_limit=limit, task_id=task_id))
+    now = time.time()
+    running = {"seq": entry["seq"], "exp": entry["exp"], "argv": entry["argv"], "attempt": attempt,
+               "queues": queues, "token": token, "rank_tasks": rank_tasks, "started": now,
+               "deadline": now + spec.timeout_s + spec.lost_grace_s,
+               "instances": {slot.queue: slot.instance for node in placement for slot in node},
+               "missing_since": None}
+    pipe = client.pipeline(transaction=True)
+    pipe.hincrby(keys.job_attempts(spec.job), exp.name, 1)
+    pipe.expire(keys.job_attempts(spec.job), ATTEMPTS_TTL_S)
+    pipe.hdel(keys.job_queue(spec.job), exp.name)
+    pipe.hset(keys.job_running(spec.job), exp.name, json.dumps(running))
+    pipe.hset(keys.job_state(spec.job), "dispatched", 1)
+    pipe.execute()
+    chord(header, app.signature("autotune.finish_experiment", args=(finish,), queue="control")).apply_async()
+
+
+def record_finished(client: redis.Redis, job: str, name: str, attempt: str, slots: list[str], token: str,
+                    record: dict[str, Any]) -> bool:
+    """The chord callback's bookkeeping: free the launch's slots, close it, tell the job's submitter.
+    False for a stale launch (retried or given up meanwhile, or Redis lost the job)."""
+    GangReservations(client).release(slots, token)
+    raw = client.hget(keys.job_running(job), name)
+    if raw is None or json.loads(raw)["attempt"] != attempt:
+        return False
+    running = json.loads(raw)
+    pipe = client.pipeline(transaction=True)
+    pipe.hdel(keys.job_running(job), name)
+    pipe.sadd(keys.job_recorded(job), name)
+    if record.get("status") == "ok" and record.get("wall_s"):
+        shape = _shape(running["exp"])
+        walls = json.loads(client.hget(keys.job_walls(job), shape) or "[]")
+        pipe.hset(keys.job_walls(job), shape, json.dumps([*walls, record["wall_s"]]))
+    pipe.execute()
+    publish(client, job, {"kind": "record", "record": record})
+    return True
+
+
+def sweep(client: redis.Redis, app) -> set[str]:
+    """Find lost launches (module docstring); returns the jobs that recorded one as `lost`."""
+    now = time.time()
+    live = {slot.queue: slot.instance for slot in live_slots(client)}
+    gangs = GangReservations(client)
+    ended: set[str] = set()
+    for job in active_jobs(client):
+        spec = load_spec(client, job)
+        if spec is None:
+            continue
+        for name, raw in client.hgetall(keys.job_running(job)).items():
+            running = json.loads(raw)
+            why = _why_lost(client, app, gangs, spec, running, live, now)
+            if why is not None and _lose(client, app, spec, name.decode(), running, why):
+                ended.add(job)
+    return ended
+
+
+def _why_lost(client: redis.Redis, app, gangs: GangReservations, spec: JobSpec, running: dict[str, Any],
+              live: dict[str, str], now: float) -> str | None:
+    gone = [q for q in running["queues"] if q not in live]
+    restarted = [q for q in running["queues"] if q in live and live[q] != running["instances"].get(q)]
+    if gone and running["missing_since"] is None:
+        running["missing_since"] = now
+        client.hset(keys.job_running(spec.job), running["exp"]["name"], json.dumps(running))
+    if now > running["deadline"]:
+        return (f"no record from the slot workers within the time limit plus {spec.lost_grace_s:.0f}s "
+                "(a worker or node died, or Redis lost the task)")
+    if restarted:
+        return f"the worker of {', '.join(restarted)} restarted during the run"
+    if gone and now - running["missing_since"] > SLOT_GONE_S:
+        return f"the worker of {', '.join(gone)} stopped sending heartbeats"
+    if now - running["started"] > spec.lease_s and not gangs.holds(running["queues"], running["token"]):
+        silent = [q for q, task in running["rank_tasks"].items() if not app.AsyncResult(task).ready()]
+        if silent and not gangs.holds(silent, running["token"]):
+            return f"the lease of {', '.join(silent)} expired: its rank stopped renewing it (worker or node gone)"
+    return None
+
+
+def _lose(client: redis.Redis, app, spec: JobSpec, name: str, running: dict[str, Any], why: str) -> bool:
+    """Stop a lost launch; queue it again at its old place while attempts remain, else record it
+    `lost`. Returns True when it was recorded (the job's phase may be complete now)."""
+    app.control.revoke(list(running["rank_tasks"].values()), terminate=True, signal="SIGTERM")
+    GangReservations(client).release(running["queues"], running["token"])
+    attempts = int(client.hget(keys.job_attempts(spec.job), name) or 0)
+    pipe = client.pipeline(transaction=True)
+    pipe.hdel(keys.job_running(spec.job), name)
+    if attempts < spec.max_attempts:
+        log.warning("%s lost (%s); retrying, attempt %d of %d", name, why, attempts + 1, spec.max_attempts)
+        pipe.hset(keys.job_queue(spec.job), name, json.dumps(
+            {"seq": running["seq"], "exp": running["exp"], "argv": running["argv"]}))
+        pipe.execute()
+        return False
+    record = {"name": name, "status": "lost", "metrics": None, "ds_config": running["exp"]["ds_config"],
+              "slots": running["queues"], "cause": {"error": f"{why}; gave up after {attempts} attempts"}}
+    write_json(safe_child(spec.results_root, name) / "result.json", record)
+    pipe.sadd(keys.job_recorded(spec.job), name)
+    pipe.execute()
+    publish(client, spec.job, {"kind": "record", "record": record})
+    return True
+
+
+def _publish_state(client: redis.Redis, spec: JobSpec) -> None:
+    """What `python -m scheduler.autotune --status` shows for the job."""
+    if load_spec(client, spec.job) is None:
+        return
+    queued = sorted(_queued(client, spec), key=lambda entry: entry["seq"])
+    running = sorted(name.decode() for name in client.hkeys(keys.job_running(spec.job)))
+    head = queued[0]["exp"] if queued else None
+    waits = (f"needs {head['num_nodes']} node(s) x {head['num_gpus']} free slot(s) at once; "
+             "the slots that fit are reserved" if head else "-")
+    client.hset(keys.job_state(spec.job), mapping={
+        "results_dir": spec.results_root, "pending": len(queued), "running": ",".join(running) or "-",
+        "head": head["name"] if head else "-", "head_waits": waits, "updated": round(time.time(), 1)})

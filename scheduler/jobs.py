@@ -1,0 +1,211 @@
+"""A job on the cluster: what a submitter hands the control workers, and the job's life in Redis.
+
+Why a job lives in Redis rather than in the process that submitted it: the control workers advance
+it (each experiment's chord callback starts the next phase, dispatch launches experiments), so a
+tuning job goes on when `python -m scheduler.autotune` dies. The submitter writes the spec, asks a
+control worker for the first step, and watches the job's event list to print progress.
+
+A job is either a tuning job (`tune`: a search replayed from the results folder, see
+`scheduler.progress`) or a fixed list of experiments (`experiments`: `python -m scheduler.run`,
+`--run`, benchmarks). Its spec is JSON; its key `keys.job_spec` existing means the job is active.
+
+    submit    spec written, job added to keys.JOBS, `autotune.advance_job` sent to the control queue
+    advance   (control) replay the search; queue the next phase's experiments, or end the job
+    dispatch  (control) reserve gangs for queued experiments and send their chords
+    finish    (control, chord callback) record the experiment, then advance and dispatch again
+    sweep     (control, every few seconds) lost launches: retried, or recorded `lost`
+    end       a `done` or `failed` event for the submitter; the job's keys deleted in one step
+
+Redis losing the job (a restart without persistence) is noticed by the watching submitter, which
+submits the same spec again: the search replays from the results folder, so nothing measured is
+lost. A tuning job's id is derived from its results folder, so running the same command while its
+job is still active attaches to it instead of starting a second job on the same folders.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from scheduler.errors import AutotuneError, UsageError
+from workers import keys
+from workers.gang import GangReservations
+from workers.paths import read_json, safe_child
+
+LEASE_S = float(os.environ.get("AUTOTUNE_LEASE_S", 60.0))  #: how long a dead rank can hold its slot
+LOST_GRACE_S = float(os.environ.get("AUTOTUNE_LOST_GRACE_S", 120.0))
+MAX_ATTEMPTS = int(os.environ.get("AUTOTUNE_MAX_ATTEMPTS", 3))  #: launches of one experiment, counted in Redis
+EVENTS_TTL_S = ATTEMPTS_TTL_S = 7 * 24 * 3600
+REDIS_OUTAGE_S = 300.0  #: how long a submitter waits for a restarting Redis before giving up
+WATCH_BLOCK_S = 2
+
+log = logging.getLogger(__name__)
+
+
+class JobFailed(UsageError):
+    """The job was refused or stopped for a reason the user can fix (config, cluster shape, metric)."""
+
+
+class JobCrashed(AutotuneError):
+    """A control worker hit an internal error while advancing the job."""
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    """A tuning job: the user's config and script, and the slot facts the search was sized for."""
+
+    config_path: str
+    ds_config: dict[str, Any]
+    exps_dir: str
+    script: str
+    base_args: list[str]
+    mappings: dict[str, str]
+    capacity_bytes: int
+    num_nodes: int
+    num_gpus: int
+    device_kind: str
+    concurrency: int
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a control worker needs to run a job without its submitter. JSON in Redis."""
+
+    job: str
+    results_root: str  #: absolute; experiment folders are results_root/<name>
+    cwd: str  #: where the script runs on the slot hosts
+    timeout_s: float  #: each experiment's wall-clock limit
+    tune: TuneSpec | None = None
+    experiments: list[dict[str, Any]] | None = None  #: fixed job: Experiment JSON plus its "argv"
+    pinned: list[list[str]] | None = None  #: run every experiment on exactly these slots (per node)
+    policy: str = "backfill"  #: or "strict_fifo" (DeepSpeed's rule, for side-by-side benchmarks)
+    min_memory: int = 0  #: bytes every slot of every experiment must offer (heterogeneous clusters)
+    lease_s: float = LEASE_S
+    lost_grace_s: float = LOST_GRACE_S
+    max_attempts: int = MAX_ATTEMPTS
+    submitted_at: float = field(default=0.0, compare=False)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobSpec:
+        data = json.loads(text)
+        tune = data.pop("tune")
+        return cls(**data, tune=TuneSpec(**tune) if tune else None)
+
+
+def job_id_for(results_root: Path) -> str:
+    """A tuning job's id: one per results folder, so a re-run finds its own job."""
+    return hashlib.sha256(str(results_root.resolve()).encode()).hexdigest()[:16]
+
+
+def load_spec(client: redis.Redis, job: str) -> JobSpec | None:
+    raw = client.get(keys.job_spec(job))
+    return JobSpec.from_json(raw) if raw else None
+
+
+def active_jobs(client: redis.Redis) -> list[str]:
+    """Active jobs in submission order."""
+    return [job.decode() for job in client.zrange(keys.JOBS, 0, -1)]
+
+
+def submit(client: redis.Redis, app, spec: JobSpec) -> bool:
+    """Make `spec` an active job and ask a control worker to start it. Returns True when an identical
+    job was already active (its submitter died): the caller then just watches it."""
+    current = load_spec(client, spec.job)
+    if current is not None and current == spec:
+        app.send_task("autotune.advance_job", args=[spec.job], queue="control")
+        return True
+    if current is not None:
+        cancel(client, app, spec.job)  # the same folder with another config: the newer one wins
+    spec = replace(spec, submitted_at=spec.submitted_at or time.time())
+    pipe = client.pipeline()
+    pipe.delete(*keys.job_keys(spec.job), keys.job_attempts(spec.job), keys.job_events(spec.job))
+    pipe.set(keys.job_spec(spec.job), spec.to_json())
+    pipe.zadd(keys.JOBS, {spec.job: client.incr(keys.SEQUENCE)})
+    pipe.execute()
+    app.send_task("autotune.advance_job", args=[spec.job], queue="control")
+    return False
+
+
+def publish(client: redis.Redis, job: str, event: dict[str, Any]) -> None:
+    """An event for the job's submitter (phase started, experiment recorded)."""
+    pipe = client.pipeline()
+    pipe.rpush(keys.job_events(job), json.dumps(event))
+    pipe.expire(keys.job_events(job), EVENTS_TTL_S)
+    pipe.execute()
+
+
+def end(client: redis.Redis, job: str, event: dict[str, Any]) -> None:
+    """End the job: its last event and the removal of its keys in one transaction, so a submitter
+    that finds the spec gone always finds the event too."""
+    pipe = client.pipeline(transaction=True)
+    pipe.rpush(keys.job_events(job), json.dumps(event))
+    pipe.expire(keys.job_events(job), EVENTS_TTL_S)
+    pipe.delete(*keys.job_keys(job))
+    pipe.zrem(keys.JOBS, job)
+    pipe.execute()
+
+
+def cancel(client: redis.Redis, app, job: str) -> None:
+    """Stop every running experiment of the job (revoke + group kill), free its slots, forget it."""
+    gangs = GangReservations(client)
+    for raw in client.hvals(keys.job_running(job)):
+        running = json.loads(raw)
+        app.control.revoke(list(running["rank_tasks"].values()), terminate=True, signal="SIGTERM")
+        gangs.release(running["queues"], running["token"])
+    end(client, job, {"kind": "failed", "error": "cancelled", "usage": True})
+
+
+def watch(client: redis.Redis, app, spec: JobSpec, on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Print-side of a job: hand every event to `on_event` until the job ends; returns the `done`
+    event, raises JobFailed / JobCrashed for a `failed` one. Waits out Redis restarts and submits
+    the job again if Redis lost it."""
+    outage_since: float | None = None
+    while True:
+        try:
+            popped = client.blpop([keys.job_events(spec.job)], timeout=WATCH_BLOCK_S)
+            if popped is None and not client.exists(keys.job_spec(spec.job)) \
+                    and not client.llen(keys.job_events(spec.job)):
+                log.warning("job %s vanished from Redis (restarted without its data); submitting it again",
+                            spec.job)
+                submit(client, app, spec)
+            outage_since = None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            outage_since = outage_since or time.monotonic()
+            if time.monotonic() - outage_since > REDIS_OUTAGE_S:
+                raise
+            log.warning("Redis unreachable (%s); waiting for it", exc)
+            time.sleep(1.0)
+            continue
+        if popped is None:
+            continue
+        event = json.loads(popped[1])
+        if event.get("kind") == "done":
+            return event
+        if event.get("kind") == "failed":
+            raise (JobFailed if event.get("usage") else JobCrashed)(event.get("error", "job failed"))
+        on_event(event)
+
+
+def run_fixed(client: redis.Redis, app, spec: JobSpec,
+              on_record: Callable[[dict[str, Any]], None] = lambda record: None) -> list[dict[str, Any]]:
+    """Run a fixed job to its end and return one record per experiment, in the spec's order.
+    Ctrl-C (KeyboardInterrupt) cancels it on the cluster."""
+    submit(client, app, spec)
+    try:
+        watch(client, app, spec, lambda event: on_record(event["record"]) if event.get("kind") == "record" else None)
+    except KeyboardInterrupt:
+        cancel(client, app, spec.job)
+        raise
+    return [read_json(safe_child(spec.results_root, exp["name"]) / "result.json") or
+            {"name": exp["name"], "status": "lost"} for exp in spec.experiments or []]

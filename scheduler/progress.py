@@ -1,0 +1,183 @@
+"""Advancing a job by one step: replay its search from the results folder, queue what the current
+phase still lacks, or end the job with its outputs written.
+
+This is what an experiment's chord callback does after recording it (and what the first step after
+submission does). The search (`scheduler.fast_search`, a generator of phases) is rebuilt from the
+job's spec and replayed against the records on disk (`scheduler.phases.replay`): the first phase
+with an unanswered experiment is the current one. When the last experiment of a phase is recorded,
+the replay moves past it, so the same step computes the phase's result and queues the next phase.
+Because the tuner is deterministic given the spec and the records, any control worker can take any
+step, and a job survives the death of every process that ever touched it: its state is the folder.
+
+A record on disk answers an experiment when its config is the experiment's config and it is not a
+`lost` record still worth retrying (fewer launches than the job's max_attempts in this job). A fixed
+job (`python -m scheduler.run`, `--run`) only accepts records made during the job itself.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from scheduler.arguments import with_config, with_mapped_args
+from scheduler.config import parse_config
+from scheduler.errors import ConfigError, UsageError
+from scheduler.fast_search import PROFILE, SearchSettings, fast_search
+from scheduler.jobs import JobSpec, end, load_spec, publish
+from scheduler.outputs import write_experiment_descriptions, write_results
+from scheduler.phases import Phase, Search, replay
+from scheduler.space import Experiment
+from workers import keys
+from workers.paths import read_json, safe_child
+
+log = logging.getLogger(__name__)
+
+Lookup = Callable[[Experiment], "dict[str, Any] | None"]
+
+
+def advance(client: redis.Redis, job: str) -> None:
+    """Take the job's next step (module docstring). Errors end the job with a `failed` event."""
+    spec = load_spec(client, job)
+    if spec is None:
+        return
+    try:
+        _step(client, spec)
+    except UsageError as exc:
+        end(client, job, {"kind": "failed", "error": str(exc), "usage": True})
+    except Exception as exc:
+        log.exception("advancing job %s failed", job)
+        end(client, job, {"kind": "failed", "error": f"{type(exc).__name__}: {exc}", "usage": False})
+
+
+def _step(client: redis.Redis, spec: JobSpec) -> None:
+    lookup = record_lookup(client, spec)
+    answered, current = replay(search_of(spec), lookup)
+    if spec.tune is not None:
+        _check_metric_key(spec, answered, lookup)
+    recorded_here = {name.decode() for name in client.smembers(keys.job_recorded(spec.job))}
+    for phase in answered:
+        _announce(client, spec, phase, todo=0, reused=sum(e.name not in recorded_here for e in phase.experiments))
+    if current is None:
+        winner = write_outputs(spec, answered, lookup) if spec.tune is not None else None
+        end(client, spec.job, {"kind": "done", "winner": winner})
+        return
+    waiting = set()
+    for name, raw in client.hgetall(keys.job_queue(spec.job)).items():
+        if lookup(Experiment.from_json(json.loads(raw)["exp"])) is None:
+            waiting.add(name.decode())
+        else:  # answered meanwhile by an older launch's record (after Redis lost the job)
+            client.hdel(keys.job_queue(spec.job), name)
+    waiting |= {name.decode() for name in client.hkeys(keys.job_running(spec.job))}
+    missing = [e for e in current.experiments if lookup(e) is None]
+    todo = [e for e in missing if e.name not in waiting]
+    _announce(client, spec, current, todo=len(missing), reused=len(current.experiments) - len(missing))
+    if not todo:
+        return
+    if spec.tune is not None:
+        write_experiment_descriptions(Path(spec.tune.exps_dir), todo)
+    pipe = client.pipeline()
+    for exp in todo:
+        entry = {"seq": client.incr(keys.SEQUENCE), "argv": argv_of(spec, exp),
+                 "exp": {**exp.to_json(), "min_memory": max(exp.min_memory, spec.min_memory)}}
+        pipe.hset(keys.job_queue(spec.job), exp.name, json.dumps(entry))
+    pipe.execute()
+
+
+def _announce(client: redis.Redis, spec: JobSpec, phase: Phase, todo: int, reused: int) -> None:
+    """One `phase` event per phase and job, when the job first reaches it."""
+    if client.hsetnx(keys.job_state(spec.job), f"phase:{phase.name}", 1):
+        publish(client, spec.job, {"kind": "phase", "name": phase.name, "todo": todo, "reused": reused})
+
+
+def search_of(spec: JobSpec) -> Search:
+    """The job's search, rebuilt from its spec: DeepSpeed's fast/full search, or the fixed list."""
+    if spec.tune is None:
+        return _fixed(tuple(Experiment.from_json({k: v for k, v in e.items() if k != "argv"})
+                            for e in spec.experiments or []))
+    tune = spec.tune
+    cfg = parse_config(tune.ds_config, Path(tune.config_path), Path(spec.cwd))
+    settings = SearchSettings.from_config(cfg, capacity_bytes=tune.capacity_bytes, num_nodes=tune.num_nodes,
+                                          num_gpus=tune.num_gpus, device_kind=tune.device_kind,
+                                          concurrency=tune.concurrency)
+    return fast_search(settings)
+
+
+def _fixed(experiments: tuple[Experiment, ...]) -> Iterator[Phase]:
+    yield Phase("run", experiments)
+
+
+def record_lookup(client: redis.Redis, spec: JobSpec) -> Lookup:
+    """exp -> the record on disk that answers it, or None (module docstring)."""
+    attempts = {name.decode(): int(n) for name, n in client.hgetall(keys.job_attempts(spec.job)).items()}
+    recorded = {name.decode() for name in client.smembers(keys.job_recorded(spec.job))}
+
+    def lookup(exp: Experiment) -> dict[str, Any] | None:
+        if spec.tune is None and exp.name not in recorded:
+            return None
+        record = read_json(safe_child(spec.results_root, exp.name) / "result.json")
+        if not isinstance(record, dict) or record.get("stale") or record.get("ds_config") != exp.ds_config:
+            return None
+        if record.get("status") == "lost" and attempts.get(exp.name, 0) < spec.max_attempts:
+            return None
+        return record
+    return lookup
+
+
+def argv_of(spec: JobSpec, exp: Experiment) -> list[str]:
+    """The script's argv for one experiment: the base arguments, mapped flags, and its config path."""
+    if spec.tune is None:
+        return next(e["argv"] for e in spec.experiments or [] if e["name"] == exp.name)
+    return optimal_argv(spec)(exp, safe_child(spec.results_root, exp.name) / "ds_config.json")
+
+
+def optimal_argv(spec: JobSpec) -> Callable[[Experiment, Path], list[str]]:
+    tune = spec.tune
+    assert tune is not None
+    return lambda exp, config_path: with_config(
+        tune.script, with_mapped_args(tuple(tune.base_args), tune.mappings, exp.ds_config), config_path)
+
+
+def tuned(phases: list[Phase], lookup: Lookup) -> tuple[list[Experiment], dict[str, dict[str, Any]]]:
+    """Every experiment of the answered phases (first occurrence) and its record."""
+    experiments: dict[str, Experiment] = {}
+    for phase in phases:
+        for exp in phase.experiments:
+            experiments.setdefault(exp.name, exp)
+    records = {name: record for name, exp in experiments.items() if (record := lookup(exp)) is not None}
+    return list(experiments.values()), records
+
+
+def outcome(client: redis.Redis, spec: JobSpec) -> tuple[list[Experiment], dict[str, dict[str, Any]]]:
+    """A finished tuning job's experiments and records, for the submitter's report."""
+    lookup = record_lookup(client, spec)
+    answered, _ = replay(search_of(spec), lookup)
+    return tuned(answered, lookup)
+
+
+def write_outputs(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> str | None:
+    """summary.txt, results.jsonl, ds_config_optimal.json, cmd_optimal.txt; returns the winner's name."""
+    tune = spec.tune
+    assert tune is not None
+    cfg = parse_config(tune.ds_config, Path(tune.config_path), Path(spec.cwd))
+    experiments, records = tuned(phases, lookup)
+    winner = write_results(Path(spec.results_root), experiments, records, cfg.metric, cfg.maximize,
+                           time.time() - spec.submitted_at, optimal_argv(spec))
+    return winner["name"] if winner else None
+
+
+def _check_metric_key(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> None:
+    """A script that never writes the metric asked for would make every experiment look failed."""
+    assert spec.tune is not None
+    metric = parse_config(spec.tune.ds_config, Path(spec.tune.config_path), Path(spec.cwd)).metric
+    for exp in (e for phase in phases for e in phase.experiments if e.name != PROFILE):
+        record = lookup(exp) or {}
+        metrics = record.get("metrics")
+        if record.get("status") == "ok" and isinstance(metrics, dict) and metric not in metrics:
+            raise ConfigError(f"{spec.tune.config_path}: autotuning.metric is \"{metric}\" but the script's "
+                              f"metrics file has only {sorted(metrics)}; choose one of those or write \"{metric}\"")
+
