@@ -1,7 +1,7 @@
 """Strict FIFO (DeepSpeed's ResourceManager) vs EASY backfill on the same mixed-gang workload.
 
 THIS IS A SIMULATION OF THE SCHEDULING POLICY, NOT A MEASUREMENT OF CELERY: a discrete-event loop
-feeds the two pure decision functions of `scheduler.backfill` (the ones the Driver calls) with
+feeds the two pure decision functions of `scheduler.backfill` (the ones dispatch calls) with
 simulated time. No Redis, no workers, no launch or rendezvous overhead, no polling delay: the
 only difference between the two rows is which experiment the policy starts when. A later
 benchmark measures the same comparison on real workers.
@@ -10,7 +10,7 @@ Workload (deterministic, seeded): 4 slots on 2 nodes; experiments submitted at t
 order, a mix of 1-slot runs, 1 node x 2 gangs and 2 nodes x 2 gangs; run times log-normal around
 60 s; each one's estimate is its time limit = run time x U(1.2, 3.0), so the policy plans with
 estimates that overstate the truth, as time limits do. Dispatch happens at t=0 and at every
-completion, like the event-driven Driver.
+completion, like the event-driven dispatch on the control worker.
 
 Printed per policy: makespan, slot utilisation = busy slot-seconds / (slots x makespan), mean wait
 (start - submission), and "late heads": experiments that started after the time promised to them

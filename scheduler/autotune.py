@@ -125,7 +125,7 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
     device_kind = "cpu" if all(s.kind == "cpu" for s in slots) else "gpu"
     spec = JobSpec(
         job=job_id_for(cfg.results_dir), results_root=str(cfg.results_dir.resolve()), cwd=os.getcwd(),
-        timeout_s=args.exp_timeout, min_memory=_min_memory(args.min_slot_memory),
+        timeout_s=args.exp_timeout, min_memory=_min_memory(args.min_slot_memory), submitted_at=time.time(),
         tune=TuneSpec(config_path=str(cfg.path), ds_config=cfg.ds_config, exps_dir=str(cfg.exps_dir.resolve()),
                       script=str(script), base_args=list(base_args), mappings=mappings,
                       capacity_bytes=min(s.memory_bytes for s in slots), num_nodes=args.num_nodes,

@@ -24,7 +24,7 @@ Which estimate (the caller passes them; `estimate_run_s` implements the rule we 
   the head's reservation is finite again and enforced from then on.
 An estimated end already in the past counts as "any moment now".
 
-A head that can never fit the live slots gets no reservation and holds nothing back; the Driver
+A head that can never fit the live slots gets no reservation and holds nothing back; dispatch
 refuses such an experiment (`placement.fits_ever`) before it asks for a decision.
 """
 from __future__ import annotations

@@ -153,10 +153,11 @@ def tuned(phases: list[Phase], lookup: Lookup) -> tuple[list[Experiment], dict[s
 
 
 def outcome(client: redis.Redis, spec: JobSpec) -> tuple[list[Experiment], dict[str, dict[str, Any]]]:
-    """A finished tuning job's experiments and records, for the submitter's report."""
+    """A tuning job's experiments so far (the unfinished phase's too) and their records, for the
+    submitter's report."""
     lookup = record_lookup(client, spec)
-    answered, _ = replay(search_of(spec), lookup)
-    return tuned(answered, lookup)
+    answered, current = replay(search_of(spec), lookup)
+    return tuned(answered + ([current] if current else []), lookup)
 
 
 def write_outputs(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> str | None:

@@ -1,6 +1,6 @@
 """`python -m scheduler.autotune --status`: the cluster as the scheduler sees it, for the operator.
 
-Slots (live by heartbeat) with who holds each one, and every tuning job with a live driver: its
+Slots (live by heartbeat) with who holds each one, and every active tuning job: its
 queue depth, what runs, and why its head experiment waits. Everything comes from Redis, so it
 works from any host that can reach the cluster's Redis.
 """

@@ -92,7 +92,8 @@ def four_slots(redis_url, tmp_path_factory):
         with open(logs / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", name,
-                 "--without-gossip", "--without-mingle"], cwd=ROOT, env=env, stdout=log,
+                 "--without-gossip", "--without-mingle"], cwd=ROOT,
+                env={**env, "AUTOTUNE_SLOT_MEMORY": "2GiB" if name.endswith("nodeb") else "1GiB"}, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True))
     client = redis.Redis.from_url(url)
     try:
@@ -155,3 +156,20 @@ def test_shape_no_node_has_is_refused_with_the_largest_that_fits(four_slots, tmp
     proc = run_autotune([str(cfg), "--num_gpus", "3"], tmp_path, {"AUTOTUNE_REDIS_URL": four_slots["url"]})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--num_nodes 1 --num_gpus 2" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_min_slot_memory_keeps_a_job_on_the_bigger_node(four_slots, tmp_path):
+    """nodea's slots have 1 GiB, nodeb's 2 GiB: a job asking for 1.5 GiB per slot runs only on nodeb,
+    and one asking for more than any slot has is refused at submission with the largest there is."""
+    cfg = _job_config(tmp_path, [1, 2, 3])
+    env = {"AUTOTUNE_REDIS_URL": four_slots["url"]}
+    proc = run_autotune([str(cfg), "--num_gpus", "1", "--min-slot-memory", "1.5GiB"], tmp_path, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "slot memory 2.0 GiB" in proc.stdout  # the search is sized for the slots it may use
+    lines = (tmp_path / "autotuning_results" / "results.jsonl").read_text().splitlines()
+    slots = {slot for line in lines for slot in json.loads(line)["slots"]}
+    assert slots == {"nodeb.gpu0", "nodeb.gpu1"}, slots
+
+    refused = run_autotune([str(cfg), "--min-slot-memory", "4GiB"], tmp_path, env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "the largest has 2.00 GiB" in refused.stderr and refused.stderr.count("\n") == 1

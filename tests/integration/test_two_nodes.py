@@ -311,3 +311,44 @@ def test_rank_failure_on_node2_stops_node1_at_once(cluster, tmp_path):
     sleeper = int((results / "z0_gas1_tmbspg2" / "started.rank0").read_text())
     assert not psutil.pid_exists(sleeper) or psutil.Process(sleeper).status() == psutil.STATUS_ZOMBIE
     wait_for(lambda: _only_workers_remain(cluster), 10, "only worker processes to remain")
+
+
+def test_node_lost_mid_experiment(cluster, tmp_path):
+    """Node 2 dies at once (its worker and its training process SIGKILLed, nothing cleaned up) while
+    each node runs a one-slot experiment. Node 2's slot stops renewing its lease and heartbeat, the
+    control worker's sweep declares that launch lost and runs it again on node 1; the job completes
+    with both experiments measured and no slot reserved. Runs last: node 2 stays down."""
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2])
+    config = json.loads(cfg.read_text())
+    config["autotuning"]["user_args"] = ["--behaviour", "1=slow8,2=slow8"]
+    config["autotuning"]["model_info"] = {"num_params": 1000, "trainable_num_params": 1000,
+                                          "activation_mem_per_gpu": 2**20}
+    cfg.write_text(json.dumps(config))
+    results = tmp_path / "autotuning_results"
+    env = {**os.environ, "AUTOTUNE_REDIS_URL": cluster.url, "AUTOTUNE_TEST_MARKER": cluster.marker,
+           "AUTOTUNE_LEASE_S": "6"}
+    argv = inside(cluster.hosts[0], [PYTHON, "-m", "scheduler.autotune", str(cfg), "--num_gpus", "1",
+                                     "--exp-timeout", "60"])
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        wait_for(lambda: len(list(results.glob("*/started.rank0"))) == 2, 60, "both experiments to start")
+        victim = next(d for d in results.iterdir()
+                      if json.loads((d / "exp.json").read_text())["slots"] == ["node2.gpu0"])
+        node2 = [p for p in processes_with_marker(cluster.marker) if "gpu0@node2" in " ".join(_cmdline(p))]
+        doomed = {p for worker in node2 for p in [worker, *worker.children(recursive=True)]}
+        assert any(p.pid == int((victim / "started.rank0").read_text()) for p in doomed)
+        for process in doomed:
+            process.kill()
+        lost_at = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            stop_group(proc, signal.SIGKILL, 5)
+    assert proc.returncode == 0, out + err + _log_tails(cluster.logs)
+    recovered = time.monotonic() - lost_at
+    record = _result(results, victim.name)
+    assert record["status"] == "ok" and record["slots"] == ["node1.gpu0"], record
+    _, state = _probe({**os.environ, "AUTOTUNE_REDIS_URL": cluster.url}, cluster.hosts[0], 0)
+    assert state.get("gangs") == [] and list(state.get("slots", {})) == ["node1.gpu0"], state
+    print(f"\nnode lost -> job complete with the experiment re-run on node 1: {recovered:.1f}s")
