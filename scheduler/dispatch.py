@@ -68,16 +68,21 @@ def dispatch(client: redis.Redis, app) -> None:
     busy = gangs.held([s.queue for s in slots])
     waiting = sorted(((entry["seq"], spec, entry) for spec in specs for entry in _queued(client, spec)),
                      key=lambda item: item[0])
-    free_waiting = []
+    free_waiting, refused = [], set()
     for _, spec, entry in waiting:
+        if spec.job in refused:
+            continue
         if spec.pinned is not None:
-            _start_pinned(client, app, spec, entry, slots, busy)
+            if not _start_pinned(client, app, spec, entry, slots, busy):
+                refused.add(spec.job)
         elif _fits_or_refused(client, spec, entry, slots):
             free_waiting.append((spec, entry))
-    jobs = {spec.job: spec for spec in specs}
+        elif load_spec(client, spec.job) is None:
+            refused.add(spec.job)
+    jobs = {spec.job: spec for spec in specs if spec.job not in refused}
     policy = strict_fifo if all(spec.policy == "strict_fifo" for spec in specs) else backfill
     by_key = {f"{spec.job}/{entry['exp']['name']}": (spec, entry) for spec, entry in free_waiting
-              if load_spec(client, spec.job) is not None}
+              if spec.job not in refused}
     items = [Waiting(key, entry["exp"]["num_nodes"], entry["exp"]["num_gpus"], spec.timeout_s,
                      entry["exp"].get("min_memory", 0)) for key, (spec, entry) in by_key.items()]
     for key, placement in policy(items, slots, _frees_at(client, jobs, busy), time.time()):
@@ -88,7 +93,7 @@ def dispatch(client: redis.Redis, app) -> None:
             break  # taken between our read and now (cannot happen under the lock; be safe)
         _start(client, app, spec, entry, placement, token)
         busy.update(queues)
-    for spec in specs:
+    for spec in jobs.values():
         _publish_state(client, spec)
 
 
@@ -97,20 +102,22 @@ def _queued(client: redis.Redis, spec: JobSpec) -> list[dict[str, Any]]:
 
 
 def _start_pinned(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], slots: list[Slot],
-                  busy: set[str]) -> None:
-    """Every experiment of a pinned job wants the same named slots: they run one after another."""
+                  busy: set[str]) -> bool:
+    """Every experiment of a pinned job wants the same named slots: they run one after another.
+    False when the job was refused (a named slot has no live worker)."""
     try:
         placement = pinned_placement(slots, busy, spec.pinned or [])
     except ClusterError as exc:
         end(client, spec.job, {"kind": "failed", "error": str(exc), "usage": True})
-        return
+        return False
     if placement is None:
-        return
+        return True
     queues = [slot.queue for node in placement for slot in node]
     token = GangReservations(client).reserve(queues, spec.lease_s, owner=f"{spec.job}/{entry['exp']['name']}")
     if token is not None:
         _start(client, app, spec, entry, placement, token)
         busy.update(queues)
+    return True
 
 
 def _fits_or_refused(client: redis.Redis, spec: JobSpec, entry: dict[str, Any], slots: list[Slot]) -> bool:
