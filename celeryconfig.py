@@ -43,6 +43,14 @@ broker_transport_options = {
     "unacked_restore_interval": 10,
     "unacked_restore_throttle": 1,
 }
+# Shutdown: SIGTERM is a warm shutdown and waits for the running experiment (hours, maybe), which
+# is what a planned restart of a slot wants. SIGQUIT/Ctrl-C is a cold shutdown; soft shutdown first
+# gives running tasks 10 s: enough for a control worker to finish a chord callback (record an
+# experiment, take the job's next step) instead of dropping it. A rank still running after that is
+# cancelled and its message restored at once; its launch is then lost and retried by the sweep
+# (the redelivered message sees its reservation gone and refuses to run).
+worker_soft_shutdown_timeout = 10.0
+
 result_backend_transport_options = {"retry_policy": {"timeout": 5.0}}
 result_expires = 7 * 24 * 3600
 

@@ -76,7 +76,7 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     write_atomic(results_dir / "results.jsonl", "".join(
         json.dumps({key: record.get(key) for key in
                     ("name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at",
-                     "peak_rss_bytes", "slots", "cause")}) + "\n"
+                     "peak_rss_bytes", "slots", "cause", "exit_after_metrics")}) + "\n"
         for record in ordered))
     write_atomic(results_dir / "summary.txt",
                  summary_text(experiments, records, metric, maximize, elapsed_s))

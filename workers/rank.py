@@ -176,6 +176,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     }
     if has_metrics:
         record["metrics"] = metrics
+        record["metrics_at"] = metric_path.stat().st_mtime  # a later failure did not spoil them
     if launch.start_error:
         record["error"] = launch.start_error
     if status is not Status.OK:

@@ -39,4 +39,18 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
     if status is not Status.OK and cause is not None:
         record["cause"] = {key: cause[key] for key in ("rank", "slot", "exit", "error", "stderr_tail")
                            if key in cause}
+        if _failed_after_measuring(status, rank0, cause):
+            record.update(status=Status.OK.value, metrics=rank0["metrics"],
+                          exit_after_metrics=record.pop("cause"))
     return record
+
+
+def _failed_after_measuring(status: Status, rank0: dict[str, Any], cause: dict[str, Any]) -> bool:
+    """A rank crashed after rank 0 had written the metrics: the measured steps had finished on every
+    rank (rank 0 writes them after the profiled steps' collectives), so the measurement stands.
+    DeepSpeed's profiling exit does this on CPU (a C++ thread aborts at interpreter exit, SIGABRT),
+    and DeepSpeed's own autotuner, which only reads the metrics file, counts such runs too. Memory
+    and time failures are never excused: a config at the edge of the cap is not a safe answer."""
+    written = rank0.get("metrics_at")
+    return (status is Status.CRASHED and isinstance(rank0.get("metrics"), dict) and written is not None
+            and written <= cause.get("ended_at", 0.0))

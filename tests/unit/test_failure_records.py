@@ -202,6 +202,26 @@ def test_aggregate_metrics_dropped_when_not_ok() -> None:
     assert record["cause"] == {"rank": 1, "slot": "node1.gpu1", "exit": 1}
 
 
+def test_a_crash_after_rank0_wrote_its_metrics_keeps_the_measurement() -> None:
+    """DeepSpeed's profiling exit on CPU: rank 1 aborts at interpreter exit after rank 0 wrote the
+    metrics; rank 0 is then stopped by us. The experiment is ok, the exit is kept on record."""
+    r0 = rank(0, "aborted", 0, 10.0, metrics={"throughput": 5}, metrics_at=9.0, exit=-15)
+    r1 = rank(1, "crashed", 0, 9.5, exit=-6)
+    record = aggregate(EXP, [r0, r1])
+    assert record["status"] == "ok" and record["metrics"] == {"throughput": 5}
+    assert record["exit_after_metrics"] == {"rank": 1, "slot": "node1.gpu1", "exit": -6} and "cause" not in record
+
+
+@pytest.mark.parametrize("late", [
+    rank(1, "crashed", 0, 8.0, exit=-6),  # crashed before the metrics were written
+    rank(1, "oom", 0, 9.5),  # memory is never excused
+])
+def test_failures_that_spoil_the_measurement(late: dict) -> None:
+    r0 = rank(0, "aborted", 0, 10.0, metrics={"throughput": 5}, metrics_at=9.0)
+    record = aggregate(EXP, [r0, late])
+    assert record["status"] == late["status"] and record["metrics"] is None
+
+
 def test_aggregate_missing_rank_is_lost() -> None:
     r0 = rank(0, "ok", 1.0, 3.0, 10, metrics={"throughput": 5})
     record = aggregate(EXP, [r0])  # world_size 2, rank 1 never reported

@@ -21,7 +21,7 @@ from scheduler.outputs import (
 from scheduler.space import Experiment, experiment_name
 
 RESULT_KEYS = ["name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at", "peak_rss_bytes",
-               "slots", "cause"]
+               "slots", "cause", "exit_after_metrics"]
 
 
 def make_exp(stage: int, mbs: int, gas: int = 1, num_nodes: int = 1, num_gpus: int = 2) -> Experiment:
