@@ -39,6 +39,7 @@ from scheduler.errors import AutotuneError, UsageError
 from workers import keys
 from workers.gang import GangReservations
 from workers.paths import read_json, safe_child
+from workers.registry import control_alive
 
 LEASE_S = float(os.environ.get("AUTOTUNE_LEASE_S", 60.0))  #: how long a dead rank can hold its slot
 LOST_GRACE_S = float(os.environ.get("AUTOTUNE_LOST_GRACE_S", 120.0))
@@ -171,6 +172,7 @@ def watch(client: redis.Redis, app, spec: JobSpec, on_event: Callable[[dict[str,
     event, raises JobFailed / JobCrashed for a `failed` one. Waits out Redis restarts and submits
     the job again if Redis lost it."""
     outage_since: float | None = None
+    warned_no_control = False
     while True:
         try:
             popped = client.blpop([keys.job_events(spec.job)], timeout=WATCH_BLOCK_S)
@@ -179,6 +181,12 @@ def watch(client: redis.Redis, app, spec: JobSpec, on_event: Callable[[dict[str,
                 log.warning("job %s vanished from Redis (restarted without its data); submitting it again",
                             spec.job)
                 submit(client, app, spec)
+            if popped is None:
+                control_down = not control_alive(client)
+                if control_down and not warned_no_control:
+                    log.warning("no control worker is alive: the job waits until one starts "
+                                "(`celery -A tasks worker -Q control -n control@%%h`)")
+                warned_no_control = control_down
             outage_since = None
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             outage_since = outage_since or time.monotonic()
