@@ -6,6 +6,7 @@
     <results_dir>/results.jsonl     one line per experiment: name, config, status, metrics, timings
     <results_dir>/ds_config_optimal.json   the winner's config without the autotuning section
     <results_dir>/cmd_optimal.txt   a shell-quoted command that trains with ds_config_optimal.json
+    <results_dir>/tuning.png        every experiment: micro-batch size against the metric (scheduler.plot)
 """
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     write_atomic(results_dir / "summary.txt",
                  summary_text(experiments, records, metric, maximize, elapsed_s))
     winner = best(ordered, metric, maximize)
+    from scheduler.plot import write_plot  # matplotlib is imported only when a job ends
+
+    write_plot(results_dir / "tuning.png", experiments, records, metric, winner)
     for stale in ("ds_config_optimal.json", "cmd_optimal.txt"):
         (results_dir / stale).unlink(missing_ok=True)
     if winner is None:

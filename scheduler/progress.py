@@ -76,6 +76,7 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
     missing = [e for e in current.experiments if lookup(e) is None]
     todo = [e for e in missing if e.name not in waiting]
     _announce(client, spec, current, todo=len(missing), reused=len(current.experiments) - len(missing))
+    client.hset(keys.job_state(spec.job), "phase", current.name)
     if not todo:
         return
     if spec.tune is not None:

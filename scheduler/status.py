@@ -1,8 +1,8 @@
 """`python -m scheduler.autotune --status`: the cluster as the scheduler sees it, for the operator.
 
-Slots (live by heartbeat) with who holds each one, and every active tuning job: its
-queue depth, what runs, and why its head experiment waits. Everything comes from Redis, so it
-works from any host that can reach the cluster's Redis.
+Slots (live by heartbeat) with who holds each one, and every active tuning job: its current
+phase, queue depth, what runs, and why its head experiment waits. Everything comes from Redis, so
+it works from any host that can reach the cluster's Redis.
 """
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ def render(console: Console, status: dict[str, Any]) -> None:
                       slot["held_by"] or "free")
     console.print(slots)
     jobs = Table(title=f"tuning jobs ({len(status['jobs'])} running)")
-    for column in ("job", "results", "queued", "running", "head", "head waits because"):
+    for column in ("job", "results", "phase", "queued", "running", "head", "head waits because"):
         jobs.add_column(column)
     for job in status["jobs"]:
-        jobs.add_row(job["job"][:12], job.get("results_dir", ""), job.get("pending", ""),
+        jobs.add_row(job["job"][:12], job.get("results_dir", ""), job.get("phase", "-"), job.get("pending", ""),
                      job.get("running", ""), job.get("head", ""), job.get("head_waits", ""))
     console.print(jobs)

@@ -185,6 +185,7 @@ def test_write_results_files(tmp_path: Path) -> None:
     assert "ranks" not in parsed[0] and "exp_id" not in parsed[0]
 
     assert (results_dir / "summary.txt").read_text() == summary_text(EXPS, RECORDS, "throughput", True, 12.0)
+    assert (results_dir / "tuning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     optimal_path = (results_dir / "ds_config_optimal.json").resolve()
     optimal = json.loads(optimal_path.read_text())
@@ -307,3 +308,12 @@ def test_print_table_marks_winner() -> None:
     assert "10.50" in text and "20.00" in text
     assert "oom" in text and "crashed" in text
     assert "1,024" in text  # 1 GiB peak RSS in MiB
+
+
+def test_plot_without_any_success_is_still_drawn(tmp_path: Path) -> None:
+    from scheduler.plot import write_plot
+
+    failed = {e.name: {"name": e.name, "status": "oom", "metrics": None} for e in EXPS}
+    write_plot(tmp_path / "tuning.png", EXPS, failed, "throughput", None)
+    write_plot(tmp_path / "empty.png", [], {}, "latency", None)
+    assert (tmp_path / "tuning.png").stat().st_size > 1000 and (tmp_path / "empty.png").exists()
