@@ -4,8 +4,12 @@ With AUTOTUNE_REDIS_URL set it uses the slot and control workers already running
 otherwise it starts an embedded cluster on this machine (private redis-server, one slot worker per
 device, a control worker) and stops it afterwards, also on errors and Ctrl-C.
 
-Finished experiments are kept in the results folder: running the same command again reuses every
-experiment whose config is unchanged and re-runs only the rest (`"overwrite": true` starts afresh).
+This command only submits the job (`scheduler.jobs`) and watches its events: the control worker
+advances it phase by phase, dispatches its experiments and writes its outputs, so on a running
+cluster the job finishes even if this command dies; running the same command again while the job is
+active watches it again. Finished experiments are kept in the results folder: running the same
+command after the job ended reuses every experiment whose config is unchanged and re-runs only the
+rest (`"overwrite": true` starts afresh). Ctrl-C cancels the job.
 """
 from __future__ import annotations
 
