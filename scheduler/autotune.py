@@ -39,7 +39,7 @@ from scheduler.space import Experiment, optimal_config
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child
 from workers.registry import connect, control_alive, live_slots
-from workers.slot import parse_size
+from workers.slot import Slot, parse_size
 
 RUN_TIMEOUT_S = 7 * 24 * 3600.0  #: a real training run: the limit only guards against a hang forever
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
@@ -169,7 +169,7 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
     return 0
 
 
-def _usable_slots(client: redis.Redis, min_slot_memory: str | None) -> list:
+def _usable_slots(client: redis.Redis, min_slot_memory: str | None) -> list[Slot]:
     slots = live_slots(client)
     if not slots:
         raise ClusterError("no slot workers are registered in Redis; start one per device with "

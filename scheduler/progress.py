@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from scheduler.arguments import with_config, with_mapped_args
-from scheduler.config import parse_config
+from scheduler.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
 from scheduler.fast_search import PROFILE, SearchSettings, fast_search
 from scheduler.jobs import JobSpec, end, load_spec, publish
@@ -101,11 +101,18 @@ def search_of(spec: JobSpec) -> Search:
         return _fixed(tuple(Experiment.from_json({k: v for k, v in e.items() if k != "argv"})
                             for e in spec.experiments or []))
     tune = spec.tune
-    cfg = parse_config(tune.ds_config, Path(tune.config_path), Path(spec.cwd))
+    cfg = tuning_config(spec)
     settings = SearchSettings.from_config(cfg, capacity_bytes=tune.capacity_bytes, num_nodes=tune.num_nodes,
                                           num_gpus=tune.num_gpus, device_kind=tune.device_kind,
                                           concurrency=tune.concurrency)
     return fast_search(settings)
+
+
+def tuning_config(spec: JobSpec) -> TuningConfig:
+    """The tuning job's config, checked again from the spec (relative dirs against its cwd)."""
+    tune = spec.tune
+    assert tune is not None, "a fixed job has no tuning config"
+    return parse_config(tune.ds_config, Path(tune.config_path), Path(spec.cwd))
 
 
 def _fixed(experiments: tuple[Experiment, ...]) -> Iterator[Phase]:
@@ -163,9 +170,7 @@ def outcome(client: redis.Redis, spec: JobSpec) -> tuple[list[Experiment], dict[
 
 def write_outputs(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> str | None:
     """summary.txt, results.jsonl, ds_config_optimal.json, cmd_optimal.txt; returns the winner's name."""
-    tune = spec.tune
-    assert tune is not None
-    cfg = parse_config(tune.ds_config, Path(tune.config_path), Path(spec.cwd))
+    cfg = tuning_config(spec)
     experiments, records = tuned(phases, lookup)
     winner = write_results(Path(spec.results_root), experiments, records, cfg.metric, cfg.maximize,
                            time.time() - spec.submitted_at, optimal_argv(spec))
@@ -174,8 +179,7 @@ def write_outputs(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> str | N
 
 def _check_metric_key(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> None:
     """A script that never writes the metric asked for would make every experiment look failed."""
-    assert spec.tune is not None
-    metric = parse_config(spec.tune.ds_config, Path(spec.tune.config_path), Path(spec.cwd)).metric
+    metric = tuning_config(spec).metric
     for exp in (e for phase in phases for e in phase.experiments if e.name != PROFILE):
         record = lookup(exp) or {}
         metrics = record.get("metrics")
