@@ -28,12 +28,12 @@ import redis
 from rich.console import Console
 
 from scheduler import status
-from scheduler.arguments import check_arg_mappings, parse_arg_mappings, with_config, with_mapped_args
+from scheduler.arguments import check_arg_mappings, parse_arg_mappings
 from scheduler.config import TuningConfig, load_config
 from scheduler.errors import ClusterError, ConfigError, UsageError
 from scheduler.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
-from scheduler.outputs import print_table, write_results
-from scheduler.progress import optimal_argv, outcome, search_of
+from scheduler.outputs import print_table
+from scheduler.progress import optimal_argv, outcome, search_of, write_outputs
 from scheduler.ranking import best, metric_value
 from scheduler.space import Experiment, optimal_config
 from workers.local_cluster import LocalCluster, LocalClusterError
@@ -222,8 +222,7 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis, partial: bool
     an interrupted one gets them written here from what was measured so far."""
     experiments, records = outcome(client, spec)
     if partial:
-        write_results(cfg.results_dir, experiments, records, cfg.metric, cfg.maximize,
-                      time.time() - spec.submitted_at, optimal_argv(spec))
+        write_outputs(spec, experiments, records)
     summary = cfg.results_dir / "summary.txt"
     optimal = read_json(cfg.results_dir / "ds_config_optimal.json")
     winner = best(list(records.values()), cfg.metric, cfg.maximize) if optimal is not None else None

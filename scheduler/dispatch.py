@@ -34,7 +34,7 @@ from celery import chord
 
 from scheduler.backfill import Waiting, backfill, estimate_run_s, strict_fifo
 from scheduler.errors import ClusterError
-from scheduler.jobs import ATTEMPTS_TTL_S, JobSpec, active_jobs, end, load_spec, publish
+from scheduler.jobs import ATTEMPTS_TTL_S, JobSpec, active_specs, end, load_spec, publish, stop_launch
 from scheduler.placement import fits_ever, largest_shape, pinned_placement
 from scheduler.space import Experiment
 from workers import keys
@@ -60,7 +60,7 @@ def cluster_lock(client: redis.Redis):
 
 def dispatch(client: redis.Redis, app) -> None:
     """Start every queued experiment the policy allows now (module docstring)."""
-    specs = [spec for spec in map(lambda job: load_spec(client, job), active_jobs(client)) if spec]
+    specs = active_specs(client)
     if not specs:
         return
     slots = live_slots(client)
@@ -244,15 +244,12 @@ def sweep(client: redis.Redis, app) -> set[str]:
     live = {slot.queue: slot.instance for slot in live_slots(client)}
     gangs = GangReservations(client)
     ended: set[str] = set()
-    for job in active_jobs(client):
-        spec = load_spec(client, job)
-        if spec is None:
-            continue
-        for name, raw in client.hgetall(keys.job_running(job)).items():
+    for spec in active_specs(client):
+        for name, raw in client.hgetall(keys.job_running(spec.job)).items():
             running = json.loads(raw)
             why = _why_lost(client, app, gangs, spec, running, live, now)
             if why is not None and _lose(client, app, spec, name.decode(), running, why):
-                ended.add(job)
+                ended.add(spec.job)
     return ended
 
 
@@ -280,8 +277,7 @@ def _why_lost(client: redis.Redis, app, gangs: GangReservations, spec: JobSpec, 
 def _lose(client: redis.Redis, app, spec: JobSpec, name: str, running: dict[str, Any], why: str) -> bool:
     """Stop a lost launch; queue it again at its old place while attempts remain, else record it
     `lost`. Returns True when it was recorded (the job's phase may be complete now)."""
-    app.control.revoke(list(running["rank_tasks"].values()), terminate=True, signal="SIGTERM")
-    GangReservations(client).release(running["queues"], running["token"])
+    stop_launch(client, app, running)
     attempts = int(client.hget(keys.job_attempts(spec.job), name) or 0)
     pipe = client.pipeline(transaction=True)
     pipe.hdel(keys.job_running(spec.job), name)
@@ -301,9 +297,7 @@ def _lose(client: redis.Redis, app, spec: JobSpec, name: str, running: dict[str,
 
 
 def _publish_state(client: redis.Redis, spec: JobSpec) -> None:
-    """What `python -m scheduler.autotune --status` shows for the job."""
-    if load_spec(client, spec.job) is None:
-        return
+    """What `python -m scheduler.autotune --status` shows for the job (an active one)."""
     queued = sorted(_queued(client, spec), key=lambda entry: entry["seq"])
     running = sorted(name.decode() for name in client.hkeys(keys.job_running(spec.job)))
     head = queued[0]["exp"] if queued else None

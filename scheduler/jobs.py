@@ -119,6 +119,18 @@ def active_jobs(client: redis.Redis) -> list[str]:
     return [job.decode() for job in client.zrange(keys.JOBS, 0, -1)]
 
 
+def active_specs(client: redis.Redis) -> list[JobSpec]:
+    """The specs of the active jobs, in submission order."""
+    return [spec for job in active_jobs(client) if (spec := load_spec(client, job)) is not None]
+
+
+def stop_launch(client: redis.Redis, app, running: dict[str, Any]) -> None:
+    """Stop one running launch: revoke its rank tasks (their workers kill the training groups) and
+    free its slots, token-checked."""
+    app.control.revoke(list(running["rank_tasks"].values()), terminate=True, signal="SIGTERM")
+    GangReservations(client).release(running["queues"], running["token"])
+
+
 def submit(client: redis.Redis, app, spec: JobSpec) -> bool:
     """Make `spec` an active job and ask a control worker to start it. Returns True when an identical
     job was already active (its submitter died): the caller then just watches it."""
@@ -159,11 +171,8 @@ def end(client: redis.Redis, job: str, event: dict[str, Any]) -> None:
 
 def cancel(client: redis.Redis, app, job: str) -> None:
     """Stop every running experiment of the job (revoke + group kill), free its slots, forget it."""
-    gangs = GangReservations(client)
     for raw in client.hvals(keys.job_running(job)):
-        running = json.loads(raw)
-        app.control.revoke(list(running["rank_tasks"].values()), terminate=True, signal="SIGTERM")
-        gangs.release(running["queues"], running["token"])
+        stop_launch(client, app, json.loads(raw))
     end(client, job, {"kind": "failed", "error": "cancelled", "usage": True})
 
 

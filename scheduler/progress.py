@@ -63,7 +63,7 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
     for phase in answered:
         _announce(client, spec, phase, todo=0, reused=sum(e.name not in recorded_here for e in phase.experiments))
     if current is None:
-        winner = write_outputs(spec, answered, lookup) if spec.tune is not None else None
+        winner = write_outputs(spec, *tuned(answered, lookup)) if spec.tune is not None else None
         end(client, spec.job, {"kind": "done", "winner": winner})
         return
     waiting = set()
@@ -120,11 +120,19 @@ def _fixed(experiments: tuple[Experiment, ...]) -> Iterator[Phase]:
 
 
 def record_lookup(client: redis.Redis, spec: JobSpec) -> Lookup:
-    """exp -> the record on disk that answers it, or None (module docstring)."""
+    """exp -> the record on disk that answers it, or None (module docstring). Use one per step:
+    it remembers what it read."""
     attempts = {name.decode(): int(n) for name, n in client.hgetall(keys.job_attempts(spec.job)).items()}
     recorded = {name.decode() for name in client.smembers(keys.job_recorded(spec.job))}
 
+    read: dict[str, dict[str, Any] | None] = {}  #: one step reads each folder once (names fix configs)
+
     def lookup(exp: Experiment) -> dict[str, Any] | None:
+        if exp.name not in read:
+            read[exp.name] = _answer(exp)
+        return read[exp.name]
+
+    def _answer(exp: Experiment) -> dict[str, Any] | None:
         if spec.tune is None and exp.name not in recorded:
             return None
         record = read_json(safe_child(spec.results_root, exp.name) / "result.json")
@@ -168,10 +176,10 @@ def outcome(client: redis.Redis, spec: JobSpec) -> tuple[list[Experiment], dict[
     return tuned(answered + ([current] if current else []), lookup)
 
 
-def write_outputs(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> str | None:
-    """summary.txt, results.jsonl, ds_config_optimal.json, cmd_optimal.txt; returns the winner's name."""
+def write_outputs(spec: JobSpec, experiments: list[Experiment], records: dict[str, dict[str, Any]]) -> str | None:
+    """summary.txt, results.jsonl, ds_config_optimal.json, cmd_optimal.txt, tuning.png; returns the
+    winner's name. Elapsed time is counted from the job's submission."""
     cfg = tuning_config(spec)
-    experiments, records = tuned(phases, lookup)
     winner = write_results(Path(spec.results_root), experiments, records, cfg.metric, cfg.maximize,
                            time.time() - spec.submitted_at, optimal_argv(spec))
     return winner["name"] if winner else None

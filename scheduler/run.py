@@ -58,7 +58,7 @@ import redis
 from scheduler import elastic
 from scheduler.environment import collect_exports
 from scheduler.errors import ClusterError, UsageError
-from scheduler.jobs import JobSpec, run_fixed
+from scheduler.jobs import JobCrashed, JobSpec, run_fixed
 from scheduler.hostfile import LOCAL_HOSTNAME, local_pool, read_hostfile
 from scheduler.launchers import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchSpec, MvapichLauncher, get_launcher,
                                  local_command, needs_multinode, require_backend)
@@ -117,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, LocalClusterError) as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
+    except JobCrashed as exc:
+        print(f"error: the control worker failed on this run ({exc})", file=sys.stderr)
+        return 1
     except redis.RedisError as exc:
         print(f"error: Redis failed ({type(exc).__name__}: {exc}); check that it runs and the password "
               "in AUTOTUNE_REDIS_URL, or unset it for an embedded cluster", file=sys.stderr)
