@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping
@@ -31,6 +34,45 @@ KNOWN_AUTOTUNING_KEYS = frozenset({
 METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}
 METRIC_ALIASES = {"flops": "FLOPS_per_gpu", "FLOPS": "FLOPS_per_gpu"}
 ALL_STAGES = (0, 1, 2, 3)
+
+#: Documented ranges (README, "The config"): a value outside them is a typo, not a wish, and some
+#: (a micro-batch of 10**30) would really be run. Upper bounds are inclusive.
+MAX_MICRO_BATCH = 65536
+MAX_GRADIENT_ACCUMULATION = 65536
+MAX_PROFILE_STEP = 100_000
+MAX_TRIALS = 10_000
+MAX_MP_SIZE = 4096
+MAX_TRAIN_BATCH = 2**31 - 1
+MAX_SEED = 2**32 - 1
+MAX_NUM_PARAMS = 10**15
+MAX_ACTIVATION_BYTES = 2**50
+MAX_DEPTH = 64  #: nesting of objects/lists; DeepSpeed configs are 4 deep
+MAX_CONFIG_BYTES = 16 * 2**20
+MAX_PATH_CHARS = 4096
+#: autotuning keys holding a JSON boolean; DeepSpeed reads "false" (a string) as true.
+BOOLEAN_KEYS = ("enabled", "fast", "overwrite")
+#: autotuning key -> (smallest, largest) integer; null means "not set" only where marked in NULLABLE.
+INTEGER_RANGES: dict[str, tuple[int, int]] = {
+    "start_profile_step": (0, MAX_PROFILE_STEP),
+    "end_profile_step": (0, MAX_PROFILE_STEP),
+    "tuner_early_stopping": (0, MAX_TRIALS),
+    "tuner_num_trials": (1, MAX_TRIALS),
+    "tuner_seed": (0, MAX_SEED),
+    "max_train_batch_size": (1, MAX_TRAIN_BATCH),
+    "min_train_batch_size": (1, MAX_TRAIN_BATCH),
+    "min_train_micro_batch_size_per_gpu": (1, MAX_MICRO_BATCH),
+    "max_train_micro_batch_size_per_gpu": (1, MAX_MICRO_BATCH),
+    "num_tuning_micro_batch_sizes": (1, 1024),
+    "mp_size": (1, MAX_MP_SIZE),
+}
+NULLABLE = frozenset({"max_train_batch_size", "min_train_batch_size", "model_info"})
+PATH_KEYS = ("results_dir", "exps_dir", "metric_path", "model_info_path", "user_script")
+#: autotuning.model_info field -> (smallest, largest); "profile" is a boolean.
+MODEL_INFO_RANGES: dict[str, tuple[int, int]] = {
+    "num_params": (1, MAX_NUM_PARAMS), "trainable_num_params": (0, MAX_NUM_PARAMS),
+    "activation_mem_per_gpu": (0, MAX_ACTIVATION_BYTES), "hidden_size": (1, 2**31 - 1),
+    "num_layers": (1, 2**31 - 1),
+}
 
 
 @dataclass(frozen=True)
@@ -70,10 +112,12 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
         raise ConfigError(f'{path}: no "autotuning" section; add "autotuning": {{"enabled": true}} '
                           "to the config to tune it")
     _check_known_keys(path, autotuning)
+    check_schema(path, raw)
     cwd = cwd or Path.cwd()
     script = autotuning.get("user_script")
     user_args = autotuning.get("user_args", [])
-    if not isinstance(user_args, list) or not all(isinstance(a, (str, int, float)) for a in user_args):
+    if not isinstance(user_args, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
+                                                  for a in user_args):
         raise ConfigError(f"{path}: autotuning.user_args must be a list of strings, e.g. "
                           '["--steps", "50"]')
     start = non_negative_int(path, autotuning, "start_profile_step", 3)
@@ -91,7 +135,7 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
             path, "gradient_accumulation_steps", raw.get("gradient_accumulation_steps", 1)),
         results_dir=cwd / _directory(path, autotuning, "results_dir", "autotuning_results"),
         exps_dir=cwd / _directory(path, autotuning, "exps_dir", "autotuning_exps"),
-        overwrite=bool(autotuning.get("overwrite", False)),
+        overwrite=autotuning.get("overwrite", False) is True,
         start_profile_step=start,
         end_profile_step=end,
         user_script=(path.parent / script).resolve() if isinstance(script, str) and script else None,
@@ -101,6 +145,16 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
 
 def _read(path: Path) -> dict[str, Any]:
     try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None  # read_text below reports it with the usual message
+    if mode is not None and not stat.S_ISDIR(mode) and not stat.S_ISREG(mode):
+        raise ConfigError(f"{path}: not a regular file (a device, pipe or socket); give the path of "
+                          "your DeepSpeed config file")
+    if mode is not None and stat.S_ISREG(mode) and os.stat(path).st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {os.stat(path).st_size} bytes is too large for a DeepSpeed config "
+                          f"(at most {MAX_CONFIG_BYTES // 2**20} MiB); check that this is the right file")
+    try:
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file; give the path of your DeepSpeed config "
@@ -108,18 +162,42 @@ def _read(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.__class__.__name__}: "
                           f"{getattr(exc, 'strerror', None) or exc}); check the path and its permissions") from None
+    too_deep = ConfigError(f"{path}: objects and lists are nested more than {MAX_DEPTH} levels deep; "
+                           "a DeepSpeed config needs a few levels, check the file")
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicate_keys(path))
+    except RecursionError:
+        raise too_deep from None
     except json.JSONDecodeError as json_error:
         try:
             data = hjson.loads(text, object_pairs_hook=_no_duplicate_keys(path))
+        except RecursionError:
+            raise too_deep from None
         except hjson.HjsonDecodeError as hjson_error:
             error = hjson_error if path.suffix == ".hjson" else json_error
             raise ConfigError(f"{path}:{error.lineno}:{error.colno}: invalid JSON/hjson: "
                               f"{error.msg}; fix the syntax there") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a JSON object {{...}}, not {type(data).__name__}")
+    _check_tree(path, data)
     return json.loads(json.dumps(data))
+
+
+def _check_tree(path: Path, data: Any) -> None:
+    """Every value of the config: nesting depth at most MAX_DEPTH, numbers finite (JSON has no NaN)."""
+    stack: list[tuple[str, Any, int]] = [("", data, 1)]
+    while stack:
+        where, value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise ConfigError(f"{path}: {where or 'the config'} is nested more than {MAX_DEPTH} "
+                                  "levels deep; a DeepSpeed config needs a few levels, check the file")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                child = f"{where}.{key}" if isinstance(value, dict) else f"{where}[{key}]"
+                stack.append((child.lstrip("."), item, depth + 1))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{path}: {where} is {value}, which JSON does not allow; give a finite number")
 
 
 def _no_duplicate_keys(path: Path):
@@ -176,16 +254,16 @@ def _stages(path: Path, zero: Any) -> tuple[int, ...]:
 def _positive_int(path: Path, field: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{path}: {field} must be a positive integer (or a list of them), "
-                          f"got {json.dumps(value)}")
+                          f"got {shown(value)}")
+    largest = MAX_MICRO_BATCH if field == "train_micro_batch_size_per_gpu" else MAX_GRADIENT_ACCUMULATION
+    if value > largest:
+        raise ConfigError(f"{path}: {field} must be at most {largest}, got {shown(value)}; "
+                          "give a size that fits a device")
     return value
 
 
 def _directory(path: Path, autotuning: dict[str, Any], key: str, default: str) -> str:
-    value = autotuning.get(key, default)
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{path}: autotuning.{key} must be a folder path (a non-empty string), "
-                          f"got {json.dumps(value)}")
-    return value
+    return check_path_text(path, f"autotuning.{key}", autotuning.get(key, default))
 
 
 def non_negative_int(path: Path, autotuning: Mapping[str, Any], key: str, default: int) -> int:
@@ -194,3 +272,81 @@ def non_negative_int(path: Path, autotuning: Mapping[str, Any], key: str, defaul
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{path}: autotuning.{key} must be a non-negative integer, got {json.dumps(value)}")
     return value
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A value as JSON for an error message, cut to `limit` characters so the message stays one line."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_schema(path: Path, raw: Mapping[str, Any]) -> None:
+    """The strict part of the schema: every known key has its JSON type and documented range.
+
+    DeepSpeed coerces (`bool("false")` is true, `null` switches fast mode off); here a value of the
+    wrong type is refused naming the key, so what runs is what the user meant. Keys owned by other
+    modules (the search's own) are left to them.
+    """
+    autotuning = raw["autotuning"]
+    for key in BOOLEAN_KEYS:
+        if key in autotuning and not isinstance(autotuning[key], bool):
+            raise ConfigError(f"{path}: autotuning.{key} must be true or false (a JSON boolean, no quotes), "
+                              f"got {shown(autotuning[key])}")
+    for key, (low, high) in INTEGER_RANGES.items():
+        if key in autotuning and not (autotuning[key] is None and key in NULLABLE):
+            _integer_in(path, f"autotuning.{key}", autotuning[key], low, high)
+    for key in PATH_KEYS:
+        if key in autotuning:
+            check_path_text(path, f"autotuning.{key}", autotuning[key])
+    if "tuner_type" in autotuning:
+        from scheduler.tuners import TUNER_TYPES  # numpy and scikit-learn load only when asked
+
+        if autotuning["tuner_type"] not in TUNER_TYPES:
+            raise ConfigError(f"{path}: autotuning.tuner_type {shown(autotuning['tuner_type'])} is not one of "
+                              f"{', '.join(TUNER_TYPES)}")
+    _check_model_info(path, autotuning.get("model_info"))
+    for section in ("fp16", "bf16"):
+        value = raw.get(section)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f'{path}: {section} must be an object such as {{"enabled": true}}, got {shown(value)}')
+        if isinstance(value, dict) and "enabled" in value and value["enabled"] not in (True, False, "auto"):
+            raise ConfigError(f"{path}: {section}.enabled must be true, false or \"auto\", got {shown(value['enabled'])}")
+    if "train_batch_size" in raw and raw["train_batch_size"] != "auto":
+        _integer_in(path, "train_batch_size", raw["train_batch_size"], 1, MAX_TRAIN_BATCH)
+
+
+def check_path_text(path: Path, field: str, value: Any) -> str:
+    """A path given in the config: a non-empty string without control characters (a newline in a
+    folder name is a mistake, and it is how settings get injected into other programs' files)."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: {field} must be a path (a non-empty string), got {shown(value)}")
+    bad = next((char for char in value if ord(char) < 32 or ord(char) == 127), None)
+    if bad is not None:
+        raise ConfigError(f"{path}: {field} contains the control character {bad!r}; "
+                          "use a path without newlines, tabs or NUL")
+    if len(value) > MAX_PATH_CHARS:
+        raise ConfigError(f"{path}: {field} is {len(value)} characters long; use a path of at most "
+                          f"{MAX_PATH_CHARS}")
+    return value
+
+
+def _integer_in(path: Path, field: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{path}: {field} must be an integer from {low} to {high}, got {shown(value)}")
+    return value
+
+
+def _check_model_info(path: Path, info: Any) -> None:
+    if info is None:
+        return
+    if not isinstance(info, dict):
+        raise ConfigError(f'{path}: autotuning.model_info must be an object such as {{"num_params": 1000000, '
+                          f'"activation_mem_per_gpu": 4096}}, got {shown(info)}')
+    if "profile" in info and not isinstance(info["profile"], bool):
+        raise ConfigError(f"{path}: autotuning.model_info.profile must be true or false, got {shown(info['profile'])}")
+    for key, (low, high) in MODEL_INFO_RANGES.items():
+        if key in info:
+            _integer_in(path, f"autotuning.model_info.{key}", info[key], low, high)

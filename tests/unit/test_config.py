@@ -415,7 +415,7 @@ def test_profile_steps_ok(tmp_path: Path, start: int, end: int) -> None:
 )
 def test_bad_profile_step(tmp_path: Path, key: str, value: Any) -> None:
     message = load_error(write(tmp_path, {"autotuning": {key: value}}))
-    assert f"autotuning.{key} must be a non-negative integer, got {json.dumps(value)}" in message
+    assert f"autotuning.{key} must be an integer from 0 to 100000, got {json.dumps(value)}" in message
 
 
 @pytest.mark.parametrize("metric", ["speed", "Throughput", "", "flops_per_gpu", 3, None])
