@@ -1,25 +1,55 @@
 """`python -m workers.entry script.py args...`: run a Python training script as `python script.py` would,
-but turn an out-of-memory exception into a distinct exit status.
+but turn an out-of-memory into a distinct exit status and leave an exit report behind.
 
 A CUDA OOM (or a host MemoryError) is an OOM, not a crash, and the search treats it as an upper
-bound on the micro-batch size. Recognising it from the exception type, here in the same process,
-is exact; searching stderr for the text would not be.
+bound on the micro-batch size. Recognising it here, in the same process, from the exception objects
+(`workers.oom`: every form, through the cause/context chain) is exact; searching stderr for the text
+would not be. When the script exits non-zero without an OOM exception in sight, the CUDA allocator's
+own OOM count still tells (a library that swallowed the exception and exited).
+
+The exit report (`workers.device_memory`) carries the peak device memory and whether the script
+left through DeepSpeed's profiling exit: on CPU that exit sometimes aborts at interpreter teardown,
+and the rank may only be excused when it provably got that far.
 """
 from __future__ import annotations
 
 import os
 import runpy
 import sys
+import traceback
 
+from workers.device_memory import measured_peaks, write_exit_report
 from workers.failure import OOM_EXIT_CODE
+from workers.oom import out_of_memory_cause
+
+#: Where DeepSpeed's engine calls exit() after the profiled steps (`_autotuning_exit`) or after
+#: writing the model info of a profile run (`forward`).
+_PROFILING_EXITS = {("deepspeed/runtime/engine.py", "_autotuning_exit"), ("deepspeed/runtime/engine.py", "forward")}
 
 
-def _is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError):
-        return True
-    torch = sys.modules.get("torch")
-    oom_type = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None) if torch else None
-    return oom_type is not None and isinstance(exc, oom_type)
+def is_profiling_exit(exc: BaseException | None) -> bool:
+    """A clean SystemExit whose innermost DeepSpeed frame is one of the engine's profiling exits."""
+    if not isinstance(exc, SystemExit) or exit_status(exc) != 0:
+        return False
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
+              if "deepspeed" in frame.filename.replace(os.sep, "/")]
+    if not frames:
+        return False
+    innermost = frames[-1]
+    return any(innermost.filename.replace(os.sep, "/").endswith(path) and innermost.name == name
+               for path, name in _PROFILING_EXITS)
+
+
+def exit_status(exc: BaseException | None) -> int:
+    """The process status the exception would end with (0 for none or a clean SystemExit)."""
+    if exc is None:
+        return 0
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code is None:
+            return 0
+        return code if isinstance(code, int) else 1
+    return 1
 
 
 def main() -> None:
@@ -28,14 +58,32 @@ def main() -> None:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    pid = os.getpid()
+    error: BaseException | None = None
     try:
         runpy.run_path(script, run_name="__main__")
-    except Exception as exc:
-        if _is_out_of_memory(exc):
-            print(f"workers.entry: out of memory: {type(exc).__name__}: {exc}", file=sys.stderr)
-            sys.stderr.flush()
-            os._exit(OOM_EXIT_CODE)
-        raise
+    except BaseException as exc:
+        error = exc
+    if os.getpid() != pid:  # a forked child returning through our frame: not the rank's ending
+        if error is not None:
+            raise error
+        return
+    peaks = measured_peaks()
+    oom = None
+    if exit_status(error) != 0:
+        cause = out_of_memory_cause(error)
+        if cause is not None:
+            oom = f"{type(cause).__name__}: {cause}"
+        elif peaks.get("device_ooms"):
+            oom = f"the CUDA allocator counted {peaks['device_ooms']} out-of-memory error(s)"
+    write_exit_report({**peaks, "profiling_exit": is_profiling_exit(error), **({"oom": oom} if oom else {})})
+    if oom is not None:
+        print(f"workers.entry: out of memory: {oom}"[:2000], file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(OOM_EXIT_CODE)
+    if error is not None:
+        raise error
 
 
 if __name__ == "__main__":

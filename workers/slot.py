@@ -1,8 +1,9 @@
 """What a slot is, what it can hold, and how a child process is bound to it.
 
 A slot is one device of one node, served by one Celery worker through the queue `<node>.gpu<i>`.
-On a GPU node the child sees only its device (CUDA_VISIBLE_DEVICES) and the capacity is the
-device's memory as `nvidia-smi` reports it, so the worker never initialises CUDA itself. On a node
+On a GPU node `gpu<i>` is the node's i-th usable GPU (`workers.gpus`: nvidia-smi, honouring an
+inherited CUDA_VISIBLE_DEVICES), the capacity is its memory as nvidia-smi reports it, and the worker
+never initialises CUDA itself; a rank sees its gang's GPUs on the node (see `Slot.child_env`). On a node
 without GPUs, `gpu<i>` is a CPU slot: a memory cap (AUTOTUNE_SLOT_MEMORY, default total RAM /
 slots) that our monitor enforces, and a thread budget (cores / slots) with CPU affinity.
 
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
-import subprocess
 from dataclasses import asdict, dataclass
 
 import psutil
+
+from workers.gpus import GpuListingError, local_gpus
 
 _QUEUE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+)\.)?gpu(?P<device>\d+)$")
 _SIZE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -71,24 +72,6 @@ def address_towards(host: str, port: int) -> str:
         return probe.getsockname()[0]
 
 
-def gpu_memory_bytes(device: int) -> int | None:
-    """Total memory of GPU `device` from nvidia-smi, or None when this node has no such GPU."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20, check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        index, _, mib = line.partition(",")
-        if index.strip() == str(device):
-            return int(float(mib)) * 1024**2
-    return None
-
-
 @dataclass(frozen=True)
 class Slot:
     """One (node, device) as the scheduler sees it, registered in Redis by its worker."""
@@ -102,6 +85,7 @@ class Slot:
     cpus: tuple[int, ...]  #: cores the slot's children are pinned to (CPU slots)
     worker: str = ""  #: Celery nodename of the worker serving the slot
     instance: str = ""  #: new at every worker start: a changed value means the worker restarted
+    cuda_index: int = -1  #: CUDA slots: the GPU's nvidia-smi (PCI bus order) index; -1 on CPU slots
 
     @property
     def queue(self) -> str:
@@ -128,14 +112,18 @@ class Slot:
             threads=int(fields["threads"]),
             cpus=tuple(int(c) for c in fields.get("cpus", "").split(",") if c),
             worker=fields.get("worker", ""), instance=fields.get("instance", ""),
+            cuda_index=int(fields.get("cuda_index", -1)),
         )
 
-    def child_env(self) -> dict[str, str]:
-        """Variables that bind a training process to this slot."""
+    def child_env(self, cuda_indices: list[int] | None = None) -> dict[str, str]:
+        """Variables that bind a training process to this slot. A rank of a multi-GPU experiment sees
+        `cuda_indices`, its gang's GPUs on this node in local-rank order (its own among them), so
+        LOCAL_RANK indexes its own device as under torchrun and NCCL can use P2P between them."""
         env = {"AUTOTUNE_SLOT": self.queue, "OMP_NUM_THREADS": str(self.threads),
                "MKL_NUM_THREADS": str(self.threads)}
         if self.kind == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(self.device)
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cuda_indices or [self.cuda_index]))
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
             env.setdefault("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
@@ -143,13 +131,19 @@ class Slot:
 
 
 def describe_local_slot(node: str, device: int, address: str, worker: str = "") -> Slot:
-    """The slot this node offers as device `device`: a GPU if nvidia-smi lists one, else a CPU slot."""
+    """The slot this node offers as device `device`: its `device`-th usable GPU when nvidia-smi lists
+    GPUs (GpuListingError when there is no such GPU or the listing is unusable), else a CPU slot."""
     cores = os.cpu_count() or 1
-    gpu_memory = gpu_memory_bytes(device)
-    if gpu_memory is not None:
-        slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or _gpu_count() or 1
+    gpus = local_gpus()
+    if gpus is not None:
+        if device >= len(gpus):
+            raise GpuListingError(f"gpu{device}: this node offers {len(gpus)} GPU(s) (nvidia-smi indices "
+                                  f"{', '.join(str(g.index) for g in gpus)}); start slot workers gpu0.."
+                                  f"gpu{len(gpus) - 1} only")
+        gpu = gpus[device]
+        slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or len(gpus)
         threads = max(1, cores // slots)
-        return Slot(node, device, "cuda", gpu_memory, address, threads, (), worker)
+        return Slot(node, device, "cuda", gpu.memory_bytes, address, threads, (), worker, cuda_index=gpu.index)
     slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or cores
     explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
     memory = parse_size(explicit) if explicit else psutil.virtual_memory().total // slots
@@ -157,11 +151,3 @@ def describe_local_slot(node: str, device: int, address: str, worker: str = "") 
     first = (device * threads) % cores
     cpus = tuple(sorted({(first + i) % cores for i in range(threads)}))
     return Slot(node, device, "cpu", memory, address, threads, cpus, worker)
-
-
-def _gpu_count() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))

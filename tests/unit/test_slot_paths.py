@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,6 +9,7 @@ import pytest
 
 import workers.slot as slot_module
 from workers.paths import read_json, safe_child, write_atomic, write_json
+from workers.gpus import Gpu, GpuListingError
 from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, parse_size, slot_queue
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
@@ -100,13 +100,13 @@ def test_slot_queue_round_trip(node: str, device: int) -> None:
 # ---------------------------------------------------------------- Slot
 
 CPU_SLOT = Slot("n1", 2, "cpu", 3 * GiB, "10.0.0.5", 4, (4, 5, 6, 7), "w2@n1")
-CUDA_SLOT = Slot("gpu-host", 1, "cuda", 80 * GiB, "10.0.0.9", 8, (), "w1@gpu-host")
+CUDA_SLOT = Slot("gpu-host", 1, "cuda", 80 * GiB, "10.0.0.9", 8, (), "w1@gpu-host", cuda_index=3)
 
 
 def test_to_redis_strings() -> None:
     assert CPU_SLOT.to_redis() == {
         "node": "n1", "device": "2", "kind": "cpu", "memory_bytes": str(3 * GiB), "address": "10.0.0.5",
-        "threads": "4", "cpus": "4,5,6,7", "worker": "w2@n1", "instance": "",
+        "threads": "4", "cpus": "4,5,6,7", "worker": "w2@n1", "instance": "", "cuda_index": "-1",
     }
     assert CUDA_SLOT.to_redis()["cpus"] == ""
 
@@ -146,7 +146,7 @@ def test_child_env_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     assert CUDA_SLOT.child_env() == {
         "AUTOTUNE_SLOT": "gpu-host.gpu1", "OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8",
-        "CUDA_VISIBLE_DEVICES": "1",
+        "CUDA_VISIBLE_DEVICES": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     }
 
 
@@ -178,8 +178,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def no_gpu(monkeypatch: pytest.MonkeyPatch, cores: int | None, ram: int = 16 * GiB) -> None:
-    monkeypatch.setattr(slot_module, "gpu_memory_bytes", lambda device: None)
-    monkeypatch.setattr(slot_module, "_gpu_count", lambda: pytest.fail("_gpu_count called on a CPU node"))
+    monkeypatch.setattr(slot_module, "local_gpus", lambda: None)
     if cores is not None:
         monkeypatch.setattr(slot_module.os, "cpu_count", lambda: cores)
     monkeypatch.setattr(slot_module.psutil, "virtual_memory", lambda: SimpleNamespace(total=ram))
@@ -239,38 +238,30 @@ def test_describe_local_slot_on_this_machine(clean_env: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.parametrize(
-    ("slots_env", "gpu_count", "threads"),
-    [("4", 99, 4), (None, 8, 2), (None, 0, 16), ("16", 2, 1), ("32", 2, 1)],
+    ("slots_env", "threads"),
+    [("4", 4), (None, 5), ("16", 1), ("32", 1)],  # default: one slot per usable GPU (3), 16 // 3 threads
 )
-def test_describe_local_cuda_slot(clean_env: pytest.MonkeyPatch, slots_env: str | None, gpu_count: int,
-                                  threads: int) -> None:
-    sizes = {0: 40 * GiB, 1: 80 * GiB}
-    clean_env.setattr(slot_module, "gpu_memory_bytes", lambda device: sizes.get(device))
-    clean_env.setattr(slot_module, "_gpu_count", lambda: gpu_count)
+def test_describe_local_cuda_slot(clean_env: pytest.MonkeyPatch, slots_env: str | None, threads: int) -> None:
+    # the worker inherited CUDA_VISIBLE_DEVICES=5,2,7: its gpu1 is the physical GPU 2 (80 GiB)
+    usable = [Gpu(5, "GPU-e", 40 * GiB), Gpu(2, "GPU-b", 80 * GiB), Gpu(7, "GPU-h", 24 * GiB)]
+    clean_env.setattr(slot_module, "local_gpus", lambda: usable)
     clean_env.setattr(slot_module.os, "cpu_count", lambda: 16)
     clean_env.setenv("AUTOTUNE_SLOT_MEMORY", "3GiB")  # host RAM cap only: does not change the GPU capacity
     if slots_env is not None:
         clean_env.setenv("AUTOTUNE_SLOTS_PER_NODE", slots_env)
     slot = describe_local_slot("g", 1, "10.0.0.2", "w1@g")
-    assert slot == Slot("g", 1, "cuda", 80 * GiB, "10.0.0.2", threads, (), "w1@g")
-    assert slot.child_env()["CUDA_VISIBLE_DEVICES"] == "1"
+    assert slot == Slot("g", 1, "cuda", 80 * GiB, "10.0.0.2", threads, (), "w1@g", cuda_index=2)
+    assert slot.child_env()["CUDA_VISIBLE_DEVICES"] == "2"
+    assert slot.child_env()["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert slot.child_env([7, 2])["CUDA_VISIBLE_DEVICES"] == "7,2"
     assert slot.host_memory_cap == 3 * GiB
+    assert Slot.from_redis(slot.to_redis()) == slot
 
 
-def test_gpu_memory_bytes_without_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(slot_module.shutil, "which", lambda name: None)
-    monkeypatch.setattr(slot_module.subprocess, "run", lambda *a, **k: pytest.fail("ran nvidia-smi"))
-    assert slot_module.gpu_memory_bytes(0) is None
-
-
-@pytest.mark.parametrize(("device", "expected"), [(0, 81559 * MiB), (1, 40960 * MiB), (2, None)])
-def test_gpu_memory_bytes_parses_nvidia_smi(monkeypatch: pytest.MonkeyPatch, device: int,
-                                            expected: int | None) -> None:
-    monkeypatch.setattr(slot_module.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
-    output = "0, 81559\n1, 40960\n"
-    monkeypatch.setattr(slot_module.subprocess, "run",
-                        lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=output, stderr=""))
-    assert slot_module.gpu_memory_bytes(device) == expected
+def test_a_device_beyond_the_gpus_is_refused(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setattr(slot_module, "local_gpus", lambda: [Gpu(0, "GPU-a", GiB), Gpu(1, "GPU-b", GiB)])
+    with pytest.raises(GpuListingError, match=r"gpu2: this node offers 2 GPU\(s\).*gpu0..gpu1"):
+        describe_local_slot("g", 2, "10.0.0.2")
 
 
 @pytest.mark.parametrize(

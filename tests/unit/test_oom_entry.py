@@ -1,0 +1,163 @@
+"""Out-of-memory in every form (`workers.oom`) and the exit report of `workers.entry`.
+
+The forms are real exception objects of the installed torch, built the way the allocators and
+libraries raise them; the entry tests run `python -m workers.entry` as a real subprocess, as a rank
+does, and read its exit status and the report it leaves.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed
+
+from workers.device_memory import read_exit_report
+from workers.failure import OOM_EXIT_CODE
+from workers.oom import out_of_memory_cause
+
+ROOT = Path(__file__).resolve().parents[2]
+ALLOCATOR_TEXT = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB "
+                  "of which 1.06 GiB is free.")
+
+
+def _accelerator_error(code: int | None) -> BaseException:
+    exc = torch.AcceleratorError("CUDA error: out of memory" if code == 2 else "CUDA error: an illegal memory access")
+    if code is not None:
+        exc.error_code = code
+    return exc
+
+
+def _chained(outer: BaseException, inner: BaseException, how: str) -> BaseException:
+    try:
+        try:
+            raise inner
+        except BaseException as caught:
+            if how == "cause":
+                raise outer from caught
+            raise outer
+    except BaseException as final:
+        return final
+
+
+@pytest.mark.parametrize(
+    ("exc", "is_oom"),
+    [
+        (torch.OutOfMemoryError(ALLOCATOR_TEXT), True),
+        (torch.cuda.OutOfMemoryError(ALLOCATOR_TEXT), True),
+        (RuntimeError(ALLOCATOR_TEXT), True),  # TorchScript and older torch raise a plain RuntimeError
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+        (_accelerator_error(2), True),
+        (torch.AcceleratorError("CUDA error: out of memory"), True),  # the message, no error_code
+        (_accelerator_error(700), False),
+        (torch.distributed.DistBackendError(
+            "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.21.5\n"
+            "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nFailed to CUDA calloc 10485760 bytes"),
+         True),
+        (torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error"), False),
+        (MemoryError(), True),
+        (RuntimeError("Expected all tensors to be on the same device"), False),
+        (ValueError("batch too large: out of memory, try a smaller one"), False),  # user advice, not an allocator
+        (_chained(SystemExit(1), torch.OutOfMemoryError(ALLOCATOR_TEXT), "context"), True),  # sys.exit in except
+        (_chained(RuntimeError("training failed"), torch.OutOfMemoryError(ALLOCATOR_TEXT), "cause"), True),
+        (_chained(KeyError("x"), RuntimeError(ALLOCATOR_TEXT), "context"), True),
+        (_chained(SystemExit(1), ValueError("bad flag"), "context"), False),
+        (None, False),
+    ],
+)
+def test_out_of_memory_in_every_form(exc: BaseException | None, is_oom: bool) -> None:
+    assert (out_of_memory_cause(exc) is not None) is is_oom
+
+
+def test_a_cyclic_chain_ends() -> None:
+    first, second = RuntimeError("a"), RuntimeError("b")
+    first.__context__, second.__context__ = second, first
+    assert out_of_memory_cause(first) is None
+
+
+def _run_entry(tmp_path: Path, body: str, extra_files: dict[str, str] | None = None) -> tuple[int, dict, str]:
+    for name, text in (extra_files or {}).items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(body))
+    report = tmp_path / "exit.json"
+    done = subprocess.run([sys.executable, "-m", "workers.entry", str(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                                                       "AUTOTUNE_EXIT_REPORT": str(report)})
+    return done.returncode, read_exit_report(report), done.stderr
+
+
+def test_caught_oom_then_exit_1_is_an_oom(tmp_path: Path) -> None:
+    code, report, stderr = _run_entry(tmp_path, """
+        import sys, traceback, torch
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError:
+            traceback.print_exc()
+            sys.exit(1)
+    """)
+    assert code == OOM_EXIT_CODE
+    assert report["oom"].startswith("OutOfMemoryError: CUDA out of memory") and report["profiling_exit"] is False
+    assert "workers.entry: out of memory" in stderr
+
+
+def test_a_plain_crash_stays_a_crash_with_its_report(tmp_path: Path) -> None:
+    code, report, stderr = _run_entry(tmp_path, """
+        from workers.device_memory import report_peak
+        report_peak(3 * 2**30, 2 * 2**30)
+        report_peak(2**30)  # a lower later value never lowers the peak
+        raise RuntimeError("invalid device ordinal")
+    """)
+    assert code == 1 and "RuntimeError: invalid device ordinal" in stderr
+    assert report == {"peak_device_bytes": 3 * 2**30, "peak_device_allocated_bytes": 2 * 2**30,
+                      "profiling_exit": False}
+
+
+def test_a_clean_run_reports_its_peak(tmp_path: Path) -> None:
+    code, report, _ = _run_entry(tmp_path, """
+        from workers.device_memory import report_peak
+        report_peak(5 * 2**30)
+    """)
+    assert code == 0 and report == {"peak_device_bytes": 5 * 2**30, "peak_device_allocated_bytes": 5 * 2**30,
+                                     "profiling_exit": False}
+
+
+ENGINE = """
+    class DeepSpeedEngine:
+        def _autotuning_exit(self):
+            exit()
+        def train_batch(self):
+            self._autotuning_exit()
+    def other_exit():
+        exit()
+"""
+
+
+@pytest.mark.parametrize(
+    ("call", "profiling_exit"),
+    [("DeepSpeedEngine().train_batch()", True),  # DeepSpeed's own profiling exit
+     ("other_exit()", False),  # an exit elsewhere in DeepSpeed is not the profiling exit
+     ("exit()", False)],  # nor is the script's own
+)
+def test_deepspeeds_profiling_exit_is_recognised_precisely(tmp_path: Path, call: str, profiling_exit: bool) -> None:
+    code, report, _ = _run_entry(tmp_path, f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path / "site")!r})
+        from deepspeed.runtime.engine import DeepSpeedEngine, other_exit
+        {call}
+    """, {"site/deepspeed/__init__.py": "", "site/deepspeed/runtime/__init__.py": "",
+          "site/deepspeed/runtime/engine.py": ENGINE})
+    assert code == 0 and report["profiling_exit"] is profiling_exit
+
+
+def test_report_fields_are_typed(tmp_path: Path) -> None:
+    path = tmp_path / "exit.json"
+    path.write_text(json.dumps({"peak_device_bytes": "9", "device_ooms": -1, "profiling_exit": "yes",
+                                "peak_device_allocated_bytes": 7, "oom": 3}))
+    assert read_exit_report(path) == {"peak_device_allocated_bytes": 7}
+    assert read_exit_report(tmp_path / "missing.json") == {}

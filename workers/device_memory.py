@@ -1,0 +1,91 @@
+"""Peak device memory of a training process, read inside that process, and its exit report.
+
+Why inside the process: on a GPU slot the memory that limits the micro-batch is device memory, and
+only the process that owns the CUDA context can read its allocator's peaks (the worker never
+initialises CUDA, and nvidia-smi sees neither peaks nor which process held what). So `workers.entry`
+reads them when the script ends, also after an out-of-memory, and writes them with what it knows
+about the ending into the rank's exit report (a small JSON file named by AUTOTUNE_EXIT_REPORT). The
+rank reads that file into its record: `peak_device_bytes` (`torch.cuda.max_memory_reserved`, what
+the allocator held: the figure that hits the device's limit), `peak_device_allocated_bytes`
+(`max_memory_allocated`, live tensors only), the allocator's retry and OOM counts.
+
+A script that has no CUDA (a stand-in for a GPU model on a machine without one, a simulator) can
+report what it would hold with `report_peak`; the largest of reported and measured values wins.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+#: Environment variable naming the file `workers.entry` writes the exit report to.
+EXIT_REPORT_ENV = "AUTOTUNE_EXIT_REPORT"
+
+_reported: dict[str, int] = {}
+
+
+def report_peak(reserved_bytes: int, allocated_bytes: int | None = None) -> None:
+    """Declare this process's peak device memory (for scripts that model a device they do not have)."""
+    _reported["peak_device_bytes"] = max(_reported.get("peak_device_bytes", 0), int(reserved_bytes))
+    allocated = int(reserved_bytes if allocated_bytes is None else allocated_bytes)
+    _reported["peak_device_allocated_bytes"] = max(_reported.get("peak_device_allocated_bytes", 0), allocated)
+
+
+def measured_peaks() -> dict[str, int]:
+    """The CUDA allocator's peaks over the devices this process used (the busiest device's), plus
+    what `report_peak` declared; {} when the process never initialised CUDA and reported nothing."""
+    peaks = dict(_reported)
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    try:
+        initialised = bool(cuda is not None and cuda.is_initialized())
+    except Exception:  # a broken driver must not turn a finished run into a crash
+        initialised = False
+    if initialised:
+        try:
+            for device in range(cuda.device_count()):
+                stats = cuda.memory_stats(device)
+                _raise(peaks, "peak_device_bytes", cuda.max_memory_reserved(device))
+                _raise(peaks, "peak_device_allocated_bytes", cuda.max_memory_allocated(device))
+                _raise(peaks, "device_alloc_retries", stats.get("num_alloc_retries", 0))
+                _raise(peaks, "device_ooms", stats.get("num_ooms", 0))
+        except Exception:
+            pass
+    return peaks
+
+
+def _raise(peaks: dict[str, int], key: str, value: Any) -> None:
+    if isinstance(value, int) and value > peaks.get(key, -1):
+        peaks[key] = value
+
+
+def write_exit_report(report: dict[str, Any]) -> None:
+    """Write the report to AUTOTUNE_EXIT_REPORT (no-op without it); never raises."""
+    path = os.environ.get(EXIT_REPORT_ENV)
+    if not path:
+        return
+    try:
+        Path(path).write_text(json.dumps(report))
+    except OSError:
+        pass
+
+
+def read_exit_report(path: Path) -> dict[str, Any]:
+    """The report a rank's process wrote, keeping only well-typed fields ({} if none was written)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    kept: dict[str, Any] = {}
+    for key in ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc_retries", "device_ooms"):
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            kept[key] = value
+    if isinstance(data.get("profiling_exit"), bool):
+        kept["profiling_exit"] = data["profiling_exit"]
+    if isinstance(data.get("oom"), str):
+        kept["oom"] = data["oom"][:500]
+    return kept

@@ -1,0 +1,114 @@
+"""The GPUs of this node as nvidia-smi lists them, and which of them a process may use.
+
+Why: the worker never initialises CUDA (a CUDA context per worker would cost device memory on the
+very device it offers), so nvidia-smi is the only source of what a node has. Its output is read
+strictly: a listing this code cannot read, a MIG-enabled GPU or a CUDA_VISIBLE_DEVICES naming a
+device that does not exist is a one-line refusal at start-up, never a silent CPU slot on a GPU node.
+
+Device numbers: nvidia-smi's index is the PCI bus order. Every process we start gets
+`CUDA_DEVICE_ORDER=PCI_BUS_ID`, so CUDA numbers devices the same way, and numeric entries of an
+inherited CUDA_VISIBLE_DEVICES are read as those indices. Entries may also be GPU UUIDs (or a
+unique prefix of one, as CUDA accepts).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+#: Fields asked of nvidia-smi, in this order.
+QUERY = "index,uuid,memory.total,mig.mode.current"
+#: Set to "cpu" to offer CPU slots on a node that has nvidia-smi (a GPU box used for CPU tests).
+DEVICE_KIND_ENV = "AUTOTUNE_DEVICE_KIND"
+
+
+class GpuListingError(ValueError):
+    """This node's GPUs cannot be used as listed; the message is one line saying what to change."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU: its PCI-order index (what children's CUDA_VISIBLE_DEVICES names) and size."""
+
+    index: int
+    uuid: str
+    memory_bytes: int
+
+
+def parse_listing(text: str) -> list[Gpu]:
+    """GPUs from `nvidia-smi --query-gpu=<QUERY> --format=csv,noheader,nounits` output."""
+    gpus: list[Gpu] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) != 4:
+            raise GpuListingError(f"nvidia-smi printed a line this tool cannot read: {line.strip()[:120]!r} "
+                                  f"(expected {QUERY}); check the driver with `nvidia-smi`")
+        index, uuid, memory, mig = fields
+        if not index.isdigit() or not uuid.startswith("GPU-"):
+            raise GpuListingError(f"nvidia-smi listed a GPU with index {index!r} and UUID {uuid!r}, which this "
+                                  "tool cannot read; check the driver with `nvidia-smi`")
+        try:
+            mib = float(memory)
+        except ValueError:
+            mib = -1.0
+        if not mib > 0 or mib != mib or mib == float("inf"):
+            raise GpuListingError(f"nvidia-smi reports GPU {index}'s memory as {memory!r}, not a number of MiB; "
+                                  "check the driver with `nvidia-smi`")
+        if mig.lower() == "enabled":
+            raise GpuListingError(f"GPU {index} has MIG enabled; MIG instances are not supported as slots: "
+                                  f"disable MIG (`nvidia-smi -i {index} -mig 0`) or leave that GPU out of "
+                                  "CUDA_VISIBLE_DEVICES")
+        gpus.append(Gpu(int(index), uuid, int(mib) * 1024**2))
+    if len({gpu.index for gpu in gpus}) != len(gpus):
+        raise GpuListingError("nvidia-smi listed the same GPU index twice; check the driver with `nvidia-smi`")
+    return sorted(gpus, key=lambda gpu: gpu.index)
+
+
+def visible(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
+    """The GPUs a process sees, in its own device order, given its CUDA_VISIBLE_DEVICES (None: all)."""
+    if cuda_visible_devices is None:
+        return list(gpus)
+    seen: list[Gpu] = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if not entry:
+            continue
+        if entry.startswith("MIG-"):
+            raise GpuListingError(f"CUDA_VISIBLE_DEVICES names the MIG instance {entry}; MIG instances are not "
+                                  "supported as slots: name whole GPUs")
+        if entry.isdigit():
+            match = [gpu for gpu in gpus if gpu.index == int(entry)]
+        else:
+            match = [gpu for gpu in gpus if gpu.uuid.startswith(entry) or gpu.uuid == f"GPU-{entry}"]
+        if len(match) != 1:
+            known = ", ".join(str(gpu.index) for gpu in gpus) or "none"
+            raise GpuListingError(f"CUDA_VISIBLE_DEVICES={cuda_visible_devices} names {entry!r}, which is "
+                                  f"{'ambiguous' if match else 'not a GPU of this node'} (GPUs: {known}); fix it")
+        if match[0] not in seen:
+            seen.append(match[0])
+    return seen
+
+
+def local_gpus() -> list[Gpu] | None:
+    """The GPUs this process may use (honouring CUDA_VISIBLE_DEVICES), or None on a node without
+    nvidia-smi, with AUTOTUNE_DEVICE_KIND=cpu or with CUDA_VISIBLE_DEVICES empty (a CPU node then).
+    Raises GpuListingError when the listing is unusable."""
+    if os.environ.get(DEVICE_KIND_ENV, "").lower() == "cpu" or not shutil.which("nvidia-smi"):
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise GpuListingError(f"nvidia-smi could not run ({exc}); fix the driver, or set "
+                              f"{DEVICE_KIND_ENV}=cpu to use CPU slots") from None
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        raise GpuListingError(f"nvidia-smi failed (exit {done.returncode}: {said[0][:120] if said else 'no output'}); "
+                              f"fix the driver, or set {DEVICE_KIND_ENV}=cpu to use CPU slots")
+    gpus = parse_listing(done.stdout)
+    if not gpus:
+        raise GpuListingError(f"nvidia-smi lists no GPU; fix the driver, or set {DEVICE_KIND_ENV}=cpu "
+                              "to use CPU slots")
+    return visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) or None
