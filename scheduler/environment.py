@@ -33,9 +33,11 @@ Deliberate differences from DeepSpeed, and why:
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 
 from scheduler.errors import UsageError
@@ -150,3 +152,98 @@ def _excluded_names(environ: Mapping[str, str]) -> frozenset[str]:
         name for trigger, listed in EXCLUDED_WHEN_SET.items() if trigger in environ for name in listed
     )
     return frozenset(names)
+
+
+REDIS_URL_VARIABLE = "AUTOTUNE_REDIS_URL"
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: Numeric variables read by the submitting command and the workers: name -> (smallest, largest,
+#: integer?). Checked up front so a typo is one line, not a traceback at import or a worker that dies.
+NUMERIC_VARIABLES: Mapping[str, tuple[float, float, bool]] = {
+    "AUTOTUNE_LEASE_S": (1.0, 24 * 3600.0, False),
+    "AUTOTUNE_LOST_GRACE_S": (0.0, 7 * 24 * 3600.0, False),
+    "AUTOTUNE_MAX_ATTEMPTS": (1, 100, True),
+    "AUTOTUNE_VISIBILITY_TIMEOUT": (60, 365 * 24 * 3600, True),
+    "AUTOTUNE_SLOTS_PER_NODE": (0, 1024, True),
+}
+
+
+def masked_url(url: str) -> str:
+    """The URL with its password replaced by ***, for messages (credentials never reach a log)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url if "@" not in url else "***@" + url.rsplit("@", 1)[1]
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:***@{host}" if ":" in userinfo else f"***@{host}"
+    return f"{scheme}://{netloc}{slash}{path}"
+
+
+def check_redis_url(url: str, name: str = REDIS_URL_VARIABLE) -> str:
+    """`url` if it is a Redis URL the client can use (scheme, host, port 1-65535, numeric database);
+    otherwise a UsageError naming the variable, with the password masked."""
+    shown = masked_url(url)
+    example = "redis://:PASSWORD@host:6379/0"
+
+    def bad(problem: str) -> UsageError:
+        return UsageError(f"{name} ({shown}): {problem}; write it as {example}, or unset it for an "
+                          "embedded cluster")
+
+    if any(ord(char) < 33 or ord(char) == 127 for char in url):
+        raise bad("contains a blank or control character")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise bad(f"not a valid URL ({exc})") from None
+    if parts.scheme not in REDIS_SCHEMES:
+        raise bad(f"the scheme must be one of {', '.join(s + '://' for s in REDIS_SCHEMES)}")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise bad("a unix:// URL needs the socket path")
+    else:
+        if not parts.hostname:
+            raise bad("no host name")
+        if port == 0:
+            raise bad("port 0 is not a port; use 1-65535")
+        database = parts.path.lstrip("/")
+        if database and not (database.isdigit() and database.isascii()):
+            raise bad(f"the database {database!r} is not a number")
+    query_db = urllib.parse.parse_qs(parts.query).get("db", [])
+    if any(not (db.isdigit() and db.isascii()) for db in query_db):
+        raise bad("the db= parameter is not a number")
+    try:
+        import redis
+
+        redis.ConnectionPool.from_url(url)
+    except (ValueError, TypeError) as exc:
+        raise bad(f"the Redis client refuses it ({exc})") from None
+    return url
+
+
+def check_numeric_variables(environ: Mapping[str, str]) -> None:
+    """Every set variable of NUMERIC_VARIABLES is a finite number in its range (UsageError otherwise)."""
+    for name, (low, high, integer) in NUMERIC_VARIABLES.items():
+        text = environ.get(name)
+        if text is None or text == "":
+            continue
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not low <= value <= high:
+            kind = "an integer" if integer else "a number of seconds"
+            raise UsageError(f"{name}={text[:40]!r}: must be {kind} from {low:g} to {high:g}; "
+                             "fix or unset it")
+
+
+def env_number(name: str, default: float, environ: Mapping[str, str] | None = None) -> float:
+    """The numeric variable `name`, or `default` when it is unset or unusable: for module constants
+    read at import time, before `check_numeric_variables` can report the problem as one line."""
+    text = (os.environ if environ is None else environ).get(name)
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        return default
+    return value if math.isfinite(value) else default

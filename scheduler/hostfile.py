@@ -17,6 +17,8 @@ Deliberate differences from DeepSpeed:
   DeepSpeed silently reads the leading digits and would run on fewer devices than meant;
   a `#` anywhere on a line starts a comment (`w slots=2#x` is 2 slots), since a hostname
   cannot contain `#`.
+- a slot count above MAX_SLOTS_PER_HOST (1024) is an error: `slots=1000000000` is a typo, and
+  DeepSpeed would try to list that many device ids.
 - a hostfile that is named but missing is an error; DeepSpeed falls back to the local
   machine because it always looks for its default `/job/hostfile`. Here the caller decides
   whether a hostfile is used at all, and no hostfile means `local_pool(...)`.
@@ -27,6 +29,11 @@ import os
 import re
 
 from scheduler.errors import HostfileError, UsageError
+
+MAX_SLOTS_PER_HOST = 1024
+"""More devices than any one host has: a larger count is a typo (and would be allocated as a list)."""
+
+MAX_HOSTFILE_BYTES = 2**20
 
 LOCAL_HOSTNAME = "localhost"
 """The name DeepSpeed gives the local machine when there is no hostfile (`--include localhost:1`)."""
@@ -62,9 +69,15 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> dict[str, int]:
 def read_hostfile(path: str | os.PathLike[str]) -> dict[str, int]:
     """Read and parse the hostfile at `path`; a missing or unreadable file is a HostfileError."""
     shown = os.fspath(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise HostfileError(f"hostfile {shown}: not a regular file; pass the path of a text file "
+                            f"with lines such as {_EXAMPLE_LINE}")
     try:
         with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+            text = handle.read(MAX_HOSTFILE_BYTES + 1)
+        if len(text) > MAX_HOSTFILE_BYTES:
+            raise HostfileError(f"hostfile {shown}: larger than {MAX_HOSTFILE_BYTES // 2**20} MiB; "
+                                "pass a hostfile, one line per host")
     except FileNotFoundError:
         raise HostfileError(
             f"hostfile {shown}: file not found; pass the path of an existing hostfile, "
@@ -85,6 +98,11 @@ def local_pool(hostname: str, device_count: int) -> dict[str, int]:
     """The pool used when there is no hostfile: one host offering `device_count` devices."""
     if not hostname or any(character.isspace() for character in hostname):
         raise UsageError(f"local host name {hostname!r} is not a host name; pass a name without spaces")
+    if device_count > MAX_SLOTS_PER_HOST:
+        raise UsageError(
+            f"{device_count} devices on {hostname} is more than one host can have "
+            f"(at most {MAX_SLOTS_PER_HOST}); give a real device count"
+        )
     if device_count < 1:
         raise UsageError(
             f"no hostfile given and this machine ({hostname}) reports {device_count} devices; "
@@ -104,4 +122,10 @@ def _parse_host_line(content: str, raw_line: str, source: str, line_number: int)
             f"hostfile {source}, line {line_number}: cannot read {raw_line.strip()!r}; "
             f"write one host per line as 'HOSTNAME slots=N', e.g. {_EXAMPLE_LINE}"
         )
-    return match.group("host"), int(match.group("slots"))
+    digits = match.group("slots")
+    if len(digits) > 6 or int(digits) > MAX_SLOTS_PER_HOST:
+        raise HostfileError(
+            f"hostfile {source}, line {line_number}: slots={digits[:12]}{'...' if len(digits) > 12 else ''} "
+            f"is more devices than one host can have (at most {MAX_SLOTS_PER_HOST}); write the host's real count"
+        )
+    return match.group("host"), int(digits)

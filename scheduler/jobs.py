@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -35,15 +34,16 @@ from typing import Any
 
 import redis
 
+from scheduler.environment import env_number
 from scheduler.errors import AutotuneError, UsageError
 from workers import keys
 from workers.gang import GangReservations
 from workers.paths import read_json, safe_child
 from workers.registry import control_alive
 
-LEASE_S = float(os.environ.get("AUTOTUNE_LEASE_S", 60.0))  #: how long a dead rank can hold its slot
-LOST_GRACE_S = float(os.environ.get("AUTOTUNE_LOST_GRACE_S", 120.0))
-MAX_ATTEMPTS = int(os.environ.get("AUTOTUNE_MAX_ATTEMPTS", 3))  #: launches of one experiment, counted in Redis
+LEASE_S = env_number("AUTOTUNE_LEASE_S", 60.0)  #: how long a dead rank can hold its slot
+LOST_GRACE_S = env_number("AUTOTUNE_LOST_GRACE_S", 120.0)
+MAX_ATTEMPTS = int(env_number("AUTOTUNE_MAX_ATTEMPTS", 3))  #: launches of one experiment, counted in Redis
 EVENTS_TTL_S = ATTEMPTS_TTL_S = 7 * 24 * 3600
 REDIS_OUTAGE_S = 300.0  #: how long a submitter waits for a restarting Redis before giving up
 WATCH_BLOCK_S = 2
