@@ -69,7 +69,7 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> dict[str, int]:
 def read_hostfile(path: str | os.PathLike[str]) -> dict[str, int]:
     """Read and parse the hostfile at `path`; a missing or unreadable file is a HostfileError."""
     shown = os.fspath(path)
-    if os.path.exists(path) and not os.path.isfile(path):
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
         raise HostfileError(f"hostfile {shown}: not a regular file; pass the path of a text file "
                             f"with lines such as {_EXAMPLE_LINE}")
     try:
