@@ -14,8 +14,8 @@ rest (`"overwrite": true` starts afresh). Ctrl-C cancels the job.
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -24,13 +24,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 from rich.console import Console
 
 from scheduler import status
 from scheduler.arguments import check_arg_mappings, parse_arg_mappings
+from scheduler import folders
 from scheduler.config import TuningConfig, load_config
-from scheduler.errors import ClusterError, ConfigError, UsageError
+from scheduler.environment import check_numeric_variables, check_redis_url
+from scheduler.errors import ClusterError, ConfigError, OneLineArgumentParser, UsageError
+from scheduler.hostfile import MAX_SLOTS_PER_HOST
 from scheduler.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
 from scheduler.outputs import print_table
 from scheduler.progress import optimal_argv, outcome, search_of, write_outputs
@@ -42,12 +46,18 @@ from workers.registry import connect, control_alive, live_slots
 from workers.slot import Slot, parse_size
 
 RUN_TIMEOUT_S = 7 * 24 * 3600.0  #: a real training run: the limit only guards against a hang forever
+MAX_EXP_TIMEOUT_S = RUN_TIMEOUT_S  #: --exp-timeout above a week is a typo (and inf hangs the dispatcher)
+SLOT_WORKER_BYTES = 256 * 2**20  #: RAM one embedded slot worker (celery main + pool child) needs idle
+MAX_LOCAL_SLOTS = 256
+MAX_NODES = 4096
+MIN_SLOT_MEMORY_BYTES = 64 * 2**20  #: less cannot hold a Python interpreter with torch
+MAX_MEMORY_BYTES = 2**50
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     own, script = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="python -m scheduler.autotune",
         description="Find the fastest DeepSpeed configuration for a training script.")
     parser.add_argument("config", nargs="?",
@@ -97,18 +107,20 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
         return show_status()
     if args.config is None:
         raise UsageError("give the config to tune: python -m scheduler.autotune cfg.json (or --status)")
+    # Everything the user gave is checked before anything is created, started or deleted.
+    check_numeric_variables(os.environ)
+    _check_numbers(args)
+    url = os.environ.get("AUTOTUNE_REDIS_URL")
+    if url:
+        check_redis_url(url)
     cfg = load_config(args.config)
     script, base_args = _script(cfg, script_args)
     mappings = parse_arg_mappings(cfg.ds_config["autotuning"].get("arg_mappings"), str(cfg.path))
     check_arg_mappings(mappings, base_args, str(cfg.path))
-    _check_numbers(args)
-    if cfg.overwrite:
-        shutil.rmtree(cfg.results_dir, ignore_errors=True)
-        shutil.rmtree(cfg.exps_dir, ignore_errors=True)
-    cfg.results_dir.mkdir(parents=True, exist_ok=True)
-    url = os.environ.get("AUTOTUNE_REDIS_URL")
-    if url:
-        return tune(cfg, args, script, base_args, mappings, _connect(url))
+    client = _connect(url) if url else None
+    folders.prepare([("results_dir", cfg.results_dir), ("exps_dir", cfg.exps_dir)], cfg.path, cfg.overwrite)
+    if client is not None:
+        return tune(cfg, args, script, base_args, mappings, client)
     with LocalCluster(args.slots, cfg.results_dir / "cluster", slot_memory=args.slot_memory) as cluster:
         console.print(f"embedded cluster: redis-server and {args.slots} slot workers + control "
                       f"on {cluster.node} (logs in {cfg.results_dir / 'cluster'})")
@@ -230,11 +242,34 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis, partial: bool
     if summary.exists():
         console.print(summary.read_text())
     if winner is None:
-        console.print("no experiment succeeded: see the cause in each experiment's result.json")
+        console.print("no experiment succeeded; one example per failure class (all in each "
+                      "experiment's result.json):")
+        for line in failure_examples(list(records.values())):
+            console.print(f"  {line}", markup=False)
     else:
         console.print(f"best: {winner['name']} -> {cfg.results_dir / 'ds_config_optimal.json'}\n"
                       f"run it: {(cfg.results_dir / 'cmd_optimal.txt').read_text().strip()}")
     return winner
+
+
+def failure_examples(records: list[dict[str, Any]]) -> list[str]:
+    """One line per failure class: how many, and one experiment's cause (exit status, the error, the
+    last line of its stderr), so a run where nothing succeeded says why without opening a file."""
+    by_class: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_class.setdefault(str(record.get("status", "lost")), []).append(record)
+    lines = []
+    for status, members in by_class.items():
+        example = members[0]
+        cause = example.get("cause") or example.get("exit_after_metrics") or {}
+        last_err = next((line.strip() for line in reversed(str(cause.get("stderr_tail") or "").splitlines())
+                         if line.strip()), "")
+        parts = [str(cause.get("exit") or ""), str(cause.get("error") or ""), last_err]
+        why = "; ".join(part for part in parts if part) or "no cause recorded"
+        if len(why) > 300:
+            why = why[:300] + "..."
+        lines.append(f"{status} ({len(members)}): e.g. {example.get('name')}: {why}")
+    return lines
 
 
 def _script(cfg: TuningConfig, script_args: list[str]) -> tuple[Path, tuple[str, ...]]:
@@ -249,23 +284,47 @@ def _script(cfg: TuningConfig, script_args: list[str]) -> tuple[Path, tuple[str,
                           "or as autotuning.user_script")
     if not script.is_file():
         raise ConfigError(f"{where}: training script {script} not found; check the path")
+    if script.suffix != ".py" and not os.access(script, os.X_OK):
+        raise ConfigError(f"{where}: training script {script} is not executable (Permission denied); "
+                          "chmod +x it, or name a .py file (run through Python)")
     return script, args
 
 
+def max_local_slots() -> int:
+    """How many embedded slot workers this machine can hold: SLOT_WORKER_BYTES of RAM each."""
+    return max(1, min(MAX_LOCAL_SLOTS, psutil.virtual_memory().total // SLOT_WORKER_BYTES))
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
-    for name in ("slots", "num_gpus", "num_nodes"):
-        value = getattr(args, name)
+    """Every numeric flag within its bounds, each bound stated in the message."""
+    most = max_local_slots()
+    for flag, value, high, why in (
+            ("--slots", args.slots, most, f"this machine can hold at most {most} slot workers "
+             f"({SLOT_WORKER_BYTES // 2**20} MiB of RAM each)"),
+            ("--num_gpus", args.num_gpus, MAX_SLOTS_PER_HOST, f"a node has at most {MAX_SLOTS_PER_HOST} devices"),
+            ("--num_nodes", args.num_nodes, MAX_NODES, f"at most {MAX_NODES} nodes")):
         if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-') if name == 'slots' else name} must be at least 1")
-    if args.exp_timeout <= 0:
-        raise UsageError("--exp-timeout must be a positive number of seconds")
-    for flag in ("slot_memory", "min_slot_memory"):
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+        if value is not None and value > high:
+            raise UsageError(f"{flag} {value}: {why}; ask for at most {high}")
+    if not math.isfinite(args.exp_timeout) or not 0 < args.exp_timeout <= MAX_EXP_TIMEOUT_S:
+        raise UsageError(f"--exp-timeout must be a positive number of seconds up to {MAX_EXP_TIMEOUT_S:.0f} "
+                         f"(a week), got {args.exp_timeout}")
+    total = psutil.virtual_memory().total
+    for flag, low, high in (("slot_memory", MIN_SLOT_MEMORY_BYTES, total),
+                            ("min_slot_memory", 1, MAX_MEMORY_BYTES)):
         value = getattr(args, flag)
-        if value is not None:
-            try:
-                parse_size(value)
-            except ValueError as exc:
-                raise UsageError(f"--{flag.replace('_', '-')}: {exc}") from None
+        if value is None:
+            continue
+        try:
+            size = parse_size(value)
+        except ValueError as exc:
+            raise UsageError(f"--{flag.replace('_', '-')}: {exc}") from None
+        except OverflowError:
+            size = high + 1
+        if not low <= size <= high:
+            raise UsageError(f"--{flag.replace('_', '-')} {value}: must be from {low / 2**20:g} MiB to "
+                             f"{high / 2**30:.1f} GiB" + (" (this machine's RAM)" if flag == "slot_memory" else ""))
 
 
 def _connect(url: str) -> redis.Redis:

@@ -6,6 +6,9 @@ fault and keeps its traceback.
 """
 from __future__ import annotations
 
+import argparse
+from typing import NoReturn
+
 
 class AutotuneError(Exception):
     """Base of every error this project raises on purpose."""
@@ -29,3 +32,11 @@ class ConfigError(UsageError):
 
 class ClusterError(UsageError):
     """The cluster cannot be reached or started: Redis, workers, redis-server binary."""
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are UsageErrors, so a bad flag prints one `error:` line, exit 2, like any
+    other bad input (argparse itself prints the usage block and the error on separate lines)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see --help)")

@@ -11,7 +11,10 @@ signal): workers get SIGQUIT and Redis SIGTERM; and each worker notices its pare
 (AUTOTUNE_EXIT_WITH_PARENT) and kills its training groups and itself, since a cold shutdown can
 hang on the Redis that just died. So even then nothing is left running. Their PIDs
 are also in <log_dir>/pids.json.
-The Redis password is random and passed on stdin, so it never appears in a process list.
+The Redis password is random and passed on stdin, so it never appears in a process list. No path
+reaches redis-server's configuration: it runs in the log folder (its working directory, where it
+would put a dump), and every value it is given is quoted by `redis_config`, so a results folder with
+spaces, quotes, newlines or non-ASCII letters can neither break its start nor inject a setting.
 """
 from __future__ import annotations
 
@@ -88,10 +91,10 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port, password = free_tcp_port(), secrets.token_hex(16)
         self._redis = _spawn([server, "-"], self.log_dir / "redis.log", os.environ.copy(),
-                             stdin=True, death_signal=signal.SIGTERM)
-        config = (f"port {port}\nbind 127.0.0.1\nrequirepass {password}\nsave \"\"\n"
-                  f"appendonly no\ndir {self.log_dir}\n")
-        self._redis.stdin.write(config.encode())
+                             stdin=True, death_signal=signal.SIGTERM, cwd=self.log_dir)
+        config = redis_config([("port", str(port)), ("bind", "127.0.0.1"), ("requirepass", password),
+                               ("save", ""), ("appendonly", "no")])
+        self._redis.stdin.write(config)
         self._redis.stdin.close()
         self.url = f"redis://:{password}@127.0.0.1:{port}/0"
         client = connect(self.url)
@@ -157,10 +160,23 @@ class LocalCluster:
         self._workers.clear()
 
 
+def redis_config(settings: list[tuple[str, str]]) -> bytes:
+    """redis.conf text with every value double-quoted and escaped as redis-server's parser
+    (sdssplitargs) reads it: no value can end its line or add a directive."""
+    lines = []
+    for name, value in settings:
+        if not name.isalnum() and not name.replace("-", "").isalnum():
+            raise ValueError(f"not a redis-server setting name: {name!r}")
+        quoted = "".join(ch if ch.isascii() and ch.isprintable() and ch not in '"\\' else
+                         "".join(f"\\x{byte:02x}" for byte in ch.encode()) for ch in value)
+        lines.append(f'{name} "{quoted}"')
+    return ("\n".join(lines) + "\n").encode("ascii")
+
+
 def _spawn(argv: list[str], log: Path, env: dict[str, str], death_signal: int,
-           stdin: bool = False) -> subprocess.Popen:
+           stdin: bool = False, cwd: Path | None = None) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=_die_with_parent(death_signal))
 
