@@ -46,6 +46,7 @@ class Waiting:
     num_gpus: int  #: slots per node
     estimate_s: float  #: how long it may run once started: its time limit (module docstring)
     min_memory: int = 0  #: bytes each slot must offer
+    kind: str = ""  #: slot kind every slot must be ("" = any one kind)
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.num_gpus < 1:
@@ -151,5 +152,5 @@ def _backfill_placement(item: Waiting, slots: Sequence[Slot], busy: set[str], he
 
 
 def _place(slots: Sequence[Slot], busy: set[str], item: Waiting) -> list[list[Slot]] | None:
-    return place(list(slots), busy, item.num_nodes, item.num_gpus, item.min_memory)
+    return place(list(slots), busy, item.num_nodes, item.num_gpus, item.min_memory, item.kind)
 

@@ -84,7 +84,7 @@ def dispatch(client: redis.Redis, app) -> None:
     by_key = {f"{spec.job}/{entry['exp']['name']}": (spec, entry) for spec, entry in free_waiting
               if spec.job not in refused}
     items = [Waiting(key, entry["exp"]["num_nodes"], entry["exp"]["num_gpus"], spec.timeout_s,
-                     entry["exp"].get("min_memory", 0)) for key, (spec, entry) in by_key.items()]
+                     entry["exp"].get("min_memory", 0), spec.slot_kind) for key, (spec, entry) in by_key.items()]
     for key, placement in policy(items, slots, _frees_at(client, jobs, busy), time.time()):
         spec, entry = by_key[key]
         queues = [slot.queue for node in placement for slot in node]
@@ -125,22 +125,27 @@ def _fits_or_refused(client: redis.Redis, spec: JobSpec, entry: dict[str, Any], 
     has launched nothing yet; later, slots may only be re-registering (a worker or Redis restarting),
     so the cluster gets REFUSE_GRACE_S to come back first."""
     exp = entry["exp"]
-    if fits_ever(slots, exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0)):
+    if fits_ever(slots, exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0), spec.slot_kind):
         client.hdel(keys.job_state(spec.job), "misfit_since")
         return True
     state = keys.job_state(spec.job)
     client.hsetnx(state, "misfit_since", time.time())
     since = float(client.hget(state, "misfit_since") or time.time())
     if not client.hexists(state, "dispatched") or time.time() - since > REFUSE_GRACE_S:
-        end(client, spec.job, {"kind": "failed", "error": refusal(exp, slots), "usage": True})
+        end(client, spec.job, {"kind": "failed", "error": refusal(exp, slots, spec.slot_kind), "usage": True})
     return False
 
 
-def refusal(exp: dict[str, Any], slots: list[Slot]) -> str:
+def refusal(exp: dict[str, Any], slots: list[Slot], kind: str = "") -> str:
     """Why an experiment can never run here, with the largest shape that would."""
     if not slots:
         return ("no live slot workers: start them with `celery -A tasks worker -Q gpu0 -n gpu0@%h` "
                 "(one per device)")
+    if kind and not any(s.kind == kind for s in slots):
+        return (f"{exp['name']} was sized for {kind.upper()} slots but the cluster has only "
+                f"{', '.join(sorted({s.kind.upper() for s in slots}))} slots; start {kind.upper()} slot workers "
+                "or run the command again to size the search for these")
+    slots = [s for s in slots if not kind or s.kind == kind]
     memory = exp.get("min_memory", 0)
     fitting = [s for s in slots if s.memory_bytes >= memory]
     if not fitting:
@@ -188,6 +193,7 @@ def _start(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], place
     limit = int(spec.timeout_s) + TIME_LIMIT_GRACE_S
     header, rank_tasks = [], {}
     for node_rank, node_slots in enumerate(placement):
+        cuda_indices = [slot.cuda_index for slot in node_slots if slot.kind == "cuda"]
         for local_rank, slot in enumerate(node_slots):
             rank_spec = {
                 "job": spec.job, "name": exp.name, "attempt": attempt, "results_root": spec.results_root,
@@ -196,6 +202,7 @@ def _start(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], place
                 "local_rank": local_rank, "local_world_size": len(node_slots), "node_rank": node_rank,
                 "timeout_s": spec.timeout_s, "cwd": spec.cwd, "metric_file": exp.metric_file,
                 "exp": description, "gang_token": token, "lease_s": spec.lease_s,
+                "cuda_indices": cuda_indices, "local_rank_arg": spec.local_rank_arg,
             }
             task_id = uuid.uuid4().hex
             rank_tasks[slot.queue] = task_id

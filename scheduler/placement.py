@@ -3,28 +3,51 @@
 An experiment asks for `num_nodes x num_gpus` slots with at least `min_memory` bytes each, on
 distinct nodes when it spans several. Real device ids are kept (DeepSpeed renumbers them), and
 nodes of different sizes are all usable (DeepSpeed truncates every node to the smallest).
+Two rules keep a gang runnable: its slots are all of one kind (CUDA ranks use NCCL, CPU ranks gloo;
+one process group cannot mix them, and a search sized for GPU memory means nothing on a CPU slot),
+and a gang spanning nodes never uses a slot whose address is loopback (its peers could not reach it).
 """
 from __future__ import annotations
 
+import ipaddress
 from collections import defaultdict
 
 from scheduler.errors import ClusterError
 from workers.slot import Slot
 
 
+#: Slot kinds in the order an experiment that does not name one tries them.
+KINDS = ("cuda", "cpu")
+
+
 def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
-          min_memory: int = 0) -> list[list[Slot]] | None:
+          min_memory: int = 0, kind: str = "") -> list[list[Slot]] | None:
     """One list of `num_gpus` free slots per node for `num_nodes` nodes, or None if it does not fit now.
 
-    Nodes are taken in name order and devices in id order, so the same cluster state always gives
-    the same placement (reproducible experiments, readable logs).
+    All slots are of `kind` ("" = of any one kind, CUDA first). Nodes are taken in name order and
+    devices in id order, so the same cluster state always gives the same placement (reproducible
+    experiments, readable logs).
     """
-    free_by_node: dict[str, list[Slot]] = defaultdict(list)
-    for slot in sorted(slots, key=lambda s: (s.node, s.device)):
-        if slot.queue not in busy and slot.memory_bytes >= min_memory:
-            free_by_node[slot.node].append(slot)
-    chosen = [free[:num_gpus] for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus]
-    return chosen[:num_nodes] if len(chosen) >= num_nodes else None
+    for candidate in ((kind,) if kind else KINDS):
+        free_by_node: dict[str, list[Slot]] = defaultdict(list)
+        for slot in sorted(slots, key=lambda s: (s.node, s.device)):
+            if slot.queue not in busy and slot.memory_bytes >= min_memory and slot.kind == candidate \
+                    and (num_nodes == 1 or not is_loopback(slot.address)):
+                free_by_node[slot.node].append(slot)
+        chosen = [free[:num_gpus] for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus]
+        if len(chosen) >= num_nodes:
+            return chosen[:num_nodes]
+    return None
+
+
+def is_loopback(address: str) -> bool:
+    """127.x, ::1 or "localhost": an address only this node can reach."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def pinned_placement(slots: list[Slot], busy: set[str], queues_per_node: list[list[str]]) -> list[list[Slot]] | None:
@@ -50,6 +73,6 @@ def largest_shape(slots: list[Slot]) -> tuple[int, int]:
     return len(per_node), max(per_node.values(), default=0)
 
 
-def fits_ever(slots: list[Slot], num_nodes: int, num_gpus: int, min_memory: int = 0) -> bool:
+def fits_ever(slots: list[Slot], num_nodes: int, num_gpus: int, min_memory: int = 0, kind: str = "") -> bool:
     """Whether the shape could run on this cluster at all, once every slot is free."""
-    return place(slots, set(), num_nodes, num_gpus, min_memory) is not None
+    return place(slots, set(), num_nodes, num_gpus, min_memory, kind) is not None

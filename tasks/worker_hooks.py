@@ -13,10 +13,12 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
 from dataclasses import replace
+from typing import NoReturn
 from urllib.parse import urlparse
 
 import psutil
@@ -25,6 +27,7 @@ from celery import signals
 from celery.exceptions import TimeLimitExceeded
 
 from workers import keys
+from workers.gpus import GpuListingError
 from workers.launch import group_runs_slot, kill_group
 from workers.registry import Heartbeat, connect, register_control, register_slot
 from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
@@ -55,11 +58,13 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
         elif queue_node != node:
             node = queue_node
         host, port = _redis_host_port(conf.broker_url)
-        slot = replace(describe_local_slot(node, device, address_towards(host, port), worker=sender),
-                       instance=uuid.uuid4().hex[:12])
+        try:
+            described = describe_local_slot(node, device, address_towards(host, port), worker=sender)
+        except GpuListingError as exc:
+            _refuse(f"slot worker {sender}: {exc}")
+        slot = replace(described, instance=uuid.uuid4().hex[:12])
         os.environ["AUTOTUNE_SLOT_JSON"] = json.dumps(slot.to_redis())
-        if slot.kind == "cuda":
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+        os.environ.update({k: v for k, v in slot.child_env().items() if k.startswith("CUDA_")})
         orphans = kill_orphans(client, slot.queue)
         if orphans:
             log.warning("killed %d training process group(s) left by an earlier worker of %s",
@@ -72,6 +77,13 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
     if parent:
         threading.Thread(target=exit_with_parent, args=(int(parent),), daemon=True,
                          name="exit with parent").start()
+
+
+def _refuse(message: str) -> NoReturn:
+    """End the worker at start-up with one line on stderr and exit status 2 (bad input, not a crash)."""
+    log.error("%s", message)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def exit_with_parent(parent_pid: int) -> None:

@@ -26,6 +26,7 @@ import psutil
 import redis
 
 from workers import keys, rendezvous
+from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
 from workers.gang import GangReservations
 from workers.failure import Status, classify, describe_exit
 from workers.launch import run_watched, tail
@@ -34,6 +35,8 @@ from workers.slot import Slot
 
 ABORT_TTL_S = 3600
 PGID_TTL_S = 7 * 24 * 3600
+#: The worker's own secrets and bindings: a training script has no business with the cluster's Redis.
+PRIVATE_ENV = frozenset({"AUTOTUNE_REDIS_URL", "AUTOTUNE_SLOT_JSON", "AUTOTUNE_EXIT_WITH_PARENT"})
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class RankSpec:
     exp: dict[str, Any] = field(default_factory=dict)  #: the experiment description for exp.json
     gang_token: str = ""  #: the reservation this launch runs under; a message outliving it is stale
     lease_s: float = 60.0  #: the reservation's lease, which this rank renews for its own slot
+    cuda_indices: list[int] = field(default_factory=list)  #: the gang's GPUs on this node, local-rank order
+    local_rank_arg: bool = False  #: pass `--local_rank=N` after the script, as DeepSpeed's launcher does
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankSpec:
@@ -69,18 +74,23 @@ class RankSpec:
         return safe_child(self.results_root, self.name)
 
 
-def script_command(script_argv: list[str]) -> list[str]:
-    """The argv that runs the user's script: Python scripts through `workers.entry` (OOM exit code)."""
+def script_command(script_argv: list[str], local_rank: int | None = None) -> list[str]:
+    """The argv that runs the user's script: Python scripts through `workers.entry` (OOM exit code).
+    With `local_rank`, `--local_rank=N` follows the script as DeepSpeed's launcher puts it, so tuned
+    runs get exactly the arguments the final `deepspeed` command will give."""
     script, *args = script_argv
+    if local_rank is not None:
+        args = [f"--local_rank={local_rank}", *args]
     if script.endswith(".py"):
         return [sys.executable, "-m", "workers.entry", script, *args]
     return [script, *args]
 
 
-def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int]) -> dict[str, str]:
-    """The environment torchrun or DeepSpeed's launcher would give this rank, bound to the slot."""
-    env = dict(os.environ)
-    env.update(slot.child_env())
+def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int], exit_report: Path | None = None) -> dict[str, str]:
+    """The environment torchrun or DeepSpeed's launcher would give this rank, bound to the slot: on
+    CUDA slots it sees its gang's GPUs on this node, so LOCAL_RANK names its own reserved device."""
+    env = {name: value for name, value in os.environ.items() if name not in PRIVATE_ENV}
+    env.update(slot.child_env(spec.cuda_indices or None))
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     env.update({
         "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank),
@@ -90,8 +100,11 @@ def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int]) -> dict[str, s
         "PYTHONUNBUFFERED": "1",
     })
     interface = _interface_holding(slot.address)
-    if interface and "GLOO_SOCKET_IFNAME" not in env:
-        env["GLOO_SOCKET_IFNAME"] = interface
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if interface and variable not in env:
+            env[variable] = interface
+    if exit_report is not None:
+        env[EXIT_REPORT_ENV] = str(exit_report)
     return env
 
 
@@ -131,7 +144,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     metric_path = result_dir / (spec.metric_file or "metrics.json")
     ds_config = _with_metric_path(spec.ds_config, metric_path)
     write_json(result_dir / "ds_config.json", ds_config)
-    command = script_command(spec.script_argv)
+    command = script_command(spec.script_argv, spec.local_rank if spec.local_rank_arg else None)
     if spec.rank == 0:
         metric_path.unlink(missing_ok=True)
         write_json(result_dir / "exp.json", {**spec.exp, "ds_config": ds_config})
@@ -147,11 +160,13 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
 
     log_prefix = "" if spec.rank == 0 else f"rank{spec.rank}."
     stderr_path = result_dir / f"{log_prefix}stderr.log"
+    exit_report = result_dir / f"rank{spec.rank}.exit.json"
+    exit_report.unlink(missing_ok=True)
     pgid_key = keys.pgid(slot.queue, task_id or spec.attempt)
     cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
     try:
         launch = run_watched(
-            command, env=rank_env(spec, slot, master), cwd=cwd,
+            command, env=rank_env(spec, slot, master, exit_report), cwd=cwd,
             stdout_path=result_dir / f"{log_prefix}stdout.log", stderr_path=stderr_path,
             timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
@@ -173,7 +188,10 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         "peak_rss_bytes": launch.peak_rss_bytes,
         "memory_cap_bytes": slot.host_memory_cap,
         "master": f"{master[0]}:{master[1]}",
+        **read_exit_report(exit_report),
     }
+    if slot.kind == "cuda":
+        record["cuda_index"] = slot.cuda_index
     if has_metrics:
         record["metrics"] = metrics
         record["metrics_at"] = metric_path.stat().st_mtime  # a later failure did not spoil them

@@ -35,6 +35,10 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
         "peak_rss_bytes": max((r.get("peak_rss_bytes", 0) for r in ranks), default=0),
         "ranks": ranks,
     }
+    for key in ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc_retries"):
+        values = [r[key] for r in ranks if isinstance(r.get(key), int)]
+        if values:
+            record[key] = max(values)
     cause = next((r for r in by_end if r.get("status") == status.value), None)
     if status is not Status.OK and cause is not None:
         record["cause"] = {key: cause[key] for key in ("rank", "slot", "exit", "error", "stderr_tail")
@@ -46,11 +50,14 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
 
 
 def _failed_after_measuring(status: Status, rank0: dict[str, Any], cause: dict[str, Any]) -> bool:
-    """A rank crashed after rank 0 had written the metrics: the measured steps had finished on every
-    rank (rank 0 writes them after the profiled steps' collectives), so the measurement stands.
-    DeepSpeed's profiling exit does this on CPU (a C++ thread aborts at interpreter exit, SIGABRT),
-    and DeepSpeed's own autotuner, which only reads the metrics file, counts such runs too. Memory
-    and time failures are never excused: a config at the edge of the cap is not a safe answer."""
+    """The one tolerated rank failure: DeepSpeed's profiling exit. After the profiled steps every rank
+    calls exit() in DeepSpeed's engine, and on CPU a C++ thread sometimes aborts the interpreter's
+    teardown (SIGABRT). The measurement stands when the failing rank provably got there (its exit
+    report says it left through the engine's profiling exit, see `workers.entry`) and rank 0 had
+    written the metrics. Any other failure of any rank, even one after the metrics were written, is
+    shown: a rank that could not see its device must not hide behind rank 0's numbers. Memory and
+    time failures are never excused: a config at the edge of the cap is not a safe answer."""
     written = rank0.get("metrics_at")
-    return (status is Status.CRASHED and isinstance(rank0.get("metrics"), dict) and written is not None
+    return (status is Status.CRASHED and cause.get("profiling_exit") is True
+            and isinstance(rank0.get("metrics"), dict) and written is not None
             and written <= cause.get("ended_at", 0.0))

@@ -206,20 +206,35 @@ def test_a_crash_after_rank0_wrote_its_metrics_keeps_the_measurement() -> None:
     """DeepSpeed's profiling exit on CPU: rank 1 aborts at interpreter exit after rank 0 wrote the
     metrics; rank 0 is then stopped by us. The experiment is ok, the exit is kept on record."""
     r0 = rank(0, "aborted", 0, 10.0, metrics={"throughput": 5}, metrics_at=9.0, exit=-15)
-    r1 = rank(1, "crashed", 0, 9.5, exit=-6)
+    r1 = rank(1, "crashed", 0, 9.5, exit=-6, profiling_exit=True)
     record = aggregate(EXP, [r0, r1])
     assert record["status"] == "ok" and record["metrics"] == {"throughput": 5}
     assert record["exit_after_metrics"] == {"rank": 1, "slot": "node1.gpu1", "exit": -6} and "cause" not in record
 
 
 @pytest.mark.parametrize("late", [
-    rank(1, "crashed", 0, 8.0, exit=-6),  # crashed before the metrics were written
-    rank(1, "oom", 0, 9.5),  # memory is never excused
+    rank(1, "crashed", 0, 8.0, exit=-6, profiling_exit=True),  # crashed before the metrics were written
+    rank(1, "oom", 0, 9.5, profiling_exit=True),  # memory is never excused
+    # a crash after the metrics, but not in DeepSpeed's profiling exit: e.g. a rank whose LOCAL_RANK
+    # named a device it could not see failed in set_device while rank 0 measured alone
+    rank(1, "crashed", 0, 9.5, exit=1, error="RuntimeError: CUDA error: invalid device ordinal"),
+    rank(1, "crashed", 0, 9.5, exit=-6, profiling_exit=False),
 ])
 def test_failures_that_spoil_the_measurement(late: dict) -> None:
     r0 = rank(0, "aborted", 0, 10.0, metrics={"throughput": 5}, metrics_at=9.0)
     record = aggregate(EXP, [r0, late])
     assert record["status"] == late["status"] and record["metrics"] is None
+
+
+def test_device_peaks_are_the_busiest_ranks() -> None:
+    r0 = rank(0, "ok", 0, 1.0, metrics={"throughput": 5}, peak_device_bytes=7 * 2**30,
+              peak_device_allocated_bytes=5 * 2**30)
+    r1 = rank(1, "ok", 0, 1.0, peak_device_bytes=9 * 2**30, peak_device_allocated_bytes=4 * 2**30,
+              device_alloc_retries=2)
+    record = aggregate(EXP, [r0, r1])
+    assert (record["peak_device_bytes"], record["peak_device_allocated_bytes"], record["device_alloc_retries"]) \
+        == (9 * 2**30, 5 * 2**30, 2)
+    assert "peak_device_bytes" not in aggregate(EXP, [rank(0, "ok", 0, 1.0), rank(1, "ok", 0, 1.0)])
 
 
 def test_aggregate_missing_rank_is_lost() -> None:

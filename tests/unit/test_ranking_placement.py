@@ -258,3 +258,34 @@ def test_fits_ever_ignores_what_is_busy_now() -> None:
 )
 def test_largest_shape(slots: list[Slot], shape: tuple[int, int]) -> None:
     assert largest_shape(slots) == shape
+
+
+def _mixed_node() -> list[Slot]:
+    """One node whose 2 GPUs are CUDA slots and whose spare cores were started as 2 CPU slots."""
+    return [slot("n", 0), slot("n", 1), slot("n", 2, kind="cpu"), slot("n", 3, kind="cpu")]
+
+
+@pytest.mark.parametrize(
+    ("busy", "num_gpus", "kind", "expected"),
+    [
+        (set(), 2, "", [["n.gpu0", "n.gpu1"]]),  # CUDA first
+        ({"n.gpu0"}, 2, "", [["n.gpu2", "n.gpu3"]]),  # never gpu1 + a CPU slot
+        ({"n.gpu0"}, 2, "cuda", None),
+        ({"n.gpu2"}, 2, "cpu", None),
+        (set(), 3, "", None),  # 4 slots, but no 3 of one kind
+        (set(), 2, "cpu", [["n.gpu2", "n.gpu3"]]),
+    ],
+)
+def test_an_experiment_never_mixes_slot_kinds(busy: set[str], num_gpus: int, kind: str,
+                                               expected: list[list[str]] | None) -> None:
+    assert queues(place(_mixed_node(), busy, 1, num_gpus, kind=kind)) == expected
+    assert fits_ever(_mixed_node(), 1, num_gpus, kind=kind) is (num_gpus <= 2)
+
+
+def test_a_multi_node_gang_never_uses_a_loopback_address() -> None:
+    def at(node: str, device: int, address: str) -> Slot:
+        return Slot(node, device, "cuda", 16 * GiB, address, 1, ())
+    slots = [at("a", 0, "127.0.0.1"), at("b", 0, "10.0.0.2"), at("c", 0, "10.0.0.3"), at("d", 0, "::1")]
+    assert queues(place(slots, set(), 2, 1)) == [["b.gpu0"], ["c.gpu0"]]
+    assert place(slots, {"c.gpu0"}, 2, 1) is None
+    assert queues(place(slots, set(), 1, 1)) == [["a.gpu0"]]  # alone on its node, loopback is fine
