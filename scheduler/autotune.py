@@ -34,7 +34,7 @@ from scheduler import folders
 from scheduler.config import TuningConfig, load_config
 from scheduler.environment import check_numeric_variables, check_redis_url
 from scheduler.errors import ClusterError, ConfigError, OneLineArgumentParser, UsageError
-from scheduler.hostfile import MAX_SLOTS_PER_HOST
+from scheduler.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots
 from scheduler.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
 from scheduler.outputs import print_table
 from scheduler.progress import optimal_argv, outcome, search_of, write_outputs
@@ -47,8 +47,6 @@ from workers.slot import Slot, parse_size
 
 RUN_TIMEOUT_S = 7 * 24 * 3600.0  #: a real training run: the limit only guards against a hang forever
 MAX_EXP_TIMEOUT_S = RUN_TIMEOUT_S  #: --exp-timeout above a week is a typo (and inf hangs the dispatcher)
-SLOT_WORKER_BYTES = 256 * 2**20  #: RAM one embedded slot worker (celery main + pool child) needs idle
-MAX_LOCAL_SLOTS = 256
 MAX_NODES = 4096
 MIN_SLOT_MEMORY_BYTES = 64 * 2**20  #: less cannot hold a Python interpreter with torch
 MAX_MEMORY_BYTES = 2**50
@@ -288,11 +286,6 @@ def _script(cfg: TuningConfig, script_args: list[str]) -> tuple[Path, tuple[str,
         raise ConfigError(f"{where}: training script {script} is not executable (Permission denied); "
                           "chmod +x it, or name a .py file (run through Python)")
     return script, args
-
-
-def max_local_slots() -> int:
-    """How many embedded slot workers this machine can hold: SLOT_WORKER_BYTES of RAM each."""
-    return max(1, min(MAX_LOCAL_SLOTS, psutil.virtual_memory().total // SLOT_WORKER_BYTES))
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -28,12 +28,17 @@ from __future__ import annotations
 import os
 import re
 
+import psutil
+
 from scheduler.errors import HostfileError, UsageError
 
 MAX_SLOTS_PER_HOST = 1024
 """More devices than any one host has: a larger count is a typo (and would be allocated as a list)."""
 
 MAX_HOSTFILE_BYTES = 2**20
+SLOT_WORKER_BYTES = 256 * 2**20
+"""RAM one embedded slot worker (celery main process and its pool child) needs while idle."""
+MAX_LOCAL_SLOTS = 256
 
 LOCAL_HOSTNAME = "localhost"
 """The name DeepSpeed gives the local machine when there is no hostfile (`--include localhost:1`)."""
@@ -109,6 +114,11 @@ def local_pool(hostname: str, device_count: int) -> dict[str, int]:
             f"pass a hostfile or a device count of at least 1"
         )
     return {hostname: device_count}
+
+
+def max_local_slots() -> int:
+    """How many embedded slot workers this machine can hold: SLOT_WORKER_BYTES of RAM each."""
+    return max(1, min(MAX_LOCAL_SLOTS, psutil.virtual_memory().total // SLOT_WORKER_BYTES))
 
 
 def _without_comment(line: str) -> str:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -50,16 +51,16 @@ import uuid
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import psutil
 import redis
 
 from scheduler import elastic
-from scheduler.environment import collect_exports
-from scheduler.errors import ClusterError, UsageError
+from scheduler.environment import check_numeric_variables, check_redis_url, collect_exports
+from scheduler.errors import ClusterError, OneLineArgumentParser, UsageError
 from scheduler.jobs import JobCrashed, JobSpec, run_fixed
-from scheduler.hostfile import LOCAL_HOSTNAME, local_pool, read_hostfile
+from scheduler.hostfile import LOCAL_HOSTNAME, SLOT_WORKER_BYTES, local_pool, max_local_slots, read_hostfile
 from scheduler.launchers import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchSpec, MvapichLauncher, get_launcher,
                                  local_command, needs_multinode, require_backend)
 from scheduler.resources import ResourceRequest, Resources, detect_local_devices, resolve_resources
@@ -75,17 +76,11 @@ DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0
 SSH_TIMEOUT_S = 30
 STOP_WAIT_S = 20.0
 VISIBILITY_MARGIN_S = 3600
-
-
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """argparse whose errors are UsageErrors, so they print as one `error:` line with exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see --help)")
+MAX_TIMEOUT_S = 365 * 24 * 3600.0  #: --timeout above a year is a typo; inf would overflow the time limits
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(prog="python -m scheduler.run", allow_abbrev=False)
+    parser = OneLineArgumentParser(prog="python -m scheduler.run", allow_abbrev=False)
     add = parser.add_argument
     add("-H", "--hostfile", help="'HOSTNAME slots=N' per line (default: this machine only)")
     add("-i", "--include", default="", help="NODE[:ID[,ID...]][@NODE...]: use only these")
@@ -130,8 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.timeout <= 0:
-        raise UsageError("--timeout must be a positive number of seconds")
+    check_numeric_variables(os.environ)
+    if not math.isfinite(args.timeout) or not 0 < args.timeout <= MAX_TIMEOUT_S:
+        raise UsageError(f"--timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:.0f} "
+                         f"(a year), got {args.timeout}")
+    url = os.environ.get("AUTOTUNE_REDIS_URL")
+    if url:
+        check_redis_url(url)
     request = ResourceRequest(include=args.include, exclude=args.exclude,
                               num_nodes=args.num_nodes, num_gpus=args.num_gpus)
     resources = resolve(args, request)
@@ -156,6 +156,9 @@ def resolve(args: argparse.Namespace, request: ResourceRequest) -> Resources:
                                  visible_devices=visible)
     if args.slots is not None and args.slots < 1:
         raise UsageError(f"--slots must be at least 1, got {args.slots}")
+    if args.slots is not None and args.launcher == "celery" and args.slots > max_local_slots():
+        raise UsageError(f"--slots {args.slots}: this machine can hold at most {max_local_slots()} slot "
+                         f"workers ({SLOT_WORKER_BYTES // 2**20} MiB of RAM each); ask for at most {max_local_slots()}")
     count = args.slots if args.slots is not None else detect_local_devices()[0]
     return resolve_resources(local_pool(LOCAL_HOSTNAME, count), request, visible_devices=visible)
 
@@ -171,6 +174,9 @@ def run_on_slots(args: argparse.Namespace, resources: Resources, settings: elast
             raise UsageError(f"{flag} is for the other launchers (celery ranks meet at a free port): drop it")
     if not Path(args.user_script).is_file():
         raise UsageError(f"training script {args.user_script} not found; check the path")
+    if not args.user_script.endswith(".py") and not os.access(args.user_script, os.X_OK):
+        raise UsageError(f"training script {args.user_script} is not executable (Permission denied); "
+                         "chmod +x it, or name a .py file (run through Python)")
     url = os.environ.get("AUTOTUNE_REDIS_URL")
     this_node = (os.environ.get("AUTOTUNE_NODE") if url else None) or socket.gethostname()
     queues = [[slot_queue(this_node if entry.host == LOCAL_HOSTNAME else entry.host, device)
