@@ -40,6 +40,7 @@ from scheduler.outputs import print_table
 from scheduler.progress import optimal_argv, outcome, search_of, write_outputs
 from scheduler.ranking import best, metric_value
 from scheduler.space import Experiment, optimal_config
+from workers.gpus import GpuListingError, local_gpus
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child
 from workers.registry import connect, control_alive, live_slots
@@ -63,8 +64,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--status", action="store_true",
                         help="show the cluster at AUTOTUNE_REDIS_URL: slots, who holds them, jobs and "
                         "why their next experiment waits; tunes nothing")
-    parser.add_argument("--slots", type=int, default=os.cpu_count() or 1,
-                        help="embedded cluster: slot workers to start (default: number of cores)")
+    parser.add_argument("--slots", type=int,
+                        help="embedded cluster: slot workers to start (default: one per GPU, on a machine "
+                        "without GPUs one per core)")
     parser.add_argument("--slot-memory", help="embedded cluster on CPU: memory cap per slot, e.g. 3GiB "
                         "(default: total RAM / slots)")
     parser.add_argument("--num_gpus", type=int, help="slots per experiment (default: all slots of a node)")
@@ -73,6 +75,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="wall-clock limit of one experiment in seconds (default 900)")
     parser.add_argument("--min-slot-memory", help="run experiments only on slots with at least this much "
                         "memory, e.g. 40GiB (heterogeneous clusters; default: every slot)")
+    parser.add_argument("--no_local_rank", action="store_true",
+                        help="do not pass --local_rank=N to the script (DeepSpeed's launcher flag): the tuned "
+                        "runs and cmd_optimal.txt then both give the local rank only as LOCAL_RANK")
     parser.add_argument("--run", action="store_true",
                         help="after tuning, train with the optimal config on the same kind of slots "
                         "(DeepSpeed's --autotuning run)")
@@ -119,8 +124,9 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     folders.prepare([("results_dir", cfg.results_dir), ("exps_dir", cfg.exps_dir)], cfg.path, cfg.overwrite)
     if client is not None:
         return tune(cfg, args, script, base_args, mappings, client)
-    with LocalCluster(args.slots, cfg.results_dir / "cluster", slot_memory=args.slot_memory) as cluster:
-        console.print(f"embedded cluster: redis-server and {args.slots} slot workers + control "
+    slots = embedded_slot_count(args.slots)
+    with LocalCluster(slots, cfg.results_dir / "cluster", slot_memory=args.slot_memory) as cluster:
+        console.print(f"embedded cluster: redis-server and {slots} slot workers + control "
                       f"on {cluster.node} (logs in {cfg.results_dir / 'cluster'})")
         os.environ["AUTOTUNE_REDIS_URL"] = cluster.url
         try:
@@ -134,12 +140,14 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
     from tasks import app  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
 
     slots = _usable_slots(client, args.min_slot_memory)
+    device_kind = "cpu" if all(s.kind == "cpu" for s in slots) else "gpu"
+    slots = [s for s in slots if s.kind == ("cpu" if device_kind == "cpu" else "cuda")]  # never mixed
     per_node = max(sum(1 for s in slots if s.node == node) for node in {s.node for s in slots})
     num_gpus = args.num_gpus or per_node
-    device_kind = "cpu" if all(s.kind == "cpu" for s in slots) else "gpu"
     spec = JobSpec(
         job=job_id_for(cfg.results_dir), results_root=str(cfg.results_dir.resolve()), cwd=os.getcwd(),
         timeout_s=args.exp_timeout, min_memory=_min_memory(args.min_slot_memory), submitted_at=time.time(),
+        slot_kind="cpu" if device_kind == "cpu" else "cuda", local_rank_arg=not args.no_local_rank,
         tune=TuneSpec(config_path=str(cfg.path), ds_config=cfg.ds_config, exps_dir=str(cfg.exps_dir.resolve()),
                       script=str(script), base_args=list(base_args), mappings=mappings,
                       capacity_bytes=min(s.memory_bytes for s in slots), num_nodes=args.num_nodes,
@@ -209,7 +217,8 @@ def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: red
     argv = optimal_argv(tuned_spec)(optimal, safe_child(cfg.results_dir, optimal.name) / "ds_config.json")
     spec = JobSpec(job=uuid.uuid4().hex, results_root=tuned_spec.results_root, cwd=os.getcwd(),
                    timeout_s=RUN_TIMEOUT_S, experiments=[{**optimal.to_json(), "argv": argv}],
-                   min_memory=tuned_spec.min_memory)
+                   min_memory=tuned_spec.min_memory, slot_kind=tuned_spec.slot_kind,
+                   local_rank_arg=tuned_spec.local_rank_arg)
     console.print(f"training with the optimal config {best.name} on {best.num_nodes} node(s) x "
                   f"{best.num_gpus} slot(s); logs in {cfg.results_dir / optimal.name}")
     [outcome_record] = run_fixed(client, app, spec)
