@@ -27,11 +27,11 @@ from scheduler.errors import ConfigError
 MARKER = ".celery-autotune"
 #: What `scheduler.outputs` writes at the top of a results folder.
 RESULT_FILES = frozenset({"summary.txt", "results.jsonl", "ds_config_optimal.json", "cmd_optimal.txt",
-                          "tuning.png", MARKER})
+                          "hostfile_optimal", "tuning.png", MARKER})
 #: What a slot writes into an experiment folder (`workers.rank`, `tasks`), the script's metric file,
 #: and the temporary files of atomic writes (`.<name>.<random>`, `.tmp-<random>.json`).
 _EXPERIMENT_FILE = re.compile(
-    r"(?:rank\d+\.)?(?:stdout|stderr)\.log|exp\.json|ds_config\.json|cmd\.txt|metrics\.json"
+    r"(?:rank\d+\.)?(?:stdout|stderr)\.log|rank\d+\.exit\.json|exp\.json|ds_config\.json|cmd\.txt|metrics\.json"
     r"|model_info\.json|result\.json|\.tmp-[^/]*\.json|\.(?:exp|ds_config|metrics|model_info|result)\.json\.[^/]+"
     r"|\.cmd\.txt\.[^/]+")
 _CLUSTER_FILE = re.compile(r"[A-Za-z0-9_.@-]+\.log|pids\.json|\.pids\.json\.[^/]+|dump\.rdb")
