@@ -23,6 +23,7 @@ class Status(str, Enum):
     TIMEOUT = "timeout"  #: ran past the experiment's wall-clock limit
     CRASHED = "crashed"  #: exited non-zero or was killed by a signal we did not send
     NO_METRICS = "no_metrics"  #: exited 0 but rank 0 wrote no metrics file
+    BAD_METRICS = "bad_metrics"  #: rank 0's metrics are not usable numbers (NaN, inf, negative, text)
     RENDEZVOUS_FAILED = "rendezvous_failed"  #: rank 0's address never arrived before the deadline
     ABORTED = "aborted"  #: stopped by us because another rank of the experiment failed
     LOST = "lost"  #: the rank never reported (worker or node died)

@@ -29,6 +29,7 @@ from workers import keys, rendezvous
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
 from workers.gang import GangReservations
 from workers.failure import Status, classify, describe_exit
+from workers.metric_check import asked_metric, metrics_problem
 from workers.launch import run_watched, tail
 from workers.paths import read_json, safe_child, write_atomic, write_json
 from workers.slot import Slot
@@ -179,6 +180,9 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     metrics = read_json(metric_path) if expects_metrics else None
     has_metrics = isinstance(metrics, dict)
     status = classify(launch.exit_code, launch.killed_for, expects_metrics, has_metrics)
+    problem = metrics_problem(metrics, spec.metric_file, asked_metric(spec.ds_config)) if has_metrics else None
+    if status is Status.OK and problem:
+        status = Status.BAD_METRICS
     if status is not Status.OK:
         _signal_abort(client, spec.attempt)
     record = {
@@ -192,7 +196,11 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     }
     if slot.kind == "cuda":
         record["cuda_index"] = slot.cuda_index
-    if has_metrics:
+    if problem:
+        record["error"] = problem
+    elif status is Status.NO_METRICS:
+        record["error"] = f"exited 0 without writing its metrics file {metric_path}"
+    elif has_metrics:
         record["metrics"] = metrics
         record["metrics_at"] = metric_path.stat().st_mtime  # a later failure did not spoil them
     if launch.start_error:

@@ -130,7 +130,8 @@ def test_summary_failure_columns_in_class_order() -> None:
     rows = table_rows(summary_text(exps, records, "throughput", True, 1.0))
     expected = "oom=1, timeout=1, crashed=2, no_metrics=1, rendezvous_failed=1, aborted=1, lost=1"
     assert [r[5] for r in rows] == [expected, expected]
-    assert FAILURE_CLASSES == ["oom", "timeout", "crashed", "no_metrics", "rendezvous_failed", "aborted", "lost"]
+    assert FAILURE_CLASSES == ["oom", "timeout", "crashed", "no_metrics", "bad_metrics", "rendezvous_failed",
+                               "aborted", "lost"]
 
 
 def test_summary_no_failures_dash() -> None:
