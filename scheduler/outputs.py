@@ -6,6 +6,7 @@
     <results_dir>/results.jsonl     one line per experiment: name, config, status, metrics, timings
     <results_dir>/ds_config_optimal.json   the winner's config without the autotuning section
     <results_dir>/cmd_optimal.txt   a shell-quoted command that trains with ds_config_optimal.json
+    <results_dir>/hostfile_optimal  the nodes the winner ran on, when it used more than one (cmd_optimal.txt names it)
     <results_dir>/tuning.png        every experiment: micro-batch size against the metric (scheduler.plot)
 """
 from __future__ import annotations
@@ -63,14 +64,43 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
             f" Metric: {metric} ({'max' if maximize else 'min'}).\n")
 
 
-def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int) -> list[str]:
-    """DeepSpeed's launcher command for a full training run with the given script arguments."""
-    return ["deepspeed", "--num_nodes", str(num_nodes), "--num_gpus", str(num_gpus), *script_argv]
+def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, record: dict[str, Any] | None = None,
+                   local_rank_arg: bool = True, hostfile: Path | None = None) -> tuple[list[str], str | None]:
+    """DeepSpeed's launcher command that trains as the winner was tuned, and the hostfile it needs.
+
+    On CUDA slots the command names the very GPUs the winner ran on (`--include node:ids`, nvidia-smi
+    indices), not every GPU of the node; more than one node needs a hostfile (DeepSpeed's runner
+    refuses a multi-node launch without one): its text is returned for `hostfile`, one line per node
+    the winner used, in rank order. `--no_local_rank` is passed exactly when the tuned runs did not get
+    `--local_rank=N`, so the script sees the same arguments as during tuning.
+    """
+    by_node: dict[str, list[int]] = {}
+    ranks = sorted((record or {}).get("ranks") or [], key=lambda r: r.get("rank", 0))
+    for rank in ranks:
+        device = rank.get("cuda_index", rank.get("device"))
+        if isinstance(rank.get("node"), str) and isinstance(device, int):
+            by_node.setdefault(rank["node"], []).append(device)
+    cuda = bool(ranks) and all(isinstance(r.get("cuda_index"), int) for r in ranks) and len(by_node) == num_nodes
+    argv, hostfile_text = ["deepspeed"], None
+    if num_nodes > 1 and len(by_node) == num_nodes and hostfile is not None:
+        hostfile_text = "".join(f"{node} slots={max(devices) + 1 if cuda else len(devices)}\n"
+                                for node, devices in by_node.items())
+        argv += ["--hostfile", str(hostfile)]
+    if cuda:
+        names = list(by_node) if hostfile_text else ["localhost"]
+        argv += ["--include", "@".join(f"{name}:{','.join(map(str, devices))}"
+                                       for name, devices in zip(names, by_node.values()))]
+    else:
+        argv += ["--num_nodes", str(num_nodes), "--num_gpus", str(num_gpus)]
+    if not local_rank_arg:
+        argv.append("--no_local_rank")
+    return [*argv, *script_argv], hostfile_text
 
 
 def write_results(results_dir: Path, experiments: list[Experiment], records: dict[str, dict[str, Any]],
                   metric: str, maximize: bool, elapsed_s: float,
-                  optimal_argv: Callable[[Experiment, Path], list[str]]) -> dict[str, Any] | None:
+                  optimal_argv: Callable[[Experiment, Path], list[str]],
+                  local_rank_arg: bool = True) -> dict[str, Any] | None:
     """Write every output file; returns the best record (None if no experiment succeeded)."""
     results_dir.mkdir(parents=True, exist_ok=True)
     ordered = [records[e.name] for e in experiments if e.name in records]
@@ -85,14 +115,18 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     from scheduler.plot import write_plot  # matplotlib is imported only when a job ends
 
     write_plot(results_dir / "tuning.png", experiments, records, metric, winner)
-    for stale in ("ds_config_optimal.json", "cmd_optimal.txt"):
+    for stale in ("ds_config_optimal.json", "cmd_optimal.txt", "hostfile_optimal"):
         (results_dir / stale).unlink(missing_ok=True)
     if winner is None:
         return None
     exp = next(e for e in experiments if e.name == winner["name"])
     optimal_path = (results_dir / "ds_config_optimal.json").resolve()
     write_json(optimal_path, optimal_config(winner["ds_config"]))
-    command = launch_command(optimal_argv(exp, optimal_path), exp.num_nodes, exp.num_gpus)
+    hostfile = (results_dir / "hostfile_optimal").resolve()
+    command, hostfile_text = launch_command(optimal_argv(exp, optimal_path), exp.num_nodes, exp.num_gpus,
+                                            record=winner, local_rank_arg=local_rank_arg, hostfile=hostfile)
+    if hostfile_text is not None:
+        write_atomic(hostfile, hostfile_text)
     write_atomic(results_dir / "cmd_optimal.txt", shlex.join(command) + "\n")
     return winner
 

@@ -181,7 +181,7 @@ def write_outputs(spec: JobSpec, experiments: list[Experiment], records: dict[st
     winner's name. Elapsed time is counted from the job's submission."""
     cfg = tuning_config(spec)
     winner = write_results(Path(spec.results_root), experiments, records, cfg.metric, cfg.maximize,
-                           time.time() - spec.submitted_at, optimal_argv(spec))
+                           time.time() - spec.submitted_at, optimal_argv(spec), spec.local_rank_arg)
     return winner["name"] if winner else None
 
 

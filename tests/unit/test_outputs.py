@@ -272,15 +272,51 @@ def test_write_results_overwrites_previous_winner(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- smaller pieces
 
 
+def _ranks(*placed: tuple[str, int, int | None]) -> dict[str, Any]:
+    """A winner's record whose rank i ran on node placed[i][0], slot device placed[i][1], GPU placed[i][2]."""
+    return {"ranks": [{"rank": i, "node": node, "device": device,
+                       **({"cuda_index": cuda} if cuda is not None else {})}
+                      for i, (node, device, cuda) in enumerate(placed)]}
+
+
 @pytest.mark.parametrize(
-    ("argv", "nodes", "gpus", "expected"),
+    ("argv", "nodes", "gpus", "record", "local_rank_arg", "expected", "hostfile"),
     [
-        (["t.py"], 1, 1, ["deepspeed", "--num_nodes", "1", "--num_gpus", "1", "t.py"]),
-        (["t.py", "--a", "b c"], 2, 8, ["deepspeed", "--num_nodes", "2", "--num_gpus", "8", "t.py", "--a", "b c"]),
+        (["t.py"], 1, 1, None, True, ["deepspeed", "--num_nodes", "1", "--num_gpus", "1", "t.py"], None),
+        (["t.py", "--a", "b c"], 2, 8, None, True,
+         ["deepspeed", "--num_nodes", "2", "--num_gpus", "8", "t.py", "--a", "b c"], None),
+        # CPU slots: counts, as before; the local rank only in the environment on both sides
+        (["t.py"], 1, 2, _ranks(("n", 0, None), ("n", 1, None)), False,
+         ["deepspeed", "--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "t.py"], None),
+        # CUDA: exactly the GPUs the winner used, not every GPU of the node
+        (["t.py"], 1, 2, _ranks(("gpu-a", 1, 5), ("gpu-a", 2, 3)), True,
+         ["deepspeed", "--include", "localhost:5,3", "t.py"], None),
+        # two nodes: a hostfile of the nodes used, in rank order, and their GPUs
+        (["t.py"], 2, 2, _ranks(("b", 0, 2), ("b", 1, 3), ("a", 0, 0), ("a", 1, 1)), False,
+         ["deepspeed", "--hostfile", "/r/hostfile_optimal", "--include", "b:2,3@a:0,1", "--no_local_rank", "t.py"],
+         "b slots=4\na slots=2\n"),
+        (["t.py"], 2, 1, _ranks(("b", 0, None), ("a", 0, None)), True,
+         ["deepspeed", "--hostfile", "/r/hostfile_optimal", "--num_nodes", "2", "--num_gpus", "1", "t.py"],
+         "b slots=1\na slots=1\n"),
     ],
 )
-def test_launch_command(argv: list[str], nodes: int, gpus: int, expected: list[str]) -> None:
-    assert launch_command(argv, nodes, gpus) == expected
+def test_launch_command(argv: list[str], nodes: int, gpus: int, record: dict[str, Any] | None,
+                        local_rank_arg: bool, expected: list[str], hostfile: str | None) -> None:
+    assert launch_command(argv, nodes, gpus, record=record, local_rank_arg=local_rank_arg,
+                          hostfile=Path("/r/hostfile_optimal")) == (expected, hostfile)
+
+
+def test_write_results_writes_the_hostfile_the_command_names(tmp_path: Path) -> None:
+    exps = [make_exp(2, 8, gas=2, num_nodes=2, num_gpus=1)]
+    records = {exps[0].name: {**make_record(exps[0], "ok", throughput=1.0), **_ranks(("n2", 0, 1), ("n1", 0, 0))}}
+    write_results(tmp_path, exps, records, "throughput", True, 1.0, optimal_argv, local_rank_arg=False)
+    command = shlex.split((tmp_path / "cmd_optimal.txt").read_text())
+    assert command[:6] == ["deepspeed", "--hostfile", str((tmp_path / "hostfile_optimal").resolve()),
+                           "--include", "n2:1@n1:0", "--no_local_rank"]
+    assert (tmp_path / "hostfile_optimal").read_text() == "n2 slots=2\nn1 slots=1\n"
+    records[exps[0].name]["status"] = "crashed"
+    write_results(tmp_path, exps, records, "throughput", True, 1.0, optimal_argv)
+    assert not (tmp_path / "hostfile_optimal").exists()  # no winner: no stale hostfile either
 
 
 def test_write_experiment_descriptions(tmp_path: Path) -> None:
