@@ -37,6 +37,7 @@ _EXPERIMENT_FILE = re.compile(
 _CLUSTER_FILE = re.compile(r"[A-Za-z0-9_.@-]+\.log|pids\.json|\.pids\.json\.[^/]+|dump\.rdb")
 _ATOMIC_TEMP = re.compile(r"\.(?P<name>[^/]+)\.[A-Za-z0-9_]+")
 _EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]{0,199}")
+_EXPERIMENT_CORE = ("ds_config.json", "exp.json", "result.json")  #: a slot writes one of these first
 _DESCRIPTION_KEYS = {"name", "ds_config", "num_gpus", "num_nodes"}
 
 
@@ -137,7 +138,7 @@ def _foreign_entry(folder: Path) -> Path | None:
             inner = _foreign_entry(entry)
         elif name == "cluster":
             inner = _first_unmatched(entry, _CLUSTER_FILE)
-        elif _EXPERIMENT_NAME.fullmatch(name):
+        elif _EXPERIMENT_NAME.fullmatch(name) and any((entry / f).is_file() for f in _EXPERIMENT_CORE):
             inner = _first_unmatched(entry, _EXPERIMENT_FILE)
         else:
             inner = entry
