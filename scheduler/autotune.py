@@ -121,10 +121,10 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     mappings = parse_arg_mappings(cfg.ds_config["autotuning"].get("arg_mappings"), str(cfg.path))
     check_arg_mappings(mappings, base_args, str(cfg.path))
     client = _connect(url) if url else None
+    slots = embedded_slot_count(args.slots) if client is None else 0
     folders.prepare([("results_dir", cfg.results_dir), ("exps_dir", cfg.exps_dir)], cfg.path, cfg.overwrite)
     if client is not None:
         return tune(cfg, args, script, base_args, mappings, client)
-    slots = embedded_slot_count(args.slots)
     with LocalCluster(slots, cfg.results_dir / "cluster", slot_memory=args.slot_memory) as cluster:
         console.print(f"embedded cluster: redis-server and {slots} slot workers + control "
                       f"on {cluster.node} (logs in {cfg.results_dir / 'cluster'})")
@@ -295,6 +295,22 @@ def _script(cfg: TuningConfig, script_args: list[str]) -> tuple[Path, tuple[str,
         raise ConfigError(f"{where}: training script {script} is not executable (Permission denied); "
                           "chmod +x it, or name a .py file (run through Python)")
     return script, args
+
+
+def embedded_slot_count(asked: int | None) -> int:
+    """Slot workers of the embedded cluster: one per usable GPU on a GPU machine (more would be CPU
+    slots beside GPU ones, or GPUs that do not exist: refused), else `asked` or one per core."""
+    try:
+        gpus = local_gpus()
+    except GpuListingError as exc:
+        raise UsageError(str(exc)) from None
+    if gpus is None:
+        return asked or os.cpu_count() or 1
+    if asked is not None and asked > len(gpus):
+        raise UsageError(f"--slots {asked}: this machine has {len(gpus)} usable GPU(s) and an embedded cluster "
+                         f"gets one slot per GPU; ask for at most {len(gpus)}, or set AUTOTUNE_DEVICE_KIND=cpu "
+                         "for CPU slots")
+    return asked or len(gpus)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
