@@ -29,11 +29,13 @@ from scheduler.config import TuningConfig, non_negative_int
 from scheduler.full_space import full_experiments
 from scheduler.errors import ConfigError, UsageError
 from scheduler.memory import (
-    DEFAULT_OVERHEAD_BYTES, GiB, SAFETY, MemoryModel, ModelInfo, Observation, StageFit, TrainingSetup,
-    deepspeed_fp16, deepspeed_max_micro_batch_size, deepspeed_stage_fits, predict_max_micro_batch_size,
+    GiB, SAFETY, MemoryModel, ModelInfo, Observation, StageFit, TrainingSetup, deepspeed_fp16,
+    deepspeed_max_micro_batch_size, deepspeed_stage_fits, overhead_from_profile, predict_max_micro_batch_size,
+    prior_overhead_bytes, untracked_reserve_bytes,
 )
 from scheduler.phases import Phase, Search
 from scheduler.ranking import best, metric_value
+from scheduler.sampled_search import race, sampled_stages, stages_near_leader
 from scheduler.space import Experiment, experiment_config, experiment_name
 from scheduler.tuners import TUNER_TYPES, StopRule, Trial, make_tuner, plan
 
@@ -43,6 +45,8 @@ PLATEAU = 0.05
 #: The fine-grained search tries about this many sizes below the largest candidate.
 FINE_STEPS = 3
 ESTIMATORS = ("calibrated", "deepspeed")
+#: autotuning.search: our sampled search (default) or DeepSpeed's algorithm, for side-by-side runs.
+SEARCHES = ("sampled", "deepspeed")
 
 Step = Generator[Phase, dict[str, dict], Any]
 
@@ -82,9 +86,10 @@ class SearchSettings:
     num_nodes: int = 1
     num_gpus: int = 1
     host_memory: bool = False  #: CPU slots: the capacity is host RAM
-    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
+    overhead_bytes: int | None = None  #: None: from the profile run's peak, else the prior
     peak_memory_key: str = "peak_rss_bytes"  #: the record field holding the memory the capacity limits
     estimator: str = "calibrated"  #: or "deepspeed": DeepSpeed's estimate, to compare OOM probes
+    search: str = "sampled"  #: or "deepspeed": DeepSpeed's probe-and-bisect algorithm
     fast: bool = True  #: False: after a stage's fast search, tune its ZeRO knobs (full mode)
     tuner_type: str = "gridsearch"
     tuner_num_trials: int = 50
@@ -107,6 +112,26 @@ class SearchSettings:
         if self.max_train_batch_size:
             return max(1, min(self.max_micro_batch_size, self.max_train_batch_size // self.dp_size))
         return self.max_micro_batch_size
+
+    @property
+    def reserve_bytes(self) -> int:
+        """Device memory no measured peak includes (memory.untracked_reserve_bytes)."""
+        return untracked_reserve_bytes(self.capacity_bytes, self.host_memory)
+
+    @property
+    def budget_bytes(self) -> int:
+        """What measured peaks may reach: the capacity less the untracked reserve."""
+        return self.capacity_bytes - self.reserve_bytes
+
+    @property
+    def samples_per_step(self) -> int | None:
+        """Samples per GPU per optimizer step allowed by max_train_batch_size (None: no limit)."""
+        return max(1, self.max_train_batch_size // self.dp_size) if self.max_train_batch_size else None
+
+    def gas_for(self, mbs: int) -> int:
+        """The accumulation that keeps mbs * gas within max_train_batch_size (the user's gas without it)."""
+        per_step = self.samples_per_step
+        return max(1, per_step // mbs) if per_step else self.gradient_accumulation_steps
 
     @property
     def setup(self) -> TrainingSetup:
@@ -141,7 +166,7 @@ class SearchSettings:
             mp_size=mp_size, model_info=ModelInfo.from_mapping(section.get("model_info")),
             num_nodes=num_nodes, num_gpus=num_gpus, host_memory=device_kind == "cpu",
             peak_memory_key="peak_rss_bytes" if device_kind == "cpu" else "peak_device_bytes", estimator=estimator,
-            fast=bool(section.get("fast", True)), tuner_type=_tuner_type(cfg, section),
+            search=_search(cfg, section), fast=bool(section.get("fast", True)), tuner_type=_tuner_type(cfg, section),
             tuner_num_trials=_positive(cfg, section, "tuner_num_trials", 50),
             tuner_early_stopping=non_negative_int(cfg.path, section, "tuner_early_stopping", 5),
             tuner_seed=non_negative_int(cfg.path, section, "tuner_seed", 0), concurrency=max(1, concurrency),
@@ -154,6 +179,13 @@ def _tuner_type(cfg: TuningConfig, section: Mapping[str, Any]) -> str:
     if value not in TUNER_TYPES:
         raise ConfigError(f"{cfg.path}: autotuning.tuner_type {value!r} is not one of "
                           f"{', '.join(TUNER_TYPES)}")
+    return value
+
+
+def _search(cfg: TuningConfig, section: Mapping[str, Any]) -> str:
+    value = section.get("search", "sampled")
+    if value not in SEARCHES:
+        raise ConfigError(f"{cfg.path}: autotuning.search {value!r} is not one of {', '.join(SEARCHES)}")
     return value
 
 
@@ -222,14 +254,26 @@ def fast_search(settings: SearchSettings) -> Search:
     max probes, the binary search, the candidate list and the fine-grained search. Raises
     `NoStageFits` or `SearchAborted` from `next`/`send` when the search cannot start."""
     session = _Session(settings)
-    info = settings.model_info
+    info, profile_peak = settings.model_info, None
     if info is None:
-        info = yield from _profile(session)
-    session.model = MemoryModel(info, settings.setup, settings.overhead_bytes)
+        info, profile_peak = yield from _profile(session)
+    overhead = settings.overhead_bytes
+    if overhead is None:
+        measured = overhead_from_profile(info, settings.setup, profile_peak)
+        overhead = measured if measured is not None else \
+            prior_overhead_bytes(settings.capacity_bytes, settings.host_memory) - settings.reserve_bytes
+    session.model = MemoryModel(info, settings.setup, max(0, overhead))
     stages = _feasible_stages(session)
     if settings.micro_batch_sizes:
         for stage in stages:
             yield from _run_list(session, stage)
+        return
+    if settings.search == "sampled":
+        yield from sampled_stages(session, stages)
+        if not settings.fast:
+            for stage, mbs, gas in stages_near_leader(session, stages):
+                yield from tune_full_space(session, stage, [mbs], mbs * gas)
+        yield from race(session)
         return
     carried_best = carried_max = 0
     carried_metric: float | None = None
@@ -282,22 +326,33 @@ class _Session:
         return [(exp, rec) for exp, rec in self.measured.values() if exp.stage == stage and exp.name != PROFILE]
 
     def observations(self) -> dict[int, list[Observation]]:
+        """Per stage: measured peaks of successes, and upper bounds: every `oom`, and every other
+        failure above a size that succeeded in the same stage (a crash there is memory too)."""
         found: dict[int, list[Observation]] = {}
         for stage in sorted({exp.stage for exp, _ in self.measured.values()}):
-            for exp, record in self.stage_records(stage):
-                if record.get("status") == "ok":
+            pairs = self.stage_records(stage)
+            smallest_ok = min((exp.micro_batch_size for exp, rec in pairs if _ok(rec)), default=None)
+            for exp, record in pairs:
+                if _ok(record):
                     peak = _peak(record, self.settings.peak_memory_key)
                     found.setdefault(stage, []).append(Observation(exp.micro_batch_size, peak))
-                elif record.get("status") == "oom":
+                elif too_large(record, exp.micro_batch_size, smallest_ok):
                     found.setdefault(stage, []).append(Observation(exp.micro_batch_size, oom=True))
         return found
+
+    def failures(self, stage: int) -> int:
+        return sum(not _ok(rec) for _, rec in self.stage_records(stage))
+
+    @property
+    def budget(self) -> int:
+        return self.settings.budget_bytes
 
     def gate(self, stage: int) -> StageFit:
         st = self.settings
         if st.estimator == "deepspeed":
             return deepspeed_stage_fits(self.model.info, stage, deepspeed_fp16(st.ds_config), st.world_size,
                                         st.mp_size, st.capacity_bytes)
-        return self.model.gate(stage, st.capacity_bytes)
+        return self.model.gate(stage, st.budget_bytes)
 
     def predicted_max(self, stage: int, safety: float = SAFETY) -> int:
         st = self.settings
@@ -305,7 +360,7 @@ class _Session:
             predicted = deepspeed_max_micro_batch_size(self.model.info, stage, deepspeed_fp16(st.ds_config),
                                                        st.world_size, st.mp_size, st.capacity_bytes)
         else:
-            predicted = predict_max_micro_batch_size(self.model, stage, st.capacity_bytes, self.observations(), safety)
+            predicted = predict_max_micro_batch_size(self.model, stage, st.budget_bytes, self.observations(), safety)
         return min(predicted, st.micro_batch_cap)
 
     def smallest_failure(self, stage: int) -> int | None:
@@ -325,6 +380,14 @@ def _ok(record: Mapping[str, Any]) -> bool:
     return record.get("status") == "ok"
 
 
+def too_large(record: Mapping[str, Any], mbs: int, smallest_ok: int | None) -> bool:
+    """A failed probe bounds the stage's micro-batch from above: an `oom` always, any other failure
+    (a CUDA OOM traceback classed `crashed`, a timeout) when a smaller size of the stage succeeded."""
+    if _ok(record):
+        return False
+    return record.get("status") == "oom" or (smallest_ok is not None and mbs > smallest_ok)
+
+
 def _peak(record: Mapping[str, Any], key: str) -> int | None:
     value = record.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -336,7 +399,7 @@ def _profile(session: _Session) -> Step:
     [record] = yield from session.measure(PROFILE, [session.profile_experiment()])
     info = ModelInfo.from_mapping(record.get("metrics")) if _ok(record) else None
     if info is not None:
-        return info
+        return info, _peak(record, session.settings.peak_memory_key)
     status = record.get("status", "lost")
     if status == "oom":
         raise SearchAborted(f"the model-info profile run {PROFILE} (ZeRO-3, micro-batch 1) ran out of memory: "

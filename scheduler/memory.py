@@ -12,9 +12,19 @@ Numbers used (documented choices, not measurements):
 - Model states per parameter: fp32 4 (weights) + 4 (gradients) + 12 (Adam); fp16/bf16 2 + 2 + 12,
   where 12 is Adam's two fp32 moments plus an fp32 master copy of the weights. For pure fp32 without
   ZeRO the master copy does not exist, so the model over-counts by 4 bytes there; calibration absorbs it.
-- `DEFAULT_OVERHEAD_BYTES` (512 MiB): what a training process holds besides model states and
-  activations (framework runtime on CPU slots; CUDA context, allocator reserve and communication
-  buckets on GPUs). Used only until a probe is measured; the fitted intercept replaces it.
+- The overhead (what a rank holds besides model states and activations) comes from the profile run
+  when it measured its peak: that peak minus the model states at stage 3 and one sample's
+  activations (`overhead_from_profile`). Unmeasured, it is a prior (`prior_overhead_bytes`): 512 MiB
+  of framework runtime on CPU slots; on GPUs max(2 GiB, 6 % of the device), because a GPU process
+  also holds its CUDA context, the allocator's cache and communication buffers (1-2 GiB is typical).
+  The fitted intercept replaces it once the stage's own probes are measured.
+- `untracked_reserve_bytes`: on GPUs the measured peak (torch's max_memory_reserved) never includes
+  the CUDA context and NCCL's buffers, yet they share the device: max(1 GiB, 2.5 % of the device)
+  is taken off the capacity before any measured line is compared with it. Host PSS on CPU slots
+  counts everything, so the reserve is 0 there.
+- A peak that is missing, or does not grow with the micro-batch (a script without torch, a CPU-only
+  measurement of a GPU job), is never fitted (`peak_grows`): the model then uses the profile and
+  the ok/failed bounds only.
 - `SAFETY` (0.95): fitted lines predict the largest batch whose memory stays under 95 % of the
   capacity, because peak memory varies a few percent between runs (allocator fragmentation, the
   monitor's sampling) and the fit is used to pick probes directly. The analytical model is used
@@ -30,6 +40,13 @@ from typing import Any
 MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_OVERHEAD_BYTES = 512 * MiB
+#: GPU priors (module docstring): the whole overhead when unmeasured, and what torch never sees.
+GPU_OVERHEAD_FLOOR = 2 * GiB
+GPU_OVERHEAD_SHARE = 0.06
+GPU_UNTRACKED_FLOOR = 1 * GiB
+GPU_UNTRACKED_SHARE = 0.025
+#: A fitted slope below this share of the profile's activation figure is not a memory that grows.
+MIN_GROWTH_SHARE = 0.25
 SAFETY = 0.95
 #: A micro-batch size no configuration reaches; returned when memory does not grow with the batch.
 NO_LIMIT = 1 << 31
@@ -226,11 +243,60 @@ class Calibration:
         return Calibration(self.intercept + delta_bytes, self.slope, self.points)
 
 
-def calibrate(observations: Sequence[Observation], prior_slope: float) -> Calibration | None:
-    """Least squares over the measured peaks (None without any). With one distinct micro-batch size
-    the slope is `prior_slope` and only the intercept is fitted; a negative slope is clamped to 0."""
+def prior_overhead_bytes(capacity_bytes: int, host_memory: bool) -> int:
+    """The overhead before anything is measured (module docstring)."""
+    if host_memory:
+        return DEFAULT_OVERHEAD_BYTES
+    return max(GPU_OVERHEAD_FLOOR, int(GPU_OVERHEAD_SHARE * capacity_bytes))
+
+
+def untracked_reserve_bytes(capacity_bytes: int, host_memory: bool) -> int:
+    """Device memory no measured peak includes (CUDA context, NCCL); 0 on host memory."""
+    if host_memory:
+        return 0
+    return max(GPU_UNTRACKED_FLOOR, int(GPU_UNTRACKED_SHARE * capacity_bytes))
+
+
+def overhead_from_profile(info: ModelInfo, setup: TrainingSetup, peak_bytes: int | None) -> int | None:
+    """What the profile run (stage 3, micro-batch 1) held beyond its model states and one sample's
+    activations, in the units of the measured peak; None when it measured no peak."""
+    if not peak_bytes:
+        return None
+    return max(0, peak_bytes - model_state_bytes(info, setup, 3).total - info.activation_mem_per_gpu)
+
+
+def peak_grows(observations: Sequence[Observation], prior_slope: float) -> bool:
+    """Whether the measured peaks grow with the micro-batch as a device's memory does: always true
+    with one measured size (nothing to tell), else the fitted slope must reach MIN_GROWTH_SHARE of
+    the profile's activations (or, without that figure, add 2 % of the peak over the sizes measured)."""
     points = [(o.micro_batch_size, o.peak_bytes) for o in observations if o.peak_bytes and not o.oom]
-    if not points:
+    if len({x for x, _ in points}) < 2:
+        return True
+    slope = _least_squares(points)[1]
+    if prior_slope > 0:
+        return slope >= MIN_GROWTH_SHARE * prior_slope
+    sizes = [x for x, _ in points]
+    return slope > 0 and slope * (max(sizes) - min(sizes)) >= 0.02 * (sum(y for _, y in points) / len(points))
+
+
+def _least_squares(points: Sequence[tuple[int, int]]) -> tuple[float, float]:
+    xs = [float(x) for x, _ in points]
+    ys = [float(y) for _, y in points]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if not spread:
+        return mean_y, 0.0
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
+    return mean_y - slope * mean_x, slope
+
+
+def calibrate(observations: Sequence[Observation], prior_slope: float,
+              growth_slope: float | None = None) -> Calibration | None:
+    """Least squares over the measured peaks (None without any, or when they do not grow with the
+    micro-batch: `peak_grows` against `growth_slope`, default `prior_slope`). With one distinct micro-batch size the slope is `prior_slope` and
+    only the intercept is fitted; a negative slope is clamped to 0."""
+    points = [(o.micro_batch_size, o.peak_bytes) for o in observations if o.peak_bytes and not o.oom]
+    if not points or not peak_grows(observations, prior_slope if growth_slope is None else growth_slope):
         return None
     xs = [float(x) for x, _ in points]
     ys = [float(y) for _, y in points]
@@ -290,7 +356,8 @@ def _borrowed_oom_bound(model: MemoryModel, stage: int, observations: Mapping[in
 
 def _line_for(model: MemoryModel, stage: int,
               observations: Mapping[int, Sequence[Observation]]) -> Calibration | None:
-    fits = {s: calibrate(obs, _prior_slope(model, s, observations)) for s, obs in observations.items()}
+    profile = float(model.info.activation_mem_per_gpu)
+    fits = {s: calibrate(obs, _prior_slope(model, s, observations), profile) for s, obs in observations.items()}
     fitted = sorted((abs(s - stage), s) for s, fit in fits.items() if fit is not None)
     if not fitted:
         return None
@@ -299,12 +366,19 @@ def _line_for(model: MemoryModel, stage: int,
 
 
 def _prior_slope(model: MemoryModel, stage: int, observations: Mapping[int, Sequence[Observation]]) -> float:
-    """Slope for a single-point fit: the nearest stage's multi-point fit, else the profile's activations."""
+    """Slope for a single-point fit: the nearest stage's multi-point fit, else the larger of the
+    profile's activations and the slope from the analytical intercept to the measured point (the
+    profile's figure is forward-only, so it understates the growth; the larger slope predicts less)."""
+    profile = float(model.info.activation_mem_per_gpu)
     for _, other in sorted((abs(s - stage), s) for s in observations if s != stage):
-        fit = calibrate(observations[other], prior_slope=0.0)
+        fit = calibrate(observations[other], prior_slope=profile)
         if fit is not None and fit.points >= 2:
             return fit.slope
-    return float(model.info.activation_mem_per_gpu)
+    measured = [(o.micro_batch_size, o.peak_bytes) for o in observations.get(stage, ()) if o.peak_bytes and not o.oom]
+    if measured:
+        mbs, peak = max(measured)
+        return max(profile, (peak - model.fixed_bytes(stage)) / mbs)
+    return profile
 
 
 # ---------------------------------------------------------------- DeepSpeed's estimate, for comparison

@@ -1,0 +1,131 @@
+"""Search quality: our sampled search vs a faithful replay of DeepSpeed 0.19's fast mode, over
+families of synthetic GPU-like training scripts (bench/surfaces.py), with no cluster.
+
+Both searches are replayed against the same surface: ours through `scheduler.fast_search` (the
+generator the control worker runs, fed the records a real run would leave), DeepSpeed's through
+`bench.deepspeed_replay` (its algorithm line by line, failures included). Per family it prints the
+median and 10th percentile of the fraction of the optimum reached (the noise-free throughput of the
+config each search names, over the best noise-free throughput of the space), and the median and
+90th percentile of launches (experiments run, profile run and re-measurements included), of failed
+probes and of the worst stage's failed probes, ours next to DeepSpeed's.
+
+    .venv/bin/python bench/search_quality.py [--surfaces 60] [--seed 0] [--family mid-peak]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
+from bench.surfaces import FAMILIES, Surface, make_surface, user_config  # noqa: E402
+from scheduler.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
+from scheduler.phases import Phase, drive  # noqa: E402
+from scheduler.ranking import best  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One search on one surface."""
+
+    fraction: float  #: noise-free throughput of the named config / the optimum (0: none named)
+    launches: int
+    failed: int
+    worst_stage_failed: int
+
+
+def true_value(surface: Surface, config: dict[str, Any] | None) -> float:
+    if not config:
+        return 0.0
+    zero = config.get("zero_optimization") or {}
+    return surface.throughput(int(zero.get("stage", 0)), int(config["train_micro_batch_size_per_gpu"]),
+                              int(config.get("gradient_accumulation_steps", 1)), zero)
+
+
+def _outcome(surface: Surface, launches: list[dict[str, Any]], config: dict[str, Any] | None) -> Outcome:
+    optimum = surface.optimum()[0]
+    per_stage = Counter(int((r["ds_config"].get("zero_optimization") or {}).get("stage", 0))
+                        for r in launches if r.get("status") != "ok" and r.get("name") != PROFILE)
+    return Outcome(true_value(surface, config) / optimum if optimum else 0.0, len(launches),
+                   sum(r.get("status") != "ok" for r in launches), max(per_stage.values(), default=0))
+
+
+def ours(surface: Surface) -> Outcome:
+    settings = SearchSettings(
+        ds_config=user_config(surface), capacity_bytes=surface.capacity, stages=(0, 1, 2, 3),
+        num_gpus=surface.world, max_train_batch_size=surface.max_train_batch_size,
+        peak_memory_key="peak_device_bytes", host_memory=False, concurrency=1)
+    launches: list[dict[str, Any]] = []
+
+    def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:
+        out = {}
+        for exp in phase.experiments:
+            record = surface.run(exp.name, exp.ds_config, profile=exp.name == PROFILE)
+            launches.append(record)
+            out[exp.name] = record
+        return out
+
+    drive(fast_search(settings), run_phase)
+    winner = best([r for r in launches if r.get("name") != PROFILE], "throughput", True)
+    return _outcome(surface, launches, winner["ds_config"] if winner else None)
+
+
+def deepspeed(surface: Surface) -> Outcome:
+    def run(name: str, config: dict[str, Any], profile: bool) -> dict[str, Any]:
+        return surface.run(name, config, profile=profile)
+
+    result = DeepSpeedFastMode(user_config(surface), run, capacity=surface.capacity, world=surface.world).tune()
+    return _outcome(surface, result.launches, result.best_config)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--surfaces", type=int, default=60, help="surfaces per family (default 60)")
+    parser.add_argument("--seed", type=int, default=0, help="first surface seed of every family")
+    parser.add_argument("--family", choices=FAMILIES, action="append", help="only these families")
+    args = parser.parse_args()
+    families = args.family or list(FAMILIES)
+    print(f"SEARCH QUALITY REPLAY: {args.surfaces} synthetic GPU-like surfaces per family (seeds "
+          f"{args.seed}..{args.seed + args.surfaces - 1}), fast mode, stage all, 2 ranks, 2 % noise; "
+          "ours = scheduler.fast_search (sampled), DeepSpeed = bench/deepspeed_replay.py (0.19 fast mode)")
+    header = (f"{'family':<13}{'search':<11}{'frac med':>9}{'frac p10':>9}{'>=0.99':>8}{'launch med':>11}"
+              f"{'launch p90':>11}{'failed med':>11}{'failed p90':>11}{'worst stg':>10}")
+    print(header)
+    totals: dict[str, list[Outcome]] = {"ours": [], "DeepSpeed": []}
+    for family in families:
+        surfaces = [make_surface(family, seed) for seed in range(args.seed, args.seed + args.surfaces)]
+        rows = {"ours": [ours(s) for s in surfaces], "DeepSpeed": [deepspeed(s) for s in surfaces]}
+        for label, outcomes in rows.items():
+            totals[label].extend(outcomes)
+            _row(family, label, outcomes)
+        ratio = statistics.median(o.launches for o in rows["ours"]) / statistics.median(
+            o.launches for o in rows["DeepSpeed"])
+        print(f"{'':<13}{'ratio':<11}{'':>9}{'':>9}{'':>8}{ratio:>11.2f}  (ours / DeepSpeed, median launches)")
+    for label, outcomes in totals.items():
+        _row("all", label, outcomes)
+
+
+def _row(family: str, label: str, outcomes: list[Outcome]) -> None:
+    fractions = [o.fraction for o in outcomes]
+    launches = [o.launches for o in outcomes]
+    failed = [o.failed for o in outcomes]
+    share = sum(f >= 0.99 for f in fractions) / len(fractions)
+    print(f"{family:<13}{label:<11}{statistics.median(fractions):>9.3f}{_quantile(fractions, 0.1):>9.3f}"
+          f"{share:>8.0%}{statistics.median(launches):>11.1f}{_quantile(launches, 0.9):>11.0f}"
+          f"{statistics.median(failed):>11.1f}{_quantile(failed, 0.9):>11.0f}"
+          f"{max(o.worst_stage_failed for o in outcomes):>10}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Synthetic GPU-like training scripts ("surfaces") for replaying searches without a cluster.
+
+Why: a search's quality (fraction of the optimum found, launches, failed probes) can only be judged
+over many scripts whose optimum is known. A surface is a pure function from an experiment (ZeRO
+stage, micro-batch size, gradient accumulation, ZeRO knobs) to the record a real run of a GPU
+training script would leave: device memory that grows with the micro-batch, a failed run when the
+device is full, throughput that saturates, may peak at a middle size and drops near the memory cap,
+per-stage step costs, and 2 % measurement noise. Every parameter is drawn at random per surface
+from the family's ranges, so nothing is tuned against one fixed script.
+
+The model, per rank (world = ranks of one experiment, P = parameters, fp16 with Adam):
+- model states: params 2P, grads 2P, optimizer 12P, ZeRO-sharded over the world from stage 3, 2
+  and 1 respectively, times `state_factor` (DeepSpeed's buffers and bucket copies, 1.0-1.3);
+- reserved memory (what torch.cuda.max_memory_reserved reports) = states + `alloc_overhead` +
+  `activation` * mbs, rounded up to 2 MiB; the device also holds `untracked` bytes the allocator
+  never sees (CUDA context, NCCL buffers). A run needing more than the capacity fails: status
+  `oom`, or `crashed` on surfaces whose script prints the CUDA OOM traceback and exits 1;
+- the profile run (stage 3, mbs 1) reports num_params and DeepSpeed's activation_mem_per_gpu,
+  which is forward-only allocated memory: `profile_activation_fraction` (0.45-0.9) of the true
+  per-sample growth; on `reports_peak` surfaces every run also reports its reserved peak;
+- time of one micro-step = `micro_overhead` + stage's per-micro-step cost (ZeRO-3 gathers) +
+  `sample_time` * mbs * shape(mbs), where shape grows as `fall_off` * ln(mbs / peak)^2 past the
+  peak (mid-peak family), and time grows by up to `pressure_penalty` once memory use passes
+  `pressure_threshold` of the device (allocator retries, smaller workspaces);
+- one optimizer step = gas * micro-step + the stage's step cost: Adam over the states it owns
+  (sharded from stage 1) plus communication (`comm` times a per-stage factor; ZeRO-3 always moves
+  more than ZeRO-2); overlap_comm hides part of the communication, contiguous_gradients and the
+  bucket sizes change it a little, from stage 2 (full mode's knobs);
+- throughput = mbs * gas * world / step time, times (1 + noise), noise ~ N(0, 0.02) drawn from a
+  hash of the surface seed and the experiment name (a re-measurement has its own name, so its own
+  draw; the same name in two searches gets the same draw).
+The optimum is the best noise-free throughput over every stage and every micro-batch size that fits,
+with gas = mtbpg // mbs (mtbpg = max_train_batch_size / world), at the default knobs.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+GiB = 1 << 30
+MiB = 1 << 20
+FAMILIES = ("monotone", "mid-peak", "cliff", "small-model", "large-model")
+CAPACITIES_GIB = (16, 24, 40, 80)
+WORLD = 2
+MBS_CAP = 1024
+
+
+@dataclass(frozen=True)
+class Surface:
+    """One synthetic script on one kind of device; see the module docstring for the model."""
+
+    family: str
+    seed: int
+    capacity: int
+    num_params: int
+    state_factor: float
+    activation: int
+    profile_activation_fraction: float
+    alloc_overhead: int
+    untracked: int
+    sample_time: float
+    micro_overhead: float
+    optimizer_time: float
+    comm_time: float
+    stage_comm: tuple[float, float, float, float]
+    stage3_gather: float
+    peak: float | None
+    fall_off: float
+    pressure_threshold: float
+    pressure_penalty: float
+    overlap_gain: float
+    contiguous_gain: float
+    max_train_batch_size: int
+    failure_status: str = "oom"
+    reports_peak: bool = True
+    noise: float = 0.02
+    world: int = WORLD
+    knobs: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    # ------------------------------------------------------------ memory
+
+    def states(self, stage: int) -> float:
+        p = self.num_params
+        params = 2 * p / (self.world if stage >= 3 else 1)
+        grads = 2 * p / (self.world if stage >= 2 else 1)
+        optimizer = 12 * p / (self.world if stage >= 1 else 1)
+        return (params + grads + optimizer) * self.state_factor
+
+    def reserved(self, stage: int, mbs: int) -> int:
+        raw = self.states(stage) + self.alloc_overhead + self.activation * mbs
+        return int(math.ceil(raw / (2 * MiB)) * 2 * MiB)
+
+    def fits(self, stage: int, mbs: int) -> bool:
+        return self.reserved(stage, mbs) + self.untracked <= self.capacity
+
+    def max_fit(self, stage: int) -> int:
+        """The largest micro-batch that fits at `stage` (0: none), capped at MBS_CAP."""
+        lo, hi = 0, MBS_CAP
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.fits(stage, mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @property
+    def mtbpg(self) -> int:
+        return max(1, self.max_train_batch_size // self.world)
+
+    # ------------------------------------------------------------ speed
+
+    def throughput(self, stage: int, mbs: int, gas: int, zero: Mapping[str, Any] | None = None) -> float:
+        """Noise-free samples/s of the experiment (0 when it does not fit)."""
+        if not self.fits(stage, mbs):
+            return 0.0
+        zero = zero or {}
+        shape = 1.0
+        if self.peak is not None and mbs > self.peak:
+            shape += self.fall_off * math.log(mbs / self.peak) ** 2
+        micro = self.micro_overhead + self.sample_time * mbs * shape
+        if stage >= 3:
+            micro += self.stage3_gather
+        if stage >= 2 and zero.get("contiguous_gradients"):
+            micro *= 1 - self.contiguous_gain
+        use = (self.reserved(stage, mbs) + self.untracked) / self.capacity
+        if use > self.pressure_threshold:
+            micro *= 1 + self.pressure_penalty * (use - self.pressure_threshold) / (1 - self.pressure_threshold)
+        comm = self.comm_time * self.stage_comm[stage]
+        if stage >= 2:
+            if zero.get("overlap_comm"):
+                comm *= 1 - self.overlap_gain
+            bucket = float(zero.get("reduce_bucket_size", 5e8))
+            comm *= 1 + 0.03 * abs(math.log10(bucket / 5e8))
+        step = gas * micro + self.optimizer_time / (self.world if stage >= 1 else 1) + comm
+        return mbs * gas * self.world / step
+
+    def optimum(self, stages: tuple[int, ...] = (0, 1, 2, 3)) -> tuple[float, tuple[int, int, int]]:
+        """(best noise-free throughput, (stage, mbs, gas)) over the fast-mode space."""
+        best = (0.0, (0, 0, 0))
+        cap = min(MBS_CAP, self.mtbpg)
+        for stage in stages:
+            for mbs in range(1, min(cap, self.max_fit(stage)) + 1):
+                gas = max(1, self.mtbpg // mbs)
+                value = self.throughput(stage, mbs, gas)
+                if value > best[0]:
+                    best = (value, (stage, mbs, gas))
+        return best
+
+    # ------------------------------------------------------------ records
+
+    def run(self, name: str, ds_config: Mapping[str, Any], profile: bool = False) -> dict[str, Any]:
+        """The record a real run of this script would leave (the fields the search reads)."""
+        zero = ds_config.get("zero_optimization") or {}
+        stage = int(zero.get("stage", 0))
+        mbs = int(ds_config["train_micro_batch_size_per_gpu"])
+        gas = int(ds_config.get("gradient_accumulation_steps", 1))
+        record: dict[str, Any] = {"name": name, "ds_config": ds_config}
+        if not self.fits(stage, mbs):
+            record.update(status=self.failure_status, exit_code=1)
+            return record
+        record["status"] = "ok"
+        if self.reports_peak:
+            record["peak_device_bytes"] = self.reserved(stage, mbs)
+        record["peak_rss_bytes"] = 3 * GiB + int(0.002 * self.num_params)  # host memory: flat in mbs
+        if profile:
+            record["metrics"] = {"num_params": self.num_params, "trainable_num_params": self.num_params,
+                                 "activation_mem_per_gpu": int(self.activation * self.profile_activation_fraction)}
+            return record
+        value = self.throughput(stage, mbs, gas, zero) * (1 + self.noise * _gauss(self.seed, name))
+        step_s = mbs * gas * self.world / value
+        record["metrics"] = {"throughput": value, "latency": step_s * 1e6, "FLOPS_per_gpu": value}
+        return record
+
+
+def _gauss(seed: int, name: str) -> float:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big")).gauss(0.0, 1.0)
+
+
+def _log_uniform(rng: random.Random, low: float, high: float) -> float:
+    return math.exp(rng.uniform(math.log(low), math.log(high)))
+
+
+def make_surface(family: str, seed: int) -> Surface:
+    """One surface of `family`, every parameter drawn from `seed`."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+    rng = random.Random(f"{family}:{seed}")
+    capacity = rng.choice(CAPACITIES_GIB) * GiB
+    state_factor = rng.uniform(1.0, 1.3)
+    alloc_overhead = int(rng.uniform(0.2, 1.5) * GiB)
+    untracked = int(rng.uniform(0.5, 2.0) * GiB)
+    free = capacity - alloc_overhead - untracked
+    if family == "small-model":
+        num_params = int(_log_uniform(rng, 10e6, 120e6))
+    elif family == "large-model":  # ZeRO-0 (16 B/param) does not fit or barely fits
+        num_params = int(rng.uniform(0.85, 1.6) * free / (16 * state_factor))
+        num_params = min(num_params, int(0.8 * free / (8 * state_factor)))  # ZeRO-3 still fits
+    else:
+        num_params = int(_log_uniform(rng, 0.02, 0.5) * free / (16 * state_factor))
+    probe = Surface(family, seed, capacity, num_params, state_factor, 1, 1.0, alloc_overhead, untracked,
+                    1.0, 1.0, 0.0, 0.0, (1, 1, 1, 1), 0.0, None, 0.0, 1.0, 0.0, 0.0, 0.0, 1)
+    stage = next((s for s in range(4) if probe.states(s) + alloc_overhead + untracked < capacity * 0.97), 3)
+    room = capacity - untracked - alloc_overhead - probe.states(stage)
+    target_max = _log_uniform(rng, 6, 2000 if family == "small-model" else 800)
+    activation = max(MiB, int(room / target_max))
+    sample_time = 1e-3
+    knee = _log_uniform(rng, 1, 48)  #: the micro-batch size where fixed per-step costs equal compute
+    micro_overhead = knee * sample_time
+    full_step = micro_overhead + sample_time * min(target_max, MBS_CAP)
+    optimizer_time = _log_uniform(rng, 0.05, 1.0) * full_step
+    comm_time = _log_uniform(rng, 0.05, 1.0) * full_step
+    u1, u2 = rng.uniform(1.0, 1.3), rng.uniform(1.05, 1.5)
+    stage_comm = (1.0, u1, u2, max(u2, rng.uniform(1.2, 1.8)))
+    stage3_gather = rng.uniform(0.1, 0.5) * comm_time
+    shape = family if family in ("monotone", "mid-peak", "cliff") else rng.choice(("monotone", "mid-peak", "cliff"))
+    peak, fall_off = None, 0.0
+    threshold, penalty = rng.uniform(0.93, 0.99), rng.uniform(0.0, 0.05)
+    if shape == "mid-peak":
+        peak = max(1.0, target_max * _log_uniform(rng, 0.03, 0.6))
+        fall_off = rng.uniform(0.1, 0.6)
+    elif shape == "cliff":
+        threshold, penalty = rng.uniform(0.78, 0.92), rng.uniform(0.15, 0.5)
+    mtbpg = 2 ** round(math.log2(max(2.0, min(target_max, MBS_CAP) * _log_uniform(rng, 0.5, 4))))
+    return Surface(
+        family=family, seed=seed, capacity=capacity, num_params=num_params, state_factor=state_factor,
+        activation=activation, profile_activation_fraction=rng.uniform(0.45, 0.9),
+        alloc_overhead=alloc_overhead, untracked=untracked, sample_time=sample_time,
+        micro_overhead=micro_overhead, optimizer_time=optimizer_time, comm_time=comm_time,
+        stage_comm=stage_comm, stage3_gather=stage3_gather, peak=peak, fall_off=fall_off,
+        pressure_threshold=threshold, pressure_penalty=penalty, overlap_gain=rng.uniform(0.2, 0.6),
+        contiguous_gain=rng.uniform(0.0, 0.04), max_train_batch_size=mtbpg * WORLD,
+        failure_status=rng.choice(("oom", "crashed")), reports_peak=rng.random() < 0.85)
+
+
+def user_config(surface: Surface) -> dict[str, Any]:
+    """The DeepSpeed config a user would tune this script with: fast mode, every stage, fp16."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "fp16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": "all"},
+        "autotuning": {"enabled": True, "fast": True, "max_train_batch_size": surface.max_train_batch_size},
+    }
