@@ -33,7 +33,7 @@ from scheduler.arguments import check_arg_mappings, parse_arg_mappings
 from scheduler import folders
 from scheduler.config import TuningConfig, load_config
 from scheduler.environment import check_numeric_variables, check_redis_url
-from scheduler.errors import ClusterError, ConfigError, OneLineArgumentParser, UsageError
+from scheduler.errors import ClusterError, ConfigError, OneLineArgumentParser, UsageError, one_line
 from scheduler.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots
 from scheduler.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
 from scheduler.outputs import print_table
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(*parse_args(sys.argv[1:] if argv is None else argv))
     except (UsageError, LocalClusterError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except JobCrashed as exc:
         print(f"error: the control worker failed on this job ({exc}); finished experiments are kept: "

@@ -21,14 +21,15 @@ import hjson
 from scheduler.errors import ConfigError
 
 #: DeepSpeed's autotuning keys (deepspeed/autotuning/constants.py), plus ours: user_script,
-#: user_args (the script, when not given after `--`) and tuner_seed (random/model-based tuners).
+#: user_args (the script, when not given after `--`), tuner_seed (random/model-based tuners) and
+#: search ("sampled", ours, or "deepspeed", DeepSpeed's algorithm; checked by scheduler.fast_search).
 KNOWN_AUTOTUNING_KEYS = frozenset({
     "enabled", "fast", "results_dir", "exps_dir", "overwrite", "start_profile_step",
     "end_profile_step", "metric", "metric_path", "tuner_type", "tuner_early_stopping",
     "tuner_num_trials", "arg_mappings", "max_train_batch_size", "min_train_batch_size",
     "min_train_micro_batch_size_per_gpu", "max_train_micro_batch_size_per_gpu",
     "num_tuning_micro_batch_sizes", "mp_size", "model_info", "model_info_path",
-    "user_script", "user_args", "tuner_seed",
+    "user_script", "user_args", "tuner_seed", "search",
 })
 #: Metric name -> whether bigger is better. `flops` is accepted for FLOPS_per_gpu (DeepSpeed crashes).
 METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}
@@ -312,7 +313,7 @@ def check_schema(path: Path, raw: Mapping[str, Any]) -> None:
         value = raw.get(section)
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f'{path}: {section} must be an object such as {{"enabled": true}}, got {shown(value)}')
-        if isinstance(value, dict) and "enabled" in value and value["enabled"] not in (True, False, "auto"):
+        if isinstance(value, dict) and "enabled" in value and not (isinstance(value["enabled"], bool) or value["enabled"] == "auto"):
             raise ConfigError(f"{path}: {section}.enabled must be true, false or \"auto\", got {shown(value['enabled'])}")
     if "train_batch_size" in raw and raw["train_batch_size"] != "auto":
         _integer_in(path, "train_batch_size", raw["train_batch_size"], 1, MAX_TRAIN_BATCH)

@@ -40,3 +40,9 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see --help)")
+
+
+def one_line(message: str) -> str:
+    """`message` with control characters escaped (a newline in a path becomes `\\n`), so an error
+    that quotes user input is still exactly one line."""
+    return "".join(char if char.isprintable() or char == " " else ascii(char)[1:-1] for char in message)

@@ -48,8 +48,15 @@ def prepare(folders: list[tuple[str, Path]], config_path: Path, overwrite: bool)
     if overwrite:
         for field, folder in folders:
             empty_owned(field, folder, config_path)
-    for field, folder in folders:
-        create(field, folder, config_path)
+    made: list[Path] = []
+    try:
+        for field, folder in folders:
+            made.extend(_missing_top(folder))
+            create(field, folder, config_path)
+    except ConfigError:
+        for top in reversed(made):  # a later folder failed: leave no trace of the earlier ones
+            shutil.rmtree(top, ignore_errors=True)
+        raise
 
 
 def create(field: str, folder: Path, config_path: Path) -> None:
@@ -97,6 +104,12 @@ def empty_owned(field: str, folder: Path, config_path: Path) -> None:
         except OSError as exc:
             raise ConfigError(f"{where}: cannot remove {entry} ({exc.strerror or exc}); "
                               "fix its permissions") from None
+
+
+def _missing_top(folder: Path) -> list[Path]:
+    """The outermost folder that creating `folder` makes (none when it exists)."""
+    missing = [p for p in [folder.absolute(), *folder.absolute().parents] if not p.exists()]
+    return missing[-1:]
 
 
 def _check_place(field: str, folder: Path, config_path: Path) -> None:

@@ -58,7 +58,7 @@ import redis
 
 from scheduler import elastic
 from scheduler.environment import check_numeric_variables, check_redis_url, collect_exports
-from scheduler.errors import ClusterError, OneLineArgumentParser, UsageError
+from scheduler.errors import ClusterError, OneLineArgumentParser, UsageError, one_line
 from scheduler.jobs import JobCrashed, JobSpec, run_fixed
 from scheduler.hostfile import LOCAL_HOSTNAME, SLOT_WORKER_BYTES, local_pool, max_local_slots, read_hostfile
 from scheduler.launchers import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchSpec, MvapichLauncher, get_launcher,
@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(build_parser().parse_args(sys.argv[1:] if argv is None else list(argv)))
     except (UsageError, LocalClusterError) as exc:
-        print("error: " + " ".join(str(exc).split()), file=sys.stderr)
+        print("error: " + one_line(str(exc)), file=sys.stderr)
         return 2
     except JobCrashed as exc:
         print(f"error: the control worker failed on this run ({exc})", file=sys.stderr)
