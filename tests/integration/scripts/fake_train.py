@@ -24,6 +24,7 @@ parser.add_argument("--law", action="store_true",
                     help="memory grows 24 MiB per sample; throughput peaks at micro-batch 16, best at ZeRO-1")
 parser.add_argument("--per_device_train_batch_size", type=int)
 parser.add_argument("--gradient_accumulation_steps", type=int)
+parser.add_argument("--local_rank", type=int, help="given by DeepSpeed's launcher and by tuned runs")
 args = parser.parse_args()
 
 config_path = Path(args.deepspeed_config)

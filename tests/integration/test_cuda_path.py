@@ -1,0 +1,137 @@
+"""The CUDA path on a machine without a GPU: a fake nvidia-smi (tests/fake_gpu) lists GPUs, the real
+embedded cluster, real Celery workers and real rank processes run a stand-in CUDA script
+(scripts/cuda_rank_probe.py) that checks what a CUDA rank is given and fails as a real one would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SCRIPTS, run_autotune, stop_group, wait_for, write_config
+
+pytestmark = pytest.mark.integration
+FAKE_GPU_DIR = ROOT / "tests" / "fake_gpu"
+PROBE = SCRIPTS / "cuda_rank_probe.py"
+GiB = 2**30
+
+
+def gpu_env(**extra: str) -> dict[str, str]:
+    """A machine with three 16 GiB GPUs as far as every process we start can tell."""
+    return {"PATH": f"{FAKE_GPU_DIR}{os.pathsep}{os.environ['PATH']}", **extra}
+
+
+def probe_config(path: Path, sizes: list[int]) -> Path:
+    return write_config(path, train_micro_batch_size_per_gpu=sizes, autotuning={
+        "enabled": True, "metric": "throughput", "user_script": str(PROBE),
+        "user_args": ["--expect-cuda-index", "0,1,2"],
+        "model_info": {"num_params": 1000, "trainable_num_params": 1000, "activation_mem_per_gpu": GiB}})
+
+
+def test_three_fake_gpus_give_three_cuda_slots_and_each_rank_its_own_device(tmp_path: Path) -> None:
+    cfg = probe_config(tmp_path / "cfg.json", [1, 2])
+    done = run_autotune([str(cfg), "--num_gpus", "3"], cwd=tmp_path, env_extra=gpu_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "redis-server and 3 slot workers" in done.stdout  # one per GPU on a 2-core machine
+    results = tmp_path / "autotuning_results"
+    for name, mbs in (("z0_gas2_tmbspg1", 1), ("z0_gas1_tmbspg2", 2)):
+        record = json.loads((results / name / "result.json").read_text())
+        assert record["status"] == "ok", record
+        assert record["peak_device_bytes"] == (2 + mbs) * GiB  # measured inside the ranks, busiest rank
+        probes = [json.loads((results / name / f"probe.rank{rank}.json").read_text()) for rank in range(3)]
+        for rank, probe in enumerate(probes):
+            assert probe["cuda_visible_devices"] == "0,1,2" and probe["local_rank"] == rank
+            assert probe["slot"].endswith(f".gpu{rank}")
+            assert probe["local_rank_arg"] == rank  # --local_rank=N, as the final deepspeed command gives it
+            assert probe["cuda_device_order"] == "PCI_BUS_ID" and not probe["redis_url_leaked"]
+            assert probe["nccl_socket_ifname"] == "lo"
+    command = shlex.split((results / "cmd_optimal.txt").read_text())
+    assert command[:3] == ["deepspeed", "--include", "localhost:0,1,2"] and "--no_local_rank" not in command
+
+
+def test_inherited_visible_devices_are_honoured(tmp_path: Path) -> None:
+    """The autotuner runs with CUDA_VISIBLE_DEVICES=2,0: two slots, gpu0 is GPU 2 and gpu1 is GPU 0,
+    and a 2-rank experiment's ranks see "2,0", so LOCAL_RANK 0 picks GPU 2."""
+    cfg = probe_config(tmp_path / "cfg.json", [1])
+    data = json.loads(cfg.read_text())
+    data["autotuning"]["user_args"] = ["--expect-cuda-index", "2,0"]
+    cfg.write_text(json.dumps(data))
+    done = run_autotune([str(cfg), "--no_local_rank"], cwd=tmp_path,
+                        env_extra=gpu_env(CUDA_VISIBLE_DEVICES="2,0"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = tmp_path / "autotuning_results"
+    probes = [json.loads((results / "z0_gas1_tmbspg1" / f"probe.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [p["cuda_visible_devices"] for p in probes] == ["2,0", "2,0"]
+    assert [p["local_rank_arg"] for p in probes] == [None, None]
+    command = shlex.split((results / "cmd_optimal.txt").read_text())
+    assert command[:4] == ["deepspeed", "--include", "localhost:2,0", "--no_local_rank"]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["--slots", "4"], {}, "--slots 4: this machine has 3 usable GPU(s)"),
+        ([], {"FAKE_NVIDIA_SMI_OUTPUT": "0, GPU-a, 16384, Enabled"}, "GPU 0 has MIG enabled"),
+        ([], {"FAKE_NVIDIA_SMI_OUTPUT": "0, GPU-a, N/A, Disabled"}, "memory as 'N/A'"),
+        ([], {"FAKE_NVIDIA_SMI_OUTPUT": "garbage"}, "cannot read"),
+        ([], {"CUDA_VISIBLE_DEVICES": "MIG-4f1e"}, "MIG instance"),
+        ([], {"CUDA_VISIBLE_DEVICES": "7"}, "not a GPU of this node"),
+    ],
+)
+def test_unusable_gpus_are_refused_in_one_line(tmp_path: Path, args: list[str], env: dict[str, str],
+                                               says: str) -> None:
+    cfg = probe_config(tmp_path / "cfg.json", [1])
+    done = run_autotune([str(cfg), *args], cwd=tmp_path, env_extra=gpu_env(**env), timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and says in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "autotuning_results" / "cluster").exists()  # refused before anything started
+
+
+def test_a_worker_refuses_an_unusable_listing_with_exit_2(tmp_path: Path, redis_url: str) -> None:
+    """A slot worker started by hand on a node whose GPU has MIG enabled, or for a GPU it lacks."""
+    for queue, output in (("gpu0", "0, GPU-a, 16384, Enabled"), ("gpu3", None)):
+        env = {**os.environ, **gpu_env(AUTOTUNE_REDIS_URL=redis_url)}
+        if output is not None:
+            env["FAKE_NVIDIA_SMI_OUTPUT"] = output
+        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n",
+                                 f"{queue}@fakegpu", "-c", "1", "--without-gossip", "--without-mingle"],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            stop_group(proc, grace_s=5)
+        assert proc.returncode == 2, out + err
+        assert ("MIG enabled" if output else "gpu3: this node offers 3 GPU(s)") in err
+        assert "Traceback" not in err
+
+
+def test_cmd_optimal_launches_what_was_tuned(tmp_path: Path) -> None:
+    """cmd_optimal.txt, run as written by DeepSpeed's real launcher (DS_ACCELERATOR=cpu, three local
+    "devices"), starts the winner's ranks on the winner's devices with the tuned arguments."""
+    cfg = probe_config(tmp_path / "cfg.json", [1])
+    data = json.loads(cfg.read_text())
+    data["autotuning"]["user_args"] = ["--expect-cuda-index", "1,2"]
+    cfg.write_text(json.dumps(data))
+    done = run_autotune([str(cfg)], cwd=tmp_path, env_extra=gpu_env(CUDA_VISIBLE_DEVICES="1,2"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = tmp_path / "autotuning_results"
+    command = (results / "cmd_optimal.txt").read_text()
+    assert shlex.split(command)[:3] == ["deepspeed", "--include", "localhost:1,2"]
+    final = tmp_path / "final"
+    final.mkdir()
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "3", "PYTHONPATH": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    env.pop("AUTOTUNE_REDIS_URL", None)
+    ran = subprocess.run(["bash", "-c", command], cwd=final, env=env, capture_output=True, text=True, timeout=300)
+    config_dir = Path(shlex.split(command)[shlex.split(command).index("--deepspeed_config") + 1]).parent
+    probes = sorted(config_dir.glob("probe.rank*.json"))
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    facts = [json.loads(p.read_text()) for p in probes]
+    assert [(f["rank"], f["local_rank"], f["local_rank_arg"], f["cuda_visible_devices"]) for f in facts] == \
+        [(0, 0, 0, "1,2"), (1, 1, 1, "1,2")]
