@@ -35,7 +35,7 @@ from celery import chord
 from scheduler.backfill import Waiting, backfill, estimate_run_s, strict_fifo
 from scheduler.errors import ClusterError
 from scheduler.jobs import ATTEMPTS_TTL_S, JobSpec, active_specs, end, load_spec, publish, stop_launch
-from scheduler.placement import fits_ever, largest_shape, pinned_placement
+from scheduler.placement import fits_ever, is_loopback, largest_shape, pinned_placement
 from scheduler.space import Experiment
 from workers import keys
 from workers.gang import GangReservations
@@ -152,6 +152,12 @@ def refusal(exp: dict[str, Any], slots: list[Slot], kind: str = "") -> str:
         biggest = max(s.memory_bytes for s in slots)
         return (f"{exp['name']} needs slots with {memory / 2**30:.1f} GiB but the largest slot has "
                 f"{biggest / 2**30:.1f} GiB; ask for at most that (--min-slot-memory)")
+    if exp["num_nodes"] > 1:
+        loopback = sorted({s.node for s in fitting if is_loopback(s.address)})
+        if loopback and len({s.node for s in fitting}) >= exp["num_nodes"]:
+            return (f"{exp['name']} spans {exp['num_nodes']} nodes but node(s) {', '.join(loopback)} advertise a "
+                    "loopback address their peers cannot reach (they reach Redis over loopback); start their "
+                    "workers with AUTOTUNE_ADDRESS=<an address the other nodes reach>")
     nodes, per_node = largest_shape(fitting)
     return (f"{exp['name']} needs {exp['num_nodes']} node(s) x {exp['num_gpus']} slot(s) but the cluster has "
             f"{nodes} node(s) with at most {per_node} slot(s) each"

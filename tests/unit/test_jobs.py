@@ -2,6 +2,7 @@
 (`scheduler.dispatch.refusal`), and replay from a lookup (`scheduler.phases.replay`)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from scheduler.dispatch import refusal
@@ -54,6 +55,14 @@ def test_refusal_names_the_largest_shape_that_fits() -> None:
     too_big = refusal(exp("e", min_memory=3 * GiB), slots)
     assert "needs slots with 3.0 GiB but the largest slot has 2.0 GiB" in too_big
     assert refusal(exp("e"), []).startswith("no live slot workers")
+
+
+def test_refusal_names_the_kind_and_loopback_problems() -> None:
+    cpu = [slot("a", 0, GiB), slot("b", 0, GiB)]
+    assert "sized for CUDA slots but the cluster has only CPU slots" in refusal(exp("e"), cpu, "cuda")
+    local = [replace(s, address="127.0.0.1") if s.node == "b" else s for s in cpu]
+    assert "node(s) b advertise a loopback address" in refusal(exp("e", nodes=2), local, "cpu")
+    assert "AUTOTUNE_ADDRESS" in refusal(exp("e", nodes=2), local)
 
 
 def test_replay_stops_where_the_lookup_has_no_record() -> None:
