@@ -45,6 +45,9 @@ GPU_OVERHEAD_FLOOR = 2 * GiB
 GPU_OVERHEAD_SHARE = 0.06
 GPU_UNTRACKED_FLOOR = 1 * GiB
 GPU_UNTRACKED_SHARE = 0.025
+#: The slope from the analytical intercept to one measured size is trusted from this size up: an
+#: intercept off by e bytes moves it by e / mbs.
+PSEUDO_SLOPE_MIN_MBS = 8
 #: A fitted slope below this share of the profile's activation figure is not a memory that grows.
 MIN_GROWTH_SHARE = 0.25
 SAFETY = 0.95
@@ -375,7 +378,7 @@ def _prior_slope(model: MemoryModel, stage: int, observations: Mapping[int, Sequ
         if fit is not None and fit.points >= 2:
             return fit.slope
     measured = [(o.micro_batch_size, o.peak_bytes) for o in observations.get(stage, ()) if o.peak_bytes and not o.oom]
-    if measured:
+    if measured and max(measured)[0] >= PSEUDO_SLOPE_MIN_MBS:
         mbs, peak = max(measured)
         return max(profile, (peak - model.fixed_bytes(stage)) / mbs)
     return profile

@@ -34,7 +34,6 @@ import math
 from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler.memory import SAFETY
 from scheduler.ranking import metric_value
 from scheduler.space import Experiment
 
@@ -56,6 +55,10 @@ RACE_SIZE = 3
 #: Full mode explores the knobs of every stage whose fast-mode best is within this of the leader.
 FULL_MODE_BAND = 0.10
 REMEASURE_SUFFIX = "_r2"
+#: The share of the memory budget the top probe may fill. Closer to 1 than memory.SAFETY: the
+#: budget already leaves out the untracked reserve, the line is fitted on two of the stage's own
+#: sizes before the top is probed, and a failure only costs one launch and bounds the stage.
+TOP_SAFETY = 0.98
 
 
 def geometric_mid(low: int, high: int) -> int | None:
@@ -69,13 +72,13 @@ def geometric_mid(low: int, high: int) -> int | None:
 def full_step_sizes(samples_per_step: int | None, top: int) -> list[int]:
     """The sizes worth measuring up to `top`: with a samples-per-step limit L, the largest size for
     each accumulation g (L // g), since any smaller size with the same g only wastes part of the
-    step; without a limit every size."""
+    step; without a limit every size. `top` itself is always one (the largest that fits)."""
     if top < 1:
         return []
     if not samples_per_step:
         return list(range(1, top + 1))
     return sorted({samples_per_step // g for g in range(1, samples_per_step + 1)
-                   if 1 <= samples_per_step // g <= top})
+                   if 1 <= samples_per_step // g <= top} | {min(top, samples_per_step)})
 
 
 def snap(target: float, sizes: Sequence[int]) -> int:
@@ -131,7 +134,7 @@ def sampled_stages(session: _Session, stages: Sequence[int]) -> Step:
             explored.append(stage)
             continue
         inc_stage, inc_mbs = incumbent
-        upside = _at_cap(session, inc_stage, inc_mbs) and _top(session, stage) > inc_mbs
+        upside = _at_cap(session, explored, inc_mbs) and _top(session, stage) > inc_mbs
         if stage == 3 and not upside and any(s in (1, 2) for s in explored):
             continue  # ZeRO-3 moves more data than ZeRO-1/2 at equal size: it can only win on memory
         size = min(inc_mbs, _top(session, stage))
@@ -175,7 +178,7 @@ def _top(session: _Session, stage: int) -> int:
     ok = [m for m, v in values.items() if v is not None]
     failed = [m for m, v in values.items() if v is None]
     largest_ok = max(ok, default=0)
-    predicted = session.predicted_max(stage, SAFETY)
+    predicted = session.predicted_max(stage, TOP_SAFETY)
     if failed:
         smallest_failed = min(failed)
         if len(failed) >= MAX_FAILURES:
@@ -210,10 +213,11 @@ def _incumbent(session: _Session, stages: Sequence[int]) -> tuple[int, int] | No
     return None if best is None else (best[1], best[2])
 
 
-def _at_cap(session: _Session, stage: int, mbs: int) -> bool:
-    """Whether `mbs` is the largest size measured ok in its stage (the curve may rise beyond it)."""
-    values = _values(session, stage)
-    return mbs == max((m for m, v in values.items() if v is not None), default=0)
+def _at_cap(session: _Session, stages: Sequence[int], mbs: int) -> bool:
+    """Whether `mbs` is the largest size measured ok in any stage so far: the curve was still
+    rising where memory stopped it, so a stage holding larger sizes may do better."""
+    largest = max((m for stage in stages for m, v in _values(session, stage).items() if v is not None), default=0)
+    return mbs >= largest
 
 
 def _relative(value: float, reference: float, maximize: bool) -> float:

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from scheduler.memory import (
-    NO_LIMIT, Calibration, MemoryModel, ModelInfo, Observation, StageFit, StateBytes, TrainingSetup, bounds,
+    GPU_UNTRACKED_FLOOR, NO_LIMIT, overhead_from_profile, peak_grows, prior_overhead_bytes, untracked_reserve_bytes, Calibration, MemoryModel, ModelInfo, Observation, StageFit, StateBytes, TrainingSetup, bounds,
     calibrate, deepspeed_fp16, deepspeed_instantiation_bytes, deepspeed_max_micro_batch_size, deepspeed_stage_fits,
     mixed_precision, model_state_bytes, predict_max_micro_batch_size, stage_gate,
 )
@@ -147,13 +147,11 @@ def test_no_activation_growth_means_no_limit() -> None:
     ("points", "prior", "intercept", "slope", "distinct"),
     [
         ([(10, 5000)], 300, 2000, 300, 1),
-        ([(10, 3000), (20, 5000)], 999, 1000, 200, 2),
+        ([(10, 3000), (20, 5000)], 300, 1000, 200, 2),
         ([(1, 1100), (2, 1300), (3, 1300)], 0, 1033.333, 100, 3),
-        ([(10, 5000), (20, 4000)], 300, 4500, 0, 2),
         ([(10, 4000), (10, 5000)], 100, 3500, 100, 1),
     ],
-    ids=["one-point-keeps-prior-slope", "two-points-exact", "least-squares", "negative-slope-clamped",
-         "repeated-size-is-one-point"],
+    ids=["one-point-keeps-prior-slope", "two-points-exact", "least-squares", "repeated-size-is-one-point"],
 )
 def test_calibrate(points: list[tuple[int, int]], prior: float, intercept: float, slope: float,
                    distinct: int) -> None:
@@ -205,10 +203,12 @@ MEASURED = [Observation(10, 20000), Observation(20, 23000)]  # a = 17000, b = 30
         (FOUR, 1, {0: MEASURED}, 0.95, 55),  # carried: a = 17000 - 9000, (24700 - 8000) / 300 = 55.7
         (FOUR, 1, {0: MEASURED, 1: [Observation(50, oom=True)]}, 0.95, 49),
         (FOUR, 1, {0: MEASURED, 1: [Observation(10, 12000)]}, 0.95, 52),  # prior slope 300: a = 9000
-        (FOUR, 1, {1: [Observation(10, 12000)]}, 0.95, 137),  # prior slope 100: a = 11000
+        # one point at mbs >= 8: slope from the analytical intercept (7000) to it, 500 > the profile's 100
+        (FOUR, 1, {1: [Observation(10, 12000)]}, 0.95, 35),  # a = 7000: (24700 - 7000) / 500 = 35.4
+        (FOUR, 1, {1: [Observation(4, 12000)]}, 0.95, 131),  # below mbs 8: profile slope 100, a = 11600
     ],
     ids=["analytical", "own-fit", "own-fit-no-margin", "below-oom", "known-success", "oom-wins",
-         "oom-only", "carried-from-stage-0", "carried-then-bounded", "prior-from-other-stage", "prior-from-profile"],
+         "oom-only", "carried-from-stage-0", "carried-then-bounded", "prior-from-other-stage", "slope-to-the-analytical-intercept", "prior-from-profile"],
 )
 def test_predict_max_micro_batch_size(model: MemoryModel, stage: int, observations: dict[int, list[Observation]],
                                       safety: float, expected: int) -> None:
@@ -255,3 +255,45 @@ def test_deepspeed_precision_and_gate_edges() -> None:
     assert not deepspeed_stage_fits(info, 0, False, 1, 1, 16010).feasible  # needs strictly more
     assert deepspeed_stage_fits(info, 0, False, 1, 1, 16011).feasible
     assert deepspeed_max_micro_batch_size(ModelInfo(1000, 1000, 0), 0, False, 1, 1, 1) == NO_LIMIT
+
+
+# ---------------------------------------------------------------- peaks that do not grow, the opening estimate
+
+
+@pytest.mark.parametrize(
+    ("points", "prior", "grows"),
+    [
+        ([(10, 5000), (20, 4000)], 300, False),  # shrinking: not a device peak
+        ([(10, 5000), (40, 5030)], 300, False),  # flat host memory under a GPU job: 1 B/sample
+        ([(10, 5000), (40, 7400)], 300, True),  # 80 B/sample >= 25 % of the profile's 300
+        ([(10, 5000), (40, 6000)], 0, True),  # no profile figure: grows by 20 % of the peak
+        ([(10, 5000), (40, 5050)], 0, False),  # ... by 1 %: noise
+        ([(10, 5000)], 300, True),  # one size: nothing to tell
+    ],
+)
+def test_peak_grows(points: list[tuple[int, int]], prior: float, grows: bool) -> None:
+    observations = [Observation(m, peak) for m, peak in points]
+    assert peak_grows(observations, prior) is grows
+    assert (calibrate(observations, prior_slope=prior) is not None) is grows
+
+
+def test_a_flat_peak_is_never_fitted_so_the_model_decides() -> None:
+    flat = {0: [Observation(10, 5000), Observation(40, 5001)]}
+    assert predict_max_micro_batch_size(ONE, 0, 26000, flat, 0.95) == ONE.max_micro_batch_size(0, 26000)
+
+
+def test_overhead_from_profile_is_what_the_profile_held_beyond_states() -> None:
+    info = ModelInfo(1000, 1000, 100)
+    setup = TrainingSetup(world_size=4, mixed_precision=True)  # stage 3 states: 500 + 500 + 3000
+    assert overhead_from_profile(info, setup, 6000) == 6000 - 4000 - 100
+    assert overhead_from_profile(info, setup, 3000) == 0
+    assert overhead_from_profile(info, setup, None) is None
+
+
+def test_gpu_priors_scale_with_the_device() -> None:
+    assert prior_overhead_bytes(16 * GiB, host_memory=False) == 2 * GiB
+    assert prior_overhead_bytes(80 * GiB, host_memory=False) == int(0.06 * 80 * GiB)
+    assert prior_overhead_bytes(80 * GiB, host_memory=True) == 512 * 2**20
+    assert untracked_reserve_bytes(16 * GiB, host_memory=False) == GPU_UNTRACKED_FLOOR
+    assert untracked_reserve_bytes(80 * GiB, host_memory=False) == 2 * GiB
+    assert untracked_reserve_bytes(80 * GiB, host_memory=True) == 0
