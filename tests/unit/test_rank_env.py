@@ -1,0 +1,59 @@
+"""What a rank process is given (`workers.rank.rank_env`, `script_command`): the environment torchrun
+or DeepSpeed's launcher would set, bound to its slot and its gang's GPUs, without the worker's secrets."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers.rank import RankSpec, rank_env, script_command
+from workers.slot import Slot
+
+GiB = 2**30
+
+
+def spec(**overrides: object) -> RankSpec:
+    fields = dict(job="j", name="z1_gas1_tmbspg4", attempt="a", results_root="/r", script_argv=["t.py", "--x"],
+                  ds_config={}, rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, timeout_s=60.0)
+    return RankSpec(**{**fields, **overrides})
+
+
+CUDA = Slot("n2", 1, "cuda", 80 * GiB, "127.0.0.1", 8, (), "w@n2", cuda_index=6)
+CPU = Slot("n2", 1, "cpu", 2 * GiB, "127.0.0.1", 1, (1,), "w@n2")
+
+
+def test_a_cuda_rank_sees_its_gangs_gpus_and_its_local_rank_indexes_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOTUNE_REDIS_URL", "redis://:secret@10.0.0.1:6379/0")
+    monkeypatch.setenv("AUTOTUNE_SLOT_JSON", "{}")
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    env = rank_env(spec(cuda_indices=[4, 6]), CUDA, ("10.0.0.2", 29500), Path("/r/x/rank3.exit.json"))
+    assert env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["LOCAL_RANK"])] == "6"
+    assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]) == ("4,6", "PCI_BUS_ID")
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("3", "4", "2", "1")
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "lo"  # the interface holding the address
+    assert env["AUTOTUNE_EXIT_REPORT"] == "/r/x/rank3.exit.json"
+    assert "AUTOTUNE_REDIS_URL" not in env and "AUTOTUNE_SLOT_JSON" not in env
+
+
+def test_a_chosen_socket_interface_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert rank_env(spec(), CUDA, ("10.0.0.2", 29500))["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+def test_a_cpu_rank_sees_no_gpu() -> None:
+    env = rank_env(spec(cuda_indices=[]), CPU, ("127.0.0.1", 29500))
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and "CUDA_DEVICE_ORDER" not in env
+
+
+@pytest.mark.parametrize(
+    ("argv", "local_rank", "expected"),
+    [
+        (["t.py", "--x"], None, [sys.executable, "-m", "workers.entry", "t.py", "--x"]),
+        (["t.py", "--x"], 1, [sys.executable, "-m", "workers.entry", "t.py", "--local_rank=1", "--x"]),
+        (["./run.sh", "--x"], 0, ["./run.sh", "--local_rank=0", "--x"]),  # where DeepSpeed's launcher puts it
+    ],
+)
+def test_script_command(argv: list[str], local_rank: int | None, expected: list[str]) -> None:
+    assert script_command(argv, local_rank) == expected
