@@ -1,0 +1,171 @@
+"""Bad input through real processes: `python -m scheduler.autotune` / `scheduler.run` as a user runs them.
+
+The in-process corpus (tests/unit/test_bad_inputs.py) covers the breadth; this file checks what only a
+real interpreter shows (argparse's own exit path, recursion limits, signal handlers, the exit status)
+and the cases that need real servers: a results folder whose name would break or inject into
+redis-server's configuration, and a training script whose metrics are not numbers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from conftest import ROOT, SCRIPTS, processes_with_marker, wait_for
+from scheduler.folders import MARKER
+from workers.local_cluster import free_tcp_port, redis_config
+
+pytestmark = pytest.mark.integration
+
+BASE = {"train_micro_batch_size_per_gpu": [1], "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0},
+        "autotuning": {"enabled": True, "metric": "throughput", "user_script": str(SCRIPTS / "fake_train.py")}}
+
+
+def _config(folder: Path, **autotuning) -> str:
+    data = json.loads(json.dumps(BASE))
+    data["autotuning"].update(autotuning)
+    path = folder / "cfg.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): ("dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*"))}
+
+
+def _run(module: str, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full, capture_output=True,
+                          text=True, timeout=60)
+
+
+CASES = [
+    ("autotune", lambda w: [_config(w), "--bogus"], {}, "unrecognized arguments"),
+    ("autotune", lambda w: [_config(w), "--slots", "x"], {}, "--slots"),
+    ("autotune", lambda w: [_config(w), "--slots", "10000"], {}, "at most"),
+    ("autotune", lambda w: [_config(w), "--exp-timeout", "nan"], {}, "--exp-timeout"),
+    ("autotune", lambda w: [_config(w), "--exp-timeout", "inf"], {}, "--exp-timeout"),
+    ("autotune", lambda w: [_config(w, results_dir=".", overwrite=True)], {}, "the working folder"),
+    ("autotune", lambda w: [_config(w, results_dir="..", overwrite=True)], {}, "the working folder"),
+    ("autotune", lambda w: [_config(w, results_dir="data", overwrite="false")], {}, "autotuning.overwrite"),
+    ("autotune", lambda w: [_config(w, results_dir="data", overwrite=True)], {}, "not created by celery-autotune"),
+    ("autotune", lambda w: [_config(w, results_dir="notes.txt")], {}, "is a file"),
+    ("autotune", lambda w: [_config(w, results_dir="r\nport 1")], {}, "control character"),
+    ("autotune", lambda w: [_config(w, fast=None)], {}, "autotuning.fast"),
+    ("autotune", lambda w: [_config(w, tuner_num_trials=10**30)], {}, "autotuning.tuner_num_trials"),
+    ("autotune", lambda w: [str(_deep(w))], {}, "nested more than"),
+    ("autotune", lambda w: [_config(w)], {"AUTOTUNE_REDIS_URL": "redis://:pw@h:99999/0"}, "AUTOTUNE_REDIS_URL"),
+    ("autotune", lambda w: [_config(w)], {"AUTOTUNE_REDIS_URL": "not a url"}, "AUTOTUNE_REDIS_URL"),
+    ("autotune", lambda w: [_config(w)], {"AUTOTUNE_REDIS_URL": "redis://h:1/x"}, "database"),
+    ("autotune", lambda w: [_config(w)], {"AUTOTUNE_LEASE_S": "x"}, "AUTOTUNE_LEASE_S"),
+    ("autotune", lambda w: [_config(w), "--", str(_not_executable(w))], {}, "not executable"),
+    ("scheduler.run", lambda w: ["--timeout", "nan", "x.py"], {}, "--timeout"),
+    ("scheduler.run", lambda w: ["--bogus", "x.py"], {}, "--bogus"),
+    ("scheduler.run", lambda w: ["--hostfile", str(_hostfile(w, "h slots=1000000000")), "x.py"], {}, "at most 1024"),
+    ("scheduler.run", lambda w: ["--hostfile", str(_hostfile(w, f"h slots={10**20}")), "x.py"], {}, "at most 1024"),
+    ("scheduler.run", lambda w: ["--slots", "10000", str(SCRIPTS / "fake_train.py")], {}, "at most"),
+]
+
+
+def _deep(folder: Path) -> Path:
+    path = folder / "deep.json"
+    path.write_text('{"autotuning": {}, "x": ' + "[" * 10000 + "]" * 10000 + "}")
+    return path
+
+
+def _not_executable(folder: Path) -> Path:
+    path = folder / "train.sh"
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o644)
+    return path
+
+
+def _hostfile(folder: Path, text: str) -> Path:
+    path = folder / "hostfile"
+    path.write_text(text + "\n")
+    return path
+
+
+@pytest.mark.parametrize(("module", "make", "env", "needle"), CASES,
+                         ids=[f"{i}-{c[0]}-{c[3][:20]}" for i, c in enumerate(CASES)])
+def test_real_process_refuses_bad_input(tmp_path, module, make, env, needle):
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "dataset.csv").write_text("1,2\n")
+    (work / "notes.txt").write_text("notes")
+    args = make(work)
+    before = _snapshot(tmp_path)
+    proc = _run("scheduler.autotune" if module == "autotune" else module, args, work, env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("folder_name", ['with space "quote\' é', "newline\nrequirepass injected"])
+def test_redis_settings_cannot_be_injected(tmp_path, folder_name):
+    """What LocalCluster writes to redis-server's stdin: a value is one setting whatever it holds."""
+    folder = tmp_path / folder_name
+    folder.mkdir()
+    port = free_tcp_port()
+    proc = subprocess.Popen(["redis-server", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=folder, start_new_session=True)
+    try:
+        proc.stdin.write(redis_config([("port", str(port)), ("bind", "127.0.0.1"), ("dir", str(folder)),
+                                       ("save", ""), ("appendonly", "no")]))
+        proc.stdin.close()
+        client = redis.Redis(port=port, socket_timeout=2)
+        wait_for(client.ping, 10, "redis-server")
+        assert client.config_get("dir")["dir"] == str(folder)
+        assert client.config_get("requirepass")["requirepass"] == ""  # nothing injected
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+BAD_METRICS_SCRIPT = '''
+import argparse, json, pathlib
+parser = argparse.ArgumentParser()
+parser.add_argument("--deepspeed_config")
+config = json.loads(pathlib.Path(parser.parse_known_args()[0].deepspeed_config).read_text())
+text = {1: '{"throughput": NaN}', 2: '{"throughput": -5.0, "latency": 1.0}', 3: '{"throughput": "fast"}'}
+pathlib.Path(config["autotuning"]["metric_path"]).write_text(text[config["train_micro_batch_size_per_gpu"]])
+'''
+
+
+def test_unusable_metrics_never_win_and_the_report_says_why(tmp_path):
+    """A results folder named with a space, quotes and non-ASCII works (redis-server starts); metrics
+    of NaN, a negative number and a string are each `bad_metrics`, and the report names them."""
+    marker = secrets.token_hex(8)
+    (tmp_path / "train_bad.py").write_text(BAD_METRICS_SCRIPT)
+    results = tmp_path / 'res "a\' é'
+    data = json.loads(json.dumps(BASE))
+    data["train_micro_batch_size_per_gpu"] = [1, 2, 3]
+    data["autotuning"].update(user_script="train_bad.py", results_dir=str(results), exps_dir=str(results / "exps"),
+                              model_info={"num_params": 1000, "activation_mem_per_gpu": 1024})
+    (tmp_path / "cfg.json").write_text(json.dumps(data))
+    env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
+    env["AUTOTUNE_TEST_MARKER"] = marker
+    proc = subprocess.run([sys.executable, "-m", "scheduler.autotune", "cfg.json", "--slots", "1",
+                           "--slot-memory", "1GiB", "--exp-timeout", "120"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    records = {p.parent.name: json.loads(p.read_text()) for p in results.glob("*/result.json")}
+    assert {name: r["status"] for name, r in records.items()} == {
+        "z0_gas3_tmbspg1": "bad_metrics", "z0_gas1_tmbspg2": "bad_metrics", "z0_gas1_tmbspg3": "bad_metrics"}
+    assert not (results / "ds_config_optimal.json").exists()
+    assert "bad_metrics (3)" in proc.stdout and '"throughput" is' in proc.stdout, proc.stdout
+    assert (results / MARKER).is_file() and (results / "cluster" / "redis.log").is_file()
+    wait_for(lambda: not processes_with_marker(marker), 20, "every process of the run to exit")
