@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The README example on real GPUs: the CUDA path end to end, to run wherever a machine with at least
+# two NVIDIA GPUs is available (no GPU is lent to CI). Usage, from the repository root:
+#
+#     bash bench/gpu_smoke.sh            # examples/cfg.json: the GPT example, 2 ranks, ZeRO 0-3
+#
+# It sets up the venv (deploy/setup.sh; pip's torch is the CUDA build there), tunes the example on an
+# embedded cluster of one slot per GPU, 2 ranks per experiment, then checks what CPU tests cannot:
+#   1. every slot is a CUDA slot and every experiment ran on two distinct GPUs (ranks' cuda_index);
+#   2. no experiment crashed: a rank whose LOCAL_RANK named a device it could not see would crash
+#      in DeepSpeed's init_distributed / set_device ("invalid device ordinal");
+#   3. every successful experiment carries peak_device_bytes measured inside its ranks, growing with
+#      the micro-batch within a stage (what the memory model is fitted to);
+#   4. OOMs, if any, are classed `oom` (never `crashed`) and are the larger sizes of their stage;
+#   5. cmd_optimal.txt names the winner's GPUs (--include localhost:a,b) and, run as written by
+#      DeepSpeed's own launcher, trains to the end with exit status 0.
+# GPU_SMOKE_CONFIG and GPU_SMOKE_ARGS override the config and the autotuner's extra flags;
+# GPU_SMOKE_SKIP_FINAL=1 skips step 5 (for a dry run of the checks with tests/fake_gpu on PATH).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+config=$(realpath "${GPU_SMOKE_CONFIG:-examples/cfg.json}")
+
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "gpu_smoke: no nvidia-smi on this machine; run it where GPUs are" >&2
+    exit 2
+fi
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | grep -c . || true)
+if [ "$gpus" -lt 2 ]; then
+    echo "gpu_smoke: needs at least 2 GPUs, nvidia-smi lists $gpus" >&2
+    exit 2
+fi
+bash deploy/setup.sh
+work=$(mktemp -d /tmp/gpu_smoke.XXXXXX)
+echo "gpu_smoke: tuning $config on $gpus GPUs, 2 ranks per experiment, in $work"
+cd "$work"
+# shellcheck disable=SC2086
+"$root/.venv/bin/python" -m scheduler.autotune "$config" --num_gpus 2 ${GPU_SMOKE_ARGS:-} | tee tune.log
+
+"$root/.venv/bin/python" - "$work/autotuning_results" <<'EOF'
+import json, shlex, sys
+from collections import defaultdict
+from pathlib import Path
+
+results = Path(sys.argv[1])
+problems = []
+records = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
+by_stage = defaultdict(list)
+for line in records:
+    record = json.loads((results / line["name"] / "result.json").read_text())
+    ranks = record.get("ranks", [])
+    gpus = [r.get("cuda_index") for r in ranks]
+    if len(ranks) != 2 or None in gpus or len(set(gpus)) != 2:
+        problems.append(f"{record['name']}: ranks ran on GPUs {gpus}, not two distinct CUDA slots")
+    if record["status"] == "crashed":
+        problems.append(f"{record['name']}: crashed ({record.get('cause')})")
+    if record["status"] == "ok":
+        if not record.get("peak_device_bytes"):
+            problems.append(f"{record['name']}: no peak_device_bytes in an ok record")
+    mbs = record["ds_config"]["train_micro_batch_size_per_gpu"]
+    stage = record["ds_config"]["zero_optimization"]["stage"]
+    by_stage[stage].append((mbs, record["status"], record.get("peak_device_bytes") or 0))
+for stage, runs in sorted(by_stage.items()):
+    runs.sort()
+    peaks = [peak for _, status, peak in runs if status == "ok"]
+    if peaks != sorted(peaks):
+        problems.append(f"stage {stage}: device peaks do not grow with the micro-batch: {runs}")
+    ok_sizes = [m for m, status, _ in runs if status == "ok"]
+    oom_sizes = [m for m, status, _ in runs if status == "oom"]
+    if ok_sizes and oom_sizes and min(oom_sizes) <= max(ok_sizes):
+        problems.append(f"stage {stage}: an OOM at a size below one that fit: {runs}")
+    print(f"stage {stage}: " + ", ".join(f"mbs {m} {s} {p / 2**30:.2f} GiB" for m, s, p in runs))
+command = shlex.split((results / "cmd_optimal.txt").read_text())
+if command[:2] != ["deepspeed", "--include"] or not command[2].startswith("localhost:"):
+    problems.append(f"cmd_optimal.txt does not name the winner's GPUs: {command[:4]}")
+if problems:
+    print("gpu_smoke: FAILED\n  " + "\n  ".join(problems))
+    sys.exit(1)
+print(f"gpu_smoke: {len(records)} experiments checked; cmd_optimal: {' '.join(command[:3])}")
+EOF
+
+if [ "${GPU_SMOKE_SKIP_FINAL:-0}" != 1 ]; then
+    echo "gpu_smoke: running cmd_optimal.txt with DeepSpeed's launcher"
+    PATH="$root/.venv/bin:$PATH" bash -c "$(cat autotuning_results/cmd_optimal.txt)" > final.log 2>&1 \
+        || { tail -40 final.log; echo "gpu_smoke: FAILED: cmd_optimal.txt did not train"; exit 1; }
+    grep "final loss" final.log || { echo "gpu_smoke: FAILED: no final loss in final.log"; exit 1; }
+fi
+echo "gpu_smoke: passed (results in $work)"
