@@ -156,3 +156,13 @@ def test_a_peak_that_does_not_grow_is_not_fitted(family: str, seed: int) -> None
     for stage in range(4):
         failed = [r for r in launched if r["status"] != "ok" and r["name"].startswith(f"z{stage}_")]
         assert len(failed) <= 2, layout
+
+
+def test_summary_shows_crashes_above_a_success_as_too_large() -> None:
+    from scheduler.outputs import treated_as_too_large
+
+    def rec(status: str, stage: int, mbs: int) -> dict[str, Any]:
+        return {"status": status, "ds_config": {"zero_optimization": {"stage": stage},
+                                                 "train_micro_batch_size_per_gpu": mbs}}
+    records = [rec("ok", 1, 8), rec("crashed", 1, 16), rec("crashed", 1, 4), rec("crashed", 2, 16)]
+    assert treated_as_too_large(records) == 1
