@@ -5,6 +5,11 @@ the process group: RSS is summed over the whole tree, and every kill is a group 
 KILL. The group is also killed after a normal exit, so stragglers never outlive an experiment.
 Any BaseException while waiting (billiard's SystemExit on SIGTERM, a revoke, a time limit) kills the
 group before it propagates: a worker that stops never leaves a training process behind.
+
+A process that leaves the group (`setsid`, a double fork) escapes a group kill, so every launch also
+puts a token in its environment (CONTAINER_ENV) and, after the group, every live process still
+carrying that token is stopped too. A process that clears its environment escapes this; a cgroup
+per experiment would not, but needs a delegated cgroup tree that slot workers rarely have.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +29,7 @@ from workers.failure import KillReason
 POLL_S = 0.1
 ABORT_CHECK_EVERY = 5  #: polls between checks of the peer-abort flag (a Redis GET)
 KILL_GRACE_S = 3.0
+CONTAINER_ENV = "AUTOTUNE_CONTAINER"  #: per-launch token inherited by every descendant
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,36 @@ def kill_group(pgid: int, grace_s: float = KILL_GRACE_S) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def marked_processes(variable: str, token: str, since: float = 0.0) -> list[psutil.Process]:
+    """Live processes started at or after `since` whose environment has `variable`=`token`."""
+    found = []
+    for proc in psutil.process_iter(["create_time", "status"]):
+        try:
+            if proc.pid == os.getpid() or proc.info["create_time"] < since - 1.0:
+                continue
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.environ().get(variable) == token:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def kill_marked(variable: str, token: str, since: float = 0.0, grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM every process `marked_processes` finds, then SIGKILL what is left after `grace_s`."""
+    procs = marked_processes(variable, token, since)
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 def group_runs_slot(pgid: int, queue: str) -> bool:
@@ -118,6 +155,8 @@ def run_watched(
 ) -> LaunchResult:
     """Run `argv` (never a shell string) to completion or until a limit; see the module docstring."""
     started = time.time()
+    token = uuid.uuid4().hex
+    env = {**env, CONTAINER_ENV: token}
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         try:
             proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=err,
@@ -135,9 +174,11 @@ def run_watched(
     except BaseException:
         kill_group(proc.pid)
         proc.wait()
+        kill_marked(CONTAINER_ENV, token, started)
         raise
     kill_group(proc.pid)
     exit_code = proc.wait()
+    kill_marked(CONTAINER_ENV, token, started)
     return LaunchResult(exit_code, killed_for, peak, started, time.time())
 
 

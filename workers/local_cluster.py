@@ -33,7 +33,7 @@ from pathlib import Path
 import redis
 
 from workers import keys
-from workers.launch import kill_group
+from workers.launch import kill_group, kill_marked
 from workers.paths import write_json
 from workers.registry import connect, control_alive, live_slots
 
@@ -150,6 +150,8 @@ class LocalCluster:
             worker.wait()
         if client is not None:
             _kill_recorded_groups(client)
+        if self._workers:  # training processes that left their group (setsid) still carry our pid
+            kill_marked("AUTOTUNE_EXIT_WITH_PARENT", str(os.getpid()), grace_s=2.0)
         if self._redis is not None and self._redis.poll() is None:
             self._redis.terminate()
             try:
