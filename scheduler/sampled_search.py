@@ -22,7 +22,9 @@ near the memory cap; measurements carry about 2 % noise. So, per stage:
   smallest failed size; after a failure the next upward probe is the geometric midpoint, and a
   stage stops probing upward after `MAX_FAILURES` failures;
 - `race`: every config within `RACE_BAND` of the best (at most `RACE_SIZE`) is measured once more,
-  as `<name>_r2`, and the winner is picked on the mean (`scheduler.ranking.best` pools repeats).
+  as `<name>_r2`, one per phase (measured under the same conditions as the original, which ran
+  alone: repeats run side by side on shared hosts measure each other), and the winner is picked on
+  the mean (`scheduler.ranking.best` pools repeats).
 
 Pure decision logic (`next_size`, `geometric_mid`) is separate from the generator so it is tested
 directly; the generators only turn decisions into phases (one experiment each unless the slots
@@ -260,4 +262,5 @@ def race(session: _Session) -> Step:
     repeats = [Experiment(exp.name + REMEASURE_SUFFIX, exp.stage, exp.micro_batch_size,
                           exp.gradient_accumulation_steps, exp.ds_config, exp.num_nodes, exp.num_gpus,
                           exp.tuning_space) for exp in band]
-    yield from session.measure("race", repeats)
+    for index, repeat in enumerate(repeats, 1):  # one at a time: the originals ran alone, so must the repeats
+        yield from session.measure(f"race_{index}", [repeat])
