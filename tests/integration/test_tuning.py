@@ -29,7 +29,7 @@ def _config(tmp_path: Path, **autotuning) -> Path:
 
 
 def _env(hand_cluster, **extra):
-    return {"AUTOTUNE_REDIS_URL": hand_cluster["url"], "AUTOTUNE_LEASE_S": "6", **extra}
+    return {"AUTOTUNE_REDIS_URL": hand_cluster["url"], "AUTOTUNE_LEASE_S": "15", **extra}
 
 
 def _records(results: Path) -> dict[str, dict]:

@@ -326,7 +326,7 @@ def test_node_lost_mid_experiment(cluster, tmp_path):
     cfg.write_text(json.dumps(config))
     results = tmp_path / "autotuning_results"
     env = {**os.environ, "AUTOTUNE_REDIS_URL": cluster.url, "AUTOTUNE_TEST_MARKER": cluster.marker,
-           "AUTOTUNE_LEASE_S": "6"}
+           "AUTOTUNE_LEASE_S": "15"}
     argv = inside(cluster.hosts[0], [PYTHON, "-m", "scheduler.autotune", str(cfg), "--num_gpus", "1",
                                      "--exp-timeout", "60"])
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
