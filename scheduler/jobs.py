@@ -196,7 +196,7 @@ def watch(client: redis.Redis, app, spec: JobSpec, on_event: Callable[[dict[str,
                 control_down = not control_alive(client)
                 if control_down and not warned_no_control:
                     log.warning("no control worker is alive: the job waits until one starts "
-                                "(`celery -A tasks worker -Q control -n control@%%h`)")
+                                "(`celery -A tasks worker -Q control -n control@%s`)", "%h")
                 warned_no_control = control_down
             outage_since = None
         except (redis.ConnectionError, redis.TimeoutError) as exc:
