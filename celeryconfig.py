@@ -3,7 +3,8 @@
 The one required input is the Redis URL, from the environment (credentials never live in files):
 
     AUTOTUNE_REDIS_URL   redis://[:password@]host:port/db   broker, result backend and our state
-                         (default redis://127.0.0.1:6379/0)
+                         (required by workers: one without it refuses to start, exit status 2;
+                         the placeholder below only lets clients import the app)
     AUTOTUNE_VISIBILITY_TIMEOUT   seconds; must exceed the longest experiment (default 4 h)
 
 Experiments are long, expensive tasks that run one at a time per slot, so the defaults that suit
@@ -11,11 +12,11 @@ short web tasks are wrong here in several places.
 """
 import os
 
-REDIS_URL = os.environ.get("AUTOTUNE_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-broker_url = REDIS_URL
+# Only `broker_url` and `result_backend` hold the URL: Celery masks their passwords in
+# `inspect conf`, Flower and logs; any other module-level name would be shown in clear text.
+broker_url = os.environ.get("AUTOTUNE_REDIS_URL", "redis://127.0.0.1:6379/0")
 # Chords need a result backend; Redis gives native chord joins (no chord_unlock polling task).
-result_backend = REDIS_URL
+result_backend = broker_url
 broker_connection_retry_on_startup = True
 
 # Security: JSON only. Pickle would let anyone who can write to Redis run code on every slot.

@@ -41,6 +41,38 @@ def redis_client(conf) -> redis.Redis:
     return connect(conf.broker_url)
 
 
+@signals.celeryd_init.connect
+def refuse_without_redis(sender: str | None = None, **_: object) -> None:
+    """A worker without AUTOTUNE_REDIS_URL would silently serve a Redis on 127.0.0.1:6379, and one
+    with a wrong password would retry for minutes with a traceback: refuse at once, one line, exit 2.
+    An unreachable Redis is not refused (Celery retries: Redis may be starting)."""
+    from deploy.plan import check_redis_url, masked
+    from scheduler.errors import UsageError
+
+    try:
+        url = check_redis_url(os.environ.get("AUTOTUNE_REDIS_URL"))
+    except UsageError as exc:
+        _refuse_at_start(f"worker {sender}: {exc}")
+    try:
+        connect(url).ping()
+    except redis.AuthenticationError:
+        _refuse_at_start(f"worker {sender}: Redis at {masked(url)} refused the password in AUTOTUNE_REDIS_URL; "
+                "use the one given to redis-server --requirepass")
+    except redis.ResponseError as exc:
+        if "NOAUTH" in str(exc) or "AUTH" in str(exc):
+            _refuse_at_start(f"worker {sender}: Redis at {masked(url)} rejected AUTH ({exc}); put its password "
+                    "in AUTOTUNE_REDIS_URL as redis://:PASSWORD@HOST:PORT/0")
+        raise
+    except redis.RedisError as exc:
+        log.warning("Redis at %s is not reachable yet (%s); retrying", masked(url), exc)
+
+
+def _refuse_at_start(message: str) -> NoReturn:
+    """Before Celery set up logging: exactly one line on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
 @signals.celeryd_after_setup.connect
 def bind_and_register(sender: str, instance, conf, **_: object) -> None:
     queues = instance.app.amqp.queues
@@ -71,8 +103,11 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
                         orphans, slot.queue)
         _heartbeats.append(register_slot(client, slot))
         log.info("slot %s registered: %s", slot.queue, slot)
+        print(f"slot {slot.queue} registered: {slot.kind} device {slot.device}, "
+              f"{slot.memory_bytes / 2**30:.1f} GiB, address {slot.address}", flush=True)
     if "control" in queues.consume_from:
         _heartbeats.append(register_control(client, node, sender))
+        print(f"control worker {sender} registered", flush=True)
     parent = os.environ.get("AUTOTUNE_EXIT_WITH_PARENT")
     if parent:
         threading.Thread(target=exit_with_parent, args=(int(parent),), daemon=True,

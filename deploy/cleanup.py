@@ -1,0 +1,74 @@
+"""Terminate exactly the training process groups that experiments recorded, on their hosts.
+
+Why: a slot worker kills its own ranks' groups, and a restarted worker kills its predecessor's;
+but a worker that dies for good (or a node the scheduler gave up on) leaves its training processes
+running and holding the GPU. Each rank records its process group in Redis (`keys.pgid`); this
+module reads those records for a job or an experiment and asks each node to TERM the groups, wait
+a grace period, then KILL, and only groups that still run that slot (a reused PID is never hit).
+Never by process name. Used by `python -m deploy cleanup` and by the scheduler when a launch is
+lost or a job cancelled.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import redis
+
+from deploy.fabric_hosts import Hosts
+from deploy.plan import RecordedGroup, kill_options, launches_matching, pgid_keys, recorded_groups
+from workers import keys
+
+log = logging.getLogger(__name__)
+DEFAULT_GRACE_S = 5.0
+
+
+def running_launches(client: redis.Redis) -> dict[str, dict[str, dict]]:
+    """{job: {experiment: launch}} for every active job."""
+    found = {}
+    for job in (j.decode() for j in client.zrange(keys.JOBS, 0, -1)):
+        found[job] = {name.decode(): json.loads(raw)
+                      for name, raw in client.hgetall(keys.job_running(job)).items()}
+    return found
+
+
+def groups_of(client: redis.Redis, launches: list[tuple[str, dict]]) -> list[RecordedGroup]:
+    names = pgid_keys(launches)
+    values = client.mget(names) if names else []
+    pgids = {name: int(value) for name, value in zip(names, values) if value}
+    return recorded_groups(launches, pgids)
+
+
+def kill_recorded(hosts: Hosts, groups: list[RecordedGroup], grace_s: float = DEFAULT_GRACE_S) -> dict[str, object]:
+    """{node: its report (or error)} after TERM, grace, KILL of each node's groups."""
+    by_node: dict[str, list[RecordedGroup]] = {}
+    for group in groups:
+        by_node.setdefault(group.node, []).append(group)
+    answers = hosts.run_many({node: ("kill-groups", kill_options(node_groups, grace_s), None)
+                              for node, node_groups in by_node.items()}, timeout=grace_s + 60)
+    return {node: answer.data if answer.ok else answer.error for node, answer in answers.items()}
+
+
+def cleanup(client: redis.Redis, hosts: Hosts, target: str, grace_s: float = DEFAULT_GRACE_S) -> dict[str, object]:
+    """Clean up the groups of a job id or an experiment name."""
+    launches = launches_matching(running_launches(client), target)
+    return kill_recorded(hosts, groups_of(client, launches), grace_s)
+
+
+def clean_launch_in_background(client: redis.Redis, name: str, launch: dict) -> None:
+    """For the scheduler: kill a stopped launch's recorded groups on their hosts (SSH for remote
+    nodes, directly for this one) without blocking the caller; problems are logged, not raised."""
+    groups = groups_of(client, [(name, launch)])
+    if not groups:
+        return
+
+    def work() -> None:
+        import sys
+        from pathlib import Path
+
+        hosts = Hosts(repo=str(Path(__file__).resolve().parents[1]), python=sys.executable)
+        for node, report in kill_recorded(hosts, groups).items():
+            log.warning("cleanup of %s on %s: %s", name, node, report)
+
+    threading.Thread(target=work, daemon=True, name=f"cleanup {name}").start()

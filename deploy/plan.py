@@ -1,0 +1,191 @@
+"""What `python -m deploy` does on which host, decided without touching a network or a process.
+
+Why a separate module: choosing the workers of a hostfile selection, building the argv each host
+runs, checking the Redis URL and picking the process groups to clean up are decisions that must be
+right on a cluster nobody can test on; as pure functions they are unit-tested here, and the fabric
+layer (`deploy.fabric_hosts`) only carries their results over SSH.
+"""
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from scheduler.errors import UsageError
+from workers import keys
+from workers.slot import parse_queue, slot_queue
+
+CONTROL_QUEUE = "control"
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One long-running process `deploy up` starts on a host: a slot worker, the control worker or
+    Flower. `label` names its pidfile and log on that host."""
+
+    host: str
+    role: str  #: "slot" | "control" | "flower"
+    label: str
+    queue: str = ""
+    name: str = ""
+    device: int | None = None
+
+    @property
+    def slot(self) -> str:
+        """The queue this slot worker serves once started (`<node>.gpu<i>`); empty for others."""
+        return slot_queue(self.host, self.device) if self.role == "slot" and self.device is not None else ""
+
+
+def plan_workers(hosts: Mapping[str, Sequence[int]], control_host: str | None = None,
+                 flower: bool = False) -> list[WorkerPlan]:
+    """One slot worker per selected device (`-Q gpu<i> -n gpu<i>@<host>`), in hostfile order; the
+    control worker (and Flower next to it) on `control_host` when one is asked for."""
+    plans = [WorkerPlan(host, "slot", f"gpu{device}", queue=f"gpu{device}", name=f"gpu{device}@{host}",
+                        device=device)
+             for host, devices in hosts.items() for device in devices]
+    if control_host is not None:
+        plans.append(WorkerPlan(control_host, "control", CONTROL_QUEUE, queue=CONTROL_QUEUE,
+                                name=f"control@{control_host}"))
+        if flower:
+            plans.append(WorkerPlan(control_host, "flower", "flower"))
+    elif flower:
+        raise UsageError("--flower runs next to the control worker: add --control HOST")
+    return plans
+
+
+def by_host(plans: Iterable[WorkerPlan]) -> dict[str, list[WorkerPlan]]:
+    grouped: dict[str, list[WorkerPlan]] = {}
+    for plan in plans:
+        grouped.setdefault(plan.host, []).append(plan)
+    return grouped
+
+
+def check_redis_url(url: str | None, source: str = "AUTOTUNE_REDIS_URL") -> str:
+    """The cluster's Redis URL, or a UsageError naming what is wrong and how to fix it.
+
+    An empty password (`redis://:@host`) is refused: it is what an unset `$REDIS_PASSWORD` expands
+    to, and it would connect to a Redis that has no password at all."""
+    if not url:
+        raise UsageError(f"{source} is not set: export AUTOTUNE_REDIS_URL=redis://:PASSWORD@HOST:PORT/0 "
+                         "(see README, 'Running on a real cluster')")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
+        raise UsageError(f"{source} is not a Redis URL: expected redis://:PASSWORD@HOST:PORT/0")
+    try:
+        port = parsed.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise UsageError(f"{source}: the port must be 1-65535 (redis://:PASSWORD@HOST:PORT/0)")
+    if parsed.netloc.split("@")[0] == ":" or (parsed.password == "" and "@" in parsed.netloc):
+        raise UsageError(f"{source} has an empty password (is REDIS_PASSWORD set?): generate one with "
+                         "`openssl rand -hex 16` and give it to redis-server --requirepass")
+    return url
+
+
+def masked(url: str) -> str:
+    """The URL as it may be shown: the password replaced by `***`."""
+    parsed = urlparse(url)
+    if parsed.password is None:
+        return url
+    host = parsed.netloc.rsplit("@", 1)[1]
+    user = parsed.username or ""
+    return parsed._replace(netloc=f"{user}:***@{host}").geturl()
+
+
+def remote_command(python: str, repo: str, action: str, options: Sequence[str] = ()) -> str:
+    """The shell line a host runs for `deploy.remote <action>`: every word quoted, nothing secret
+    (the Redis URL travels in a 0600 environment file, never on a command line)."""
+    argv = [python, "-m", "deploy.remote", action, *options]
+    return f"cd {shlex.quote(repo)} && {shlex.join(argv)}"
+
+
+def up_request(plans: Sequence[WorkerPlan], env: Mapping[str, str],
+               flower_port: int | None = None) -> dict[str, object]:
+    """The JSON one host's `deploy.remote up` reads on stdin: secrets and the processes to start."""
+    workers = []
+    for plan in plans:
+        worker: dict[str, object] = {"role": plan.role, "label": plan.label, "node": plan.host}
+        if plan.role in ("slot", "control"):
+            worker.update(queue=plan.queue, name=plan.name)
+        if plan.role == "flower":
+            worker["port"] = flower_port
+        workers.append(worker)
+    return {"env": dict(env), "workers": workers}
+
+
+@dataclass(frozen=True)
+class RecordedGroup:
+    """A training process group a rank recorded in Redis: where it runs and what proves it is ours."""
+
+    node: str
+    queue: str
+    pgid: int
+    experiment: str
+
+
+def launches_matching(running: Mapping[str, Mapping[str, dict]], target: str) -> list[tuple[str, dict]]:
+    """(experiment, launch) pairs of `running` ({job: {experiment: launch}}) that `target` names:
+    a job id (all its running experiments) or an experiment name."""
+    found = []
+    for job, launches in running.items():
+        for name, launch in launches.items():
+            if target in (job, name):
+                found.append((name, launch))
+    return found
+
+
+def recorded_groups(launches: Iterable[tuple[str, dict]], pgids: Mapping[str, int]) -> list[RecordedGroup]:
+    """The groups of these launches whose pgid key is present (`pgids`: pgid key -> pgid)."""
+    groups = []
+    for name, launch in launches:
+        for queue, task_id in sorted(launch.get("rank_tasks", {}).items()):
+            pgid = pgids.get(keys.pgid(queue, task_id))
+            parsed = parse_queue(queue)
+            if pgid is None or parsed is None or parsed[0] is None:
+                continue
+            groups.append(RecordedGroup(parsed[0], queue, int(pgid), name))
+    return groups
+
+
+def pgid_keys(launches: Iterable[tuple[str, dict]]) -> list[str]:
+    return [keys.pgid(queue, task) for _, launch in launches
+            for queue, task in sorted(launch.get("rank_tasks", {}).items())]
+
+
+def kill_options(groups: Sequence[RecordedGroup], grace_s: float) -> list[str]:
+    """Options of `deploy.remote kill-groups`: each group as QUEUE=PGID, so the host checks the
+    group still runs that slot (a reused PID is never killed)."""
+    return ["--grace", f"{grace_s:g}", *[f"{g.queue}={g.pgid}" for g in groups]]
+
+
+def is_local(host: str, local_names: Iterable[str]) -> bool:
+    """Whether `host` is this machine (its processes are handled without SSH)."""
+    return host in LOCAL_NAMES or host in set(local_names)
+
+
+def registration_report(plans: Sequence[WorkerPlan], registered: Iterable[str],
+                        host_errors: Mapping[str, str], exits: Mapping[str, str]) -> list[str]:
+    """One line per host: all its slots registered, or which did not and why.
+
+    `host_errors`: host -> why nothing could be started there (SSH); `exits`: slot queue -> why its
+    worker ended (the last line of its log)."""
+    live = set(registered)
+    lines = []
+    for host, host_plans in by_host(plans).items():
+        slots = [p.slot for p in host_plans if p.role == "slot"]
+        if host in host_errors:
+            lines.append(f"{host}: FAILED: {host_errors[host]}")
+            continue
+        missing = [s for s in slots if s not in live]
+        if not missing:
+            extra = [p.role for p in host_plans if p.role != "slot"]
+            lines.append(f"{host}: ok: {len(slots)} slot(s) registered ({', '.join(slots) or '-'})"
+                         + (f"; {' and '.join(extra)} started" if extra else ""))
+        else:
+            why = "; ".join(f"{s}: {exits.get(s, 'not registered yet (still starting, or cannot reach Redis)')}"
+                            for s in missing)
+            lines.append(f"{host}: FAILED: {len(missing)} of {len(slots)} slot(s) not registered: {why}")
+    return lines

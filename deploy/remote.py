@@ -1,0 +1,210 @@
+"""The host side of `python -m deploy`: run on each host over SSH (or directly on the local one).
+
+Why a module and not shell snippets: starting a worker that outlives the SSH session, stopping it
+warm then cold, and killing a recorded process group only if it still runs our slot are small
+programs; written once in Python they behave the same on every host, take their arguments as an
+argv (nothing to quote wrongly) and answer in one JSON line that the deployer parses.
+
+Every process it starts gets its own session (no SIGHUP when SSH disconnects), its log and a
+pidfile (pid + start time, so a reused PID is never signalled) in the run folder. Secrets arrive
+on stdin (`up`) and are kept in a 0600 JSON file there; they never appear on a command line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from workers.launch import group_alive, group_runs_slot
+
+ENV_FILE = "env.json"
+COLD_GRACE_S = 15.0
+ALLOWED_ENV = frozenset({"AUTOTUNE_REDIS_URL", "FLOWER_BASIC_AUTH", "AUTOTUNE_SLOT_MEMORY",
+                         "AUTOTUNE_DEVICE_KIND", "AUTOTUNE_ADDRESS", "AUTOTUNE_SSH_CONFIG"})
+
+
+def _say(payload: object) -> None:
+    print(json.dumps(payload), flush=True)
+
+
+def _run_dir(path: str) -> Path:
+    run_dir = Path(path).expanduser()
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(run_dir, 0o700)
+    return run_dir
+
+
+def write_env(run_dir: Path, payload: dict[str, str]) -> None:
+    """Store the secrets a host's workers need, readable by this user only."""
+    unknown = set(payload) - ALLOWED_ENV
+    if unknown:
+        raise SystemExit(f"error: unexpected environment names {sorted(unknown)}")
+    target = run_dir / ENV_FILE
+    temp = run_dir / f".{ENV_FILE}.{os.getpid()}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(payload, out)
+    os.replace(temp, target)
+
+
+def _pidfile(run_dir: Path, label: str) -> Path:
+    return run_dir / f"{label}.pid"
+
+
+def _alive(run_dir: Path, label: str) -> psutil.Process | None:
+    """The process a pidfile names, if it still runs and is the one we started (same start time)."""
+    try:
+        record = json.loads(_pidfile(run_dir, label).read_text())
+        proc = psutil.Process(int(record["pid"]))
+        if abs(proc.create_time() - float(record["started"])) > 1.0 or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except (OSError, ValueError, KeyError, psutil.Error):
+        return None
+
+
+def _last_line(log: Path) -> str:
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(max(0, log.stat().st_size - 4096))
+            lines = [line.strip() for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors or lines or [""])[-1][:300]
+
+
+def up(run_dir: Path, request: dict) -> dict[str, object]:
+    """Store the secrets (`env`), then start every process of `workers` not already running."""
+    write_env(run_dir, request.get("env", {}))
+    return {worker["label"]: start(run_dir, worker) for worker in request.get("workers", [])}
+
+
+def start(run_dir: Path, worker: dict) -> dict[str, object]:
+    """Start one slot worker, control worker or Flower in its own session, logging to its file."""
+    label = worker["label"]
+    existing = _alive(run_dir, label)
+    if existing is not None:
+        return {"pid": existing.pid, "started": False, "note": "already running"}
+    secrets = json.loads((run_dir / ENV_FILE).read_text())
+    env = {**os.environ, **secrets, "PYTHONUNBUFFERED": "1", "AUTOTUNE_NODE": worker["node"]}
+    celery = [sys.executable, "-m", "celery", "-A", "tasks"]
+    if worker["role"] == "flower":
+        argv = [*celery, "flower", "--address=127.0.0.1", f"--port={int(worker['port'])}"]
+    else:
+        argv = [*celery, "worker", "-Q", worker["queue"], "-n", worker["name"], "-l", "INFO",
+                "-c", "2" if worker["role"] == "control" else "1"]
+    log = run_dir / f"{label}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    started = psutil.Process(proc.pid).create_time()
+    _pidfile(run_dir, label).write_text(json.dumps({"pid": proc.pid, "started": started,
+                                                    "role": worker["role"]}))
+    return {"pid": proc.pid, "started": True, "log": str(log)}
+
+
+def status(args: argparse.Namespace) -> dict[str, object]:
+    run_dir = _run_dir(args.run_dir)
+    report = {}
+    for pidfile in sorted(run_dir.glob("*.pid")):
+        label = pidfile.stem
+        proc = _alive(run_dir, label)
+        report[label] = {"running": proc is not None, "pid": proc.pid if proc else None,
+                         "last_log_line": _last_line(run_dir / f"{label}.log")}
+    return report
+
+
+def _wait_gone(procs: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=max(0.0, deadline - time.monotonic()))
+    return alive
+
+
+def stop(args: argparse.Namespace) -> dict[str, object]:
+    """Warm shutdown (SIGTERM: running experiments finish) until the deadline, then cold (SIGQUIT:
+    the running experiment's group is killed, its message requeued), then SIGKILL."""
+    run_dir = _run_dir(args.run_dir)
+    procs = {}
+    report: dict[str, object] = {}
+    for pidfile in sorted(run_dir.glob("*.pid")):
+        proc = _alive(run_dir, pidfile.stem)
+        if proc is None:
+            report[pidfile.stem] = "not running"
+            pidfile.unlink(missing_ok=True)
+        else:
+            procs[pidfile.stem] = proc
+    for proc in procs.values():
+        proc.send_signal(signal.SIGTERM)
+    alive = _wait_gone(list(procs.values()), time.monotonic() + args.deadline)
+    for proc in alive:
+        proc.send_signal(signal.SIGQUIT)
+    still = _wait_gone(alive, time.monotonic() + COLD_GRACE_S)
+    for proc in still:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _wait_gone(still, time.monotonic() + 5.0)
+    for label, proc in procs.items():
+        report[label] = ("killed" if proc in still else "cold shutdown" if proc in alive else "warm shutdown")
+        _pidfile(run_dir, label).unlink(missing_ok=True)
+    return report
+
+
+def kill_groups(args: argparse.Namespace) -> dict[str, object]:
+    """TERM each recorded group still running its slot, give it `grace` seconds, then KILL."""
+    report: dict[str, str] = {}
+    targets = []
+    for item in args.groups:
+        queue, _, pgid_text = item.rpartition("=")
+        pgid = int(pgid_text)
+        if not group_runs_slot(pgid, queue):
+            report[item] = "gone (no process of this group runs that slot)"
+            continue
+        os.killpg(pgid, signal.SIGTERM)
+        targets.append((item, pgid))
+    deadline = time.monotonic() + args.grace
+    while targets and time.monotonic() < deadline and any(group_alive(p) for _, p in targets):
+        time.sleep(0.05)
+    for item, pgid in targets:
+        if group_alive(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            report[item] = f"killed with SIGKILL after {args.grace:g}s (ignored SIGTERM)"
+        else:
+            report[item] = "terminated by SIGTERM"
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.remote")
+    sub = parser.add_subparsers(dest="action", required=True)
+    begin = sub.add_parser("up", help="stdin: {\"env\": {...}, \"workers\": [...]} (JSON)")
+    begin.add_argument("--run-dir", required=True)
+    state = sub.add_parser("status")
+    state.add_argument("--run-dir", required=True)
+    end = sub.add_parser("stop")
+    end.add_argument("--run-dir", required=True)
+    end.add_argument("--deadline", type=float, default=60.0)
+    kill = sub.add_parser("kill-groups")
+    kill.add_argument("--grace", type=float, default=5.0)
+    kill.add_argument("groups", nargs="*")
+    args = parser.parse_args(argv)
+    if args.action == "up":
+        _say(up(_run_dir(args.run_dir), json.loads(sys.stdin.read())))
+    else:
+        _say({"status": status, "stop": stop, "kill-groups": kill_groups}[args.action](args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
