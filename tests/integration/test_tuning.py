@@ -44,7 +44,7 @@ def test_fast_mode_all_stages(hand_cluster, tmp_path):
     records = _records(results)
     assert records["profile_model_info"]["status"] == "ok"
     summary = (results / "summary.txt").read_text()
-    for stage in range(4):
+    for stage in range(3):  # the sampled search runs ZeRO-3 only when its memory matters: not here
         assert f"| z{stage} " in summary
     # memory really limits the search: the script holds 24 MiB per sample, the slot cap is 1 GiB,
     # so every size above 42 that was tried ran out of memory and nothing above it succeeded
@@ -69,8 +69,8 @@ def test_full_mode_with_each_tuner(hand_cluster, tmp_path, tuner):
     trials = [line for line in proc.stdout.splitlines() if line.startswith("phase z1_") and "_trial" in line]
     assert trials, proc.stdout
     records = _records(tmp_path / "autotuning_results")
-    full = [r for r in records.values() if "_oc" in r["name"]]
-    assert 1 <= len(full) <= 4  # the trial cap
+    full = [r for r in records.values() if "_oc" in r["name"] and not r["name"].endswith("_r2")]
+    assert 1 <= len(full) <= 4  # the trial cap (the race's re-measurements are not trials)
     assert all(r["ds_config"]["zero_optimization"]["stage"] == 1 for r in full)
 
 
@@ -103,7 +103,7 @@ def test_the_job_goes_on_after_the_scheduler_is_killed(hand_cluster, tmp_path):
     assert not list(hand_cluster["client"].scan_iter(match=keys.gang("*")))  # no slot left reserved
     records = _records(results)
     assert len(records) > killed_with and all(r["status"] in ("ok", "oom") for r in records.values())
-    assert {f"| z{stage} " in (results / "summary.txt").read_text() for stage in range(4)} == {True}
+    assert {f"| z{stage} " in (results / "summary.txt").read_text() for stage in range(3)} == {True}
     before = _started(results)
     again = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, _env(hand_cluster))
     assert again.returncode == 0, again.stdout + again.stderr
