@@ -119,11 +119,22 @@ def backfill(queue: Sequence[Waiting], slots: Sequence[Slot], frees_at: Mapping[
         ends.update(dict.fromkeys(start.queues, now + item.estimate_s))
     head = reservation(blocked[0], slots, ends, now)
     busy = set(ends)
+    # Busy only grows during a pass, so a shape that found no room stays without room: later items
+    # of that shape are skipped without placing them again (a pass is O(items + shapes x slots)).
+    no_room: set[tuple] = set()
     for item in blocked[1:]:
+        if len(busy) >= len(slots):
+            break
+        within_shadow = head is None or now + item.estimate_s <= head.start_at
+        shape = (item.num_nodes, item.num_gpus, item.min_memory, item.kind, within_shadow)
+        if shape in no_room:
+            continue
         placement = _backfill_placement(item, slots, busy, head, now)
-        if placement is not None:
-            starts.append(Start(item.name, placement))
-            busy.update(starts[-1].queues)
+        if placement is None:
+            no_room.add(shape)
+            continue
+        starts.append(Start(item.name, placement))
+        busy.update(starts[-1].queues)
     return starts
 
 
@@ -134,12 +145,25 @@ def reservation(head: Waiting, slots: Sequence[Slot], frees_at: Mapping[str, flo
     Tries each estimated end time in order, as if every slot ending by then were free.
     """
     ends = {queue: max(end, now) for queue, end in frees_at.items()}
-    for moment in sorted({now, *ends.values()}):
-        still_busy = {queue for queue, end in ends.items() if end > moment}
-        placement = _place(slots, still_busy, head)
-        if placement is not None:
-            return Reservation(moment, frozenset(Start(head.name, placement).queues))
-    return None
+    moments = sorted({now, *ends.values()})
+
+    def placement_at(moment: float) -> list[list[Slot]] | None:
+        return _place(slots, {queue for queue, end in ends.items() if end > moment}, head)
+
+    # Fewer slots are busy at a later moment, so "fits by then" is monotone in time: the earliest
+    # moment is found by bisection, in O(log moments) placements instead of one per moment.
+    low, high = 0, len(moments)
+    while low < high:
+        middle = (low + high) // 2
+        if placement_at(moments[middle]) is None:
+            low = middle + 1
+        else:
+            high = middle
+    if low == len(moments):
+        return None
+    placement = placement_at(moments[low])
+    assert placement is not None
+    return Reservation(moments[low], frozenset(Start(head.name, placement).queues))
 
 
 def _backfill_placement(item: Waiting, slots: Sequence[Slot], busy: set[str], head: Reservation | None,

@@ -27,6 +27,7 @@ import logging
 import math
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -35,6 +36,7 @@ from celery import chord
 from scheduler.backfill import Waiting, backfill, estimate_run_s, strict_fifo
 from scheduler.errors import ClusterError
 from scheduler.jobs import ATTEMPTS_TTL_S, JobSpec, active_specs, end, load_spec, publish, stop_launch
+from scheduler.outputs import write_experiment_descriptions
 from scheduler.placement import fits_ever, is_loopback, largest_shape, pinned_placement
 from scheduler.space import Experiment
 from workers import keys
@@ -66,16 +68,17 @@ def dispatch(client: redis.Redis, app) -> None:
     slots = live_slots(client)
     gangs = GangReservations(client)
     busy = gangs.held([s.queue for s in slots])
-    waiting = sorted(((entry["seq"], spec, entry) for spec in specs for entry in _queued(client, spec)),
+    queued = {spec.job: _queued(client, spec) for spec in specs}
+    waiting = sorted(((entry["seq"], spec, entry) for spec in specs for entry in queued[spec.job]),
                      key=lambda item: item[0])
-    free_waiting, refused = [], set()
+    free_waiting, refused, fits = [], set(), {}
     for _, spec, entry in waiting:
         if spec.job in refused:
             continue
         if spec.pinned is not None:
             if not _start_pinned(client, app, spec, entry, slots, busy):
                 refused.add(spec.job)
-        elif _fits_or_refused(client, spec, entry, slots):
+        elif _fits_or_refused(client, spec, entry, slots, fits):
             free_waiting.append((spec, entry))
         elif load_spec(client, spec.job) is None:
             refused.add(spec.job)
@@ -94,7 +97,8 @@ def dispatch(client: redis.Redis, app) -> None:
         _start(client, app, spec, entry, placement, token)
         busy.update(queues)
     for spec in jobs.values():
-        _publish_state(client, spec)
+        still = {name.decode() for name in client.hkeys(keys.job_queue(spec.job))}  # names only: cheap
+        _publish_state(client, spec, [entry for entry in queued[spec.job] if entry["exp"]["name"] in still])
 
 
 def _queued(client: redis.Redis, spec: JobSpec) -> list[dict[str, Any]]:
@@ -120,13 +124,20 @@ def _start_pinned(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any]
     return True
 
 
-def _fits_or_refused(client: redis.Redis, spec: JobSpec, entry: dict[str, Any], slots: list[Slot]) -> bool:
+def _fits_or_refused(client: redis.Redis, spec: JobSpec, entry: dict[str, Any], slots: list[Slot],
+                     fits: dict[tuple, bool]) -> bool:
     """Whether the experiment's shape fits the live cluster at all. A job is refused at once when it
     has launched nothing yet; later, slots may only be re-registering (a worker or Redis restarting),
-    so the cluster gets REFUSE_GRACE_S to come back first."""
+    so the cluster gets REFUSE_GRACE_S to come back first. `fits` remembers each shape's answer (and
+    each job's cleared misfit) for the rest of the pass."""
     exp = entry["exp"]
-    if fits_ever(slots, exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0), spec.slot_kind):
-        client.hdel(keys.job_state(spec.job), "misfit_since")
+    shape = (exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0), spec.slot_kind)
+    if shape not in fits:
+        fits[shape] = fits_ever(slots, *shape)
+    if fits[shape]:
+        if ("cleared", spec.job) not in fits:
+            fits["cleared", spec.job] = True
+            client.hdel(keys.job_state(spec.job), "misfit_since")
         return True
     state = keys.job_state(spec.job)
     client.hsetnx(state, "misfit_since", time.time())
@@ -186,6 +197,8 @@ def _start(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], place
            token: str) -> None:
     """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first."""
     exp = Experiment.from_json(entry["exp"])
+    if spec.tune is not None:  # DeepSpeed's autotuning_exps/<name>.json, for each experiment launched
+        write_experiment_descriptions(Path(spec.tune.exps_dir), [exp])
     queues = [slot.queue for node in placement for slot in node]
     attempt = uuid.uuid4().hex
     exp_id = int(client.hincrby(keys.job_state(spec.job), "exp_ids", 1))
@@ -309,9 +322,9 @@ def _lose(client: redis.Redis, app, spec: JobSpec, name: str, running: dict[str,
     return True
 
 
-def _publish_state(client: redis.Redis, spec: JobSpec) -> None:
+def _publish_state(client: redis.Redis, spec: JobSpec, queued: list[dict[str, Any]]) -> None:
     """What `python -m scheduler.autotune --status` shows for the job (an active one)."""
-    queued = sorted(_queued(client, spec), key=lambda entry: entry["seq"])
+    queued = sorted(queued, key=lambda entry: entry["seq"])
     running = sorted(name.decode() for name in client.hkeys(keys.job_running(spec.job)))
     head = queued[0]["exp"] if queued else None
     waits = (f"needs {head['num_nodes']} node(s) x {head['num_gpus']} free slot(s) at once; "

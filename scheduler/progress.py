@@ -29,7 +29,7 @@ from scheduler.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
 from scheduler.fast_search import PROFILE, SearchSettings, fast_search
 from scheduler.jobs import JobSpec, end, load_spec, publish
-from scheduler.outputs import write_experiment_descriptions, write_results
+from scheduler.outputs import write_results
 from scheduler.phases import Phase, Search, replay
 from scheduler.space import Experiment
 from workers import keys
@@ -79,14 +79,11 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
     client.hset(keys.job_state(spec.job), "phase", current.name)
     if not todo:
         return
-    if spec.tune is not None:
-        write_experiment_descriptions(Path(spec.tune.exps_dir), todo)
-    pipe = client.pipeline()
-    for exp in todo:
-        entry = {"seq": client.incr(keys.SEQUENCE), "argv": argv_of(spec, exp),
-                 "exp": {**exp.to_json(), "min_memory": max(exp.min_memory, spec.min_memory)}}
-        pipe.hset(keys.job_queue(spec.job), exp.name, json.dumps(entry))
-    pipe.execute()
+    first_seq = int(client.incrby(keys.SEQUENCE, len(todo))) - len(todo) + 1  # one round trip for the block
+    entries = {exp.name: json.dumps({"seq": first_seq + i, "argv": argv_of(spec, exp),
+                                     "exp": {**exp.to_json(), "min_memory": max(exp.min_memory, spec.min_memory)}})
+               for i, exp in enumerate(todo)}
+    client.hset(keys.job_queue(spec.job), mapping=entries)
 
 
 def _announce(client: redis.Redis, spec: JobSpec, phase: Phase, todo: int, reused: int) -> None:

@@ -7,7 +7,7 @@ mutating it. Which experiments to run is decided by the searches (`fast_search`,
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -31,7 +31,8 @@ class Experiment:
     min_memory: int = 0  #: bytes every slot it runs on must offer (heterogeneous clusters)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a dict; `ds_config` is the same object (`asdict` would deep-copy it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Experiment:
@@ -56,8 +57,11 @@ def experiment_config(user_config: dict[str, Any], stage: int, mbs: int, gas: in
     """The user's config pinned to one point of the search, with profiling switched on.
 
     `dp_size` is the data-parallel degree (ranks / mp_size): train_batch_size = mbs * gas * dp_size.
+    The result is a new top-level dict with new `zero_optimization` and `autotuning` sections; its
+    other sections are the user's own objects, shared, not copied (a search builds thousands of
+    these): treat them as read-only and replace a section rather than change it in place.
     """
-    config = copy.deepcopy(user_config)
+    config = dict(user_config)
     config["train_micro_batch_size_per_gpu"] = mbs
     config["gradient_accumulation_steps"] = gas
     config["train_batch_size"] = mbs * gas * dp_size

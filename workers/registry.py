@@ -1,11 +1,14 @@
 """Slots announce themselves in Redis and keep announcing while they live.
 
-A registration is a hash with a short TTL that a heartbeat thread renews. A worker that dies
+A registration is one JSON string with a short TTL that a heartbeat thread renews (one string, not a
+hash: dispatch reads every slot on every pass, and one MGET of 1,024 small strings costs a few ms
+where 1,024 HGETALLs cost a hundred). A worker that dies
 (SIGKILL, node lost) simply stops renewing and its slot disappears from the cluster view within one
 TTL; a clean shutdown deletes it at once. Nobody has to notice the death for the view to be right.
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -50,10 +53,7 @@ class Heartbeat:
             log.warning("could not unregister %s: %s", self._key, exc)
 
     def _beat(self) -> None:
-        pipe = self._client.pipeline()
-        pipe.hset(self._key, mapping=self._fields)
-        pipe.pexpire(self._key, int(TTL_S * 1000))
-        pipe.execute()
+        self._client.set(self._key, json.dumps(self._fields), px=int(TTL_S * 1000))
 
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -77,11 +77,8 @@ def register_control(client: redis.Redis, node: str, worker: str) -> Heartbeat:
 
 def live_slots(client: redis.Redis) -> list[Slot]:
     """Every slot whose heartbeat is current, sorted by node then device."""
-    slots = []
-    for key in client.scan_iter(match=keys.SLOT_PATTERN, count=500):
-        fields = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
-        if fields:
-            slots.append(Slot.from_redis(fields))
+    found = list(client.scan_iter(match=keys.SLOT_PATTERN, count=1000))
+    slots = [Slot.from_redis(json.loads(raw)) for raw in (client.mget(found) if found else []) if raw]
     return sorted(slots, key=lambda s: (s.node, s.device))
 
 

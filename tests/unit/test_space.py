@@ -85,13 +85,19 @@ def test_experiment_ds_config(tmp_path: Path, dp_size: int, mbs: int, train_batc
             assert ours not in ds["autotuning"]
 
 
-def test_experiment_configs_are_independent(tmp_path: Path) -> None:
+def test_experiment_configs_own_the_sections_they_pin(tmp_path: Path) -> None:
+    """The sections an experiment sets (top level, zero_optimization, autotuning) are its own; the
+    others are the user's objects, shared read-only rather than deep-copied thousands of times."""
     cfg = tuning_config(tmp_path, USER_CONFIG)
     configs = _configs(cfg, 1)
-    configs[(1, 2)]["optimizer"]["params"]["lr"] = 99
     configs[(1, 2)]["zero_optimization"]["overlap_comm"] = False
-    assert configs[(1, 4)]["optimizer"]["params"]["lr"] == 1e-4
+    configs[(1, 2)]["autotuning"]["metric_path"] = "/elsewhere"
+    configs[(1, 2)]["gradient_accumulation_steps"] = 99
     assert configs[(1, 4)]["zero_optimization"]["overlap_comm"] is True
+    assert cfg.ds_config["zero_optimization"]["overlap_comm"] is True
+    assert "metric_path" not in configs[(1, 4)]["autotuning"] and "metric_path" not in cfg.ds_config["autotuning"]
+    assert cfg.ds_config["gradient_accumulation_steps"] != 99
+    assert configs[(1, 4)]["optimizer"] is cfg.ds_config["optimizer"]
 
 
 def test_user_config_not_mutated(tmp_path: Path) -> None:
