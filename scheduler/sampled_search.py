@@ -7,24 +7,30 @@ largest fitting size and later stages start where the previous stage ended, so a
 memory estimate that is often wrong. Throughput curves saturate, can peak in the middle and drop
 near the memory cap; measurements carry about 2 % noise. So, per stage:
 
-- the first stage searched (the lowest that fits) samples its range on a geometric scale: a low
-  size first (a quarter of the predicted maximum, so the stage's memory line has two measured
-  points before the top is probed), then the top, then golden-section-like refinement on log(mbs)
-  around the best measured size until its neighbours are within `REFINE_RATIO` of it; every size
-  gets gas = max_train_batch_size // (dp * mbs), so samples per step stay within the limit;
-- a later stage is first measured at the incumbent's size, which tells how it compares at equal
+- the lead stage (ZeRO-1 when data parallelism shards anything, `lead_first`; else the lowest that
+  fits) samples its range on a geometric scale: a low size first (a quarter of the predicted
+  maximum, so the stage's memory line has two measured points before the top is probed), then the
+  top, then golden-section-like refinement on log(mbs) around the best measured size until its
+  neighbours are within `REFINE_RATIO` of it, splitting the gaps between measured sizes before
+  going below the smallest; a top that the memory line later moves up is probed again only when it
+  is `TOP_GAIN` larger; every size gets gas = max_train_batch_size // (dp * mbs), so samples per
+  step stay within the limit, and the sizes sampled are the largest for each gas (`full_step_sizes`);
+- another stage is first measured at the incumbent's size, which tells how it compares at equal
   work. It is explored further only if the incumbent was the largest size its own stage could
-  hold and this stage holds more (the curve was still rising at the cap), or it is at least as
-  fast there (then its neighbourhood is refined); otherwise the measurement rules it out. ZeRO-3
-  moves strictly more data than ZeRO-1/2 at equal size, so it is not measured at all unless it can
-  hold larger sizes that matter, or no ZeRO-1/2 stage was measured;
+  hold and this stage holds more (the curve was still rising at the cap); otherwise the
+  measurement rules it out. ZeRO-3 moves strictly more data than ZeRO-1/2 at equal size, so it is
+  not measured at all unless it can hold larger sizes that matter, or no ZeRO-1/2 stage was measured;
 - the memory side follows `scheduler.memory`: predictions stay between the largest ok and the
   smallest failed size; after a failure the next upward probe is the geometric midpoint, and a
   stage stops probing upward after `MAX_FAILURES` failures;
-- `race`: every config within `RACE_BAND` of the best (at most `RACE_SIZE`) is measured once more,
-  as `<name>_r2`, one per phase (measured under the same conditions as the original, which ran
-  alone: repeats run side by side on shared hosts measure each other), and the winner is picked on
-  the mean (`scheduler.ranking.best` pools repeats).
+- `race`: when the best config and the runner-up are within `RACE_BAND` (a coin toss under the
+  noise), both are measured once more, as `<name>_r2`, one per phase (measured under the same
+  conditions as the original, which ran alone: repeats run side by side on shared hosts measure
+  each other), and the winner is picked on the mean (`scheduler.ranking.best` pools repeats).
+
+What the bench (bench/search_quality.py) shows this buys, and what it cannot: a single measurement
+per config with 2 % noise bounds the 10th percentile of the fraction of the optimum found below
+0.99 even for a search that measures every config of the space once (bench/README.md).
 
 Pure decision logic (`next_size`, `geometric_mid`) is separate from the generator so it is tested
 directly; the generators only turn decisions into phases (one experiment each unless the slots
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Generator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from scheduler.ranking import metric_value
 from scheduler.space import Experiment
@@ -44,16 +50,23 @@ if TYPE_CHECKING:
     from scheduler.phases import Phase
 
 Step = Generator["Phase", dict, Any]
+T = TypeVar("T")
 
 #: Refinement stops when the best size's measured neighbours are within this ratio of it.
 REFINE_RATIO = 1.45
 #: A stage stops probing upward after this many failed probes (the issue's target: at most 2).
 MAX_FAILURES = 2
+#: A larger top (the memory line moved up after a probe) is probed only if it is at least this much
+#: larger than the largest size measured: a few percent more samples per micro-step change the
+#: throughput by less than the measurement noise.
+TOP_GAIN = 1.1
 #: At most this many sizes are measured per stage (a guard; refinement normally stops earlier).
 MAX_POINTS = 7
-#: Configs within this fraction of the best are re-measured once before the winner is named.
-RACE_BAND = 0.04
-RACE_SIZE = 3
+#: The best config and the runner-up are re-measured once when they are closer than this: a coin
+#: toss under 2 % noise. Wider bands cost two launches on most scripts and, over the bench's
+#: surfaces, do not raise the share of searches within 1 % of the optimum.
+RACE_BAND = 0.005
+RACE_SIZE = 2
 #: Full mode explores the knobs of every stage whose fast-mode best is within this of the leader.
 FULL_MODE_BAND = 0.10
 REMEASURE_SUFFIX = "_r2"
@@ -101,21 +114,21 @@ def next_size(values: Mapping[int, float | None], sizes: Sequence[int], maximize
         return None
     top = sizes[-1]
     ok = sorted(m for m, v in values.items() if v is not None and m <= top)
-    if not ok or (top > ok[-1] and top not in values):
+    if not ok or (top >= ok[-1] * TOP_GAIN and top not in values):
         return top if top not in values else None
     best = max(ok, key=lambda m: (values[m] if maximize else -values[m], -m))
     index = ok.index(best)
     options: list[tuple[float, int]] = []
 
-    if index == 0:
-        below = [m for m in sizes if m < best and m not in values]
-        if below:
-            options.append((math.log(4), snap(max(1.0, best / 4), below)))
     gaps = ([(ok[index - 1], best)] if index else []) + ([(best, ok[index + 1])] if index + 1 < len(ok) else [])
     for low, high in gaps:
         inside = [m for m in sizes if low < m < high and m not in values]
         if inside and high / low > REFINE_RATIO:
             options.append((math.log(high / low), snap(math.sqrt(low * high), inside)))
+    if index == 0 and not options:
+        below = [m for m in sizes if m < best and m not in values]
+        if below:
+            options.append((math.log(4), snap(max(1.0, best / 4), below)))
     if not options:
         return None
     return max(options)[1]
@@ -127,7 +140,7 @@ def next_size(values: Mapping[int, float | None], sizes: Sequence[int], maximize
 def sampled_stages(session: _Session, stages: Sequence[int]) -> Step:
     """Every allowed stage, in order: sampled, followed from the incumbent, or ruled out."""
     explored: list[int] = []
-    for stage in stages:
+    for stage in lead_first(stages, session.settings.dp_size):
         if _top(session, stage) < 1:
             continue
         incumbent = _incumbent(session, explored)
@@ -144,6 +157,17 @@ def sampled_stages(session: _Session, stages: Sequence[int]) -> Step:
         explored.append(stage)
         if value is not None and upside:
             yield from _explore(session, stage, floor=size)
+
+
+def lead_first(stages: Sequence[int], dp_size: int) -> list[int]:
+    """The order stages are searched in: ZeRO-1 first when data parallelism shards anything (it holds
+    at least what ZeRO-0 holds, moves the same data and runs 1/dp of the optimizer step, so it is
+    the stage most likely to win and its curve is the one worth sampling), then the rest in order."""
+    ordered = list(stages)
+    if dp_size > 1 and 1 in ordered:
+        ordered.remove(1)
+        ordered.insert(0, 1)
+    return ordered
 
 
 def _explore(session: _Session, stage: int, floor: int = 0) -> Step:
@@ -244,23 +268,27 @@ def stages_near_leader(session: _Session, stages: Sequence[int]) -> list[tuple[i
             if _relative(value, top, st.maximize) >= -FULL_MODE_BAND]
 
 
+def to_remeasure(scored: Sequence[tuple[float, T]]) -> list[T]:
+    """The items to measure once more: the best and those within RACE_BAND of it (at most RACE_SIZE),
+    or none when the runner-up is further away. `scored`: (value, item), larger is better."""
+    ordered = sorted(scored, key=lambda pair: -pair[0])
+    if len(ordered) < 2:
+        return []
+    top = ordered[0][0]
+    band = [item for value, item in ordered if value >= top - RACE_BAND * abs(top)][:RACE_SIZE]
+    return band if len(band) >= 2 else []
+
+
 def race(session: _Session) -> Step:
-    """Re-measure the configs within RACE_BAND of the best (at most RACE_SIZE) once each."""
+    """Re-measure the configs `to_remeasure` names, one per phase."""
     st = session.settings
     scored: list[tuple[float, Experiment]] = []
     for exp, record in list(session.measured.values()):
         value = metric_value(record, st.metric)
         if value is not None and not exp.name.endswith(REMEASURE_SUFFIX) and exp.space != "profile_model_info":
             scored.append((value if st.maximize else -value, exp))
-    if len(scored) < 2:
-        return
-    scored.sort(key=lambda item: -item[0])
-    best = scored[0][0]
-    band = [exp for score, exp in scored if score >= best - RACE_BAND * abs(best)][:RACE_SIZE]
-    if len(band) < 2:
-        return
     repeats = [Experiment(exp.name + REMEASURE_SUFFIX, exp.stage, exp.micro_batch_size,
                           exp.gradient_accumulation_steps, exp.ds_config, exp.num_nodes, exp.num_gpus,
-                          exp.tuning_space) for exp in band]
+                          exp.tuning_space) for exp in to_remeasure(scored)]
     for index, repeat in enumerate(repeats, 1):  # one at a time: the originals ran alone, so must the repeats
         yield from session.measure(f"race_{index}", [repeat])

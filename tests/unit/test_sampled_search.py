@@ -11,7 +11,9 @@ from bench.surfaces import make_surface, user_config
 from scheduler.fast_search import PROFILE, SearchSettings, fast_search, too_large
 from scheduler.phases import drive, replay
 from scheduler.ranking import best
-from scheduler.sampled_search import REMEASURE_SUFFIX, full_step_sizes, geometric_mid, next_size, snap
+from scheduler.sampled_search import (
+    REMEASURE_SUFFIX, full_step_sizes, geometric_mid, lead_first, next_size, snap, to_remeasure,
+)
 from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner, layout
 
 
@@ -46,6 +48,9 @@ def test_geometric_mid_and_snap() -> None:
         ({1: 1.0, 4: 2.0, 8: 1.5, 16: 1.0}, [1, 2, 4, 8, 16], 2),
         ({2: 1.0, 4: 2.0, 8: 1.5, 16: 1.0}, [1, 2, 4, 8, 16], None),  # neighbours within REFINE_RATIO... by size
         ({8: 1.0, 16: None}, [1, 2, 4, 8], 2),  # failures are not neighbours; best smallest: go lower
+        ({4: 2.0, 64: 1.0}, [1, 2, 4, 8, 16, 32, 64], 16),  # best smallest: the gap above is split first
+        ({4: 1.0, 60: 2.0}, [1, 2, 4, 8, 16, 32, 64], 16),  # a top within TOP_GAIN of a measured size is left
+        ({4: 1.0, 58: 2.0}, [1, 2, 4, 8, 16, 32, 64], 64),  # ... and one TOP_GAIN larger is probed
     ],
 )
 def test_next_size(values: dict[int, float | None], sizes: list[int], expected: int | None) -> None:
@@ -113,13 +118,35 @@ def test_a_failed_size_is_never_exceeded_again_in_its_stage(failure: str) -> Non
             assert all(m < min(failed) for m in later)
 
 
-def test_race_re_measures_the_top_and_ranking_pools_repeats() -> None:
-    phases, runner = run(sampled())
+def test_only_a_near_tie_is_re_measured() -> None:
+    assert to_remeasure([(100.0, "a"), (99.7, "b"), (99.6, "c")]) == ["a", "b"]  # RACE_SIZE: the best two
+    assert to_remeasure([(99.7, "b"), (100.0, "a")]) == ["a", "b"]
+    assert to_remeasure([(100.0, "a"), (99.0, "b")]) == []  # 1 % apart: the measurement decides
+    assert to_remeasure([(100.0, "a")]) == []
+
+
+def test_race_repeats_run_alone_with_the_original_config() -> None:
+    class Tied(Law):
+        def run(self, exp) -> dict[str, Any]:
+            record = super().run(exp)
+            if record["status"] == "ok" and exp.name != PROFILE:
+                record["metrics"] = {**record["metrics"], "throughput": 100.0 + exp.micro_batch_size * 1e-6}
+            return record
+
+    phases, runner = run(sampled(), Tied())
     race = [p for p in phases if p.name.startswith("race_")]
-    assert 2 <= len(race) <= 3 and all(len(p.experiments) == 1 for p in race)
+    assert len(race) == 2 and all(len(p.experiments) == 1 for p in race)
     for exp in (e for p in race for e in p.experiments):
         original = exp.name[: -len(REMEASURE_SUFFIX)]
         assert runner.records[original]["ds_config"] == exp.ds_config
+
+
+def test_zero_1_leads_when_data_parallel() -> None:
+    assert lead_first((0, 1, 2, 3), 4) == [1, 0, 2, 3]
+    assert lead_first((0, 1, 2, 3), 1) == [0, 1, 2, 3]
+    assert lead_first((0, 2), 4) == [0, 2]
+    phases, _ = run(sampled())
+    assert phases[1].experiments[0].stage == 1
 
 
 def test_pooled_means_decide_the_winner() -> None:
@@ -166,3 +193,38 @@ def test_summary_shows_crashes_above_a_success_as_too_large() -> None:
                                                  "train_micro_batch_size_per_gpu": mbs}}
     records = [rec("ok", 1, 8), rec("crashed", 1, 16), rec("crashed", 1, 4), rec("crashed", 2, 16)]
     assert treated_as_too_large(records) == 1
+
+
+def _launches(surface) -> list[tuple[str, str]]:
+    settings = SearchSettings(ds_config=user_config(surface), capacity_bytes=surface.capacity, stages=(0, 1, 2, 3),
+                              num_gpus=surface.world, max_train_batch_size=surface.max_train_batch_size,
+                              peak_memory_key="peak_device_bytes")
+    launched: list[tuple[str, str]] = []
+
+    def run_phase(phase):
+        out = {e.name: surface.run(e.name, e.ds_config, profile=e.name == PROFILE) for e in phase.experiments}
+        launched.extend((name, record["status"]) for name, record in out.items())
+        return out
+
+    drive(fast_search(settings), run_phase)
+    return launched
+
+
+def test_a_crash_above_a_success_steers_the_whole_search_as_an_oom_does() -> None:
+    """A script that prints the CUDA OOM traceback and exits 1 (`crashed`) must cost no more probes than
+    one whose OOM is recognised: where every failure lies above a success of its stage, both searches
+    launch the same experiments (a crash not taken as a bound is not carried to the next stage, which
+    then probes past it)."""
+    compared = 0
+    for family in ("monotone", "cliff", "large-model", "small-model"):
+        for seed in range(40):
+            surface = make_surface(family, seed)
+            as_oom = _launches(replace(surface, failure_status="oom"))
+            failures = [name for name, status in as_oom if status != "ok"]
+            stage_ok = {name.split("_")[0] for name, status in as_oom if status == "ok"}
+            if not failures or any(name.split("_")[0] not in stage_ok for name in failures):
+                continue
+            as_crash = _launches(replace(surface, failure_status="crashed"))
+            assert [name for name, _ in as_crash] == [name for name, _ in as_oom], (family, seed)
+            compared += 1
+    assert compared >= 10
