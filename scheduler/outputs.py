@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from tabulate import tabulate
 
-from scheduler.ranking import best, metric_value, status_counts
+from scheduler.ranking import best, metric_value, pooled_best, status_counts
 from scheduler.space import Experiment, optimal_config
 from workers.failure import Status
 from workers.paths import safe_child, write_atomic, write_json
@@ -42,7 +42,8 @@ def write_experiment_descriptions(exps_dir: Path, experiments: list[Experiment])
 
 def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any]], metric: str,
                  maximize: bool, elapsed_s: float) -> str:
-    """DeepSpeed's summary table (one row per ZeRO stage, then global) and our extra columns."""
+    """DeepSpeed's summary table (one row per ZeRO stage, then global) and our extra columns. The best
+    value is the mean the winner was picked on (a re-measured config: "(mean of 2)" after its name)."""
     spaces: dict[str, list[dict[str, Any]]] = {}
     for exp in experiments:
         if exp.name in records and exp.space != PROFILE_SPACE:
@@ -50,15 +51,14 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     tuned = [r for space_records in spaces.values() for r in space_records]
     rows = []
     for space, space_records in [*spaces.items(), ("global", tuned)]:
-        winner = best(space_records, metric, maximize)
+        winner, mean, measured = pooled_best(space_records, metric, maximize)
         counts = status_counts(space_records)
         bounded = treated_as_too_large(space_records)
         if bounded:
             counts["crashed"] -= bounded
             counts["crashed (treated as too large)"] = bounded
         rows.append([space, len(space_records),
-                     metric_value(winner, metric) if winner else None,
-                     winner["name"] if winner else None,
+                     mean, f"{winner['name']} (mean of {measured})" if measured > 1 else winner["name"] if winner else None,
                      round(sum(r.get("wall_s", 0.0) or 0.0 for r in space_records), 1),
                      ", ".join(f"{k}={counts[k]}" for k in [*FAILURE_CLASSES, "crashed (treated as too large)"]
                                if counts[k]) or "-"])

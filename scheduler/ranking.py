@@ -26,6 +26,13 @@ def metric_value(record: dict[str, Any], metric: str) -> float | None:
 
 def best(records: list[dict[str, Any]], metric: str, maximize: bool) -> dict[str, Any] | None:
     """The first record of the config with the best mean metric, or None if none succeeded."""
+    return pooled_best(records, metric, maximize)[0]
+
+
+def pooled_best(records: list[dict[str, Any]], metric: str,
+                maximize: bool) -> tuple[dict[str, Any] | None, float | None, int]:
+    """(the first record of the best config, its mean metric, how many measurements the mean pools):
+    what a summary must show, since the winner was picked on the mean, not on one measurement."""
     groups: dict[str, list[Any]] = {}  #: config -> [first successful record, values]
     for record in records:
         value = metric_value(record, metric)
@@ -36,12 +43,12 @@ def best(records: list[dict[str, Any]], metric: str, maximize: bool) -> dict[str
             groups[key][1].append(value)
         else:
             groups[key] = [record, [value]]
-    best_record, best_value = None, None
+    best_record, best_value, count = None, None, 0
     for record, values in groups.values():
         value = sum(values) / len(values)
         if best_value is None or (value > best_value if maximize else value < best_value):
-            best_record, best_value = record, value
-    return best_record
+            best_record, best_value, count = record, value, len(values)
+    return best_record, best_value, count
 
 
 def _config_key(record: dict[str, Any]) -> str:

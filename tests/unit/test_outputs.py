@@ -101,6 +101,15 @@ def test_summary_rows_per_stage_then_global(metric: str, maximize: bool, expecte
     assert f"Metric: {metric} ({'max' if maximize else 'min'})." in text
 
 
+def test_summary_shows_the_mean_the_winner_was_picked_on() -> None:
+    original = EXPS[3]
+    repeat = Experiment(original.name + "_r2", 1, 2, 1, original.ds_config, 1, 2)
+    records = {**RECORDS, repeat.name: make_record(repeat, "ok", 3.0, throughput=22.0, latency=0.6)}
+    rows = {r[0]: r for r in table_rows(summary_text([*EXPS, repeat], records, "throughput", True, 10.0))}
+    assert num(rows["global"][2]) == 21.0 and rows["global"][3] == f"{original.name} (mean of 2)"
+    assert num(rows["z0"][2]) == 10.5 and rows["z0"][3] == EXPS[0].name
+
+
 def test_summary_total_line() -> None:
     text = summary_text(EXPS, RECORDS, "throughput", True, 65.0)
     assert text.endswith("\n\nTuning completed in 0:01:05. Total number of experiments: 4. "
