@@ -18,6 +18,7 @@ there in a 0600 file, never on a command line. SSH user, port and key come from 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import sys
@@ -102,7 +103,7 @@ def up(args: argparse.Namespace, url: str) -> int:
     grouped = by_host(plans)
     answers = _hosts(args).run_many({
         host: ("up", ["--run-dir", args.run_dir],
-               _json(up_request(host_plans, {**env, **({"FLOWER_BASIC_AUTH": f"{FLOWER_USER}:{flower_password}"}
+               json.dumps(up_request(host_plans, {**env, **({"FLOWER_BASIC_AUTH": f"{FLOWER_USER}:{flower_password}"}
                                                        if any(p.role == "flower" for p in host_plans) else {})},
                                 args.flower)))
         for host, host_plans in grouped.items()})
@@ -134,7 +135,8 @@ def _exited(args: argparse.Namespace, waiting: Sequence) -> dict[str, str]:
     """Slot queue -> why its worker ended, for waiting slots whose worker process is gone."""
     found = {}
     hosts = {p.host for p in waiting}
-    answers = _hosts(args).run_many({h: ("status", ["--run-dir", args.run_dir], None) for h in hosts})
+    answers = _hosts(args).run_many({h: ("status", ["--run-dir", args.run_dir, "--node", h], None)
+                                     for h in hosts})
     for plan in waiting:
         report = answers[plan.host].data if answers[plan.host].ok else None
         entry = report.get(plan.label) if isinstance(report, dict) else None
@@ -150,7 +152,8 @@ def status(args: argparse.Namespace, url: str) -> int:
     live = {slot.queue: slot for slot in live_slots(client)}
     busy = {queue: name for launches in running_launches(client).values()
             for name, launch in launches.items() for queue in launch.get("queues", [])}
-    answers = _hosts(args).run_many({h: ("status", ["--run-dir", args.run_dir], None) for h in hosts_devices})
+    answers = _hosts(args).run_many({h: ("status", ["--run-dir", args.run_dir, "--node", h], None)
+                                     for h in hosts_devices})
     for plan in plans:
         answer = answers[plan.host]
         proc = answer.data.get(plan.label) if answer.ok and isinstance(answer.data, dict) else None
@@ -168,10 +171,15 @@ def status(args: argparse.Namespace, url: str) -> int:
     return 0 if all(p.slot in live for p in plans) else 1
 
 
+def _with_control(args: argparse.Namespace, hosts_devices: dict[str, list[int]]) -> list[str]:
+    return list(hosts_devices) + ([args.control] if args.control and args.control not in hosts_devices else [])
+
+
 def down(args: argparse.Namespace) -> int:
     hosts_devices = selected_hosts(args)
     answers = _hosts(args).run_many(
-        {h: ("stop", ["--run-dir", args.run_dir, "--deadline", f"{args.deadline:g}"], None) for h in hosts_devices},
+        {h: ("stop", ["--run-dir", args.run_dir, "--node", h, "--deadline", f"{args.deadline:g}"], None)
+         for h in _with_control(args, hosts_devices)},
         timeout=args.deadline + 60)
     return _print_per_host(answers)
 
@@ -187,12 +195,6 @@ def _print_per_host(answers: dict[str, Answer]) -> int:
         else:
             print(f"{host}: " + "; ".join(f"{label} {what}" for label, what in answer.data.items()))
     return 1 if failed else 0
-
-
-def _json(payload: object) -> str:
-    import json
-
-    return json.dumps(payload)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,7 +23,8 @@ LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 @dataclass(frozen=True)
 class WorkerPlan:
     """One long-running process `deploy up` starts on a host: a slot worker, the control worker or
-    Flower. `label` names its pidfile and log on that host."""
+    Flower. `label` names its pidfile and log on that host; it carries the node name, so hosts that
+    share a home directory (NFS) never share a pidfile."""
 
     host: str
     role: str  #: "slot" | "control" | "flower"
@@ -42,14 +43,14 @@ def plan_workers(hosts: Mapping[str, Sequence[int]], control_host: str | None = 
                  flower: bool = False) -> list[WorkerPlan]:
     """One slot worker per selected device (`-Q gpu<i> -n gpu<i>@<host>`), in hostfile order; the
     control worker (and Flower next to it) on `control_host` when one is asked for."""
-    plans = [WorkerPlan(host, "slot", f"gpu{device}", queue=f"gpu{device}", name=f"gpu{device}@{host}",
-                        device=device)
+    plans = [WorkerPlan(host, "slot", slot_queue(host, device), queue=f"gpu{device}",
+                        name=f"gpu{device}@{host}", device=device)
              for host, devices in hosts.items() for device in devices]
     if control_host is not None:
-        plans.append(WorkerPlan(control_host, "control", CONTROL_QUEUE, queue=CONTROL_QUEUE,
+        plans.append(WorkerPlan(control_host, "control", f"{control_host}.control", queue=CONTROL_QUEUE,
                                 name=f"control@{control_host}"))
         if flower:
-            plans.append(WorkerPlan(control_host, "flower", "flower"))
+            plans.append(WorkerPlan(control_host, "flower", f"{control_host}.flower"))
     elif flower:
         raise UsageError("--flower runs next to the control worker: add --control HOST")
     return plans

@@ -111,10 +111,15 @@ def start(run_dir: Path, worker: dict) -> dict[str, object]:
     return {"pid": proc.pid, "started": True, "log": str(log)}
 
 
+def _pidfiles(run_dir: Path, node: str) -> list[Path]:
+    """The pidfiles of `node`'s processes (labels are `<node>.<what>`; a shared home holds several)."""
+    return sorted(p for p in run_dir.glob("*.pid") if p.stem.rsplit(".", 1)[0] == node)
+
+
 def status(args: argparse.Namespace) -> dict[str, object]:
     run_dir = _run_dir(args.run_dir)
     report = {}
-    for pidfile in sorted(run_dir.glob("*.pid")):
+    for pidfile in _pidfiles(run_dir, args.node):
         label = pidfile.stem
         proc = _alive(run_dir, label)
         report[label] = {"running": proc is not None, "pid": proc.pid if proc else None,
@@ -133,7 +138,7 @@ def stop(args: argparse.Namespace) -> dict[str, object]:
     run_dir = _run_dir(args.run_dir)
     procs = {}
     report: dict[str, object] = {}
-    for pidfile in sorted(run_dir.glob("*.pid")):
+    for pidfile in _pidfiles(run_dir, args.node):
         proc = _alive(run_dir, pidfile.stem)
         if proc is None:
             report[pidfile.stem] = "not running"
@@ -192,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     begin.add_argument("--run-dir", required=True)
     state = sub.add_parser("status")
     state.add_argument("--run-dir", required=True)
+    state.add_argument("--node", required=True)
     end = sub.add_parser("stop")
     end.add_argument("--run-dir", required=True)
+    end.add_argument("--node", required=True)
     end.add_argument("--deadline", type=float, default=60.0)
     kill = sub.add_parser("kill-groups")
     kill.add_argument("--grace", type=float, default=5.0)
