@@ -78,6 +78,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--no_local_rank", action="store_true",
                         help="do not pass --local_rank=N to the script (DeepSpeed's launcher flag): the tuned "
                         "runs and cmd_optimal.txt then both give the local rank only as LOCAL_RANK")
+    parser.add_argument("--flower", nargs="?", type=int, const=5555, metavar="PORT",
+                        help="embedded cluster: also start Flower (monitoring) on 127.0.0.1:PORT (default "
+                        "5555) with a generated user and password, printed once")
     parser.add_argument("--run", action="store_true",
                         help="after tuning, train with the optimal config on the same kind of slots "
                         "(DeepSpeed's --autotuning run)")
@@ -125,9 +128,14 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     folders.prepare([("results_dir", cfg.results_dir), ("exps_dir", cfg.exps_dir)], cfg.path, cfg.overwrite)
     if client is not None:
         return tune(cfg, args, script, base_args, mappings, client)
-    with LocalCluster(slots, cfg.results_dir / "cluster", slot_memory=args.slot_memory) as cluster:
+    with LocalCluster(slots, cfg.results_dir / "cluster", slot_memory=args.slot_memory,
+                      flower_port=args.flower) as cluster:
         console.print(f"embedded cluster: redis-server and {slots} slot workers + control "
                       f"on {cluster.node} (logs in {cfg.results_dir / 'cluster'})")
+        if args.flower is not None:
+            user, password = cluster.flower_auth.split(":", 1)
+            console.print(f"flower: http://127.0.0.1:{args.flower}/ user {user} password {password}",
+                          highlight=False)
         os.environ["AUTOTUNE_REDIS_URL"] = cluster.url
         try:
             return tune(cfg, args, script, base_args, mappings, connect(cluster.url))
@@ -325,6 +333,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be at least 1, got {value}")
         if value is not None and value > high:
             raise UsageError(f"{flag} {value}: {why}; ask for at most {high}")
+    if getattr(args, "flower", None) is not None and not 1024 <= args.flower <= 65535:
+        raise UsageError(f"--flower PORT must be 1024-65535, got {args.flower}")
     if not math.isfinite(args.exp_timeout) or not 0 < args.exp_timeout <= MAX_EXP_TIMEOUT_S:
         raise UsageError(f"--exp-timeout must be a positive number of seconds up to {MAX_EXP_TIMEOUT_S:.0f} "
                          f"(a week), got {args.exp_timeout}")

@@ -225,8 +225,10 @@ def _start(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], place
             }
             task_id = uuid.uuid4().hex
             rank_tasks[slot.queue] = task_id
+            # What Flower and worker logs show instead of the spec (no gang token, no script argv).
+            shown = f"(experiment={exp.name!r}, rank={rank_spec['rank']}, slot={slot.queue!r})"
             header.append(app.signature("autotune.run_rank", args=(rank_spec,), queue=slot.queue,
-                                        time_limit=limit, task_id=task_id))
+                                        time_limit=limit, task_id=task_id, argsrepr=shown, kwargsrepr="{}"))
     now = time.time()
     running = {"seq": entry["seq"], "exp": entry["exp"], "argv": entry["argv"], "attempt": attempt,
                "queues": queues, "token": token, "rank_tasks": rank_tasks, "started": now,
@@ -240,7 +242,9 @@ def _start(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], place
     pipe.hset(keys.job_running(spec.job), exp.name, json.dumps(running))
     pipe.hset(keys.job_state(spec.job), "dispatched", 1)
     pipe.execute()
-    chord(header, app.signature("autotune.finish_experiment", args=(finish,), queue="control")).apply_async()
+    chord(header, app.signature("autotune.finish_experiment", args=(finish,), queue="control",
+                                argsrepr=f"(experiment={exp.name!r}, job={spec.job!r}, slots={queues!r})",
+                                kwargsrepr="{}")).apply_async()
 
 
 def record_finished(client: redis.Redis, job: str, name: str, attempt: str, slots: list[str], token: str,

@@ -56,8 +56,12 @@ class LocalCluster:
     """Context manager: `with LocalCluster(2, log_dir) as cluster: cluster.url ...`."""
 
     def __init__(self, slots: int, log_dir: Path, slot_memory: str | None = None,
-                 node: str | None = None, devices: Sequence[int] | None = None) -> None:
+                 node: str | None = None, devices: Sequence[int] | None = None,
+                 flower_port: int | None = None) -> None:
         self.devices = list(devices) if devices is not None else list(range(slots))
+        #: Flower on 127.0.0.1:flower_port with generated basic auth (`flower_auth`, user:password).
+        self.flower_port = flower_port
+        self.flower_auth = f"autotune:{secrets.token_urlsafe(12)}" if flower_port is not None else ""
         self.slots = len(self.devices)
         self.log_dir = Path(log_dir)
         self.slot_memory = slot_memory
@@ -108,6 +112,11 @@ class LocalCluster:
         for device in self.devices:
             self._start_worker(f"gpu{device}", f"gpu{device}@{self.node}", 1, env)
         self._start_worker("control", f"control@{self.node}", 2, env)
+        if self.flower_port is not None:  # options from the environment: no secret in `ps`
+            self._workers.append(_spawn(
+                [sys.executable, "-m", "celery", "-A", "tasks", "flower", "--address=127.0.0.1",
+                 f"--port={self.flower_port}"], self.log_dir / "flower.log",
+                {**env, "FLOWER_BASIC_AUTH": self.flower_auth}, death_signal=signal.SIGTERM))
         write_json(self.log_dir / "pids.json", {"redis-server": self._redis.pid,
                                                 "workers": [w.pid for w in self._workers]})
         self._wait(lambda: len(live_slots(client)) >= self.slots and control_alive(client),
