@@ -63,5 +63,9 @@ worker_send_task_events = True
 task_send_sent_event = True
 task_track_started = True
 
-# Slot workers run for days; a task leaking memory in the pool child must not grow forever.
-worker_max_tasks_per_child = 50
+# Workers run for days, but recycling a pool child every N tasks stalled the control worker for
+# 2-5 s in the middle of a job (and threw away its live searches, see scheduler.live_search): a
+# child is replaced only if it really grows past ~1 GB (slot workers run the script in a
+# subprocess, so its memory never counts here).
+worker_max_tasks_per_child = None
+worker_max_memory_per_child = 1_000_000  # KiB

@@ -33,6 +33,7 @@ from typing import Any
 import redis
 from celery import chord
 
+from scheduler import job_queue
 from scheduler.backfill import Waiting, backfill, estimate_run_s, strict_fifo
 from scheduler.errors import ClusterError
 from scheduler.jobs import ATTEMPTS_TTL_S, JobSpec, active_specs, end, load_spec, publish, stop_launch
@@ -47,6 +48,9 @@ from workers.slot import Slot
 
 SWEEP_S = 2.0
 LOCK_TIMEOUT_S = 120.0
+#: How often a waiting control process retries the lock: redis-py's default (100 ms) added up to
+#: half a second to a step waiting behind another; a step holds it for a few ms.
+LOCK_POLL_S = 0.005
 REFUSE_GRACE_S = 60.0  #: after a job's first launch, how long the cluster may lack a fitting shape
 SLOT_GONE_S = TTL_S + HEARTBEAT_S  #: a slot unregistered this long has lost its worker (not a blip)
 #: Celery's hard limit is only a backstop behind our own per-experiment timeout and group kill.
@@ -57,7 +61,8 @@ log = logging.getLogger(__name__)
 
 def cluster_lock(client: redis.Redis):
     """The lock every planning step holds (`with cluster_lock(client): ...`)."""
-    return client.lock(keys.DISPATCH_LOCK, timeout=LOCK_TIMEOUT_S, blocking_timeout=2 * LOCK_TIMEOUT_S)
+    return client.lock(keys.DISPATCH_LOCK, timeout=LOCK_TIMEOUT_S, blocking_timeout=2 * LOCK_TIMEOUT_S,
+                       sleep=LOCK_POLL_S)
 
 
 def dispatch(client: redis.Redis, app) -> None:
@@ -68,7 +73,8 @@ def dispatch(client: redis.Redis, app) -> None:
     slots = live_slots(client)
     gangs = GangReservations(client)
     busy = gangs.held([s.queue for s in slots])
-    queued = {spec.job: _queued(client, spec) for spec in specs}
+    free = sum(1 for s in slots if s.queue not in busy)
+    queued = job_queue.heads(client, [spec.job for spec in specs], free)  # only what could matter now
     waiting = sorted(((entry["seq"], spec, entry) for spec in specs for entry in queued[spec.job]),
                      key=lambda item: item[0])
     free_waiting, refused, fits = [], set(), {}
@@ -97,12 +103,9 @@ def dispatch(client: redis.Redis, app) -> None:
         _start(client, app, spec, entry, placement, token)
         busy.update(queues)
     for spec in jobs.values():
-        still = {name.decode() for name in client.hkeys(keys.job_queue(spec.job))}  # names only: cheap
-        _publish_state(client, spec, [entry for entry in queued[spec.job] if entry["exp"]["name"] in still])
-
-
-def _queued(client: redis.Redis, spec: JobSpec) -> list[dict[str, Any]]:
-    return [json.loads(raw) for raw in client.hvals(keys.job_queue(spec.job))]
+        running = {name.decode() for name in client.hkeys(keys.job_running(spec.job))}
+        head = next((e for e in queued[spec.job] if e["exp"]["name"] not in running), None)
+        _publish_state(client, spec, head, running)
 
 
 def _start_pinned(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], slots: list[Slot],
@@ -238,7 +241,7 @@ def _start(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], place
     pipe = client.pipeline(transaction=True)
     pipe.hincrby(keys.job_attempts(spec.job), exp.name, 1)
     pipe.expire(keys.job_attempts(spec.job), ATTEMPTS_TTL_S)
-    pipe.hdel(keys.job_queue(spec.job), exp.name)
+    job_queue.remove(pipe, spec.job, entry)
     pipe.hset(keys.job_running(spec.job), exp.name, json.dumps(running))
     pipe.hset(keys.job_state(spec.job), "dispatched", 1)
     pipe.execute()
@@ -313,8 +316,7 @@ def _lose(client: redis.Redis, app, spec: JobSpec, name: str, running: dict[str,
     pipe.hdel(keys.job_running(spec.job), name)
     if attempts < spec.max_attempts:
         log.warning("%s lost (%s); retrying, attempt %d of %d", name, why, attempts + 1, spec.max_attempts)
-        pipe.hset(keys.job_queue(spec.job), name, json.dumps(
-            {"seq": running["seq"], "exp": running["exp"], "argv": running["argv"]}))
+        job_queue.add(pipe, spec.job, [{"seq": running["seq"], "exp": running["exp"], "argv": running["argv"]}])
         pipe.execute()
         return False
     record = {"name": name, "status": "lost", "metrics": None, "ds_config": running["exp"]["ds_config"],
@@ -326,13 +328,13 @@ def _lose(client: redis.Redis, app, spec: JobSpec, name: str, running: dict[str,
     return True
 
 
-def _publish_state(client: redis.Redis, spec: JobSpec, queued: list[dict[str, Any]]) -> None:
+def _publish_state(client: redis.Redis, spec: JobSpec, head_entry: dict[str, Any] | None,
+                   running: set[str]) -> None:
     """What `python -m scheduler.autotune --status` shows for the job (an active one)."""
-    queued = sorted(queued, key=lambda entry: entry["seq"])
-    running = sorted(name.decode() for name in client.hkeys(keys.job_running(spec.job)))
-    head = queued[0]["exp"] if queued else None
+    head = head_entry["exp"] if head_entry else None
     waits = (f"needs {head['num_nodes']} node(s) x {head['num_gpus']} free slot(s) at once; "
              "the slots that fit are reserved" if head else "-")
     client.hset(keys.job_state(spec.job), mapping={
-        "results_dir": spec.results_root, "pending": len(queued), "running": ",".join(running) or "-",
-        "head": head["name"] if head else "-", "head_waits": waits, "updated": round(time.time(), 1)})
+        "results_dir": spec.results_root, "pending": job_queue.depth(client, spec.job),
+        "running": ",".join(sorted(running)) or "-", "head": head["name"] if head else "-",
+        "head_waits": waits, "updated": round(time.time(), 1)})

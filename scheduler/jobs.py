@@ -34,6 +34,7 @@ from typing import Any
 
 import redis
 
+from scheduler import job_queue
 from scheduler.environment import env_number
 from scheduler.errors import AutotuneError, UsageError
 from workers import keys
@@ -144,7 +145,8 @@ def submit(client: redis.Redis, app, spec: JobSpec) -> bool:
         cancel(client, app, spec.job)  # the same folder with another config: the newer one wins
     spec = replace(spec, submitted_at=spec.submitted_at or time.time())
     pipe = client.pipeline()
-    pipe.delete(*keys.job_keys(spec.job), keys.job_attempts(spec.job), keys.job_events(spec.job))
+    pipe.delete(*keys.job_keys(spec.job), *job_queue.index_keys(client, spec.job), keys.job_attempts(spec.job),
+                keys.job_events(spec.job))
     pipe.set(keys.job_spec(spec.job), spec.to_json())
     pipe.zadd(keys.JOBS, {spec.job: client.incr(keys.SEQUENCE)})
     pipe.execute()
@@ -163,10 +165,11 @@ def publish(client: redis.Redis, job: str, event: dict[str, Any]) -> None:
 def end(client: redis.Redis, job: str, event: dict[str, Any]) -> None:
     """End the job: its last event and the removal of its keys in one transaction, so a submitter
     that finds the spec gone always finds the event too."""
+    index = job_queue.index_keys(client, job)
     pipe = client.pipeline(transaction=True)
     pipe.rpush(keys.job_events(job), json.dumps(event))
     pipe.expire(keys.job_events(job), EVENTS_TTL_S)
-    pipe.delete(*keys.job_keys(job))
+    pipe.delete(*keys.job_keys(job), *index)
     pipe.zrem(keys.JOBS, job)
     pipe.execute()
 

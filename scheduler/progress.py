@@ -2,12 +2,14 @@
 phase still lacks, or end the job with its outputs written.
 
 This is what an experiment's chord callback does after recording it (and what the first step after
-submission does). The search (`scheduler.fast_search`, a generator of phases) is rebuilt from the
-job's spec and replayed against the records on disk (`scheduler.phases.replay`): the first phase
-with an unanswered experiment is the current one. When the last experiment of a phase is recorded,
-the replay moves past it, so the same step computes the phase's result and queues the next phase.
-Because the tuner is deterministic given the spec and the records, any control worker can take any
-step, and a job survives the death of every process that ever touched it: its state is the folder.
+submission does). The search (`scheduler.fast_search`, a generator of phases) answered against the
+records on disk: the first phase with an unanswered experiment is the current one. When the last
+experiment of a phase is recorded, the search moves past it, so the same step computes the phase's
+result and queues the next phase. A process keeps the job's search alive between steps and feeds it
+only the new records (`scheduler.live_search`); a process without it rebuilds it from the spec and
+replays every record on disk (`scheduler.phases.replay`), with the same result. Because the tuner
+is deterministic given the spec and the records, any control worker can take any step, and a job
+survives the death of every process that ever touched it: its state is the folder.
 
 A record on disk answers an experiment when its config is the experiment's config and it is not a
 `lost` record still worth retrying (fewer launches than the job's max_attempts in this job). A fixed
@@ -15,7 +17,6 @@ job (`python -m scheduler.run`, `--run`) only accepts records made during the jo
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -24,11 +25,13 @@ from typing import Any
 
 import redis
 
+from scheduler import job_queue
 from scheduler.arguments import with_config, with_mapped_args
 from scheduler.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
 from scheduler.fast_search import PROFILE, SearchSettings, fast_search
 from scheduler.jobs import JobSpec, end, load_spec, publish
+from scheduler.live_search import LiveSearches
 from scheduler.outputs import write_results
 from scheduler.phases import Phase, Search, replay
 from scheduler.space import Experiment
@@ -54,24 +57,34 @@ def advance(client: redis.Redis, job: str) -> None:
         end(client, job, {"kind": "failed", "error": f"{type(exc).__name__}: {exc}", "usage": False})
 
 
+#: This process's live searches (`scheduler.live_search`): a step feeds the new records to the
+#: search the previous step left suspended, instead of replaying every record from disk.
+LIVE_SEARCHES = LiveSearches()
+
+
 def _step(client: redis.Redis, spec: JobSpec) -> None:
     lookup = record_lookup(client, spec)
-    answered, current = replay(search_of(spec), lookup)
+    # The job's order in keys.JOBS changes when it is submitted again (Redis lost it): rebuild then.
+    key = (spec.job, client.zscore(keys.JOBS, spec.job), spec.to_json())
+    progress = LIVE_SEARCHES.advance(key, lambda: search_of(spec), lookup)
+    answered, current = progress.answered, progress.current
     if spec.tune is not None:
-        _check_metric_key(spec, answered, lookup)
+        _check_metric_key(spec, progress.newly_answered, lookup)
     recorded_here = {name.decode() for name in client.smembers(keys.job_recorded(spec.job))}
-    for phase in answered:
+    for phase in progress.newly_answered:
         _announce(client, spec, phase, todo=0, reused=sum(e.name not in recorded_here for e in phase.experiments))
     if current is None:
         winner = write_outputs(spec, *tuned(answered, lookup)) if spec.tune is not None else None
         end(client, spec.job, {"kind": "done", "winner": winner})
         return
     waiting = set()
-    for name, raw in client.hgetall(keys.job_queue(spec.job)).items():
-        if lookup(Experiment.from_json(json.loads(raw)["exp"])) is None:
-            waiting.add(name.decode())
+    for entry in job_queue.entries(client, spec.job):
+        if lookup(Experiment.from_json(entry["exp"])) is None:
+            waiting.add(entry["exp"]["name"])
         else:  # answered meanwhile by an older launch's record (after Redis lost the job)
-            client.hdel(keys.job_queue(spec.job), name)
+            pipe = client.pipeline(transaction=True)
+            job_queue.remove(pipe, spec.job, entry)
+            pipe.execute()
     waiting |= {name.decode() for name in client.hkeys(keys.job_running(spec.job))}
     missing = [e for e in current.experiments if lookup(e) is None]
     todo = [e for e in missing if e.name not in waiting]
@@ -80,10 +93,12 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
     if not todo:
         return
     first_seq = int(client.incrby(keys.SEQUENCE, len(todo))) - len(todo) + 1  # one round trip for the block
-    entries = {exp.name: json.dumps({"seq": first_seq + i, "argv": argv_of(spec, exp),
-                                     "exp": {**exp.to_json(), "min_memory": max(exp.min_memory, spec.min_memory)}})
-               for i, exp in enumerate(todo)}
-    client.hset(keys.job_queue(spec.job), mapping=entries)
+    pipe = client.pipeline(transaction=True)
+    job_queue.add(pipe, spec.job, (
+        {"seq": first_seq + i, "argv": argv_of(spec, exp),
+         "exp": {**exp.to_json(), "min_memory": max(exp.min_memory, spec.min_memory)}}
+        for i, exp in enumerate(todo)))
+    pipe.execute()
 
 
 def _announce(client: redis.Redis, spec: JobSpec, phase: Phase, todo: int, reused: int) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery import signals
+
 from tasks import app
 from tasks.worker_hooks import redis_client
 from workers.paths import safe_child, write_json
@@ -23,6 +25,13 @@ from workers.rank import RankSpec, run_rank as run_rank_body, slot_from_env
 from workers.records import aggregate
 
 log = logging.getLogger(__name__)
+
+
+@signals.worker_process_init.connect
+def prewarm(**_: object) -> None:
+    """Import the control path when a pool child starts, not inside the first experiment's callback."""
+    import scheduler.dispatch  # noqa: F401
+    import scheduler.progress  # noqa: F401
 
 
 @app.task(name="autotune.run_rank", bind=True, acks_late=True)

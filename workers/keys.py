@@ -2,7 +2,7 @@
 
 The keyspace (all under one prefix, so a shared Redis can be inspected and cleaned by pattern):
 
-    autotune:slot:<node>.gpu<i>         hash  a live slot: node, device, kind, memory, address, ...
+    autotune:slot:<node>.gpu<i>         str   a live slot (JSON): node, device, kind, memory, address, ...
                                               (expires unless its worker's heartbeat renews it)
     autotune:control:<node>             str   a live control worker (heartbeat, like slots)
     autotune:gang:<node>.gpu<i>         str   owner token of a gang reservation of that slot (PX lease)
@@ -15,6 +15,8 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:lock:dispatch              str   held while one control process plans and launches
     autotune:job:<job>:spec             str   the job (JSON): what to run and how; its presence = active
     autotune:job:<job>:queue            hash  experiment name -> waiting launch (JSON, with its order)
+    autotune:job:<job>:shapes           set   the shapes of its waiting launches ("<nodes>x<slots>:<memory>")
+    autotune:job:<job>:queue:<shape>    zset  waiting launches of one shape, by order (scheduler.job_queue)
     autotune:job:<job>:running          hash  experiment name -> running launch (JSON): attempt, slots,
                                               gang token, rank task ids, deadline, worker instances
     autotune:job:<job>:walls            hash  "<stage>/<mbs>" -> wall times of finished runs (estimates)
@@ -86,6 +88,14 @@ def job_spec(job: str) -> str:
 
 def job_queue(job: str) -> str:
     return f"{PREFIX}job:{job}:queue"
+
+
+def job_shapes(job: str) -> str:
+    return f"{PREFIX}job:{job}:shapes"
+
+
+def job_queue_shape(job: str, shape: str) -> str:
+    return f"{PREFIX}job:{job}:queue:{shape}"
 
 
 def job_running(job: str) -> str:

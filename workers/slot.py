@@ -20,6 +20,7 @@ import os
 import re
 import socket
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import psutil
 
@@ -87,8 +88,9 @@ class Slot:
     instance: str = ""  #: new at every worker start: a changed value means the worker restarted
     cuda_index: int = -1  #: CUDA slots: the GPU's nvidia-smi (PCI bus order) index; -1 on CPU slots
 
-    @property
+    @cached_property
     def queue(self) -> str:
+        """`<node>.gpu<i>` (computed once: placement reads it for every slot on every decision)."""
         return slot_queue(self.node, self.device)
 
     @property

@@ -1,0 +1,89 @@
+"""A job's search kept alive between its steps in one control process, fed only the new records.
+
+Why: after every experiment the job takes a step, and the step used to rebuild the search
+generator and replay it against every record on disk (`scheduler.phases.replay`): O(records) per
+step, so a long job paid O(records^2) in all and the gap between two experiments on a slot grew as
+the job went on. The search is deterministic given its spec and the records it is sent, so the
+generator of the previous step, suspended at its current phase, is exactly what a replay would
+rebuild: the next step only has to look up the current phase's missing records and send them.
+
+Replay from disk stays the recovery path: a process that has no live search for the job (the first
+step, another control worker, a restart, Redis having lost the job and the job submitted again, a
+changed spec) rebuilds it from the records on disk, and both paths give the same phases (tested).
+Several control processes may take steps of one job in turn: each one's live search catches up
+from the records on disk, phase by phase, since records are written before any step sees them.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.phases import Phase, Search
+from scheduler.space import Experiment
+
+Lookup = Callable[[Experiment], "dict[str, Any] | None"]
+
+
+@dataclass
+class _Live:
+    search: Search
+    answered: list[Phase] = field(default_factory=list)
+    current: Phase | None = None
+    started: bool = False
+    found: dict[str, dict[str, Any]] = field(default_factory=dict)  #: records of the current phase so far
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a search stands after a step."""
+
+    answered: list[Phase]  #: every phase answered so far, in order
+    current: Phase | None  #: the first phase still missing a record (None: the search ended)
+    newly_answered: list[Phase]  #: the phases this step answered (all of them after a rebuild)
+    rebuilt: bool  #: the search was rebuilt from the records on disk in this step
+
+
+class LiveSearches:
+    """Live searches of the jobs this process steps, least recently used dropped beyond `capacity`."""
+
+    def __init__(self, capacity: int = 16) -> None:
+        self._capacity = capacity
+        self._live: OrderedDict[Hashable, _Live] = OrderedDict()
+
+    def advance(self, key: Hashable, build: Callable[[], Search], lookup: Lookup) -> Progress:
+        """Feed the search of `key` (rebuilt with `build` when this process has none) every record
+        `lookup` can answer, and say where it stands. An exception from the search drops it."""
+        live = self._live.pop(key, None)
+        rebuilt = live is None
+        if live is None:
+            live = _Live(build())
+        before = len(live.answered)
+        if not live.started:
+            live.started = True
+            live.current = next(live.search, None)
+        while live.current is not None:
+            for exp in live.current.experiments:
+                if exp.name not in live.found:
+                    record = lookup(exp)
+                    if record is None:
+                        break
+                    live.found[exp.name] = record
+            else:
+                records = {exp.name: live.found[exp.name] for exp in live.current.experiments}
+                live.answered.append(live.current)
+                live.found = {}
+                try:
+                    live.current = live.search.send(records)
+                except StopIteration:
+                    live.current = None
+                continue
+            break
+        self._live[key] = live
+        while len(self._live) > self._capacity:
+            self._live.popitem(last=False)
+        return Progress(list(live.answered), live.current, live.answered[before:], rebuilt)
+
+    def forget(self, key: Hashable) -> None:
+        self._live.pop(key, None)
