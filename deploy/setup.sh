@@ -13,6 +13,18 @@ if ! command -v redis-server >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq redis-server >/dev/null
 fi
 
+# The tests of `python -m deploy` start their own sshd and take a Flower screenshot with chromium.
+missing=""
+[ -x /usr/sbin/sshd ] || missing="$missing openssh-server"
+command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing="$missing chromium"
+if [ -n "$missing" ]; then
+    echo "setup: installing$missing (apt, for the deploy and Flower tests)"
+    sudo_cmd=""
+    [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq $missing >/dev/null
+fi
+
 python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     echo "setup: creating .venv"
