@@ -129,9 +129,13 @@ def active_specs(client: redis.Redis) -> list[JobSpec]:
 
 def stop_launch(client: redis.Redis, app, running: dict[str, Any]) -> None:
     """Stop one running launch: revoke its rank tasks (their workers kill the training groups) and
-    free its slots, token-checked."""
+    free its slots, token-checked. A worker that died for good kills nothing, so the groups its
+    ranks recorded are also killed on their hosts (fabric; directly on this one), in the background."""
+    from deploy.cleanup import clean_launch_in_background
+
     app.control.revoke(list(running["rank_tasks"].values()), terminate=True, signal="SIGTERM")
     GangReservations(client).release(running["queues"], running["token"])
+    clean_launch_in_background(client, running.get("exp", {}).get("name", "?"), running)
 
 
 def submit(client: redis.Redis, app, spec: JobSpec) -> bool:

@@ -150,3 +150,33 @@ def test_up_status_cleanup_down(hosts):
              15, "slots to unregister")
     done = deploy(hosts, "status")
     assert lines_of(done.stdout)["nodeB.gpu0"] == "nodeB.gpu0: down"
+
+
+def test_a_stopped_launch_has_its_recorded_groups_killed_on_this_host_without_ssh(redis_url):
+    """What the scheduler does when a launch is lost with its worker or a job is cancelled: the
+    revoke reaches no worker (it is dead), yet the rank's group, which ignores SIGTERM, is gone."""
+    import socket
+    from types import SimpleNamespace
+
+    from scheduler.jobs import stop_launch
+
+    client = redis.Redis.from_url(redis_url)
+    node = socket.gethostname()
+    queue = f"{node}.gpu7"
+    env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
+    rank = subprocess.Popen([sys.executable, "-c", IGNORES_TERM], env={**env, "AUTOTUNE_SLOT": queue},
+                            start_new_session=True)
+    revoked = []
+    app = SimpleNamespace(control=SimpleNamespace(revoke=lambda ids, **_: revoked.extend(ids)))
+    try:
+        wait_for(lambda: ignores_term(rank.pid), 10, "rank to ignore SIGTERM")
+        client.set(keys.pgid(queue, "t-lost"), rank.pid)
+        stop_launch(client, app, {"exp": {"name": "lost_exp"}, "rank_tasks": {queue: "t-lost"},
+                                  "queues": [queue], "token": "tok"})
+        assert revoked == ["t-lost"]
+        assert rank.wait(timeout=20) == -signal.SIGKILL
+    finally:
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)
+            rank.wait()
+        client.delete(keys.pgid(queue, "t-lost"))
