@@ -184,10 +184,12 @@ def _frees_at(client: redis.Redis, jobs: dict[str, JobSpec], busy: set[str]) -> 
     shape's mean wall time (or the time limit); slots held by anything else: unknown (infinite)."""
     frees_at = dict.fromkeys(busy, math.inf)
     for job, spec in jobs.items():
-        walls = {shape.decode(): json.loads(raw) for shape, raw in client.hgetall(keys.job_walls(job)).items()}
-        for raw in client.hvals(keys.job_running(job)):
-            running = json.loads(raw)
-            end_at = running["started"] + estimate_run_s(spec.timeout_s, walls.get(_shape(running["exp"]), ()))
+        launches = [json.loads(raw) for raw in client.hvals(keys.job_running(job))]
+        shapes = sorted({_shape(running["exp"]) for running in launches})
+        walls = dict(zip(shapes, client.hmget(keys.job_walls(job), shapes))) if shapes else {}
+        for running in launches:
+            finished = json.loads(walls.get(_shape(running["exp"])) or "[]")
+            end_at = running["started"] + estimate_run_s(spec.timeout_s, finished)
             frees_at.update({q: end_at for q in running["queues"] if q in frees_at})
     return frees_at
 

@@ -50,9 +50,18 @@ def remove(pipe: redis.client.Pipeline, job: str, entry: dict[str, Any]) -> None
     pipe.zrem(keys.job_queue_shape(job, shape_of(entry)), entry["exp"]["name"])
 
 
-def entries(client: redis.Redis, job: str) -> list[dict[str, Any]]:
-    """Every waiting entry of the job (a job step needs them all; dispatch uses `heads`)."""
-    return [json.loads(raw) for raw in client.hvals(keys.job_queue(job))]
+def names(client: redis.Redis, job: str) -> set[str]:
+    """The experiment names waiting in the job's queue."""
+    return {name.decode() for name in client.hkeys(keys.job_queue(job))}
+
+
+def entries(client: redis.Redis, job: str, names: list[str] | None = None) -> list[dict[str, Any]]:
+    """The waiting entries of `names` (those still queued), or of the whole queue."""
+    if names is None:
+        return [json.loads(raw) for raw in client.hvals(keys.job_queue(job))]
+    if not names:
+        return []
+    return [json.loads(raw) for raw in client.hmget(keys.job_queue(job), names) if raw is not None]
 
 
 def depth(client: redis.Redis, job: str) -> int:

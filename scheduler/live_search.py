@@ -43,6 +43,7 @@ class Progress:
     current: Phase | None  #: the first phase still missing a record (None: the search ended)
     newly_answered: list[Phase]  #: the phases this step answered (all of them after a rebuild)
     rebuilt: bool  #: the search was rebuilt from the records on disk in this step
+    found: frozenset[str]  #: experiments of the current phase that have their record
 
 
 class LiveSearches:
@@ -52,38 +53,39 @@ class LiveSearches:
         self._capacity = capacity
         self._live: OrderedDict[Hashable, _Live] = OrderedDict()
 
-    def advance(self, key: Hashable, build: Callable[[], Search], lookup: Lookup) -> Progress:
-        """Feed the search of `key` (rebuilt with `build` when this process has none) every record
-        `lookup` can answer, and say where it stands. An exception from the search drops it."""
+    def advance(self, key: Hashable, build: Callable[[], Search], lookup: Lookup,
+                new_records: Lookup | None = None) -> Progress:
+        """Feed the search of `key` every record it can get, and say where it stands. A search this
+        process does not have is rebuilt with `build` and answered by `lookup` (the records on disk);
+        a live one only needs `new_records` (default `lookup`): the records that can have appeared
+        since its last step. An exception from the search drops it."""
         live = self._live.pop(key, None)
         rebuilt = live is None
         if live is None:
             live = _Live(build())
+        look = lookup if rebuilt or new_records is None else new_records
         before = len(live.answered)
         if not live.started:
             live.started = True
             live.current = next(live.search, None)
         while live.current is not None:
             for exp in live.current.experiments:
-                if exp.name not in live.found:
-                    record = lookup(exp)
-                    if record is None:
-                        break
+                if exp.name not in live.found and (record := look(exp)) is not None:
                     live.found[exp.name] = record
-            else:
-                records = {exp.name: live.found[exp.name] for exp in live.current.experiments}
-                live.answered.append(live.current)
-                live.found = {}
-                try:
-                    live.current = live.search.send(records)
-                except StopIteration:
-                    live.current = None
-                continue
-            break
+            if any(exp.name not in live.found for exp in live.current.experiments):
+                break
+            records = {exp.name: live.found[exp.name] for exp in live.current.experiments}
+            live.answered.append(live.current)
+            live.found = {}
+            try:
+                live.current = live.search.send(records)
+            except StopIteration:
+                live.current = None
         self._live[key] = live
         while len(self._live) > self._capacity:
             self._live.popitem(last=False)
-        return Progress(list(live.answered), live.current, live.answered[before:], rebuilt)
+        return Progress(list(live.answered), live.current, live.answered[before:], rebuilt,
+                        frozenset(live.found))
 
     def forget(self, key: Hashable) -> None:
         self._live.pop(key, None)

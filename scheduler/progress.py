@@ -64,29 +64,37 @@ LIVE_SEARCHES = LiveSearches()
 
 def _step(client: redis.Redis, spec: JobSpec) -> None:
     lookup = record_lookup(client, spec)
+    recorded_here = {name.decode() for name in client.smembers(keys.job_recorded(spec.job))}
+
+    def new_record(exp: Experiment) -> dict[str, Any] | None:
+        """Since a live search's last step, only experiments recorded in this job can have a record:
+        every record a job makes is added to keys.job_recorded (finish or sweep) before its step."""
+        return lookup(exp) if exp.name in recorded_here else None
+
     # The job's order in keys.JOBS changes when it is submitted again (Redis lost it): rebuild then.
     key = (spec.job, client.zscore(keys.JOBS, spec.job), spec.to_json())
-    progress = LIVE_SEARCHES.advance(key, lambda: search_of(spec), lookup)
+    progress = LIVE_SEARCHES.advance(key, lambda: search_of(spec), lookup, new_record)
     answered, current = progress.answered, progress.current
     if spec.tune is not None:
         _check_metric_key(spec, progress.newly_answered, lookup)
-    recorded_here = {name.decode() for name in client.smembers(keys.job_recorded(spec.job))}
     for phase in progress.newly_answered:
         _announce(client, spec, phase, todo=0, reused=sum(e.name not in recorded_here for e in phase.experiments))
     if current is None:
         winner = write_outputs(spec, *tuned(answered, lookup)) if spec.tune is not None else None
         end(client, spec.job, {"kind": "done", "winner": winner})
         return
-    waiting = set()
-    for entry in job_queue.entries(client, spec.job):
-        if lookup(Experiment.from_json(entry["exp"])) is None:
-            waiting.add(entry["exp"]["name"])
-        else:  # answered meanwhile by an older launch's record (after Redis lost the job)
+    # A queued experiment may have been answered meanwhile by an older launch's record (after Redis
+    # lost the job): a rebuilt search checks every queued entry, a live one those recorded since.
+    queued = job_queue.names(client, spec.job)
+    suspects = queued if progress.rebuilt else queued & recorded_here
+    for entry in job_queue.entries(client, spec.job, sorted(suspects - progress.found)):
+        if lookup(Experiment.from_json(entry["exp"])) is not None:
             pipe = client.pipeline(transaction=True)
             job_queue.remove(pipe, spec.job, entry)
             pipe.execute()
-    waiting |= {name.decode() for name in client.hkeys(keys.job_running(spec.job))}
-    missing = [e for e in current.experiments if lookup(e) is None]
+            queued.discard(entry["exp"]["name"])
+    waiting = queued | {name.decode() for name in client.hkeys(keys.job_running(spec.job))}
+    missing = [e for e in current.experiments if e.name not in progress.found]
     todo = [e for e in missing if e.name not in waiting]
     _announce(client, spec, current, todo=len(missing), reused=len(current.experiments) - len(missing))
     client.hset(keys.job_state(spec.job), "phase", current.name)
