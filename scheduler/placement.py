@@ -5,7 +5,8 @@ distinct nodes when it spans several. Real device ids are kept (DeepSpeed renumb
 nodes of different sizes are all usable (DeepSpeed truncates every node to the smallest).
 Two rules keep a gang runnable: its slots are all of one kind (CUDA ranks use NCCL, CPU ranks gloo;
 one process group cannot mix them, and a search sized for GPU memory means nothing on a CPU slot),
-and a gang spanning nodes never uses a slot whose address is loopback (its peers could not reach it).
+and a gang spanning nodes never uses a slot whose address is loopback (its peers could not reach it),
+unless all of the gang's slots are on one machine (the same `Slot.host`).
 """
 from __future__ import annotations
 
@@ -28,16 +29,29 @@ def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
     devices in id order, so the same cluster state always gives the same placement (reproducible
     experiments, readable logs).
     """
+    ordered = sorted(slots, key=lambda s: (s.node, s.device))
     for candidate in ((kind,) if kind else KINDS):
-        free_by_node: dict[str, list[Slot]] = defaultdict(list)
-        for slot in sorted(slots, key=lambda s: (s.node, s.device)):
-            if slot.queue not in busy and slot.memory_bytes >= min_memory and slot.kind == candidate \
-                    and (num_nodes == 1 or not is_loopback(slot.address)):
+        usable = [s for s in ordered if s.queue not in busy and s.memory_bytes >= min_memory and s.kind == candidate]
+        for pool in _reachable_pools(usable, num_nodes):
+            free_by_node: dict[str, list[Slot]] = defaultdict(list)
+            for slot in pool:
                 free_by_node[slot.node].append(slot)
-        chosen = [free[:num_gpus] for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus]
-        if len(chosen) >= num_nodes:
-            return chosen[:num_nodes]
+            chosen = [free[:num_gpus] for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus]
+            if len(chosen) >= num_nodes:
+                return chosen[:num_nodes]
     return None
+
+
+def _reachable_pools(slots: list[Slot], num_nodes: int) -> list[list[Slot]]:
+    """Groups of slots whose ranks can all reach each other: any slots for a one-node gang; for
+    several nodes, the slots with routable addresses, then each machine's own slots (its "nodes"
+    meet over loopback)."""
+    if num_nodes == 1:
+        return [slots]
+    pools = [[s for s in slots if not is_loopback(s.address)]]
+    for host in sorted({s.host for s in slots if s.host}):
+        pools.append([s for s in slots if s.host == host])
+    return pools
 
 
 def is_loopback(address: str) -> bool:

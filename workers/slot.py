@@ -87,6 +87,7 @@ class Slot:
     worker: str = ""  #: Celery nodename of the worker serving the slot
     instance: str = ""  #: new at every worker start: a changed value means the worker restarted
     cuda_index: int = -1  #: CUDA slots: the GPU's nvidia-smi (PCI bus order) index; -1 on CPU slots
+    host: str = ""  #: the machine's identity (machine-id): "nodes" sharing it can meet over loopback
 
     @cached_property
     def queue(self) -> str:
@@ -114,7 +115,7 @@ class Slot:
             threads=int(fields["threads"]),
             cpus=tuple(int(c) for c in fields.get("cpus", "").split(",") if c),
             worker=fields.get("worker", ""), instance=fields.get("instance", ""),
-            cuda_index=int(fields.get("cuda_index", -1)),
+            cuda_index=int(fields.get("cuda_index", -1)), host=fields.get("host", ""),
         )
 
     def child_env(self, cuda_indices: list[int] | None = None) -> dict[str, str]:
@@ -132,6 +133,19 @@ class Slot:
         return env
 
 
+def machine_id() -> str:
+    """This machine's identity: systemd's machine-id, else the host name. Two workers with the same
+    one run on the same machine, whatever node names they were given."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    return socket.gethostname()
+
+
 def describe_local_slot(node: str, device: int, address: str, worker: str = "") -> Slot:
     """The slot this node offers as device `device`: its `device`-th usable GPU when nvidia-smi lists
     GPUs (GpuListingError when there is no such GPU or the listing is unusable), else a CPU slot."""
@@ -145,11 +159,12 @@ def describe_local_slot(node: str, device: int, address: str, worker: str = "") 
         gpu = gpus[device]
         slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or len(gpus)
         threads = max(1, cores // slots)
-        return Slot(node, device, "cuda", gpu.memory_bytes, address, threads, (), worker, cuda_index=gpu.index)
+        return Slot(node, device, "cuda", gpu.memory_bytes, address, threads, (), worker, cuda_index=gpu.index,
+                    host=machine_id())
     slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or cores
     explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
     memory = parse_size(explicit) if explicit else psutil.virtual_memory().total // slots
     threads = max(1, cores // slots)
     first = (device * threads) % cores
     cpus = tuple(sorted({(first + i) % cores for i in range(threads)}))
-    return Slot(node, device, "cpu", memory, address, threads, cpus, worker)
+    return Slot(node, device, "cpu", memory, address, threads, cpus, worker, host=machine_id())

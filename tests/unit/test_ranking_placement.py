@@ -289,3 +289,16 @@ def test_a_multi_node_gang_never_uses_a_loopback_address() -> None:
     assert queues(place(slots, set(), 2, 1)) == [["b.gpu0"], ["c.gpu0"]]
     assert place(slots, {"c.gpu0"}, 2, 1) is None
     assert queues(place(slots, set(), 1, 1)) == [["a.gpu0"]]  # alone on its node, loopback is fine
+
+
+def test_nodes_of_one_machine_meet_over_loopback() -> None:
+    """Two "nodes" that are one machine (test clusters, a node per socket) reach each other over
+    loopback; nodes of two machines that both reach Redis over loopback do not."""
+    def at(node: str, address: str, host: str) -> Slot:
+        return Slot(node, 0, "cpu", GiB, address, 1, (), host=host)
+    same = [at("a", "127.0.0.1", "m1"), at("b", "127.0.0.1", "m1")]
+    assert queues(place(same, set(), 2, 1)) == [["a.gpu0"], ["b.gpu0"]]
+    assert place([at("a", "127.0.0.1", "m1"), at("b", "127.0.0.1", "m2")], set(), 2, 1) is None
+    assert place([at("a", "127.0.0.1", ""), at("b", "127.0.0.1", "")], set(), 2, 1) is None  # unknown machine
+    mixed = [at("a", "127.0.0.1", "m1"), at("b", "10.0.0.2", "m1"), at("c", "10.0.0.3", "m2")]
+    assert queues(place(mixed, set(), 2, 1)) == [["b.gpu0"], ["c.gpu0"]]

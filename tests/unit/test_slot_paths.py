@@ -106,7 +106,7 @@ CUDA_SLOT = Slot("gpu-host", 1, "cuda", 80 * GiB, "10.0.0.9", 8, (), "w1@gpu-hos
 def test_to_redis_strings() -> None:
     assert CPU_SLOT.to_redis() == {
         "node": "n1", "device": "2", "kind": "cpu", "memory_bytes": str(3 * GiB), "address": "10.0.0.5",
-        "threads": "4", "cpus": "4,5,6,7", "worker": "w2@n1", "instance": "", "cuda_index": "-1",
+        "threads": "4", "cpus": "4,5,6,7", "worker": "w2@n1", "instance": "", "cuda_index": "-1", "host": "",
     }
     assert CUDA_SLOT.to_redis()["cpus"] == ""
 
@@ -174,6 +174,7 @@ def test_host_memory_cap(monkeypatch: pytest.MonkeyPatch, slot: Slot, env: str |
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in ("AUTOTUNE_SLOTS_PER_NODE", "AUTOTUNE_SLOT_MEMORY", "AUTOTUNE_NODE", "AUTOTUNE_ADDRESS"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(slot_module, "machine_id", lambda: "machine-1")
     return monkeypatch
 
 
@@ -207,7 +208,7 @@ def test_describe_local_cpu_slot(clean_env: pytest.MonkeyPatch, cores: int, slot
     if memory_env is not None:
         clean_env.setenv("AUTOTUNE_SLOT_MEMORY", memory_env)
     slot = describe_local_slot("n1", device, "10.1.1.1", "w@n1")
-    assert slot == Slot("n1", device, "cpu", memory, "10.1.1.1", threads, cpus, "w@n1")
+    assert slot == Slot("n1", device, "cpu", memory, "10.1.1.1", threads, cpus, "w@n1", host="machine-1")
 
 
 @pytest.mark.parametrize(("cores", "slots"), [(4, 1), (4, 2), (4, 4), (8, 3), (16, 4), (16, 16), (12, 5)])
@@ -250,7 +251,7 @@ def test_describe_local_cuda_slot(clean_env: pytest.MonkeyPatch, slots_env: str 
     if slots_env is not None:
         clean_env.setenv("AUTOTUNE_SLOTS_PER_NODE", slots_env)
     slot = describe_local_slot("g", 1, "10.0.0.2", "w1@g")
-    assert slot == Slot("g", 1, "cuda", 80 * GiB, "10.0.0.2", threads, (), "w1@g", cuda_index=2)
+    assert slot == Slot("g", 1, "cuda", 80 * GiB, "10.0.0.2", threads, (), "w1@g", cuda_index=2, host="machine-1")
     assert slot.child_env()["CUDA_VISIBLE_DEVICES"] == "2"
     assert slot.child_env()["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert slot.child_env([7, 2])["CUDA_VISIBLE_DEVICES"] == "7,2"
@@ -381,3 +382,15 @@ def test_read_json_missing_or_invalid(tmp_path: Path, content: str | bytes | Non
 
 def test_read_json_directory(tmp_path: Path) -> None:
     assert read_json(tmp_path) is None
+
+
+def test_machine_id_names_this_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real_open = open
+    ids = {"/etc/machine-id": tmp_path / "etc-id", "/var/lib/dbus/machine-id": tmp_path / "dbus-id"}
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(ids.get(path, path), *a, **k))
+    monkeypatch.setattr(slot_module.socket, "gethostname", lambda: "the-host")
+    assert slot_module.machine_id() == "the-host"  # neither file
+    (tmp_path / "dbus-id").write_text("dbus123\n")
+    assert slot_module.machine_id() == "dbus123"
+    (tmp_path / "etc-id").write_text("etc456\n")
+    assert slot_module.machine_id() == "etc456"
