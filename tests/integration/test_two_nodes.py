@@ -72,6 +72,7 @@ from pathlib import Path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--deepspeed_config", required=True)
+parser.add_argument("--local_rank", type=int)  # tuned runs get it, as from DeepSpeed's launcher
 args = parser.parse_args()
 rank = int(os.environ["RANK"])
 Path(args.deepspeed_config).parent.joinpath(f"started.rank{rank}").write_text(str(os.getpid()))
