@@ -36,10 +36,9 @@ from scheduler.memory import (
 from scheduler.phases import Phase, Search
 from scheduler.ranking import best, metric_value
 from scheduler.sampled_search import race, sampled_stages, stages_near_leader
-from scheduler.space import Experiment, experiment_config, experiment_name
+from scheduler.space import PROFILE, Experiment, experiment_config, experiment_name
 from scheduler.tuners import TUNER_TYPES, StopRule, Trial, make_tuner, plan
 
-PROFILE = "profile_model_info"
 #: DeepSpeed's METRIC_PERCENT_DIFF_CONST: a larger batch must improve the metric by more than this.
 PLATEAU = 0.05
 #: The fine-grained search tries about this many sizes below the largest candidate.

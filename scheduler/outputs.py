@@ -23,13 +23,11 @@ from rich.table import Table
 from tabulate import tabulate
 
 from scheduler.ranking import best, metric_value, pooled_best, status_counts
-from scheduler.space import Experiment, optimal_config
+from scheduler.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
 from workers.paths import safe_child, write_atomic, write_json
 
 FAILURE_CLASSES = [s.value for s in Status if s is not Status.OK]
-#: The model-info profile run is not a tuning experiment: DeepSpeed leaves it out of the counts too.
-PROFILE_SPACE = "profile_model_info"
 
 
 def write_experiment_descriptions(exps_dir: Path, experiments: list[Experiment]) -> None:
@@ -46,7 +44,7 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     value is the mean the winner was picked on (a re-measured config: "(mean of 2)" after its name)."""
     spaces: dict[str, list[dict[str, Any]]] = {}
     for exp in experiments:
-        if exp.name in records and exp.space != PROFILE_SPACE:
+        if exp.name in records and exp.space != PROFILE:
             spaces.setdefault(exp.space, []).append(records[exp.name])
     tuned = [r for space_records in spaces.values() for r in space_records]
     rows = []

@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scheduler.outputs import PROFILE_SPACE
 from scheduler.ranking import metric_value
-from scheduler.space import Experiment
+from scheduler.space import PROFILE, Experiment
 
 
 def write_plot(path: Path, experiments: list[Experiment], records: dict[str, dict[str, Any]],
@@ -27,7 +26,7 @@ def write_plot(path: Path, experiments: list[Experiment], records: dict[str, dic
     figure, axes = pyplot.subplots(figsize=(8, 4.5), dpi=110)
     spaces: dict[str, list[tuple[Experiment, dict[str, Any]]]] = {}
     for exp in experiments:
-        if exp.name in records and exp.space != PROFILE_SPACE:
+        if exp.name in records and exp.space != PROFILE:
             spaces.setdefault(exp.space, []).append((exp, records[exp.name]))
     for space, measured in spaces.items():
         good = sorted((exp.micro_batch_size, value) for exp, record in measured

@@ -29,12 +29,12 @@ from scheduler import job_queue
 from scheduler.arguments import with_config, with_mapped_args
 from scheduler.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
-from scheduler.fast_search import PROFILE, SearchSettings, fast_search
+from scheduler.fast_search import SearchSettings, fast_search
 from scheduler.jobs import JobSpec, end, load_spec, publish
 from scheduler.live_search import LiveSearches
 from scheduler.outputs import write_results
 from scheduler.phases import Phase, Search, replay
-from scheduler.space import Experiment
+from scheduler.space import PROFILE, Experiment
 from workers import keys
 from workers.paths import read_json, safe_child
 

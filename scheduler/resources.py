@@ -48,8 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -57,6 +55,7 @@ from typing import NoReturn
 
 from scheduler.errors import ResourceFilterError, UsageError
 from scheduler.hostfile import LOCAL_HOSTNAME, local_pool, read_hostfile
+from workers.gpus import GpuListingError, local_gpus
 
 FILTER_GRAMMAR = "expected NODE[:ID[,ID...]][@NODE[:ID...]]..., e.g. worker-0:0,1@worker-1"
 _MAX_HOSTS_NAMED = 8
@@ -229,10 +228,14 @@ def first_devices_per_host(chosen: Mapping[str, Sequence[int]], num_gpus: int) -
 
 
 def detect_local_devices() -> tuple[int, str]:
-    """Count this machine's devices: NVIDIA GPUs from `nvidia-smi -L`, else CPUs; says which."""
-    gpus = _count_nvidia_gpus()
-    if gpus > 0:
-        return gpus, "nvidia-smi -L"
+    """Count this machine's devices: its usable GPUs (`workers.gpus`, the same listing the slot
+    workers use), else CPUs; says which."""
+    try:
+        gpus = local_gpus()
+    except GpuListingError as error:
+        raise UsageError(str(error)) from None
+    if gpus:
+        return len(gpus), "nvidia-smi"
     return os.cpu_count() or 1, "os.cpu_count()"
 
 
@@ -389,20 +392,6 @@ def _id_list(ids: Iterable[int]) -> str:
     return ",".join(str(device_id) for device_id in ids)
 
 
-def _count_nvidia_gpus() -> int:
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        listing = subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    if listing.returncode != 0:
-        return 0
-    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
-
-
 class _OneLineErrorParser(argparse.ArgumentParser):
     """argparse, but its own errors are also a single `error: ...` line with exit status 2."""
 
@@ -425,7 +414,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--local_devices", type=int, default=None,
-        help="without --hostfile: device count of this machine (default: nvidia-smi -L, else CPU count)",
+        help="without --hostfile: device count of this machine (default: the GPUs nvidia-smi lists, else CPU count)",
     )
     return parser
 

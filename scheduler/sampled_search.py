@@ -43,7 +43,7 @@ from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from scheduler.ranking import metric_value
-from scheduler.space import Experiment
+from scheduler.space import PROFILE, Experiment
 
 if TYPE_CHECKING:
     from scheduler.fast_search import _Session
@@ -285,7 +285,7 @@ def race(session: _Session) -> Step:
     scored: list[tuple[float, Experiment]] = []
     for exp, record in list(session.measured.values()):
         value = metric_value(record, st.metric)
-        if value is not None and not exp.name.endswith(REMEASURE_SUFFIX) and exp.space != "profile_model_info":
+        if value is not None and not exp.name.endswith(REMEASURE_SUFFIX) and exp.space != PROFILE:
             scored.append((value if st.maximize else -value, exp))
     repeats = [Experiment(exp.name + REMEASURE_SUFFIX, exp.stage, exp.micro_batch_size,
                           exp.gradient_accumulation_steps, exp.ds_config, exp.num_nodes, exp.num_gpus,

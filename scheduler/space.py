@@ -48,6 +48,11 @@ class Experiment:
         return self.tuning_space or f"z{self.stage}"
 
 
+#: The model-info profile run's experiment name and tuning space (DeepSpeed's): not a tuning
+#: experiment, so summaries, plots and rankings leave it out.
+PROFILE = "profile_model_info"
+
+
 def experiment_name(stage: int, gas: int, mbs: int) -> str:
     return f"z{stage}_gas{gas}_tmbspg{mbs}"
 
