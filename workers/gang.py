@@ -19,6 +19,10 @@ import redis
 from workers import keys
 
 _RESERVE = """
+-- KEYS[1..n]  autotune:gang:<slot queue> of every slot of the gang
+-- ARGV[1]     the new owner token
+-- ARGV[2]     the lease in milliseconds
+-- returns 1 when every key was free and is now held by ARGV[1], else 0 and nothing changed
 for i = 1, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end
 end
@@ -27,16 +31,12 @@ for i = 1, #KEYS do
 end
 return 1
 """
-_RENEW = """
-for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) ~= ARGV[1] then return 0 end
-end
-for i = 1, #KEYS do
-  redis.call('PEXPIRE', KEYS[i], ARGV[2])
-end
-return 1
-"""
 _KEEP = """
+-- KEYS[1]  autotune:gang:<slot queue> of the one slot a running rank renews
+-- ARGV[1]  the launch's owner token
+-- ARGV[2]  the lease in milliseconds
+-- returns 1 when ARGV[1] held it (lease extended), 2 when the key was gone (taken back: Redis
+-- lost its data), 0 when another token holds it (this launch was given up)
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -49,6 +49,9 @@ end
 return 0
 """
 _RELEASE = """
+-- KEYS[1..n]  autotune:gang:<slot queue> of the slots to free
+-- ARGV[1]     the owner token: only keys it still holds are deleted
+-- returns how many keys it held
 local released = 0
 for i = 1, #KEYS do
   if redis.call('GET', KEYS[i]) == ARGV[1] then
@@ -66,7 +69,6 @@ class GangReservations:
     def __init__(self, client: redis.Redis) -> None:
         self._client = client
         self._reserve = client.register_script(_RESERVE)
-        self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._keep = client.register_script(_KEEP)
 
@@ -83,10 +85,6 @@ class GangReservations:
         token = f"{owner}#{uuid.uuid4().hex}" if owner else uuid.uuid4().hex
         taken = self._reserve(keys=self._keys(queues), args=[token, int(lease_s * 1000)])
         return token if taken == 1 else None
-
-    def renew(self, queues: list[str], token: str, lease_s: float) -> bool:
-        """Extend the lease; False if the token no longer holds every queue (the lease expired)."""
-        return self._renew(keys=self._keys(queues), args=[token, int(lease_s * 1000)]) == 1
 
     def keep(self, queue: str, token: str, lease_s: float) -> bool:
         """A running rank's renewal of its own slot: extend the lease, or take the slot back if the

@@ -125,7 +125,7 @@ def test_reserve_is_all_or_nothing(client: redis.Redis) -> None:
     assert gangs.holders(["n.gpu0", "n.gpu1", "n.gpu2"]) == {"n.gpu0": "job/exp", "n.gpu1": first, "n.gpu2": "job/exp"}
 
 
-def test_a_stale_token_cannot_release_renew_or_keep(client: redis.Redis) -> None:
+def test_a_stale_token_cannot_release_or_keep(client: redis.Redis) -> None:
     gangs = GangReservations(client)
     stale = gangs.reserve(["n.gpu0", "n.gpu1"], 0.3)
     time.sleep(0.5)  # its lease lapsed: the slots are free ...
@@ -133,22 +133,18 @@ def test_a_stale_token_cannot_release_renew_or_keep(client: redis.Redis) -> None
     fresh = gangs.reserve(["n.gpu0", "n.gpu1"], 30)  # ... and another launch takes them
     assert fresh is not None and stale is not None
     assert gangs.release(["n.gpu0", "n.gpu1"], stale) == 0
-    assert gangs.renew(["n.gpu0", "n.gpu1"], stale, 30) is False
-    assert gangs.keep("n.gpu0", stale, 30) is False
+    assert gangs.keep("n.gpu0", stale, 90) is False
     assert gangs.holds(["n.gpu0", "n.gpu1"], fresh) and not gangs.holds(["n.gpu0"], stale)
     ttl = client.pttl(keys.gang("n.gpu0"))
     assert 25_000 < ttl <= 30_000  # the stale renewals did not touch the new owner's lease
 
 
-def test_renew_and_keep_extend_only_their_own_lease(client: redis.Redis) -> None:
+def test_keep_extends_only_its_own_slots_lease(client: redis.Redis) -> None:
     gangs = GangReservations(client)
     token = gangs.reserve(["n.gpu0", "n.gpu1"], 1.0)
     assert token is not None
-    assert gangs.renew(["n.gpu0", "n.gpu1"], token, 60)
-    assert client.pttl(keys.gang("n.gpu1")) > 50_000
     assert gangs.keep("n.gpu0", token, 120)
-    assert client.pttl(keys.gang("n.gpu0")) > 110_000 and client.pttl(keys.gang("n.gpu1")) <= 60_000
-    assert gangs.renew(["n.gpu0", "n.gpu1", "n.gpu2"], token, 60) is False  # not the holder of gpu2
+    assert client.pttl(keys.gang("n.gpu0")) > 110_000 and client.pttl(keys.gang("n.gpu1")) <= 1_000
 
 
 def test_keep_retakes_a_slot_whose_key_redis_lost(client: redis.Redis) -> None:
