@@ -178,3 +178,6 @@ def _backfill_placement(item: Waiting, slots: Sequence[Slot], busy: set[str], he
 def _place(slots: Sequence[Slot], busy: set[str], item: Waiting) -> list[list[Slot]] | None:
     return place(list(slots), busy, item.num_nodes, item.num_gpus, item.min_memory, item.kind)
 
+
+#: The policies a job may ask for (`JobSpec.policy`), by name.
+POLICIES: dict[str, Policy] = {"backfill": backfill, "strict_fifo": strict_fifo}

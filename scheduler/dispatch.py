@@ -34,7 +34,7 @@ import redis
 from celery import chord
 
 from scheduler import job_queue
-from scheduler.backfill import Waiting, backfill, estimate_run_s, strict_fifo
+from scheduler.backfill import POLICIES, Waiting, backfill, estimate_run_s
 from scheduler.errors import ClusterError
 from scheduler.jobs import ATTEMPTS_TTL_S, JobSpec, active_specs, end, load_spec, publish, stop_launch
 from scheduler.outputs import write_experiment_descriptions
@@ -89,7 +89,9 @@ def dispatch(client: redis.Redis, app) -> None:
         elif load_spec(client, spec.job) is None:
             refused.add(spec.job)
     jobs = {spec.job: spec for spec in specs if spec.job not in refused}
-    policy = strict_fifo if all(spec.policy == "strict_fifo" for spec in specs) else backfill
+    # Strict FIFO only while every active job asks for it: one backfilling job makes the pass backfill.
+    asked = {spec.policy for spec in specs}
+    policy = POLICIES[asked.pop()] if len(asked) == 1 else backfill
     by_key = {f"{spec.job}/{entry['exp']['name']}": (spec, entry) for spec, entry in free_waiting
               if spec.job not in refused}
     items = [Waiting(key, entry["exp"]["num_nodes"], entry["exp"]["num_gpus"], spec.timeout_s,

@@ -73,22 +73,3 @@ def advance_job(job: str) -> None:
     with cluster_lock(client):
         advance(client, job)
         dispatch(client, app)
-
-
-def sweep_forever(client, stop) -> None:
-    """The control worker's fallback for what no event announces (`scheduler.dispatch` docstring):
-    every SWEEP_S, lost launches are retried or recorded and dispatch runs again."""
-    from scheduler.dispatch import SWEEP_S, cluster_lock, dispatch, sweep
-    from scheduler.progress import advance
-    from workers import keys
-
-    while not stop.wait(SWEEP_S):
-        try:
-            if not client.zcard(keys.JOBS):
-                continue
-            with cluster_lock(client):
-                for job in sweep(client, app):
-                    advance(client, job)
-                dispatch(client, app)
-        except Exception:  # Redis restarting, a lock timeout: the next sweep tries again
-            log.warning("control sweep failed; retrying in %.0fs", SWEEP_S, exc_info=True)

@@ -5,7 +5,7 @@ node's `<node>.gpu0` queue, the slot is described (GPU via nvidia-smi, else a CP
 memory cap and thread budget) and registered in Redis with a heartbeat. This happens in the main
 process before the pool forks, so pool children inherit the binding through the environment and
 the worker itself never initialises CUDA. A worker on `-Q control` registers as a control worker
-and, once its pool is up, runs the sweep thread (`tasks.experiment.sweep_forever`).
+and, once its pool is up, runs the sweep thread (`scheduler.control_loop.sweep_forever`).
 """
 from __future__ import annotations
 
@@ -143,9 +143,9 @@ def start_sweeping(sender=None, **_: object) -> None:
     """Started after the pool forked its children, so no child inherits a thread's held lock."""
     if sender is None or "control" not in sender.app.amqp.queues.consume_from:
         return
-    from tasks.experiment import sweep_forever
+    from scheduler.control_loop import sweep_forever
 
-    threading.Thread(target=sweep_forever, args=(redis_client(sender.app.conf), _stop_sweeping),
+    threading.Thread(target=sweep_forever, args=(redis_client(sender.app.conf), sender.app, _stop_sweeping),
                      daemon=True, name="control sweep").start()
 
 

@@ -1,0 +1,35 @@
+"""The control worker's sweep: the fallback for what no event announces.
+
+Dispatch and the job steps are driven by events (a submission, an experiment's chord callback), so
+nothing polls while work flows. But some changes announce themselves to nobody: a launch lost with
+its worker or node, a lease that lapsed, a slot worker that came back. Every SWEEP_S the control
+worker finds lost launches (`scheduler.dispatch.sweep`), takes the step of each job that recorded
+one, and dispatches again, all under the cluster lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from scheduler.dispatch import SWEEP_S, cluster_lock, dispatch, sweep
+from scheduler.progress import advance
+from workers import keys
+
+log = logging.getLogger(__name__)
+
+
+def sweep_forever(client: redis.Redis, app, stop: threading.Event) -> None:
+    """Sweep every SWEEP_S until `stop` is set; a failed sweep (Redis restarting, a lock timeout)
+    is logged and the next one tries again."""
+    while not stop.wait(SWEEP_S):
+        try:
+            if not client.zcard(keys.JOBS):
+                continue
+            with cluster_lock(client):
+                for job in sweep(client, app):
+                    advance(client, job)
+                dispatch(client, app)
+        except Exception:
+            log.warning("control sweep failed; retrying in %.0fs", SWEEP_S, exc_info=True)
