@@ -14,6 +14,7 @@ rest (`"overwrite": true` starts afresh). Ctrl-C cancels the job.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -36,12 +37,13 @@ from scheduler.environment import check_numeric_variables, check_redis_url
 from scheduler.errors import ClusterError, ConfigError, OneLineArgumentParser, UsageError, one_line
 from scheduler.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots
 from scheduler.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
-from scheduler.outputs import print_table
+from scheduler.outputs import PARTIAL_FILES, cancelled_record, print_table
 from scheduler.progress import optimal_argv, outcome, search_of, write_outputs
 from scheduler.ranking import best, metric_value
 from scheduler.space import Experiment, optimal_config
 from workers.gpus import GpuListingError, local_gpus
 from workers.local_cluster import LocalCluster, LocalClusterError
+from workers import keys
 from workers.paths import read_json, safe_child
 from workers.registry import connect, control_alive, live_slots
 from workers.slot import Slot, parse_size
@@ -182,8 +184,10 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
     try:
         done = watch(client, app, spec, show)
     except KeyboardInterrupt:
+        running = {name.decode(): json.loads(raw)  # read before cancel forgets them
+                   for name, raw in client.hgetall(keys.job_running(spec.job)).items()}
         cancel(client, app, spec.job)
-        _report(cfg, spec, client, partial=True)
+        _report(cfg, spec, client, interrupted=running)
         raise
     winner = _report(cfg, spec, client)
     if winner is None:
@@ -244,12 +248,14 @@ def show_status() -> int:
     return 0
 
 
-def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis, partial: bool = False) -> dict[str, Any] | None:
+def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
+            interrupted: dict[str, dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """Print the results table and summary. The control worker wrote the outputs of a finished job;
-    an interrupted one gets them written here from what was measured so far."""
+    an interrupted one (`interrupted`: its launches that were running, by name) gets partial
+    outputs written here from what was measured, every other experiment of it `cancelled`."""
     experiments, records = outcome(client, spec)
-    if partial:
-        write_outputs(spec, experiments, records)
+    if interrupted is not None:
+        return _report_interrupted(cfg, spec, experiments, records, interrupted)
     summary = cfg.results_dir / "summary.txt"
     optimal = read_json(cfg.results_dir / "ds_config_optimal.json")
     winner = best(list(records.values()), cfg.metric, cfg.maximize) if optimal is not None else None
@@ -262,8 +268,34 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis, partial: bool
         for line in failure_examples(list(records.values())):
             console.print(f"  {line}", markup=False)
     else:
-        console.print(f"best: {winner['name']} -> {cfg.results_dir / 'ds_config_optimal.json'}\n"
-                      f"run it: {(cfg.results_dir / 'cmd_optimal.txt').read_text().strip()}")
+        console.print(f"best: {winner['name']} -> {cfg.results_dir / 'ds_config_optimal.json'}", soft_wrap=True)
+        # a command meant to be pasted is never wrapped, whatever the terminal's (or log's) width
+        console.print(f"run it: {(cfg.results_dir / 'cmd_optimal.txt').read_text().strip()}",
+                      soft_wrap=True, markup=False)
+    return winner
+
+
+def _report_interrupted(cfg: TuningConfig, spec: JobSpec, experiments: list[Experiment],
+                        records: dict[str, dict[str, Any]], running: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """An interrupted search: say so, list what was measured and what was cut off, and name the best
+    measured config as partial (never as the optimum)."""
+    now = time.time()
+    cancelled = {e.name: cancelled_record(e, running.get(e.name), now) for e in experiments if e.name not in records}
+    write_outputs(spec, experiments, records, cancelled)
+    winner = best(list(records.values()), cfg.metric, cfg.maximize)
+    print_table(console, experiments, {**records, **cancelled}, cfg.metric, winner)
+    summary = cfg.results_dir / "summary.txt"
+    if summary.exists():
+        console.print(summary.read_text(), markup=False)
+    measured = [e.name for e in experiments if e.name in records]
+    console.print(f"interrupted: measured {len(measured)} experiment(s)"
+                  + (f" ({', '.join(measured)})" if measured else "")
+                  + f"; cancelled {len(cancelled)} that were running or queued"
+                  + (f" ({', '.join(cancelled)})" if cancelled else ""), soft_wrap=True, markup=False)
+    if winner is not None:
+        console.print(f"best so far (partial search, not an optimum): {winner['name']} -> "
+                      f"{cfg.results_dir / PARTIAL_FILES[0]}; its command: {cfg.results_dir / PARTIAL_FILES[1]}",
+                      soft_wrap=True, markup=False)
     return winner
 
 

@@ -4,14 +4,23 @@
     <results_dir>/<name>/...        each experiment's folder (written by the slots and the callback)
     <results_dir>/summary.txt       DeepSpeed's table, plus wall time and failures per class
     <results_dir>/results.jsonl     one line per experiment: name, config, status, metrics, timings
+    <results_dir>/results.csv       the same, one row per experiment, for a spreadsheet
     <results_dir>/ds_config_optimal.json   the winner's config without the autotuning section
     <results_dir>/cmd_optimal.txt   a shell-quoted command that trains with ds_config_optimal.json
     <results_dir>/hostfile_optimal  the nodes the winner ran on, when it used more than one (cmd_optimal.txt names it)
     <results_dir>/tuning.png        every experiment: micro-batch size against the metric (scheduler.plot)
+    <results_dir>/timeline.png      every experiment on its slots over time, coloured by outcome
+
+An interrupted search is not a search that found an optimum: its experiments that were running or
+queued get `cancelled` lines in results.jsonl/results.csv, summary.txt says "interrupted", and the
+best measured config is written as ds_config_best_partial.json / cmd_best_partial.txt, never under
+the "optimal" names.
 """
 from __future__ import annotations
 
+import csv
 import datetime
+import io
 import json
 import shlex
 from collections.abc import Callable
@@ -28,6 +37,12 @@ from workers.failure import Status
 from workers.paths import safe_child, write_atomic, write_json
 
 FAILURE_CLASSES = [s.value for s in Status if s is not Status.OK]
+#: An experiment that was running or queued when the search was interrupted: not a measurement.
+CANCELLED = "cancelled"
+OPTIMAL_FILES = ("ds_config_optimal.json", "cmd_optimal.txt", "hostfile_optimal")
+PARTIAL_FILES = ("ds_config_best_partial.json", "cmd_best_partial.txt", "hostfile_best_partial")
+RECORD_KEYS = ("name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at",
+               "peak_rss_bytes", "slots", "cause", "exit_after_metrics")
 
 
 def write_experiment_descriptions(exps_dir: Path, experiments: list[Experiment]) -> None:
@@ -39,9 +54,10 @@ def write_experiment_descriptions(exps_dir: Path, experiments: list[Experiment])
 
 
 def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any]], metric: str,
-                 maximize: bool, elapsed_s: float) -> str:
+                 maximize: bool, elapsed_s: float, cancelled: list[str] | None = None) -> str:
     """DeepSpeed's summary table (one row per ZeRO stage, then global) and our extra columns. The best
-    value is the mean the winner was picked on (a re-measured config: "(mean of 2)" after its name)."""
+    value is the mean the winner was picked on (a re-measured config: "(mean of 2)" after its name).
+    With `cancelled` (an interrupted search) the closing line says so and names what was cut off."""
     spaces: dict[str, list[dict[str, Any]]] = {}
     for exp in experiments:
         if exp.name in records and exp.space != PROFILE:
@@ -63,8 +79,16 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val",
                                     "best_exp_name", "experiment_s", "failures"], tablefmt="pipe")
     elapsed = datetime.timedelta(seconds=round(elapsed_s))
-    return (f"{table}\n\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."
-            f" Metric: {metric} ({'max' if maximize else 'min'}).\n")
+    if cancelled is None:
+        return (f"{table}\n\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."
+                f" Metric: {metric} ({'max' if maximize else 'min'}).\n")
+    return (f"{table}\n\nTuning interrupted after {elapsed}: the search is partial. Experiments measured: "
+            f"{len(tuned)}; cancelled while running or queued: {len(cancelled)}"
+            + (f" ({', '.join(cancelled)})" if cancelled else "")
+            + f". Metric: {metric} ({'max' if maximize else 'min'}). "
+            + (f"The best measured config is in {PARTIAL_FILES[0]} (partial: not an optimum); "
+               if any(metric_value(r, metric) is not None for r in tuned) else "No experiment succeeded yet; ")
+            + "run the same command to finish the search.\n")
 
 
 def treated_as_too_large(records: list[dict[str, Any]]) -> int:
@@ -114,35 +138,78 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
 def write_results(results_dir: Path, experiments: list[Experiment], records: dict[str, dict[str, Any]],
                   metric: str, maximize: bool, elapsed_s: float,
                   optimal_argv: Callable[[Experiment, Path], list[str]],
-                  local_rank_arg: bool = True) -> dict[str, Any] | None:
-    """Write every output file; returns the best record (None if no experiment succeeded)."""
+                  local_rank_arg: bool = True,
+                  cancelled: dict[str, dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """Write every output file; returns the best record (None if no experiment succeeded).
+
+    `cancelled` (an interrupted search: name -> a `cancelled` record, see `cancelled_record`) makes
+    the outputs partial, as the module docstring says."""
     results_dir.mkdir(parents=True, exist_ok=True)
+    partial = cancelled is not None
+    cancelled = cancelled or {}
     ordered = [records[e.name] for e in experiments if e.name in records]
+    listed = [records.get(e.name) or cancelled[e.name] for e in experiments
+              if e.name in records or e.name in cancelled]
     write_atomic(results_dir / "results.jsonl", "".join(
-        json.dumps({key: record.get(key) for key in
-                    ("name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at",
-                     "peak_rss_bytes", "slots", "cause", "exit_after_metrics")}) + "\n"
-        for record in ordered))
+        json.dumps({key: record.get(key) for key in RECORD_KEYS}) + "\n" for record in listed))
+    by_name = {e.name: e for e in experiments}
+    write_atomic(results_dir / "results.csv", results_csv([(by_name[r["name"]], r) for r in listed], metric))
     write_atomic(results_dir / "summary.txt",
-                 summary_text(experiments, records, metric, maximize, elapsed_s))
+                 summary_text(experiments, records, metric, maximize, elapsed_s,
+                              list(cancelled) if partial else None))
     winner = best(ordered, metric, maximize)
-    from scheduler.plot import write_plot  # matplotlib is imported only when a job ends
+    from scheduler.plot import write_plot, write_timeline  # matplotlib is imported only when a job ends
 
     write_plot(results_dir / "tuning.png", experiments, records, metric, winner)
-    for stale in ("ds_config_optimal.json", "cmd_optimal.txt", "hostfile_optimal"):
+    write_timeline(results_dir / "timeline.png", [*ordered, *cancelled.values()], winner)
+    for stale in (*OPTIMAL_FILES, *PARTIAL_FILES):
         (results_dir / stale).unlink(missing_ok=True)
     if winner is None:
         return None
-    exp = next(e for e in experiments if e.name == winner["name"])
-    optimal_path = (results_dir / "ds_config_optimal.json").resolve()
+    config_name, command_name, hostfile_name = PARTIAL_FILES if partial else OPTIMAL_FILES
+    exp = by_name[winner["name"]]
+    optimal_path = (results_dir / config_name).resolve()
     write_json(optimal_path, optimal_config(winner["ds_config"]))
-    hostfile = (results_dir / "hostfile_optimal").resolve()
+    hostfile = (results_dir / hostfile_name).resolve()
     command, hostfile_text = launch_command(optimal_argv(exp, optimal_path), exp.num_nodes, exp.num_gpus,
                                             record=winner, local_rank_arg=local_rank_arg, hostfile=hostfile)
     if hostfile_text is not None:
         write_atomic(hostfile, hostfile_text)
-    write_atomic(results_dir / "cmd_optimal.txt", shlex.join(command) + "\n")
+    write_atomic(results_dir / command_name, shlex.join(command) + "\n")
     return winner
+
+
+def cancelled_record(exp: Experiment, running: dict[str, Any] | None, now: float) -> dict[str, Any]:
+    """The results line of an experiment cut off by an interrupt: where and since when it ran
+    (`running`: its launch as dispatch recorded it), or only its config when it was still queued."""
+    started = float(running["started"]) if running and running.get("started") else None
+    return {"name": exp.name, "status": CANCELLED, "metrics": None, "ds_config": exp.ds_config,
+            "slots": list(running.get("queues") or []) if running else [],
+            "started_at": started, "ended_at": now if started is not None else None,
+            "wall_s": round(now - started, 3) if started is not None else None,
+            "cause": {"error": "cancelled while running" if running else "cancelled while queued"}}
+
+
+def results_csv(rows: list[tuple[Experiment, dict[str, Any]]], metric: str) -> str:
+    """results.jsonl flattened to one row per experiment: the tuned knobs, the outcome, every metric."""
+    metric_keys = sorted({key for _, record in rows for key, value in (record.get("metrics") or {}).items()
+                          if isinstance(value, (int, float)) and not isinstance(value, bool)})
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["name", "space", "zero_stage", "micro_batch_size", "gradient_accumulation_steps",
+                     "num_nodes", "num_gpus", "status", metric, "wall_s", "started_at", "ended_at",
+                     "peak_rss_mib", "slots", *(f"metrics.{key}" for key in metric_keys)])
+    for exp, record in rows:
+        value = metric_value(record, metric)
+        metrics = record.get("metrics") or {}
+        writer.writerow([exp.name, exp.space, exp.stage, exp.micro_batch_size, exp.gradient_accumulation_steps,
+                         exp.num_nodes, exp.num_gpus, record.get("status"), "" if value is None else value,
+                         record.get("wall_s") if record.get("wall_s") is not None else "",
+                         record.get("started_at") or "", record.get("ended_at") or "",
+                         round((record.get("peak_rss_bytes") or 0) / 2**20, 1),
+                         " ".join(record.get("slots") or []),
+                         *(metrics.get(key, "") for key in metric_keys)])
+    return out.getvalue()
 
 
 def print_table(console: Console, experiments: list[Experiment], records: dict[str, dict[str, Any]],

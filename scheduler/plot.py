@@ -54,3 +54,50 @@ def write_plot(path: Path, experiments: list[Experiment], records: dict[str, dic
     figure.tight_layout()
     figure.savefig(path)
     pyplot.close(figure)
+
+
+#: One colour per outcome class, the same in every timeline: green measured, red memory, grey cut off.
+STATUS_COLOURS = {"ok": "#2ca02c", "oom": "#d62728", "timeout": "#ff7f0e", "crashed": "#9467bd",
+                  "no_metrics": "#8c564b", "bad_metrics": "#e377c2", "rendezvous_failed": "#bcbd22",
+                  "aborted": "#17becf", "lost": "#7f7f7f", "cancelled": "#c7c7c7"}
+
+
+def write_timeline(path: Path, records: list[dict[str, Any]], winner: dict[str, Any] | None) -> None:
+    """`timeline.png`: which slot ran what, when. One row per slot, one bar per experiment on each
+    slot it held (a gang spans rows), from its start to its end in seconds since the first start,
+    coloured by outcome; the winner outlined. Gaps are idle slots, long bars the costly probes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+    from matplotlib.patches import Patch
+
+    timed = [r for r in records if r.get("started_at") and r.get("ended_at") and r.get("slots")]
+    slots = sorted({slot for r in timed for slot in r["slots"]})
+    figure, axes = pyplot.subplots(figsize=(10, 1.2 + 0.55 * max(len(slots), 1)), dpi=110)
+    origin = min((r["started_at"] for r in timed), default=0.0)
+    span = max((r["ended_at"] - origin for r in timed), default=1.0) or 1.0
+    for record in timed:
+        start, width = record["started_at"] - origin, max(record["ended_at"] - record["started_at"], 0.01)
+        colour = STATUS_COLOURS.get(str(record.get("status")), "#7f7f7f")
+        is_winner = winner is not None and record.get("name") == winner.get("name")
+        for slot in record["slots"]:
+            row = slots.index(slot)
+            axes.barh(row, width, left=start, height=0.7, color=colour, alpha=0.9,
+                      edgecolor="black" if is_winner else "white", linewidth=2.0 if is_winner else 0.5)
+            axes.text(start + width / 2, row, record["name"], ha="center", va="center", fontsize=6,
+                      rotation=90 if width < 0.08 * span else 0, clip_on=True)
+    axes.set_yticks(range(len(slots)), slots)
+    axes.invert_yaxis()
+    axes.set_xlabel("seconds since the first experiment started")
+    axes.grid(axis="x", alpha=0.3)
+    present = sorted({str(r.get("status")) for r in timed})
+    handles = [Patch(color=STATUS_COLOURS.get(status, "#7f7f7f"), label=status) for status in present]
+    if winner is not None:
+        handles.append(Patch(facecolor="white", edgecolor="black", linewidth=2, label=f"best: {winner['name']}"))
+    if handles:
+        axes.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes.set_title("celery-autotune: experiments per slot over time")
+    figure.tight_layout()
+    figure.savefig(path)
+    pyplot.close(figure)

@@ -196,12 +196,15 @@ def outcome(client: redis.Redis, spec: JobSpec) -> tuple[list[Experiment], dict[
     return tuned(answered + ([current] if current else []), lookup)
 
 
-def write_outputs(spec: JobSpec, experiments: list[Experiment], records: dict[str, dict[str, Any]]) -> str | None:
+def write_outputs(spec: JobSpec, experiments: list[Experiment], records: dict[str, dict[str, Any]],
+                  cancelled: dict[str, dict[str, Any]] | None = None) -> str | None:
     """summary.txt, results.jsonl, ds_config_optimal.json, cmd_optimal.txt, tuning.png; returns the
-    winner's name. Elapsed time is counted from the job's submission."""
+    winner's name. Elapsed time is counted from the job's submission. `cancelled` (an interrupted
+    search) makes them partial (`scheduler.outputs`)."""
     cfg = tuning_config(spec)
     winner = write_results(Path(spec.results_root), experiments, records, cfg.metric, cfg.maximize,
-                           time.time() - spec.submitted_at, optimal_argv(spec), spec.local_rank_arg)
+                           time.time() - spec.submitted_at, optimal_argv(spec), spec.local_rank_arg,
+                           cancelled=cancelled)
     return winner["name"] if winner else None
 
 

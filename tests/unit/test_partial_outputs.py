@@ -1,0 +1,99 @@
+"""An interrupted search's outputs say so (`scheduler.outputs`): cancelled lines, a partial best under
+a partial name, "interrupted" in summary.txt; results.csv beside results.jsonl; the slot timeline."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from scheduler.outputs import OPTIMAL_FILES, PARTIAL_FILES, cancelled_record, write_results
+from test_outputs import EXPS, RECORDS, make_exp, make_record, optimal_argv
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _interrupted(tmp_path: Path) -> tuple[dict, dict]:
+    """Two of four experiments measured; one was running on two slots, one still queued."""
+    records = {name: RECORDS[name] for name in (EXPS[0].name, EXPS[1].name)}
+    running = {"started": 150.0, "queues": ["n.gpu0", "n.gpu1"]}
+    cancelled = {EXPS[2].name: cancelled_record(EXPS[2], running, 160.0),
+                 EXPS[3].name: cancelled_record(EXPS[3], None, 160.0)}
+    write_results(tmp_path, EXPS, records, "throughput", True, 60.0, optimal_argv, cancelled=cancelled)
+    return records, cancelled
+
+
+def test_interrupted_search_is_not_called_optimal(tmp_path: Path) -> None:
+    _interrupted(tmp_path)
+    assert not any((tmp_path / name).exists() for name in OPTIMAL_FILES)
+    partial = json.loads((tmp_path / PARTIAL_FILES[0]).read_text())
+    assert partial["train_micro_batch_size_per_gpu"] == 1 and "autotuning" not in partial  # z0 mbs 1, the only ok
+    assert str((tmp_path / PARTIAL_FILES[0]).resolve()) in (tmp_path / PARTIAL_FILES[1]).read_text()
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "Tuning interrupted" in summary and "Tuning completed" not in summary
+    assert "Experiments measured: 2; cancelled while running or queued: 2" in summary
+    assert PARTIAL_FILES[0] in summary
+
+
+def test_cancelled_experiments_have_results_lines(tmp_path: Path) -> None:
+    _interrupted(tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(line["name"], line["status"]) for line in lines] == [
+        (EXPS[0].name, "ok"), (EXPS[1].name, "oom"), (EXPS[2].name, "cancelled"), (EXPS[3].name, "cancelled")]
+    running, queued = lines[2], lines[3]
+    assert running["slots"] == ["n.gpu0", "n.gpu1"] and running["wall_s"] == 10.0
+    assert running["cause"] == {"error": "cancelled while running"}
+    assert queued["slots"] == [] and queued["started_at"] is None and queued["ds_config"] == EXPS[3].ds_config
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [row["status"] for row in rows] == ["ok", "oom", "cancelled", "cancelled"]
+
+
+def test_a_complete_search_removes_a_stale_partial_best(tmp_path: Path) -> None:
+    _interrupted(tmp_path)
+    write_results(tmp_path, EXPS, RECORDS, "throughput", True, 90.0, optimal_argv)
+    assert all((tmp_path / name).exists() for name in OPTIMAL_FILES[:2])
+    assert not any((tmp_path / name).exists() for name in PARTIAL_FILES)
+    assert "Tuning completed" in (tmp_path / "summary.txt").read_text()
+
+
+def test_interrupted_before_anything_succeeded(tmp_path: Path) -> None:
+    cancelled = {e.name: cancelled_record(e, None, 1.0) for e in EXPS}
+    assert write_results(tmp_path, EXPS, {}, "throughput", True, 5.0, optimal_argv, cancelled=cancelled) is None
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "Experiments measured: 0; cancelled while running or queued: 4" in summary
+    assert "No experiment succeeded yet" in summary and "Total number of experiments" not in summary
+    assert not any((tmp_path / name).exists() for name in (*OPTIMAL_FILES, *PARTIAL_FILES))
+
+
+def test_results_csv_has_the_knobs_and_every_metric(tmp_path: Path) -> None:
+    write_results(tmp_path, EXPS, RECORDS, "throughput", True, 12.0, optimal_argv)
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [row["name"] for row in rows] == [e.name for e in EXPS]
+    assert [(row["zero_stage"], row["micro_batch_size"]) for row in rows] == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")]
+    assert rows[3]["throughput"] == "20.0" and rows[3]["metrics.latency"] == "0.6" and rows[1]["throughput"] == ""
+    assert rows[0]["slots"] == "n.gpu0 n.gpu1" and rows[0]["peak_rss_mib"] == "1024.0"
+
+
+def test_timeline_draws_one_row_per_slot(tmp_path: Path) -> None:
+    from matplotlib import pyplot
+
+    from scheduler import plot
+
+    exps = [make_exp(0, 1), make_exp(0, 2), make_exp(1, 1)]
+    records = [make_record(exps[0], "ok", 5.0, throughput=1.0), make_record(exps[1], "oom", 3.0),
+               cancelled_record(exps[2], {"started": 101.0, "queues": ["n.gpu2"]}, 109.0)]
+    records[1]["slots"], records[1]["started_at"], records[1]["ended_at"] = ["n.gpu1"], 106.0, 109.0
+    drawn: list = []
+    original = pyplot.Figure.savefig
+    pyplot.Figure.savefig = lambda self, *a, **k: (drawn.append(self), original(self, *a, **k))[1]
+    try:
+        plot.write_timeline(tmp_path / "timeline.png", records, records[0])
+    finally:
+        pyplot.Figure.savefig = original
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG
+    axes = drawn[0].axes[0]
+    assert [t.get_text() for t in axes.get_yticklabels()] == ["n.gpu0", "n.gpu1", "n.gpu2"]
+    bars = [(p.get_y() + p.get_height() / 2, p.get_x(), p.get_width()) for p in axes.patches]
+    # z0 mbs 1 on gpu0 and gpu1 from 0 s for 5 s; the OOM on gpu1 from 6 s; the cancelled one on gpu2 from 1 s
+    assert sorted((round(y), x, w) for y, x, w in bars) == [(0, 0.0, 5.0), (1, 0.0, 5.0), (1, 6.0, 3.0), (2, 1.0, 8.0)]
+    colours = {round(p.get_y() + p.get_height() / 2) * 100 + int(p.get_x()): p.get_facecolor()[:3] for p in axes.patches}
+    assert colours[106] != colours[100] and colours[201] != colours[100]  # oom, cancelled, ok: three classes
