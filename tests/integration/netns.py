@@ -13,11 +13,15 @@ Needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2; `NamespacesUnavailabl
 """
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
+
+import psutil
 
 
 class NamespacesUnavailable(Exception):
@@ -97,3 +101,53 @@ def namespace_exists(name: str) -> bool:
 def inside(host: Host, argv: list[str]) -> list[str]:
     """`argv` run in `host`'s network namespace. `ip netns exec` execs it, so the PID is argv's own."""
     return ["ip", "netns", "exec", host.namespace, *argv]
+
+
+# Own process spaces: a host whose processes cannot be reached from another "host" by PID.
+#
+# Network namespaces alone share one PID space, so a `kill` meant for node 2 works just as well
+# from node 1: a test could not tell a clean-up that went over SSH to node 2 from one that wrongly
+# ran on node 1. A host started with `own_processes` (a PID namespace with its own /proc, its first
+# process as init) sees only its own processes, numbered its own way, as a real machine does; a
+# pgid recorded on node 2 means nothing on node 1. Killing that init kills everything the host
+# runs (the kernel does), which is also the teardown that leaves nothing behind.
+
+def own_processes(host: Host) -> list[str]:
+    """Prefix for the argv of a host's first process (its init): `host`'s network namespace, a new
+    PID namespace with /proc mounted for it, and the init killed if `unshare` itself dies."""
+    return ["ip", "netns", "exec", host.namespace, "unshare", "--pid", "--fork", "--mount-proc",
+            "--kill-child"]
+
+
+def init_of(unshare_pid: int, timeout: float = 10.0) -> int:
+    """The root-namespace PID of the init `unshare --fork` started (its only child)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = psutil.Process(unshare_pid).children()
+        if children:
+            return children[0].pid
+        time.sleep(0.05)
+    raise RuntimeError(f"unshare {unshare_pid} started no init within {timeout}s")
+
+
+def on_host(init_pid: int, argv: list[str], cwd: str) -> list[str]:
+    """`argv` run as a process of the host whose init is `init_pid` (its network, PID and mount
+    namespaces, so its /proc too), in `cwd` (entering a mount namespace resets the directory)."""
+    return ["nsenter", "-t", str(init_pid), "-n", "-p", "-m", f"--wd={cwd}", *argv]
+
+
+def processes_of(init_pid: int) -> list[int]:
+    """Root-namespace PIDs of every process in the PID namespace of `init_pid`, init included."""
+    try:
+        space = os.readlink(f"/proc/{init_pid}/ns/pid")
+    except OSError:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") == space:
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found

@@ -21,6 +21,8 @@ SSHD = "/usr/sbin/sshd"
 class TestSshd:
     """A running sshd: where it listens, the client key, and the files a client config needs."""
 
+    __test__ = False  #: a helper, not a test class, when a test module imports it
+
     port: int
     folder: Path
     key: Path
@@ -47,14 +49,18 @@ class TestSshd:
                 self.proc.wait()
 
 
-def start_sshd(folder: Path, port: int, listen: str = "127.0.0.1", wrap: list[str] | None = None) -> TestSshd:
-    """sshd in the foreground (-D) on `listen:port`; `wrap` prefixes its argv (e.g. `ip netns exec`)."""
+def start_sshd(folder: Path, port: int, listen: str = "127.0.0.1", wrap: list[str] | None = None,
+               authorize: Path | None = None) -> TestSshd:
+    """sshd in the foreground (-D) on `listen:port`; `wrap` prefixes its argv (e.g. `ip netns exec`).
+
+    `authorize`: a public key to accept instead of this folder's own client key, so one client key
+    (one SSH config) reaches several test sshds, as one operator's key reaches every cluster node."""
     folder.mkdir(parents=True, exist_ok=True)
     Path("/run/sshd").mkdir(exist_ok=True)
     for name in ("host_ed25519", "id_ed25519"):
         if not (folder / name).exists():
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / name)], check=True)
-    (folder / "authorized_keys").write_text((folder / "id_ed25519.pub").read_text())
+    (folder / "authorized_keys").write_text((authorize or folder / "id_ed25519.pub").read_text())
     os.chmod(folder / "authorized_keys", 0o600)
     config = folder / "sshd_config"
     config.write_text("\n".join([
