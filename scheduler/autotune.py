@@ -14,7 +14,6 @@ rest (`"overwrite": true` starts afresh). Ctrl-C cancels the job.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
@@ -36,14 +35,15 @@ from scheduler.config import TuningConfig, load_config
 from scheduler.environment import check_numeric_variables, check_redis_url
 from scheduler.errors import ClusterError, ConfigError, OneLineArgumentParser, UsageError, one_line
 from scheduler.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots
+from scheduler.job_store import JobStore
 from scheduler.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
+from scheduler.live_view import LiveView
 from scheduler.outputs import PARTIAL_FILES, cancelled_record, print_table
 from scheduler.progress import optimal_argv, outcome, search_of, write_outputs
 from scheduler.ranking import best, metric_value
-from scheduler.space import Experiment, optimal_config
+from scheduler.space import PROFILE, Experiment, optimal_config
 from workers.gpus import GpuListingError, local_gpus
 from workers.local_cluster import LocalCluster, LocalClusterError
-from workers import keys
 from workers.paths import read_json, safe_child
 from workers.registry import connect, control_alive, live_slots
 from workers.slot import Slot, parse_size
@@ -170,22 +170,14 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
     if submit(client, app, spec):
         console.print("the job for this results folder was still running on the cluster: watching it")
 
-    def show(event: dict[str, Any]) -> None:
-        if event["kind"] == "phase":
-            console.print(f"phase {event['name']}: {event['todo']} to run"
-                          + (f", {event['reused']} already measured" if event["reused"] else ""))
-        elif event["kind"] == "record":
-            record = event["record"]
-            value = metric_value(record, cfg.metric)
-            shown = f"{cfg.metric}={value:,.2f}" if value is not None else record.get("status")
-            console.print(f"  {record['name']:<28} {record.get('status', '?'):<10} {shown}  "
-                          f"{record.get('wall_s') or 0:.1f}s on {','.join(record.get('slots') or [])}")
-
+    view = LiveView(console, client, spec.job, cfg.metric, cfg.maximize, total_slots=len(slots),
+                    concurrency=spec.tune.concurrency, started=spec.submitted_at)
     try:
-        done = watch(client, app, spec, show)
+        with view:
+            done = watch(client, app, spec, view)
     except KeyboardInterrupt:
-        running = {name.decode(): json.loads(raw)  # read before cancel forgets them
-                   for name, raw in client.hgetall(keys.job_running(spec.job)).items()}
+        running = {name: launch.to_json()  # read before cancel forgets them
+                   for name, launch in JobStore(client, spec.job).running().items()}
         cancel(client, app, spec.job)
         _report(cfg, spec, client, interrupted=running)
         raise
@@ -261,7 +253,7 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
     winner = best(list(records.values()), cfg.metric, cfg.maximize) if optimal is not None else None
     print_table(console, experiments, records, cfg.metric, winner)
     if summary.exists():
-        console.print(summary.read_text())
+        console.print(summary.read_text(), markup=False, soft_wrap=True)
     if winner is None:
         console.print("no experiment succeeded; one example per failure class (all in each "
                       "experiment's result.json):")
@@ -286,8 +278,8 @@ def _report_interrupted(cfg: TuningConfig, spec: JobSpec, experiments: list[Expe
     print_table(console, experiments, {**records, **cancelled}, cfg.metric, winner)
     summary = cfg.results_dir / "summary.txt"
     if summary.exists():
-        console.print(summary.read_text(), markup=False)
-    measured = [e.name for e in experiments if e.name in records]
+        console.print(summary.read_text(), markup=False, soft_wrap=True)
+    measured = [e.name for e in experiments if e.name in records and e.name != PROFILE]  # as summary.txt counts
     console.print(f"interrupted: measured {len(measured)} experiment(s)"
                   + (f" ({', '.join(measured)})" if measured else "")
                   + f"; cancelled {len(cancelled)} that were running or queued"
