@@ -10,15 +10,14 @@ lost or a job cancelled.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 
 import redis
 
 from deploy.fabric_hosts import Hosts
+from scheduler.job_store import JobStore, active_jobs
 from deploy.plan import RecordedGroup, kill_options, launches_matching, pgid_keys, recorded_groups
-from workers import keys
 
 log = logging.getLogger(__name__)
 DEFAULT_GRACE_S = 5.0
@@ -26,11 +25,8 @@ DEFAULT_GRACE_S = 5.0
 
 def running_launches(client: redis.Redis) -> dict[str, dict[str, dict]]:
     """{job: {experiment: launch}} for every active job."""
-    found = {}
-    for job in (j.decode() for j in client.zrange(keys.JOBS, 0, -1)):
-        found[job] = {name.decode(): json.loads(raw)
-                      for name, raw in client.hgetall(keys.job_running(job)).items()}
-    return found
+    return {job: {name: launch.to_json() for name, launch in JobStore(client, job).running().items()}
+            for job in active_jobs(client)}
 
 
 def groups_of(client: redis.Redis, launches: list[tuple[str, dict]]) -> list[RecordedGroup]:

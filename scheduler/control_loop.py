@@ -14,8 +14,8 @@ import threading
 import redis
 
 from scheduler.dispatch import SWEEP_S, cluster_lock, dispatch, sweep
+from scheduler.job_store import any_active
 from scheduler.progress import advance
-from workers import keys
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def sweep_forever(client: redis.Redis, app, stop: threading.Event) -> None:
     is logged and the next one tries again."""
     while not stop.wait(SWEEP_S):
         try:
-            if not client.zcard(keys.JOBS):
+            if not any_active(client):
                 continue
             with cluster_lock(client):
                 for job in sweep(client, app):

@@ -22,7 +22,6 @@ Redis before each launch), then recorded `lost`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -33,16 +32,18 @@ from typing import Any
 import redis
 from celery import chord
 
-from scheduler import job_queue
 from scheduler.backfill import POLICIES, Waiting, backfill, estimate_run_s
 from scheduler.errors import ClusterError
-from scheduler.jobs import ATTEMPTS_TTL_S, JobSpec, active_specs, end, load_spec, publish, stop_launch
+from scheduler.job_store import JobStore, heads
+from scheduler.jobs import JobSpec, active_specs, end, load_spec, stop_launch
+from scheduler.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.outputs import write_experiment_descriptions
 from scheduler.placement import fits_ever, is_loopback, largest_shape, pinned_placement
 from scheduler.space import Experiment
 from workers import keys
 from workers.gang import GangReservations
 from workers.paths import safe_child, write_json
+from workers.rank import RankSpec
 from workers.registry import HEARTBEAT_S, TTL_S, live_slots
 from workers.slot import Slot
 
@@ -74,43 +75,45 @@ def dispatch(client: redis.Redis, app) -> None:
     gangs = GangReservations(client)
     busy = gangs.held([s.queue for s in slots])
     free = sum(1 for s in slots if s.queue not in busy)
-    queued = job_queue.heads(client, [spec.job for spec in specs], free)  # only what could matter now
-    waiting = sorted(((entry["seq"], spec, entry) for spec in specs for entry in queued[spec.job]),
+    queued = heads(client, [spec.job for spec in specs], free)  # only what could matter now
+    waiting = sorted(((launch.seq, spec, launch) for spec in specs for launch in queued[spec.job]),
                      key=lambda item: item[0])
-    free_waiting, refused, fits = [], set(), {}
-    for _, spec, entry in waiting:
+    free_waiting: list[tuple[JobSpec, QueuedLaunch]] = []
+    refused: set[str] = set()
+    fits: dict[tuple, bool] = {}
+    for _, spec, launch in waiting:
         if spec.job in refused:
             continue
         if spec.pinned is not None:
-            if not _start_pinned(client, app, spec, entry, slots, busy):
+            if not _start_pinned(client, app, spec, launch, slots, busy):
                 refused.add(spec.job)
-        elif _fits_or_refused(client, spec, entry, slots, fits):
-            free_waiting.append((spec, entry))
+        elif _fits_or_refused(client, spec, launch, slots, fits):
+            free_waiting.append((spec, launch))
         elif load_spec(client, spec.job) is None:
             refused.add(spec.job)
     jobs = {spec.job: spec for spec in specs if spec.job not in refused}
     # Strict FIFO only while every active job asks for it: one backfilling job makes the pass backfill.
     asked = {spec.policy for spec in specs}
     policy = POLICIES[asked.pop()] if len(asked) == 1 else backfill
-    by_key = {f"{spec.job}/{entry['exp']['name']}": (spec, entry) for spec, entry in free_waiting
-              if spec.job not in refused}
-    items = [Waiting(key, entry["exp"]["num_nodes"], entry["exp"]["num_gpus"], spec.timeout_s,
-                     entry["exp"].get("min_memory", 0), spec.slot_kind) for key, (spec, entry) in by_key.items()]
+    by_key = {f"{spec.job}/{launch.name}": (spec, launch) for spec, launch in free_waiting if spec.job not in refused}
+    items = [Waiting(key, launch.exp["num_nodes"], launch.exp["num_gpus"], spec.timeout_s,
+                     launch.exp.get("min_memory", 0), spec.slot_kind) for key, (spec, launch) in by_key.items()]
     for key, placement in policy(items, slots, _frees_at(client, jobs, busy), time.time()):
-        spec, entry = by_key[key]
+        spec, launch = by_key[key]
         queues = [slot.queue for node in placement for slot in node]
         token = gangs.reserve(queues, spec.lease_s, owner=key)
         if token is None:
             break  # taken between our read and now (cannot happen under the lock; be safe)
-        _start(client, app, spec, entry, placement, token)
+        _start(client, app, spec, launch, placement, token)
         busy.update(queues)
     for spec in jobs.values():
-        running = {name.decode() for name in client.hkeys(keys.job_running(spec.job))}
-        head = next((e for e in queued[spec.job] if e["exp"]["name"] not in running), None)
-        _publish_state(client, spec, head, running)
+        store = JobStore(client, spec.job)
+        running = store.running_names()
+        head = next((launch for launch in queued[spec.job] if launch.name not in running), None)
+        _publish_state(store, spec, head, running)
 
 
-def _start_pinned(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], slots: list[Slot],
+def _start_pinned(client: redis.Redis, app, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
                   busy: set[str]) -> bool:
     """Every experiment of a pinned job wants the same named slots: they run one after another.
     False when the job was refused (a named slot has no live worker)."""
@@ -122,32 +125,32 @@ def _start_pinned(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any]
     if placement is None:
         return True
     queues = [slot.queue for node in placement for slot in node]
-    token = GangReservations(client).reserve(queues, spec.lease_s, owner=f"{spec.job}/{entry['exp']['name']}")
+    token = GangReservations(client).reserve(queues, spec.lease_s, owner=f"{spec.job}/{launch.name}")
     if token is not None:
-        _start(client, app, spec, entry, placement, token)
+        _start(client, app, spec, launch, placement, token)
         busy.update(queues)
     return True
 
 
-def _fits_or_refused(client: redis.Redis, spec: JobSpec, entry: dict[str, Any], slots: list[Slot],
+def _fits_or_refused(client: redis.Redis, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
                      fits: dict[tuple, bool]) -> bool:
     """Whether the experiment's shape fits the live cluster at all. A job is refused at once when it
     has launched nothing yet; later, slots may only be re-registering (a worker or Redis restarting),
     so the cluster gets REFUSE_GRACE_S to come back first. `fits` remembers each shape's answer (and
     each job's cleared misfit) for the rest of the pass."""
-    exp = entry["exp"]
+    exp = launch.exp
     shape = (exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0), spec.slot_kind)
     if shape not in fits:
         fits[shape] = fits_ever(slots, *shape)
+    store = JobStore(client, spec.job)
     if fits[shape]:
         if ("cleared", spec.job) not in fits:
             fits["cleared", spec.job] = True
-            client.hdel(keys.job_state(spec.job), "misfit_since")
+            store.clear_misfit()
         return True
-    state = keys.job_state(spec.job)
-    client.hsetnx(state, "misfit_since", time.time())
-    since = float(client.hget(state, "misfit_since") or time.time())
-    if not client.hexists(state, "dispatched") or time.time() - since > REFUSE_GRACE_S:
+    now = time.time()
+    since, dispatched = store.misfit_since(now)
+    if not dispatched or now - since > REFUSE_GRACE_S:
         end(client, spec.job, {"kind": "failed", "error": refusal(exp, slots, spec.slot_kind), "usage": True})
     return False
 
@@ -186,13 +189,12 @@ def _frees_at(client: redis.Redis, jobs: dict[str, JobSpec], busy: set[str]) -> 
     shape's mean wall time (or the time limit); slots held by anything else: unknown (infinite)."""
     frees_at = dict.fromkeys(busy, math.inf)
     for job, spec in jobs.items():
-        launches = [json.loads(raw) for raw in client.hvals(keys.job_running(job))]
-        shapes = sorted({_shape(running["exp"]) for running in launches})
-        walls = dict(zip(shapes, client.hmget(keys.job_walls(job), shapes))) if shapes else {}
-        for running in launches:
-            finished = json.loads(walls.get(_shape(running["exp"])) or "[]")
-            end_at = running["started"] + estimate_run_s(spec.timeout_s, finished)
-            frees_at.update({q: end_at for q in running["queues"] if q in frees_at})
+        store = JobStore(client, job)
+        launches = list(store.running().values())
+        walls = store.walls(sorted({_shape(launch.exp) for launch in launches}))
+        for launch in launches:
+            end_at = launch.started + estimate_run_s(spec.timeout_s, walls.get(_shape(launch.exp), ()))
+            frees_at.update({q: end_at for q in launch.queues if q in frees_at})
     return frees_at
 
 
@@ -200,78 +202,62 @@ def _shape(exp: dict[str, Any]) -> str:
     return f"{exp['stage']}/{exp['micro_batch_size']}"
 
 
-def _start(client: redis.Redis, app, spec: JobSpec, entry: dict[str, Any], placement: list[list[Slot]],
+def _start(client: redis.Redis, app, spec: JobSpec, queued: QueuedLaunch, placement: list[list[Slot]],
            token: str) -> None:
     """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first."""
-    exp = Experiment.from_json(entry["exp"])
+    exp = Experiment.from_json(queued.exp)
     if spec.tune is not None:  # DeepSpeed's autotuning_exps/<name>.json, for each experiment launched
         write_experiment_descriptions(Path(spec.tune.exps_dir), [exp])
+    store = JobStore(client, spec.job)
     queues = [slot.queue for node in placement for slot in node]
     attempt = uuid.uuid4().hex
-    exp_id = int(client.hincrby(keys.job_state(spec.job), "exp_ids", 1))
-    result_dir = safe_child(spec.results_root, exp.name)
+    exp_id = store.next_exp_id()
     description = {"name": exp.name, "exp_id": exp_id, "ds_config": exp.ds_config, "num_gpus": exp.num_gpus,
-                   "num_nodes": exp.num_nodes, "result_dir": str(result_dir), "slots": queues,
-                   "user_script": entry["argv"][0], "user_args": entry["argv"][1:]}
-    finish = {"job": spec.job, "name": exp.name, "exp_id": exp_id, "attempt": attempt, "slots": queues,
-              "gang_token": token, "results_root": spec.results_root, "world_size": len(queues),
-              "ds_config": exp.ds_config, "timeout_s": spec.timeout_s, "metric_file": exp.metric_file}
+                   "num_nodes": exp.num_nodes, "result_dir": str(safe_child(spec.results_root, exp.name)),
+                   "slots": queues, "user_script": queued.argv[0], "user_args": queued.argv[1:]}
+    finish = FinishSpec(job=spec.job, name=exp.name, exp_id=exp_id, attempt=attempt, slots=queues,
+                        gang_token=token, results_root=spec.results_root, world_size=len(queues),
+                        ds_config=exp.ds_config, timeout_s=spec.timeout_s, metric_file=exp.metric_file)
     limit = int(spec.timeout_s) + TIME_LIMIT_GRACE_S
     header, rank_tasks = [], {}
     for node_rank, node_slots in enumerate(placement):
         cuda_indices = [slot.cuda_index for slot in node_slots if slot.kind == "cuda"]
         for local_rank, slot in enumerate(node_slots):
-            rank_spec = {
-                "job": spec.job, "name": exp.name, "attempt": attempt, "results_root": spec.results_root,
-                "script_argv": entry["argv"], "ds_config": exp.ds_config,
-                "rank": sum(len(n) for n in placement[:node_rank]) + local_rank, "world_size": len(queues),
-                "local_rank": local_rank, "local_world_size": len(node_slots), "node_rank": node_rank,
-                "timeout_s": spec.timeout_s, "cwd": spec.cwd, "metric_file": exp.metric_file,
-                "exp": description, "gang_token": token, "lease_s": spec.lease_s,
-                "cuda_indices": cuda_indices, "local_rank_arg": spec.local_rank_arg,
-            }
+            rank_spec = RankSpec(
+                job=spec.job, name=exp.name, attempt=attempt, results_root=spec.results_root,
+                script_argv=queued.argv, ds_config=exp.ds_config,
+                rank=sum(len(n) for n in placement[:node_rank]) + local_rank, world_size=len(queues),
+                local_rank=local_rank, local_world_size=len(node_slots), node_rank=node_rank,
+                timeout_s=spec.timeout_s, cwd=spec.cwd, metric_file=exp.metric_file, exp=description,
+                gang_token=token, lease_s=spec.lease_s, cuda_indices=cuda_indices,
+                local_rank_arg=spec.local_rank_arg)
             task_id = uuid.uuid4().hex
             rank_tasks[slot.queue] = task_id
             # What Flower and worker logs show instead of the spec (no gang token, no script argv).
-            shown = f"(experiment={exp.name!r}, rank={rank_spec['rank']}, slot={slot.queue!r})"
-            header.append(app.signature("autotune.run_rank", args=(rank_spec,), queue=slot.queue,
+            shown = f"(experiment={exp.name!r}, rank={rank_spec.rank}, slot={slot.queue!r})"
+            header.append(app.signature("autotune.run_rank", args=(rank_spec.to_json(),), queue=slot.queue,
                                         time_limit=limit, task_id=task_id, argsrepr=shown, kwargsrepr="{}"))
     now = time.time()
-    running = {"seq": entry["seq"], "exp": entry["exp"], "argv": entry["argv"], "attempt": attempt,
-               "queues": queues, "token": token, "rank_tasks": rank_tasks, "started": now,
-               "deadline": now + spec.timeout_s + spec.lost_grace_s,
-               "instances": {slot.queue: slot.instance for node in placement for slot in node},
-               "missing_since": None}
-    pipe = client.pipeline(transaction=True)
-    pipe.hincrby(keys.job_attempts(spec.job), exp.name, 1)
-    pipe.expire(keys.job_attempts(spec.job), ATTEMPTS_TTL_S)
-    job_queue.remove(pipe, spec.job, entry)
-    pipe.hset(keys.job_running(spec.job), exp.name, json.dumps(running))
-    pipe.hset(keys.job_state(spec.job), "dispatched", 1)
-    pipe.execute()
-    chord(header, app.signature("autotune.finish_experiment", args=(finish,), queue="control",
+    store.start(queued, RunningLaunch(
+        seq=queued.seq, exp=queued.exp, argv=queued.argv, attempt=attempt, queues=queues, token=token,
+        rank_tasks=rank_tasks, started=now, deadline=now + spec.timeout_s + spec.lost_grace_s,
+        instances={slot.queue: slot.instance for node in placement for slot in node}))
+    chord(header, app.signature("autotune.finish_experiment", args=(finish.to_json(),), queue="control",
                                 argsrepr=f"(experiment={exp.name!r}, job={spec.job!r}, slots={queues!r})",
                                 kwargsrepr="{}")).apply_async()
 
 
-def record_finished(client: redis.Redis, job: str, name: str, attempt: str, slots: list[str], token: str,
-                    record: dict[str, Any]) -> bool:
+def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, Any]) -> bool:
     """The chord callback's bookkeeping: free the launch's slots, close it, tell the job's submitter.
     False for a stale launch (retried or given up meanwhile, or Redis lost the job)."""
-    GangReservations(client).release(slots, token)
-    raw = client.hget(keys.job_running(job), name)
-    if raw is None or json.loads(raw)["attempt"] != attempt:
+    GangReservations(client).release(finish.slots, finish.gang_token)
+    store = JobStore(client, finish.job)
+    launch = store.finish(finish.name, finish.attempt)
+    if launch is None:
         return False
-    running = json.loads(raw)
-    pipe = client.pipeline(transaction=True)
-    pipe.hdel(keys.job_running(job), name)
-    pipe.sadd(keys.job_recorded(job), name)
     if record.get("status") == "ok" and record.get("wall_s"):
-        shape = _shape(running["exp"])
-        walls = json.loads(client.hget(keys.job_walls(job), shape) or "[]")
-        pipe.hset(keys.job_walls(job), shape, json.dumps([*walls, record["wall_s"]]))
-    pipe.execute()
-    publish(client, job, {"kind": "record", "record": record})
+        store.add_wall(_shape(launch.exp), record["wall_s"])
+    store.publish({"kind": "record", "record": record})
     return True
 
 
@@ -282,63 +268,58 @@ def sweep(client: redis.Redis, app) -> set[str]:
     gangs = GangReservations(client)
     ended: set[str] = set()
     for spec in active_specs(client):
-        for name, raw in client.hgetall(keys.job_running(spec.job)).items():
-            running = json.loads(raw)
-            why = _why_lost(client, app, gangs, spec, running, live, now)
-            if why is not None and _lose(client, app, spec, name.decode(), running, why):
+        store = JobStore(client, spec.job)
+        for launch in store.running().values():
+            why = _why_lost(store, app, gangs, spec, launch, live, now)
+            if why is not None and _lose(client, app, spec, launch, why):
                 ended.add(spec.job)
     return ended
 
 
-def _why_lost(client: redis.Redis, app, gangs: GangReservations, spec: JobSpec, running: dict[str, Any],
+def _why_lost(store: JobStore, app, gangs: GangReservations, spec: JobSpec, launch: RunningLaunch,
               live: dict[str, str], now: float) -> str | None:
-    gone = [q for q in running["queues"] if q not in live]
-    restarted = [q for q in running["queues"] if q in live and live[q] != running["instances"].get(q)]
-    if gone and running["missing_since"] is None:
-        running["missing_since"] = now
-        client.hset(keys.job_running(spec.job), running["exp"]["name"], json.dumps(running))
-    if now > running["deadline"]:
+    gone = [q for q in launch.queues if q not in live]
+    restarted = [q for q in launch.queues if q in live and live[q] != launch.instances.get(q)]
+    if gone and launch.missing_since is None:
+        launch = launch.missing_from(now)
+        store.update_running(launch)
+    if now > launch.deadline:
         return (f"no record from the slot workers within the time limit plus {spec.lost_grace_s:.0f}s "
                 "(a worker or node died, or Redis lost the task)")
     if restarted:
         return f"the worker of {', '.join(restarted)} restarted during the run"
-    if gone and now - running["missing_since"] > SLOT_GONE_S:
+    if gone and launch.missing_since is not None and now - launch.missing_since > SLOT_GONE_S:
         return f"the worker of {', '.join(gone)} stopped sending heartbeats"
-    if now - running["started"] > spec.lease_s and not gangs.holds(running["queues"], running["token"]):
-        silent = [q for q, task in running["rank_tasks"].items() if not app.AsyncResult(task).ready()]
-        if silent and not gangs.holds(silent, running["token"]):
+    if now - launch.started > spec.lease_s and not gangs.holds(launch.queues, launch.token):
+        silent = [q for q, task in launch.rank_tasks.items() if not app.AsyncResult(task).ready()]
+        if silent and not gangs.holds(silent, launch.token):
             return f"the lease of {', '.join(silent)} expired: its rank stopped renewing it (worker or node gone)"
     return None
 
 
-def _lose(client: redis.Redis, app, spec: JobSpec, name: str, running: dict[str, Any], why: str) -> bool:
+def _lose(client: redis.Redis, app, spec: JobSpec, launch: RunningLaunch, why: str) -> bool:
     """Stop a lost launch; queue it again at its old place while attempts remain, else record it
     `lost`. Returns True when it was recorded (the job's phase may be complete now)."""
-    stop_launch(client, app, running)
-    attempts = int(client.hget(keys.job_attempts(spec.job), name) or 0)
-    pipe = client.pipeline(transaction=True)
-    pipe.hdel(keys.job_running(spec.job), name)
+    stop_launch(client, app, launch)
+    store = JobStore(client, spec.job)
+    attempts = store.attempts_of(launch.name)
     if attempts < spec.max_attempts:
-        log.warning("%s lost (%s); retrying, attempt %d of %d", name, why, attempts + 1, spec.max_attempts)
-        job_queue.add(pipe, spec.job, [{"seq": running["seq"], "exp": running["exp"], "argv": running["argv"]}])
-        pipe.execute()
+        log.warning("%s lost (%s); retrying, attempt %d of %d", launch.name, why, attempts + 1, spec.max_attempts)
+        store.requeue(launch)
         return False
-    record = {"name": name, "status": "lost", "metrics": None, "ds_config": running["exp"]["ds_config"],
-              "slots": running["queues"], "cause": {"error": f"{why}; gave up after {attempts} attempts"}}
-    write_json(safe_child(spec.results_root, name) / "result.json", record)
-    pipe.sadd(keys.job_recorded(spec.job), name)
-    pipe.execute()
-    publish(client, spec.job, {"kind": "record", "record": record})
+    record = {"name": launch.name, "status": "lost", "metrics": None, "ds_config": launch.exp["ds_config"],
+              "slots": launch.queues, "cause": {"error": f"{why}; gave up after {attempts} attempts"}}
+    write_json(safe_child(spec.results_root, launch.name) / "result.json", record)
+    store.give_up(launch)
+    store.publish({"kind": "record", "record": record})
     return True
 
 
-def _publish_state(client: redis.Redis, spec: JobSpec, head_entry: dict[str, Any] | None,
-                   running: set[str]) -> None:
+def _publish_state(store: JobStore, spec: JobSpec, head_launch: QueuedLaunch | None, running: set[str]) -> None:
     """What `python -m scheduler.autotune --status` shows for the job (an active one)."""
-    head = head_entry["exp"] if head_entry else None
+    head = head_launch.exp if head_launch else None
     waits = (f"needs {head['num_nodes']} node(s) x {head['num_gpus']} free slot(s) at once; "
              "the slots that fit are reserved" if head else "-")
-    client.hset(keys.job_state(spec.job), mapping={
-        "results_dir": spec.results_root, "pending": job_queue.depth(client, spec.job),
-        "running": ",".join(sorted(running)) or "-", "head": head["name"] if head else "-",
-        "head_waits": waits, "updated": round(time.time(), 1)})
+    store.show({"results_dir": spec.results_root, "pending": store.depth(),
+                "running": ",".join(sorted(running)) or "-", "head": head["name"] if head else "-",
+                "head_waits": waits, "updated": round(time.time(), 1)})

@@ -7,7 +7,7 @@ control worker for the first step, and watches the job's event list to print pro
 
 A job is either a tuning job (`tune`: a search replayed from the results folder, see
 `scheduler.progress`) or a fixed list of experiments (`experiments`: `python -m scheduler.run`,
-`--run`, benchmarks). Its spec is JSON; its key `keys.job_spec` existing means the job is active.
+`--run`, benchmarks). Its spec is JSON; its state lives in `scheduler.job_store`, and a stored spec means active.
 
     submit    spec written, job added to keys.JOBS, `autotune.advance_job` sent to the control queue
     advance   (control) replay the search; queue the next phase's experiments, or end the job
@@ -34,10 +34,10 @@ from typing import Any
 
 import redis
 
-from scheduler import job_queue
 from scheduler.environment import env_number
 from scheduler.errors import AutotuneError, UsageError
-from workers import keys
+from scheduler.job_store import JobStore, active_jobs
+from scheduler.launches import RunningLaunch
 from workers.gang import GangReservations
 from workers.paths import read_json, safe_child
 from workers.registry import control_alive
@@ -45,7 +45,6 @@ from workers.registry import control_alive
 LEASE_S = env_number("AUTOTUNE_LEASE_S", 60.0)  #: how long a dead rank can hold its slot
 LOST_GRACE_S = env_number("AUTOTUNE_LOST_GRACE_S", 120.0)
 MAX_ATTEMPTS = int(env_number("AUTOTUNE_MAX_ATTEMPTS", 3))  #: launches of one experiment, counted in Redis
-EVENTS_TTL_S = ATTEMPTS_TTL_S = 7 * 24 * 3600
 REDIS_OUTAGE_S = 300.0  #: how long a submitter waits for a restarting Redis before giving up
 WATCH_BLOCK_S = 2
 
@@ -113,13 +112,8 @@ def job_id_for(results_root: Path) -> str:
 
 
 def load_spec(client: redis.Redis, job: str) -> JobSpec | None:
-    raw = client.get(keys.job_spec(job))
+    raw = JobStore(client, job).spec_json()
     return JobSpec.from_json(raw) if raw else None
-
-
-def active_jobs(client: redis.Redis) -> list[str]:
-    """Active jobs in submission order."""
-    return [job.decode() for job in client.zrange(keys.JOBS, 0, -1)]
 
 
 def active_specs(client: redis.Redis) -> list[JobSpec]:
@@ -127,15 +121,15 @@ def active_specs(client: redis.Redis) -> list[JobSpec]:
     return [spec for job in active_jobs(client) if (spec := load_spec(client, job)) is not None]
 
 
-def stop_launch(client: redis.Redis, app, running: dict[str, Any]) -> None:
+def stop_launch(client: redis.Redis, app, launch: RunningLaunch) -> None:
     """Stop one running launch: revoke its rank tasks (their workers kill the training groups) and
     free its slots, token-checked. A worker that died for good kills nothing, so the groups its
     ranks recorded are also killed on their hosts (fabric; directly on this one), in the background."""
     from deploy.cleanup import clean_launch_in_background
 
-    app.control.revoke(list(running["rank_tasks"].values()), terminate=True, signal="SIGTERM")
-    GangReservations(client).release(running["queues"], running["token"])
-    clean_launch_in_background(client, running.get("exp", {}).get("name", "?"), running)
+    app.control.revoke(list(launch.rank_tasks.values()), terminate=True, signal="SIGTERM")
+    GangReservations(client).release(launch.queues, launch.token)
+    clean_launch_in_background(client, launch.name, launch.to_json())
 
 
 def submit(client: redis.Redis, app, spec: JobSpec) -> bool:
@@ -148,40 +142,25 @@ def submit(client: redis.Redis, app, spec: JobSpec) -> bool:
     if current is not None:
         cancel(client, app, spec.job)  # the same folder with another config: the newer one wins
     spec = replace(spec, submitted_at=spec.submitted_at or time.time())
-    pipe = client.pipeline()
-    pipe.delete(*keys.job_keys(spec.job), *job_queue.index_keys(client, spec.job), keys.job_attempts(spec.job),
-                keys.job_events(spec.job))
-    pipe.set(keys.job_spec(spec.job), spec.to_json())
-    pipe.zadd(keys.JOBS, {spec.job: client.incr(keys.SEQUENCE)})
-    pipe.execute()
+    JobStore(client, spec.job).activate(spec.to_json())
     app.send_task("autotune.advance_job", args=[spec.job], queue="control")
     return False
 
 
 def publish(client: redis.Redis, job: str, event: dict[str, Any]) -> None:
     """An event for the job's submitter (phase started, experiment recorded)."""
-    pipe = client.pipeline()
-    pipe.rpush(keys.job_events(job), json.dumps(event))
-    pipe.expire(keys.job_events(job), EVENTS_TTL_S)
-    pipe.execute()
+    JobStore(client, job).publish(event)
 
 
 def end(client: redis.Redis, job: str, event: dict[str, Any]) -> None:
-    """End the job: its last event and the removal of its keys in one transaction, so a submitter
-    that finds the spec gone always finds the event too."""
-    index = job_queue.index_keys(client, job)
-    pipe = client.pipeline(transaction=True)
-    pipe.rpush(keys.job_events(job), json.dumps(event))
-    pipe.expire(keys.job_events(job), EVENTS_TTL_S)
-    pipe.delete(*keys.job_keys(job), *index)
-    pipe.zrem(keys.JOBS, job)
-    pipe.execute()
+    """End the job: its last event and the removal of its keys, in one transaction."""
+    JobStore(client, job).end(event)
 
 
 def cancel(client: redis.Redis, app, job: str) -> None:
     """Stop every running experiment of the job (revoke + group kill), free its slots, forget it."""
-    for raw in client.hvals(keys.job_running(job)):
-        stop_launch(client, app, json.loads(raw))
+    for launch in JobStore(client, job).running().values():
+        stop_launch(client, app, launch)
     end(client, job, {"kind": "failed", "error": "cancelled", "usage": True})
 
 
@@ -191,15 +170,15 @@ def watch(client: redis.Redis, app, spec: JobSpec, on_event: Callable[[dict[str,
     the job again if Redis lost it."""
     outage_since: float | None = None
     warned_no_control = False
+    store = JobStore(client, spec.job)
     while True:
         try:
-            popped = client.blpop([keys.job_events(spec.job)], timeout=WATCH_BLOCK_S)
-            if popped is None and not client.exists(keys.job_spec(spec.job)) \
-                    and not client.llen(keys.job_events(spec.job)):
+            event = store.next_event(WATCH_BLOCK_S)
+            if event is None and store.vanished():
                 log.warning("job %s vanished from Redis (restarted without its data); submitting it again",
                             spec.job)
                 submit(client, app, spec)
-            if popped is None:
+            if event is None:
                 control_down = not control_alive(client)
                 if control_down and not warned_no_control:
                     log.warning("no control worker is alive: the job waits until one starts "
@@ -213,9 +192,8 @@ def watch(client: redis.Redis, app, spec: JobSpec, on_event: Callable[[dict[str,
             log.warning("Redis unreachable (%s); waiting for it", exc)
             time.sleep(1.0)
             continue
-        if popped is None:
+        if event is None:
             continue
-        event = json.loads(popped[1])
         if event.get("kind") == "done":
             return event
         if event.get("kind") == "failed":

@@ -25,17 +25,17 @@ from typing import Any
 
 import redis
 
-from scheduler import job_queue
 from scheduler.arguments import with_config, with_mapped_args
 from scheduler.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
 from scheduler.fast_search import SearchSettings, fast_search
+from scheduler.job_store import JobStore, reserve_seqs
 from scheduler.jobs import JobSpec, end, load_spec, publish
+from scheduler.launches import QueuedLaunch
 from scheduler.live_search import LiveSearches
 from scheduler.outputs import write_results
 from scheduler.phases import Phase, Search, replay
 from scheduler.space import PROFILE, Experiment
-from workers import keys
 from workers.paths import read_json, safe_child
 
 log = logging.getLogger(__name__)
@@ -63,16 +63,17 @@ LIVE_SEARCHES = LiveSearches()
 
 
 def _step(client: redis.Redis, spec: JobSpec) -> None:
+    store = JobStore(client, spec.job)
     lookup = record_lookup(client, spec)
-    recorded_here = {name.decode() for name in client.smembers(keys.job_recorded(spec.job))}
+    recorded_here = store.recorded()
 
     def new_record(exp: Experiment) -> dict[str, Any] | None:
         """Since a live search's last step, only experiments recorded in this job can have a record:
-        every record a job makes is added to keys.job_recorded (finish or sweep) before its step."""
+        every record a job makes is marked recorded in its store (finish or sweep) before its step."""
         return lookup(exp) if exp.name in recorded_here else None
 
-    # The job's order in keys.JOBS changes when it is submitted again (Redis lost it): rebuild then.
-    key = (spec.job, client.zscore(keys.JOBS, spec.job), spec.to_json())
+    # The job's place in the active jobs changes when it is submitted again (Redis lost it): rebuild then.
+    key = (spec.job, store.order(), spec.to_json())
     progress = LIVE_SEARCHES.advance(key, lambda: search_of(spec), lookup, new_record)
     answered, current = progress.answered, progress.current
     if spec.tune is not None:
@@ -85,33 +86,27 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
         return
     # A queued experiment may have been answered meanwhile by an older launch's record (after Redis
     # lost the job): a rebuilt search checks every queued entry, a live one those recorded since.
-    queued = job_queue.names(client, spec.job)
+    queued = store.queued_names()
     suspects = queued if progress.rebuilt else queued & recorded_here
-    for entry in job_queue.entries(client, spec.job, sorted(suspects - progress.found)):
-        if lookup(Experiment.from_json(entry["exp"])) is not None:
-            pipe = client.pipeline(transaction=True)
-            job_queue.remove(pipe, spec.job, entry)
-            pipe.execute()
-            queued.discard(entry["exp"]["name"])
-    waiting = queued | {name.decode() for name in client.hkeys(keys.job_running(spec.job))}
+    for launch in store.queued(sorted(suspects - progress.found)):
+        if lookup(Experiment.from_json(launch.exp)) is not None:
+            store.unqueue(launch)
+            queued.discard(launch.name)
+    waiting = queued | store.running_names()
     missing = [e for e in current.experiments if e.name not in progress.found]
     todo = [e for e in missing if e.name not in waiting]
     _announce(client, spec, current, todo=len(missing), reused=len(current.experiments) - len(missing))
-    client.hset(keys.job_state(spec.job), "phase", current.name)
+    store.set_phase(current.name)
     if not todo:
         return
-    first_seq = int(client.incrby(keys.SEQUENCE, len(todo))) - len(todo) + 1  # one round trip for the block
-    pipe = client.pipeline(transaction=True)
-    job_queue.add(pipe, spec.job, (
-        {"seq": first_seq + i, "argv": argv_of(spec, exp),
-         "exp": {**exp.to_json(), "min_memory": max(exp.min_memory, spec.min_memory)}}
-        for i, exp in enumerate(todo)))
-    pipe.execute()
+    first_seq = reserve_seqs(client, len(todo))
+    store.queue(QueuedLaunch(first_seq + i, {**exp.to_json(), "min_memory": max(exp.min_memory, spec.min_memory)},
+                             argv_of(spec, exp)) for i, exp in enumerate(todo))
 
 
 def _announce(client: redis.Redis, spec: JobSpec, phase: Phase, todo: int, reused: int) -> None:
     """One `phase` event per phase and job, when the job first reaches it."""
-    if client.hsetnx(keys.job_state(spec.job), f"phase:{phase.name}", 1):
+    if JobStore(client, spec.job).announce(phase.name):
         publish(client, spec.job, {"kind": "phase", "name": phase.name, "todo": todo, "reused": reused})
 
 
@@ -142,8 +137,9 @@ def _fixed(experiments: tuple[Experiment, ...]) -> Iterator[Phase]:
 def record_lookup(client: redis.Redis, spec: JobSpec) -> Lookup:
     """exp -> the record on disk that answers it, or None (module docstring). Use one per step:
     it remembers what it read."""
-    attempts = {name.decode(): int(n) for name, n in client.hgetall(keys.job_attempts(spec.job)).items()}
-    recorded = {name.decode() for name in client.smembers(keys.job_recorded(spec.job))}
+    store = JobStore(client, spec.job)
+    attempts = store.attempts()
+    recorded = store.recorded()
 
     read: dict[str, dict[str, Any] | None] = {}  #: one step reads each folder once (names fix configs)
 

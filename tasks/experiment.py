@@ -42,23 +42,24 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 @app.task(name="autotune.finish_experiment")
-def finish_experiment(rank_records: list[dict[str, Any]], exp: dict[str, Any]) -> dict[str, Any]:
+def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
     from scheduler.dispatch import cluster_lock, dispatch, record_finished
+    from scheduler.launches import FinishSpec
     from scheduler.progress import advance
 
+    finish = FinishSpec.from_json(finish_json)
     if rank_records and all(r.get("stale") for r in rank_records):
-        return {"name": exp["name"], "status": "lost", "stale": True}  # a newer launch owns the folder
-    record = aggregate(exp, rank_records)
-    result_dir = safe_child(exp["results_root"], exp["name"])
-    if record["status"] == "ok" and record["metrics"] is not None \
-            and exp.get("metric_file", "metrics.json") == "metrics.json":
+        return {"name": finish.name, "status": "lost", "stale": True}  # a newer launch owns the folder
+    record = aggregate(finish.to_json(), rank_records)
+    result_dir = safe_child(finish.results_root, finish.name)
+    if record["status"] == "ok" and record["metrics"] is not None and finish.metric_file == "metrics.json":
         write_json(result_dir / "metrics.json", record["metrics"], indent=None)
     write_json(result_dir / "result.json", record)
     client = redis_client(app.conf)
     with cluster_lock(client):
-        record_finished(client, exp["job"], exp["name"], exp["attempt"], exp["slots"], exp["gang_token"], record)
-        advance(client, exp["job"])
+        record_finished(client, finish, record)
+        advance(client, finish.job)
         dispatch(client, app)
     return record
 

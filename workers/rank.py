@@ -18,7 +18,7 @@ import shlex
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,9 @@ class RankSpec:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankSpec:
         return cls(**data)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
     @property
     def result_dir(self) -> Path:

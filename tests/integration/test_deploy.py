@@ -23,6 +23,7 @@ import redis
 
 from conftest import ROOT, wait_for
 from sshd import start_sshd
+from scheduler.launches import RunningLaunch
 from workers import keys
 from workers.local_cluster import free_tcp_port
 from workers.registry import live_slots
@@ -115,9 +116,10 @@ def test_up_status_cleanup_down(hosts):
                                 start_new_session=True)
     try:
         client.zadd(keys.JOBS, {"deployjob": 1})
-        client.hset(keys.job_running("deployjob"), "z1_mbs2", json.dumps(
-            {"queues": ["nodeB.gpu0", "nodeA.gpu1"],
-             "rank_tasks": {"nodeB.gpu0": "t-rank", "nodeA.gpu1": "t-stranger"}}))
+        client.hset(keys.job_running("deployjob"), "z1_mbs2", json.dumps(RunningLaunch(
+            seq=1, exp={"name": "z1_mbs2"}, argv=[], attempt="a", queues=["nodeB.gpu0", "nodeA.gpu1"],
+            token="tok", rank_tasks={"nodeB.gpu0": "t-rank", "nodeA.gpu1": "t-stranger"},
+            started=0.0, deadline=0.0).to_json()))
         client.set(keys.pgid("nodeB.gpu0", "t-rank"), rank.pid)
         client.set(keys.pgid("nodeA.gpu1", "t-stranger"), stranger.pid)
         wait_for(lambda: ignores_term(rank.pid) and ignores_term(stranger.pid), 10, "ranks to ignore SIGTERM")
@@ -159,6 +161,7 @@ def test_a_stopped_launch_has_its_recorded_groups_killed_on_this_host_without_ss
     from types import SimpleNamespace
 
     from scheduler.jobs import stop_launch
+    from scheduler.launches import RunningLaunch
 
     client = redis.Redis.from_url(redis_url)
     node = socket.gethostname()
@@ -171,8 +174,9 @@ def test_a_stopped_launch_has_its_recorded_groups_killed_on_this_host_without_ss
     try:
         wait_for(lambda: ignores_term(rank.pid), 10, "rank to ignore SIGTERM")
         client.set(keys.pgid(queue, "t-lost"), rank.pid)
-        stop_launch(client, app, {"exp": {"name": "lost_exp"}, "rank_tasks": {queue: "t-lost"},
-                                  "queues": [queue], "token": "tok"})
+        stop_launch(client, app, RunningLaunch(seq=1, exp={"name": "lost_exp"}, argv=[], attempt="a",
+                                               queues=[queue], token="tok", rank_tasks={queue: "t-lost"},
+                                               started=0.0, deadline=0.0))
         assert revoked == ["t-lost"]
         assert rank.wait(timeout=20) == -signal.SIGKILL
     finally:

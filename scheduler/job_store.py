@@ -1,0 +1,263 @@
+"""Every Redis key of a job and of the cluster's job list, behind one typed interface.
+
+Why one store: the job's state used to be read and written with raw Redis calls spread over
+dispatch, jobs and progress (50-odd of them), each knowing the key layout and the JSON shapes. Here
+each operation is one method, one round trip or one transaction, on typed records
+(`scheduler.launches`); nothing else touches these keys (see `workers.keys` for the layout).
+
+The queue is indexed by shape. Within one job and one shape (nodes x slots per node, minimum memory)
+waiting launches are interchangeable for placement, and a shape that finds no room in a dispatch
+pass finds none for the rest of it (busy slots only accumulate). So at most
+`free slots // slots per launch + 1` launches of each (job, shape) can matter to a pass: those that
+start, then the first that does not fit. `heads` returns exactly those, so a pass costs
+O(shapes + free slots) whatever the depth of the queues.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+
+from scheduler.launches import QueuedLaunch, RunningLaunch
+from workers import keys
+
+EVENTS_TTL_S = ATTEMPTS_TTL_S = 7 * 24 * 3600
+
+
+def active_jobs(client: redis.Redis) -> list[str]:
+    """Active jobs in submission order."""
+    return [job.decode() for job in client.zrange(keys.JOBS, 0, -1)]
+
+
+def any_active(client: redis.Redis) -> bool:
+    return bool(client.zcard(keys.JOBS))
+
+
+def reserve_seqs(client: redis.Redis, count: int) -> int:
+    """The first of `count` consecutive submission numbers, taken in one round trip."""
+    return int(client.incrby(keys.SEQUENCE, count)) - count + 1
+
+
+def heads(client: redis.Redis, jobs: list[str], free_slots: int) -> dict[str, list[QueuedLaunch]]:
+    """Per job, the waiting launches that can matter to a pass with `free_slots` free slots (module
+    docstring), in submission order. Three round trips, whatever the depth of the queues."""
+    pipe = client.pipeline(transaction=False)
+    for job in jobs:
+        pipe.smembers(keys.job_shapes(job))
+    wanted: list[tuple[str, str]] = []
+    for job, shapes in zip(jobs, pipe.execute()):
+        for shape in sorted(raw.decode() for raw in shapes):
+            nodes, _, rest = shape.partition("x")
+            per_launch = max(1, int(nodes) * int(rest.partition(":")[0]))
+            pipe.zrange(keys.job_queue_shape(job, shape), 0, free_slots // per_launch)
+            wanted.append((job, shape))
+    names_by_shape = pipe.execute() if wanted else []
+    for (job, _), names in zip(wanted, names_by_shape):
+        if names:
+            pipe.hmget(keys.job_queue(job), names)
+    fetched = iter(pipe.execute() if any(names_by_shape) else [])
+    found: dict[str, list[QueuedLaunch]] = {job: [] for job in jobs}
+    for (job, _), names in zip(wanted, names_by_shape):
+        if names:
+            found[job] += [QueuedLaunch.from_json(json.loads(raw)) for raw in next(fetched) if raw is not None]
+    return {job: sorted(launches, key=lambda launch: launch.seq) for job, launches in found.items()}
+
+
+class JobStore:
+    """One job's keys: spec, events, queue (with its shape index), running launches, attempts,
+    wall times, recorded names and the state `--status` shows."""
+
+    def __init__(self, client: redis.Redis, job: str) -> None:
+        self.client, self.job = client, job
+
+    # ------------------------------------------------------------ the job itself
+
+    def spec_json(self) -> bytes | None:
+        return self.client.get(keys.job_spec(self.job))
+
+    def order(self) -> float | None:
+        """The job's place in keys.JOBS; it changes when the job is submitted again."""
+        return self.client.zscore(keys.JOBS, self.job)
+
+    def activate(self, spec_json: str) -> None:
+        """Forget any earlier life of the job, store its spec, append it to the active jobs."""
+        seq = self.client.incr(keys.SEQUENCE)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(*self._keys(), keys.job_attempts(self.job), keys.job_events(self.job))
+        pipe.set(keys.job_spec(self.job), spec_json)
+        pipe.zadd(keys.JOBS, {self.job: seq})
+        pipe.execute()
+
+    def end(self, event: dict[str, Any]) -> None:
+        """The job's last event and the removal of its keys in one transaction, so a submitter that
+        finds the spec gone always finds the event too."""
+        doomed = self._keys()
+        pipe = self.client.pipeline(transaction=True)
+        pipe.rpush(keys.job_events(self.job), json.dumps(event))
+        pipe.expire(keys.job_events(self.job), EVENTS_TTL_S)
+        pipe.delete(*doomed)
+        pipe.zrem(keys.JOBS, self.job)
+        pipe.execute()
+
+    def _keys(self) -> list[str]:
+        shapes = [keys.job_queue_shape(self.job, raw.decode())
+                  for raw in self.client.smembers(keys.job_shapes(self.job))]
+        return [*keys.job_keys(self.job), keys.job_shapes(self.job), *shapes]
+
+    # ------------------------------------------------------------ events for the submitter
+
+    def publish(self, event: dict[str, Any]) -> None:
+        pipe = self.client.pipeline()
+        pipe.rpush(keys.job_events(self.job), json.dumps(event))
+        pipe.expire(keys.job_events(self.job), EVENTS_TTL_S)
+        pipe.execute()
+
+    def next_event(self, timeout_s: float) -> dict[str, Any] | None:
+        popped = self.client.blpop([keys.job_events(self.job)], timeout=timeout_s)
+        return json.loads(popped[1]) if popped else None
+
+    def vanished(self) -> bool:
+        """No spec and no pending event: Redis lost the job (restarted without its data)."""
+        return not self.client.exists(keys.job_spec(self.job)) and not self.client.llen(keys.job_events(self.job))
+
+    # ------------------------------------------------------------ the queue
+
+    def queue(self, launches: Iterable[QueuedLaunch], pipe: redis.client.Pipeline | None = None) -> None:
+        """Queue launches (replacing those of the same name), in `pipe` or in a transaction of its own."""
+        own = pipe is None
+        pipe = self.client.pipeline(transaction=True) if pipe is None else pipe
+        for launch in launches:
+            pipe.hset(keys.job_queue(self.job), launch.name, json.dumps(launch.to_json()))
+            pipe.sadd(keys.job_shapes(self.job), launch.shape)
+            pipe.zadd(keys.job_queue_shape(self.job, launch.shape), {launch.name: launch.seq})
+        if own:
+            pipe.execute()
+
+    def _unqueue(self, pipe: redis.client.Pipeline, launch: QueuedLaunch) -> None:
+        pipe.hdel(keys.job_queue(self.job), launch.name)
+        pipe.zrem(keys.job_queue_shape(self.job, launch.shape), launch.name)
+
+    def unqueue(self, launch: QueuedLaunch) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        self._unqueue(pipe, launch)
+        pipe.execute()
+
+    def queued_names(self) -> set[str]:
+        return {name.decode() for name in self.client.hkeys(keys.job_queue(self.job))}
+
+    def queued(self, names: list[str] | None = None) -> list[QueuedLaunch]:
+        """The waiting launches of `names` (those still queued), or the whole queue."""
+        if names is None:
+            raws = self.client.hvals(keys.job_queue(self.job))
+        else:
+            raws = self.client.hmget(keys.job_queue(self.job), names) if names else []
+        return [QueuedLaunch.from_json(json.loads(raw)) for raw in raws if raw is not None]
+
+    def depth(self) -> int:
+        return int(self.client.hlen(keys.job_queue(self.job)))
+
+    # ------------------------------------------------------------ running launches
+
+    def running(self) -> dict[str, RunningLaunch]:
+        return {name.decode(): RunningLaunch.from_json(json.loads(raw))
+                for name, raw in self.client.hgetall(keys.job_running(self.job)).items()}
+
+    def running_names(self) -> set[str]:
+        return {name.decode() for name in self.client.hkeys(keys.job_running(self.job))}
+
+    def update_running(self, launch: RunningLaunch) -> None:
+        self.client.hset(keys.job_running(self.job), launch.name, json.dumps(launch.to_json()))
+
+    def next_exp_id(self) -> int:
+        """DeepSpeed's exp_id: numbered in launch order within the job."""
+        return int(self.client.hincrby(keys.job_state(self.job), "exp_ids", 1))
+
+    def start(self, queued: QueuedLaunch, launch: RunningLaunch) -> None:
+        """Move a launch from the queue to running, its attempt counted first, in one transaction."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hincrby(keys.job_attempts(self.job), launch.name, 1)
+        pipe.expire(keys.job_attempts(self.job), ATTEMPTS_TTL_S)
+        self._unqueue(pipe, queued)
+        pipe.hset(keys.job_running(self.job), launch.name, json.dumps(launch.to_json()))
+        pipe.hset(keys.job_state(self.job), "dispatched", 1)
+        pipe.execute()
+
+    def finish(self, name: str, attempt: str) -> RunningLaunch | None:
+        """Close the running launch `attempt` of `name` and mark the name recorded, in one transaction.
+        None (and nothing changed) when that launch is not the running one any more (retried or
+        given up meanwhile, or Redis lost the job)."""
+        raw = self.client.hget(keys.job_running(self.job), name)
+        if raw is None:
+            return None
+        launch = RunningLaunch.from_json(json.loads(raw))
+        if launch.attempt != attempt:
+            return None
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hdel(keys.job_running(self.job), name)
+        pipe.sadd(keys.job_recorded(self.job), name)
+        pipe.execute()
+        return launch
+
+    def add_wall(self, shape: str, seconds: float) -> None:
+        """One more finished launch's wall time for `shape` (dispatch's estimates; under the lock)."""
+        walls = json.loads(self.client.hget(keys.job_walls(self.job), shape) or "[]")
+        self.client.hset(keys.job_walls(self.job), shape, json.dumps([*walls, seconds]))
+
+    def requeue(self, launch: RunningLaunch) -> None:
+        """A lost launch waits again at its old place, in one transaction."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hdel(keys.job_running(self.job), launch.name)
+        self.queue([launch.queued()], pipe)
+        pipe.execute()
+
+    def give_up(self, launch: RunningLaunch) -> None:
+        """A lost launch out of attempts: no longer running, its name recorded (its record is on disk)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hdel(keys.job_running(self.job), launch.name)
+        pipe.sadd(keys.job_recorded(self.job), launch.name)
+        pipe.execute()
+
+    def attempts(self) -> dict[str, int]:
+        return {name.decode(): int(n) for name, n in self.client.hgetall(keys.job_attempts(self.job)).items()}
+
+    def attempts_of(self, name: str) -> int:
+        return int(self.client.hget(keys.job_attempts(self.job), name) or 0)
+
+    def recorded(self) -> set[str]:
+        """Names recorded during this job (a fixed job never reuses an older folder's result)."""
+        return {name.decode() for name in self.client.smembers(keys.job_recorded(self.job))}
+
+    def walls(self, shapes: list[str]) -> dict[str, list[float]]:
+        """shape -> wall times of its finished launches, for the shapes asked."""
+        if not shapes:
+            return {}
+        return {shape: json.loads(raw) for shape, raw in zip(shapes, self.client.hmget(keys.job_walls(self.job), shapes))
+                if raw is not None}
+
+    # ------------------------------------------------------------ state for --status and refusals
+
+    def announce(self, phase: str) -> bool:
+        """True the first time the job reaches `phase` (one `phase` event per phase)."""
+        return bool(self.client.hsetnx(keys.job_state(self.job), f"phase:{phase}", 1))
+
+    def set_phase(self, phase: str) -> None:
+        self.client.hset(keys.job_state(self.job), "phase", phase)
+
+    def misfit_since(self, now: float) -> tuple[float, bool]:
+        """(since when the job's shape has not fit the live cluster, whether it ever launched)."""
+        state = keys.job_state(self.job)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hsetnx(state, "misfit_since", now)
+        pipe.hget(state, "misfit_since")
+        pipe.hexists(state, "dispatched")
+        _, since, dispatched = pipe.execute()
+        return float(since or now), bool(dispatched)
+
+    def clear_misfit(self) -> None:
+        self.client.hdel(keys.job_state(self.job), "misfit_since")
+
+    def show(self, fields: dict[str, Any]) -> None:
+        """What `python -m scheduler.autotune --status` shows for the job."""
+        self.client.hset(keys.job_state(self.job), mapping=fields)
