@@ -13,7 +13,9 @@ slot's state; and kills the recorded process groups of a job or experiment on th
 
 The Redis URL comes from AUTOTUNE_REDIS_URL (or --redis); it reaches each host on stdin and is kept
 there in a 0600 file, never on a command line. SSH user, port and key come from ~/.ssh/config
-(or --ssh-config); unknown host keys are refused unless --accept-new-host-keys.
+(or --ssh-config, whose path the started workers get too: the control worker reaches other hosts
+under the same names to clean up a lost launch); unknown host keys are refused unless
+--accept-new-host-keys.
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ def up(args: argparse.Namespace, url: str) -> int:
         hosts_devices = {**hosts_devices, args.control: []}
     plans = plan_workers(hosts_devices, args.control, flower=args.flower is not None)
     client = _client(url)
-    env = {"AUTOTUNE_REDIS_URL": url}
+    env = {"AUTOTUNE_REDIS_URL": url, **_ssh_config_env(args)}
     flower_password = secrets.token_urlsafe(12) if args.flower is not None else ""
     grouped = by_host(plans)
     answers = _hosts(args).run_many({
@@ -129,6 +131,14 @@ def up(args: argparse.Namespace, url: str) -> int:
               f"user {FLOWER_USER}, password {flower_password} (shown once)")
     failed = bool(host_errors) or any(q not in live for q in expected)
     return 1 if failed else 0
+
+
+def _ssh_config_env(args: argparse.Namespace) -> dict[str, str]:
+    """The SSH config this deploy used, for the workers it starts: the control worker kills a lost
+    launch's process groups on their hosts over SSH (deploy.cleanup), and must reach them under the
+    same names. Without it, a hostfile of aliases from --ssh-config resolves nowhere there."""
+    path = args.ssh_config or os.environ.get("AUTOTUNE_SSH_CONFIG")
+    return {"AUTOTUNE_SSH_CONFIG": str(Path(path).expanduser().resolve())} if path else {}
 
 
 def _exited(args: argparse.Namespace, waiting: Sequence) -> dict[str, str]:

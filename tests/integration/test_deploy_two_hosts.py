@@ -70,7 +70,7 @@ HANGS_ON_NODE2 = r"""
 import os, runpy, signal, subprocess, sys, time
 from pathlib import Path
 
-FAKE_TRAIN = sys.argv.pop(1)
+FAKE_TRAIN = FAKE_TRAIN_PATH
 if os.environ.get("AUTOTUNE_SLOT") == "node2.gpu0":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen(["sleep", "600"])
@@ -116,8 +116,9 @@ class TwoHosts:
     hostfile: Path
     run_dir: Path
 
-    def on(self, node: str, argv: list[str]) -> list[str]:
-        return on_host(self.inits[node], argv, str(ROOT))
+    def on(self, node: str, argv: list[str], cwd: Path = ROOT) -> list[str]:
+        """`argv` run as a process of `node`, in `cwd` (nsenter's --wd: a Popen cwd is lost there)."""
+        return on_host(self.inits[node], argv, str(cwd))
 
     def env(self, **extra: str) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
@@ -305,7 +306,9 @@ def test_up_status_cleanup_down_across_two_hosts(cluster):
     rank, rank_pgid = _stubborn_group(cluster, "node2", "node2.gpu0")
     stranger, stranger_pgid = _stubborn_group(cluster, "node2", "node2.gpu0")
     try:
-        launch = {"queues": ["node2.gpu0"], "rank_tasks": {"node2.gpu0": "t-rank"}}
+        launch = {"seq": 1, "exp": {"name": "z1_two"}, "argv": [], "attempt": "a-two", "queues": ["node2.gpu0"],
+                  "token": "tok", "rank_tasks": {"node2.gpu0": "t-rank"}, "started": time.time(),
+                  "deadline": time.time() + 3600}
         cluster.redis(["zadd", keys.JOBS, {"twohostjob": 1}],
                       ["hset", keys.job_running("twohostjob"), "z1_two", json.dumps(launch)],
                       ["set", keys.pgid("node2.gpu0", "t-rank"), rank_pgid])
@@ -340,7 +343,7 @@ def test_node_lost_its_training_group_is_killed_over_ssh_and_the_experiment_reru
     on node 1 cannot even see it), and the experiment is measured again on node 1."""
     _up(cluster)
     script = tmp_path / "hangs_on_node2.py"
-    script.write_text(HANGS_ON_NODE2)
+    script.write_text(HANGS_ON_NODE2.replace("FAKE_TRAIN_PATH", repr(str(SCRIPTS / "fake_train.py"))))
     cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2])
     config = json.loads(cfg.read_text())
     config["autotuning"]["user_args"] = ["--behaviour", "1=slow2,2=slow2"]
@@ -349,11 +352,14 @@ def test_node_lost_its_training_group_is_killed_over_ssh_and_the_experiment_reru
     cfg.write_text(json.dumps(config))
     results = tmp_path / "autotuning_results"
     argv = cluster.on("node1", [PYTHON, "-m", "scheduler.autotune", str(cfg), "--num_gpus", "1",
-                                "--exp-timeout", "120", "--", str(script), str(SCRIPTS / "fake_train.py")])
+                                "--exp-timeout", "120", "--", str(script)], cwd=tmp_path)
     proc = subprocess.Popen(argv, env=cluster.env(AUTOTUNE_LEASE_S=f"{LEASE_S:g}"), cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out = err = ""
     try:
-        wait_for(lambda: any(results.glob("*/hung.node2")), 60, "an experiment to start on node 2")
+        wait_for(lambda: any(results.glob("*/hung.node2")) or proc.poll() is not None, 60,
+                 "an experiment to start on node 2")
+        assert proc.poll() is None, "the autotuner ended before node 2 was lost"
         victim = next(results.glob("*/hung.node2")).parent
         hung_pid = int((victim / "hung.node2").read_text())
         assert len(cluster.group("node2", hung_pid)) == 2
@@ -368,6 +374,9 @@ def test_node_lost_its_training_group_is_killed_over_ssh_and_the_experiment_reru
     finally:
         if proc.poll() is None:
             stop_group(proc, signal.SIGTERM, 20)
+        if not out and not err:
+            out, err = proc.communicate()
+            print(f"autotune (exit {proc.returncode}):\n{out}\n{err}\n{_logs(cluster)}")
     assert proc.returncode == 0, out + err + _logs(cluster)
     record = json.loads((victim / "result.json").read_text())
     assert record["status"] == "ok" and record["slots"] == ["node1.gpu0"], record
