@@ -15,7 +15,6 @@ ones still need.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -27,9 +26,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from scheduler import job_queue
+from scheduler.job_store import JobStore
 from scheduler.ranking import best, metric_value
-from workers import keys
 
 POLL_S = 1.0  #: Redis is read at most this often for the panel
 
@@ -99,8 +97,9 @@ class LiveView:
             return
         self._polled_at = now
         try:
-            self._running = [json.loads(raw) for raw in self.client.hvals(keys.job_running(self.job))]
-            self._queued = job_queue.depth(self.client, self.job)
+            store = JobStore(self.client, self.job)
+            self._running = [launch.to_json() for launch in store.running().values()]
+            self._queued = store.depth()
         except redis.RedisError:
             pass  # the watcher itself reports an outage; the panel keeps its last view
 
