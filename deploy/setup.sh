@@ -13,12 +13,16 @@ if ! command -v redis-server >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq redis-server >/dev/null
 fi
 
-# The tests of `python -m deploy` start their own sshd and take a Flower screenshot with chromium.
+# The tests of `python -m deploy` start their own sshd and take a Flower screenshot with chromium;
+# the two-host tests build hosts from network and PID namespaces (ip from iproute2; unshare and
+# nsenter from util-linux).
 missing=""
 [ -x /usr/sbin/sshd ] || missing="$missing openssh-server"
+command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+{ command -v unshare && command -v nsenter; } >/dev/null 2>&1 || missing="$missing util-linux"
 command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing="$missing chromium"
 if [ -n "$missing" ]; then
-    echo "setup: installing$missing (apt, for the deploy and Flower tests)"
+    echo "setup: installing$missing (apt, for the deploy, two-host and Flower tests)"
     sudo_cmd=""
     [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
     $sudo_cmd apt-get update -qq
