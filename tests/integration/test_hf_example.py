@@ -1,0 +1,45 @@
+"""The Hugging Face Trainer example (examples/train_hf.py, examples/cfg_hf.json) tuned end to end on
+the embedded cluster: the batch flags set per experiment through arg_mappings, DeepSpeed's own
+metrics under the Trainer, and an optimal command that gives the Trainer the same flags."""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_autotune
+
+pytestmark = pytest.mark.integration
+EXAMPLES = ROOT / "examples"
+
+
+def test_hf_trainer_example_tuned_through_arg_mappings(tmp_path: Path) -> None:
+    data = json.loads((EXAMPLES / "cfg_hf.json").read_text())
+    data["train_micro_batch_size_per_gpu"] = [2, 4]
+    data["autotuning"]["user_script"] = str(EXAMPLES / data["autotuning"]["user_script"])
+    cfg = tmp_path / "cfg_hf.json"
+    cfg.write_text(json.dumps(data))
+    proc = run_autotune([str(cfg), "--slots", "2", "--num_gpus", "1", "--slot-memory", "3GiB"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = tmp_path / "autotuning_results"
+    for stage in (0, 1):
+        for mbs, gas in ((2, 2), (4, 1)):
+            folder = results / f"z{stage}_gas{gas}_tmbspg{mbs}"
+            argv = shlex.split((folder / "cmd.txt").read_text())
+            assert argv[argv.index("--per_device_train_batch_size") + 1] == str(mbs)
+            assert argv[argv.index("--gradient_accumulation_steps") + 1] == str(gas)
+            assert argv[argv.index("--deepspeed") + 1] == str(folder / "ds_config.json")
+            metrics = json.loads((folder / "metrics.json").read_text())  # written by DeepSpeed under the Trainer
+            assert metrics["throughput"] > 0 and {"fwd", "bwd", "step"} <= set(metrics)
+    optimal = json.loads((results / "ds_config_optimal.json").read_text())
+    assert "autotuning" not in optimal
+    command = shlex.split((results / "cmd_optimal.txt").read_text())
+    flag = command.index("--per_device_train_batch_size")
+    assert command[flag + 1] == str(optimal["train_micro_batch_size_per_gpu"])
+    assert command[command.index("--deepspeed") + 1] == str((results / "ds_config_optimal.json").resolve())
+    # not a terminal: plain lines, and the command to paste on one line however long
+    assert "\x1b[" not in proc.stdout
+    assert f"run it: {(results / 'cmd_optimal.txt').read_text().strip()}" in proc.stdout.splitlines()
+    assert "Total number of experiments: 4" in proc.stdout
