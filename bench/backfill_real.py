@@ -48,6 +48,7 @@ def workload(seed: int, count: int, slots: int) -> tuple[list[Experiment], str]:
 def measure(policy: Policy, experiments: list[Experiment], behaviour: str, slots: int, url: str) -> dict:
     from scheduler.jobs import JobSpec, run_fixed
     from tasks import app
+    from tasks.work import CeleryWork
 
     results = Path(tempfile.mkdtemp(prefix=f"bench-{policy.__name__}-"))
 
@@ -57,7 +58,7 @@ def measure(policy: Policy, experiments: list[Experiment], behaviour: str, slots
     spec = JobSpec(job=uuid.uuid4().hex, results_root=str(results), cwd=str(ROOT), timeout_s=TIME_LIMIT_S,
                    experiments=[{**exp.to_json(), "argv": argv(exp)} for exp in experiments],
                    policy=policy.__name__)
-    records = run_fixed(connect(url), app, spec)
+    records = run_fixed(connect(url), CeleryWork(app), spec)
     assert all(r["status"] == "ok" for r in records), [r["status"] for r in records]
     start = min(r["started_at"] for r in records)
     end = max(r["ended_at"] for r in records)

@@ -69,10 +69,10 @@ def register_slots(client: redis.Redis, nodes: int, gpus: int) -> list[str]:
     return queues
 
 
-def submit_job(client: redis.Redis, app, work: Path, name: str, num_gpus: int, count: int) -> str:
+def submit_job(client: redis.Redis, messages, root: Path, name: str, num_gpus: int, count: int) -> str:
     from scheduler.jobs import JobSpec, TuneSpec, submit
 
-    folder = work / name
+    folder = root / name
     folder.mkdir()
     config = {"train_micro_batch_size_per_gpu": list(range(1, count + 1)), "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 0},
@@ -87,7 +87,7 @@ def submit_job(client: redis.Redis, app, work: Path, name: str, num_gpus: int, c
                    tune=TuneSpec(config_path=str(folder / "cfg.json"), ds_config=config, exps_dir=str(folder / "exps"),
                                  script=str(FAKE), base_args=[], mappings={}, capacity_bytes=80 * GiB, num_nodes=1,
                                  num_gpus=num_gpus, device_kind="gpu", concurrency=8 // num_gpus))
-    submit(client, app, spec)
+    submit(client, messages, spec)
     return name
 
 
@@ -112,16 +112,18 @@ def main() -> int:
         from scheduler.dispatch import dispatch
         from scheduler.progress import advance
         from tasks import app
+        from tasks.work import CeleryWork
         from workers import keys
         from workers.gang import GangReservations
 
         client = redis.Redis.from_url(url)
+        messages = CeleryWork(app)
         base = used_memory(client)
         queues = register_slots(client, args.nodes, args.gpus)
         per_slot = (used_memory(client) - base) / len(queues)
         gangs = GangReservations(client)
         tokens = {q: gangs.reserve([q], 3600, owner="other") for q in queues}  # a saturated cluster
-        jobs = [submit_job(client, app, work, f"job{g}", g, args.per_job) for g in (1, 2, 4, 8)]
+        jobs = [submit_job(client, messages, work, f"job{g}", g, args.per_job) for g in (1, 2, 4, 8)]
         before_queue = used_memory(client)
         started = time.perf_counter()
         if os.environ.get("BENCH_PROFILE"):
@@ -136,12 +138,12 @@ def main() -> int:
         if os.environ.get("BENCH_PROFILE"):
             import cProfile
             import pstats
-            cProfile.runctx("dispatch(client, app)", globals(), locals(), "/tmp/scale.prof")
+            cProfile.runctx("dispatch(client, messages)", globals(), locals(), "/tmp/scale.prof")
             pstats.Stats("/tmp/scale.prof").sort_stats("cumulative").print_stats(25)
         saturated = []
         for _ in range(5):
             t = time.perf_counter()
-            dispatch(client, app)
+            dispatch(client, messages)
             saturated.append(time.perf_counter() - t)
         assert sum(client.hlen(keys.job_running(job)) for job in jobs) == 0
 
@@ -168,9 +170,9 @@ def main() -> int:
             t = time.perf_counter()
             if os.environ.get("BENCH_PROFILE") and not passes:
                 import cProfile
-                cProfile.runctx("dispatch(client, app)", globals(), locals(), "/tmp/pass.prof")
+                cProfile.runctx("dispatch(client, messages)", globals(), locals(), "/tmp/pass.prof")
             else:
-                dispatch(client, app)
+                dispatch(client, messages)
             passes.append(time.perf_counter() - t)
             started_total += sum(client.hlen(keys.job_running(job)) for job in jobs) - running_before
         ms = sorted(p * 1000 for p in passes)

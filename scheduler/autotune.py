@@ -148,6 +148,9 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
 def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: tuple[str, ...],
          mappings: dict[str, str], client: redis.Redis) -> int:
     from tasks import app  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
+    from tasks.work import CeleryWork
+
+    work = CeleryWork(app)
 
     slots = _usable_slots(client, args.min_slot_memory)
     device_kind = "cpu" if all(s.kind == "cpu" for s in slots) else "gpu"
@@ -167,18 +170,18 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
     console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {args.num_nodes} node(s) x "
                   f"{num_gpus} slot(s) per experiment, metric {cfg.metric}, "
                   f"slot memory {spec.tune.capacity_bytes / 2**30:.1f} GiB")
-    if submit(client, app, spec):
+    if submit(client, work, spec):
         console.print("the job for this results folder was still running on the cluster: watching it")
 
     view = LiveView(console, client, spec.job, cfg.metric, cfg.maximize, total_slots=len(slots),
                     concurrency=spec.tune.concurrency, started=spec.submitted_at)
     try:
         with view:
-            done = watch(client, app, spec, view)
+            done = watch(client, work, spec, view)
     except KeyboardInterrupt:
         running = {name: launch.to_json()  # read before cancel forgets them
                    for name, launch in JobStore(client, spec.job).running().items()}
-        cancel(client, app, spec.job)
+        cancel(client, work, spec.job)
         _report(cfg, spec, client, interrupted=running)
         raise
     winner = _report(cfg, spec, client)
@@ -186,7 +189,7 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
         return 1
     if args.run:
         experiments, _ = outcome(client, spec)
-        return _train_with_optimal(cfg, args, client, app, spec,
+        return _train_with_optimal(cfg, args, client, work, spec,
                                    next(e for e in experiments if e.name == done["winner"]))
     return 0
 
@@ -212,7 +215,7 @@ def _min_memory(min_slot_memory: str | None) -> int:
     return parse_size(min_slot_memory) if min_slot_memory else 0
 
 
-def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: redis.Redis, app,
+def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: redis.Redis, work: Work,
                         tuned_spec: JobSpec, best: Experiment) -> int:
     """DeepSpeed's `--autotuning run`, but the training really trains: the optimal config has no
     autotuning section, so nothing exits after the profiled steps. Ranks run on the slot workers."""
@@ -225,7 +228,7 @@ def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: red
                    local_rank_arg=tuned_spec.local_rank_arg)
     console.print(f"training with the optimal config {best.name} on {best.num_nodes} node(s) x "
                   f"{best.num_gpus} slot(s); logs in {cfg.results_dir / optimal.name}")
-    [outcome_record] = run_fixed(client, app, spec)
+    [outcome_record] = run_fixed(client, work, spec)
     console.print(f"training {outcome_record.get('status')}: "
                   + ", ".join(f"rank {r.get('rank')} {r.get('exit')}" for r in outcome_record.get("ranks", [])))
     return 0 if outcome_record.get("status") == "ok" else 1

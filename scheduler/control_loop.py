@@ -16,11 +16,12 @@ import redis
 from scheduler.dispatch import SWEEP_S, cluster_lock, dispatch, sweep
 from scheduler.job_store import any_active
 from scheduler.progress import advance
+from scheduler.work import Work
 
 log = logging.getLogger(__name__)
 
 
-def sweep_forever(client: redis.Redis, app, stop: threading.Event) -> None:
+def sweep_forever(client: redis.Redis, work: Work, stop: threading.Event) -> None:
     """Sweep every SWEEP_S until `stop` is set; a failed sweep (Redis restarting, a lock timeout)
     is logged and the next one tries again."""
     while not stop.wait(SWEEP_S):
@@ -28,8 +29,8 @@ def sweep_forever(client: redis.Redis, app, stop: threading.Event) -> None:
             if not any_active(client):
                 continue
             with cluster_lock(client):
-                for job in sweep(client, app):
+                for job in sweep(client, work):
                     advance(client, job)
-                dispatch(client, app)
+                dispatch(client, work)
         except Exception:
             log.warning("control sweep failed; retrying in %.0fs", SWEEP_S, exc_info=True)

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from celery import chord
 
 from scheduler.backfill import POLICIES, Waiting, backfill, estimate_run_s
 from scheduler.errors import ClusterError
@@ -40,6 +39,7 @@ from scheduler.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.outputs import write_experiment_descriptions
 from scheduler.placement import fits_ever, is_loopback, largest_shape, pinned_placement
 from scheduler.space import Experiment
+from scheduler.work import RankLaunch, Work
 from workers import keys
 from workers.gang import GangReservations
 from workers.paths import safe_child, write_json
@@ -66,7 +66,7 @@ def cluster_lock(client: redis.Redis):
                        sleep=LOCK_POLL_S)
 
 
-def dispatch(client: redis.Redis, app) -> None:
+def dispatch(client: redis.Redis, work: Work) -> None:
     """Start every queued experiment the policy allows now (module docstring)."""
     specs = active_specs(client)
     if not specs:
@@ -85,7 +85,7 @@ def dispatch(client: redis.Redis, app) -> None:
         if spec.job in refused:
             continue
         if spec.pinned is not None:
-            if not _start_pinned(client, app, spec, launch, slots, busy):
+            if not _start_pinned(client, work, spec, launch, slots, busy):
                 refused.add(spec.job)
         elif _fits_or_refused(client, spec, launch, slots, fits):
             free_waiting.append((spec, launch))
@@ -104,7 +104,7 @@ def dispatch(client: redis.Redis, app) -> None:
         token = gangs.reserve(queues, spec.lease_s, owner=key)
         if token is None:
             break  # taken between our read and now (cannot happen under the lock; be safe)
-        _start(client, app, spec, launch, placement, token)
+        _start(client, work, spec, launch, placement, token)
         busy.update(queues)
     for spec in jobs.values():
         store = JobStore(client, spec.job)
@@ -113,7 +113,7 @@ def dispatch(client: redis.Redis, app) -> None:
         _publish_state(store, spec, head, running)
 
 
-def _start_pinned(client: redis.Redis, app, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
+def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
                   busy: set[str]) -> bool:
     """Every experiment of a pinned job wants the same named slots: they run one after another.
     False when the job was refused (a named slot has no live worker)."""
@@ -127,7 +127,7 @@ def _start_pinned(client: redis.Redis, app, spec: JobSpec, launch: QueuedLaunch,
     queues = [slot.queue for node in placement for slot in node]
     token = GangReservations(client).reserve(queues, spec.lease_s, owner=f"{spec.job}/{launch.name}")
     if token is not None:
-        _start(client, app, spec, launch, placement, token)
+        _start(client, work, spec, launch, placement, token)
         busy.update(queues)
     return True
 
@@ -202,7 +202,7 @@ def _shape(exp: dict[str, Any]) -> str:
     return f"{exp['stage']}/{exp['micro_batch_size']}"
 
 
-def _start(client: redis.Redis, app, spec: JobSpec, queued: QueuedLaunch, placement: list[list[Slot]],
+def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch, placement: list[list[Slot]],
            token: str) -> None:
     """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first."""
     exp = Experiment.from_json(queued.exp)
@@ -218,8 +218,7 @@ def _start(client: redis.Redis, app, spec: JobSpec, queued: QueuedLaunch, placem
     finish = FinishSpec(job=spec.job, name=exp.name, exp_id=exp_id, attempt=attempt, slots=queues,
                         gang_token=token, results_root=spec.results_root, world_size=len(queues),
                         ds_config=exp.ds_config, timeout_s=spec.timeout_s, metric_file=exp.metric_file)
-    limit = int(spec.timeout_s) + TIME_LIMIT_GRACE_S
-    header, rank_tasks = [], {}
+    ranks = []
     for node_rank, node_slots in enumerate(placement):
         cuda_indices = [slot.cuda_index for slot in node_slots if slot.kind == "cuda"]
         for local_rank, slot in enumerate(node_slots):
@@ -231,20 +230,15 @@ def _start(client: redis.Redis, app, spec: JobSpec, queued: QueuedLaunch, placem
                 timeout_s=spec.timeout_s, cwd=spec.cwd, metric_file=exp.metric_file, exp=description,
                 gang_token=token, lease_s=spec.lease_s, cuda_indices=cuda_indices,
                 local_rank_arg=spec.local_rank_arg)
-            task_id = uuid.uuid4().hex
-            rank_tasks[slot.queue] = task_id
-            # What Flower and worker logs show instead of the spec (no gang token, no script argv).
-            shown = f"(experiment={exp.name!r}, rank={rank_spec.rank}, slot={slot.queue!r})"
-            header.append(app.signature("autotune.run_rank", args=(rank_spec.to_json(),), queue=slot.queue,
-                                        time_limit=limit, task_id=task_id, argsrepr=shown, kwargsrepr="{}"))
+            ranks.append(RankLaunch(slot.queue, rank_spec, uuid.uuid4().hex,
+                                    f"(experiment={exp.name!r}, rank={rank_spec.rank}, slot={slot.queue!r})"))
     now = time.time()
     store.start(queued, RunningLaunch(
         seq=queued.seq, exp=queued.exp, argv=queued.argv, attempt=attempt, queues=queues, token=token,
-        rank_tasks=rank_tasks, started=now, deadline=now + spec.timeout_s + spec.lost_grace_s,
+        rank_tasks={rank.queue: rank.task_id for rank in ranks}, started=now, deadline=now + spec.timeout_s + spec.lost_grace_s,
         instances={slot.queue: slot.instance for node in placement for slot in node}))
-    chord(header, app.signature("autotune.finish_experiment", args=(finish.to_json(),), queue="control",
-                                argsrepr=f"(experiment={exp.name!r}, job={spec.job!r}, slots={queues!r})",
-                                kwargsrepr="{}")).apply_async()
+    work.launch(ranks, finish, int(spec.timeout_s) + TIME_LIMIT_GRACE_S,
+                f"(experiment={exp.name!r}, job={spec.job!r}, slots={queues!r})")
 
 
 def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, Any]) -> bool:
@@ -261,7 +255,7 @@ def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, A
     return True
 
 
-def sweep(client: redis.Redis, app) -> set[str]:
+def sweep(client: redis.Redis, work: Work) -> set[str]:
     """Find lost launches (module docstring); returns the jobs that recorded one as `lost`."""
     now = time.time()
     live = {slot.queue: slot.instance for slot in live_slots(client)}
@@ -270,13 +264,13 @@ def sweep(client: redis.Redis, app) -> set[str]:
     for spec in active_specs(client):
         store = JobStore(client, spec.job)
         for launch in store.running().values():
-            why = _why_lost(store, app, gangs, spec, launch, live, now)
-            if why is not None and _lose(client, app, spec, launch, why):
+            why = _why_lost(store, work, gangs, spec, launch, live, now)
+            if why is not None and _lose(client, work, spec, launch, why):
                 ended.add(spec.job)
     return ended
 
 
-def _why_lost(store: JobStore, app, gangs: GangReservations, spec: JobSpec, launch: RunningLaunch,
+def _why_lost(store: JobStore, work: Work, gangs: GangReservations, spec: JobSpec, launch: RunningLaunch,
               live: dict[str, str], now: float) -> str | None:
     gone = [q for q in launch.queues if q not in live]
     restarted = [q for q in launch.queues if q in live and live[q] != launch.instances.get(q)]
@@ -291,16 +285,16 @@ def _why_lost(store: JobStore, app, gangs: GangReservations, spec: JobSpec, laun
     if gone and launch.missing_since is not None and now - launch.missing_since > SLOT_GONE_S:
         return f"the worker of {', '.join(gone)} stopped sending heartbeats"
     if now - launch.started > spec.lease_s and not gangs.holds(launch.queues, launch.token):
-        silent = [q for q, task in launch.rank_tasks.items() if not app.AsyncResult(task).ready()]
+        silent = [q for q, task in launch.rank_tasks.items() if not work.finished(task)]
         if silent and not gangs.holds(silent, launch.token):
             return f"the lease of {', '.join(silent)} expired: its rank stopped renewing it (worker or node gone)"
     return None
 
 
-def _lose(client: redis.Redis, app, spec: JobSpec, launch: RunningLaunch, why: str) -> bool:
+def _lose(client: redis.Redis, work: Work, spec: JobSpec, launch: RunningLaunch, why: str) -> bool:
     """Stop a lost launch; queue it again at its old place while attempts remain, else record it
     `lost`. Returns True when it was recorded (the job's phase may be complete now)."""
-    stop_launch(client, app, launch)
+    stop_launch(client, work, launch)
     store = JobStore(client, spec.job)
     attempts = store.attempts_of(launch.name)
     if attempts < spec.max_attempts:

@@ -38,6 +38,7 @@ from scheduler.environment import env_number
 from scheduler.errors import AutotuneError, UsageError
 from scheduler.job_store import JobStore, active_jobs
 from scheduler.launches import RunningLaunch
+from scheduler.work import Work
 from workers.gang import GangReservations
 from workers.paths import read_json, safe_child
 from workers.registry import control_alive
@@ -121,29 +122,29 @@ def active_specs(client: redis.Redis) -> list[JobSpec]:
     return [spec for job in active_jobs(client) if (spec := load_spec(client, job)) is not None]
 
 
-def stop_launch(client: redis.Redis, app, launch: RunningLaunch) -> None:
+def stop_launch(client: redis.Redis, work: Work, launch: RunningLaunch) -> None:
     """Stop one running launch: revoke its rank tasks (their workers kill the training groups) and
     free its slots, token-checked. A worker that died for good kills nothing, so the groups its
     ranks recorded are also killed on their hosts (fabric; directly on this one), in the background."""
     from deploy.cleanup import clean_launch_in_background
 
-    app.control.revoke(list(launch.rank_tasks.values()), terminate=True, signal="SIGTERM")
+    work.revoke(list(launch.rank_tasks.values()))
     GangReservations(client).release(launch.queues, launch.token)
     clean_launch_in_background(client, launch.name, launch.to_json())
 
 
-def submit(client: redis.Redis, app, spec: JobSpec) -> bool:
+def submit(client: redis.Redis, work: Work, spec: JobSpec) -> bool:
     """Make `spec` an active job and ask a control worker to start it. Returns True when an identical
     job was already active (its submitter died): the caller then just watches it."""
     current = load_spec(client, spec.job)
     if current is not None and current == spec:
-        app.send_task("autotune.advance_job", args=[spec.job], queue="control")
+        work.advance(spec.job)
         return True
     if current is not None:
-        cancel(client, app, spec.job)  # the same folder with another config: the newer one wins
+        cancel(client, work, spec.job)  # the same folder with another config: the newer one wins
     spec = replace(spec, submitted_at=spec.submitted_at or time.time())
     JobStore(client, spec.job).activate(spec.to_json())
-    app.send_task("autotune.advance_job", args=[spec.job], queue="control")
+    work.advance(spec.job)
     return False
 
 
@@ -157,14 +158,14 @@ def end(client: redis.Redis, job: str, event: dict[str, Any]) -> None:
     JobStore(client, job).end(event)
 
 
-def cancel(client: redis.Redis, app, job: str) -> None:
+def cancel(client: redis.Redis, work: Work, job: str) -> None:
     """Stop every running experiment of the job (revoke + group kill), free its slots, forget it."""
     for launch in JobStore(client, job).running().values():
-        stop_launch(client, app, launch)
+        stop_launch(client, work, launch)
     end(client, job, {"kind": "failed", "error": "cancelled", "usage": True})
 
 
-def watch(client: redis.Redis, app, spec: JobSpec, on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+def watch(client: redis.Redis, work: Work, spec: JobSpec, on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Print-side of a job: hand every event to `on_event` until the job ends; returns the `done`
     event, raises JobFailed / JobCrashed for a `failed` one. Waits out Redis restarts and submits
     the job again if Redis lost it."""
@@ -177,7 +178,7 @@ def watch(client: redis.Redis, app, spec: JobSpec, on_event: Callable[[dict[str,
             if event is None and store.vanished():
                 log.warning("job %s vanished from Redis (restarted without its data); submitting it again",
                             spec.job)
-                submit(client, app, spec)
+                submit(client, work, spec)
             if event is None:
                 control_down = not control_alive(client)
                 if control_down and not warned_no_control:
@@ -201,15 +202,15 @@ def watch(client: redis.Redis, app, spec: JobSpec, on_event: Callable[[dict[str,
         on_event(event)
 
 
-def run_fixed(client: redis.Redis, app, spec: JobSpec,
+def run_fixed(client: redis.Redis, work: Work, spec: JobSpec,
               on_record: Callable[[dict[str, Any]], None] = lambda record: None) -> list[dict[str, Any]]:
     """Run a fixed job to its end and return one record per experiment, in the spec's order.
     Ctrl-C (KeyboardInterrupt) cancels it on the cluster."""
-    submit(client, app, spec)
+    submit(client, work, spec)
     try:
-        watch(client, app, spec, lambda event: on_record(event["record"]) if event.get("kind") == "record" else None)
+        watch(client, work, spec, lambda event: on_record(event["record"]) if event.get("kind") == "record" else None)
     except KeyboardInterrupt:
-        cancel(client, app, spec.job)
+        cancel(client, work, spec.job)
         raise
     return [read_json(safe_child(spec.results_root, exp["name"]) / "result.json") or
             {"name": exp["name"], "status": "lost"} for exp in spec.experiments or []]

@@ -203,6 +203,7 @@ def run_experiment(client: redis.Redis, argv: list[str], queues: list[list[str]]
                    log_dir: Path) -> int:
     """Run the script once on exactly `queues`, print every rank's outcome, return the exit status."""
     from tasks import app  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
+    from tasks.work import CeleryWork
 
     if not control_alive(client):
         raise ClusterError("no control worker is running; start one with "
@@ -216,7 +217,7 @@ def run_experiment(client: redis.Redis, argv: list[str], queues: list[list[str]]
     slots = [queue for node in queues for queue in node]
     print(f"running {argv[0]} as {len(slots)} rank(s) on {', '.join(slots)}; "
           f"logs in {safe_child(log_dir, RUN_NAME)}", flush=True)
-    [record] = run_fixed(client, app, spec)
+    [record] = run_fixed(client, CeleryWork(app), spec)
     for rank in record.get("ranks", []):
         print(f"rank {rank.get('rank')} on {rank.get('slot')}: {rank.get('status')} "
               f"({rank.get('exit')}, {rank.get('wall_s', 0):.1f}s)")

@@ -19,12 +19,15 @@ from typing import Any
 from celery import signals
 
 from tasks import app
+from tasks.work import CeleryWork
 from tasks.worker_hooks import redis_client
 from workers.paths import safe_child, write_json
 from workers.rank import RankSpec, run_rank as run_rank_body, slot_from_env
 from workers.records import aggregate
 
 log = logging.getLogger(__name__)
+#: The control path's messages, sent through this app (`scheduler.work.Work`).
+WORK = CeleryWork(app)
 
 
 @signals.worker_process_init.connect
@@ -60,7 +63,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     with cluster_lock(client):
         record_finished(client, finish, record)
         advance(client, finish.job)
-        dispatch(client, app)
+        dispatch(client, WORK)
     return record
 
 
@@ -73,4 +76,4 @@ def advance_job(job: str) -> None:
     client = redis_client(app.conf)
     with cluster_lock(client):
         advance(client, job)
-        dispatch(client, app)
+        dispatch(client, WORK)

@@ -145,7 +145,9 @@ def start_sweeping(sender=None, **_: object) -> None:
         return
     from scheduler.control_loop import sweep_forever
 
-    threading.Thread(target=sweep_forever, args=(redis_client(sender.app.conf), sender.app, _stop_sweeping),
+    from tasks.work import CeleryWork
+
+    threading.Thread(target=sweep_forever, args=(redis_client(sender.app.conf), CeleryWork(sender.app), _stop_sweeping),
                      daemon=True, name="control sweep").start()
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from scheduler.jobs import JobSpec, run_fixed
 from scheduler.space import Experiment, experiment_config
 from tasks import app
+from tasks.work import CeleryWork
 from workers.registry import connect
 import os
 
@@ -36,7 +37,7 @@ for name, (mbs, gang) in shapes.items():
     experiments.append({**exp.to_json(), "argv": argv})
 spec = JobSpec(job=uuid.uuid4().hex, results_root=str(results), cwd=os.getcwd(), timeout_s=30.0,
                experiments=experiments, policy=policy)
-records = run_fixed(connect(os.environ["AUTOTUNE_REDIS_URL"]), app, spec)
+records = run_fixed(connect(os.environ["AUTOTUNE_REDIS_URL"]), CeleryWork(app), spec)
 print(json.dumps({r["name"]: [r["status"], r["started_at"], r["ended_at"]] for r in records}))
 """
 

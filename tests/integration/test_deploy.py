@@ -170,7 +170,7 @@ def test_a_stopped_launch_has_its_recorded_groups_killed_on_this_host_without_ss
     rank = subprocess.Popen([sys.executable, "-c", IGNORES_TERM], env={**env, "AUTOTUNE_SLOT": queue},
                             start_new_session=True)
     revoked = []
-    app = SimpleNamespace(control=SimpleNamespace(revoke=lambda ids, **_: revoked.extend(ids)))
+    app = SimpleNamespace(revoke=revoked.extend)  # the Work protocol's revoke, recorded
     try:
         wait_for(lambda: ignores_term(rank.pid), 10, "rank to ignore SIGTERM")
         client.set(keys.pgid(queue, "t-lost"), rank.pid)

@@ -1,8 +1,8 @@
 """Every lease rule of the gang reservation, and the retry cap, against a real redis-server.
 
 No Celery here: the rules live in Lua scripts (`workers.gang`) and in the control worker's sweep
-(`scheduler.dispatch.sweep`), and Celery is not what they are about. A stub app records the revokes
-the sweep sends. Each test uses its own Redis database, emptied first.
+(`scheduler.dispatch.sweep`), and Celery is not what they are about. A recorder of the message
+layer (`scheduler.work.Work`) keeps the revokes the sweep sends. Each test uses its own Redis database, emptied first.
 """
 from __future__ import annotations
 
@@ -36,19 +36,24 @@ def client(redis_url: str) -> redis.Redis:
     db.flushdb()
 
 
-class StubApp:
-    """What the sweep asks of Celery: revoke rank tasks, send the next step; recorded, not sent."""
+class RecordedWork:
+    """What the sweep asks of the message layer (`scheduler.work.Work`), recorded, not sent."""
 
     def __init__(self) -> None:
         self.revoked: list[str] = []
-        self.sent: list[str] = []
-        self.control = self
+        self.advanced: list[str] = []
 
-    def revoke(self, task_ids: list[str], **_: Any) -> None:
+    def launch(self, ranks: list[Any], finish: Any, time_limit_s: int, shown: str) -> None:
+        raise AssertionError("the sweep never launches")
+
+    def revoke(self, task_ids: list[str]) -> None:
         self.revoked.extend(task_ids)
 
-    def send_task(self, name: str, **_: Any) -> None:
-        self.sent.append(name)
+    def advance(self, job: str) -> None:
+        self.advanced.append(job)
+
+    def finished(self, task_id: str) -> bool:
+        return False
 
 
 # ---------------------------------------------------------------- reservations under contention
@@ -180,10 +185,10 @@ def _launch(client: redis.Redis, spec: JobSpec, exp: Experiment, token: str) -> 
 
 def test_the_attempt_cap_ends_in_lost(client: redis.Redis, tmp_path: Path) -> None:
     """A launch that never reports is retried while attempts remain, then recorded `lost`, once."""
-    app = StubApp()
+    work = RecordedWork()
     spec = JobSpec(job="capped", results_root=str(tmp_path), cwd=str(tmp_path), timeout_s=1.0, max_attempts=3,
                    experiments=[])
-    submit(client, app, spec)
+    submit(client, work, spec)
     exp = Experiment("z0_gas1_tmbspg1", 0, 1, 1, {"train_micro_batch_size_per_gpu": 1})
     gangs = GangReservations(client)
     outcomes = []
@@ -191,16 +196,16 @@ def test_the_attempt_cap_ends_in_lost(client: redis.Redis, tmp_path: Path) -> No
         token = gangs.reserve(["n.gpu0"], 30)
         assert token is not None
         _launch(client, spec, exp, token)
-        outcomes.append(sweep(client, app))
+        outcomes.append(sweep(client, work))
         assert gangs.held(["n.gpu0"]) == set()  # every lost launch frees its slot
         requeued = client.hexists(keys.job_queue(spec.job), exp.name)
         assert requeued is (attempt < 3), f"attempt {attempt}"
     assert outcomes == [set(), set(), {"capped"}]
-    assert len(app.revoked) == 3
+    assert len(work.revoked) == 3 and work.advanced == ["capped"]
     record = json.loads((tmp_path / exp.name / "result.json").read_text())
     assert record["status"] == "lost" and "gave up after 3 attempts" in record["cause"]["error"]
     assert client.sismember(keys.job_recorded(spec.job), exp.name)
-    assert sweep(client, app) == set()  # nothing left running: recorded once
+    assert sweep(client, work) == set()  # nothing left running: recorded once
 
 
 # ---------------------------------------------------------------- a stale redelivered rank

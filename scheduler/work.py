@@ -1,0 +1,43 @@
+"""What the control path asks of the message layer: launch an experiment, revoke ranks, ask for a
+job's step, tell whether a rank's task finished. Nothing more.
+
+Why a seam: dispatch and the job functions decide; they used to build Celery chords and call
+`app.control.revoke` and `app.AsyncResult` themselves, with an untyped `app` passed through a dozen
+functions. Now they talk to this small protocol; `tasks.work.CeleryWork` implements it with Celery
+(a chord per experiment: one task per rank on its slot's queue, the callback on the control queue),
+and tests give them a recorder instead of a broker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from scheduler.launches import FinishSpec
+from workers.rank import RankSpec
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """One rank of an experiment, addressed to its slot."""
+
+    queue: str  #: the reserved slot's queue
+    spec: RankSpec
+    task_id: str  #: chosen by dispatch, so the launch can be revoked before it reports
+    shown: str  #: what monitors show instead of the spec (no gang token, no script argv)
+
+
+class Work(Protocol):
+    """The message layer as the control path sees it."""
+
+    def launch(self, ranks: list[RankLaunch], finish: FinishSpec, time_limit_s: int, shown: str) -> None:
+        """Send an experiment: every rank to its slot, then `finish` to a control worker once all
+        ranks have reported."""
+
+    def revoke(self, task_ids: list[str]) -> None:
+        """Stop these rank tasks (their workers kill the training groups)."""
+
+    def advance(self, job: str) -> None:
+        """Ask a control worker to take the job's next step."""
+
+    def finished(self, task_id: str) -> bool:
+        """Whether a rank task has reported (its record is in)."""

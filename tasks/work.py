@@ -1,0 +1,33 @@
+"""`scheduler.work.Work` on Celery: the one place the control path's messages become Celery calls."""
+from __future__ import annotations
+
+from celery import Celery, chord
+
+from scheduler.launches import FinishSpec
+from scheduler.work import RankLaunch
+
+
+class CeleryWork:
+    """An experiment is a chord: header = one `autotune.run_rank` per rank on its slot's queue, body =
+    `autotune.finish_experiment` on the control queue (rank tasks never raise, so the body runs)."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+    def launch(self, ranks: list[RankLaunch], finish: FinishSpec, time_limit_s: int, shown: str) -> None:
+        header = [self.app.signature("autotune.run_rank", args=(rank.spec.to_json(),), queue=rank.queue,
+                                     time_limit=time_limit_s, task_id=rank.task_id, argsrepr=rank.shown,
+                                     kwargsrepr="{}")
+                  for rank in ranks]
+        body = self.app.signature("autotune.finish_experiment", args=(finish.to_json(),), queue="control",
+                                  argsrepr=shown, kwargsrepr="{}")
+        chord(header, body).apply_async()
+
+    def revoke(self, task_ids: list[str]) -> None:
+        self.app.control.revoke(task_ids, terminate=True, signal="SIGTERM")
+
+    def advance(self, job: str) -> None:
+        self.app.send_task("autotune.advance_job", args=[job], queue="control")
+
+    def finished(self, task_id: str) -> bool:
+        return bool(self.app.AsyncResult(task_id).ready())
