@@ -35,6 +35,16 @@ def any_active(client: redis.Redis) -> bool:
     return bool(client.zcard(keys.JOBS))
 
 
+def shown_states(client: redis.Redis) -> list[dict[str, str]]:
+    """What each active job last published for `--status` (`JobStore.show`), by job id."""
+    states = []
+    for key in sorted(client.scan_iter(match=keys.JOB_STATE_PATTERN)):
+        fields = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+        if fields:
+            states.append({"job": key.decode().split(":")[2], **fields})
+    return states
+
+
 def reserve_seqs(client: redis.Redis, count: int) -> int:
     """The first of `count` consecutive submission numbers, taken in one round trip."""
     return int(client.incrby(keys.SEQUENCE, count)) - count + 1

@@ -12,7 +12,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from workers import keys
+from scheduler.job_store import shown_states
 from workers.gang import GangReservations
 from workers.registry import live_slots
 
@@ -21,11 +21,7 @@ def collect(client: redis.Redis) -> dict[str, Any]:
     """Slots with their holders and the published state of every live job."""
     slots = live_slots(client)
     holders = GangReservations(client).holders([s.queue for s in slots])
-    jobs = []
-    for key in sorted(client.scan_iter(match=keys.JOB_STATE_PATTERN)):
-        fields = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
-        if fields:
-            jobs.append({"job": key.decode().split(":")[2], **fields})
+    jobs = shown_states(client)
     return {
         "slots": [{"queue": s.queue, "kind": s.kind, "memory_gib": round(s.memory_bytes / 2**30, 1),
                    "worker": s.worker, "held_by": holders.get(s.queue, "")} for s in slots],
