@@ -106,6 +106,16 @@ def hand_cluster(redis_url, tmp_path_factory):
     wait_for(lambda: not processes_with_marker(marker), 20, "worker processes to exit")
 
 
+@pytest.fixture
+def empty_redis(redis_url):
+    """A database of the session's redis-server of its own, empty before and after the test
+    (for tests of Redis logic that start no workers)."""
+    db = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/7")
+    db.flushdb()
+    yield db
+    db.flushdb()
+
+
 def write_config(path: Path, **overrides) -> Path:
     import json
 

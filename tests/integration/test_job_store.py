@@ -20,11 +20,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def client(redis_url: str) -> redis.Redis:
-    db = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/8")
-    db.flushdb()
-    yield db
-    db.flushdb()
+def client(empty_redis: redis.Redis) -> redis.Redis:
+    return empty_redis
 
 
 def queued(name: str, seq: int, nodes: int = 1, gpus: int = 1, memory: int = 0) -> QueuedLaunch:

@@ -29,11 +29,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def client(redis_url: str) -> redis.Redis:
-    db = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/7")
-    db.flushdb()
-    yield db
-    db.flushdb()
+def client(empty_redis: redis.Redis) -> redis.Redis:
+    return empty_redis
 
 
 class RecordedWork:
@@ -59,12 +56,12 @@ class RecordedWork:
 # ---------------------------------------------------------------- reservations under contention
 
 
-def test_concurrent_reservers_never_double_book(client: redis.Redis, redis_url: str) -> None:
+def test_concurrent_reservers_never_double_book(client: redis.Redis) -> None:
     """Six threads reserve overlapping gangs for 3 s. Two independent detectors: each holder marks
     its slots in a Redis counter while it holds them (a second holder sees a count above 1 at once),
     and every interval is logged per thread and checked for overlap after all threads ended.
     An exception in a thread is collected and fails the test."""
-    url = redis_url.rsplit("/", 1)[0] + "/7"
+    pool_kwargs = client.connection_pool.connection_kwargs
     queues = [f"contended.gpu{i}" for i in range(4)]
     gangs = [queues[0:3], queues[1:4], queues[0:2], queues[2:4], [queues[1]], queues]
     logs: list[list[tuple[str, float, float]]] = [[] for _ in range(6)]
@@ -75,7 +72,7 @@ def test_concurrent_reservers_never_double_book(client: redis.Redis, redis_url: 
 
     def reserver(seed: int) -> None:
         try:
-            own = redis.Redis.from_url(url)
+            own = redis.Redis(**pool_kwargs)  # a connection of its own, to the test's database
             reservations, rng = GangReservations(own), random.Random(seed)
             while time.monotonic() < deadline:
                 gang = rng.choice(gangs)
