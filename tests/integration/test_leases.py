@@ -61,7 +61,6 @@ def test_concurrent_reservers_never_double_book(client: redis.Redis) -> None:
     its slots in a Redis counter while it holds them (a second holder sees a count above 1 at once),
     and every interval is logged per thread and checked for overlap after all threads ended.
     An exception in a thread is collected and fails the test."""
-    pool_kwargs = client.connection_pool.connection_kwargs
     queues = [f"contended.gpu{i}" for i in range(4)]
     gangs = [queues[0:3], queues[1:4], queues[0:2], queues[2:4], [queues[1]], queues]
     logs: list[list[tuple[str, float, float]]] = [[] for _ in range(6)]
@@ -72,7 +71,7 @@ def test_concurrent_reservers_never_double_book(client: redis.Redis) -> None:
 
     def reserver(seed: int) -> None:
         try:
-            own = redis.Redis(**pool_kwargs)  # a connection of its own, to the test's database
+            own = redis.Redis(connection_pool=client.connection_pool)  # the pool hands each thread its own connection
             reservations, rng = GangReservations(own), random.Random(seed)
             while time.monotonic() < deadline:
                 gang = rng.choice(gangs)
