@@ -170,7 +170,8 @@ def status(args: argparse.Namespace, url: str) -> int:
         if plan.slot in live:
             reserved = client.exists(keys.gang(plan.slot))
             state = (f"busy: {busy[plan.slot]}" if plan.slot in busy else "reserved" if reserved else "idle")
-            print(f"{plan.slot}: {state} (worker {live[plan.slot].worker}, pid {proc['pid'] if proc else '?'})")
+            pid = proc["pid"] if proc else "?" if answer.ok else f"? ({plan.host} did not answer: {answer.error})"
+            print(f"{plan.slot}: {state} (worker {live[plan.slot].worker}, pid {pid})")
         elif not answer.ok:
             print(f"{plan.slot}: unknown: {answer.error}")
         elif proc and proc["running"]:

@@ -22,10 +22,15 @@ from pathlib import Path
 
 import psutil
 
-from workers.launch import group_alive, group_runs_slot
+from celeryconfig import worker_soft_shutdown_timeout
+from workers.launch import KILL_GRACE_S, group_alive, group_runs_slot
 
 ENV_FILE = "env.json"
-COLD_GRACE_S = 15.0
+#: After SIGQUIT a slot worker gives its running experiment Celery's soft shutdown, then cancels it:
+#: the rank kills its training group (TERM, KILL_GRACE_S, KILL) and the message is restored. A
+#: SIGKILL before that leaves the training group running (it has a session of its own), so the
+#: wait covers both, plus room for a loaded machine.
+COLD_GRACE_S = worker_soft_shutdown_timeout + KILL_GRACE_S + 15.0
 ALLOWED_ENV = frozenset({"AUTOTUNE_REDIS_URL", "FLOWER_BASIC_AUTH", "AUTOTUNE_SLOT_MEMORY",
                          "AUTOTUNE_DEVICE_KIND", "AUTOTUNE_ADDRESS", "AUTOTUNE_SSH_CONFIG"})
 

@@ -278,15 +278,56 @@ def _kill_nsentered(proc: subprocess.Popen) -> None:
     stop_group(proc, signal.SIGKILL, 10)
 
 
-def _down_leaves_nothing(cluster: TwoHosts, expected: dict[str, str]) -> None:
-    done = cluster.deploy("down", "--control", "node1", "--deadline", "20")
+def _tune_with_node2_hanging(cluster: TwoHosts, folder: Path, behaviour: str) -> tuple[subprocess.Popen, Path]:
+    """`python -m scheduler.autotune` started on node 1 for two one-slot experiments whose rank
+    hangs (ignoring SIGTERM) wherever it runs on node2.gpu0 and behaves as `behaviour` says
+    (fake_train's --behaviour) elsewhere; returns once an experiment hangs on node 2, with its
+    folder. Leases are LEASE_S, so only a really dead worker loses its launch."""
+    script = folder / "hangs_on_node2.py"
+    script.write_text(HANGS_ON_NODE2.replace("FAKE_TRAIN_PATH", repr(str(SCRIPTS / "fake_train.py"))))
+    cfg = write_config(folder / "cfg.json", train_micro_batch_size_per_gpu=[1, 2])
+    config = json.loads(cfg.read_text())
+    config["autotuning"]["user_args"] = ["--behaviour", behaviour]
+    config["autotuning"]["model_info"] = {"num_params": 1000, "trainable_num_params": 1000,
+                                          "activation_mem_per_gpu": 2**20}
+    cfg.write_text(json.dumps(config))
+    results = folder / "autotuning_results"
+    argv = cluster.on("node1", [PYTHON, "-m", "scheduler.autotune", str(cfg), "--num_gpus", "1",
+                                "--exp-timeout", "120", "--", str(script)], cwd=folder)
+    env = cluster.env(AUTOTUNE_LEASE_S=f"{LEASE_S:g}", AUTOTUNE_SSH_CONFIG=str(cluster.ssh_config))
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: any(results.glob("*/hung.node2")) or proc.poll() is not None, 60,
+                 "an experiment to start on node 2")
+        assert proc.poll() is None, "the autotuner ended before an experiment hung on node 2"
+    except BaseException:
+        _stop_tuner(proc, cluster)
+        raise
+    return proc, next(results.glob("*/hung.node2")).parent
+
+
+def _stop_tuner(proc: subprocess.Popen, cluster: TwoHosts) -> tuple[str, str]:
+    """SIGTERM (the CLI cancels its running experiments), then its output, shown with the logs."""
+    if proc.poll() is None:
+        stop_group(proc, signal.SIGTERM, 20)
+    out, err = proc.communicate()
+    print(f"autotune (exit {proc.returncode}):\n{out}\n{err}\n{_logs(cluster)}")
+    return out, err
+
+
+def _down(cluster: TwoHosts, expected: dict[str, str], deadline_s: float = 20) -> None:
+    done = cluster.deploy("down", "--control", "node1", "--deadline", f"{deadline_s:g}")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert lines_of(done.stdout) == expected, done.stdout
+    assert lines_of(done.stdout) == expected, done.stdout + _logs(cluster)
+
+
+def _nothing_left(cluster: TwoHosts) -> None:
     for node in NODES:
         wait_for(lambda node=node: not cluster.residents(node), 15, f"{node} to run nothing but its sshd")
 
 
-def test_up_status_cleanup_down_across_two_hosts(cluster):
+def test_up_status_cleanup_down_across_two_hosts(cluster, tmp_path):
     logins = {node: cluster.accepted_logins(node) for node in NODES}
     _up(cluster)
     # Each worker runs on the host that owns its slot, in that host's process space (a worker
@@ -332,8 +373,19 @@ def test_up_status_cleanup_down_across_two_hosts(cluster):
         cluster.redis(["delete", keys.job_running("twohostjob"), keys.pgid("node2.gpu0", "t-rank")],
                       ["zrem", keys.JOBS, "twohostjob"])
 
-    _down_leaves_nothing(cluster, {"node1": "node1: node1.control warm shutdown; node1.gpu0 warm shutdown",
-                                   "node2": "node2: node2.gpu0 warm shutdown"})
+    # `down` while node 2 runs a rank that ignores SIGTERM: node 1's idle workers stop warm; node 2's
+    # worker waits for its experiment until the deadline, then stops cold, killing the rank's group.
+    tuner, hung = _tune_with_node2_hanging(cluster, tmp_path, "1=ok,2=ok")
+    try:
+        hung_pid = int((hung / "hung.node2").read_text())
+        wait_for(lambda: len(list(tmp_path.glob("autotuning_results/*/result.json"))) == 1, 30,
+                 "the other experiment to finish on node 1")
+        _down(cluster, {"node1": "node1: node1.control warm shutdown; node1.gpu0 warm shutdown",
+                        "node2": "node2: node2.gpu0 cold shutdown"}, deadline_s=3)
+        assert cluster.group("node2", hung_pid) == {}, "a cold shutdown must kill the running rank's group"
+    finally:
+        _stop_tuner(tuner, cluster)
+    _nothing_left(cluster)
     done = cluster.deploy("status")
     assert lines_of(done.stdout)["node2.gpu0"] == "node2.gpu0: down" and done.returncode == 1
 
@@ -344,25 +396,9 @@ def test_node_lost_its_training_group_is_killed_over_ssh_and_the_experiment_reru
     heartbeat is gone, the scheduler hook kills the group on node 2 over SSH (the control worker
     on node 1 cannot even see it), and the experiment is measured again on node 1."""
     _up(cluster)
-    script = tmp_path / "hangs_on_node2.py"
-    script.write_text(HANGS_ON_NODE2.replace("FAKE_TRAIN_PATH", repr(str(SCRIPTS / "fake_train.py"))))
-    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2])
-    config = json.loads(cfg.read_text())
-    config["autotuning"]["user_args"] = ["--behaviour", "1=slow2,2=slow2"]
-    config["autotuning"]["model_info"] = {"num_params": 1000, "trainable_num_params": 1000,
-                                          "activation_mem_per_gpu": 2**20}
-    cfg.write_text(json.dumps(config))
-    results = tmp_path / "autotuning_results"
-    argv = cluster.on("node1", [PYTHON, "-m", "scheduler.autotune", str(cfg), "--num_gpus", "1",
-                                "--exp-timeout", "120", "--", str(script)], cwd=tmp_path)
-    proc = subprocess.Popen(argv, env=cluster.env(AUTOTUNE_LEASE_S=f"{LEASE_S:g}"), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc, victim = _tune_with_node2_hanging(cluster, tmp_path, "1=slow2,2=slow2")
     out = err = ""
     try:
-        wait_for(lambda: any(results.glob("*/hung.node2")) or proc.poll() is not None, 60,
-                 "an experiment to start on node 2")
-        assert proc.poll() is None, "the autotuner ended before node 2 was lost"
-        victim = next(results.glob("*/hung.node2")).parent
         hung_pid = int((victim / "hung.node2").read_text())
         assert len(cluster.group("node2", hung_pid)) == 2
 
@@ -374,11 +410,8 @@ def test_node_lost_its_training_group_is_killed_over_ssh_and_the_experiment_reru
         # Bounded by the work: heartbeat gone + a sweep, TERM grace, a 2 s re-run, interpreter starts.
         out, err = proc.communicate(timeout=LEASE_S + CLEANUP_GRACE_S + 60)
     finally:
-        if proc.poll() is None:
-            stop_group(proc, signal.SIGTERM, 20)
         if not out and not err:
-            out, err = proc.communicate()
-            print(f"autotune (exit {proc.returncode}):\n{out}\n{err}\n{_logs(cluster)}")
+            out, err = _stop_tuner(proc, cluster)
     assert proc.returncode == 0, out + err + _logs(cluster)
     record = json.loads((victim / "result.json").read_text())
     assert record["status"] == "ok" and record["slots"] == ["node1.gpu0"], record
@@ -392,5 +425,6 @@ def test_node_lost_its_training_group_is_killed_over_ssh_and_the_experiment_reru
     print(f"\nnode 2's worker killed -> job complete, its group killed over SSH: "
           f"{time.monotonic() - killed_at:.1f}s\n{line}")
 
-    _down_leaves_nothing(cluster, {"node1": "node1: node1.control warm shutdown; node1.gpu0 warm shutdown",
-                                   "node2": "node2: node2.gpu0 not running"})
+    _down(cluster, {"node1": "node1: node1.control warm shutdown; node1.gpu0 warm shutdown",
+                    "node2": "node2: node2.gpu0 not running"})
+    _nothing_left(cluster)
