@@ -164,22 +164,28 @@ def lines_of(output: str) -> dict[str, str]:
 
 
 def _local_pid(root_pid: int) -> int:
-    """The PID a process has inside its own PID namespace (the last NSpid field)."""
-    status = Path(f"/proc/{root_pid}/status").read_text()
+    """The PID a process has inside its own PID namespace (the last NSpid field); -1 once gone."""
+    try:
+        status = Path(f"/proc/{root_pid}/status").read_text()
+    except OSError:
+        return -1
     return int(next(line for line in status.splitlines() if line.startswith("NSpid:")).split()[-1])
 
 
 def _workers_of(cluster: TwoHosts, node: str) -> dict[str, int]:
-    """Celery worker name (-n) -> root PID of its main process, for the workers living on `node`.
-    A main process was started by `deploy.remote` (gone since), so its parent is the host's init;
-    its pool children carry the same argv but have the main process as parent."""
+    """Celery worker name (-n) -> root PID, for each worker `deploy up` recorded for `node` (its
+    pidfiles hold PIDs as `node` numbers them) that runs in `node`'s own process space. Matched
+    by the name anywhere in the command line: with setproctitle installed, Celery rewrites it to
+    `[celeryd: gpu0@node2:MainProcess] ...` (and overwrites /proc/PID/environ with it)."""
+    by_local = {_local_pid(pid): pid for pid in processes_of(cluster.inits[node])}
     found = {}
-    for pid in processes_of(cluster.inits[node]):
+    for pidfile in cluster.run_dir.glob(f"{node}.*.pid"):
+        name = {"gpu0": f"gpu0@{node}", "control": f"control@{node}"}[pidfile.stem.rsplit(".", 1)[1]]
+        root = by_local.get(int(json.loads(pidfile.read_text())["pid"]))
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-            if "celery" in argv and "-n" in argv and psutil.Process(pid).ppid() == cluster.inits[node]:
-                found[argv[argv.index("-n") + 1]] = pid
-        except (OSError, psutil.Error):
+            if root is not None and name in Path(f"/proc/{root}/cmdline").read_text().replace("\0", " "):
+                found[name] = root
+        except OSError:
             continue
     return found
 
