@@ -13,7 +13,8 @@ addresses. The tests check that:
   worker on node 1; `status` shows every slot with the PID its own host knows it by;
 - `cleanup EXPERIMENT` reaches node 2 over SSH and kills the recorded training group there, which
   ignores SIGTERM (TERM, grace, KILL), while an unrelated group on node 2 survives;
-- `down` stops everything on both hosts, after which each host runs nothing but its sshd;
+- `down` stops node 1's idle workers warm and node 2's worker, busy with a SIGTERM-ignoring rank,
+  cold (its rank's group killed), after which each host runs nothing but its sshd;
 - when node 2's slot worker is SIGKILLed mid-experiment while its training group lives on (it
   ignores SIGTERM too), the control worker's sweep declares the launch lost, the scheduler hook
   kills that group on node 2 over SSH, and the job completes with the experiment re-run on node 1.
