@@ -99,7 +99,8 @@ def start(run_dir: Path, worker: dict) -> dict[str, object]:
     if existing is not None:
         return {"pid": existing.pid, "started": False, "note": "already running"}
     secrets = json.loads((run_dir / ENV_FILE).read_text())
-    env = {**os.environ, **secrets, "PYTHONUNBUFFERED": "1", "AUTOTUNE_NODE": worker["node"]}
+    # SPT_NOENV: setproctitle (when installed, Celery uses it) must not overwrite /proc/<pid>/environ.
+    env = {**os.environ, **secrets, "PYTHONUNBUFFERED": "1", "AUTOTUNE_NODE": worker["node"], "SPT_NOENV": "1"}
     celery = [sys.executable, "-m", "celery", "-A", "tasks"]
     if worker["role"] == "flower":
         argv = [*celery, "flower", "--address=127.0.0.1", f"--port={int(worker['port'])}"]

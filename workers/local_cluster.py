@@ -104,7 +104,9 @@ class LocalCluster:
         client = connect(self.url)
         self._wait(lambda: _pings(client), "redis-server", self.log_dir / "redis.log")
 
-        env = {**os.environ, "AUTOTUNE_REDIS_URL": self.url, "AUTOTUNE_NODE": self.node,
+        # SPT_NOENV: where setproctitle is installed, Celery retitles its processes; without this it
+        # overwrites /proc/<pid>/environ, and the markers we find our processes by would vanish.
+        env = {**os.environ, "SPT_NOENV": "1", "AUTOTUNE_REDIS_URL": self.url, "AUTOTUNE_NODE": self.node,
                "AUTOTUNE_EXIT_WITH_PARENT": str(os.getpid()),
                "AUTOTUNE_SLOTS_PER_NODE": str(self.slots), "PYTHONUNBUFFERED": "1"}
         if self.slot_memory:

@@ -20,6 +20,11 @@ import redis
 from workers.local_cluster import free_tcp_port
 from workers.registry import control_alive, live_slots
 
+# Every process the tests start inherits this: where setproctitle is installed (mutmut pulls it in),
+# Celery retitles its workers and, without SPT_NOENV, overwrites /proc/<pid>/environ, where the tests
+# find their processes by marker (and a check for leftovers would then pass without looking).
+os.environ["SPT_NOENV"] = "1"
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
