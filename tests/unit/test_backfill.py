@@ -172,3 +172,41 @@ def test_backfill_never_delays_the_head(seed: int) -> None:
     if promised is not None:
         kept = reservation(blocked[0], slots, after, NOW)
         assert kept is not None and kept.start_at <= promised.start_at
+
+
+# ---------------------------------------------------------------- found by mutation testing (bench/mutation.sh)
+
+
+@pytest.mark.parametrize("estimate", [0.0, 0.5, 1.0])
+def test_a_zero_or_sub_second_estimate_is_valid(estimate: float) -> None:
+    """A waiting item may be estimated to take no time or under a second (a dry run, a tiny time
+    limit); only a negative or NaN estimate is refused."""
+    assert Waiting("X", 1, 1, estimate).estimate_s == estimate
+    for bad in (-0.1, math.nan):
+        with pytest.raises(ValueError):
+            Waiting("X", 1, 1, bad)
+
+
+def test_an_item_ending_exactly_at_the_shadow_time_may_use_the_reserved_slots() -> None:
+    """EASY backfill's bound is inclusive: ending at the shadow time cannot delay the head. That
+    holds even after a longer item of the same shape was refused those slots earlier in the pass
+    (its refusal must not be remembered as "no room" for items that end in time)."""
+    slots = cluster(a=2)
+    frees_at = {"a.gpu1": NOW + 50}  # head H (1x2) is reserved both slots at 150
+    queue = [w("H", 1, 2, 10), w("B", 1, 1, 100), w("A", 1, 1, 50)]
+    assert named(backfill(queue, slots, frees_at, NOW)) == [("A", ["a.gpu0"])]
+
+
+def test_an_unplaceable_shape_does_not_stop_the_pass() -> None:
+    """Items of a shape that found no room are skipped; a later item of another shape still starts."""
+    queue = [w("H", 1, 2, 10), w("B", 1, 2, 10), w("B2", 1, 2, 10), w("C", 1, 1, 10)]
+    assert named(backfill(queue, cluster(a=1), {}, NOW)) == [("C", ["a.gpu0"])]
+
+
+def test_backfill_honours_the_slot_kind() -> None:
+    """An item that asks for CPU slots never starts on free CUDA slots, in order or backfilled."""
+    cpu_item = Waiting("X", 1, 1, 10, kind="cpu")
+    assert backfill([cpu_item], C4, {}, NOW) == []
+    assert strict_fifo([cpu_item], C4, {}, NOW) == []
+    mixed = C4 + [Slot("c", 0, "cpu", GiB, "10.0.0.99", 4, ())]
+    assert named(backfill([w("H", 3, 1, 10), cpu_item], mixed, {}, NOW)) == [("X", ["c.gpu0"])]

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from scheduler.placement import fits_ever, largest_shape, place
+from scheduler.errors import ClusterError
+from scheduler.placement import fits_ever, is_loopback, largest_shape, pinned_placement, place
 from scheduler.ranking import best, metric_value, status_counts
 from workers.slot import Slot
 
@@ -302,3 +303,52 @@ def test_nodes_of_one_machine_meet_over_loopback() -> None:
     assert place([at("a", "127.0.0.1", ""), at("b", "127.0.0.1", "")], set(), 2, 1) is None  # unknown machine
     mixed = [at("a", "127.0.0.1", "m1"), at("b", "10.0.0.2", "m1"), at("c", "10.0.0.3", "m2")]
     assert queues(place(mixed, set(), 2, 1)) == [["b.gpu0"], ["c.gpu0"]]
+
+
+# ---------------------------------------------------------------- found by mutation testing (bench/mutation.sh)
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [("localhost", True), ("127.0.0.1", True), ("127.5.6.7", True), ("::1", True),
+     ("10.0.0.2", False), ("node7", False), ("", False)],
+)
+def test_is_loopback(address: str, loopback: bool) -> None:
+    """"localhost" is loopback although it is no IP literal (ipaddress rejects it); a host name
+    that is not an IP literal is not assumed loopback (it may well route between nodes)."""
+    assert is_loopback(address) is loopback
+
+
+def test_a_multi_node_gang_never_uses_a_localhost_slot() -> None:
+    """A slot advertising "localhost" is as unreachable from another node as one advertising 127.0.0.1."""
+    slots = [Slot("a", 0, "cuda", 16 * GiB, "localhost", 1, ()), Slot("b", 0, "cuda", 16 * GiB, "10.0.0.2", 1, ())]
+    assert place(slots, set(), 2, 1) is None
+    assert fits_ever(slots, 2, 1) is False
+
+
+def test_fits_ever_honours_the_slot_kind() -> None:
+    """A shape asking for CPU slots never fits a CUDA-only cluster, however free it is."""
+    cuda_only = [slot("n", 0), slot("n", 1)]
+    assert fits_ever(cuda_only, 1, 2, kind="cuda") is True
+    assert fits_ever(cuda_only, 1, 1, kind="cpu") is False
+
+
+def test_pinned_placement_takes_exactly_the_named_slots() -> None:
+    """The user's selection is taken as named, per node and in the named order, never rearranged."""
+    slots = [slot("a", 0), slot("a", 1), slot("b", 0), slot("b", 1)]
+    chosen = pinned_placement(slots, set(), [["b.gpu1", "b.gpu0"], ["a.gpu1"]])
+    assert queues(chosen) == [["b.gpu1", "b.gpu0"], ["a.gpu1"]]
+    assert chosen[0][0] is slots[3]
+
+
+def test_pinned_placement_waits_while_any_named_slot_is_busy() -> None:
+    """One busy slot of the selection means not now (None), not a different slot instead."""
+    slots = [slot("a", 0), slot("a", 1)]
+    assert pinned_placement(slots, {"a.gpu1"}, [["a.gpu0", "a.gpu1"]]) is None
+    assert pinned_placement(slots, {"a.gpu1"}, [["a.gpu0"]]) is not None
+
+
+def test_pinned_placement_refuses_a_slot_with_no_worker() -> None:
+    """A named slot no worker serves would be waited for forever: an error naming it instead."""
+    with pytest.raises(ClusterError, match="c.gpu0"):
+        pinned_placement([slot("a", 0)], set(), [["a.gpu0"], ["c.gpu0"]])
