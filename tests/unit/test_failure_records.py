@@ -293,3 +293,23 @@ def test_aggregate_peak_is_the_max_over_ranks() -> None:
     assert record["peak_rss_bytes"] == 700
     assert [r["rank"] for r in record["ranks"]] == [0, 1, 2, 3]
     assert record["slots"] == ["node1.gpu0", "node1.gpu1", "node1.gpu2", "node1.gpu3"]
+
+
+# ---------------------------------------------------------------- found by mutation testing (bench/mutation.sh)
+
+
+def test_a_profiling_exit_at_the_instant_the_metrics_were_written_keeps_the_measurement() -> None:
+    """"Rank 0 had written the metrics" includes the same clock reading: a rank ending at the very
+    timestamp of the write did not end before it (both come from time.time(), which can repeat)."""
+    r0 = rank(0, "aborted", 0, 10.0, metrics={"throughput": 5}, metrics_at=9.5)
+    r1 = rank(1, "crashed", 0, 9.5, exit=-6, profiling_exit=True)
+    assert aggregate(EXP, [r0, r1])["status"] == "ok"
+
+
+def test_a_profiling_exit_without_rank0s_record_is_not_excused() -> None:
+    """With rank 0's record missing there are no metrics to keep: the crash stands (and the
+    missing rank does not make aggregation itself fail)."""
+    r1 = rank(1, "crashed", 0, 9.5, exit=-6, profiling_exit=True)
+    record = aggregate(EXP, [r1])
+    assert record["status"] == "crashed" and record["metrics"] is None
+    assert record["cause"]["rank"] == 1
