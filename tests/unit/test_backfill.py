@@ -8,6 +8,7 @@ import random
 import pytest
 
 from scheduler.backfill import Reservation, Start, Waiting, backfill, estimate_run_s, reservation, strict_fifo
+from scheduler.dispatch import refusal
 from workers.slot import Slot
 
 GiB = 1024**3
@@ -210,3 +211,43 @@ def test_backfill_honours_the_slot_kind() -> None:
     assert strict_fifo([cpu_item], C4, {}, NOW) == []
     mixed = C4 + [Slot("c", 0, "cpu", GiB, "10.0.0.99", 4, ())]
     assert named(backfill([w("H", 3, 1, 10), cpu_item], mixed, {}, NOW)) == [("X", ["c.gpu0"])]
+
+
+# ---------------------------------------------------------------- dispatch.refusal (found by mutation testing)
+
+
+def _exp(nodes: int, gpus: int, **extra: object) -> dict:
+    return {"name": "e", "num_nodes": nodes, "num_gpus": gpus, **extra}
+
+
+def test_a_slot_of_exactly_the_asked_memory_is_big_enough() -> None:
+    """min_memory is a lower bound on each slot: a slot of exactly that size fits, so the refusal
+    is about the shape (one node where two are asked), not about memory."""
+    message = refusal(_exp(2, 1, min_memory=16 * GiB), cluster(a=1))
+    assert "largest slot" not in message
+    assert "needs 2 node(s) x 1 slot(s)" in message and "--num_nodes 1 --num_gpus 1" in message
+
+
+def test_a_shape_refusal_without_a_memory_ask_names_no_size() -> None:
+    """The suggestion is the largest shape of the cluster; it mentions a slot size only when the
+    experiment asked for one."""
+    message = refusal(_exp(1, 4), cluster(a=2, b=1))
+    assert message.endswith("; use --num_nodes 1 --num_gpus 2 or fewer")
+    assert "GiB" not in message
+
+
+def test_a_one_node_experiment_is_never_refused_for_loopback() -> None:
+    """Loopback only matters between nodes: a one-node gang too large for its node gets the shape
+    refusal, even on a node that advertises 127.0.0.1."""
+    local = [Slot("a", d, "cuda", 16 * GiB, "127.0.0.1", 4, ()) for d in range(2)]
+    message = refusal(_exp(1, 4), local)
+    assert "loopback" not in message and "at most 2 slot(s)" in message
+
+
+def test_a_multi_node_refusal_blames_loopback_only_when_a_node_uses_it() -> None:
+    """Two routable nodes of 2 slots cannot run 2 x 4: that is the shape, not an address problem;
+    with one node on loopback, the address is what to fix."""
+    message = refusal(_exp(2, 4), C4)
+    assert "loopback" not in message and "at most 2 slot(s)" in message
+    with_loopback = C4[:2] + [Slot("b", d, "cuda", 16 * GiB, "127.0.0.1", 4, ()) for d in range(2)]
+    assert "node(s) b advertise a loopback address" in refusal(_exp(2, 1), with_loopback)

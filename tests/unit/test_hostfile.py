@@ -124,3 +124,45 @@ def test_local_pool_rejects_unusable_machines(hostname: str, count: int, fragmen
 
 def test_local_hostname_matches_deepspeed() -> None:
     assert LOCAL_HOSTNAME == "localhost"
+
+
+# ---------------------------------------------------------------- found by mutation testing (bench/mutation.sh)
+
+
+def test_a_hostfile_of_exactly_the_size_limit_is_read_whole(tmp_path) -> None:
+    """The limit (MAX_HOSTFILE_BYTES) is inclusive, and a file at the limit is read to its last
+    byte: the host line at its very end keeps its full slot count."""
+    from scheduler.hostfile import MAX_HOSTFILE_BYTES
+
+    line = "worker-1 slots=42"
+    path = tmp_path / "hostfile"
+    path.write_text("#" * (MAX_HOSTFILE_BYTES - len(line) - 1) + "\n" + line)
+    assert path.stat().st_size == MAX_HOSTFILE_BYTES
+    assert read_hostfile(path) == {"worker-1": 42}
+    path.write_text("#" * (MAX_HOSTFILE_BYTES - len(line)) + "\n" + line)
+    with pytest.raises(HostfileError, match="larger than 1 MiB"):
+        read_hostfile(path)
+
+
+def test_local_pool_accepts_exactly_the_per_host_maximum() -> None:
+    """MAX_SLOTS_PER_HOST devices is allowed (the same bound a hostfile line has); one more is not."""
+    from scheduler.hostfile import MAX_SLOTS_PER_HOST
+
+    assert local_pool("h", MAX_SLOTS_PER_HOST) == {"h": MAX_SLOTS_PER_HOST}
+    assert parse_hostfile(f"h slots={MAX_SLOTS_PER_HOST}") == {"h": MAX_SLOTS_PER_HOST}
+    with pytest.raises(UsageError, match="more than one host can have"):
+        local_pool("h", MAX_SLOTS_PER_HOST + 1)
+
+
+@pytest.mark.parametrize(("total_workers", "expected"), [(0.5, 1), (1, 1), (2.5, 2), (10_000, 256)])
+def test_max_local_slots_is_whole_workers_of_memory(monkeypatch, total_workers: float, expected: int) -> None:
+    """One embedded slot worker per SLOT_WORKER_BYTES of RAM, whole workers only, at least 1 and at
+    most MAX_LOCAL_SLOTS (256)."""
+    import types
+
+    from scheduler import hostfile
+
+    total = int(total_workers * hostfile.SLOT_WORKER_BYTES)
+    monkeypatch.setattr(hostfile.psutil, "virtual_memory", lambda: types.SimpleNamespace(total=total))
+    slots = hostfile.max_local_slots()
+    assert slots == expected and isinstance(slots, int)
