@@ -138,7 +138,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="tuning runs per tool, alternated (default 2)")
     parser.add_argument("--remeasure", type=int, default=3, help="longer runs per chosen config (default 3)")
-    parser.add_argument("--steps", type=int, default=15, help="last profiled step of a re-measurement (default 15)")
+    parser.add_argument("--steps", type=int, default=10, help="last profiled step of a re-measurement (default 10)")
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1], help="ZeRO stages to tune (default 0 1)")
     parser.add_argument("--max-mbs", type=int, default=16, help="largest micro-batch size to try (default 16)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (printed)")
