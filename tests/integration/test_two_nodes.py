@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class Cluster:
     url: str  #: Redis on node 1's address; only usable from inside a namespace
     marker: str
     logs: Path
+    start_node2: Callable[[], None]  #: start node 2's slot worker again (after a test killed it)
 
 
 def _log_tails(logs: Path, limit: int = 1500) -> str:
@@ -179,13 +181,16 @@ def cluster(hosts, request, tmp_path_factory) -> Cluster:
     up, state = _probe(base_env, node1, 15)
     assert up, f"redis-server in {node1.namespace} did not answer: {state}"
 
-    for host, node, queue, concurrency in ((node1, NODES[0], "gpu0", 1), (node2, NODES[1], "gpu0", 1),
-                                           (node1, NODES[0], "control", 2)):
-        with open(logs / f"{queue}@{node}.log", "wb") as log:
+    def start(host: Host, node: str, queue: str, concurrency: int) -> None:
+        with open(logs / f"{queue}@{node}.log", "ab") as log:
             proc = subprocess.Popen(_worker_command(host, node, queue, concurrency),
                                     cwd=ROOT, env=_worker_env(base_env, host), stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
-        request.addfinalizer(lambda proc=proc: stop_group(proc, signal.SIGQUIT, WORKER_GRACE_S))
+        request.addfinalizer(lambda: stop_group(proc, signal.SIGQUIT, WORKER_GRACE_S))
+
+    for host, node, queue, concurrency in ((node1, NODES[0], "gpu0", 1), (node2, NODES[1], "gpu0", 1),
+                                           (node1, NODES[0], "control", 2)):
+        start(host, node, queue, concurrency)
 
     ready, state = _probe(base_env, node1, REGISTER_TIMEOUT_S, slots=2, control=True)
     assert ready, f"workers did not register within {REGISTER_TIMEOUT_S}s: {state}\n{_log_tails(logs)}"
@@ -193,7 +198,15 @@ def cluster(hosts, request, tmp_path_factory) -> Cluster:
         f"{NODES[0]}.gpu0": {"node": NODES[0], "address": node1.address, "worker": f"gpu0@{NODES[0]}"},
         f"{NODES[1]}.gpu0": {"node": NODES[1], "address": node2.address, "worker": f"gpu0@{NODES[1]}"},
     }, state
-    return Cluster(hosts, url, marker, logs)
+    return Cluster(hosts, url, marker, logs, start_node2=lambda: start(node2, NODES[1], "gpu0", 1))
+
+
+def _bring_node2_back(cluster: Cluster) -> None:
+    """Start node 2's slot worker again and wait until both slots are registered."""
+    cluster.start_node2()
+    ready, state = _probe({**os.environ, "AUTOTUNE_REDIS_URL": cluster.url}, cluster.hosts[0],
+                          REGISTER_TIMEOUT_S, slots=2, control=True)
+    assert ready, f"node 2's worker did not register again: {state}\n{_log_tails(cluster.logs)}"
 
 
 def _kill_leftovers(marker: str) -> None:
@@ -314,11 +327,12 @@ def test_rank_failure_on_node2_stops_node1_at_once(cluster, tmp_path):
     wait_for(lambda: _only_workers_remain(cluster), 10, "only worker processes to remain")
 
 
-def test_node_lost_mid_experiment(cluster, tmp_path):
+def test_node_lost_mid_experiment(cluster, tmp_path, request):
     """Node 2 dies at once (its worker and its training process SIGKILLed, nothing cleaned up) while
     each node runs a one-slot experiment. Node 2's slot stops renewing its lease and heartbeat, the
     control worker's sweep declares that launch lost and runs it again on node 1; the job completes
-    with both experiments measured and no slot reserved. Runs last: node 2 stays down."""
+    with both experiments measured and no slot reserved. Node 2's worker is started again at the
+    end, so the tests after this one (in any order) find both nodes."""
     cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2])
     config = json.loads(cfg.read_text())
     config["autotuning"]["user_args"] = ["--behaviour", "1=slow8,2=slow8"]
@@ -342,6 +356,7 @@ def test_node_lost_mid_experiment(cluster, tmp_path):
         for process in doomed:
             process.kill()
         lost_at = time.monotonic()
+        request.addfinalizer(lambda: _bring_node2_back(cluster))
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
