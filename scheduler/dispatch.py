@@ -81,13 +81,14 @@ def dispatch(client: redis.Redis, work: Work) -> None:
     free_waiting: list[tuple[JobSpec, QueuedLaunch]] = []
     refused: set[str] = set()
     fits: dict[tuple, bool] = {}
+    cleared: set[str] = set()
     for _, spec, launch in waiting:
         if spec.job in refused:
             continue
         if spec.pinned is not None:
             if not _start_pinned(client, work, spec, launch, slots, busy):
                 refused.add(spec.job)
-        elif _fits_or_refused(client, spec, launch, slots, fits):
+        elif _fits_or_refused(client, spec, launch, slots, fits, cleared):
             free_waiting.append((spec, launch))
         elif load_spec(client, spec.job) is None:
             refused.add(spec.job)
@@ -133,19 +134,19 @@ def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: Queued
 
 
 def _fits_or_refused(client: redis.Redis, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
-                     fits: dict[tuple, bool]) -> bool:
+                     fits: dict[tuple, bool], cleared: set[str]) -> bool:
     """Whether the experiment's shape fits the live cluster at all. A job is refused at once when it
     has launched nothing yet; later, slots may only be re-registering (a worker or Redis restarting),
-    so the cluster gets REFUSE_GRACE_S to come back first. `fits` remembers each shape's answer (and
-    each job's cleared misfit) for the rest of the pass."""
+    so the cluster gets REFUSE_GRACE_S to come back first. `fits` remembers each shape's answer and
+    `cleared` the jobs whose misfit was cleared, for the rest of the pass."""
     exp = launch.exp
     shape = (exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0), spec.slot_kind)
     if shape not in fits:
         fits[shape] = fits_ever(slots, *shape)
     store = JobStore(client, spec.job)
     if fits[shape]:
-        if ("cleared", spec.job) not in fits:
-            fits["cleared", spec.job] = True
+        if spec.job not in cleared:
+            cleared.add(spec.job)
             store.clear_misfit()
         return True
     now = time.time()

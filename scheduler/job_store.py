@@ -157,12 +157,9 @@ class JobStore:
     def queued_names(self) -> set[str]:
         return {name.decode() for name in self.client.hkeys(keys.job_queue(self.job))}
 
-    def queued(self, names: list[str] | None = None) -> list[QueuedLaunch]:
-        """The waiting launches of `names` (those still queued), or the whole queue."""
-        if names is None:
-            raws = self.client.hvals(keys.job_queue(self.job))
-        else:
-            raws = self.client.hmget(keys.job_queue(self.job), names) if names else []
+    def queued(self, names: list[str]) -> list[QueuedLaunch]:
+        """The waiting launches of `names` (those still queued)."""
+        raws = self.client.hmget(keys.job_queue(self.job), names) if names else []
         return [QueuedLaunch.from_json(json.loads(raw)) for raw in raws if raw is not None]
 
     def depth(self) -> int:

@@ -86,6 +86,3 @@ class LiveSearches:
             self._live.popitem(last=False)
         return Progress(list(live.answered), live.current, live.answered[before:], rebuilt,
                         frozenset(live.found))
-
-    def forget(self, key: Hashable) -> None:
-        self._live.pop(key, None)

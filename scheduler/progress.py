@@ -64,8 +64,8 @@ LIVE_SEARCHES = LiveSearches()
 
 def _step(client: redis.Redis, spec: JobSpec) -> None:
     store = JobStore(client, spec.job)
-    lookup = record_lookup(client, spec)
     recorded_here = store.recorded()
+    lookup = record_lookup(client, spec, recorded_here)
 
     def new_record(exp: Experiment) -> dict[str, Any] | None:
         """Since a live search's last step, only experiments recorded in this job can have a record:
@@ -134,12 +134,12 @@ def _fixed(experiments: tuple[Experiment, ...]) -> Iterator[Phase]:
     yield Phase("run", experiments)
 
 
-def record_lookup(client: redis.Redis, spec: JobSpec) -> Lookup:
+def record_lookup(client: redis.Redis, spec: JobSpec, recorded: set[str] | None = None) -> Lookup:
     """exp -> the record on disk that answers it, or None (module docstring). Use one per step:
-    it remembers what it read."""
+    it remembers what it read. `recorded`: the job's recorded names, when the caller has them."""
     store = JobStore(client, spec.job)
     attempts = store.attempts()
-    recorded = store.recorded()
+    recorded = store.recorded() if recorded is None else recorded
 
     read: dict[str, dict[str, Any] | None] = {}  #: one step reads each folder once (names fix configs)
 
