@@ -1,17 +1,19 @@
 """Hand-written mutants of the lease rules that mutmut cannot mutate: the Lua scripts in
 `workers/gang.py` (mutmut sees them as string literals, and a changed string is not a changed rule),
-the retry cap in `scheduler.dispatch._lose` and the stale-message check in `workers/rank.py` (both
-only exercised against a real redis-server, which the unit suite mutmut runs does not start).
+the retry cap in `scheduler.dispatch._lose` (mutmut mutates it too, with tests/redis; kept here as
+the named rule) and the stale-message check in `workers/rank.py` (only exercised by an integration test).
 
 Each mutant is one exact text replacement that breaks one safety rule. For each, the repository's
 tracked files are copied to a scratch folder, the replacement is applied there (the original must
 occur exactly once, so a refactor that moves the code fails loudly instead of silently testing
 nothing), and the named integration test file runs against the copy. A failing run kills the
 mutant; a passing run means the tests do not guard that rule. The unmutated copy runs first and
-must pass, or no verdict means anything.
+must pass, or no verdict means anything. The tests: tests/integration/test_leases.py (contention, the
+stale rank) and tests/redis (every single-threaded lease rule and the retry cap).
 
-    python bench/lua_mutants.py            # all mutants; exit 1 if any survived
-    python bench/lua_mutants.py --list     # names and what each breaks
+    python bench/lua_mutants.py                          # all mutants; exit 1 if any survived
+    python bench/lua_mutants.py --list                   # names and what each breaks
+    python bench/lua_mutants.py --in workers/gang.py     # only the mutants of these files
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LEASES = "tests/integration/test_leases.py"
+LEASES = ("tests/integration/test_leases.py", "tests/redis")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class Mutant:
     path: str
     original: str
     mutated: str
-    tests: str = LEASES
+    tests: tuple[str, ...] = LEASES
 
 
 MUTANTS = [
@@ -95,10 +97,10 @@ def _copy_tree(dest: Path) -> None:
         shutil.copy2(src, target)
 
 
-def _run_tests(tree: Path, tests: str) -> tuple[bool, float, str]:
+def _run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[bool, float, str]:
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", tests],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                           cwd=tree, env=env, capture_output=True, text=True)
     return proc.returncode == 0, time.monotonic() - start, proc.stdout[-1500:] + proc.stderr[-1500:]
 
@@ -106,9 +108,14 @@ def _run_tests(tree: Path, tests: str) -> tuple[bool, float, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--in", dest="paths", nargs="+", default=[], metavar="FILE",
+                        help="only the mutants of these files (e.g. workers/gang.py)")
     parser.add_argument("names", nargs="*", help="only these mutants")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    chosen = [m for m in MUTANTS if (not args.names or m.name in args.names) and (not args.paths or m.path in args.paths)]
+    if not chosen:
+        print("no hand mutants in " + ", ".join(args.paths or args.names))
+        return 0
     if args.list:
         for m in chosen:
             print(f"{m.name:26} {m.path:24} {m.breaks}")
@@ -123,9 +130,9 @@ def main() -> int:
                 return 2
         passed, took, tail = _run_tests(base, LEASES)
         if not passed:
-            print(f"ERROR the unmutated tree fails {LEASES}:\n{tail}")
+            print(f"ERROR the unmutated tree fails {' '.join(LEASES)}:\n{tail}")
             return 2
-        print(f"unmutated: {LEASES} passes ({took:.1f}s)")
+        print(f"unmutated: {' '.join(LEASES)} passes ({took:.1f}s)")
         survived = []
         for m in chosen:
             tree = Path(scratch) / m.name

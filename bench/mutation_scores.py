@@ -1,10 +1,14 @@
 """Mutation score per module from mutmut's last run (the mutants/ folder), as a Markdown table.
 
-score = killed / (mutants that were tested): a mutant with no covering unit test counts as a survivor
+score = killed / (mutants that were tested): a mutant with no covering test counts as a survivor
 (nothing would notice it), a timeout counts as killed (the mutant made the tests hang, which a run
-would notice too). Run from the repository root after `mutmut run`; bench/mutation.sh does both.
+would notice too), and so does a test run killed by a signal (mutmut's "segfault": exit -9 is also
+how mutmut's own timeout ends a run that blocks in a system call). Run from the repository root after `mutmut run`; bench/mutation.sh does both.
 
-    python bench/mutation_scores.py [--survivors]
+    python bench/mutation_scores.py [--survivors] [MODULE.py ...]
+
+With modules (e.g. scheduler/dispatch.py), only their rows and survivors: what `bench/mutation.sh
+MODULE.py ...` ran (mutmut leaves the other modules' mutants "not checked").
 """
 from __future__ import annotations
 
@@ -17,12 +21,15 @@ from mutmut.stats import status_by_exit_code
 
 def main() -> int:
     show_survivors = "--survivors" in sys.argv[1:]
+    modules = {arg for arg in sys.argv[1:] if not arg.startswith("--")}
     rows, survivors, total = [], [], Counter()
     for path in sorted(walk_mutatable_files()):
+        if modules and str(path) not in modules:
+            continue
         data = SourceFileMutationData(path=path)
         data.load()
         counts = Counter(status_by_exit_code[code] for code in data.exit_code_by_key.values())
-        killed = counts["killed"] + counts["timeout"]
+        killed = counts["killed"] + counts["timeout"] + counts["segfault"]
         tested = sum(n for status, n in counts.items() if status not in ("skipped", "not checked"))
         rows.append((str(path), tested, killed, counts["survived"], counts["no tests"], counts["not checked"]))
         total.update({"tested": tested, "killed": killed, "survived": counts["survived"],

@@ -339,9 +339,6 @@ class _Session:
                     found.setdefault(stage, []).append(Observation(exp.micro_batch_size, oom=True))
         return found
 
-    def failures(self, stage: int) -> int:
-        return sum(not _ok(rec) for _, rec in self.stage_records(stage))
-
     @property
     def budget(self) -> int:
         return self.settings.budget_bytes

@@ -133,7 +133,7 @@ def _parse_host_line(content: str, raw_line: str, source: str, line_number: int)
             f"write one host per line as 'HOSTNAME slots=N', e.g. {_EXAMPLE_LINE}"
         )
     digits = match.group("slots")
-    if len(digits) > 6 or int(digits) > MAX_SLOTS_PER_HOST:
+    if len(digits.lstrip("0")) > 6 or int(digits) > MAX_SLOTS_PER_HOST:  # int() of a huge string is slow
         raise HostfileError(
             f"hostfile {source}, line {line_number}: slots={digits[:12]}{'...' if len(digits) > 12 else ''} "
             f"is more devices than one host can have (at most {MAX_SLOTS_PER_HOST}); write the host's real count"

@@ -86,10 +86,11 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
         return
     # A queued experiment may have been answered meanwhile by an older launch's record (after Redis
     # lost the job): a rebuilt search checks every queued entry, a live one those recorded since.
+    # Those of the current phase the search found answered need no second look.
     queued = store.queued_names()
     suspects = queued if progress.rebuilt else queued & recorded_here
-    for launch in store.queued(sorted(suspects - progress.found)):
-        if lookup(Experiment.from_json(launch.exp)) is not None:
+    for launch in store.queued(sorted(suspects)):
+        if launch.name in progress.found or lookup(Experiment.from_json(launch.exp)) is not None:
             store.unqueue(launch)
             queued.discard(launch.name)
     waiting = queued | store.running_names()

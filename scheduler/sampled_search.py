@@ -19,7 +19,9 @@ near the memory cap; measurements carry about 2 % noise. So, per stage:
   work. It is explored further only if the incumbent was the largest size its own stage could
   hold and this stage holds more (the curve was still rising at the cap); otherwise the
   measurement rules it out. ZeRO-3 moves strictly more data than ZeRO-1/2 at equal size, so it is
-  not measured at all unless it can hold larger sizes that matter, or no ZeRO-1/2 stage was measured;
+  not measured at all unless it can hold larger sizes that matter (the curve was still rising at the
+  cap, or ZeRO-3 holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so memory pressure may have turned it),
+  or no ZeRO-1/2 stage was measured;
 - the memory side follows `scheduler.memory`: predictions stay between the largest ok and the
   smallest failed size; after a failure the next upward probe is the geometric midpoint, and a
   stage stops probing upward after `MAX_FAILURES` failures;
@@ -69,6 +71,10 @@ RACE_BAND = 0.005
 RACE_SIZE = 2
 #: Full mode explores the knobs of every stage whose fast-mode best is within this of the leader.
 FULL_MODE_BAND = 0.10
+#: ZeRO-3 is explored, although the incumbent's curve had turned, when it holds at least this many
+#: times the largest size ZeRO-1/2 hold: near a stage's memory cap the allocator's pressure slows it,
+#: and ZeRO-3 runs those sizes with that much more memory free (large models: bench/README.md).
+ZERO3_ROOM = 1.3
 REMEASURE_SUFFIX = "_r2"
 #: The share of the memory budget the top probe may fill. Closer to 1 than memory.SAFETY: the
 #: budget already leaves out the untracked reserve, the line is fitted on two of the stage's own
@@ -143,15 +149,17 @@ def sampled_stages(session: _Session, stages: Sequence[int]) -> Step:
     for stage in lead_first(stages, session.settings.dp_size):
         if _top(session, stage) < 1:
             continue
-        incumbent = _incumbent(session, explored)
-        if incumbent is None:
+        inc_mbs = _incumbent_size(session, explored)
+        if inc_mbs is None:
             yield from _explore(session, stage)
             explored.append(stage)
             continue
-        inc_stage, inc_mbs = incumbent
         upside = _at_cap(session, explored, inc_mbs) and _top(session, stage) > inc_mbs
         if stage == 3 and not upside and any(s in (1, 2) for s in explored):
-            continue  # ZeRO-3 moves more data than ZeRO-1/2 at equal size: it can only win on memory
+            lighter = max(_top(session, s) for s in explored if s in (1, 2))
+            if _top(session, stage) < ZERO3_ROOM * lighter:
+                continue  # ZeRO-3 moves more data than ZeRO-1/2 at equal size: it can only win on memory
+            upside = True  # so much more memory free that it can win on memory pressure: explore it
         size = min(inc_mbs, _top(session, stage))
         value = yield from _measure(session, stage, size, f"z{stage}_follow_{size}")
         explored.append(stage)
@@ -229,14 +237,15 @@ def _values(session: _Session, stage: int) -> dict[int, float | None]:
     return out
 
 
-def _incumbent(session: _Session, stages: Sequence[int]) -> tuple[int, int] | None:
-    best: tuple[float, int, int] | None = None
+def _incumbent_size(session: _Session, stages: Sequence[int]) -> int | None:
+    """The micro-batch size of the best config measured so far in `stages` (None: none succeeded)."""
+    best: tuple[float, int] | None = None
     sign = 1 if session.settings.maximize else -1
     for stage in stages:
         for mbs, value in _values(session, stage).items():
             if value is not None and (best is None or sign * value > sign * best[0]):
-                best = (value, stage, mbs)
-    return None if best is None else (best[1], best[2])
+                best = (value, mbs)
+    return None if best is None else best[1]
 
 
 def _at_cap(session: _Session, stages: Sequence[int], mbs: int) -> bool:

@@ -10,13 +10,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
-import psutil
 import pytest
 import redis
 
+from integration_helpers import ROOT, processes_with_marker, stop_group, wait_for
 from workers.local_cluster import free_tcp_port
 from workers.registry import control_alive, live_slots
 
@@ -24,50 +22,6 @@ from workers.registry import control_alive, live_slots
 # Celery retitles its workers and, without SPT_NOENV, overwrites /proc/<pid>/environ, where the tests
 # find their processes by marker (and a check for leftovers would then pass without looking).
 os.environ["SPT_NOENV"] = "1"
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-
-
-def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 20) -> None:
-    """Signal the process group `proc` leads, then SIGKILL it if it outlives the grace period."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except redis.RedisError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def processes_with_marker(marker: str) -> list[psutil.Process]:
-    """Live processes whose environment carries `marker` (set by the test that started them)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("AUTOTUNE_TEST_MARKER") == marker:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
 
 
 @pytest.fixture(scope="session")
@@ -119,27 +73,3 @@ def empty_redis(redis_url):
     db.flushdb()
     yield db
     db.flushdb()
-
-
-def write_config(path: Path, **overrides) -> Path:
-    import json
-
-    config = {
-        "train_micro_batch_size_per_gpu": [1],
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 0},
-        "autotuning": {"enabled": True, "metric": "throughput",
-                       "user_script": str(SCRIPTS / "fake_train.py")},
-    }
-    for key, value in overrides.items():
-        config[key] = value
-    path.write_text(json.dumps(config))
-    return path
-
-
-def run_autotune(args: list[str], cwd: Path, env_extra: dict[str, str] | None = None,
-                 timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items() if key != "AUTOTUNE_REDIS_URL"}
-    env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "scheduler.autotune", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SCRIPTS
+from integration_helpers import ROOT, SCRIPTS
 
 pytestmark = pytest.mark.integration
 

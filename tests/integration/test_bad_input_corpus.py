@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import ROOT, SCRIPTS, processes_with_marker, wait_for
+from integration_helpers import ROOT, SCRIPTS, processes_with_marker, wait_for
 from scheduler.folders import MARKER
 from workers.local_cluster import free_tcp_port, redis_config
 

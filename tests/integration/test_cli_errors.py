@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import run_autotune, write_config
+from integration_helpers import run_autotune, write_config
 
 
 def _assert_one_line_error(proc, *needles):

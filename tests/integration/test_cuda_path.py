@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SCRIPTS, run_autotune, stop_group, wait_for, write_config
+from integration_helpers import ROOT, SCRIPTS, run_autotune, stop_group, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 FAKE_GPU_DIR = ROOT / "tests" / "fake_gpu"

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import redis
 
-from conftest import ROOT, wait_for
+from integration_helpers import ROOT, wait_for
 from sshd import start_sshd
 from scheduler.launches import RunningLaunch
 from workers import keys

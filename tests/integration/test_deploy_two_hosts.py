@@ -39,7 +39,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, SCRIPTS, stop_group, wait_for, write_config
+from integration_helpers import ROOT, SCRIPTS, stop_group, wait_for, write_config
 from netns import (Host, NamespacesUnavailable, create_two_hosts, delete_hosts, init_of, namespace_exists,
                    on_host, own_processes, processes_of)
 from sshd import TestSshd, start_sshd

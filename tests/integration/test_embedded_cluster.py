@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from conftest import ROOT, processes_with_marker, wait_for, write_config
+from integration_helpers import ROOT, processes_with_marker, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, processes_with_marker, run_autotune
+from integration_helpers import ROOT, processes_with_marker, run_autotune
 
 pytestmark = pytest.mark.integration
 EXAMPLES = ROOT / "examples"

@@ -15,7 +15,7 @@ import time
 import pytest
 import redis
 
-from conftest import ROOT, processes_with_marker, wait_for, write_config
+from integration_helpers import ROOT, processes_with_marker, wait_for, write_config
 from workers import keys
 from workers.local_cluster import free_tcp_port
 from workers.registry import control_alive, live_slots

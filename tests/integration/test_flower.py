@@ -19,7 +19,7 @@ import psutil
 import pytest
 import redis
 
-from conftest import run_autotune, wait_for, write_config
+from integration_helpers import run_autotune, wait_for, write_config
 from workers.local_cluster import LocalCluster, free_tcp_port
 
 pytestmark = pytest.mark.integration

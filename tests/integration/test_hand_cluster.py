@@ -8,7 +8,7 @@ import json
 import psutil
 import pytest
 
-from conftest import processes_with_marker, run_autotune, wait_for, write_config
+from integration_helpers import SCRIPTS, processes_with_marker, run_autotune, wait_for, write_config
 from workers import keys
 
 pytestmark = pytest.mark.integration
@@ -28,7 +28,7 @@ def test_every_failure_class_and_the_others_still_run(hand_cluster, tmp_path):
     assert proc.returncode == 2 and "not found" in proc.stderr  # the script after -- must exist
 
     script = tmp_path / "train.py"
-    script.write_text((__import__("conftest").SCRIPTS / "fake_train.py").read_text())
+    script.write_text((SCRIPTS / "fake_train.py").read_text())
     proc = run_autotune([str(cfg), "--num_gpus", "1", "--exp-timeout", "6", "--", str(script),
                          "--behaviour", behaviour], tmp_path, {"AUTOTUNE_REDIS_URL": hand_cluster["url"]})
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -13,12 +13,14 @@ import subprocess
 import sys
 import termios
 import time
+import csv
 import fcntl
 from pathlib import Path
 
 import pytest
 
-from conftest import wait_for, write_config
+from integration_helpers import wait_for, write_config
+from tests.unit.test_outputs import assert_drawn_png
 
 pytestmark = pytest.mark.integration
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -76,7 +78,10 @@ def test_live_panel_in_a_terminal(tmp_path):
     command = (results / "cmd_optimal.txt").read_text().strip()
     assert len(command) > 80
     assert f"run it: {command}" in plain.splitlines()
-    assert (results / "timeline.png").read_bytes()[:4] == b"\x89PNG" and (results / "results.csv").exists()
+    assert_drawn_png(results / "timeline.png")
+    jsonl = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
+    rows = list(csv.DictReader((results / "results.csv").open()))
+    assert rows and [(r["name"], r["status"]) for r in rows] == [(r["name"], r["status"]) for r in jsonl]
 
 
 def test_interrupted_run_says_so_in_a_log(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import processes_with_marker, wait_for
+from integration_helpers import processes_with_marker, wait_for
 from workers import keys
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ import pytest
 
 from bench.search_quality import deepspeed, true_value
 from bench.surfaces import GiB, Surface, make_surface, user_config
-from conftest import ROOT, SCRIPTS, run_autotune
+from integration_helpers import ROOT, SCRIPTS, run_autotune
 
 pytestmark = pytest.mark.integration
 FAKE_GPU_DIR = ROOT / "tests" / "fake_gpu"

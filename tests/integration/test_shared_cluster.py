@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import ROOT, SCRIPTS, processes_with_marker, run_autotune, wait_for, write_config
+from integration_helpers import ROOT, SCRIPTS, processes_with_marker, run_autotune, wait_for, write_config
 from workers.registry import control_alive, live_slots
 
 pytestmark = pytest.mark.integration

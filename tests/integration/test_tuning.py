@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, run_autotune, wait_for, write_config
+from integration_helpers import SCRIPTS, run_autotune, wait_for, write_config
 from workers import keys
 
 pytestmark = pytest.mark.integration

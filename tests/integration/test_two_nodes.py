@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, processes_with_marker, stop_group, wait_for, write_config
+from integration_helpers import ROOT, processes_with_marker, stop_group, wait_for, write_config
 from netns import Host, NamespacesUnavailable, create_two_hosts, delete_hosts, inside, namespace_exists
 
 pytestmark = pytest.mark.integration

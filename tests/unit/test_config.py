@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -444,3 +445,257 @@ def test_non_string_dirs_are_config_errors(tmp_path: Path, key: str, value: Any)
 def test_user_args_not_a_list_of_strings(tmp_path: Path, user_args: Any) -> None:
     message = load_error(write(tmp_path, {"autotuning": {"user_args": user_args}}))
     assert "autotuning.user_args must be a list of strings" in message
+
+
+# ---------------------------------------------------------------- the strict schema, bound by bound
+
+from scheduler.config import non_negative_int, shown  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("autotuning", "top"),
+    [
+        ({"tuner_seed": 2**32 - 1}, {}),
+        ({"tuner_seed": 0, "tuner_early_stopping": 0}, {}),
+        ({"tuner_num_trials": 1}, {}),
+        ({"tuner_num_trials": 10_000, "tuner_early_stopping": 10_000}, {}),
+        ({"start_profile_step": 100_000, "end_profile_step": 100_000}, {}),
+        ({"max_train_batch_size": None, "min_train_batch_size": None}, {}),
+        ({"max_train_batch_size": 2**31 - 1, "min_train_batch_size": 1}, {}),
+        ({"min_train_micro_batch_size_per_gpu": 65536, "max_train_micro_batch_size_per_gpu": 65536}, {}),
+        ({"num_tuning_micro_batch_sizes": 1024, "mp_size": 4096}, {}),
+        ({"model_info": None}, {}),
+        ({"model_info": {"num_params": 1, "trainable_num_params": 0, "activation_mem_per_gpu": 0,
+                         "hidden_size": 1, "num_layers": 1, "profile": False}}, {}),
+        ({"model_info": {"num_params": 10**15, "trainable_num_params": 10**15, "activation_mem_per_gpu": 2**50,
+                         "hidden_size": 2**31 - 1, "num_layers": 2**31 - 1, "profile": True}}, {}),
+        ({}, {"train_batch_size": "auto"}),
+        ({}, {"train_batch_size": 1}),
+        ({}, {"train_batch_size": 2**31 - 1}),
+        ({}, {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}),
+        ({}, {"fp16": {"enabled": False}, "bf16": {"enabled": True}}),
+        ({}, {"fp16": {"loss_scale": 0}, "bf16": None}),
+        ({}, {"train_micro_batch_size_per_gpu": 65536, "gradient_accumulation_steps": 65536}),
+        ({"results_dir": "with space/and ~tilde", "exps_dir": "caf\u00e9 \x80"}, {}),
+        ({"results_dir": "r" * 4096}, {}),
+        ({"fast": False, "enabled": False, "overwrite": True}, {}),
+    ],
+    ids=["seed-max", "zero-lows", "one-trial", "trials-max", "profile-step-max", "nullable-batch", "batch-range",
+         "micro-batch-range", "tuning-sizes-and-mp-max", "model-info-null", "model-info-lows", "model-info-highs",
+         "train-batch-auto", "train-batch-one", "train-batch-max", "precision-auto", "precision-bools",
+         "precision-without-enabled", "mbs-and-gas-max", "printable-paths", "path-4096-chars", "booleans"],
+)
+def test_values_at_the_documented_bounds_are_accepted(tmp_path: Path, autotuning: dict, top: dict) -> None:
+    data = {"autotuning": autotuning, **top}
+    cfg = load_config(write(tmp_path, data), cwd=tmp_path)
+    assert cfg.ds_config == data
+
+
+@pytest.mark.parametrize(
+    ("autotuning", "top", "expected"),
+    [
+        ({"tuner_seed": 2**32}, {}, "autotuning.tuner_seed must be an integer from 0 to 4294967295, got 4294967296"),
+        ({"tuner_num_trials": 0}, {}, "autotuning.tuner_num_trials must be an integer from 1 to 10000, got 0"),
+        ({"tuner_num_trials": None}, {}, "autotuning.tuner_num_trials must be an integer from 1 to 10000, got null"),
+        ({"mp_size": 4097}, {}, "autotuning.mp_size must be an integer from 1 to 4096, got 4097"),
+        ({"num_tuning_micro_batch_sizes": 1025}, {},
+         "autotuning.num_tuning_micro_batch_sizes must be an integer from 1 to 1024, got 1025"),
+        ({"max_train_batch_size": 0}, {},
+         "autotuning.max_train_batch_size must be an integer from 1 to 2147483647, got 0"),
+        ({"fast": "false"}, {}, 'autotuning.fast must be true or false (a JSON boolean, no quotes), got "false"'),
+        ({"overwrite": 1}, {}, "autotuning.overwrite must be true or false (a JSON boolean, no quotes), got 1"),
+        ({"tuner_type": "bayes"}, {}, 'autotuning.tuner_type "bayes" is not one of gridsearch, random, model_based'),
+        ({"model_info": [1]}, {}, 'autotuning.model_info must be an object such as {"num_params": 1000000, '
+                                  '"activation_mem_per_gpu": 4096}, got [1]'),
+        ({"model_info": {"profile": "yes"}}, {}, 'autotuning.model_info.profile must be true or false, got "yes"'),
+        ({"model_info": {"num_params": 0}}, {},
+         "autotuning.model_info.num_params must be an integer from 1 to 1000000000000000, got 0"),
+        ({"model_info": {"num_layers": 2**31}}, {},
+         "autotuning.model_info.num_layers must be an integer from 1 to 2147483647, got 2147483648"),
+        ({"model_info": {"activation_mem_per_gpu": -1}}, {},
+         "autotuning.model_info.activation_mem_per_gpu must be an integer from 0 to 1125899906842624, got -1"),
+        ({}, {"fp16": True}, 'fp16 must be an object such as {"enabled": true}, got true'),
+        ({}, {"bf16": "auto"}, 'bf16 must be an object such as {"enabled": true}, got "auto"'),
+        ({}, {"fp16": {"enabled": "AUTO"}}, 'fp16.enabled must be true, false or "auto", got "AUTO"'),
+        ({}, {"bf16": {"enabled": 1}}, 'bf16.enabled must be true, false or "auto", got 1'),
+        ({}, {"train_batch_size": 0}, "train_batch_size must be an integer from 1 to 2147483647, got 0"),
+        ({}, {"train_batch_size": "AUTO"}, 'train_batch_size must be an integer from 1 to 2147483647, got "AUTO"'),
+        ({}, {"train_batch_size": 2**31}, "train_batch_size must be an integer from 1 to 2147483647, got 2147483648"),
+        ({}, {"train_micro_batch_size_per_gpu": 65537},
+         "train_micro_batch_size_per_gpu must be at most 65536, got 65537; give a size that fits a device"),
+        ({}, {"gradient_accumulation_steps": 65537},
+         "gradient_accumulation_steps must be at most 65536, got 65537; give a size that fits a device"),
+        ({"results_dir": ""}, {}, 'autotuning.results_dir must be a path (a non-empty string), got ""'),
+        ({"exps_dir": ["x"]}, {}, 'autotuning.exps_dir must be a path (a non-empty string), got ["x"]'),
+        ({"user_script": "train\n.py"}, {},
+         "autotuning.user_script contains the control character '\\n'; use a path without newlines, tabs or NUL"),
+        ({"metric_path": "m\x7f"}, {},
+         "autotuning.metric_path contains the control character '\\x7f'; use a path without newlines, tabs or NUL"),
+        ({"model_info_path": "a\x1fb"}, {},
+         "autotuning.model_info_path contains the control character '\\x1f'; use a path without newlines, tabs "
+         "or NUL"),
+        ({"results_dir": "r" * 4097}, {},
+         "autotuning.results_dir is 4097 characters long; use a path of at most 4096"),
+        ({"tuner_type": "gridsearch", "zzz": 1}, {}, 'unknown autotuning key "zzz"; remove or rename it'),
+        ({}, {"zero_optimization": {"stage": 4}},
+         'zero_optimization.stage 4 is not valid; use 0-3, a list such as [0, 1], or "all"'),
+    ],
+)
+def test_schema_errors_name_the_field_the_value_and_the_fix(tmp_path: Path, autotuning: dict, top: dict,
+                                                            expected: str) -> None:
+    path = write(tmp_path, {"autotuning": autotuning, **top})
+    assert load_error(path) == f"{path}: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ({"k": 7}, 7),
+        ({"k": 0}, 0),
+        ({}, 5),
+    ],
+)
+def test_non_negative_int(value: dict, expected: int) -> None:
+    assert non_negative_int(Path("c.json"), value, "k", 5) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [(-1, "-1"), ("3", '"3"'), (True, "true"), (2.0, "2.0"), (None, "null"), ([1], "[1]")],
+)
+def test_non_negative_int_refusal(value: Any, got: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        non_negative_int(Path("c.json"), {"k": value}, "k", 5)
+    assert str(info.value) == f"c.json: autotuning.k must be a non-negative integer, got {got}"
+
+
+@pytest.mark.parametrize(
+    ("value", "limit", "expected"),
+    [
+        ("caf\u00e9", 60, '"caf\\u00e9"'),
+        ("x" * 58, 60, '"' + "x" * 58 + '"'),
+        ("x" * 59, 60, '"' + "x" * 59 + '...'),
+        ([1, 2, 3], 4, "[1, ..."),
+        ({1, 2}, 60, "{1, 2}"),
+        (float("nan"), 60, "NaN"),
+        (None, 60, "null"),
+    ],
+    ids=["ascii-escaped", "exactly-the-limit", "one-over-the-limit", "own-limit", "not-json", "nan", "null"],
+)
+def test_shown_is_json_cut_to_the_limit(value: Any, limit: int, expected: str) -> None:
+    assert shown(value, limit) == expected
+
+
+def test_shown_default_limit_is_60_characters() -> None:
+    assert shown("y" * 58) == '"' + "y" * 58 + '"'
+    assert shown("y" * 59) == '"' + "y" * 59 + "..."
+
+
+def test_shown_falls_back_to_repr_for_circular_values() -> None:
+    circular: list[Any] = []
+    circular.append(circular)
+    assert shown(circular) == "[[...]]"
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"fp16": {}}, 'no "autotuning" section; add "autotuning": {"enabled": true} to the config to tune it'),
+        ({"autotuning": {"user_args": "--steps 50"}},
+         'autotuning.user_args must be a list of strings, e.g. ["--steps", "50"]'),
+        ({"autotuning": {"metrc": 1, "zzzzqqq": 2}},
+         'unknown autotuning keys "metrc" (did you mean "metric"?), "zzzzqqq"; remove or rename it'),
+        ({"autotuning": {"start_profile_step": 9, "end_profile_step": 4}},
+         "autotuning.start_profile_step (9) is after end_profile_step (4); make start <= end"),
+    ],
+    ids=["no-section", "user-args", "two-unknown-keys", "start-after-end"],
+)
+def test_whole_error_lines(tmp_path: Path, data: dict, expected: str) -> None:
+    path = write(tmp_path, data)
+    assert load_error(path) == f"{path}: {expected}"
+
+
+def nested_lists(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def test_nesting_of_exactly_64_levels_is_accepted(tmp_path: Path) -> None:
+    # the top-level object is level 1, "x" level 2, so 63 lists reach level 64
+    path = write(tmp_path, '{"autotuning": {}, "x": ' + nested_lists(63) + "}")
+    assert load_config(path, cwd=tmp_path).ds_config["x"] == json.loads(nested_lists(63))
+    deep_objects = {"autotuning": {}}
+    inner: dict[str, Any] = deep_objects
+    for _ in range(63):  # objects count the same as lists
+        inner["k"] = {}
+        inner = inner["k"]
+    load_config(write(tmp_path, deep_objects, "objects.json"), cwd=tmp_path)
+
+
+def test_nesting_of_65_levels_names_where(tmp_path: Path) -> None:
+    path = write(tmp_path, '{"autotuning": {}, "x": ' + nested_lists(64) + "}")
+    assert load_error(path) == (f"{path}: x{'[0]' * 63} is nested more than 64 levels deep; "
+                                "a DeepSpeed config needs a few levels, check the file")
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "value"),
+    [
+        ('{"autotuning": {}, "optimizer": {"params": {"lr": NaN}}}', "optimizer.params.lr", "nan"),
+        ('{"autotuning": {}, "x": [1, Infinity]}', "x[1]", "inf"),
+        ('{"autotuning": {}, "x": [{"y": -Infinity}]}', "x[0].y", "-inf"),
+        ('{"autotuning": {"model_info": {"a": [[NaN]]}}}', "autotuning.model_info.a[0][0]", "nan"),
+        ('{"autotuning": {}, "X.y": {"Xz": NaN}}', "X.y.Xz", "nan"),  # only the leading "." of the root goes
+    ],
+)
+def test_non_finite_numbers_are_named_by_their_path(tmp_path: Path, text: str, where: str, value: str) -> None:
+    path = write(tmp_path, text)
+    assert load_error(path) == f"{path}: {where} is {value}, which JSON does not allow; give a finite number"
+
+
+def test_read_error_lines(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    folder = tmp_path / "folder.json"
+    folder.mkdir()
+    undecodable = write(tmp_path, "", "bin.json")
+    undecodable.write_bytes(b"\xff{}")
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    deep = write(tmp_path, '{"autotuning": {}, "x": ' + nested_lists(100_000) + "}", "deep.json")
+    expected = {
+        missing: 'no such file; give the path of your DeepSpeed config with an "autotuning" section',
+        folder: "cannot read it (IsADirectoryError: Is a directory); check the path and its permissions",
+        undecodable: "cannot read it (UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0: "
+                     "invalid start byte); check the path and its permissions",
+        fifo: "not a regular file (a device, pipe or socket); give the path of your DeepSpeed config file",
+        deep: "objects and lists are nested more than 64 levels deep; a DeepSpeed config needs a few levels, "
+              "check the file",
+    }
+    for path, message in expected.items():
+        assert load_error(path) == f"{path}: {message}"
+
+
+def test_config_size_limit_is_16_mib_inclusive(tmp_path: Path) -> None:
+    body = '{"autotuning": {}}'
+    path = write(tmp_path, body + " " * (16 * 2**20 - len(body)))
+    assert path.stat().st_size == 16 * 2**20
+    assert load_config(path, cwd=tmp_path).ds_config == {"autotuning": {}}
+    with open(path, "a") as handle:
+        handle.write(" ")
+    assert load_error(path) == (f"{path}: 16777217 bytes is too large for a DeepSpeed config (at most 16 MiB); "
+                                "check that this is the right file")
+
+
+def test_an_hjson_file_reports_hjson_s_error_and_a_json_file_json_s(tmp_path: Path) -> None:
+    import hjson
+
+    text = "{\n  autotuning: {\n    enabled: true\n  }\n  x: [1, 2\n}\n"
+    with pytest.raises(hjson.HjsonDecodeError) as hjson_caught:
+        hjson.loads(text)
+    with pytest.raises(json.JSONDecodeError) as json_caught:
+        json.loads(text)
+    hjson_error, json_error = hjson_caught.value, json_caught.value
+    assert (hjson_error.lineno, hjson_error.colno) != (json_error.lineno, json_error.colno)
+    for name, error in (("cfg.hjson", hjson_error), ("cfg.json", json_error)):
+        path = write(tmp_path, text, name)
+        assert load_error(path) == (f"{path}:{error.lineno}:{error.colno}: invalid JSON/hjson: {error.msg}; "
+                                    "fix the syntax there")

@@ -20,7 +20,7 @@ from scheduler.config import load_config
 from scheduler.errors import ConfigError
 from scheduler.fast_search import (
     PROFILE, NoStageFits, SearchAborted, SearchSettings, fast_search, fine_grained_micro_batch_sizes, gain,
-    max_probes, max_train_batch_size_per_gpu, tuning_micro_batch_sizes,
+    max_probes, max_train_batch_size_per_gpu, too_large, tuning_micro_batch_sizes,
 )
 from scheduler.memory import ModelInfo
 from scheduler.phases import Phase, drive, replay
@@ -479,3 +479,493 @@ def test_full_mode_tunes_zero_knobs_of_stage_1_after_its_fast_search(tmp_path: P
 def test_fast_mode_never_runs_trials(tmp_path: Path) -> None:
     fast = replace(full_settings(tmp_path, "gridsearch", trials=5), fast=True)
     assert not [p for p in run(fast, KnobLaw())[0] if "_trial" in p.name]
+
+
+# ---------------------------------------------------------------- DeepSpeed's arithmetic at its edges
+
+
+@pytest.mark.parametrize(
+    ("predicted", "start", "cap", "failure", "expected"),
+    [(70, 1, 1024, 74, (70, 66)), (70, 1, 1024, 70, (66,))],
+    ids=["failure-74-bounds-to-73", "failure-at-the-prediction"],
+)
+def test_max_probes_stay_below_the_smallest_failure(predicted: int, start: int, cap: int, failure: int,
+                                                    expected: tuple[int, ...]) -> None:
+    # ceil(1.05 * 70) = 74, 70, int(0.95 * 70) = 66; a size that failed bounds them to failure - 1.
+    assert max_probes(predicted, start, cap, failure) == expected
+
+
+def test_mtbpg_from_max_train_batch_size_is_a_whole_number() -> None:
+    assert max_train_batch_size_per_gpu(60, 1, 4, 1022) == 255  # 1022 // 4, never 255.5
+
+
+@pytest.mark.parametrize(
+    ("min_mbs", "max_mbs", "mtbpg", "sizes"),
+    [
+        (1, 0, 0, []),  # DeepSpeed: min <= 0 or max <= 0 -> no list
+        (1, 1, 1, [1]),  # low = max(1, 0) = 1, range(1, 1) is empty: only max
+        (4, 6, 30, [4, 5, 6]),  # stride (6 - 4) // 3 = 0 -> 1; gas 7, 6, 5: all differ
+        (1, 60, 70, [30, 60]),  # min_gas = 70 // 60 = 1; 40 and 50 have gas 1 too, dropped
+    ],
+    ids=["max-zero", "max-one", "stride-floor-one", "min-gas-is-floored"],
+)
+def test_candidate_list_edges(min_mbs: int, max_mbs: int, mtbpg: int, sizes: list[int]) -> None:
+    assert tuning_micro_batch_sizes(min_mbs, max_mbs, 3, mtbpg) == sizes
+
+
+def test_a_failure_at_the_smallest_successful_size_is_no_memory_bound() -> None:
+    # "any other failure when a SMALLER size of the stage succeeded": the same size is not smaller.
+    assert too_large({"status": "crashed"}, 8, 8) is False
+    assert too_large({"status": "crashed"}, 9, 8) is True
+    assert too_large({"status": "oom"}, 8, None) is True
+
+
+def test_gas_for_keeps_each_step_within_max_train_batch_size() -> None:
+    limited = settings(max_train_batch_size=1024)  # 4 data-parallel ranks: 256 samples per GPU and step
+    assert (limited.samples_per_step, limited.gas_for(60), limited.gas_for(300)) == (256, 4, 1)
+    assert settings(gradient_accumulation_steps=3).gas_for(60) == 3  # no limit: the user's gas
+
+
+# ---------------------------------------------------------------- the memory gate and the overhead it assumes
+
+GPU_RESERVE = GiB  # memory.untracked_reserve_bytes: max(1 GiB, 2.5 %) for slots up to 40 GiB
+PROFILE_METRICS = {"num_params": N, "trainable_num_params": N, "activation_mem_per_gpu": ACT}
+
+
+def no_stage_fits(search_settings: SearchSettings, profile_peak: int | None = None) -> NoStageFits:
+    """The NoStageFits the search raises, at its start or after its profile run measured `profile_peak`."""
+    search = fast_search(search_settings)
+    with pytest.raises(NoStageFits) as caught:
+        phase = next(search)
+        assert phase.names == (PROFILE,)
+        search.send({PROFILE: {"name": PROFILE, "status": "ok", "peak_device_bytes": profile_peak,
+                               "metrics": PROFILE_METRICS}})
+    return caught.value
+
+
+def test_no_stage_fits_message_in_full() -> None:
+    # Stage 3 (closest): 6e8 of states + 512 MiB of host overhead + 2e8 activations = 1336870912 bytes.
+    error = no_stage_fits(settings(capacity_bytes=GiB, model_info=ModelInfo(N, N, ACT)))
+    assert str(error) == ("no allowed ZeRO stage fits micro-batch 1 in the slots' 1.00 GiB: stage 3 needs about "
+                          "1.25 GiB, 0.25 GiB more; use slots with more memory, more GPUs per experiment, offload, "
+                          "or allow a higher zero_optimization.stage")
+
+
+@pytest.mark.parametrize(
+    ("host_memory", "capacity", "profile_peak", "required", "budget"),
+    [
+        # measured: the profile's 1.3e9 peak less 6e8 of states and 2e8 of activations = 5e8 of overhead
+        (False, 2 * GiB, 1_300_000_000, 1_300_000_000, 2 * GiB - GPU_RESERVE),
+        # measured at or below the states: overhead 0, so stage 3 needs exactly its states + activations
+        (False, 3 * GiB // 2, 700_000_000, 800_000_000, 3 * GiB // 2 - GPU_RESERVE),
+        # unmeasured on a GPU: the prior max(2 GiB, 6 %) less the 1 GiB reserve the budget already drops
+        (False, 2 * GiB, None, 800_000_000 + GiB, 2 * GiB - GPU_RESERVE),
+        # unmeasured on host memory: 512 MiB, no reserve
+        (True, GiB, None, 800_000_000 + 512 * 2**20, GiB),
+    ],
+    ids=["profile-peak", "profile-peak-below-states", "gpu-prior", "host-prior"],
+)
+def test_overhead_from_the_profile_peak_or_the_prior(host_memory: bool, capacity: int, profile_peak: int | None,
+                                                     required: int, budget: int) -> None:
+    search_settings = settings(host_memory=host_memory, capacity_bytes=capacity, overhead_bytes=None,
+                               peak_memory_key="peak_device_bytes",
+                               model_info=None if profile_peak else ModelInfo(N, N, ACT))
+    error = no_stage_fits(search_settings, profile_peak)
+    assert error.shortfall_bytes == required - budget
+    assert f"stage 3 needs about {required / GiB:.2f} GiB" in str(error)
+
+
+def test_deepspeed_estimator_gates_stages_with_deepspeeds_formula() -> None:
+    # DeepSpeed (reference 1.7), fp16 on 4 GPUs: stage 3 holds (2 + 2 + 16) * 1.5e8 / 4 = 7.5e8, plus 2e8 of
+    # activations; a stage is tried when the memory is strictly larger, so 950000001 bytes are needed.
+    error = no_stage_fits(settings(estimator="deepspeed", capacity_bytes=GiB // 2, model_info=ModelInfo(N, N, ACT)))
+    assert error.shortfall_bytes == 950_000_001 - GiB // 2
+    assert "in the slots' 0.50 GiB: stage 3 needs about 0.88 GiB, 0.38 GiB more" in str(error)
+
+
+# ---------------------------------------------------------------- the profile run
+
+OOM_MESSAGE = (f"the model-info profile run {PROFILE} (ZeRO-3, micro-batch 1) ran out of memory: the model fits these "
+               "slots at no stage; use slots with more memory, more GPUs per experiment, or "
+               "zero_optimization.offload_param / offload_optimizer")
+
+
+def ended_message(status: str) -> str:
+    return (f"the model-info profile run {PROFILE} ended '{status}' without num_params and activation_mem_per_gpu; "
+            f"see {PROFILE}/stderr.log in the results folder, or give them in autotuning.model_info")
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        ({PROFILE: {"name": PROFILE, "status": "oom"}}, OOM_MESSAGE),
+        ({PROFILE: {"name": PROFILE, "status": "crashed", "metrics": PROFILE_METRICS}}, ended_message("crashed")),
+        ({PROFILE: {"name": PROFILE}}, ended_message("lost")),  # a record without a status
+        ({}, ended_message("lost")),  # no record came back at all
+    ],
+    ids=["oom", "crashed-with-metrics", "no-status", "no-record"],
+)
+def test_a_failed_profile_run_aborts_with_the_whole_message(answer: dict[str, Any], message: str) -> None:
+    # A crashed run's metrics are not trusted, even when model_info.json was written before the crash.
+    search = fast_search(settings())
+    next(search)
+    with pytest.raises(SearchAborted) as caught:
+        search.send(answer)
+    assert str(caught.value) == message
+
+
+def test_the_profile_experiment() -> None:
+    search = fast_search(settings(num_nodes=2, num_gpus=2, start_profile_step=4, end_profile_step=9))
+    [exp] = next(search).experiments
+    assert (exp.name, exp.stage, exp.micro_batch_size, exp.gradient_accumulation_steps) == (PROFILE, 3, 1, 1)
+    assert (exp.num_nodes, exp.num_gpus, exp.space, exp.metric_file) == (2, 2, PROFILE, "model_info.json")
+    config = exp.ds_config
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (1, 1, 4)  # 1 x 1 x 4 data-parallel ranks
+    assert (config["autotuning"]["start_profile_step"], config["autotuning"]["end_profile_step"]) == (4, 9)
+
+
+def test_search_experiments_carry_the_slots_and_the_profile_steps() -> None:
+    search = fast_search(settings(num_nodes=2, num_gpus=2, start_profile_step=4, end_profile_step=9,
+                                  model_info=ModelInfo(N, N, ACT)))
+    exp = next(search).experiments[0]
+    assert (exp.name, exp.num_nodes, exp.num_gpus) == ("z0_gas1_tmbspg1", 2, 2)
+    autotuning = exp.ds_config["autotuning"]
+    assert (autotuning["start_profile_step"], autotuning["end_profile_step"]) == (4, 9)
+
+
+# ---------------------------------------------------------------- scripted outcomes: which sizes run, and how fast
+
+
+class Table:
+    """A runner's answers from a table: a size runs iff it is at most `limits[stage]` (else `oom`); its
+    metric is `values[(stage, mbs)]`, by default the size itself (bigger batches are faster), its
+    inverse 1000 / value for latency, or none at all with `reports_metric=False`. With the DeepSpeed
+    estimator nothing is learnt from peaks, so the probes follow from DeepSpeed's formula alone: on the
+    trace model it predicts z0 70, z1 79, z2 81, z3 82 (reference 1.7)."""
+
+    def __init__(self, limits: dict[int, int], values: dict[tuple[int, int], float] | None = None,
+                 metric: str = "throughput", reports_metric: bool = True,
+                 crashed: frozenset[str] = frozenset()) -> None:
+        self.limits, self.values, self.metric, self.reports_metric = limits, values or {}, metric, reports_metric
+        self.crashed = crashed  #: experiment names that crash whatever their size
+
+    def run(self, exp) -> dict[str, Any]:
+        record = {"name": exp.name, "ds_config": exp.ds_config}
+        if exp.name in self.crashed:
+            return {**record, "status": "crashed"}
+        if exp.micro_batch_size > self.limits.get(exp.stage, 0):
+            return {**record, "status": "oom"}
+        if not self.reports_metric:
+            return {**record, "status": "ok", "metrics": {}}
+        value = self.values.get((exp.stage, exp.micro_batch_size), float(exp.micro_batch_size))
+        if self.metric == "latency":  # the same ranking, minimised: 1000 / value
+            value = 1000.0 / value
+        return {**record, "status": "ok", "metrics": {self.metric: value}}
+
+
+def scripted(table: Table, **changes: Any) -> list[tuple[str, tuple[str, ...]]]:
+    search_settings = settings(estimator="deepspeed", model_info=ModelInfo(N, N, ACT), **changes)
+    return layout(run(search_settings, table)[0])
+
+
+def one(stage: int, label: str, *sizes: int, gas: int = 1) -> tuple[str, tuple[str, ...]]:
+    return f"z{stage}_{label}", tuple(f"z{stage}_gas{gas}_tmbspg{m}" for m in sizes)
+
+
+#: z0 with only sizes up to 40 running: the three max probes fail, so the binary search runs from 1.
+BISECT_FROM_ONE = [
+    one(0, "min_max", 1, 74, 70, 66),
+    one(0, "bisect_33", 33),  # (1 + 1 + 65) // 2 under the smallest failure, 66
+    one(0, "bisect_49", 49),
+    one(0, "bisect_41", 41),
+    one(0, "bisect_37", 37),
+    one(0, "bisect_39", 39),
+]
+
+
+@pytest.mark.parametrize(
+    ("at_38", "fine"),
+    [(105.0, [38]), (90.0, [38]), (120.0, [38, 32])],
+    ids=["exactly-5-percent-better-stops", "worse-stops", "more-than-5-percent-better-goes-on"],
+)
+def test_bisection_and_fine_search_plateau_rules(at_38: float, fine: list[int]) -> None:
+    # Bisection (reference 1.8.1): stop when (metric - previous) / previous < 0.05. 33 gains 900 % over 1;
+    # 37 gains exactly 5 %: not a plateau, go on; 39 is worse: stop. Candidates for (1, 39) with mtbpg 39:
+    # low 19, stride 6 -> 19, 25, 31, 37, of which only 19 has gas 39 // 19 = 2 != 1: [19, 39].
+    # Fine search (1.8.3) down from 39 over range(20, 39, 6) reversed: 38, 32, ...; go on only while the
+    # metric beats the best by more than 5 %.
+    values = {(0, 1): 10.0, (0, 33): 100.0, (0, 37): 105.0, (0, 39): 100.0, (0, 38): at_38}
+    phases = scripted(Table({0: 40}, values), stages=(0,))
+    assert phases == BISECT_FROM_ONE + [one(0, "candidates", 19, gas=2)] + [one(0, f"fine_{m}", m) for m in fine]
+
+
+def test_without_a_metric_the_bisection_still_ends_at_the_largest_size_that_runs() -> None:
+    # No plateau can be judged, so the bisection goes on until low meets high: 33, 49 x, 41 x, 37, 39, 40.
+    # Candidates for (1, 40): [20, 40]; no fine search without a metric. No experiment is z0's best, so
+    # nothing is carried: z1 starts from the user's size again (probes 83, 79, 75).
+    phases = scripted(Table({0: 40, 1: 50}, reports_metric=False), stages=(0, 1))
+    assert phases[:9] == BISECT_FROM_ONE + [one(0, "bisect_40", 40), one(0, "candidates", 20, gas=2),
+                                            one(1, "min_max", 1, 83, 79, 75)]
+
+
+def test_a_stage_where_nothing_ran_carries_nothing() -> None:
+    # User mbs 4. z0 runs nothing: 4 and its probes fail, then the minimum 1 alone (the probes must stay
+    # under 4, the smallest failure). z1 is then the first explored stage: it starts at 4 again, falls
+    # back to 1, which runs, and bisects up to 3 (2 fails). z2 starts from z1's largest size, 1.
+    phases = scripted(Table({0: 0, 1: 1, 2: 50}), stages=(0, 1, 2), first_micro_batch_size=4)
+    assert phases[:6] == [
+        one(0, "min_max", 4, 74, 70, 66), one(0, "min_fallback", 1),
+        one(1, "min_max", 4, 83, 79, 75), one(1, "min_fallback", 1), one(1, "bisect_2", 2),
+        one(2, "min_max", 1, 86, 81, 76),  # ceil(1.05 * 81) = 86, 81, int(0.95 * 81) = 76
+    ]
+
+
+def test_a_failed_start_bounds_the_fallbacks_max_probes() -> None:
+    # User mbs 70 (the law runs up to 67): 70 and the probes above it from the analytical 71 (75, 71) run out
+    # of memory. The fallback's prediction is bounded by the smallest OOM: 69, so ceil(1.05 * 69) = 73
+    # would be probed, but 70 already failed: only 69 and 65 (int(0.95 * 69)) run with 1. Then 65 is the
+    # largest: candidates [32, 65] (low 32, stride 11) and the fine search's first step, 63, is slower.
+    phases, _ = run(settings(stages=(0,), first_micro_batch_size=70, model_info=ModelInfo(N, N, ACT)))
+    assert layout(phases) == [one(0, "min_max", 70, 75, 71), one(0, "min_fallback", 1, 69, 65),
+                              one(0, "candidates", 32, gas=2), one(0, "fine_63", 63)]
+
+
+def test_max_train_micro_batch_size_caps_every_stage() -> None:
+    # Cap 8: z0 probes 8 and 7 (ceil(1.05 * 8) = 9 is above the cap), candidates [4, 8] for mtbpg 8 and no
+    # fine probe (7 ran). Each later stage can hold 8 (not less than the previous max: tuned, as DeepSpeed
+    # tunes when calc >= prev_max), starts at 8, and has nothing above it to probe.
+    phases, _ = run(settings(max_micro_batch_size=8, model_info=ModelInfo(N, N, ACT)))
+    assert layout(phases) == [one(0, "min_max", 1, 8, 7), one(0, "candidates", 4, gas=2),
+                              one(1, "min_max", 8), one(2, "min_max", 8), one(3, "min_max", 8)]
+
+
+def test_calibrated_bisection_uses_the_unmargined_line_above_the_margined_one() -> None:
+    # Start 64 runs; the analytical max probes (half the activations: 150, 142, 134) run out of memory.
+    # One measured point, peak(64) = 3773741824 + 64 * 2e8, gives the slope (peak - 2936870912) / 64 =
+    # 213076108 (2936870912: the model's z0 states + 512 MiB). Under 95 % of 16 GiB the line ends at 62,
+    # below 64, which ran; under 100 % at 66. So the bisection probes min(99, 66) = 66 (runs, < 5 % gain);
+    # candidates for (64, 66) are [66], and the fine search from 66 tries 65.
+    phases, _ = run(settings(stages=(0,), first_micro_batch_size=64, model_info=ModelInfo(N, N, ACT // 2)))
+    assert layout(phases) == [one(0, "min_max", 64, 150, 142, 134), one(0, "bisect_66", 66), one(0, "fine_65", 65)]
+
+
+def test_candidates_and_fine_search_take_gas_from_max_train_batch_size() -> None:
+    # 1024 samples over 4 ranks: mtbpg 256, cap 256. z1 analytical max 77 -> probes 81, 77, 73; the law
+    # runs up to 73. Candidates from low 36, stride 12: 36, 48, 60, 72 with gas 7, 5, 4, 3 (72 dropped:
+    # 256 // 73 is 3 too), plus 73 at gas 3. Fine search from 73 at gas 3: range(61, 73, 4) reversed: 69,
+    # which is slower: stop.
+    phases, _ = run(settings(stages=(1,), max_train_batch_size=1024, model_info=ModelInfo(N, N, ACT)))
+    assert layout(phases) == [
+        one(1, "min_max", 1, 81, 77, 73),
+        ("z1_candidates", ("z1_gas7_tmbspg36", "z1_gas5_tmbspg48", "z1_gas4_tmbspg60", "z1_gas3_tmbspg73")),
+        one(1, "fine_69", 69, gas=3),
+    ]
+
+
+# ---------------------------------------------------------------- settings from a TuningConfig: every field
+
+
+def test_settings_from_config_reads_every_field(tmp_path: Path) -> None:
+    data = copy.deepcopy(USER_CONFIG)
+    data.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+    data["autotuning"].update(metric="latency", start_profile_step=2, end_profile_step=7, search="deepspeed",
+                              min_train_micro_batch_size_per_gpu=2, max_train_micro_batch_size_per_gpu=64,
+                              fast=False, tuner_type="random", tuner_num_trials=9, tuner_early_stopping=7,
+                              tuner_seed=11)
+    cfg = tuning_config(tmp_path, data)
+    found = SearchSettings.from_config(cfg, capacity_bytes=GiB, num_nodes=1, num_gpus=4, estimator="deepspeed",
+                                       concurrency=3)
+    assert (found.metric, found.maximize, found.start_profile_step, found.end_profile_step) == ("latency", False, 2, 7)
+    assert (found.gradient_accumulation_steps, found.first_micro_batch_size, found.micro_batch_sizes) == (2, 4, ())
+    assert (found.min_micro_batch_size, found.max_micro_batch_size) == (2, 64)
+    assert (found.estimator, found.search, found.fast) == ("deepspeed", "deepspeed", False)
+    assert (found.tuner_type, found.tuner_num_trials, found.tuner_early_stopping, found.tuner_seed) == (
+        "random", 9, 7, 11)
+    assert (found.concurrency, found.capacity_bytes) == (3, GiB)
+    assert found.tuning_config is cfg and found.ds_config is cfg.ds_config
+
+
+def test_settings_from_config_defaults_of_the_search(tmp_path: Path) -> None:
+    found = SearchSettings.from_config(tuning_config(tmp_path, USER_CONFIG), capacity_bytes=GiB, num_nodes=1,
+                                       num_gpus=4)
+    assert (found.estimator, found.search, found.fast) == ("calibrated", "sampled", True)
+    assert (found.tuner_type, found.tuner_num_trials, found.tuner_early_stopping, found.tuner_seed) == (
+        "gridsearch", 50, 5, 0)  # DeepSpeed's defaults
+    assert (found.concurrency, found.start_profile_step, found.end_profile_step) == (1, 3, 5)
+    no_slot = SearchSettings.from_config(tuning_config(tmp_path, USER_CONFIG), capacity_bytes=GiB, num_nodes=1,
+                                         num_gpus=4, concurrency=0)
+    assert no_slot.concurrency == 1
+
+
+def test_min_equal_to_max_micro_batch_size_is_accepted(tmp_path: Path) -> None:
+    data = copy.deepcopy(USER_CONFIG)
+    data["autotuning"].update(min_train_micro_batch_size_per_gpu=8, max_train_micro_batch_size_per_gpu=8)
+    found = SearchSettings.from_config(tuning_config(tmp_path, data), capacity_bytes=GiB, num_nodes=1, num_gpus=4)
+    assert (found.min_micro_batch_size, found.max_micro_batch_size, found.micro_batch_cap) == (8, 8, 8)
+
+
+@pytest.mark.parametrize(
+    ("autotuning", "num_gpus", "message"),
+    [
+        ({"min_train_micro_batch_size_per_gpu": 9, "max_train_micro_batch_size_per_gpu": 8}, 4,
+         "autotuning.min_train_micro_batch_size_per_gpu (9) is above max_train_micro_batch_size_per_gpu (8); "
+         "make min <= max"),
+        ({"mp_size": 3}, 2, "autotuning.mp_size (3) must divide the GPUs of one experiment (4)"),  # 2 nodes x 2
+        ({"search": "bogus"}, 4, "autotuning.search 'bogus' is not one of sampled, deepspeed"),
+    ],
+    ids=["min-above-max", "mp-size", "search"],
+)
+def test_settings_from_config_errors_name_the_file_and_the_fix(tmp_path: Path, autotuning: dict[str, Any],
+                                                               num_gpus: int, message: str) -> None:
+    data = copy.deepcopy(USER_CONFIG)
+    data["autotuning"].update(autotuning)
+    cfg = tuning_config(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        SearchSettings.from_config(cfg, capacity_bytes=GiB, num_nodes=2 if num_gpus == 2 else 1, num_gpus=num_gpus)
+    assert str(caught.value) == f"{cfg.path}: {message}"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("max_train_batch_size", 0, "must be a positive integer, got 0"),
+        ("num_tuning_micro_batch_sizes", "3", "must be a positive integer, got '3'"),
+        ("mp_size", True, "must be a positive integer, got True"),
+        ("min_train_micro_batch_size_per_gpu", 2.5, "must be a positive integer, got 2.5"),
+        ("max_train_micro_batch_size_per_gpu", 0, "must be a positive integer, got 0"),
+        ("tuner_num_trials", -1, "must be a positive integer, got -1"),
+        ("tuner_early_stopping", -1, "must be a non-negative integer, got -1"),
+        ("tuner_seed", "7", 'must be a non-negative integer, got "7"'),
+        ("tuner_type", "bayes", "'bayes' is not one of gridsearch, random, model_based"),
+    ],
+)
+def test_settings_from_config_checks_a_config_not_read_by_load_config(tmp_path: Path, key: str, value: Any,
+                                                                      message: str) -> None:
+    # load_config's schema refuses these first; a TuningConfig built another way meets the same checks.
+    cfg = tuning_config(tmp_path, USER_CONFIG)
+    data = copy.deepcopy(USER_CONFIG)
+    data["autotuning"][key] = value
+    with pytest.raises(ConfigError) as caught:
+        SearchSettings.from_config(replace(cfg, ds_config=data), capacity_bytes=GiB, num_nodes=1, num_gpus=4)
+    assert str(caught.value) == f"{cfg.path}: autotuning.{key} {message}"
+
+
+@pytest.mark.parametrize(("device_kind", "estimator"), [("tpu", "calibrated"), ("gpu", "bogus")])
+def test_settings_from_config_refuses_unknown_device_kinds_and_estimators(tmp_path: Path, device_kind: str,
+                                                                          estimator: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        SearchSettings.from_config(tuning_config(tmp_path, USER_CONFIG), capacity_bytes=GiB, num_nodes=1, num_gpus=4,
+                                   device_kind=device_kind, estimator=estimator)
+    assert str(caught.value) == f"device_kind {device_kind!r} or estimator {estimator!r} is not known"
+
+
+# ---------------------------------------------------------------- full mode after DeepSpeed's fast search
+
+
+def deepspeed_full(tmp_path: Path, stages: tuple[int, ...], *, trials: int, early_stopping: int = 50,
+                   concurrency: int = 1, estimator: str = "calibrated", metric: str = "throughput",
+                   zero: dict[str, Any] | None = None, **autotuning: Any) -> SearchSettings:
+    """DeepSpeed's algorithm with `"fast": false` and gridsearch, on the trace model and host memory (as
+    `settings()`: 512 MiB of overhead, no reserve)."""
+    user = {**USER_CONFIG, "zero_optimization": {"stage": list(stages), **(zero or {})},
+            "autotuning": {**USER_CONFIG["autotuning"], "fast": False, "search": "deepspeed",
+                           "tuner_type": "gridsearch", "tuner_num_trials": trials,
+                           "tuner_early_stopping": early_stopping, "metric": metric,
+                           "model_info": PROFILE_METRICS, **autotuning}}
+    return SearchSettings.from_config(tuning_config(tmp_path, user), capacity_bytes=LAW.capacity, num_nodes=1,
+                                      num_gpus=4, device_kind="cpu", estimator=estimator, concurrency=concurrency)
+
+
+def trial_phases(phases: list[Phase]) -> list[Phase]:
+    return [phase for phase in phases if "_trial" in phase.name]
+
+
+def test_full_mode_tunes_only_stages_that_beat_the_carried_best(tmp_path: Path) -> None:
+    # The fast search is EXPECTED_PHASES'. Best per stage (samples/s = 4 mbs / step): z0 67 -> 372.2; z1 73
+    # -> 373.4, a larger best mbs and not worse: tuned (reference 1.8 step 9); z2 74 -> 371.9 and z3 76 ->
+    # 361.9 are worse than the carried best: not tuned. Stage 0 is never full-tuned. z1's space is
+    # DeepSpeed's z1_rbs_abs_tmbspg at mbs [73]; 5 trials in batches of 2.
+    phases = drive(fast_search(deepspeed_full(tmp_path, (0, 1, 2, 3), trials=5, concurrency=2)), Runner(KnobLaw()))
+    assert [phase for phase in layout(phases) if "_trial" not in phase[0]] == EXPECTED_PHASES[1:]
+    names = [phase.name for phase in phases]
+    assert names[names.index("z1_fine_71") + 1:names.index("z2_min_max")] == [
+        "z1_rbs_abs_tmbspg_trial1", "z1_rbs_abs_tmbspg_trial3", "z1_rbs_abs_tmbspg_trial5"]
+    assert [len(phase.experiments) for phase in trial_phases(phases)] == [2, 2, 1]
+
+
+def test_full_mode_early_stopping_counts_from_the_best_trial(tmp_path: Path) -> None:
+    # z1 alone (the first stage explored is tuned): probes 81, 77, 73 (73 runs), candidates [36, 73] with
+    # mtbpg 73, so the grid is (rbs, abs) x mbs (36 at gas 2, 73 at gas 1), mbs fastest. KnobLaw multiplies
+    # samples/s by 1 + 1e-10 * rbs: trial 1 (36) 351.3, trial 2 (73) 375.3, the best, at iteration 1;
+    # DeepSpeed stops once trials >= best_iter + early_stopping = 3.
+    phases = drive(fast_search(deepspeed_full(tmp_path, (1,), trials=50, early_stopping=2)), Runner(KnobLaw()))
+    trials = trial_phases(phases)
+    assert [phase.name for phase in trials] == [f"z1_rbs_abs_tmbspg_trial{i}" for i in (1, 2, 3)]
+    zeros = [(exp, exp.ds_config["zero_optimization"]) for phase in trials for exp in phase.experiments]
+    points = [(exp.micro_batch_size, exp.gradient_accumulation_steps, zero["reduce_bucket_size"],
+               zero["allgather_bucket_size"]) for exp, zero in zeros]
+    assert points == [(36, 2, 5e7, 5e7), (73, 1, 5e7, 5e7), (36, 2, 5e7, 5e8)]
+
+
+def test_full_mode_space_of_one_point_runs_it_once(tmp_path: Path) -> None:
+    # Every z1 knob fixed by the user, mbs 8 capped at 8: the fast search runs 8 only, and the space has one point.
+    search_settings = deepspeed_full(tmp_path, (1,), trials=5, zero={"reduce_bucket_size": 5e8,
+                                                                     "allgather_bucket_size": 5e8},
+                                     max_train_micro_batch_size_per_gpu=8)
+    search_settings = replace(search_settings, first_micro_batch_size=8)
+    phases = drive(fast_search(search_settings), Runner())
+    assert layout(phases)[0] == one(1, "min_max", 8)
+    [trial] = trial_phases(phases)
+    assert trial.name.startswith("z1_") and trial.name.endswith("_trial1")
+    [exp] = trial.experiments
+    zero = exp.ds_config["zero_optimization"]
+    assert (exp.micro_batch_size, exp.gradient_accumulation_steps, zero["reduce_bucket_size"],
+            zero["allgather_bucket_size"]) == (8, 1, 5e8, 5e8)
+
+
+@pytest.mark.parametrize(
+    ("metric", "z2_best"),
+    [("throughput", 100.0), ("latency", 100.0), ("latency", 125.0)],
+    ids=["equal-throughput", "equal-latency", "lower-latency"],
+)
+def test_full_mode_ties_and_the_metric_direction(tmp_path: Path, metric: str, z2_best: float) -> None:
+    # Scripted (1000 / value for latency): z0 runs up to 74, all max probes run, best 74 (100). z1 starts at
+    # 74, runs up to 83, but its best is 74 again (100): not a larger best mbs, so neither carried nor
+    # tuned (DeepSpeed: `if next_mbs > mbs`). z2 starts from z0's max 74 (probes 86, 81, 76), best 86 at
+    # least as good as the carried 100: a larger best mbs, not worse, so tuned, 2 trials.
+    table = Table({0: 74, 1: 83, 2: 86}, {(0, 74): 100.0, (1, 74): 100.0, (2, 86): z2_best}, metric=metric)
+    search_settings = deepspeed_full(tmp_path, (0, 1, 2), trials=2, estimator="deepspeed", metric=metric)
+    phases = drive(fast_search(search_settings), Runner(table))
+    assert [phase for phase in layout(phases) if "_trial" not in phase[0]] == [
+        one(0, "min_max", 1, 74, 70, 66), one(0, "candidates", 37, gas=2), one(0, "fine_62", 62),
+        one(1, "min_max", 74, 83, 79, 75), one(1, "fine_80", 80),
+        one(2, "min_max", 74, 86, 81, 76), one(2, "fine_82", 82),
+    ]
+    assert [phase.name.split("_")[0] for phase in trial_phases(phases)] == ["z2", "z2"]
+
+
+def test_sampled_full_mode_keeps_the_leaders_accumulation(tmp_path: Path) -> None:
+    # max_train_batch_size 1024 over 4 ranks: 256 samples per GPU and step, so gas = 256 // mbs everywhere.
+    search_settings = full_settings(tmp_path, "gridsearch", trials=5)
+    search_settings = replace(search_settings, max_train_batch_size=1024)
+    trials = trial_phases(drive(fast_search(search_settings), Runner(KnobLaw())))
+    experiments = [exp for phase in trials for exp in phase.experiments]
+    assert experiments
+    assert all(exp.gradient_accumulation_steps == 256 // exp.micro_batch_size > 1 for exp in experiments)
+
+
+def test_a_crashed_candidate_ends_the_fine_search_but_the_stage_is_still_full_tuned(tmp_path: Path) -> None:
+    # z1 alone, mtbpg 256 (1024 over 4 ranks). DeepSpeed's probes 83, 79, 75 fail; the bisection from 1
+    # under 74 runs 38, 56, 65, 70 (each > 5 % better) and 72 (+2.9 %: plateau). Candidates for (1, 72):
+    # 36, 48, 60 (gas 7, 5, 4) and 72 at gas 3, which crashes: no metric to start the fine search from
+    # (DeepSpeed: a failure breaks it). The stage still has a best (72 at gas 1): its space is tuned.
+    table = Table({1: 73}, crashed=frozenset({"z1_gas3_tmbspg72"}))
+    search_settings = deepspeed_full(tmp_path, (1,), trials=2, estimator="deepspeed", max_train_batch_size=1024)
+    phases = drive(fast_search(search_settings), Runner(table))
+    assert layout(phases)[:7] == [
+        one(1, "min_max", 1, 83, 79, 75), one(1, "bisect_38", 38), one(1, "bisect_56", 56), one(1, "bisect_65", 65),
+        one(1, "bisect_70", 70), one(1, "bisect_72", 72),
+        ("z1_candidates", ("z1_gas7_tmbspg36", "z1_gas5_tmbspg48", "z1_gas4_tmbspg60", "z1_gas3_tmbspg72")),
+    ]
+    assert [phase.name for phase in phases[7:]] == ["z1_rbs_abs_tmbspg_trial1", "z1_rbs_abs_tmbspg_trial2"]

@@ -1,6 +1,8 @@
 """Hostfile grammar and errors: the file DeepSpeed users already have must read the same here."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from scheduler.errors import HostfileError, UsageError
@@ -166,3 +168,117 @@ def test_max_local_slots_is_whole_workers_of_memory(monkeypatch, total_workers: 
     monkeypatch.setattr(hostfile.psutil, "virtual_memory", lambda: types.SimpleNamespace(total=total))
     slots = hostfile.max_local_slots()
     assert slots == expected and isinstance(slots, int)
+
+
+# ---------------------------------------------------------------- whole error lines: file, line, value and fix
+
+EXAMPLE = "'worker-0 slots=8'"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a slots=1\n# b\na slots=2", "hostfile hf, line 3: host 'a' is already listed on line 1; "
+                                      "list each host once with its total slots"),
+        ("  x y  \n", "hostfile hf, line 1: cannot read 'x y'; write one host per line as 'HOSTNAME slots=N', "
+                      f"e.g. {EXAMPLE}"),
+        ("a slots=1\nb slots=1025", "hostfile hf, line 2: slots=1025 is more devices than one host can have "
+                                    "(at most 1024); write the host's real count"),
+        ("a slots=1234567890123", "hostfile hf, line 1: slots=123456789012... is more devices than one host can "
+                                  "have (at most 1024); write the host's real count"),
+        ("a slots=123456789012", "hostfile hf, line 1: slots=123456789012 is more devices than one host can "
+                                 "have (at most 1024); write the host's real count"),
+        ("a slots=" + "9" * 5000, "hostfile hf, line 1: slots=999999999999... is more devices than one host can "
+                                  "have (at most 1024); write the host's real count"),
+        ("# nothing\n", "hostfile hf: no host lines found (empty, or only blanks and comments); "
+                        f"add one line per host such as {EXAMPLE}"),
+    ],
+    ids=["duplicate", "unreadable-line", "too-many-slots", "13-digits-cut", "12-digits-whole", "huge-count",
+         "no-hosts"],
+)
+def test_parse_hostfile_error_lines(text: str, expected: str) -> None:
+    with pytest.raises(HostfileError) as caught:
+        parse_hostfile(text, "hf")
+    assert str(caught.value) == expected
+
+
+def test_parse_hostfile_names_an_unnamed_source() -> None:
+    with pytest.raises(HostfileError, match=r"^hostfile <hostfile>: no host lines found"):
+        parse_hostfile("")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a slots=1024", {"a": 1024}),
+        ("a slots=000001", {"a": 1}),
+        ("a slots=001024", {"a": 1024}),
+        ("a\u00a0b slots=1", None),
+    ],
+    ids=["per-host-maximum", "six-digits-with-zeros", "maximum-with-zeros", "non-breaking-space"],
+)
+def test_parse_hostfile_slot_counts(text: str, expected: dict[str, int] | None) -> None:
+    if expected is None:
+        with pytest.raises(HostfileError, match="cannot read"):
+            parse_hostfile(text, "hf")
+    else:
+        assert parse_hostfile(text, "hf") == expected
+
+
+def test_read_hostfile_error_lines(tmp_path) -> None:
+    from scheduler.hostfile import MAX_HOSTFILE_BYTES
+
+    cases = []
+    absent = tmp_path / "absent"
+    cases.append((absent, f"hostfile {absent}: file not found; pass the path of an existing hostfile, "
+                          "or leave the hostfile out to use only this machine"))
+    cases.append((tmp_path, f"hostfile {tmp_path}: cannot be read (Is a directory); pass a readable file"))
+    latin = _write_bytes(tmp_path / "latin1", b"caf\xe9 slots=1\n")
+    cases.append((latin, f"hostfile {latin}: not UTF-8 text; save it as plain text lines such as {EXAMPLE}"))
+    big = tmp_path / "big"
+    big.write_text("#" * (MAX_HOSTFILE_BYTES + 1))
+    cases.append((big, f"hostfile {big}: larger than 1 MiB; pass a hostfile, one line per host"))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cases.append((fifo, f"hostfile {fifo}: not a regular file; pass the path of a text file with lines such as "
+                        f"{EXAMPLE}"))
+    for path, expected in cases:
+        with pytest.raises(HostfileError) as caught:
+            read_hostfile(path)
+        assert str(caught.value) == expected
+        with pytest.raises(HostfileError) as caught:
+            read_hostfile(str(path))
+        assert str(caught.value) == expected
+
+
+def test_read_hostfile_unreadable_permissions(tmp_path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("a slots=1\n")
+    path.chmod(0)
+    if os.access(path, os.R_OK):  # root reads anything
+        pytest.skip("running as root: the file stays readable")
+    with pytest.raises(HostfileError) as caught:
+        read_hostfile(path)
+    assert str(caught.value) == f"hostfile {path}: cannot be read (Permission denied); pass a readable file"
+
+
+@pytest.mark.parametrize(
+    ("hostname", "count", "expected"),
+    [
+        ("", 4, "local host name '' is not a host name; pass a name without spaces"),
+        ("a\tb", 4, "local host name 'a\\tb' is not a host name; pass a name without spaces"),
+        ("box", 1025, "1025 devices on box is more than one host can have (at most 1024); give a real device count"),
+        ("box", 0, "no hostfile given and this machine (box) reports 0 devices; pass a hostfile or a device "
+                   "count of at least 1"),
+    ],
+)
+def test_local_pool_error_lines(hostname: str, count: int, expected: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        local_pool(hostname, count)
+    assert str(caught.value) == expected
+
+
+def test_a_zero_padded_count_is_its_number_as_deepspeed_reads_it() -> None:
+    """DeepSpeed's parser takes int("0000004") = 4; the guard against huge counts counts significant
+    digits only, so padding is not mistaken for a count above the per-host limit."""
+    assert parse_hostfile("a slots=0000004\nb slots=00000000000000001024", "hf") == {"a": 4, "b": 1024}

@@ -127,3 +127,54 @@ def test_the_real_list_search_live_equals_replay(tmp_path: Path) -> None:
         exp = next(e for e in current.experiments if e.name not in disk)
         disk[exp.name] = {**surface(exp), "ds_config": exp.ds_config, "peak_rss_bytes": 2**30}
     assert len(disk) == 12
+
+
+# ---------------------------------------------------------------- found by mutation testing
+
+
+def two_phase_search() -> Search:
+    yield Phase("first", (_exp("a"), _exp("b")))
+    yield Phase("second", (_exp("c"),))
+
+
+def test_a_live_search_reads_only_the_new_records() -> None:
+    """After its first step a live search asks `new_records`, never `lookup` (the whole disk)."""
+    lives = LiveSearches()
+    record = {"metrics": {}}
+    lives.advance("job", two_phase_search, lambda exp: None)
+    asked: list[str] = []
+
+    def disk_must_not_be_read(exp: Experiment):
+        raise AssertionError(f"the live search read {exp.name} from disk")
+
+    def new(exp: Experiment):
+        asked.append(exp.name)
+        return record if exp.name == "a" else None
+
+    progress = lives.advance("job", two_phase_search, disk_must_not_be_read, new_records=new)
+    assert (progress.rebuilt, progress.current.name, progress.found) == (False, "first", frozenset({"a"}))
+    assert asked == ["a", "b"]
+    asked.clear()
+    progress = lives.advance("job", two_phase_search, disk_must_not_be_read,
+                             new_records=lambda exp: asked.append(exp.name) or record)
+    assert asked == ["b", "c"]  # "a" was found in the step before: not asked again
+    assert progress.current is None and [p.name for p in progress.answered] == ["first", "second"]
+
+
+def test_found_lists_the_current_phase_s_records_so_far() -> None:
+    lives = LiveSearches()
+    progress = lives.advance("job", two_phase_search, lambda exp: {"metrics": {}} if exp.name == "b" else None)
+    assert progress.found == frozenset({"b"})
+    assert progress.newly_answered == [] and progress.answered == []
+    progress = lives.advance("job", two_phase_search, lambda exp: {"metrics": {}} if exp.name != "c" else None)
+    assert (progress.current.name, progress.found) == ("second", frozenset())
+
+
+def test_a_search_with_no_phases_ends_at_once() -> None:
+    def empty() -> Search:
+        return
+        yield  # a generator that yields nothing
+
+    progress = LiveSearches().advance("job", empty, lambda exp: None)
+    assert (progress.answered, progress.current, progress.newly_answered, progress.rebuilt, progress.found) == (
+        [], None, [], True, frozenset())

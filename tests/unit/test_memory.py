@@ -297,3 +297,160 @@ def test_gpu_priors_scale_with_the_device() -> None:
     assert untracked_reserve_bytes(16 * GiB, host_memory=False) == GPU_UNTRACKED_FLOOR
     assert untracked_reserve_bytes(80 * GiB, host_memory=False) == 2 * GiB
     assert untracked_reserve_bytes(80 * GiB, host_memory=True) == 0
+
+
+# ---------------------------------------------------------------- found by mutation testing: the borrowed OOM bound
+
+# FOUR's fixed bytes by stage (mixed precision, 4 ranks, no overhead): 16000, 7000, 5500, 4000.
+
+
+def test_calibration_shift_moves_only_the_intercept() -> None:
+    assert Calibration(100.0, 2.0, 3).shifted(-40.0) == Calibration(60.0, 2.0, 3)
+
+
+@pytest.mark.parametrize(
+    ("model", "stage", "observations", "expected"),
+    [
+        # stage 0's line (a 17000, b 300) moved to stage 1: a 8000, (24700 - 8000) / 300 = 55.7; stage 0's
+        # OOM at 21 moved by (16000 - 7000) // 300 = 30 sizes bounds it: 21 + 30 - 1 = 50
+        (FOUR, 1, {0: [Observation(10, 20000), Observation(20, 23000), Observation(21, oom=True)]}, 50),
+        # the same with a probe of stage 1 itself (a success without a peak): no bound is borrowed
+        (FOUR, 1, {0: [Observation(10, 20000), Observation(20, 23000), Observation(21, oom=True)],
+                   1: [Observation(5)]}, 55),
+        # 1 byte per sample: a 19990 moved to 10990, (24700 - 10990) / 1 = 13710; bound 21 + 9000 - 1
+        (MemoryModel(ModelInfo(1000, 1000, 1), TrainingSetup(world_size=4, mixed_precision=True), 0), 1,
+         {0: [Observation(10, 20000), Observation(20, 20010), Observation(21, oom=True)]}, 9020),
+        # the nearest stage lends its OOM: stage 3 (a 4000, b 400) moved to stage 2: a 5500,
+        # (24700 - 5500) / 400 = 48; its OOM at 30 moved by floor(-1500 / 400) = -4: 30 - 4 - 1 = 25
+        # (stage 0's OOM at 100 is farther and would allow 100 + 26 - 1)
+        (FOUR, 2, {0: [Observation(100, oom=True)],
+                   3: [Observation(10, 8000), Observation(20, 12000), Observation(30, oom=True)]}, 25),
+    ],
+    ids=["bounded-by-the-other-stage", "own-probe-borrows-nothing", "one-byte-per-sample", "nearest-stage"],
+)
+def test_the_nearest_measured_stage_s_oom_bounds_the_prediction(model: MemoryModel, stage: int, observations,
+                                                                 expected: int) -> None:
+    assert predict_max_micro_batch_size(model, stage, 26000, observations) == expected
+
+
+def test_a_flat_line_has_no_limit_and_borrows_no_bound() -> None:
+    # no activation figure and one size below PSEUDO_SLOPE_MIN_MBS: slope 0, nothing grows with the batch
+    flat = MemoryModel(ModelInfo(1000, 1000, 0), TrainingSetup(world_size=4, mixed_precision=True), 0)
+    observations = {0: [Observation(4, 20000), Observation(6, oom=True)]}
+    assert predict_max_micro_batch_size(flat, 1, 26000, observations) == NO_LIMIT
+
+
+# ---------------------------------------------------------------- DeepSpeed's estimate, by hand
+
+
+@pytest.mark.parametrize(
+    ("fp16", "stage", "world", "mp", "required"),
+    [
+        # fp32: 4 + 4 + 8 B/param; stage 1 shards the 8000 optimizer bytes over 4: 4000 + 4000 + 2000, / mp 2
+        (False, 1, 4, 2, 5000 + 10 + 1),
+        # fp16: 2 + 2 + 16; 2000 + 2000 + 16000 / 4 = 8000, / mp 2
+        (True, 1, 4, 2, 4000 + 10 + 1),
+        (True, 2, 4, 1, 2000 + 500 + 4000 + 10 + 1),
+        (False, 3, 2, 1, 2000 + 2000 + 4000 + 10 + 1),
+    ],
+)
+def test_deepspeed_stage_fits_required_bytes(fp16: bool, stage: int, world: int, mp: int, required: int) -> None:
+    fit = deepspeed_stage_fits(ModelInfo(1000, 1000, 10), stage, fp16, world, mp, 10**6)
+    assert (fit.stage, fit.required_bytes, fit.capacity_bytes) == (stage, required, 10**6)
+
+
+@pytest.mark.parametrize(
+    ("activation", "mp", "capacity", "expected"),
+    [
+        (1, 1, 16010, 10),  # (16010 - 16000) // 1
+        (10, 1, 15000, 0),  # the model alone does not fit
+        (10, 2, 16000, 800),  # mp 2 halves the 16000: (16000 - 8000) // 10
+        (0, 1, 1, NO_LIMIT),
+    ],
+)
+def test_deepspeed_max_micro_batch_size_by_hand(activation: int, mp: int, capacity: int, expected: int) -> None:
+    info = ModelInfo(1000, 1000, activation)
+    assert deepspeed_max_micro_batch_size(info, 0, False, 1, mp, capacity) == expected
+
+
+@pytest.mark.parametrize(
+    ("ds_config", "fp16"),
+    [({"fp16": {}}, False), ({"fp16": {"enabled": True}}, True), ({"fp16": {"enabled": False}}, False),
+     ({"fp16": True}, False), ({}, False), ({"bf16": {"enabled": True}, "fp16": {"loss_scale": 0}}, False)],
+)
+def test_deepspeed_fp16_defaults_to_off(ds_config: dict[str, Any], fp16: bool) -> None:
+    assert deepspeed_fp16(ds_config) is fp16
+
+
+def test_setup_defaults_to_device_memory_and_keeps_mp_size() -> None:
+    cpu_offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    assert TrainingSetup.from_ds_config(cpu_offload, world_size=4).offload_optimizer is True
+    nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}}
+    setup = TrainingSetup.from_ds_config(nvme, world_size=8, mp_size=2, host_memory=False)
+    assert setup == TrainingSetup(world_size=8, mp_size=2, offload_optimizer=True, offload_param=True)
+    assert setup.dp_size == 4
+
+
+def test_a_slope_below_one_byte_per_sample_still_limits() -> None:
+    assert Calibration(100.0, 0.5, 2).max_micro_batch_size(1000, safety=1.0) == 1800  # (1000 - 100) / 0.5
+
+
+@pytest.mark.parametrize(
+    ("points", "prior", "grows"),
+    [
+        ([(10, 5000), (20, 5003)], 1.0, True),  # 0.3 B/sample >= 25 % of a 1 B/sample profile
+        ([(10, 5000), (20, 6000)], 400, True),  # exactly 25 % of 400
+        ([(10, 5000), (20, 5999)], 400, False),  # just under
+        ([(10, 100), (20, 110)], 0, True),  # 1 B/sample over 10 sizes: 10 >= 2 % of 105
+        ([(10, 5000), (40, 5090)], 0, False),  # 3 x 30 = 90 < 2 % of 5045 = 100.9
+        ([(1, 9900), (11, 10100)], 0, True),  # 20 x 10 = 200, exactly 2 % of the mean 10000
+    ],
+    ids=["profile-below-one-byte", "quarter-of-profile", "under-a-quarter", "slow-growth-no-profile",
+         "range-times-slope", "exactly-two-percent"],
+)
+def test_peak_grows_bounds(points: list[tuple[int, int]], prior: float, grows: bool) -> None:
+    assert peak_grows([Observation(m, peak) for m, peak in points], prior) is grows
+
+
+@pytest.mark.parametrize(
+    ("stage", "observations", "expected"),
+    [
+        # stage 1's own line grows at 50 B/sample, 50 % of the profile's 100: it is used, a 9500:
+        # (24700 - 9500) / 50 = 304 (judged against the profile, not stage 0's steeper 400)
+        (1, {0: [Observation(10, 20000), Observation(20, 24000)],
+             1: [Observation(10, 10000), Observation(20, 10500)]}, 304),
+        # a single point at stage 2 takes the slope of the nearest fitted stage (3: 200, not 0: 400):
+        # a = 7000 - 4 x 200 = 6200, (24700 - 6200) / 200 = 92
+        (2, {0: [Observation(10, 20000), Observation(20, 24000)], 2: [Observation(4, 7000)],
+             3: [Observation(10, 6000), Observation(20, 8000)]}, 92),
+        # one point at exactly mbs 8: slope to the analytical intercept 7000, (12000 - 7000) / 8 = 625;
+        # a = 7000, (24700 - 7000) / 625 = 28
+        (1, {1: [Observation(8, 12000)]}, 28),
+        (1, {1: [Observation(1, oom=True)]}, 0),  # even one sample ran out of memory
+    ],
+    ids=["own-line-against-the-profile", "prior-from-the-nearest-stage", "pseudo-slope-from-mbs-8", "oom-at-1"],
+)
+def test_predictions_by_hand(stage: int, observations, expected: int) -> None:
+    assert predict_max_micro_batch_size(FOUR, stage, 26000, observations) == expected
+
+
+@pytest.mark.parametrize(
+    ("stage", "expected"),
+    [
+        # 1001 parameters over mp 2: 501 per rank (rounded up); mixed precision 2 + 2 + 12 bytes; dp = 8 / 2 = 4
+        (0, (1002, 1002, 6012)),
+        (1, (1002, 1002, 1503)),  # 6012 / 4
+        (2, (1002, 251, 1503)),  # 1002 / 4 = 250.5, rounded up
+        (3, (251, 251, 1503)),
+    ],
+)
+def test_model_state_bytes_round_up_what_does_not_divide(stage: int, expected: tuple[int, int, int]) -> None:
+    setup = TrainingSetup(world_size=8, mp_size=2, mixed_precision=True)
+    state = model_state_bytes(ModelInfo(1001, 1001, 0), setup, stage)
+    assert (state.params, state.grads, state.optimizer) == expected
+
+
+def test_calibrate_keeps_a_slope_below_one_byte_per_sample() -> None:
+    fit = calibrate([Observation(10, 5000), Observation(20, 5003)], prior_slope=1.0)
+    assert fit is not None
+    assert (fit.slope, fit.intercept, fit.points) == (pytest.approx(0.3), pytest.approx(4997.0), 2)

@@ -352,3 +352,82 @@ def test_pinned_placement_refuses_a_slot_with_no_worker() -> None:
     """A named slot no worker serves would be waited for forever: an error naming it instead."""
     with pytest.raises(ClusterError, match="c.gpu0"):
         pinned_placement([slot("a", 0)], set(), [["a.gpu0"], ["c.gpu0"]])
+
+
+# ---------------------------------------------------------------- ranking: re-measured configs are judged on their mean
+
+from scheduler.ranking import pooled_best  # noqa: E402
+
+
+def measured(name: str, config: dict[str, Any] | None, value: float, status: str = "ok") -> dict[str, Any]:
+    record = {"name": name, "status": status, "metrics": {"throughput": value}}
+    if config is not None:
+        record["ds_config"] = config
+    return record
+
+
+def test_pooled_best_judges_a_remeasured_config_on_its_mean_and_names_its_first_run() -> None:
+    a, b = {"train_micro_batch_size_per_gpu": 4}, {"train_micro_batch_size_per_gpu": 8}
+    records = [measured("a", a, 10.0), measured("b", b, 13.0), measured("a_r2", a, 14.0), measured("b_r2", b, 9.0)]
+    # a: (10 + 14) / 2 = 12; b: (13 + 9) / 2 = 11
+    winner, mean, count = pooled_best(records, "throughput", True)
+    assert (winner["name"], mean, count) == ("a", 12.0, 2)
+    assert winner is records[0]
+    winner, mean, count = pooled_best(records, "throughput", False)
+    assert (winner["name"], mean, count) == ("b", 11.0, 2)
+
+
+def test_pooled_best_pools_equal_configs_whatever_their_key_order() -> None:
+    records = [measured("x", {"a": 1, "b": {"c": 2, "d": 3}}, 6.0), measured("y", {"z": 0}, 7.0),
+               measured("x_r2", {"b": {"d": 3, "c": 2}, "a": 1}, 10.0)]
+    assert pooled_best(records, "throughput", True) == (records[0], 8.0, 2)
+
+
+def test_pooled_best_without_configs_pools_by_name_only() -> None:
+    records = [measured("x", None, 6.0), measured("y", None, 7.0), measured("x", None, 10.0),
+               measured("z", {"a": 1}, 7.5)]
+    assert pooled_best(records, "throughput", True) == (records[0], 8.0, 2)
+    assert pooled_best(records[1:2], "throughput", True) == (records[1], 7.0, 1)
+
+
+def test_pooled_best_skips_failed_measurements_of_a_config() -> None:
+    a = {"k": 1}
+    records = [measured("a", a, 10.0, "crashed"), measured("b", {"k": 2}, 5.0), measured("a_r2", a, 4.0),
+               measured("a_r3", a, 5.0)]
+    # the crashed 10.0 is no measurement: a is (4 + 5) / 2 = 4.5, named by its first successful run
+    assert pooled_best(records, "throughput", True) == (records[1], 5.0, 1)
+    assert pooled_best(records, "throughput", False) == (records[2], 4.5, 2)
+
+
+def test_pooled_best_of_nothing() -> None:
+    assert pooled_best([], "throughput", True) == (None, None, 0)
+    assert pooled_best([measured("a", None, 1.0, "oom")], "throughput", True) == (None, None, 0)
+
+
+def test_a_config_holding_a_non_json_value_is_still_ranked() -> None:
+    from pathlib import Path
+
+    records = [measured("a", {"path": Path("/x")}, 1.0), measured("b", {"path": Path("/y")}, 2.0),
+               measured("a_r2", {"path": Path("/x")}, 5.0)]
+    assert pooled_best(records, "throughput", True) == (records[0], 3.0, 2)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_metric_value_refuses_non_finite_numbers(value: float) -> None:
+    assert metric_value(rec("a", throughput=value), "throughput") is None
+    records = [rec("a", throughput=value), rec("b", throughput=1.0)]
+    assert best(records, "throughput", True)["name"] == "b"
+    assert best(records, "throughput", False)["name"] == "b"
+
+
+def test_a_negative_value_can_win_a_minimisation() -> None:
+    records = [rec("a", latency=0.5), rec("b", latency=-1), rec("c", latency=0)]
+    assert best(records, "latency", False)["name"] == "b"
+    assert best(records, "latency", True)["name"] == "a"
+
+
+def test_pinned_placement_names_every_slot_with_no_worker() -> None:
+    with pytest.raises(ClusterError) as caught:
+        pinned_placement([slot("a", 0)], set(), [["a.gpu0", "a.gpu1"], ["c.gpu0"]])
+    assert str(caught.value) == ("no live slot worker for a.gpu1, c.gpu0: start `celery -A tasks worker -Q gpu<i> "
+                                 "-n gpu<i>@<host>` there, or change the selection")

@@ -334,3 +334,274 @@ def test_cli_missing_hostfile_is_one_line_and_exit_2(tmp_path) -> None:
         f"error: hostfile {tmp_path / 'absent'}: file not found; pass the path of an existing hostfile, "
         f"or leave the hostfile out to use only this machine"
     ]
+
+
+# ---------------------------------------------------------------- the CLI, in process (main(argv))
+
+from scheduler import resources as resources_module  # noqa: E402
+
+
+@pytest.fixture
+def no_visible_devices(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def run_main(argv: list[str], capsys) -> tuple[int | str | None, str, str]:
+    """main(argv) in this process: (exit status, stdout, stderr); argparse's SystemExit is caught."""
+    try:
+        status: int | str | None = resources_module.main(argv)
+    except SystemExit as stop:
+        status = stop.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_main_prints_the_selection_as_two_space_indented_json(hostfile, capsys, no_visible_devices) -> None:
+    status, out, err = run_main(["--hostfile", str(hostfile), "--include", "worker-1:1@worker-0:2,0"], capsys)
+    assert (status, err) == (0, "")
+    assert json.loads(out) == {
+        "hostfile": str(hostfile), "hosts": {"worker-0": [0, 2], "worker-1": [1]},
+        "num_nodes": 2, "num_devices": 3, "notes": [],
+    }
+    lines = out.splitlines()
+    assert lines[0] == "{"
+    assert lines[1] == f'  "hostfile": {json.dumps(str(hostfile))},'
+    assert lines[-1] == "}"
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["-i", "worker-1"], {"worker-1": [0, 1]}),
+        (["-e", "worker-0:0,1,2"], {"worker-0": [3], "worker-1": [0, 1]}),
+        (["--num_nodes", "1"], {"worker-0": [0, 1, 2, 3]}),
+        (["--num_gpus", "1"], {"worker-0": [0], "worker-1": [0]}),
+        (["--num_accelerators", "2"], {"worker-0": [0, 1], "worker-1": [0, 1]}),
+        (["--num_nodes", "1", "--num_gpus", "3"], {"worker-0": [0, 1, 2]}),
+        ([], {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1]}),
+    ],
+    ids=["short-include", "short-exclude", "num_nodes", "num_gpus", "num_accelerators-alias", "both-counts",
+         "nothing"],
+)
+def test_main_flags_select_like_deepspeed(hostfile, capsys, no_visible_devices, flags, expected) -> None:
+    status, out, err = run_main(["-H", str(hostfile), *flags], capsys)
+    assert (status, err) == (0, "")
+    printed = json.loads(out)
+    assert list(printed["hosts"].items()) == list(expected.items())
+    assert printed["num_nodes"] == len(expected)
+    assert printed["num_devices"] == sum(len(ids) for ids in expected.values())
+
+
+def test_main_without_hostfile_counts_local_devices_and_says_how(capsys, no_visible_devices) -> None:
+    status, out, err = run_main(["--local_devices", "3"], capsys)
+    assert (status, err) == (0, "")
+    assert json.loads(out) == {
+        "hostfile": None, "hosts": {"localhost": [0, 1, 2]}, "num_nodes": 1, "num_devices": 3,
+        "notes": ["localhost has 3 devices according to --local_devices"],
+    }
+
+
+def test_main_reads_cuda_visible_devices_after_the_count_note(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    status, out, err = run_main(["--local_devices", "4"], capsys)
+    assert (status, err) == (0, "")
+    printed = json.loads(out)
+    assert printed["hosts"] == {"localhost": [1, 3]}
+    assert printed["notes"] == ["localhost has 4 devices according to --local_devices",
+                                "CUDA_VISIBLE_DEVICES=3,1 read as --include localhost:3,1"]
+
+
+def test_main_with_a_hostfile_notes_that_cuda_visible_devices_is_ignored(hostfile, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    status, out, _ = run_main(["--hostfile", str(hostfile)], capsys)
+    assert status == 0
+    printed = json.loads(out)
+    assert printed["hosts"] == {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1]}
+    assert printed["notes"] == ["CUDA_VISIBLE_DEVICES=1 ignored: a hostfile was given, devices come from it"]
+
+
+@pytest.mark.parametrize(
+    ("gpus", "cpus", "expected_count", "counted_by"),
+    [([object(), object()], 16, 2, "nvidia-smi"), ([], 6, 6, "os.cpu_count()"), ([], None, 1, "os.cpu_count()")],
+    ids=["gpus", "cpus", "cpu-count-unknown"],
+)
+def test_main_detects_local_devices(capsys, monkeypatch, no_visible_devices, gpus, cpus, expected_count,
+                                    counted_by) -> None:
+    monkeypatch.setattr(resources_module, "local_gpus", lambda: gpus)
+    monkeypatch.setattr(resources_module.os, "cpu_count", lambda: cpus)
+    status, out, err = run_main([], capsys)
+    assert (status, err) == (0, "")
+    printed = json.loads(out)
+    assert printed["hosts"] == {"localhost": list(range(expected_count))}
+    assert printed["notes"] == [f"localhost has {expected_count} devices according to {counted_by}"]
+
+
+def test_main_gpu_listing_error_is_a_usage_error_line(capsys, monkeypatch, no_visible_devices) -> None:
+    from workers.gpus import GpuListingError
+
+    def broken():
+        raise GpuListingError("nvidia-smi printed a line this tool cannot read")
+
+    monkeypatch.setattr(resources_module, "local_gpus", broken)
+    status, out, err = run_main([], capsys)
+    assert (status, out) == (2, "")
+    assert err == "error: nvidia-smi printed a line this tool cannot read\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected_line"),
+    [
+        (["--include", "worker-0", "--exclude", "worker-1"],
+         "error: --include and --exclude cannot be used together; keep only one of them"),
+        (["--local_devices", "2"], "error: --local_devices only applies without --hostfile; drop one of them"),
+        (["--num_nodes", "3"], "error: --num_nodes 3 but hostfile {hf} has only 2 hosts with devices; "
+                               "lower --num_nodes or add hosts"),
+    ],
+    ids=["include-and-exclude", "local-devices-with-hostfile", "too-many-nodes"],
+)
+def test_main_usage_error_is_one_stderr_line_and_status_2(hostfile, capsys, no_visible_devices, args,
+                                                          expected_line) -> None:
+    status, out, err = run_main(["--hostfile", str(hostfile), *args], capsys)
+    assert (status, out) == (2, "")
+    assert err == expected_line.format(hf=hostfile) + "\n"
+
+
+def test_main_joins_a_multi_line_error_into_one_line(capsys, monkeypatch) -> None:
+    def failing(args, environ):
+        raise UsageError("first line\nsecond line")
+
+    monkeypatch.setattr(resources_module, "_resolve_from_args", failing)
+    status, out, err = run_main([], capsys)
+    assert (status, out, err) == (2, "", "error: first line second line\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--num_nodes", "x"], "argument --num_nodes: invalid int value: 'x'"),
+        (["--num_gpus", "1.5"], "argument --num_gpus/--num_accelerators: invalid int value: '1.5'"),
+        (["--local_devices", "two"], "argument --local_devices: invalid int value: 'two'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_main_argparse_error_is_one_line_and_status_2(capsys, argv, fragment) -> None:
+    status, out, err = run_main(argv, capsys)
+    assert (status, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith("error: ") and err.endswith(" (see --help)\n")
+    assert fragment in err
+
+
+def test_main_help_names_the_command_and_every_option(capsys) -> None:
+    status, out, _ = run_main(["--help"], capsys)
+    assert status == 0
+    assert out.startswith("usage: python -m scheduler.resources ")
+    assert "Show which hosts and device ids a run would use; runs nothing." in out
+    for option in ("-H HOSTFILE, --hostfile HOSTFILE", "-i INCLUDE, --include INCLUDE",
+                   "-e EXCLUDE, --exclude EXCLUDE", "--num_nodes NUM_NODES",
+                   "--num_gpus NUM_GPUS, --num_accelerators NUM_GPUS", "--local_devices LOCAL_DEVICES"):
+        assert option in out
+    import re
+
+    flat = " ".join(out.split())
+    for words in ("MPI-style hostfile: 'HOSTNAME slots=N' per line", "NODE[:ID[,ID...]][@NODE...]: use only these",
+                  "NODE[:ID[,ID...]][@NODE...]: use all but these", "use the first N hosts",
+                  "use the first G devices of each host",
+                  "without --hostfile: device count of this machine (default: the GPUs nvidia-smi lists, else "
+                  "CPU count)", "Show which hosts and device ids a run would use; runs nothing."):
+        assert re.search(r"(^| )" + re.escape(words) + r"( |$)", flat), words
+
+
+def test_main_defaults_mean_not_given(capsys, monkeypatch) -> None:
+    seen = {}
+
+    def record(args, environ):
+        seen.update(vars(args))
+        return Resources.from_mapping({"localhost": [0]})
+
+    monkeypatch.setattr(resources_module, "_resolve_from_args", record)
+    status, _, _ = run_main([], capsys)
+    assert status == 0
+    assert seen == {"hostfile": None, "include": "", "exclude": "", "num_nodes": None, "num_gpus": None,
+                    "local_devices": None}
+
+
+def test_main_passes_the_process_environment(capsys, monkeypatch) -> None:
+    seen = {}
+
+    def record(args, environ):
+        seen["environ"] = environ
+        return Resources.from_mapping({"localhost": [0]})
+
+    monkeypatch.setattr(resources_module, "_resolve_from_args", record)
+    run_main([], capsys)
+    assert seen["environ"] is os.environ
+
+
+def test_main_without_hostfile_still_applies_the_counts(capsys, no_visible_devices) -> None:
+    status, out, err = run_main(["--local_devices", "4", "--num_gpus", "2"], capsys)
+    assert (status, err) == (0, "")
+    assert json.loads(out)["hosts"] == {"localhost": [0, 1]}
+
+
+def test_default_labels_name_include_and_the_hostfile() -> None:
+    from scheduler.resources import first_nodes
+
+    with pytest.raises(ResourceFilterError) as caught:
+        parse_node_specs("a@")
+    assert str(caught.value) == ("--include 'a@': an empty node (check the '@' separators); "
+                                 "expected NODE[:ID[,ID...]][@NODE[:ID...]]..., e.g. worker-0:0,1@worker-1")
+    with pytest.raises(ResourceFilterError) as caught:
+        first_nodes({"a": [0]}, 2)
+    assert str(caught.value) == "--num_nodes 2 but the hostfile has only 1 hosts with devices; lower --num_nodes or add hosts"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "prefix"),
+    [
+        ({"include": "a:x", "include_label": "CUDA_VISIBLE_DEVICES=x (read as --include)"},
+         "CUDA_VISIBLE_DEVICES=x (read as --include) 'a:x': device id 'x'"),
+        ({"include": "a:x"}, "--include 'a:x': device id 'x'"),
+        ({"exclude": "a:x", "include_label": "ignored for an exclude"}, "--exclude 'a:x': device id 'x'"),
+    ],
+)
+def test_grammar_errors_carry_the_flag_they_came_from(kwargs: dict[str, str], prefix: str) -> None:
+    with pytest.raises(ResourceFilterError) as caught:
+        filter_devices({"a": [0]}, **kwargs)
+    assert str(caught.value).startswith(prefix)
+
+
+@pytest.mark.parametrize(
+    ("count", "listed"),
+    [(8, "h0, h1, h2, h3, h4, h5, h6, h7"), (9, "h0, h1, h2, h3, h4, h5, h6, h7, ... (9 in all)")],
+)
+def test_an_unknown_host_error_lists_at_most_8_hosts(count: int, listed: str) -> None:
+    available = {f"h{i}": [0] for i in range(count)}
+    with pytest.raises(ResourceFilterError) as caught:
+        filter_devices(available, include="zz", where="hostfile hf")
+    assert str(caught.value) == f"--include 'zz': host 'zz' is not in hostfile hf (hosts: {listed}); use one of those names"
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        (lambda: filter_devices({"a": [0]}, include="b"),
+         "--include 'b': host 'b' is not in the hostfile (hosts: a); use one of those names"),
+        (lambda: resolve_resources({"localhost": 2}, ResourceRequest(exclude="zz")),
+         "--exclude 'zz': host 'zz' is not in the local machine (hosts: localhost); use one of those names"),
+        (lambda: resolve_resources({"a": 2}, ResourceRequest(include="a", num_gpus=1), hostfile="hf"),
+         "--num_nodes/--num_gpus cannot be combined with --include/--exclude; "
+         "name the hosts and device ids in --include instead"),
+        (lambda: resolve_resources({"a": 2, "b": 2}, ResourceRequest(num_nodes=2)),
+         "--num_nodes 2 needs a hostfile: without one only this machine (a, b) is used; "
+         "pass a hostfile or drop --num_nodes"),
+        # a pool of two hosts without a hostfile: CUDA_VISIBLE_DEVICES names the local host, not the first one
+        (lambda: resolve_resources({"a": 2, "b": 2}, visible_devices="1"),
+         "CUDA_VISIBLE_DEVICES=1 (read as --include) 'localhost:1': host 'localhost' is not in the local machine "
+         "(hosts: a, b); use one of those names"),
+    ],
+    ids=["filter-defaults", "local-machine", "counts-with-filter", "nodes-need-hostfile", "visible-on-two-hosts"],
+)
+def test_whole_error_lines(call, expected: str) -> None:
+    with pytest.raises(ResourceFilterError) as caught:
+        call()
+    assert str(caught.value) == expected

@@ -2,18 +2,21 @@
 the synthetic law of test_fast_search (16 GiB, 4 ranks) and by bench surfaces."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from bench.surfaces import make_surface, user_config
-from scheduler.fast_search import PROFILE, SearchSettings, fast_search, too_large
-from scheduler.phases import drive, replay
+from scheduler.fast_search import PROFILE, SearchSettings, _Session, fast_search, too_large
+from scheduler.phases import Phase, drive, replay
 from scheduler.ranking import best
 from scheduler.sampled_search import (
-    REMEASURE_SUFFIX, full_step_sizes, geometric_mid, lead_first, next_size, snap, to_remeasure,
+    REMEASURE_SUFFIX, full_step_sizes, geometric_mid, lead_first, next_size, race, sampled_stages, snap,
+    stages_near_leader, to_remeasure,
 )
+from scheduler.space import Experiment
 from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner, layout
 
 
@@ -228,3 +231,312 @@ def test_a_crash_above_a_success_steers_the_whole_search_as_an_oom_does() -> Non
             assert [name for name, _ in as_crash] == [name for name, _ in as_oom], (family, seed)
             compared += 1
     assert compared >= 10
+
+
+# ---------------------------------------------------------------- scripted stages: every decision by hand
+#
+# Memory is a table (stage -> the largest size predicted to fit) and speed a table of hand-picked
+# values, so the sequence of launches of each scenario is worked out in its docstring from the rules of
+# the module docstring, not read from a run. Two ranks, max_train_batch_size 64: 32 samples per GPU
+# per step, so the sizes worth measuring are 32 // gas = 1, 2, 3, 4, 5, 6, 8, 10, 16, 32.
+
+
+class Scripted(_Session):
+    """A session whose memory prediction is a fixed table; the rest is the real session."""
+
+    def __init__(self, settings: SearchSettings, predicted: dict[int, int]) -> None:
+        super().__init__(settings)
+        self.predicted = predicted
+
+    def predicted_max(self, stage: int, safety: float = 0.9) -> int:
+        return min(self.predicted[stage], self.settings.micro_batch_cap)
+
+
+def scripted_settings(**changes: Any) -> SearchSettings:
+    base = SearchSettings(ds_config=USER_CONFIG, capacity_bytes=16 * 2**30, stages=(0, 1, 2, 3), num_gpus=2,
+                          max_train_batch_size=64)
+    return replace(base, **changes)
+
+
+def play(search, speed: dict[tuple[int, int], float], fits: dict[int, int], settings: SearchSettings,
+         predicted: dict[int, int] | None = None) -> tuple[list[tuple[int, int, int]], list[Phase], Scripted]:
+    """Drive `search(session)`; (stage, mbs) above fits[stage] runs out of memory, others report
+    speed[(stage, mbs)] as throughput and its inverse as latency. Returns (stage, mbs, gas) launched."""
+    session = Scripted(settings, predicted or fits)
+    launched: list[tuple[int, int, int]] = []
+
+    def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:
+        out = {}
+        for exp in phase.experiments:
+            launched.append((exp.stage, exp.micro_batch_size, exp.gradient_accumulation_steps))
+            if exp.micro_batch_size > fits[exp.stage]:
+                out[exp.name] = {"name": exp.name, "status": "oom"}
+            else:
+                value = speed[(exp.stage, exp.micro_batch_size)]
+                out[exp.name] = {"name": exp.name, "status": "ok",
+                                 "metrics": {"throughput": value, "latency": 1e6 / value}}
+        return out
+
+    phases = drive(search(session), run_phase)
+    return launched, phases, session
+
+
+def stages_of(stages: tuple[int, ...]):
+    return lambda session: sampled_stages(session, stages)
+
+
+def test_lead_stage_samples_low_top_then_splits_the_gap_at_the_best() -> None:
+    """Top 32: the low probe is the size nearest 32 / 4 = 8 (gas 4), then the top 32 (gas 1); rising,
+    so the gap 8-32 is split at the size nearest sqrt(8 * 32) = 16 (gas 2); no size lies between 16
+    and 32, and 16-32 is the best's only gap: done."""
+    speed = {(1, 8): 60.0, (1, 16): 80.0, (1, 32): 90.0}
+    launched, phases, _ = play(stages_of((1,)), speed, {1: 32}, scripted_settings(stages=(1,)))
+    assert launched == [(1, 8, 4), (1, 32, 1), (1, 16, 2)]
+    assert [p.name for p in phases] == ["z1_sample_8", "z1_sample_32", "z1_sample_16"]
+
+
+def test_a_small_top_starts_at_size_1_and_refines_every_gap_wider_than_the_ratio() -> None:
+    """Top 4: low = the size nearest max(1, 4 / 4) = 1; then 4; best 4: gap 1-4 split at 2 (nearest
+    sqrt 4 = 2); best still 4: gap 2-4 (ratio 2 > 1.45) split at 3; 3-4 is narrower than the ratio."""
+    speed = {(1, 1): 10.0, (1, 2): 20.0, (1, 3): 30.0, (1, 4): 40.0}
+    launched, _, _ = play(stages_of((1,)), speed, {1: 4}, scripted_settings(stages=(1,)))
+    assert launched == [(1, 1, 32), (1, 4, 8), (1, 2, 16), (1, 3, 10)]
+
+
+def test_without_a_step_limit_every_size_is_a_candidate_and_gas_is_the_users() -> None:
+    """No max_train_batch_size: sizes 1..12 all count. Low = 12 / 4 = 3, then 12; best 12: gap 3-12
+    split at sqrt(36) = 6; best 12: gap 6-12 split at the size nearest sqrt(72) = 8.49, i.e. 8; gap
+    8-12 at the size nearest sqrt(96) = 9.8, i.e. 10; 10-12 (ratio 1.2) is too narrow."""
+    speed = {(1, m): float(m) for m in range(1, 13)}
+    launched, _, _ = play(stages_of((1,)), speed, {1: 12},
+                          scripted_settings(stages=(1,), max_train_batch_size=None, gradient_accumulation_steps=3))
+    assert launched == [(1, 3, 3), (1, 12, 3), (1, 6, 3), (1, 8, 3), (1, 10, 3)]
+
+
+def test_failures_bound_the_stage_at_the_geometric_midpoint_then_stop_it() -> None:
+    """Predicted 32, fits 20. 8 ok; 32 fails; the next top is geometric_mid(8, 32) = 16: ok; the next
+    is geometric_mid(16, 32) = round(22.6) = 23, a size of its own (the largest that may fit): fails.
+    Two failures: the top is the largest success, 16; best 16: the gap 8-16 is split at 10."""
+    speed = {(1, 8): 50.0, (1, 10): 55.0, (1, 16): 70.0}
+    launched, _, _ = play(stages_of((1,)), speed, {1: 20}, scripted_settings(stages=(1,)), predicted={1: 32})
+    assert launched == [(1, 8, 4), (1, 32, 1), (1, 16, 2), (1, 23, 1), (1, 10, 3)]
+
+
+def test_failures_with_no_success_halve_the_smallest_failure() -> None:
+    """Predicted 32, fits 3: 8 fails; with no success the top is 8 // 2 = 4: fails too; two
+    failures and no success: the stage ends (the next stage takes over)."""
+    launched, _, _ = play(stages_of((1,)), {(1, m): 1.0 for m in range(1, 4)}, {1: 3},
+                          scripted_settings(stages=(1,)), predicted={1: 32})
+    assert launched == [(1, 8, 4), (1, 4, 8)]
+
+
+PEAKED = {(1, 8): 80.0, (1, 10): 85.0, (1, 16): 90.0, (1, 32): 70.0,
+          (0, 16): 88.0, (2, 16): 86.0, (3, 16): 95.0}
+
+
+def test_other_stages_are_compared_at_the_incumbents_size_and_zero_3_only_for_memory() -> None:
+    """ZeRO-1 leads (2 ranks): 8, 32, then 16 (the best's larger gap), then 10 (gap 8-16; 10-16 and
+    16-32 hold no size). The best, 16, is below the largest size measured (32): the curve turned, so
+    ZeRO-0 and ZeRO-2 are measured once at 16 and ZeRO-3 not at all, although it would have won."""
+    fits = {0: 32, 1: 32, 2: 32, 3: 32}
+    launched, phases, _ = play(stages_of((0, 1, 2, 3)), PEAKED, fits, scripted_settings())
+    assert launched == [(1, 8, 4), (1, 32, 1), (1, 16, 2), (1, 10, 3), (0, 16, 2), (2, 16, 2)]
+    assert [p.name for p in phases][-2:] == ["z0_follow_16", "z2_follow_16"]
+
+
+def test_zero_3_is_measured_when_no_zero_1_or_2_was() -> None:
+    launched, _, _ = play(stages_of((0, 3)), {(0, 8): 1.0, (0, 32): 2.0, (0, 16): 3.0, (0, 10): 1.5,
+                                              (3, 16): 2.5}, {0: 32, 3: 32}, scripted_settings(stages=(0, 3)))
+    assert launched[-1] == (3, 16, 2)
+
+
+def test_a_stage_holding_more_explores_above_the_incumbent_when_the_curve_was_still_rising() -> None:
+    """ZeRO-1 fits 16 and its best is 16 (its largest): the curve was still rising. ZeRO-3 holds 32:
+    measured first at 16 (follow), then explored above 16 only: the top 32, which is worse, so the
+    best, 16, is the smallest size explored and nothing is tried below the floor. (ZeRO-1: low 4,
+    top 16, split 4-16 at 8, then 8-16 at 10 (nearest sqrt(128) = 11.3 among 10); 10-16 too narrow.)"""
+    speed = {(1, 4): 40.0, (1, 8): 60.0, (1, 10): 65.0, (1, 16): 75.0, (3, 16): 78.0, (3, 32): 70.0}
+    launched, phases, _ = play(stages_of((1, 3)), speed, {1: 16, 3: 32}, scripted_settings(stages=(1, 3)))
+    assert launched == [(1, 4, 8), (1, 16, 2), (1, 8, 4), (1, 10, 3), (3, 16, 2), (3, 32, 1)]
+    assert [p.name for p in phases][-2:] == ["z3_follow_16", "z3_sample_32"]
+
+
+def test_a_stage_that_cannot_hold_more_is_not_explored_even_when_the_incumbent_was_at_its_cap() -> None:
+    speed = {(1, 4): 40.0, (1, 8): 60.0, (1, 10): 65.0, (1, 16): 75.0, (2, 16): 80.0}
+    launched, _, _ = play(stages_of((1, 2)), speed, {1: 16, 2: 16}, scripted_settings(stages=(1, 2)))
+    assert launched[-1] == (2, 16, 2) and len(launched) == 5
+
+
+def test_a_stage_that_fits_nothing_is_skipped_and_the_next_one_leads() -> None:
+    speed = {(0, m): float(m) for m in (1, 2, 3, 4)}
+    launched, _, _ = play(stages_of((1, 0)), speed, {1: 0, 0: 4}, scripted_settings(stages=(1, 0)))
+    assert launched == [(0, 1, 32), (0, 4, 8), (0, 2, 16), (0, 3, 10)]
+
+
+def test_latency_search_launches_what_the_throughput_search_launches() -> None:
+    """Latency here is the inverse of throughput, so minimising one is maximising the other: the same
+    decisions in every stage, incumbent and comparison, and the same tie race."""
+    fits = {0: 32, 1: 32, 2: 32, 3: 32}
+    speed = {**PEAKED, (2, 16): 90.0 * (1 - 0.002)}  # ZeRO-2 ties the leader within RACE_BAND
+
+    def whole(session):
+        yield from sampled_stages(session, (0, 1, 2, 3))
+        yield from race(session)
+
+    by_throughput, t_phases, _ = play(whole, speed, fits, scripted_settings())
+    by_latency, l_phases, _ = play(whole, speed, fits, scripted_settings(metric="latency", maximize=False))
+    assert by_latency == by_throughput
+    assert [p.name for p in l_phases] == [p.name for p in t_phases]
+    assert [p.name for p in t_phases][-2:] == ["race_1", "race_2"]
+
+
+def test_race_repeats_are_the_originals_under_a_new_name() -> None:
+    speed = {**PEAKED, (2, 16): 90.0 * (1 - 0.002)}
+
+    def whole(session):
+        yield from sampled_stages(session, (0, 1, 2, 3))
+        yield from race(session)
+
+    _, phases, session = play(whole, speed, {0: 32, 1: 32, 2: 32, 3: 32}, scripted_settings(num_nodes=2, num_gpus=1))
+    repeats = [exp for phase in phases if phase.name.startswith("race_") for exp in phase.experiments]
+    assert [r.name for r in repeats] == ["z1_gas2_tmbspg16_r2", "z2_gas2_tmbspg16_r2"]
+    for repeat in repeats:
+        original, _ = session.measured[repeat.name[: -len(REMEASURE_SUFFIX)]]
+        assert (repeat.stage, repeat.micro_batch_size, repeat.gradient_accumulation_steps, repeat.ds_config,
+                repeat.num_nodes, repeat.num_gpus, repeat.tuning_space) == \
+               (original.stage, original.micro_batch_size, original.gradient_accumulation_steps, original.ds_config,
+                2, 1, original.tuning_space)
+
+
+def test_pure_decisions_at_their_boundaries() -> None:
+    assert geometric_mid(10, 13) == 11  # sqrt(130) = 11.4: the nearest integer, not low + 2
+    assert full_step_sizes(16, 1) == [1]  # a top of 1 is a size
+    assert full_step_sizes(2, 2) == [1, 2]  # 2 // 2 = 1: every accumulation up to the limit itself
+    assert lead_first((0, 1, 2, 3), 2) == [1, 0, 2, 3]  # two ranks already shard the optimizer
+    assert to_remeasure([(100.0, "a"), (99.5, "b")]) == ["a", "b"]  # exactly RACE_BAND apart: a tie
+    # a top exactly TOP_GAIN (10 * 1.1 = 11.0) above the largest size measured is probed
+    assert next_size({10: 1.0}, [5, 10, 11]) == 11
+    # equal values: the smaller size is the best, so its own gap (2-4, at 3) is split, not 4-16's
+    assert next_size({2: 1.0, 4: 1.0, 16: 0.5}, [1, 2, 3, 4, 8, 16]) == 3
+    # the best in the middle: its larger gap is the one above (8-64, log 8 > log 2)
+    assert next_size({4: 1.0, 8: 2.0, 64: 1.0}, [1, 2, 4, 6, 8, 16, 64]) == 16
+    # the gap with the larger ratio wins (1-4 over 4-8), not the one with the larger product
+    assert next_size({1: 1.0, 4: 2.0, 8: 1.0}, [1, 2, 3, 4, 5, 6, 7, 8]) == 2
+    # gaps narrower than REFINE_RATIO (1.2, 1.33) are not split, and 29 / 20 == REFINE_RATIO is not wider
+    assert next_size({10: 1.0, 12: 2.0, 16: 1.5}, [10, 11, 12, 14, 16]) is None
+    assert next_size({20: 1.0, 29: 2.0}, [20, 24, 29]) is None
+    # best at the smallest with no size inside its gap: four times lower, 20 / 4 = 5
+    assert next_size({20: 2.0, 40: 1.0}, [1, 2, 3, 4, 5, 20, 40]) == 5
+
+
+def test_a_stage_that_fits_only_size_1_is_measured_at_1() -> None:
+    launched, _, _ = play(stages_of((1,)), {(1, 1): 5.0}, {1: 1}, scripted_settings(stages=(1,)))
+    assert launched == [(1, 1, 32)]
+
+
+def test_the_low_probe_snaps_to_a_full_step_size() -> None:
+    """Top 28: 28 / 4 = 7 is not a full-step size (32 // 4 = 8, 32 // 5 = 6); the nearer on a log
+    scale is 8 (gas 4)."""
+    speed = {(1, m): float(m) for m in range(1, 29)}
+    launched, _, _ = play(stages_of((1,)), speed, {1: 28}, scripted_settings(stages=(1,)))
+    assert launched[:2] == [(1, 8, 4), (1, 28, 1)]
+
+
+def test_a_stage_measures_at_most_max_points_sizes() -> None:
+    """Falling throughput, no step limit, top 1024: 256, 1024, 512, 362 (sqrt(256 * 512)), then four
+    times lower 64, then 128, 91 (sqrt(64 * 128) = 90.5): seven sizes; the next (16) is not measured."""
+    speed = {(1, m): 1000.0 / m for m in range(1, 1025)}
+    launched, _, _ = play(stages_of((1,)), speed, {1: 1024}, scripted_settings(stages=(1,), max_train_batch_size=None))
+    assert [mbs for _, mbs, _ in launched] == [256, 1024, 512, 362, 64, 128, 91]
+
+
+def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
+    """The memory model's prediction scales with the share of the budget it may fill: here the size
+    the whole budget holds is 100, so the top probe is the size at TOP_SAFETY (0.98) of it, 98."""
+
+    class Budget(Scripted):
+        def predicted_max(self, stage: int, safety: float = 0.9) -> int:
+            return int(100 * safety)
+
+    session = Budget(scripted_settings(stages=(1,), max_train_batch_size=None), {})
+    phase = next(sampled_stages(session, (1,)))
+    assert phase.experiments[0].micro_batch_size == 25  # low: 98 / 4 = 24.5, nearer 25 on a log scale
+    second = sampled_stages(Budget(scripted_settings(stages=(1,), max_train_batch_size=None), {}), (1,))
+    next(second)
+    assert second.send({"z1_gas1_tmbspg25": {"status": "ok", "metrics": {"throughput": 1.0}}}) \
+        .experiments[0].micro_batch_size == 98
+
+
+def test_zero_3_is_not_measured_after_zero_1_or_zero_2_alone() -> None:
+    """The curve turned below the largest size measured: ZeRO-3 cannot win on memory, whichever of
+    ZeRO-1 or ZeRO-2 led."""
+    for lead in (1, 2):
+        speed = {(lead, 8): 80.0, (lead, 10): 85.0, (lead, 16): 90.0, (lead, 32): 70.0, (3, 16): 95.0}
+        launched, _, _ = play(stages_of((lead, 3)), speed, {lead: 32, 3: 32}, scripted_settings(stages=(lead, 3)))
+        assert [stage for stage, _, _ in launched] == [lead] * 4, lead
+
+
+def test_a_follow_stage_that_wins_becomes_the_incumbent() -> None:
+    """ZeRO-1 fits 16, best 16 (its largest). ZeRO-0 fits 12: measured at 12 (the incumbent's size
+    capped to what it holds) and faster, so it is the incumbent: ZeRO-2 is then compared at 12, and
+    since 12 is below the largest size measured (16), not explored above it."""
+    speed = {(1, 4): 40.0, (1, 8): 60.0, (1, 10): 65.0, (1, 16): 75.0, (0, 12): 80.0, (2, 12): 70.0}
+    launched, _, _ = play(stages_of((0, 1, 2)), speed, {0: 12, 1: 16, 2: 32}, scripted_settings(stages=(0, 1, 2)))
+    assert launched == [(1, 4, 8), (1, 16, 2), (1, 8, 4), (1, 10, 3), (0, 12, 2), (2, 12, 2)]
+
+
+@pytest.mark.parametrize(("zero_2", "expected"), [(86.0, [(1, 16, 2), (2, 16, 2)]), (81.0, [(1, 16, 2), (2, 16, 2)]),
+                                                  (80.9, [(1, 16, 2)])])
+def test_full_mode_tunes_every_stage_within_the_band_of_the_leader(zero_2: float, expected) -> None:
+    """The leader is ZeRO-1 at 16 (90): ZeRO-2 at 16 is in at 86 and at exactly 90 % of the leader
+    (81 is -10 %), out at 80.9. ZeRO-0 (88) is never tuned: its knobs act from stage 1 on. Latency
+    (the inverse here) names the same stages."""
+    speed = {**PEAKED, (2, 16): zero_2}
+    fits = {0: 32, 1: 32, 2: 32, 3: 32}
+    thr_session = play(stages_of((0, 1, 2, 3)), speed, fits, scripted_settings())[2]
+    assert stages_near_leader(thr_session, (0, 1, 2, 3)) == expected
+    if zero_2 != 81.0:  # 1 / 81 is not exactly 90 % of 1 / 90 in floating point
+        lat_session = play(stages_of((0, 1, 2, 3)), speed, fits, scripted_settings(metric="latency", maximize=False))[2]
+        assert stages_near_leader(lat_session, (0, 1, 2, 3)) == expected
+
+
+def test_race_repeats_of_full_mode_configs_keep_their_tuning_space() -> None:
+    """Full mode's knob configs race like the rest; a repeat is reported under its original's space."""
+    session = _Session(scripted_settings(stages=(2,)))
+    for name, value in (("z2_knobs_a", 100.0), ("z2_knobs_b", 99.8), ("z2_gas2_tmbspg16", 90.0)):
+        exp = Experiment(name, 2, 16, 2, {"x": name}, 1, 2, tuning_space="" if "gas" in name else "z2_knobs")
+        session.measured[name] = (exp, {"name": name, "status": "ok", "metrics": {"throughput": value}})
+    phases = drive(race(session), lambda phase: {e.name: {"status": "ok"} for e in phase.experiments})
+    repeats = [exp for phase in phases for exp in phase.experiments]
+    assert [(r.name, r.tuning_space, r.ds_config) for r in repeats] == [
+        ("z2_knobs_a_r2", "z2_knobs", {"x": "z2_knobs_a"}), ("z2_knobs_b_r2", "z2_knobs", {"x": "z2_knobs_b"})]
+
+
+@pytest.mark.parametrize(("zero_3_fits", "explored"), [(48, True), (41, False), (26, True)])
+def test_zero_3_holding_much_more_is_explored_although_the_curve_had_turned(zero_3_fits: int, explored: bool) -> None:
+    """No step limit. ZeRO-1 holds 32 and peaks at 16 (it turned before its cap). ZeRO-3 holding 48,
+    at least 1.3 times 32 (41.6), is measured at the incumbent's size and then explored above it;
+    holding 41 it is ruled out, as ZeRO-3 moving more data at equal size can only win on memory.
+    Exactly 1.3 times (26 for a ZeRO-1 holding 20) is enough."""
+    zero_1_fits = 20 if zero_3_fits == 26 else 32  # 26 is exactly 1.3 x 20: enough room
+    speed = {(1, m): 90.0 - 20 * abs(math.log2(m / 16)) for m in range(1, 33)}
+    speed |= {(3, m): 80.0 + m / 10 for m in range(1, 49)}
+    launched, _, _ = play(stages_of((1, 3)), speed, {1: zero_1_fits, 3: zero_3_fits},
+                          scripted_settings(stages=(1, 3), max_train_batch_size=None))
+    zero_3 = [mbs for stage, mbs, _ in launched if stage == 3]
+    incumbent = max((mbs for stage, mbs, _ in launched if stage == 1), key=lambda mbs: speed[(1, mbs)])
+    assert incumbent < zero_1_fits  # the lead's curve turned before its cap
+    if explored:
+        assert zero_3[0] == incumbent and max(zero_3) == zero_3_fits and all(m >= incumbent for m in zero_3)
+    else:
+        assert zero_3 == []
+
+
+def test_zero_2_holding_more_is_explored_above_a_lead_still_rising_at_its_cap() -> None:
+    """ZeRO-1 fits 16 and rises to it (4, 16, 8, 10 as above); ZeRO-2 holds 32 (less than 1.3 times
+    more would not matter here: this is the curve-still-rising rule, for any stage): measured at 16,
+    then its top 32, which is better, so 16-32 is split at the size nearest sqrt(512) = 22.6, i.e.
+    16 (2 ranks, 32 samples a step: 32 // 2 = 16 is the only size between): nothing more."""
+    speed = {(1, 4): 40.0, (1, 8): 60.0, (1, 10): 65.0, (1, 16): 75.0, (2, 16): 76.0, (2, 32): 85.0}
+    launched, _, _ = play(stages_of((1, 2)), speed, {1: 16, 2: 32}, scripted_settings(stages=(1, 2)))
+    assert launched == [(1, 4, 8), (1, 16, 2), (1, 8, 4), (1, 10, 3), (2, 16, 2), (2, 32, 1)]

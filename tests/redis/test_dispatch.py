@@ -1,0 +1,698 @@
+"""Dispatch (`scheduler.dispatch`) against a real redis-server, with no Celery: slots are registered
+by writing their keys, `RecordedWork` (conftest) keeps what would be sent, and every expectation is
+read back from the raw keys (running hash, gang keys and their TTLs, state hash, events list) and
+compared with values worked out by hand."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import redis
+
+from scheduler import dispatch as dispatch_module
+from scheduler.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock, dispatch,
+                                record_finished, refusal, sweep)
+from scheduler.job_store import JobStore, reserve_seqs
+from scheduler.jobs import JobSpec, TuneSpec, submit
+from scheduler.launches import FinishSpec, QueuedLaunch, RunningLaunch
+from scheduler.space import Experiment
+from workers import keys
+from workers.gang import GangReservations
+from workers.rank import RankSpec
+from workers.slot import Slot
+
+GiB = 2**30
+HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+def make_slot(node: str, device: int, kind: str = "cpu", memory: int = GiB, address: str = "10.0.0.1",
+              cuda_index: int = -1, host: str = "") -> Slot:
+    return Slot(node, device, kind, memory, address, 1, (device,), worker=f"gpu{device}@{node}",
+                instance=f"inst-{node}-{device}", cuda_index=cuda_index, host=host)
+
+
+def register(client: redis.Redis, *slots: Slot) -> list[Slot]:
+    for slot in slots:
+        client.set(keys.slot(slot.queue), json.dumps(slot.to_redis()))
+    return list(slots)
+
+
+def exp(name: str, stage: int = 0, mbs: int = 1, nodes: int = 1, gpus: int = 1, memory: int = 0,
+        metric_file: str = "metrics.json") -> dict:
+    return Experiment(name, stage, mbs, 1, {"train_micro_batch_size_per_gpu": mbs, "zero_optimization": {"stage": stage}},
+                      num_nodes=nodes, num_gpus=gpus, min_memory=memory, metric_file=metric_file).to_json()
+
+
+def make_spec(tmp_path: Path, job: str = "j", **overrides) -> JobSpec:
+    fields = {"results_root": str(tmp_path / job), "cwd": str(tmp_path), "timeout_s": 100.0, "experiments": [],
+              "lease_s": 30.0, "lost_grace_s": 20.0, "max_attempts": 2, **overrides}
+    return JobSpec(job=job, **fields)
+
+
+def enqueue(client: redis.Redis, spec: JobSpec, *exps: dict) -> list[QueuedLaunch]:
+    first = reserve_seqs(client, len(exps))
+    launches = [QueuedLaunch(first + i, e, ["train.py", "--flag", e["name"]]) for i, e in enumerate(exps)]
+    JobStore(client, spec.job).queue(launches)
+    return launches
+
+
+def active(client: redis.Redis, work, spec: JobSpec, *exps: dict) -> list[QueuedLaunch]:
+    submit(client, work, spec)
+    return enqueue(client, spec, *exps)
+
+
+def running(client: redis.Redis, job: str) -> dict[str, RunningLaunch]:
+    return {name.decode(): RunningLaunch.from_json(json.loads(raw))
+            for name, raw in client.hgetall(keys.job_running(job)).items()}
+
+
+def state(client: redis.Redis, job: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in client.hgetall(keys.job_state(job)).items()}
+
+
+def events(client: redis.Redis, job: str) -> list[dict]:
+    return [json.loads(raw) for raw in client.lrange(keys.job_events(job), 0, -1)]
+
+
+def started(work) -> list[tuple[str, list[str]]]:
+    return [(finish.name, finish.slots) for _, finish, _, _ in work.launched]
+
+
+# ---------------------------------------------------------------- dispatch: what starts, and its records
+
+
+def test_without_active_jobs_nothing_happens(client: redis.Redis, work) -> None:
+    register(client, make_slot("n0", 0))
+    dispatch(client, work)
+    assert work.launched == [] and sorted(client.keys("*")) == [keys.slot("n0.gpu0").encode()]
+
+
+def test_a_launch_is_recorded_in_redis_before_it_is_sent(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0), make_slot("n0", 1))
+    spec = make_spec(tmp_path, local_rank_arg=True)
+    a, b, c = active(client, work, spec, exp("a", 1, 2), exp("b"), exp("c"))
+    before = time.time()
+    dispatch(client, work)
+    after = time.time()
+    assert started(work) == [("a", ["n0.gpu0"]), ("b", ["n0.gpu1"])]
+    ranks, finish, limit, shown = work.launched[0]
+    root = os.path.realpath(spec.results_root)
+    token = client.get(keys.gang("n0.gpu0")).decode()
+    assert token.startswith("j/a#") and client.get(keys.gang("n0.gpu1")).decode().startswith("j/b#")
+    assert HEX32.fullmatch(finish.attempt) and limit == 100 + 300 and shown == \
+        "(experiment='a', job='j', slots=['n0.gpu0'])"
+    assert finish == FinishSpec(job="j", name="a", exp_id=1, attempt=finish.attempt, slots=["n0.gpu0"],
+                                gang_token=token, results_root=spec.results_root, world_size=1,
+                                ds_config=a.exp["ds_config"], timeout_s=100.0, metric_file="metrics.json")
+    assert work.launched[1][1].exp_id == 2 and work.launched[1][1].attempt != finish.attempt
+    [rank] = ranks
+    assert rank.queue == "n0.gpu0" and HEX32.fullmatch(rank.task_id)
+    assert rank.shown == "(experiment='a', rank=0, slot='n0.gpu0')"
+    description = {"name": "a", "exp_id": 1, "ds_config": a.exp["ds_config"], "num_gpus": 1, "num_nodes": 1,
+                   "result_dir": f"{root}/a", "slots": ["n0.gpu0"], "user_script": "train.py",
+                   "user_args": ["--flag", "a"]}
+    assert rank.spec == RankSpec(job="j", name="a", attempt=finish.attempt, results_root=spec.results_root,
+                                 script_argv=a.argv, ds_config=a.exp["ds_config"], rank=0, world_size=1,
+                                 local_rank=0, local_world_size=1, node_rank=0, timeout_s=100.0,
+                                 cwd=str(tmp_path), metric_file="metrics.json", exp=description,
+                                 gang_token=token, lease_s=30.0, cuda_indices=[], local_rank_arg=True)
+    # Redis, read back raw
+    launched = running(client, "j")
+    assert sorted(launched) == ["a", "b"]
+    rec = launched["a"]
+    assert before <= rec.started <= after and rec.deadline == rec.started + 100 + 20
+    assert rec == RunningLaunch(seq=a.seq, exp=a.exp, argv=a.argv, attempt=finish.attempt, queues=["n0.gpu0"],
+                                token=token, rank_tasks={"n0.gpu0": rank.task_id}, started=rec.started,
+                                deadline=rec.deadline, instances={"n0.gpu0": "inst-n0-0"}, missing_since=None)
+    for queue in ("n0.gpu0", "n0.gpu1"):
+        assert 20_000 < client.pttl(keys.gang(queue)) <= 30_000  # the job's lease
+    assert client.hkeys(keys.job_queue("j")) == [b"c"]
+    assert client.zrange(keys.job_queue_shape("j", "1x1:0"), 0, -1) == [b"c"]
+    assert client.hgetall(keys.job_attempts("j")) == {b"a": b"1", b"b": b"1"}
+    shown_state = state(client, "j")
+    assert before - 0.1 <= float(shown_state.pop("updated")) <= after + 0.1
+    assert shown_state == {"dispatched": "1", "exp_ids": "2", "results_dir": spec.results_root, "pending": "1",
+                           "running": "a,b", "head": "c",
+                           "head_waits": "needs 1 node(s) x 1 free slot(s) at once; the slots that fit are reserved"}
+    assert not (tmp_path / "j").exists()  # a fixed job writes no experiment descriptions
+
+
+def test_ranks_of_a_two_node_gang(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0, "cuda", cuda_index=5), make_slot("n0", 1, "cuda", cuda_index=7),
+             make_slot("n1", 0, "cuda", cuda_index=1), make_slot("n1", 1, "cuda", cuda_index=3),
+             make_slot("n1", 2, "cuda", cuda_index=4))
+    exps_dir = tmp_path / "exps"
+    tune = TuneSpec(str(tmp_path / "cfg.json"), {}, str(exps_dir), "train.py", [], {}, GiB, 2, 2, "cuda", 1)
+    spec = make_spec(tmp_path, tune=tune)
+    [big] = active(client, work, spec, exp("big", 2, 4, nodes=2, gpus=2))
+    dispatch(client, work)
+    [(ranks, finish, _, _)] = work.launched
+    queues = ["n0.gpu0", "n0.gpu1", "n1.gpu0", "n1.gpu1"]
+    assert finish.slots == queues and finish.world_size == 4
+    assert [(r.queue, r.spec.rank, r.spec.local_rank, r.spec.local_world_size, r.spec.node_rank,
+             r.spec.world_size, r.spec.cuda_indices) for r in ranks] == [
+        ("n0.gpu0", 0, 0, 2, 0, 4, [5, 7]), ("n0.gpu1", 1, 1, 2, 0, 4, [5, 7]),
+        ("n1.gpu0", 2, 0, 2, 1, 4, [1, 3]), ("n1.gpu1", 3, 1, 2, 1, 4, [1, 3])]
+    assert [r.shown for r in ranks][3] == "(experiment='big', rank=3, slot='n1.gpu1')"
+    assert len({r.task_id for r in ranks}) == 4 and all(r.spec.exp["slots"] == queues for r in ranks)
+    assert running(client, "j")["big"].rank_tasks == {r.queue: r.task_id for r in ranks}
+    assert running(client, "j")["big"].instances == {q: f"inst-{q.replace('.gpu', '-')}" for q in queues}
+    assert json.loads((exps_dir / "big.json").read_text()) == {
+        "name": "big", "ds_config": big.exp["ds_config"], "num_gpus": 2, "num_nodes": 2}
+    assert state(client, "j")["head"] == "-" and state(client, "j")["head_waits"] == "-"
+    assert state(client, "j")["running"] == "big" and state(client, "j")["pending"] == "0"
+
+
+def test_fifo_across_jobs_by_submission_order(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0))
+    one, two = make_spec(tmp_path, "j1"), make_spec(tmp_path, "j2")
+    submit(client, work, one)
+    submit(client, work, two)
+    enqueue(client, two, exp("early2"))  # seq 3 (the two jobs took 1 and 2): the later job's launch first
+    enqueue(client, one, exp("late1"))
+    dispatch(client, work)
+    assert started(work) == [("early2", ["n0.gpu0"])]
+    assert state(client, "j1")["head"] == "late1" and state(client, "j2")["running"] == "early2"
+    assert state(client, "j1")["running"] == "-"
+
+
+def test_only_the_free_slots_bound_what_starts(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, *(make_slot("n0", d) for d in range(4)))
+    client.set(keys.gang("n0.gpu2"), "other/x#1")
+    spec = make_spec(tmp_path)
+    active(client, work, spec, *(exp(f"e{i}") for i in range(5)))
+    dispatch(client, work)
+    assert started(work) == [("e0", ["n0.gpu0"]), ("e1", ["n0.gpu1"]), ("e2", ["n0.gpu3"])]
+    assert client.get(keys.gang("n0.gpu2")) == b"other/x#1" and client.pttl(keys.gang("n0.gpu2")) == -1
+    assert state(client, "j")["pending"] == "2" and state(client, "j")["head"] == "e3"
+
+
+def test_strict_fifo_only_while_every_job_asks_for_it(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0), make_slot("n0", 1))
+    client.set(keys.gang("n0.gpu1"), "other/x#1")  # held by someone whose end is unknown
+    strict = make_spec(tmp_path, "j1", policy="strict_fifo")
+    active(client, work, strict, exp("wide", gpus=2), exp("narrow"))
+    dispatch(client, work)
+    assert work.launched == []  # nothing passes the blocked head
+    assert state(client, "j1")["head"] == "wide"
+    assert state(client, "j1")["head_waits"].startswith("needs 1 node(s) x 2 free slot(s) at once")
+    submit(client, work, make_spec(tmp_path, "j2"))  # a backfilling job: the pass backfills
+    dispatch(client, work)
+    assert started(work) == [("narrow", ["n0.gpu0"])]
+    assert state(client, "j1")["head"] == "wide" and state(client, "j1")["running"] == "narrow"
+    assert state(client, "j2") == {"results_dir": str(tmp_path / "j2"), "pending": "0", "running": "-",
+                                   "head": "-", "head_waits": "-", "updated": state(client, "j2")["updated"]}
+
+
+MIXED_PASS = """
+import json, sys
+import redis
+from scheduler.dispatch import dispatch
+from scheduler.job_store import JobStore, reserve_seqs
+from scheduler.jobs import JobSpec, submit
+from scheduler.launches import QueuedLaunch
+from scheduler.space import Experiment
+from workers import keys
+from workers.slot import Slot
+
+class Work:
+    started = []
+    def launch(self, ranks, finish, limit, shown): self.started.append(finish.name)
+    def advance(self, job): pass
+
+client, root = redis.Redis(unix_socket_path=sys.argv[1]), sys.argv[2]
+for device in (0, 1):
+    slot = Slot("n0", device, "cpu", 2**30, "10.0.0.1", 1, (device,))
+    client.set(keys.slot(slot.queue), json.dumps(slot.to_redis()))
+client.set(keys.gang("n0.gpu1"), "other/x#1")
+for job, policy, wide in (("j1", "strict_fifo", 2), ("j2", "backfill", 1)):
+    spec = JobSpec(job=job, results_root=root + "/" + job, cwd=root, timeout_s=100.0, experiments=[], policy=policy)
+    submit(client, Work(), spec)
+    exps = [Experiment(f"{job}-wide", 0, 1, 1, {}, num_gpus=wide), Experiment(f"{job}-narrow", 0, 2, 1, {})]
+    first = reserve_seqs(client, 2)
+    JobStore(client, job).queue([QueuedLaunch(first + i, e.to_json(), ["t.py"]) for i, e in enumerate(exps)])
+dispatch(client, Work())
+print(json.dumps(Work.started))
+"""
+
+
+@pytest.mark.parametrize("hash_seed", ["0", "1"])
+def test_a_mixed_pass_backfills_whatever_the_set_order(client: redis.Redis, work, tmp_path: Path,
+                                                       hash_seed: str) -> None:
+    """The policies the jobs ask for are a set, whose order depends on the hash seed: two child
+    processes with seeds that order {"backfill", "strict_fifo"} differently (on CPython) both backfill."""
+    socket = client.connection_pool.connection_kwargs["path"]
+    # The pass also runs here once on an empty cluster: mutmut maps a test to the functions it calls in
+    # its own process, and would otherwise never run this test against dispatch's mutants.
+    dispatch(client, work)
+    assert work.launched == []
+    child = subprocess.run([sys.executable, "-c", MIXED_PASS, socket, str(tmp_path)], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": hash_seed}, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    # j1's strict head blocks nothing when the pass backfills: j1-narrow takes the free slot, before j2's launches
+    assert json.loads(child.stdout.splitlines()[-1]) == ["j1-narrow"]
+
+
+def test_a_lost_race_for_the_slots_ends_the_pass(client: redis.Redis, work, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another reserver takes the first placement's slot between the read and the reservation."""
+    register(client, make_slot("n0", 0), make_slot("n0", 1))
+
+    class Racing(GangReservations):
+        def reserve(self, queues, lease_s, owner=""):
+            client.set(keys.gang(queues[0]), "racer#1", nx=True)
+            return super().reserve(queues, lease_s, owner)
+
+    monkeypatch.setattr(dispatch_module, "GangReservations", Racing)
+    active(client, work, make_spec(tmp_path), exp("a"), exp("b"))
+    dispatch(client, work)
+    assert work.launched == [] and client.hlen(keys.job_running("j")) == 0
+    assert client.get(keys.gang("n0.gpu0")) == b"racer#1" and not client.exists(keys.gang("n0.gpu1"))
+    assert sorted(client.hkeys(keys.job_queue("j"))) == [b"a", b"b"] and state(client, "j")["head"] == "a"
+
+
+def test_estimated_frees_at(client: redis.Redis, tmp_path: Path) -> None:
+    """A running launch frees its slots at its start plus the mean wall time of its shape (never
+    above the time limit), or at start + time limit; a slot held by anyone else: never known."""
+    spec = make_spec(tmp_path, timeout_s=100.0)
+    store = JobStore(client, "j")
+
+    def run(name: str, stage: int, mbs: int, queues: list[str], started: float) -> None:
+        store.update_running(RunningLaunch(1, exp(name, stage, mbs), ["t.py"], "att", queues, "tok",
+                                           {q: "t" for q in queues}, started, started + 200))
+    run("measured", 1, 2, ["n0.gpu0", "n0.gpu5"], 1000.0)
+    run("unmeasured", 2, 4, ["n0.gpu1"], 2000.0)
+    run("slow", 3, 8, ["n0.gpu2"], 3000.0)
+    store.add_wall("1/2", 10.0)
+    store.add_wall("1/2", 20.0)
+    store.add_wall("3/8", 500.0)
+    store.add_wall("2/2", 1.0)  # another shape's walls do not count
+    busy = {"n0.gpu0", "n0.gpu1", "n0.gpu2", "x.gpu9"}
+    assert _frees_at(client, {"j": spec}, busy) == {
+        "n0.gpu0": 1015.0, "n0.gpu1": 2100.0, "n0.gpu2": 3100.0, "x.gpu9": float("inf")}
+    assert _frees_at(client, {}, {"n0.gpu0"}) == {"n0.gpu0": float("inf")}
+
+
+def test_the_cluster_lock(client: redis.Redis) -> None:
+    lock = cluster_lock(client)
+    assert (lock.name, lock.timeout, lock.blocking_timeout, lock.sleep) == ("autotune:lock:dispatch", 120.0, 240.0, 0.005)
+    with lock:
+        assert 110_000 < client.pttl("autotune:lock:dispatch") <= 120_000
+        assert not cluster_lock(client).acquire(blocking=False)
+    assert not client.exists("autotune:lock:dispatch")
+
+
+def test_placement_honours_the_slot_kind_and_memory(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("c", 0, "cuda", memory=80 * GiB, cuda_index=0), make_slot("n0", 0, memory=GiB),
+             make_slot("n0", 1, memory=4 * GiB))
+    active(client, work, make_spec(tmp_path, "cpu", slot_kind="cpu"),
+           exp("roomy", memory=2 * GiB, metric_file="model_info.json"), exp("small"))
+    active(client, work, make_spec(tmp_path, "any"), exp("anywhere"))
+    dispatch(client, work)
+    assert started(work) == [("roomy", ["n0.gpu1"]), ("small", ["n0.gpu0"]), ("anywhere", ["c.gpu0"])]
+    roomy_ranks, roomy = work.launched[0][:2]
+    assert roomy.metric_file == "model_info.json" and roomy_ranks[0].spec.metric_file == "model_info.json"
+    assert work.launched[2][0][0].spec.cuda_indices == [0]
+
+
+def test_a_misfit_in_its_grace_period_holds_back_nothing_else(client: redis.Redis, work, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dispatch's clock is fixed here: the grace period ends exactly REFUSE_GRACE_S after the misfit began."""
+    monkeypatch.setattr(dispatch_module, "time", SimpleNamespace(time=lambda: 5000.04))
+    register(client, make_slot("n0", 0))
+    active(client, work, make_spec(tmp_path), exp("wide", gpus=2), exp("fits"))
+    client.hset(keys.job_state("j"), mapping={"dispatched": 1, "misfit_since": 5000.04 - REFUSE_GRACE_S})
+    dispatch(client, work)
+    assert events(client, "j") == [] and started(work) == [("fits", ["n0.gpu0"])]
+    assert running(client, "j")["fits"].started == 5000.04
+    assert running(client, "j")["fits"].deadline == 5000.04 + 100 + 20
+    shown = state(client, "j")
+    assert (shown["head"], shown["running"], shown["updated"]) == ("wide", "fits", "5000.0")
+    client.hset(keys.job_state("j"), "misfit_since", 5000.04 - REFUSE_GRACE_S - 0.01)
+    dispatch(client, work)
+    assert [e["kind"] for e in events(client, "j")] == ["failed"]
+
+
+def test_a_kind_the_cluster_lacks_is_refused_with_the_kinds_it_has(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0), make_slot("n0", 1))
+    active(client, work, make_spec(tmp_path, slot_kind="cuda"), exp("a"))
+    active(client, work, make_spec(tmp_path, "big"), exp("b", memory=2 * GiB))
+    dispatch(client, work)
+    assert events(client, "j") == [{"kind": "failed", "usage": True, "error":
+                                    "a was sized for CUDA slots but the cluster has only CPU slots; start CUDA slot "
+                                    "workers or run the command again to size the search for these"}]
+    assert events(client, "big") == [{"kind": "failed", "usage": True, "error":
+                                      "b needs slots with 2.0 GiB but the largest slot has 1.0 GiB; ask for at most "
+                                      "that (--min-slot-memory)"}]
+    assert work.launched == []
+
+
+# ---------------------------------------------------------------- pinned jobs
+
+
+def test_a_pinned_job_runs_on_exactly_its_slots_one_at_a_time(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0), make_slot("n0", 1))
+    spec = make_spec(tmp_path, pinned=[["n0.gpu1"]])
+    active(client, work, spec, exp("a"), exp("b"))
+    dispatch(client, work)
+    assert started(work) == [("a", ["n0.gpu1"])]
+    token = client.get(keys.gang("n0.gpu1")).decode()
+    assert token.startswith("j/a#") and not client.exists(keys.gang("n0.gpu0"))
+    assert work.launched[0][1].gang_token == token and running(client, "j")["a"].token == token
+    assert 20_000 < client.pttl(keys.gang("n0.gpu1")) <= 30_000
+    assert state(client, "j")["head"] == "b" and client.hkeys(keys.job_queue("j")) == [b"b"]
+
+
+def test_a_pinned_job_waits_while_its_slot_is_busy(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0), make_slot("n0", 1))
+    client.set(keys.gang("n0.gpu1"), "other/x#1")
+    active(client, work, make_spec(tmp_path, pinned=[["n0.gpu1"]]), exp("a"))
+    free = make_spec(tmp_path, "free")
+    active(client, work, free, exp("f"))
+    dispatch(client, work)
+    assert started(work) == [("f", ["n0.gpu0"])]
+    assert client.exists(keys.job_spec("j")) and state(client, "j")["head"] == "a"
+
+
+def test_a_pinned_job_on_a_missing_slot_is_refused_once(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0))
+    active(client, work, make_spec(tmp_path, pinned=[["n0.gpu0", "n0.gpu3"]]), exp("a"), exp("b"))
+    other = make_spec(tmp_path, "other")
+    active(client, work, other, exp("o"))
+    dispatch(client, work)
+    assert events(client, "j") == [{"kind": "failed", "usage": True, "error":
+                                    "no live slot worker for n0.gpu3: start `celery -A tasks worker -Q gpu<i> "
+                                    "-n gpu<i>@<host>` there, or change the selection"}]
+    assert not client.exists(keys.job_spec("j"), keys.job_state("j"), keys.job_queue("j"))
+    assert client.zrange(keys.JOBS, 0, -1) == [b"other"] and started(work) == [("o", ["n0.gpu0"])]
+
+
+# ---------------------------------------------------------------- refusal of shapes the cluster lacks
+
+
+def test_a_job_that_never_launched_is_refused_at_once_and_once(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0), make_slot("n0", 1))
+    active(client, work, make_spec(tmp_path), exp("fits"), exp("wide", gpus=3), exp("wider", gpus=4))
+    other = make_spec(tmp_path, "other")
+    active(client, work, other, exp("o"))
+    dispatch(client, work)
+    error = ("wide needs 1 node(s) x 3 slot(s) but the cluster has 1 node(s) with at most 2 slot(s) each; "
+             "use --num_nodes 1 --num_gpus 2 or fewer")
+    assert events(client, "j") == [{"kind": "failed", "error": error, "usage": True}]
+    assert not client.exists(keys.job_state("j"), keys.job_spec("j"))  # nothing published after the end
+    assert started(work) == [("o", ["n0.gpu0"])]  # "fits" belonged to the refused job
+
+
+def test_a_job_that_launched_gets_a_grace_period(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0))
+    active(client, work, make_spec(tmp_path), exp("wide", gpus=2), exp("wider", gpus=3))
+    client.hset(keys.job_state("j"), "dispatched", 1)
+    before = time.time()
+    dispatch(client, work)
+    since = float(client.hget(keys.job_state("j"), "misfit_since"))
+    assert before <= since <= time.time() and events(client, "j") == []
+    client.hset(keys.job_state("j"), "misfit_since", time.time() - REFUSE_GRACE_S + 30)
+    dispatch(client, work)
+    assert events(client, "j") == [] and client.exists(keys.job_spec("j"))
+    client.hset(keys.job_state("j"), "misfit_since", time.time() - REFUSE_GRACE_S - 1)
+    dispatch(client, work)
+    assert [e["kind"] for e in events(client, "j")] == ["failed"] and not client.exists(keys.job_spec("j"))
+    assert events(client, "j")[0]["error"].startswith("wide needs 1 node(s) x 2 slot(s)")
+
+
+def test_a_shape_that_fits_again_clears_the_misfit(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0))
+    client.set(keys.gang("n0.gpu0"), "other/x#1")
+    active(client, work, make_spec(tmp_path), exp("a"))
+    client.hset(keys.job_state("j"), mapping={"dispatched": 1, "misfit_since": 5.0})
+    dispatch(client, work)
+    assert not client.hexists(keys.job_state("j"), "misfit_since") and work.launched == []
+
+
+def test_refusal_messages() -> None:
+    cpu = [make_slot("n0", 0, memory=2 * GiB), make_slot("n0", 1, memory=GiB), make_slot("n1", 0, memory=GiB)]
+    big_gpu = make_slot("g", 0, "cuda", memory=80 * GiB)
+    assert refusal(exp("e"), []) == ("no live slot workers: start them with `celery -A tasks worker -Q gpu0 "
+                                     "-n gpu0@%h` (one per device)")
+    assert refusal(exp("e"), cpu, "cuda") == (
+        "e was sized for CUDA slots but the cluster has only CPU slots; start CUDA slot workers or run the "
+        "command again to size the search for these")
+    assert refusal(exp("e"), [*cpu, big_gpu, make_slot("h", 0, "other")], "rocm").endswith(
+        "cluster has only CPU, CUDA, OTHER slots; start ROCM slot workers or run the command again to size "
+        "the search for these")
+    assert refusal(exp("e", memory=3 * GiB), [*cpu, big_gpu], "cpu") == (
+        "e needs slots with 3.0 GiB but the largest slot has 2.0 GiB; ask for at most that (--min-slot-memory)")
+    assert refusal(exp("e", nodes=2, memory=3 * GiB), [*cpu, big_gpu]) == (
+        "e needs 2 node(s) x 1 slot(s) but the cluster has 1 node(s) with at most 1 slot(s) each of 3.0 GiB; "
+        "use --num_nodes 1 --num_gpus 1 or fewer")
+    assert refusal(exp("e", nodes=3, gpus=2, memory=GiB), cpu, "cpu") == (
+        "e needs 3 node(s) x 2 slot(s) but the cluster has 2 node(s) with at most 2 slot(s) each of 1.0 GiB; "
+        "use --num_nodes 2 --num_gpus 2 or fewer")
+    assert refusal(exp("e", nodes=2, gpus=3), cpu) == (
+        "e needs 2 node(s) x 3 slot(s) but the cluster has 2 node(s) with at most 2 slot(s) each; "
+        "use --num_nodes 2 --num_gpus 2 or fewer")
+
+
+def test_refusal_names_loopback_nodes_of_a_multi_node_shape() -> None:
+    slots = [make_slot("b", 0, address="127.0.0.1"), make_slot("a", 0, address="localhost"),
+             make_slot("a", 1, address="localhost"), make_slot("c", 0), make_slot("d", 0, memory=GiB // 2)]
+    assert refusal(exp("e", nodes=2), slots) == (
+        "e spans 2 nodes but node(s) a, b advertise a loopback address their peers cannot reach (they reach Redis "
+        "over loopback); start their workers with AUTOTUNE_ADDRESS=<an address the other nodes reach>")
+    assert refusal(exp("e", nodes=3, memory=GiB), slots).startswith("e spans 3 nodes but node(s) a, b")
+    # too few nodes of the memory asked for: the shape, not the addresses, is the reason
+    assert refusal(exp("e", nodes=4, memory=GiB), slots).startswith("e needs 4 node(s) x 1 slot(s) but the cluster has 3")
+    assert refusal(exp("e", nodes=1, gpus=3), slots).startswith("e needs 1 node(s) x 3 slot(s)")
+    routable = [make_slot("c", 0), make_slot("c", 1)]
+    assert refusal(exp("e", nodes=2), routable).startswith("e needs 2 node(s) x 1 slot(s) but the cluster has 1 node(s)")
+
+
+# ---------------------------------------------------------------- the chord callback's bookkeeping
+
+
+def _dispatched(client: redis.Redis, work, tmp_path: Path, name: str = "a") -> FinishSpec:
+    register(client, make_slot("n0", 0), make_slot("n0", 1))
+    active(client, work, make_spec(tmp_path), exp(name, 2, 8, gpus=2))
+    dispatch(client, work)
+    return work.launched[-1][1]
+
+
+def test_record_finished_frees_closes_and_tells_once(client: redis.Redis, work, tmp_path: Path) -> None:
+    finish = _dispatched(client, work, tmp_path)
+    record = {"name": "a", "status": "ok", "wall_s": 12.5, "metrics": {"throughput": 3.0}}
+    assert record_finished(client, finish, record) is True
+    assert not client.exists(keys.gang("n0.gpu0"), keys.gang("n0.gpu1"))
+    assert client.hlen(keys.job_running("j")) == 0 and client.smembers(keys.job_recorded("j")) == {b"a"}
+    assert client.hgetall(keys.job_walls("j")) == {b"2/8": b"[12.5]"}
+    assert events(client, "j") == [{"kind": "record", "record": record}]
+    assert record_finished(client, finish, record) is False  # stale: closed already
+    assert events(client, "j") == [{"kind": "record", "record": record}]
+    assert client.hgetall(keys.job_walls("j")) == {b"2/8": b"[12.5]"}
+
+
+@pytest.mark.parametrize("record", [{"status": "oom", "wall_s": 3.0}, {"status": "ok", "wall_s": 0},
+                                    {"status": "ok"}, {"wall_s": 4.0}])
+def test_only_a_measured_ok_run_counts_as_a_wall_time(client: redis.Redis, work, tmp_path: Path, record) -> None:
+    finish = _dispatched(client, work, tmp_path)
+    assert record_finished(client, finish, record) is True
+    assert not client.exists(keys.job_walls("j")) and events(client, "j") == [{"kind": "record", "record": record}]
+
+
+def test_a_stale_finish_frees_only_its_own_slots(client: redis.Redis, work, tmp_path: Path) -> None:
+    finish = _dispatched(client, work, tmp_path)
+    client.set(keys.gang("n0.gpu1"), "newer#1")  # its slot was given to a newer launch meanwhile
+    JobStore(client, "j").give_up(running(client, "j")["a"])
+    assert record_finished(client, finish, {"status": "ok", "wall_s": 1.0}) is False
+    assert client.keys(keys.gang("*")) == [keys.gang("n0.gpu1").encode()]
+    assert client.get(keys.gang("n0.gpu1")) == b"newer#1" and events(client, "j") == []
+    other = FinishSpec.from_json({**finish.to_json(), "attempt": "another"})
+    JobStore(client, "j").update_running(RunningLaunch(1, exp("a", 2, 8), [], "current", [], "t", {}, 0, 0))
+    assert record_finished(client, other, {"status": "ok", "wall_s": 1.0}) is False
+    assert "a" in running(client, "j") and not client.exists(keys.job_walls("j"))
+
+
+# ---------------------------------------------------------------- lost launches: why, and what then
+
+START, LEASE = 1000.0, 30.0
+
+
+def _running_launch(client: redis.Redis, work, tmp_path: Path, **changes) -> tuple:
+    """A running launch on n0.gpu0 + n0.gpu1 started at START, due at START + 200, stored in Redis."""
+    spec = make_spec(tmp_path, lease_s=LEASE, lost_grace_s=20.0)
+    submit(client, work, spec)
+    gangs = GangReservations(client)
+    token = gangs.reserve(["n0.gpu0", "n0.gpu1"], 60)
+    launch = RunningLaunch(seq=7, exp=exp("a"), argv=["t.py"], attempt="att", queues=["n0.gpu0", "n0.gpu1"],
+                           token=token, rank_tasks={"n0.gpu0": "t0", "n0.gpu1": "t1"}, started=START,
+                           deadline=START + 200, instances={"n0.gpu0": "i0", "n0.gpu1": "i1"}, **changes)
+    store = JobStore(client, "j")
+    store.update_running(launch)
+    return spec, store, gangs, launch
+
+
+LIVE = {"n0.gpu0": "i0", "n0.gpu1": "i1", "n0.gpu2": "i2"}
+
+
+def test_a_healthy_launch_is_not_lost(client: redis.Redis, work, tmp_path: Path) -> None:
+    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
+    for now in (START + 1, START + LEASE + 1, START + 200):
+        assert _why_lost(store, work, gangs, spec, launch, LIVE, now) is None
+    assert running(client, "j")["a"] == launch  # nothing rewritten
+
+
+def test_past_the_deadline_a_launch_is_lost(client: redis.Redis, work, tmp_path: Path) -> None:
+    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
+    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + 200.5) == (
+        "no record from the slot workers within the time limit plus 20s (a worker or node died, or Redis lost the task)")
+
+
+def test_a_restarted_worker_loses_the_launch(client: redis.Redis, work, tmp_path: Path) -> None:
+    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
+    live = {**LIVE, "n0.gpu1": "i1-new"}
+    assert _why_lost(store, work, gangs, spec, launch, live, START + 1) == "the worker of n0.gpu1 restarted during the run"
+    live["n0.gpu0"] = "i0-new"
+    assert _why_lost(store, work, gangs, spec, launch, live, START + 1) == (
+        "the worker of n0.gpu0, n0.gpu1 restarted during the run")
+
+
+def test_a_slot_gone_longer_than_its_heartbeats_loses_the_launch(client: redis.Redis, work, tmp_path: Path) -> None:
+    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
+    live = {"n0.gpu0": "i0"}
+    assert _why_lost(store, work, gangs, spec, launch, live, START + 5) is None
+    seen = running(client, "j")["a"]
+    assert seen.missing_since == START + 5 and seen.queues == launch.queues  # first seen gone, recorded
+    assert _why_lost(store, work, gangs, spec, seen, live, START + 5 + SLOT_GONE_S) is None
+    assert running(client, "j")["a"].missing_since == START + 5  # the first sighting is kept
+    assert _why_lost(store, work, gangs, spec, seen, live, START + 5.5 + SLOT_GONE_S) == (
+        "the worker of n0.gpu1 stopped sending heartbeats")
+    assert _why_lost(store, work, gangs, spec, seen, {}, START + 5.5 + SLOT_GONE_S) == (
+        "the worker of n0.gpu0, n0.gpu1 stopped sending heartbeats")
+    # back again: an old sighting alone loses nothing
+    assert _why_lost(store, work, gangs, spec, seen, LIVE, START + 100) is None
+
+
+def test_a_slot_gone_since_before_the_deadline_is_reported_as_the_deadline(client: redis.Redis, work,
+                                                                           tmp_path: Path) -> None:
+    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
+    why = _why_lost(store, work, gangs, spec, launch, {"n0.gpu0": "i0"}, START + 201)
+    assert why.startswith("no record from the slot workers") and running(client, "j")["a"].missing_since == START + 201
+
+
+def test_a_lapsed_lease_of_a_silent_rank_loses_the_launch(client: redis.Redis, work, tmp_path: Path) -> None:
+    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
+    client.delete(keys.gang("n0.gpu0"), keys.gang("n0.gpu1"))
+    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + LEASE) is None  # not yet a full lease
+    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + LEASE + 0.5) == (
+        "the lease of n0.gpu0, n0.gpu1 expired: its rank stopped renewing it (worker or node gone)")
+    work.reported.add("t0")  # rank 0 reported: only rank 1 is silent
+    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + LEASE + 0.5) == (
+        "the lease of n0.gpu1 expired: its rank stopped renewing it (worker or node gone)")
+    work.reported.add("t1")  # every rank reported: the record is on its way
+    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + LEASE + 0.5) is None
+
+
+def test_a_silent_rank_that_still_renews_is_not_lost(client: redis.Redis, work, tmp_path: Path) -> None:
+    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
+    client.delete(keys.gang("n0.gpu0"))  # rank 0 reported and stopped renewing; rank 1 still runs
+    work.reported.add("t0")
+    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + 100) is None
+    client.set(keys.gang("n0.gpu1"), "newer#1")  # its slot now belongs to another launch
+    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + 100).startswith("the lease of n0.gpu1 expired")
+
+
+def test_a_lost_launch_with_attempts_left_waits_again(client: redis.Redis, work, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
+    client.set(keys.gang("n0.gpu1"), "newer#1")
+    client.hset(keys.job_attempts("j"), "a", 1)
+    with caplog.at_level(logging.WARNING, logger="scheduler.dispatch"):
+        assert _lose(client, work, spec, launch, "why") is False
+    assert caplog.messages == ["a lost (why); retrying, attempt 2 of 2"]
+    assert work.revoked == ["t0", "t1"]
+    assert client.keys(keys.gang("*")) == [keys.gang("n0.gpu1").encode()]  # token-checked release
+    assert client.hlen(keys.job_running("j")) == 0
+    assert json.loads(client.hget(keys.job_queue("j"), "a")) == {"seq": 7, "exp": exp("a"), "argv": ["t.py"]}
+    assert client.zrange(keys.job_queue_shape("j", "1x1:0"), 0, -1, withscores=True) == [(b"a", 7.0)]
+    assert events(client, "j") == [] and not (tmp_path / "j").exists()
+
+
+def test_a_lost_launch_out_of_attempts_is_recorded_lost(client: redis.Redis, work, tmp_path: Path) -> None:
+    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
+    client.hset(keys.job_attempts("j"), "a", 2)
+    assert _lose(client, work, spec, launch, "why") is True
+    record = {"name": "a", "status": "lost", "metrics": None, "ds_config": exp("a")["ds_config"],
+              "slots": ["n0.gpu0", "n0.gpu1"], "cause": {"error": "why; gave up after 2 attempts"}}
+    assert json.loads((tmp_path / "j" / "a" / "result.json").read_text()) == record
+    assert events(client, "j") == [{"kind": "record", "record": record}]
+    assert client.hlen(keys.job_running("j")) == 0 and client.hlen(keys.job_queue("j")) == 0
+    assert client.smembers(keys.job_recorded("j")) == {b"a"} and not client.keys(keys.gang("*"))
+    assert work.revoked == ["t0", "t1"]
+
+
+def test_the_attempt_cap_ends_in_lost(client: redis.Redis, work, tmp_path: Path) -> None:
+    """A launch that never reports is retried while attempts remain, then recorded `lost`, once."""
+    spec = make_spec(tmp_path, "capped", timeout_s=1.0, max_attempts=3)
+    submit(client, work, spec)
+    register(client, make_slot("n", 0))
+    launch = enqueue(client, spec, exp("z0_gas1_tmbspg1"))[0]
+    gangs, store = GangReservations(client), JobStore(client, "capped")
+    outcomes = []
+    for attempt in range(1, 4):
+        token = gangs.reserve(["n.gpu0"], 30)
+        assert token is not None
+        store.start(launch, RunningLaunch(1, launch.exp, ["t.py"], f"att{attempt}", ["n.gpu0"], token,
+                                          {"n.gpu0": f"task{attempt}"}, time.time() - 100, time.time() - 1,
+                                          {"n.gpu0": "inst-n-0"}))
+        outcomes.append(sweep(client, work))
+        assert gangs.held(["n.gpu0"]) == set()  # every lost launch frees its slot
+        assert client.hexists(keys.job_queue("capped"), launch.name) is (attempt < 3), f"attempt {attempt}"
+    assert outcomes == [set(), set(), {"capped"}]
+    assert work.revoked == ["task1", "task2", "task3"]
+    record = json.loads((tmp_path / "capped" / launch.name / "result.json").read_text())
+    assert record["status"] == "lost" and record["cause"]["error"] == (
+        "no record from the slot workers within the time limit plus 20s (a worker or node died, or Redis lost "
+        "the task); gave up after 3 attempts")
+    assert client.smembers(keys.job_recorded("capped")) == {launch.name.encode()}
+    assert sweep(client, work) == set() and len(events(client, "capped")) == 1  # recorded once
+
+
+def test_sweep_checks_every_running_launch_of_every_job(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0), make_slot("n0", 1), make_slot("n0", 2))
+    now = time.time()
+    specs = {job: make_spec(tmp_path, job, max_attempts=1, lease_s=120.0) for job in ("j1", "j2", "j3")}
+    gangs = GangReservations(client)
+    for i, (job, spec) in enumerate(specs.items()):
+        submit(client, work, spec)
+        token = gangs.reserve([f"n0.gpu{i}"], 60)
+        due = now - 1 if job != "j2" else now + 500
+        JobStore(client, job).update_running(RunningLaunch(1, exp(f"e{i}"), ["t.py"], "att", [f"n0.gpu{i}"], token,
+                                                           {f"n0.gpu{i}": f"t{i}"}, now, due,
+                                                           {f"n0.gpu{i}": f"inst-n0-{i}"}))
+    client.hset(keys.job_attempts("j3"), "e2", 1)
+    assert sweep(client, work) == {"j3"}  # j1's first attempt waits again; j3's is recorded lost
+    assert sorted(work.revoked) == ["t0", "t2"] and gangs.held(["n0.gpu0", "n0.gpu1", "n0.gpu2"]) == {"n0.gpu1"}
+    assert client.hkeys(keys.job_queue("j1")) == [b"e0"] and client.smembers(keys.job_recorded("j3")) == {b"e2"}
+    assert list(running(client, "j2")) == ["e1"]
+    # a launch whose lease lapsed while its rank stayed silent is lost too
+    client.delete(keys.gang("n0.gpu1"))
+    JobStore(client, "j2").update_running(replace(running(client, "j2")["e1"], started=now - 200))
+    client.hset(keys.job_attempts("j2"), "e1", 1)
+    assert sweep(client, work) == {"j2"} and work.revoked[-1] == "t1"
+    assert json.loads((tmp_path / "j2" / "e1" / "result.json").read_text())["cause"]["error"] == (
+        "the lease of n0.gpu1 expired: its rank stopped renewing it (worker or node gone); gave up after 1 attempts")
+    JobStore(client, "j2").update_running(RunningLaunch(1, exp("e1"), ["t.py"], "att2", ["n0.gpu1"], "x",
+                                                        {"n0.gpu1": "t1"}, time.time(), now + 500,
+                                                        {"n0.gpu1": "inst-n0-1"}))
+    # a slot whose worker vanished is noted in the running launch by the sweep itself
+    client.delete(keys.slot("n0.gpu1"))
+    assert sweep(client, work) == set()
+    assert running(client, "j2")["e1"].missing_since is not None

@@ -1,0 +1,65 @@
+"""The chord callback (`tasks.experiment.finish_experiment`) run in this process against a real
+redis-server: the record goes to disk before anything else, field by field as the ranks reported it,
+and a callback whose ranks were all stale (a newer launch owns the folder) writes nothing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+
+from scheduler.launches import FinishSpec
+from tasks import experiment as experiment_tasks
+
+
+@pytest.fixture
+def callback(client: redis.Redis, work, monkeypatch):
+    monkeypatch.setattr(experiment_tasks, "redis_client", lambda conf: client)
+    monkeypatch.setattr(experiment_tasks, "WORK", work)
+    return experiment_tasks.finish_experiment.run
+
+
+def finish(tmp_path: Path, metric_file: str = "metrics.json") -> dict:
+    return FinishSpec(job="j", name="z1_gas1_tmbspg4", exp_id=7, attempt="att-1", slots=["n.gpu0", "n.gpu1"],
+                      gang_token="tok", results_root=str(tmp_path), world_size=2,
+                      ds_config={"train_micro_batch_size_per_gpu": 4}, timeout_s=60.0,
+                      metric_file=metric_file).to_json()
+
+
+def rank(index: int, status: str = "ok", **fields) -> dict:
+    return {"rank": index, "status": status, "slot": f"n.gpu{index}", "started_at": 100.0 + index,
+            "ended_at": 110.0 + index, "peak_rss_bytes": (index + 1) * 2**20, **fields}
+
+
+def test_an_ok_experiment_is_written_as_its_ranks_reported_it(callback, tmp_path: Path) -> None:
+    returned = callback([rank(1), rank(0, metrics={"throughput": 12.5, "latency": 80.0})], finish(tmp_path))
+    folder = tmp_path / "z1_gas1_tmbspg4"
+    assert json.loads((folder / "metrics.json").read_text()) == {"throughput": 12.5, "latency": 80.0}
+    record = json.loads((folder / "result.json").read_text())
+    assert record == returned
+    assert (record["name"], record["exp_id"], record["status"]) == ("z1_gas1_tmbspg4", 7, "ok")
+    assert record["slots"] == ["n.gpu0", "n.gpu1"] and record["ds_config"] == {"train_micro_batch_size_per_gpu": 4}
+    assert (record["started_at"], record["ended_at"], record["wall_s"]) == (100.0, 111.0, 11.0)
+    assert record["peak_rss_bytes"] == 2 * 2**20
+
+
+def test_a_failed_rank_fails_the_experiment_and_leaves_no_metrics_file(callback, tmp_path: Path) -> None:
+    callback([rank(0, metrics={"throughput": 12.5}), rank(1, "oom", exit=1)], finish(tmp_path))
+    folder = tmp_path / "z1_gas1_tmbspg4"
+    record = json.loads((folder / "result.json").read_text())
+    assert record["status"] == "oom" and record["metrics"] is None and record["cause"]["rank"] == 1
+    assert not (folder / "metrics.json").exists()
+
+
+def test_the_profile_run_keeps_its_own_metrics_file(callback, tmp_path: Path) -> None:
+    callback([rank(0, metrics={"num_params": 10}), rank(1)], finish(tmp_path, metric_file="model_info.json"))
+    folder = tmp_path / "z1_gas1_tmbspg4"
+    assert json.loads((folder / "result.json").read_text())["status"] == "ok"
+    assert not (folder / "metrics.json").exists() and not (folder / "model_info.json").exists()
+
+
+def test_ranks_that_were_all_stale_write_nothing(callback, client: redis.Redis, tmp_path: Path) -> None:
+    returned = callback([rank(0, "lost", stale=True), rank(1, "lost", stale=True)], finish(tmp_path))
+    assert returned == {"name": "z1_gas1_tmbspg4", "status": "lost", "stale": True}
+    assert list(tmp_path.iterdir()) == [] and client.keys("*") == []

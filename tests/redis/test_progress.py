@@ -1,0 +1,134 @@
+"""A job's step (`scheduler.progress`) against a real redis-server, with no Celery: a fixed job of two
+experiments is advanced step by step while its records appear on disk, and every expectation is read
+back from the raw keys (queue, state hash, events list) and compared with what the module docstring
+says the step does."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+
+from scheduler import progress
+from scheduler.job_store import JobStore
+from scheduler.jobs import JobSpec, load_spec, submit
+from scheduler.live_search import LiveSearches
+from scheduler.progress import advance, record_lookup
+from scheduler.space import Experiment
+from workers import keys
+
+CONFIGS = {"a": {"train_micro_batch_size_per_gpu": 1}, "b": {"train_micro_batch_size_per_gpu": 2}}
+
+
+def experiment(name: str) -> Experiment:
+    return Experiment(name, 0, CONFIGS[name]["train_micro_batch_size_per_gpu"], 1, CONFIGS[name])
+
+
+def fixed_job(tmp_path: Path, max_attempts: int = 2) -> JobSpec:
+    return JobSpec(job="j", results_root=str(tmp_path / "results"), cwd=str(tmp_path), timeout_s=100.0,
+                   experiments=[{**experiment(n).to_json(), "argv": ["train.py", "--exp", n]} for n in ("a", "b")],
+                   lease_s=30.0, lost_grace_s=20.0, max_attempts=max_attempts)
+
+
+def write_record(spec: JobSpec, name: str, **fields) -> None:
+    folder = Path(spec.results_root) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"name": name, "status": "ok", "ds_config": CONFIGS[name], "metrics": {"throughput": 1.0}, **fields}
+    (folder / "result.json").write_text(json.dumps(record))
+
+
+def events(client: redis.Redis) -> list[dict]:
+    return [json.loads(raw) for raw in client.lrange(keys.job_events("j"), 0, -1)]
+
+
+def queue(client: redis.Redis) -> dict[str, list[str]]:
+    store = JobStore(client, "j")
+    return {launch.name: launch.argv for launch in store.queued(sorted(store.queued_names()))}
+
+
+@pytest.fixture(autouse=True)
+def fresh_searches(monkeypatch) -> None:
+    """Each test starts as a new control process: no live search left by another test."""
+    monkeypatch.setattr(progress, "LIVE_SEARCHES", LiveSearches())
+
+
+def test_a_fixed_job_queues_its_phase_once_and_ends_when_every_record_is_in(client, work, tmp_path: Path) -> None:
+    spec = fixed_job(tmp_path)
+    submit(client, work, spec)
+    advance(client, "j")
+    assert queue(client) == {"a": ["train.py", "--exp", "a"], "b": ["train.py", "--exp", "b"]}
+    assert client.hget(keys.job_state("j"), "phase") == b"run"
+    assert events(client) == [{"kind": "phase", "name": "run", "todo": 2, "reused": 0}]
+
+    advance(client, "j")  # nothing new: nothing queued twice, no second phase event
+    assert JobStore(client, "j").depth() == 2 and len(events(client)) == 1
+
+    store = JobStore(client, "j")
+    [launch_a] = store.queued(["a"])
+    store.unqueue(launch_a)
+    write_record(spec, "a")
+    client.sadd(keys.job_recorded("j"), "a")
+    advance(client, "j")
+    assert queue(client) == {"b": ["train.py", "--exp", "b"]} and load_spec(client, "j") == spec
+
+    [launch_b] = store.queued(["b"])
+    store.unqueue(launch_b)
+    write_record(spec, "b")
+    client.sadd(keys.job_recorded("j"), "b")
+    advance(client, "j")
+    assert events(client)[-1] == {"kind": "done", "winner": None}
+    assert load_spec(client, "j") is None and not client.exists(keys.job_queue("j"))
+
+
+def test_a_rebuilt_step_unqueues_what_an_older_launch_already_answered(client, work, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """Redis lost track of a finished launch: its record is on disk and marked recorded, yet the name
+    is still queued. A new control process rebuilds the search and takes it off the queue."""
+    spec = fixed_job(tmp_path)
+    submit(client, work, spec)
+    advance(client, "j")
+    write_record(spec, "a")
+    client.sadd(keys.job_recorded("j"), "a")
+    monkeypatch.setattr(progress, "LIVE_SEARCHES", LiveSearches())
+    advance(client, "j")
+    assert set(queue(client)) == {"b"}
+
+
+def test_a_step_that_fails_ends_the_job_with_the_error(client, work, tmp_path: Path) -> None:
+    spec = fixed_job(tmp_path)
+    spec.experiments[1].pop("stage")
+    submit(client, work, spec)
+    advance(client, "j")
+    last = events(client)[-1]
+    assert last["kind"] == "failed" and last["usage"] is False and last["error"].startswith("TypeError")
+    assert load_spec(client, "j") is None
+
+
+def test_advancing_a_job_that_is_gone_does_nothing(client) -> None:
+    advance(client, "nobody")
+    assert client.keys("*") == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "recorded", "attempts", "answers"),
+    [({}, True, 0, True),
+     ({}, False, 0, False),  # a fixed job never reuses a record made before it
+     ({"stale": True}, True, 0, False),
+     ({"ds_config": {"train_micro_batch_size_per_gpu": 9}}, True, 0, False),  # another config's folder
+     ({"status": "lost"}, True, 1, False),  # lost with an attempt left: run again
+     ({"status": "lost"}, True, 2, True)],  # lost with none left: the record stands
+)
+def test_which_record_on_disk_answers_an_experiment(client, work, tmp_path: Path, fields: dict, recorded: bool,
+                                                    attempts: int, answers: bool) -> None:
+    spec = fixed_job(tmp_path, max_attempts=2)
+    submit(client, work, spec)
+    write_record(spec, "a", **fields)
+    if recorded:
+        client.sadd(keys.job_recorded("j"), "a")
+    if attempts:
+        client.hset(keys.job_attempts("j"), "a", attempts)
+    found = record_lookup(client, spec)(experiment("a"))
+    assert (found is not None) is answers
+    if answers:
+        assert found["name"] == "a" and found["ds_config"] == CONFIGS["a"]

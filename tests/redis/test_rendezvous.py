@@ -1,0 +1,61 @@
+"""Where the ranks of one experiment meet (`workers.rendezvous`), against a real redis-server: what rank 0
+leaves in Redis, what each waiting rank takes, and a rank that hears nothing giving up on time while
+its lease keeps being renewed."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import redis
+
+from workers import keys
+from workers.rendezvous import KEY_TTL_S, free_port, publish, wait
+
+
+def test_free_port_can_be_bound_on_the_address() -> None:
+    port = free_port("127.0.0.1")
+    assert 1024 <= port <= 65535
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_rank_0_leaves_one_address_per_waiting_rank_with_a_ttl(client: redis.Redis) -> None:
+    publish(client, "attempt-1", "10.0.0.7", 29500, waiting_ranks=3)
+    key = keys.rendezvous("attempt-1")
+    assert client.lrange(key, 0, -1) == [b"10.0.0.7:29500"] * 3
+    assert KEY_TTL_S - 5 <= client.ttl(key) <= KEY_TTL_S
+
+
+def test_a_single_rank_experiment_leaves_nothing(client: redis.Redis) -> None:
+    publish(client, "attempt-1", "10.0.0.7", 29500, waiting_ranks=0)
+    assert client.keys("*") == []
+
+
+def test_each_waiting_rank_takes_one_address_ipv6_included(client: redis.Redis) -> None:
+    publish(client, "a", "::1", 41000, waiting_ranks=2)
+    assert wait(client, "a", timeout_s=5) == ("::1", 41000)
+    assert wait(client, "a", timeout_s=5) == ("::1", 41000)
+    assert not client.exists(keys.rendezvous("a"))  # all taken
+    assert wait(client, "other-attempt", timeout_s=1) is None  # attempts never share addresses
+
+
+def test_a_rank_waiting_before_rank_0_publishes_is_woken(client: redis.Redis) -> None:
+    got: list[tuple[str, int] | None] = []
+    waiter = threading.Thread(target=lambda: got.append(wait(client, "late", timeout_s=30)))
+    waiter.start()
+    time.sleep(0.5)
+    publish(client, "late", "10.0.0.9", 29600, waiting_ranks=1)
+    waiter.join(timeout=30)
+    assert got == [("10.0.0.9", 29600)]
+
+
+def test_a_rank_that_hears_nothing_gives_up_and_keeps_its_lease_meanwhile(client: redis.Redis) -> None:
+    renewals: list[float] = []
+    started = time.monotonic()
+    assert wait(client, "silent", timeout_s=3, keep_alive=lambda: renewals.append(time.monotonic()),
+                every_s=1) is None
+    waited = time.monotonic() - started
+    assert 3 <= waited < 3 + 5  # gives up after the timeout, give or take one blocking pop
+    assert len(renewals) >= 2  # renewed every second or so (a loaded machine may stretch a pop), not once
+    assert renewals[0] - started < 0.5
