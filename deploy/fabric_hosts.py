@@ -5,11 +5,13 @@ command line (built with shlex quoting) and a stdin payload, and returns the hos
 one line saying why there is none. User, port and key come from the SSH config (`~/.ssh/config`,
 or the file given), as `ssh HOST` would use them. Host keys are checked against known_hosts
 (the config's UserKnownHostsFile, else ~/.ssh/known_hosts); an unknown key is refused unless the
-caller explicitly accepts new ones, which are then added to that file. Fabric's own default
-(paramiko's AutoAddPolicy) would trust any host silently.
+caller explicitly accepts new ones, which are then appended to that file under a lock. Fabric's
+own default (paramiko's AutoAddPolicy) would trust any host silently, and it saves by rewriting
+the whole file without a lock, so hosts first reached in parallel can lose each other's keys.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import paramiko
 from fabric import Config, Connection
+from paramiko.hostkeys import HostKeyEntry, HostKeys
 
 from deploy.plan import is_local, remote_command
 
@@ -110,12 +113,39 @@ class Hosts:
         if self.accept_new:
             known.parent.mkdir(parents=True, exist_ok=True)
             known.touch(mode=0o600, exist_ok=True)
-            conn.client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+            conn.client.set_missing_host_key_policy(AppendNewHostKey(known))
         else:
             conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
         if known.is_file():
             conn.client.load_host_keys(str(known))
         return conn
+
+
+class AppendNewHostKey(paramiko.MissingHostKeyPolicy):
+    """Trusts a host key seen for the first time and appends it to known_hosts.
+
+    Why not paramiko's AutoAddPolicy: it re-reads the file, then truncates and rewrites it whole,
+    with no lock. When `deploy up` reaches new hosts in parallel, one connection can read while
+    another has just truncated, and its rewrite drops that host's key; the next command then
+    refuses the host. Here the file is re-read under an exclusive lock and only the new line is
+    appended; a different key recorded meanwhile for the same host is refused.
+    """
+
+    def __init__(self, known_hosts: Path) -> None:
+        self.known_hosts = known_hosts
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        with open(self.known_hosts, "a+") as file:
+            fcntl.flock(file, fcntl.LOCK_EX)
+            file.seek(0)
+            text = file.read()
+            known = HostKeys(str(self.known_hosts)).lookup(hostname) or {}
+            if key.get_name() in known and known[key.get_name()] != key:
+                raise paramiko.BadHostKeyException(hostname, key, known[key.get_name()])
+            if key.get_name() not in known:
+                file.write(("" if not text or text.endswith("\n") else "\n")
+                           + HostKeyEntry([hostname], key).to_line())
+        client.get_host_keys().add(hostname, key.get_name(), key)
 
 
 def _ssh_problem(exc: paramiko.SSHException) -> str:
