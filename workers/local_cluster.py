@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import redis
@@ -191,10 +191,10 @@ def _spawn(argv: list[str], log: Path, env: dict[str, str], death_signal: int,
     with open(log, "ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent(death_signal))
+                                start_new_session=True, preexec_fn=die_with_parent(death_signal))
 
 
-def _die_with_parent(sig: int):
+def die_with_parent(sig: int) -> Callable[[], None] | None:
     """A preexec hook asking Linux to send `sig` to the child when this process dies (no-op elsewhere)."""
     if not sys.platform.startswith("linux"):
         return None

@@ -8,7 +8,6 @@ twice) takes its server with it. Each test gets the database emptied first.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -19,12 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
+from workers.local_cluster import die_with_parent
 
 @pytest.fixture(scope="session")
 def redis_socket(tmp_path_factory) -> str:
@@ -33,7 +27,7 @@ def redis_socket(tmp_path_factory) -> str:
     workdir = tmp_path_factory.mktemp("redis-logic")
     socket = str(workdir / "redis.sock")
     proc = subprocess.Popen(["redis-server", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent(signal.SIGTERM))
     proc.stdin.write(f"port 0\nunixsocket {socket}\nunixsocketperm 700\nsave \"\"\nappendonly no\n"
                      f"dir {workdir}\n".encode())
     proc.stdin.close()
