@@ -30,12 +30,12 @@ from scheduler.full_space import full_experiments
 from scheduler.errors import ConfigError, UsageError
 from scheduler.memory import (
     GiB, SAFETY, MemoryModel, ModelInfo, Observation, StageFit, TrainingSetup, deepspeed_fp16,
-    deepspeed_max_micro_batch_size, deepspeed_stage_fits, overhead_from_profile, predict_max_micro_batch_size,
-    prior_overhead_bytes, untracked_reserve_bytes,
+    SharedFacts, deepspeed_max_micro_batch_size, deepspeed_stage_fits, overhead_from_profile,
+    predict_max_micro_batch_size, prior_overhead_bytes, shared_facts, untracked_reserve_bytes,
 )
 from scheduler.phases import Phase, Search
 from scheduler.ranking import best, metric_value
-from scheduler.sampled_search import race, sampled_stages, stages_near_leader
+from scheduler.sampled_search import confirm, sampled_stages, stages_near_leader
 from scheduler.space import PROFILE, Experiment, experiment_config, experiment_name
 from scheduler.tuners import TUNER_TYPES, StopRule, Trial, make_tuner, plan
 
@@ -272,7 +272,7 @@ def fast_search(settings: SearchSettings) -> Search:
         if not settings.fast:
             for stage, mbs, gas in stages_near_leader(session, stages):
                 yield from tune_full_space(session, stage, [mbs], mbs * gas)
-        yield from race(session)
+        yield from confirm(session)
         return
     carried_best = carried_max = 0
     carried_metric: float | None = None
@@ -358,6 +358,12 @@ class _Session:
         else:
             predicted = predict_max_micro_batch_size(self.model, stage, st.budget_bytes, self.observations(), safety)
         return min(predicted, st.micro_batch_cap)
+
+    def shared_facts(self, stage: int) -> SharedFacts:
+        """What the other stages' probes prove or predict about this stage's largest micro-batch."""
+        if self.settings.estimator == "deepspeed":
+            return SharedFacts()
+        return shared_facts(self.model, stage, self.settings.budget_bytes, self.observations())
 
     def smallest_failure(self, stage: int) -> int | None:
         return min((exp.micro_batch_size for exp, rec in self.stage_records(stage) if not _ok(rec)), default=None)

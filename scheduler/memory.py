@@ -329,7 +329,9 @@ def predict_max_micro_batch_size(model: MemoryModel, stage: int, capacity_bytes:
     the analytical difference between the two stages, else the analytical model. A known success is
     a lower bound; the prediction always stays below the smallest OOM seen at this stage, and below
     the nearest measured stage's smallest OOM moved by the same analytical difference (the fitted
-    line is an average; an OOM is where the peaks really are).
+    line is an average; an OOM is where the peaks really are). Every stage's probes bound every
+    other stage (`shared_facts`): proven bounds always, and, where no stage fitted a line (no peak
+    measured, or none that grows), the other stages' brackets moved by the analytical difference.
     """
     own = list(observations.get(stage, ()))
     line = _line_for(model, stage, observations)
@@ -340,9 +342,64 @@ def predict_max_micro_batch_size(model: MemoryModel, stage: int, capacity_bytes:
         borrowed = _borrowed_oom_bound(model, stage, observations, line.slope)
         if borrowed is not None:
             predicted = min(predicted, borrowed - 1)
+    facts = shared_facts(model, stage, capacity_bytes, observations)
+    if line is None:
+        if facts.predicted_failure is not None:
+            predicted = min(predicted, facts.predicted_failure - 1)
+        predicted = max(predicted, facts.predicted_success)
     largest_ok, smallest_oom = bounds(own)
     predicted = max(predicted, largest_ok)
-    return max(0, min(predicted, smallest_oom - 1)) if smallest_oom is not None else predicted
+    limit = min((m for m in (smallest_oom, facts.failure) if m is not None), default=None)
+    return max(0, min(predicted, limit - 1)) if limit is not None else predicted
+
+
+@dataclass(frozen=True)
+class SharedFacts:
+    """What the other stages' probes say about one stage's largest micro-batch.
+
+    Two kinds. Proven, from the order of model states (offload aside, a stage holding more at equal
+    size fails wherever one holding less failed, and one holding less runs wherever one holding more
+    ran): `success` (a size known to fit, 0: none) and `failure` (a size known not to, None: none).
+    Predicted, from another stage's ok/failed bracket moved by the analytical difference of model
+    states (`predicted_success`, `predicted_failure`): a bracket [a, b) on a stage with room R (the
+    budget less its fixed bytes) means a bytes-per-sample figure between R/b and R/a, so a stage
+    with room R' has its top in [a R'/R, b R'/R). This needs no measured peak, so it also steers
+    stages of a script whose memory the allocator does not see.
+    """
+
+    success: int = 0
+    failure: int | None = None
+    predicted_success: int = 0
+    predicted_failure: int | None = None
+
+
+def shared_facts(model: MemoryModel, stage: int, budget_bytes: int,
+                 observations: Mapping[int, Sequence[Observation]]) -> SharedFacts:
+    """`SharedFacts` for `stage` from every other stage's observations (see the class)."""
+    held = model.state(stage).total
+    room = budget_bytes - model.fixed_bytes(stage)
+    success, failure, predicted_success, predicted_failure = 0, None, 0, None
+    for other, found in observations.items():
+        if other == stage:
+            continue
+        largest_ok, smallest_oom = bounds(list(found))
+        other_held = model.state(other).total
+        if other_held >= held:
+            success = max(success, largest_ok)
+        if smallest_oom is not None and other_held <= held:
+            failure = smallest_oom if failure is None else min(failure, smallest_oom)
+        other_room = budget_bytes - model.fixed_bytes(other)
+        if room <= 0 or other_room <= 0:
+            continue
+        scale = room / other_room
+        if largest_ok:
+            predicted_success = max(predicted_success, math.floor(largest_ok * scale))
+        if smallest_oom is not None:
+            moved = math.ceil(smallest_oom * scale)
+            predicted_failure = moved if predicted_failure is None else min(predicted_failure, moved)
+    if predicted_failure is not None and predicted_success >= predicted_failure:
+        predicted_success, predicted_failure = 0, None  # the analytical difference contradicts the probes
+    return SharedFacts(success, failure, predicted_success, predicted_failure)
 
 
 def _borrowed_oom_bound(model: MemoryModel, stage: int, observations: Mapping[int, Sequence[Observation]],

@@ -41,9 +41,11 @@ allow more) and are replayed from records like every search here.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Generator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
+from scheduler.confirm import REPEAT_BUDGET, group_readings, next_repeat
 from scheduler.ranking import metric_value
 from scheduler.space import PROFILE, Experiment
 
@@ -52,30 +54,29 @@ if TYPE_CHECKING:
     from scheduler.phases import Phase
 
 Step = Generator["Phase", dict, Any]
-T = TypeVar("T")
 
 #: Refinement stops when the best size's measured neighbours are within this ratio of it.
 REFINE_RATIO = 1.45
 #: A stage stops probing upward after this many failed probes (the issue's target: at most 2).
 MAX_FAILURES = 2
+#: Before any size of the job ran, the top is halved after each failure up to this many times: a
+#: profile that understates the activations can over-predict the top by 2-4x. Once a stage ran
+#: something, another stage's top is predicted from it, and gets MAX_FAILURES.
+MAX_BLIND_FAILURES = 3
 #: A larger top (the memory line moved up after a probe) is probed only if it is at least this much
 #: larger than the largest size measured: a few percent more samples per micro-step change the
 #: throughput by less than the measurement noise.
 TOP_GAIN = 1.1
 #: At most this many sizes are measured per stage (a guard; refinement normally stops earlier).
 MAX_POINTS = 7
-#: The best config and the runner-up are re-measured once when they are closer than this: a coin
-#: toss under 2 % noise. Wider bands cost two launches on most scripts and, over the bench's
-#: surfaces, do not raise the share of searches within 1 % of the optimum.
-RACE_BAND = 0.005
-RACE_SIZE = 2
 #: Full mode explores the knobs of every stage whose fast-mode best is within this of the leader.
 FULL_MODE_BAND = 0.10
 #: ZeRO-3 is explored, although the incumbent's curve had turned, when it holds at least this many
 #: times the largest size ZeRO-1/2 hold: near a stage's memory cap the allocator's pressure slows it,
 #: and ZeRO-3 runs those sizes with that much more memory free (large models: bench/README.md).
 ZERO3_ROOM = 1.3
-REMEASURE_SUFFIX = "_r2"
+#: A re-measurement of `<name>` is `<name>_r2`, `<name>_r3`, ...: its own folder and record.
+REPEAT_NAME = re.compile(r"^(?P<original>.+)_r(?P<index>[2-9]|[1-9][0-9]+)$")
 #: The share of the memory budget the top probe may fill. Closer to 1 than memory.SAFETY: the
 #: budget already leaves out the untracked reserve, the line is fitted on two of the stage's own
 #: sizes before the top is probed, and a failure only costs one launch and bounds the stage.
@@ -160,11 +161,23 @@ def sampled_stages(session: _Session, stages: Sequence[int]) -> Step:
             if _top(session, stage) < ZERO3_ROOM * lighter:
                 continue  # ZeRO-3 moves more data than ZeRO-1/2 at equal size: it can only win on memory
             upside = True  # so much more memory free that it can win on memory pressure: explore it
+        if not (yield from _anchor(session, stage)):
+            continue
         size = min(inc_mbs, _top(session, stage))
         value = yield from _measure(session, stage, size, f"z{stage}_follow_{size}")
         explored.append(stage)
-        if value is not None and upside:
+        if value is not None and (upside or _wins(session, stage, size, value)):
             yield from _explore(session, stage, floor=size)
+
+
+def _wins(session: _Session, stage: int, size: int, value: float) -> bool:
+    """Without max_train_batch_size, whether the followed stage beat the incumbent at its size: its
+    space fills a step of its own top, so at equal size it may accumulate more and lead."""
+    st = session.settings
+    if st.samples_per_step:
+        return False
+    best = [v for s in range(4) if s != stage for v in _values(session, s).values() if v is not None]
+    return bool(best) and (value > max(best) if st.maximize else value < min(best))
 
 
 def lead_first(stages: Sequence[int], dp_size: int) -> list[int]:
@@ -181,25 +194,87 @@ def lead_first(stages: Sequence[int], dp_size: int) -> list[int]:
 def _explore(session: _Session, stage: int, floor: int = 0) -> Step:
     """Sample and refine one stage, above `floor`, until `next_size` says done (or the guards)."""
     st = session.settings
+    if not (yield from _anchor(session, stage)):
+        return
     if not _values(session, stage):
         top = _top(session, stage)
-        sizes = full_step_sizes(st.samples_per_step, top)
+        sizes = _candidates(session, stage)
         low = snap(max(1.0, top / 4), sizes) if sizes else top
         if low < top:
             yield from _measure(session, stage, low, f"z{stage}_sample_{low}")
     while True:
         values = _values(session, stage)
-        if len(values) >= MAX_POINTS:
+        if sum(v is not None for v in values.values()) >= MAX_POINTS:
             return
-        sizes = [m for m in full_step_sizes(st.samples_per_step, _top(session, stage)) if m >= floor]
+        sizes = [m for m in _candidates(session, stage) if m >= floor]
         size = next_size({m: v for m, v in values.items() if m >= floor}, sizes, st.maximize)
         if size is None:
             return
         yield from _measure(session, stage, size, f"z{stage}_sample_{size}")
 
 
+def _candidates(session: _Session, stage: int) -> list[int]:
+    """The sizes worth measuring in the stage now: the full-step sizes of its space, and its top.
+    Without max_train_batch_size the space ends at the largest size known to run; a top above it
+    is probed at the user's gas and, once it runs, widens the space."""
+    top = _top(session, stage)
+    step = samples_per_step(session, stage)
+    if session.settings.samples_per_step:
+        return full_step_sizes(step, top)
+    known = min(top, _known_feasible(session, stage) or top)
+    return full_step_sizes(step, known) + ([top] if top > known else [])
+
+
+def samples_per_step(session: _Session, stage: int) -> int:
+    """The samples per GPU per optimizer step a stage's configs fill (the space searched).
+
+    With max_train_batch_size, what it allows. Without it, DeepSpeed's rule (its mtbpg): the stage's
+    largest feasible micro-batch times the user's gas, so a size below the top gets the accumulation
+    that fills the same step. Feasible means known to run (`_known_feasible`). Before the stage's
+    top has run, the predicted top stands in: the lead stage's low probe is measured at the gas
+    that fills the predicted step (the top probe usually confirms it), and a followed stage is
+    anchored first (`_anchor`), so the step never outgrows what the stage can hold.
+    """
+    st = session.settings
+    if st.samples_per_step:
+        return st.samples_per_step
+    return max(1, st.gradient_accumulation_steps) * max(1, _known_feasible(session, stage) or _top(session, stage))
+
+
+def _known_feasible(session: _Session, stage: int) -> int:
+    """The largest size the stage ran at the user's gas (0: none yet): its top, as DeepSpeed's max
+    probes find it (the sizes sampled below the top run at more gas). Another stage's success does
+    not count: a stage holding less may hold much more, and its space is bounded by its own top."""
+    gas = session.settings.gradient_accumulation_steps
+    return max((exp.micro_batch_size for exp, record in session.stage_records(stage)
+                if record.get("status") == "ok" and exp.gradient_accumulation_steps <= gas and not exp.tuning_space),
+               default=0)
+
+
+def _anchor(session: _Session, stage: int) -> Step:
+    """Without max_train_batch_size, probe the stage's top (at the user's gas) until a size runs, as
+    DeepSpeed's max probes do, so its space is bounded by a size it can hold; True once it is (at
+    once when a stage holding more already ran a size), False when the stage gave up."""
+    if session.settings.samples_per_step:
+        return True
+    while not _known_feasible(session, stage):
+        top = _top(session, stage)
+        if top < 1:
+            return False
+        yield from _measure(session, stage, top, f"z{stage}_top_{top}")
+    return True
+
+
+def gas_for(session: _Session, stage: int, mbs: int) -> int:
+    """The accumulation of `mbs` in the stage's space: what fills `samples_per_step`, at least the user's."""
+    st = session.settings
+    if st.samples_per_step:
+        return st.gas_for(mbs)
+    return max(1, st.gradient_accumulation_steps, samples_per_step(session, stage) // mbs)
+
+
 def _measure(session: _Session, stage: int, mbs: int, label: str) -> Step:
-    exp = session.experiment(stage, mbs, session.settings.gas_for(mbs))
+    exp = session.experiment(stage, mbs, gas_for(session, stage, mbs))
     [record] = yield from session.measure(label, [exp])
     return metric_value(record, session.settings.metric)
 
@@ -207,16 +282,20 @@ def _measure(session: _Session, stage: int, mbs: int, label: str) -> Step:
 def _top(session: _Session, stage: int) -> int:
     """The largest size worth probing now: the calibrated prediction, capped, kept below failures;
     after a failure above a success, the geometric midpoint between them; after MAX_FAILURES
-    failures, the largest success."""
-    values = _values(session, stage)
-    ok = [m for m, v in values.items() if v is not None]
-    failed = [m for m, v in values.items() if v is None]
-    largest_ok = max(ok, default=0)
+    failures, the largest success. A size that ran at any gas counts (memory does not depend on
+    the accumulation), and so does a size a stage holding more ran (`memory.shared_facts`)."""
+    sizes = _sizes(session, stage)
+    failed = [m for m, ok in sizes.items() if not ok]
+    largest_ok = max([m for m, ok in sizes.items() if ok] + [session.shared_facts(stage).success])
     predicted = session.predicted_max(stage, TOP_SAFETY)
     if failed:
         smallest_failed = min(failed)
-        if len(failed) >= MAX_FAILURES:
+        if largest_ok and _failures_since_a_success(session, stage) >= MAX_FAILURES:
             return largest_ok
+        ran_elsewhere = any(record.get("status") == "ok" for exp, record in session.measured.values()
+                            if exp.space != PROFILE and exp.stage != stage)
+        if not largest_ok and len(failed) >= (MAX_FAILURES if ran_elsewhere else MAX_BLIND_FAILURES):
+            return 0
         if largest_ok:
             mid = geometric_mid(largest_ok, smallest_failed)
             predicted = min(predicted, mid if mid is not None else largest_ok)
@@ -225,16 +304,51 @@ def _top(session: _Session, stage: int) -> int:
     return max(predicted, largest_ok)
 
 
+def _failures_since_a_success(session: _Session, stage: int) -> int:
+    """Failed probes of the stage after its first success: the ones that bracket its top (the blind
+    ones before it only found a size that runs)."""
+    count, seen_ok = 0, bool(session.shared_facts(stage).success)
+    for exp, record in session.stage_records(stage):
+        if exp.tuning_space:
+            continue
+        if record.get("status") == "ok":
+            seen_ok = True
+        elif seen_ok:
+            count += 1
+    return count
+
+
 def _values(session: _Session, stage: int) -> dict[int, float | None]:
-    """size -> metric (None: failed) of the stage's measured sizes at their sampled gas."""
+    """size -> metric (None: failed) of the stage's measured sizes at their gas in the space. Without
+    max_train_batch_size only sizes that fill the step count (a size between the top probes, run at
+    the user's gas below a top that ran, leaves part of the step empty)."""
     st = session.settings
+    filling = None if st.samples_per_step else set(_candidates(session, stage))
     out: dict[int, float | None] = {}
     for exp, record in session.stage_records(stage):
-        if exp.name.endswith(REMEASURE_SUFFIX) or exp.tuning_space:
+        if is_repeat(exp.name, session.measured) or exp.tuning_space:
             continue
-        if exp.gradient_accumulation_steps == st.gas_for(exp.micro_batch_size):
-            out[exp.micro_batch_size] = metric_value(record, st.metric)
+        value = metric_value(record, st.metric)
+        if filling is not None and value is not None and exp.micro_batch_size not in filling:
+            continue
+        if exp.gradient_accumulation_steps == gas_for(session, stage, exp.micro_batch_size):
+            out[exp.micro_batch_size] = value
     return out
+
+
+def _sizes(session: _Session, stage: int) -> dict[int, bool]:
+    """size -> whether it ran (at any gas) in the stage, for the memory side."""
+    out: dict[int, bool] = {}
+    for exp, record in session.stage_records(stage):
+        if not exp.tuning_space:
+            out[exp.micro_batch_size] = out.get(exp.micro_batch_size, False) or record.get("status") == "ok"
+    return out
+
+
+def is_repeat(name: str, measured: Mapping[str, Any]) -> bool:
+    """Whether `name` is a re-measurement (`<original>_r<n>`) of an experiment in `measured`."""
+    match = REPEAT_NAME.match(name)
+    return bool(match) and match["original"] in measured
 
 
 def _incumbent_size(session: _Session, stages: Sequence[int]) -> int | None:
@@ -273,31 +387,35 @@ def stages_near_leader(session: _Session, stages: Sequence[int]) -> list[tuple[i
     if not leader:
         return []
     top = max(leader) if st.maximize else min(leader)
-    return [(stage, mbs, st.gas_for(mbs)) for value, stage, mbs in bests
+    return [(stage, mbs, gas_for(session, stage, mbs)) for value, stage, mbs in bests
             if _relative(value, top, st.maximize) >= -FULL_MODE_BAND]
 
 
-def to_remeasure(scored: Sequence[tuple[float, T]]) -> list[T]:
-    """The items to measure once more: the best and those within RACE_BAND of it (at most RACE_SIZE),
-    or none when the runner-up is further away. `scored`: (value, item), larger is better."""
-    ordered = sorted(scored, key=lambda pair: -pair[0])
-    if len(ordered) < 2:
-        return []
-    top = ordered[0][0]
-    band = [item for value, item in ordered if value >= top - RACE_BAND * abs(top)][:RACE_SIZE]
-    return band if len(band) >= 2 else []
-
-
-def race(session: _Session) -> Step:
-    """Re-measure the configs `to_remeasure` names, one per phase."""
+def confirm(session: _Session) -> Step:
+    """Measure the leader and the rivals it is not yet separated from, one launch per phase, until
+    `scheduler.confirm.next_repeat` is satisfied or REPEAT_BUDGET launches are spent. One at a
+    time: the originals ran alone, so must the repeats."""
     st = session.settings
-    scored: list[tuple[float, Experiment]] = []
-    for exp, record in list(session.measured.values()):
-        value = metric_value(record, st.metric)
-        if value is not None and not exp.name.endswith(REMEASURE_SUFFIX) and exp.space != PROFILE:
-            scored.append((value if st.maximize else -value, exp))
-    repeats = [Experiment(exp.name + REMEASURE_SUFFIX, exp.stage, exp.micro_batch_size,
-                          exp.gradient_accumulation_steps, exp.ds_config, exp.num_nodes, exp.num_gpus,
-                          exp.tuning_space) for exp in to_remeasure(scored)]
-    for index, repeat in enumerate(repeats, 1):  # one at a time: the originals ran alone, so must the repeats
-        yield from session.measure(f"race_{index}", [repeat])
+    for spent in range(1, REPEAT_BUDGET + 1):
+        originals: dict[str, Experiment] = {}
+        readings: dict[str, list[float]] = {}
+        launched: dict[str, int] = {}
+        for name, (exp, record) in session.measured.items():
+            if exp.space == PROFILE:
+                continue
+            match = REPEAT_NAME.match(name)
+            original = match["original"] if match and match["original"] in session.measured else name
+            if original == name:
+                originals[name] = exp
+            launched[original] = launched.get(original, 0) + 1
+            value = metric_value(record, st.metric)
+            if value is not None:
+                readings.setdefault(original, []).append(value)
+        key = next_repeat(group_readings(readings), st.maximize)
+        if key is None:
+            return
+        exp = originals[key]
+        repeat = Experiment(f"{exp.name}_r{launched[key] + 1}", exp.stage, exp.micro_batch_size,
+                            exp.gradient_accumulation_steps, exp.ds_config, exp.num_nodes, exp.num_gpus,
+                            exp.tuning_space)
+        yield from session.measure(f"confirm_{spent}", [repeat])

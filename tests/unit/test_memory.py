@@ -6,6 +6,7 @@ from typing import Any
 import pytest
 
 from scheduler.memory import (
+    SharedFacts, shared_facts,
     GPU_UNTRACKED_FLOOR, NO_LIMIT, overhead_from_profile, peak_grows, prior_overhead_bytes, untracked_reserve_bytes, Calibration, MemoryModel, ModelInfo, Observation, StageFit, StateBytes, TrainingSetup, bounds,
     calibrate, deepspeed_fp16, deepspeed_instantiation_bytes, deepspeed_max_micro_batch_size, deepspeed_stage_fits,
     mixed_precision, model_state_bytes, predict_max_micro_batch_size, stage_gate,
@@ -454,3 +455,38 @@ def test_calibrate_keeps_a_slope_below_one_byte_per_sample() -> None:
     fit = calibrate([Observation(10, 5000), Observation(20, 5003)], prior_slope=1.0)
     assert fit is not None
     assert (fit.slope, fit.intercept, fit.points) == (pytest.approx(0.3), pytest.approx(4997.0), 2)
+
+
+# ---------------------------------------------------------------- memory facts shared by every stage
+# FOUR holds 16000 / 7000 / 5500 / 4000 bytes at stages 0-3, so with 26000 bytes the rooms left for
+# activations are 10000 / 19000 / 20500 / 22000.
+ZERO_1_BRACKET = {1: [Observation(50), Observation(60, oom=True)]}  # no peaks: no line is fitted
+
+
+def test_a_bracket_bounds_and_moves_every_other_stage() -> None:
+    # ZeRO-0 holds more: ZeRO-1's failure at 60 is proven for it; its bracket moved by 10000 / 19000
+    # is [floor(26.3), ceil(31.6)) = [26, 32)
+    assert shared_facts(FOUR, 0, 26000, ZERO_1_BRACKET) == SharedFacts(0, 60, 26, 32)
+    # ZeRO-2 holds less: ZeRO-1's success at 50 is proven; moved by 20500 / 19000: [53, ceil(64.7) = 65)
+    assert shared_facts(FOUR, 2, 26000, ZERO_1_BRACKET) == SharedFacts(50, None, 53, 65)
+    # a stage's own observations say nothing here
+    assert shared_facts(FOUR, 1, 26000, ZERO_1_BRACKET) == SharedFacts()
+
+
+def test_without_any_peak_the_other_stages_brackets_steer_the_prediction() -> None:
+    # the analytical model alone says 100 for ZeRO-0 and 205 for ZeRO-2; the moved brackets cap them
+    assert FOUR.max_micro_batch_size(0, 26000) == 100 and FOUR.max_micro_batch_size(2, 26000) == 205
+    assert predict_max_micro_batch_size(FOUR, 0, 26000, ZERO_1_BRACKET) == 31
+    assert predict_max_micro_batch_size(FOUR, 2, 26000, ZERO_1_BRACKET) == 64
+    # a model that predicts too little is raised to the moved success: 26000 bytes leave ZeRO-2 only
+    # 20500; with 1000 bytes per sample the model says 20, the bracket (ok at 50 with 19000 of room) 53
+    heavy = MemoryModel(ModelInfo(1000, 1000, 1000), TrainingSetup(world_size=4, mixed_precision=True), 0)
+    assert heavy.max_micro_batch_size(2, 26000) == 20
+    assert predict_max_micro_batch_size(heavy, 2, 26000, ZERO_1_BRACKET) == 53
+
+
+def test_brackets_that_contradict_the_analytical_difference_are_not_moved() -> None:
+    # ZeRO-1 ran 50, ZeRO-2 (holding less) failed at 40: moved to ZeRO-3, a success at floor(57.9) = 57
+    # above a failure at ceil(42.9) = 43. Only the proven success (50, from a stage holding more) stays.
+    observations = {1: [Observation(50)], 2: [Observation(40, oom=True)]}
+    assert shared_facts(FOUR, 3, 26000, observations) == SharedFacts(50, None, 0, None)

@@ -9,12 +9,14 @@ from typing import Any
 import pytest
 
 from bench.surfaces import make_surface, user_config
+from scheduler.confirm import REPEAT_BUDGET
+from scheduler.memory import SharedFacts
 from scheduler.fast_search import PROFILE, SearchSettings, _Session, fast_search, too_large
 from scheduler.phases import Phase, drive, replay
 from scheduler.ranking import best
 from scheduler.sampled_search import (
-    REMEASURE_SUFFIX, full_step_sizes, geometric_mid, lead_first, next_size, race, sampled_stages, snap,
-    stages_near_leader, to_remeasure,
+    REPEAT_NAME, confirm, full_step_sizes, geometric_mid, lead_first, next_size, sampled_stages, snap,
+    stages_near_leader,
 )
 from scheduler.space import Experiment
 from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner, layout
@@ -88,7 +90,7 @@ def test_no_experiment_is_run_twice_and_the_winner_ran_under_its_own_name() -> N
     names = [name for phase in phases for name in phase.names]
     assert len(names) == len(set(names)) == len(runner.records)
     winner = best([r for n, r in runner.records.items() if n != PROFILE], "throughput", True)
-    assert not winner["name"].endswith(REMEASURE_SUFFIX)
+    assert not REPEAT_NAME.match(winner["name"])
     for phase in phases[1:]:
         for exp in phase.experiments:
             assert exp.micro_batch_size * exp.gradient_accumulation_steps * 4 <= 512
@@ -121,14 +123,7 @@ def test_a_failed_size_is_never_exceeded_again_in_its_stage(failure: str) -> Non
             assert all(m < min(failed) for m in later)
 
 
-def test_only_a_near_tie_is_re_measured() -> None:
-    assert to_remeasure([(100.0, "a"), (99.7, "b"), (99.6, "c")]) == ["a", "b"]  # RACE_SIZE: the best two
-    assert to_remeasure([(99.7, "b"), (100.0, "a")]) == ["a", "b"]
-    assert to_remeasure([(100.0, "a"), (99.0, "b")]) == []  # 1 % apart: the measurement decides
-    assert to_remeasure([(100.0, "a")]) == []
-
-
-def test_race_repeats_run_alone_with_the_original_config() -> None:
+def test_confirmation_repeats_run_alone_with_the_original_config() -> None:
     class Tied(Law):
         def run(self, exp) -> dict[str, Any]:
             record = super().run(exp)
@@ -137,11 +132,11 @@ def test_race_repeats_run_alone_with_the_original_config() -> None:
             return record
 
     phases, runner = run(sampled(), Tied())
-    race = [p for p in phases if p.name.startswith("race_")]
-    assert len(race) == 2 and all(len(p.experiments) == 1 for p in race)
-    for exp in (e for p in race for e in p.experiments):
-        original = exp.name[: -len(REMEASURE_SUFFIX)]
-        assert runner.records[original]["ds_config"] == exp.ds_config
+    repeats = [p for p in phases if p.name.startswith("confirm_")]
+    assert [p.name for p in repeats] == [f"confirm_{i}" for i in range(1, REPEAT_BUDGET + 1)]  # all tie: the budget
+    assert all(len(p.experiments) == 1 for p in repeats)
+    for exp in (e for p in repeats for e in p.experiments):
+        assert runner.records[REPEAT_NAME.match(exp.name)["original"]]["ds_config"] == exp.ds_config
 
 
 def test_zero_1_leads_when_data_parallel() -> None:
@@ -165,7 +160,7 @@ def test_pooled_means_decide_the_winner() -> None:
 def test_deepspeed_search_stays_selectable() -> None:
     phases, _ = run(sampled(search="deepspeed"))
     assert any(p.name.endswith("_min_max") for p in phases)
-    assert not any(p.name.startswith("race") for p in phases)
+    assert not any(p.name.startswith("confirm") for p in phases)
 
 
 @pytest.mark.parametrize(("family", "seed"), [("mid-peak", 3), ("monotone", 5), ("large-model", 2)])
@@ -251,6 +246,9 @@ class Scripted(_Session):
     def predicted_max(self, stage: int, safety: float = 0.9) -> int:
         return min(self.predicted[stage], self.settings.micro_batch_cap)
 
+    def shared_facts(self, stage: int) -> SharedFacts:
+        return SharedFacts()  # the table is the whole memory side here
+
 
 def scripted_settings(**changes: Any) -> SearchSettings:
     base = SearchSettings(ds_config=USER_CONFIG, capacity_bytes=16 * 2**30, stages=(0, 1, 2, 3), num_gpus=2,
@@ -303,14 +301,16 @@ def test_a_small_top_starts_at_size_1_and_refines_every_gap_wider_than_the_ratio
     assert launched == [(1, 1, 32), (1, 4, 8), (1, 2, 16), (1, 3, 10)]
 
 
-def test_without_a_step_limit_every_size_is_a_candidate_and_gas_is_the_users() -> None:
-    """No max_train_batch_size: sizes 1..12 all count. Low = 12 / 4 = 3, then 12; best 12: gap 3-12
-    split at sqrt(36) = 6; best 12: gap 6-12 split at the size nearest sqrt(72) = 8.49, i.e. 8; gap
-    8-12 at the size nearest sqrt(96) = 9.8, i.e. 10; 10-12 (ratio 1.2) is too narrow."""
+def test_without_a_step_limit_the_space_is_deepspeeds_top_times_the_users_gas() -> None:
+    """No max_train_batch_size, user gas 3, top 12: every size fills 12 x 3 = 36 samples per step, as
+    DeepSpeed's mtbpg does; the full-step sizes are 36 // g: 1, 2, 3, 4, 5, 6, 7, 9, 12. The top runs
+    first (gas 3: the user's), so the step is bounded by a size that ran; then 12 / 4 = 3 (gas 12);
+    best 12: gap 3-12 split at sqrt(36) = 6 (gas 6); gap 6-12 at the size nearest sqrt(72) = 8.49,
+    i.e. 9 (gas 4); 9-12 (ratio 1.33) is too narrow."""
     speed = {(1, m): float(m) for m in range(1, 13)}
     launched, _, _ = play(stages_of((1,)), speed, {1: 12},
                           scripted_settings(stages=(1,), max_train_batch_size=None, gradient_accumulation_steps=3))
-    assert launched == [(1, 3, 3), (1, 12, 3), (1, 6, 3), (1, 8, 3), (1, 10, 3)]
+    assert launched == [(1, 12, 3), (1, 3, 12), (1, 6, 6), (1, 9, 4)]
 
 
 def test_failures_bound_the_stage_at_the_geometric_midpoint_then_stop_it() -> None:
@@ -323,11 +323,11 @@ def test_failures_bound_the_stage_at_the_geometric_midpoint_then_stop_it() -> No
 
 
 def test_failures_with_no_success_halve_the_smallest_failure() -> None:
-    """Predicted 32, fits 3: 8 fails; with no success the top is 8 // 2 = 4: fails too; two
-    failures and no success: the stage ends (the next stage takes over)."""
-    launched, _, _ = play(stages_of((1,)), {(1, m): 1.0 for m in range(1, 4)}, {1: 3},
-                          scripted_settings(stages=(1,)), predicted={1: 32})
-    assert launched == [(1, 8, 4), (1, 4, 8)]
+    """Predicted 32, fits 1: 8 fails; with no success the top is 8 // 2 = 4: fails too, then 2;
+    MAX_BLIND_FAILURES (3) failures with nothing run in the job: the stage ends (the next stage
+    takes over)."""
+    launched, _, _ = play(stages_of((1,)), {(1, 1): 1.0}, {1: 1}, scripted_settings(stages=(1,)), predicted={1: 32})
+    assert launched == [(1, 8, 4), (1, 4, 8), (1, 2, 16)]
 
 
 PEAKED = {(1, 8): 80.0, (1, 10): 85.0, (1, 16): 90.0, (1, 32): 70.0,
@@ -375,37 +375,54 @@ def test_a_stage_that_fits_nothing_is_skipped_and_the_next_one_leads() -> None:
 
 def test_latency_search_launches_what_the_throughput_search_launches() -> None:
     """Latency here is the inverse of throughput, so minimising one is maximising the other: the same
-    decisions in every stage, incumbent and comparison, and the same tie race."""
+    decisions in every stage, incumbent and comparison, and the same confirmation."""
     fits = {0: 32, 1: 32, 2: 32, 3: 32}
-    speed = {**PEAKED, (2, 16): 90.0 * (1 - 0.002)}  # ZeRO-2 ties the leader within RACE_BAND
+    speed = {**PEAKED, (2, 16): 90.0 * (1 - 0.002)}  # ZeRO-2 ties the leader
 
     def whole(session):
         yield from sampled_stages(session, (0, 1, 2, 3))
-        yield from race(session)
+        yield from confirm(session)
 
     by_throughput, t_phases, _ = play(whole, speed, fits, scripted_settings())
     by_latency, l_phases, _ = play(whole, speed, fits, scripted_settings(metric="latency", maximize=False))
     assert by_latency == by_throughput
     assert [p.name for p in l_phases] == [p.name for p in t_phases]
-    assert [p.name for p in t_phases][-2:] == ["race_1", "race_2"]
+    assert [p.name for p in t_phases][-2:] == ["confirm_1", "confirm_2"]
 
 
-def test_race_repeats_are_the_originals_under_a_new_name() -> None:
+def test_confirmation_measures_the_leader_then_alternates_with_its_rival() -> None:
+    """No noise here, so the measured noise is MIN_NOISE (1 %): after the leader's second reading two
+    standard errors are 2 x sqrt(0.01^2 / 2 + 0.01^2) = 2.45 %, so ZeRO-2 (0.2 % behind) and ZeRO-0
+    (88 / 90: 2.2 % behind) are both rivals. The leader is measured again first (no winner on one
+    reading), then the rivals, closest first (fewest readings, then rank), until the budget (2) is
+    spent. Each repeat is its original under a new name."""
     speed = {**PEAKED, (2, 16): 90.0 * (1 - 0.002)}
 
     def whole(session):
         yield from sampled_stages(session, (0, 1, 2, 3))
-        yield from race(session)
+        yield from confirm(session)
 
     _, phases, session = play(whole, speed, {0: 32, 1: 32, 2: 32, 3: 32}, scripted_settings(num_nodes=2, num_gpus=1))
-    repeats = [exp for phase in phases if phase.name.startswith("race_") for exp in phase.experiments]
+    repeats = [exp for phase in phases if phase.name.startswith("confirm_") for exp in phase.experiments]
     assert [r.name for r in repeats] == ["z1_gas2_tmbspg16_r2", "z2_gas2_tmbspg16_r2"]
     for repeat in repeats:
-        original, _ = session.measured[repeat.name[: -len(REMEASURE_SUFFIX)]]
+        original, _ = session.measured[REPEAT_NAME.match(repeat.name)["original"]]
         assert (repeat.stage, repeat.micro_batch_size, repeat.gradient_accumulation_steps, repeat.ds_config,
                 repeat.num_nodes, repeat.num_gpus, repeat.tuning_space) == \
                (original.stage, original.micro_batch_size, original.gradient_accumulation_steps, original.ds_config,
                 2, 1, original.tuning_space)
+
+
+def test_a_leader_far_ahead_is_measured_once_more_and_named() -> None:
+    """Every rival is more than 2.45 % behind (the closest: ZeRO-2, 86 / 90): at 1 % noise one repeat
+    of the leader confirms it, no more."""
+    def whole(session):
+        yield from sampled_stages(session, (0, 1, 2, 3))
+        yield from confirm(session)
+
+    _, phases, _ = play(whole, {**PEAKED, (0, 16): 80.0}, {0: 32, 1: 32, 2: 32, 3: 32}, scripted_settings())
+    assert [p.name for p in phases if p.name.startswith("confirm_")] == ["confirm_1"]
+    assert phases[-1].experiments[0].name == "z1_gas2_tmbspg16_r2"
 
 
 def test_pure_decisions_at_their_boundaries() -> None:
@@ -413,7 +430,6 @@ def test_pure_decisions_at_their_boundaries() -> None:
     assert full_step_sizes(16, 1) == [1]  # a top of 1 is a size
     assert full_step_sizes(2, 2) == [1, 2]  # 2 // 2 = 1: every accumulation up to the limit itself
     assert lead_first((0, 1, 2, 3), 2) == [1, 0, 2, 3]  # two ranks already shard the optimizer
-    assert to_remeasure([(100.0, "a"), (99.5, "b")]) == ["a", "b"]  # exactly RACE_BAND apart: a tie
     # a top exactly TOP_GAIN (10 * 1.1 = 11.0) above the largest size measured is probed
     assert next_size({10: 1.0}, [5, 10, 11]) == 11
     # equal values: the smaller size is the best, so its own gap (2-4, at 3) is split, not 4-16's
@@ -443,11 +459,13 @@ def test_the_low_probe_snaps_to_a_full_step_size() -> None:
 
 
 def test_a_stage_measures_at_most_max_points_sizes() -> None:
-    """Falling throughput, no step limit, top 1024: 256, 1024, 512, 362 (sqrt(256 * 512)), then four
-    times lower 64, then 128, 91 (sqrt(64 * 128) = 90.5): seven sizes; the next (16) is not measured."""
+    """Falling throughput, no step limit, top 1024 (so the full-step sizes are 1024 // g): the top
+    1024 first, then 256, 512, 341 (the only one between 256 and 512), then four times lower 64,
+    then 128, 93 (1024 // 11, the nearest to sqrt(64 * 128) = 90.5): seven sizes; the next (16) is
+    not measured."""
     speed = {(1, m): 1000.0 / m for m in range(1, 1025)}
     launched, _, _ = play(stages_of((1,)), speed, {1: 1024}, scripted_settings(stages=(1,), max_train_batch_size=None))
-    assert [mbs for _, mbs, _ in launched] == [256, 1024, 512, 362, 64, 128, 91]
+    assert [mbs for _, mbs, _ in launched] == [1024, 256, 512, 341, 64, 128, 93]
 
 
 def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
@@ -460,11 +478,13 @@ def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
 
     session = Budget(scripted_settings(stages=(1,), max_train_batch_size=None), {})
     phase = next(sampled_stages(session, (1,)))
-    assert phase.experiments[0].micro_batch_size == 25  # low: 98 / 4 = 24.5, nearer 25 on a log scale
+    # without a step limit the top runs first; then 98 / 4 = 24.5, and the full-step sizes of 98
+    # samples per step near it are 24 (gas 4) and 32
+    assert phase.experiments[0].name == "z1_gas1_tmbspg98"
     second = sampled_stages(Budget(scripted_settings(stages=(1,), max_train_batch_size=None), {}), (1,))
     next(second)
-    assert second.send({"z1_gas1_tmbspg25": {"status": "ok", "metrics": {"throughput": 1.0}}}) \
-        .experiments[0].micro_batch_size == 98
+    assert second.send({"z1_gas1_tmbspg98": {"status": "ok", "metrics": {"throughput": 1.0}}}) \
+        .experiments[0].name == "z1_gas4_tmbspg24"
 
 
 def test_zero_3_is_not_measured_after_zero_1_or_zero_2_alone() -> None:
@@ -500,26 +520,27 @@ def test_full_mode_tunes_every_stage_within_the_band_of_the_leader(zero_2: float
         assert stages_near_leader(lat_session, (0, 1, 2, 3)) == expected
 
 
-def test_race_repeats_of_full_mode_configs_keep_their_tuning_space() -> None:
-    """Full mode's knob configs race like the rest; a repeat is reported under its original's space."""
+def test_repeats_of_full_mode_configs_keep_their_tuning_space() -> None:
+    """Full mode's knob configs are confirmed like the rest; a repeat is reported under its original's space."""
     session = _Session(scripted_settings(stages=(2,)))
     for name, value in (("z2_knobs_a", 100.0), ("z2_knobs_b", 99.8), ("z2_gas2_tmbspg16", 90.0)):
         exp = Experiment(name, 2, 16, 2, {"x": name}, 1, 2, tuning_space="" if "gas" in name else "z2_knobs")
         session.measured[name] = (exp, {"name": name, "status": "ok", "metrics": {"throughput": value}})
-    phases = drive(race(session), lambda phase: {e.name: {"status": "ok"} for e in phase.experiments})
+    phases = drive(confirm(session), lambda phase: {e.name: {"status": "ok", "metrics": {"throughput": 100.0}}
+                                                      for e in phase.experiments})
     repeats = [exp for phase in phases for exp in phase.experiments]
-    assert [(r.name, r.tuning_space, r.ds_config) for r in repeats] == [
+    assert [(r.name, r.tuning_space, r.ds_config) for r in repeats][:2] == [
         ("z2_knobs_a_r2", "z2_knobs", {"x": "z2_knobs_a"}), ("z2_knobs_b_r2", "z2_knobs", {"x": "z2_knobs_b"})]
 
 
 @pytest.mark.parametrize(("zero_3_fits", "explored"), [(48, True), (41, False), (26, True)])
 def test_zero_3_holding_much_more_is_explored_although_the_curve_had_turned(zero_3_fits: int, explored: bool) -> None:
-    """No step limit. ZeRO-1 holds 32 and peaks at 16 (it turned before its cap). ZeRO-3 holding 48,
-    at least 1.3 times 32 (41.6), is measured at the incumbent's size and then explored above it;
+    """No step limit. ZeRO-1 holds 32 and peaks at 10 (it turned before its cap). ZeRO-3 holding 48,
+    at least 1.3 times 32 (41.6), is measured at its top and the incumbent's size, then explored;
     holding 41 it is ruled out, as ZeRO-3 moving more data at equal size can only win on memory.
     Exactly 1.3 times (26 for a ZeRO-1 holding 20) is enough."""
     zero_1_fits = 20 if zero_3_fits == 26 else 32  # 26 is exactly 1.3 x 20: enough room
-    speed = {(1, m): 90.0 - 20 * abs(math.log2(m / 16)) for m in range(1, 33)}
+    speed = {(1, m): 90.0 - 20 * abs(math.log2(m / 10)) for m in range(1, 33)}
     speed |= {(3, m): 80.0 + m / 10 for m in range(1, 49)}
     launched, _, _ = play(stages_of((1, 3)), speed, {1: zero_1_fits, 3: zero_3_fits},
                           scripted_settings(stages=(1, 3), max_train_batch_size=None))
@@ -527,7 +548,8 @@ def test_zero_3_holding_much_more_is_explored_although_the_curve_had_turned(zero
     incumbent = max((mbs for stage, mbs, _ in launched if stage == 1), key=lambda mbs: speed[(1, mbs)])
     assert incumbent < zero_1_fits  # the lead's curve turned before its cap
     if explored:
-        assert zero_3[0] == incumbent and max(zero_3) == zero_3_fits and all(m >= incumbent for m in zero_3)
+        # without a step limit its top runs first (it bounds the stage's step), then the incumbent's size
+        assert zero_3[:2] == [zero_3_fits, incumbent] and all(m >= incumbent for m in zero_3)
     else:
         assert zero_3 == []
 

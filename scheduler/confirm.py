@@ -1,0 +1,138 @@
+"""Naming a winner under measurement noise: which config to measure again, and when to stop.
+
+Why: one short measurement of a training run is noisy, and the noise differs per config (on shared
+CPU slots one config's readings ranged over 2x while another's stayed within 2 %). Picking the best
+single reading favours the configs whose readings spread most (the winner's curse): in one run of
+bench/vs_deepspeed.py a config measured once won on a lucky reading and re-measured 2.6x slower
+than the runner-up. So a winner is confirmed before it is named
+(../shared/research/search-under-noise.md gathers what noise-aware tuners do):
+
+- the leader (best mean so far) is always measured at least twice: no config wins on one reading,
+  and the pair is the job's first measurement of its noise;
+- the noise is measured, not assumed: the relative spread of every config measured more than once,
+  pooled (`pooled_noise`); a config's own spread counts when it is larger (per-config noise);
+  `PRIOR_NOISE` stands in only until the first pair exists;
+- a rival is not separated from the leader while their gap is within `SEPARATION_Z` standard errors
+  of the difference of their means; the leader and the `MAX_RIVALS` best such rivals are then
+  measured in turn, fewest readings first (interleaved: A B A B, so drift of shared machines hits
+  both alike), until every rival is separated or `REPEAT_BUDGET` launches are spent;
+- the choice is the best mean over every reading (`scheduler.ranking.best`), and the summary says
+  whether the winner was separated from the runner-up (`verdict`).
+
+Pure decision logic; `scheduler.sampled_search.confirm` turns it into phases.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+
+#: Re-measurement launches a job spends at most on confirming its winner.
+REPEAT_BUDGET = 2
+#: A gap within this many standard errors of the difference of two means is not a separation.
+SEPARATION_Z = 2.0
+#: Relative noise assumed before any config was measured twice.
+PRIOR_NOISE = 0.03
+#: Relative noise never taken below this (two equal readings do not prove a noiseless machine).
+MIN_NOISE = 0.01
+#: Rivals chased besides the leader (the closest ones); the rest wait for a later round.
+MAX_RIVALS = 2
+
+
+@dataclass(frozen=True)
+class Readings(Generic[K]):
+    """Every successful measurement of one config."""
+
+    key: K
+    values: tuple[float, ...]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    @property
+    def count(self) -> int:
+        return len(self.values)
+
+    @property
+    def own_noise(self) -> float | None:
+        """The relative standard deviation of this config's readings (None: fewer than two)."""
+        if self.count < 2 or not self.mean:
+            return None
+        return statistics.stdev(self.values) / abs(self.mean)
+
+
+def pooled_noise(groups: Sequence[Readings]) -> float | None:
+    """The relative standard deviation pooled over every config read at least twice (None: none)."""
+    squares, freedom = 0.0, 0
+    for group in groups:
+        if group.count >= 2 and group.mean:
+            squares += sum((v / group.mean - 1.0) ** 2 for v in group.values)
+            freedom += group.count - 1
+    return math.sqrt(squares / freedom) if freedom else None
+
+
+def noise_of(group: Readings, pooled: float | None) -> float:
+    """The relative noise used for `group`: the pooled figure, or its own spread when larger."""
+    base = PRIOR_NOISE if pooled is None else pooled
+    own = group.own_noise
+    return max(MIN_NOISE, base, own if own is not None else 0.0)
+
+
+def separated(leader: Readings, rival: Readings, pooled: float | None, maximize: bool = True) -> bool:
+    """Whether `leader`'s mean beats `rival`'s by more than SEPARATION_Z standard errors."""
+    gap = (leader.mean - rival.mean) if maximize else (rival.mean - leader.mean)
+    scale = abs(leader.mean) or 1.0
+    error = math.sqrt(noise_of(leader, pooled) ** 2 / leader.count + noise_of(rival, pooled) ** 2 / rival.count)
+    return gap / scale > SEPARATION_Z * error
+
+
+def ordered(groups: Sequence[Readings[K]], maximize: bool = True) -> list[Readings[K]]:
+    """Best mean first; equal means keep the given order (the earlier measured config leads)."""
+    indexed = list(enumerate(groups))
+    indexed.sort(key=lambda pair: (-pair[1].mean if maximize else pair[1].mean, pair[0]))
+    return [group for _, group in indexed]
+
+
+def next_repeat(groups: Sequence[Readings[K]], maximize: bool = True) -> K | None:
+    """The config to measure once more, or None when the leader is confirmed (see the module)."""
+    if not groups:
+        return None
+    leader, *others = ordered(groups, maximize)
+    if leader.count < 2:
+        return leader.key
+    pooled = pooled_noise(groups)
+    rivals = [g for g in others if not separated(leader, g, pooled, maximize)][:MAX_RIVALS]
+    if not rivals:
+        return None
+    return min([leader, *rivals], key=lambda g: g.count).key
+
+
+@dataclass(frozen=True)
+class Verdict(Generic[K]):
+    """The winner and the runner-up as a summary shows them."""
+
+    winner: Readings[K]
+    runner_up: Readings[K] | None
+    is_separated: bool
+    noise: float | None  #: the pooled relative noise measured (None: no config read twice)
+
+
+def verdict(groups: Sequence[Readings[K]], maximize: bool = True) -> Verdict[K] | None:
+    """Who won, who came second, and whether the gap between them is more than the noise."""
+    if not groups:
+        return None
+    ranked = ordered(groups, maximize)
+    pooled = pooled_noise(groups)
+    runner_up = ranked[1] if len(ranked) > 1 else None
+    apart = runner_up is None or (ranked[0].count >= 2 and separated(ranked[0], runner_up, pooled, maximize))
+    return Verdict(ranked[0], runner_up, apart, pooled)
+
+
+def group_readings(values: Mapping[K, Sequence[float]]) -> list[Readings[K]]:
+    """`Readings` per key, in the mapping's order, keys without a reading left out."""
+    return [Readings(key, tuple(vals)) for key, vals in values.items() if vals]
