@@ -31,7 +31,8 @@ from rich.console import Console
 from rich.table import Table
 from tabulate import tabulate
 
-from scheduler.ranking import best, metric_value, pooled_best, status_counts
+from scheduler.confirm import PRIOR_NOISE, Readings, verdict
+from scheduler.ranking import best, config_key, metric_value, pooled_best, status_counts
 from scheduler.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
 from workers.paths import safe_child, write_atomic, write_json
@@ -79,16 +80,75 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val",
                                     "best_exp_name", "experiment_s", "failures"], tablefmt="pipe")
     elapsed = datetime.timedelta(seconds=round(elapsed_s))
+    table += "\n\n" + space_text(experiments) + winner_text(tuned, metric, maximize)
     if cancelled is None:
-        return (f"{table}\n\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."
+        return (f"{table}\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."
                 f" Metric: {metric} ({'max' if maximize else 'min'}).\n")
-    return (f"{table}\n\nTuning interrupted after {elapsed}: the search is partial. Experiments measured: "
+    return (f"{table}\nTuning interrupted after {elapsed}: the search is partial. Experiments measured: "
             f"{len(tuned)}; cancelled while running or queued: {len(cancelled)}"
             + (f" ({', '.join(cancelled)})" if cancelled else "")
             + f". Metric: {metric} ({'max' if maximize else 'min'}). "
             + (f"The best measured config is in {PARTIAL_FILES[0]} (partial: not an optimum); "
                if any(metric_value(r, metric) is not None for r in tuned) else "No experiment succeeded yet; ")
             + "run the same command to finish the search.\n")
+
+
+def space_text(experiments: list[Experiment]) -> str:
+    """The space searched, per ZeRO stage: the micro-batch sizes measured, the samples per GPU per
+    optimizer step they fill (gas = that // size) and where that limit came from."""
+    stages: dict[int, list[Experiment]] = {}
+    for exp in experiments:
+        if exp.space != PROFILE and not exp.tuning_space:
+            stages.setdefault(exp.stage, []).append(exp)
+    if not stages:
+        return ""
+    lines = ["Space searched (per ZeRO stage):"]
+    for stage, exps in sorted(stages.items()):
+        sizes = [e.micro_batch_size for e in exps]
+        step = max(e.micro_batch_size * e.gradient_accumulation_steps for e in exps)
+        autotuning = exps[0].ds_config.get("autotuning") or {}
+        user_gas = min(e.gradient_accumulation_steps for e in exps)
+        if autotuning.get("max_train_batch_size"):
+            source = f"from max_train_batch_size {autotuning['max_train_batch_size']}"
+        else:
+            source = (f"without max_train_batch_size: the largest size run at gas {user_gas} times {user_gas}, "
+                      "DeepSpeed's rule")
+        lines.append(f"  z{stage}: micro-batch {min(sizes)}-{max(sizes)}, up to {step} samples per GPU per step "
+                     f"({source}); gas = samples per step // micro-batch")
+    return "\n".join(lines) + "\n"
+
+
+def winner_text(records: list[dict[str, Any]], metric: str, maximize: bool) -> str:
+    """The winner and the runner-up as mean, spread and number of readings, and whether the gap
+    between them is more than the measured noise (scheduler.confirm)."""
+    groups: dict[str, tuple[str, list[float]]] = {}
+    for record in records:
+        value = metric_value(record, metric)
+        if value is not None:
+            groups.setdefault(config_key(record), (record["name"], []))[1].append(value)
+    decided = verdict([Readings(name, tuple(values)) for name, values in groups.values()], maximize)
+    if decided is None:
+        return ""
+
+    def described(readings: Readings) -> str:
+        low, high = min(readings.values), max(readings.values)
+        return (f"{readings.key}: {readings.mean:.6g} {metric}, mean of {readings.count} "
+                f"reading{'s' if readings.count > 1 else ''} (range {low:.6g}-{high:.6g})")
+
+    lines = [f"Winner: {described(decided.winner)}"]
+    if decided.runner_up is not None:
+        lines.append(f"Runner-up: {described(decided.runner_up)}")
+    noise = (f"the measured noise, {100 * decided.noise:.1f} % (relative standard deviation over the configs "
+             "read more than once)" if decided.noise is not None else
+             f"an assumed noise of {100 * PRIOR_NOISE:.0f} % (no config was read twice)")
+    if decided.runner_up is None:
+        lines.append("No other config ran, so there is nothing to separate it from.")
+    elif decided.is_separated:
+        lines.append(f"Separated: the gap is more than 2 standard errors at {noise}.")
+    else:
+        lines.append(f"Not separated: the gap is within 2 standard errors at {noise}; both are sound "
+                     "choices, the winner by its mean.")
+    return "\n".join(lines) + "\n"
 
 
 def treated_as_too_large(records: list[dict[str, Any]]) -> int:

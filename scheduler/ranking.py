@@ -2,8 +2,8 @@
 
 Throughput and FLOPS are maximised, latency is minimised (DeepSpeed's autotuner maximises all of
 them, so it picks the slowest config when asked for latency). Ties keep the earlier experiment.
-A config measured more than once (the sampled search re-measures its top few as `<name>_r2`, since
-one measurement carries about 2 % noise) is judged on the mean of its measurements, and the winner
+A config measured more than once (the sampled search confirms its winner with repeats `<name>_r2`,
+`<name>_r3`, ...: scheduler.confirm) is judged on the mean of its measurements, and the winner
 named is its first experiment, so the optimal config is always one that ran under its own name.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def pooled_best(records: list[dict[str, Any]], metric: str,
         value = metric_value(record, metric)
         if value is None:
             continue
-        key = _config_key(record)
+        key = config_key(record)
         if key in groups:
             groups[key][1].append(value)
         else:
@@ -51,7 +51,8 @@ def pooled_best(records: list[dict[str, Any]], metric: str,
     return best_record, best_value, count
 
 
-def _config_key(record: dict[str, Any]) -> str:
+def config_key(record: dict[str, Any]) -> str:
+    """The identity of a record's config: repeats of one config share it."""
     config = record.get("ds_config")
     if isinstance(config, dict):
         return "c:" + json.dumps(config, sort_keys=True, default=str)

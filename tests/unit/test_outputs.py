@@ -379,3 +379,36 @@ def test_plot_without_any_success_is_still_drawn(tmp_path: Path) -> None:
     write_plot(tmp_path / "empty.png", [], {}, "latency", None)
     assert_drawn_png(tmp_path / "tuning.png")
     assert_drawn_png(tmp_path / "empty.png")
+
+
+# ---------------------------------------------------------------- the space searched, the winner confirmed
+
+
+def test_summary_states_the_space_searched_per_stage() -> None:
+    text = summary_text(EXPS, RECORDS, "throughput", True, 1.0)
+    assert ("  z0: micro-batch 1-2, up to 2 samples per GPU per step (without max_train_batch_size: the largest "
+            "size run at gas 1 times 1, DeepSpeed's rule); gas = samples per step // micro-batch") in text.splitlines()
+    limited = make_exp(1, 4, gas=8)
+    limited.ds_config["autotuning"]["max_train_batch_size"] = 64
+    text = summary_text([limited], {limited.name: make_record(limited, "ok", throughput=1.0)}, "throughput", True, 1.0)
+    assert ("  z1: micro-batch 4-4, up to 32 samples per GPU per step (from max_train_batch_size 64); "
+            "gas = samples per step // micro-batch") in text.splitlines()
+
+
+def test_summary_gives_winner_and_runner_up_with_their_readings() -> None:
+    """z1 mbs 2 read 20 and 22 (mean 21), z0 mbs 1 read 10.5: the pooled noise is z1's own,
+    sqrt(2 * (1 / 21)^2) = 6.7 %; the gap (50 %) is more than 2 standard errors."""
+    repeat = Experiment(EXPS[3].name + "_r2", 1, 2, 1, EXPS[3].ds_config, 1, 2)
+    records = {**RECORDS, repeat.name: make_record(repeat, "ok", throughput=22.0)}
+    lines = summary_text([*EXPS, repeat], records, "throughput", True, 1.0).splitlines()
+    assert "Winner: z1_gas1_tmbspg2: 21 throughput, mean of 2 readings (range 20-22)" in lines
+    assert "Runner-up: z0_gas1_tmbspg1: 10.5 throughput, mean of 1 reading (range 10.5-10.5)" in lines
+    assert ("Separated: the gap is more than 2 standard errors at the measured noise, 6.7 % (relative standard "
+            "deviation over the configs read more than once).") in lines
+
+
+def test_summary_says_when_the_winner_is_not_separated() -> None:
+    close = {**RECORDS, EXPS[0].name: make_record(EXPS[0], "ok", throughput=19.9)}
+    lines = summary_text(EXPS, close, "throughput", True, 1.0).splitlines()
+    assert ("Not separated: the gap is within 2 standard errors at an assumed noise of 3 % (no config was read "
+            "twice); both are sound choices, the winner by its mean.") in lines
