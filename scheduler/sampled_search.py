@@ -1,42 +1,52 @@
 """Our fast-mode search (`"search": "sampled"`, the default): sample each stage's feasible range,
-refine around the best, carry what earlier stages measured into later ones, race the top few.
+refine around the best, carry what earlier stages measured into later ones, confirm the winner.
 
 Why not DeepSpeed's: it assumes throughput grows with the micro-batch. It starts at half the
 largest fitting size and later stages start where the previous stage ended, so a mid-size optimum
 (with more gradient accumulation) is never generated, and it spends 3 probes per stage straddling a
 memory estimate that is often wrong. Throughput curves saturate, can peak in the middle and drop
-near the memory cap; measurements carry about 2 % noise. So, per stage:
+near the memory cap; measurements are noisy, some configs far more than others. So, per stage:
 
+- the space is at least DeepSpeed's: every size gets the gas that fills the samples per GPU per
+  optimizer step (`samples_per_step`): max_train_batch_size // dp when the user set it; without it
+  (most configs), DeepSpeed's mtbpg rule, the stage's largest size that ran at the user's gas
+  times that gas. So a middle size runs with more accumulation, and the sizes sampled are the
+  largest for each gas (`full_step_sizes`);
 - the lead stage (ZeRO-1 when data parallelism shards anything, `lead_first`; else the lowest that
-  fits) samples its range on a geometric scale: a low size first (a quarter of the predicted
-  maximum, so the stage's memory line has two measured points before the top is probed), then the
-  top, then golden-section-like refinement on log(mbs) around the best measured size until its
-  neighbours are within `REFINE_RATIO` of it, splitting the gaps between measured sizes before
-  going below the smallest; a top that the memory line later moves up is probed again only when it
-  is `TOP_GAIN` larger; every size gets gas = max_train_batch_size // (dp * mbs), so samples per
-  step stay within the limit, and the sizes sampled are the largest for each gas (`full_step_sizes`);
-- another stage is first measured at the incumbent's size, which tells how it compares at equal
-  work. It is explored further only if the incumbent was the largest size its own stage could
-  hold and this stage holds more (the curve was still rising at the cap); otherwise the
-  measurement rules it out. ZeRO-3 moves strictly more data than ZeRO-1/2 at equal size, so it is
-  not measured at all unless it can hold larger sizes that matter (the curve was still rising at the
-  cap, or ZeRO-3 holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so memory pressure may have turned it),
-  or no ZeRO-1/2 stage was measured;
+  fits) samples its range on a geometric scale. With max_train_batch_size, a low size first (a
+  quarter of the predicted maximum, so the stage's memory line has two measured points before the
+  top is probed), then the top; without it, the top first (`_anchor`: the step is bounded by a size
+  that ran), then the low size. Then golden-section-like refinement on log(mbs) around the best
+  measured size until its neighbours are within `REFINE_RATIO` of it, splitting the gaps between
+  measured sizes before going below the smallest; a top that the memory line later moves up is
+  probed again only when it is `TOP_GAIN` larger;
+- another stage is first measured at the incumbent's size (without max_train_batch_size, after its
+  own top), which tells how it compares. It is explored further only if the incumbent was the
+  largest size its own stage could hold and this stage holds more (the curve was still rising at
+  the cap), or, without max_train_batch_size, if it beat the incumbent there (its own top may give
+  it a larger step); otherwise the measurement rules it out. ZeRO-3 moves strictly more data than
+  ZeRO-1/2 at equal size, so it is not measured at all unless it can hold larger sizes that matter
+  (the curve was still rising at the cap, or ZeRO-3 holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so
+  memory pressure may have turned it), or no ZeRO-1/2 stage was measured;
 - the memory side follows `scheduler.memory`: predictions stay between the largest ok and the
-  smallest failed size; after a failure the next upward probe is the geometric midpoint, and a
-  stage stops probing upward after `MAX_FAILURES` failures;
-- `race`: when the best config and the runner-up are within `RACE_BAND` (a coin toss under the
-  noise), both are measured once more, as `<name>_r2`, one per phase (measured under the same
-  conditions as the original, which ran alone: repeats run side by side on shared hosts measure
-  each other), and the winner is picked on the mean (`scheduler.ranking.best` pools repeats).
+  smallest failed size, and every stage's probes bound the others (`memory.shared_facts`: a failure
+  bounds the stages holding more, a success the stages holding less, a bracket moves the others'
+  predicted tops, with or without measured peaks); after a failure the next upward probe is the
+  geometric midpoint, and a stage stops probing upward after `MAX_FAILURES` failures above a
+  success (`MAX_BLIND_FAILURES` halvings when nothing in the job ran yet);
+- `confirm`: no config is named on one reading. The leader is measured again, then the rivals it
+  is not separated from at the measured noise, one launch per phase (each under the same
+  conditions as the originals, which ran alone), within `scheduler.confirm.REPEAT_BUDGET`; the
+  winner is picked on the mean of every reading (`scheduler.ranking.best` pools repeats).
 
-What the bench (bench/search_quality.py) shows this buys, and what it cannot: a single measurement
-per config with 2 % noise bounds the 10th percentile of the fraction of the optimum found below
-0.99 even for a search that measures every config of the space once (bench/README.md).
+What the benches show this buys, and what they cannot: bench/search_quality.py (synthetic
+surfaces, with and without max_train_batch_size, heavy-tailed and per-config noise) and
+bench/trace_replay.py (readings of examples/train_gpt.py measured on this machine); see
+bench/README.md.
 
-Pure decision logic (`next_size`, `geometric_mid`) is separate from the generator so it is tested
-directly; the generators only turn decisions into phases (one experiment each unless the slots
-allow more) and are replayed from records like every search here.
+Pure decision logic (`next_size`, `geometric_mid`, `scheduler.confirm`) is separate from the
+generator so it is tested directly; the generators only turn decisions into phases (one experiment
+each unless the slots allow more) and are replayed from records like every search here.
 """
 from __future__ import annotations
 
