@@ -186,7 +186,8 @@ def _wins(session: _Session, stage: int, size: int, value: float) -> bool:
     st = session.settings
     if st.samples_per_step:
         return False
-    best = [v for s in range(4) if s != stage for v in _values(session, s).values() if v is not None]
+    measured = {exp.stage for exp, _ in session.measured.values() if exp.space != PROFILE} - {stage}
+    best = [v for s in measured for v in _values(session, s).values() if v is not None]
     return bool(best) and (value > max(best) if st.maximize else value < min(best))
 
 

@@ -562,3 +562,36 @@ def test_zero_2_holding_more_is_explored_above_a_lead_still_rising_at_its_cap() 
     speed = {(1, 4): 40.0, (1, 8): 60.0, (1, 10): 65.0, (1, 16): 75.0, (2, 16): 76.0, (2, 32): 85.0}
     launched, _, _ = play(stages_of((1, 2)), speed, {1: 16, 2: 32}, scripted_settings(stages=(1, 2)))
     assert launched == [(1, 4, 8), (1, 16, 2), (1, 8, 4), (1, 10, 3), (2, 16, 2), (2, 32, 1)]
+
+
+def test_without_a_step_limit_a_followed_stage_runs_its_own_top_first() -> None:
+    """No max_train_batch_size, user gas 1. ZeRO-1 (top 16, so 16 samples per step): 16 (gas 1), 4
+    (gas 4), 8 (gas 2: the gap 4-16 split at sqrt(64)), 5 (gas 3: the only full-step size in 4-8);
+    no full-step size lies in 5-8 or 8-16: done, best 8. ZeRO-2 holds 24: its top first (24, gas 1:
+    its step is 24 samples, not ZeRO-1's 16), then the incumbent's size 8 (gas 24 // 8 = 3). It beats
+    the leader there (75 > 70), so it is explored above 8: the gap 8-24 is split at the full-step
+    size nearest sqrt(192) = 13.9, i.e. 12 (gas 2); 8-12 holds none: done."""
+    speed = {(1, 16): 50.0, (1, 4): 60.0, (1, 8): 70.0, (1, 5): 65.0, (2, 24): 40.0, (2, 8): 75.0, (2, 12): 72.0}
+    launched, _, session = play(stages_of((1, 2)), speed, {1: 16, 2: 24},
+                                scripted_settings(stages=(1, 2), max_train_batch_size=None))
+    assert launched == [(1, 16, 1), (1, 4, 4), (1, 8, 2), (1, 5, 3), (2, 24, 1), (2, 8, 3), (2, 12, 2)]
+    assert best([r for _, r in session.measured.values()], "throughput", True)["name"] == "z2_gas3_tmbspg8"
+
+
+def test_with_a_step_limit_a_followed_stage_is_measured_at_the_incumbent_alone() -> None:
+    """The same speeds with max_train_batch_size 32 (16 samples per GPU per step on 2 ranks): no top
+    probe for ZeRO-2, and no exploration for beating the leader at equal work (ZeRO-2 cannot hold
+    more where it matters: the incumbent was below its cap)."""
+    speed = {(1, 16): 50.0, (1, 4): 60.0, (1, 8): 70.0, (1, 5): 65.0, (2, 8): 75.0}
+    launched, _, _ = play(stages_of((1, 2)), speed, {1: 16, 2: 24}, scripted_settings(stages=(1, 2),
+                                                                                       max_train_batch_size=32))
+    assert [(s, m) for s, m, _ in launched if s == 2] == [(2, 8)]
+
+
+def test_blind_failures_end_a_stage_sooner_once_the_job_ran_something() -> None:
+    """ZeRO-1 runs (top 16). ZeRO-0 is predicted to hold 40 but holds nothing: its top 40 fails, then
+    20; with a success elsewhere in the job MAX_FAILURES (2) blind failures end it (no third halving)."""
+    speed = {(1, m): float(m) for m in range(1, 17)}
+    launched, _, _ = play(stages_of((1, 0)), speed, {1: 16, 0: 0},
+                          scripted_settings(stages=(1, 0), max_train_batch_size=None), predicted={1: 16, 0: 40})
+    assert [(s, m) for s, m, _ in launched if s == 0] == [(0, 40), (0, 20)]
