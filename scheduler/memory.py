@@ -360,11 +360,12 @@ class SharedFacts:
     Two kinds. Proven, from the order of model states (offload aside, a stage holding more at equal
     size fails wherever one holding less failed, and one holding less runs wherever one holding more
     ran): `success` (a size known to fit, 0: none) and `failure` (a size known not to, None: none).
-    Predicted, from another stage's ok/failed bracket moved by the analytical difference of model
-    states (`predicted_success`, `predicted_failure`): a bracket [a, b) on a stage with room R (the
-    budget less its fixed bytes) means a bytes-per-sample figure between R/b and R/a, so a stage
-    with room R' has its top in [a R'/R, b R'/R). This needs no measured peak, so it also steers
-    stages of a script whose memory the allocator does not see.
+    Predicted, from another stage's ok/failed bracket [a, b) moved by the analytical difference D of
+    the two stages' fixed bytes (`predicted_success`, `predicted_failure`): the top moves by D / s,
+    where s, the bytes per sample, lies between s_low = max(the profile's figure, R / b) and
+    s_high = max(s_low, R / a) (R: the budget less the other stage's fixed bytes), so the bounds
+    take the end of that range that keeps them bounds. This needs no measured peak, so it also steers stages of
+    a script whose memory the allocator does not see.
     """
 
     success: int = 0
@@ -377,7 +378,6 @@ def shared_facts(model: MemoryModel, stage: int, budget_bytes: int,
                  observations: Mapping[int, Sequence[Observation]]) -> SharedFacts:
     """`SharedFacts` for `stage` from every other stage's observations (see the class)."""
     held = model.state(stage).total
-    room = budget_bytes - model.fixed_bytes(stage)
     success, failure, predicted_success, predicted_failure = 0, None, 0, None
     for other, found in observations.items():
         if other == stage:
@@ -388,18 +388,20 @@ def shared_facts(model: MemoryModel, stage: int, budget_bytes: int,
             success = max(success, largest_ok)
         if smallest_oom is not None and other_held <= held:
             failure = smallest_oom if failure is None else min(failure, smallest_oom)
-        other_room = budget_bytes - model.fixed_bytes(other)
-        if room <= 0 or other_room <= 0:
-            continue
-        scale = room / other_room
-        if largest_ok:
-            predicted_success = max(predicted_success, math.floor(largest_ok * scale))
-        if smallest_oom is not None:
-            moved = math.ceil(smallest_oom * scale)
+        room = budget_bytes - model.fixed_bytes(other)
+        shift = model.fixed_bytes(other) - model.fixed_bytes(stage)  #: > 0: this stage holds less
+        low = max(float(model.info.activation_mem_per_gpu), room / smallest_oom if smallest_oom and room > 0 else 0.0)
+        high = max(low, room / largest_ok) if largest_ok and room > 0 else None
+        per_sample_fail = low if shift >= 0 else high
+        per_sample_ok = high if shift >= 0 else low
+        if smallest_oom is not None and per_sample_fail:
+            moved = math.ceil(smallest_oom + shift / per_sample_fail)
             predicted_failure = moved if predicted_failure is None else min(predicted_failure, moved)
+        if largest_ok and per_sample_ok:
+            predicted_success = max(predicted_success, math.floor(largest_ok + shift / per_sample_ok))
     if predicted_failure is not None and predicted_success >= predicted_failure:
         predicted_success, predicted_failure = 0, None  # the analytical difference contradicts the probes
-    return SharedFacts(success, failure, predicted_success, predicted_failure)
+    return SharedFacts(success, failure, max(0, predicted_success), predicted_failure)
 
 
 def _borrowed_oom_bound(model: MemoryModel, stage: int, observations: Mapping[int, Sequence[Observation]],

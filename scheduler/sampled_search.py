@@ -91,6 +91,10 @@ REPEAT_NAME = re.compile(r"^(?P<original>.+)_r(?P<index>[2-9]|[1-9][0-9]+)$")
 #: budget already leaves out the untracked reserve, the line is fitted on two of the stage's own
 #: sizes before the top is probed, and a failure only costs one launch and bounds the stage.
 TOP_SAFETY = 0.98
+#: Without max_train_batch_size the top also sets the step every smaller size fills (DeepSpeed's
+#: rule), so a margin below the budget costs throughput on every step of the real run, while a
+#: failed probe costs one launch: the whole budget.
+TOP_SAFETY_UNBOUNDED = 1.0
 
 
 def geometric_mid(low: int, high: int) -> int | None:
@@ -298,7 +302,7 @@ def _top(session: _Session, stage: int) -> int:
     sizes = _sizes(session, stage)
     failed = [m for m, ok in sizes.items() if not ok]
     largest_ok = max([m for m, ok in sizes.items() if ok] + [session.shared_facts(stage).success])
-    predicted = session.predicted_max(stage, TOP_SAFETY)
+    predicted = session.predicted_max(stage, TOP_SAFETY if session.settings.samples_per_step else TOP_SAFETY_UNBOUNDED)
     if failed:
         smallest_failed = min(failed)
         if largest_ok and _failures_since_a_success(session, stage) >= MAX_FAILURES:

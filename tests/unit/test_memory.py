@@ -458,35 +458,39 @@ def test_calibrate_keeps_a_slope_below_one_byte_per_sample() -> None:
 
 
 # ---------------------------------------------------------------- memory facts shared by every stage
-# FOUR holds 16000 / 7000 / 5500 / 4000 bytes at stages 0-3, so with 26000 bytes the rooms left for
-# activations are 10000 / 19000 / 20500 / 22000.
+# FOUR holds 16000 / 7000 / 5500 / 4000 bytes at stages 0-3 and its profile says 100 bytes per sample;
+# with 26000 bytes ZeRO-1 has 19000 bytes of room for activations.
 ZERO_1_BRACKET = {1: [Observation(50), Observation(60, oom=True)]}  # no peaks: no line is fitted
 
 
 def test_a_bracket_bounds_and_moves_every_other_stage() -> None:
-    # ZeRO-0 holds more: ZeRO-1's failure at 60 is proven for it; its bracket moved by 10000 / 19000
-    # is [floor(26.3), ceil(31.6)) = [26, 32)
-    assert shared_facts(FOUR, 0, 26000, ZERO_1_BRACKET) == SharedFacts(0, 60, 26, 32)
-    # ZeRO-2 holds less: ZeRO-1's success at 50 is proven; moved by 20500 / 19000: [53, ceil(64.7) = 65)
+    """ZeRO-1 ran 50 and failed at 60: a sample takes between 19000 / 60 = 316.7 and 19000 / 50 = 380
+    bytes. ZeRO-0 holds 9000 bytes more: its top moves down by 9000 / 380 = 23.7 at least (failure
+    bound ceil(60 - 23.7) = 37) and 9000 / 316.7 = 28.4 at most (success bound floor(50 - 28.4) = 21);
+    ZeRO-1's failure at 60 is proven for it. ZeRO-2 holds 1500 less: up by 1500 / 380 = 3.9 at least
+    (floor(53.9) = 53) and 1500 / 316.7 = 4.7 at most (ceil(64.7) = 65); ZeRO-1's 50 is proven."""
+    assert shared_facts(FOUR, 0, 26000, ZERO_1_BRACKET) == SharedFacts(0, 60, 21, 37)
     assert shared_facts(FOUR, 2, 26000, ZERO_1_BRACKET) == SharedFacts(50, None, 53, 65)
     # a stage's own observations say nothing here
     assert shared_facts(FOUR, 1, 26000, ZERO_1_BRACKET) == SharedFacts()
 
 
 def test_without_any_peak_the_other_stages_brackets_steer_the_prediction() -> None:
-    # the analytical model alone says 100 for ZeRO-0 and 205 for ZeRO-2; the moved brackets cap them
+    # the analytical model alone says 100 for ZeRO-0 and 205 for ZeRO-2; the moved failures cap them
     assert FOUR.max_micro_batch_size(0, 26000) == 100 and FOUR.max_micro_batch_size(2, 26000) == 205
-    assert predict_max_micro_batch_size(FOUR, 0, 26000, ZERO_1_BRACKET) == 31
+    assert predict_max_micro_batch_size(FOUR, 0, 26000, ZERO_1_BRACKET) == 36
     assert predict_max_micro_batch_size(FOUR, 2, 26000, ZERO_1_BRACKET) == 64
-    # a model that predicts too little is raised to the moved success: 26000 bytes leave ZeRO-2 only
-    # 20500; with 1000 bytes per sample the model says 20, the bracket (ok at 50 with 19000 of room) 53
+    # a model that predicts too little is raised to the moved success: with a profile of 1000 bytes
+    # per sample the model gives ZeRO-2 20500 / 1000 = 20; the profile's figure is then the bytes per
+    # sample at both ends (above 380), so ZeRO-1's 50 moves up by 1500 / 1000 to 51
     heavy = MemoryModel(ModelInfo(1000, 1000, 1000), TrainingSetup(world_size=4, mixed_precision=True), 0)
     assert heavy.max_micro_batch_size(2, 26000) == 20
-    assert predict_max_micro_batch_size(heavy, 2, 26000, ZERO_1_BRACKET) == 53
+    assert predict_max_micro_batch_size(heavy, 2, 26000, ZERO_1_BRACKET) == 51
 
 
 def test_brackets_that_contradict_the_analytical_difference_are_not_moved() -> None:
-    # ZeRO-1 ran 50, ZeRO-2 (holding less) failed at 40: moved to ZeRO-3, a success at floor(57.9) = 57
-    # above a failure at ceil(42.9) = 43. Only the proven success (50, from a stage holding more) stays.
+    # ZeRO-1 ran 50 (at most 380 bytes per sample), ZeRO-2 (holding less) failed at 40 (at least
+    # 20500 / 40 = 512.5): moved to ZeRO-3, a success at floor(50 + 3000 / 380) = 57 above a failure
+    # at ceil(40 + 1500 / 512.5) = 43. Only the proven success (50, from a stage holding more) stays.
     observations = {1: [Observation(50)], 2: [Observation(40, oom=True)]}
     assert shared_facts(FOUR, 3, 26000, observations) == SharedFacts(50, None, 0, None)

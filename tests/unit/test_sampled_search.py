@@ -470,21 +470,20 @@ def test_a_stage_measures_at_most_max_points_sizes() -> None:
 
 def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
     """The memory model's prediction scales with the share of the budget it may fill: here the size
-    the whole budget holds is 100, so the top probe is the size at TOP_SAFETY (0.98) of it, 98."""
+    the whole budget holds is 100. With a step limit (256 samples per GPU per step) the low probe
+    comes first: 98 / 4 = 24.5, nearest full-step size 25 (gas 10); then the top at TOP_SAFETY
+    (0.98), 98 (gas 2). Without one the top sets every size's step, so it fills the whole budget
+    (TOP_SAFETY_UNBOUNDED): 100 first (gas 1), then 25 (gas 4)."""
 
     class Budget(Scripted):
         def predicted_max(self, stage: int, safety: float = 0.9) -> int:
             return int(100 * safety)
 
-    session = Budget(scripted_settings(stages=(1,), max_train_batch_size=None), {})
-    phase = next(sampled_stages(session, (1,)))
-    # without a step limit the top runs first; then 98 / 4 = 24.5, and the full-step sizes of 98
-    # samples per step near it are 24 (gas 4) and 32
-    assert phase.experiments[0].name == "z1_gas1_tmbspg98"
-    second = sampled_stages(Budget(scripted_settings(stages=(1,), max_train_batch_size=None), {}), (1,))
-    next(second)
-    assert second.send({"z1_gas1_tmbspg98": {"status": "ok", "metrics": {"throughput": 1.0}}}) \
-        .experiments[0].name == "z1_gas4_tmbspg24"
+    for limit, first, then in ((512, "z1_gas10_tmbspg25", "z1_gas2_tmbspg98"), (None, "z1_gas1_tmbspg100", "z1_gas4_tmbspg25")):
+        search = sampled_stages(Budget(scripted_settings(stages=(1,), max_train_batch_size=limit), {}), (1,))
+        phase = next(search)
+        assert phase.experiments[0].name == first
+        assert search.send({first: {"status": "ok", "metrics": {"throughput": 1.0}}}).experiments[0].name == then
 
 
 def test_zero_3_is_not_measured_after_zero_1_or_zero_2_alone() -> None:
