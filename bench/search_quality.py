@@ -1,6 +1,11 @@
 """Search quality: our sampled search vs a faithful replay of DeepSpeed 0.19's fast mode, over
 families of synthetic GPU-like training scripts (bench/surfaces.py), with no cluster.
 
+By default the surfaces are the harder ones: max_train_batch_size on half of them (DeepSpeed's
+space without it: each stage's top times the user's gas), 30 % without a device peak, per-config
+noise on half and heavy-tailed readings (stragglers) on half. `--classic` replays the earlier,
+easier surfaces (always a limit, equal Gaussian noise), the figures bench/README.md gave before.
+
 Both searches are replayed against the same surface: ours through `scheduler.fast_search` (the
 generator the control worker runs, fed the records a real run would leave), DeepSpeed's through
 `bench.deepspeed_replay` (its algorithm line by line, failures included). Per family it prints the
@@ -8,9 +13,11 @@ median and 10th percentile of the fraction of the optimum reached (the noise-fre
 config each search names, over the best noise-free throughput of the space), and the median and
 90th percentile of launches (experiments run, profile run and re-measurements included), of failed
 probes and of the worst stage's failed probes, ours next to DeepSpeed's, and a reference row ("all once": every config of the space measured once,
-the best measured named) that shows the 10th percentile the 2 % noise alone allows.
+the best measured named) that shows the 10th percentile the noise alone allows. `rpt` is the median
+number of re-measurements (launches named `<name>_r<n>`); `mtbs`/`none` split the median fraction
+between surfaces with and without max_train_batch_size.
 
-    .venv/bin/python bench/search_quality.py [--surfaces 60] [--seed 0] [--family mid-peak] [--noise 0.02]
+    .venv/bin/python bench/search_quality.py [--surfaces 60] [--seed 0] [--family mid-peak] [--noise 0.02] [--classic]
 
 Check every change on held-out surfaces too (`--seed 1000`): the defaults are not a tuning set.
 `--noise` replaces every surface's measurement noise (standard deviation per launch, default: the
@@ -29,11 +36,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
-from bench.surfaces import FAMILIES, Surface, make_surface, user_config  # noqa: E402
+from bench.surfaces import FAMILIES, MBS_CAP, Surface, classic, make_surface, user_config  # noqa: E402
 from scheduler.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.phases import Phase, drive  # noqa: E402
 from scheduler.ranking import best  # noqa: E402
-from scheduler.sampled_search import full_step_sizes  # noqa: E402
+from scheduler.sampled_search import REPEAT_NAME, full_step_sizes  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,8 @@ class Outcome:
     launches: int
     failed: int
     worst_stage_failed: int
+    repeats: int  #: re-measurement launches (`<name>_r<n>`)
+    bounded: bool  #: the user's config had max_train_batch_size
 
 
 def true_value(surface: Surface, config: dict[str, Any] | None) -> float:
@@ -59,7 +68,9 @@ def _outcome(surface: Surface, launches: list[dict[str, Any]], config: dict[str,
     per_stage = Counter(int((r["ds_config"].get("zero_optimization") or {}).get("stage", 0))
                         for r in launches if r.get("status") != "ok" and r.get("name") != PROFILE)
     return Outcome(true_value(surface, config) / optimum if optimum else 0.0, len(launches),
-                   sum(r.get("status") != "ok" for r in launches), max(per_stage.values(), default=0))
+                   sum(r.get("status") != "ok" for r in launches), max(per_stage.values(), default=0),
+                   sum(bool(REPEAT_NAME.match(str(r.get("name")))) for r in launches),
+                   bool(surface.max_train_batch_size))
 
 
 def ours(surface: Surface) -> Outcome:
@@ -93,12 +104,13 @@ def deepspeed(surface: Surface) -> Outcome:
 def every_config_once(surface: Surface) -> Outcome:
     """The reference no search of single measurements beats: every stage's every full-step size that
     fits, measured once (no failures), the best measured named. Its fraction shows how much of the
-    gap to 0.99 is the 2 % noise itself rather than the search."""
+    gap to 0.99 is the noise itself rather than the search."""
     launches = []
     for stage in range(4):
-        top = min(surface.max_fit(stage), surface.mtbpg)
-        for mbs in full_step_sizes(surface.mtbpg, top):
-            gas = max(1, surface.mtbpg // mbs)
+        top = min(surface.max_fit(stage), MBS_CAP)
+        step = surface.mtbpg or top
+        for mbs in full_step_sizes(step, min(top, step)):
+            gas = max(1, step // mbs)
             config = {**user_config(surface), "train_micro_batch_size_per_gpu": mbs,
                       "gradient_accumulation_steps": gas, "zero_optimization": {"stage": stage}}
             launches.append(surface.run(f"z{stage}_gas{gas}_tmbspg{mbs}", config))
@@ -118,20 +130,26 @@ def main() -> None:
     parser.add_argument("--family", choices=FAMILIES, action="append", help="only these families")
     parser.add_argument("--noise", type=float, help="measurement noise per launch for every surface "
                         "(standard deviation as a fraction; default: the surfaces' own 0.02)")
+    parser.add_argument("--classic", action="store_true", help="the earlier surfaces: max_train_batch_size "
+                        "always set, equal Gaussian noise, 85 %% device peaks")
     args = parser.parse_args()
     if args.noise is not None and not 0 <= args.noise < 1:
         parser.error(f"--noise {args.noise}: must be a fraction in [0, 1)")
     families = args.family or list(FAMILIES)
     print(f"SEARCH QUALITY REPLAY: {args.surfaces} synthetic GPU-like surfaces per family (seeds "
           f"{args.seed}..{args.seed + args.surfaces - 1}), fast mode, stage all, 2 ranks, "
-          f"{100 * (0.02 if args.noise is None else args.noise):g} % noise; "
+          f"{100 * (0.02 if args.noise is None else args.noise):g} % noise, "
+          + ("classic surfaces; " if args.classic else "half without max_train_batch_size, per-config and "
+             "heavy-tailed noise on half; ") +
           "ours = scheduler.fast_search (sampled), DeepSpeed = bench/deepspeed_replay.py (0.19 fast mode)")
     header = (f"{'family':<13}{'search':<11}{'frac med':>9}{'frac p10':>9}{'>=0.99':>8}{'launch med':>11}"
-              f"{'launch p90':>11}{'failed med':>11}{'failed p90':>11}{'worst stg':>10}")
+              f"{'launch p90':>11}{'failed med':>11}{'failed p90':>11}{'worst stg':>10}{'rpt':>5}{'mtbs':>7}{'none':>7}")
     print(header)
     totals: dict[str, list[Outcome]] = {"ours": [], "DeepSpeed": []}
     for family in families:
         surfaces = [make_surface(family, seed) for seed in range(args.seed, args.seed + args.surfaces)]
+        if args.classic:
+            surfaces = [classic(surface) for surface in surfaces]
         if args.noise is not None:
             surfaces = [replace(surface, noise=args.noise) for surface in surfaces]
         rows = {"ours": [ours(s) for s in surfaces], "DeepSpeed": [deepspeed(s) for s in surfaces],
@@ -144,6 +162,9 @@ def main() -> None:
         print(f"{'':<13}{'ratio':<11}{'':>9}{'':>9}{'':>8}{ratio:>11.2f}  (ours / DeepSpeed, median launches)")
     for label, outcomes in totals.items():
         _row("all", label, outcomes)
+    pooled = statistics.median(o.launches for o in totals["ours"]) / statistics.median(
+        o.launches for o in totals["DeepSpeed"])
+    print(f"pooled launches ours / DeepSpeed (median over all surfaces): {pooled:.2f}")
 
 
 def _row(family: str, label: str, outcomes: list[Outcome]) -> None:
@@ -154,7 +175,13 @@ def _row(family: str, label: str, outcomes: list[Outcome]) -> None:
     print(f"{family:<13}{label:<11}{statistics.median(fractions):>9.3f}{_quantile(fractions, 0.1):>9.3f}"
           f"{share:>8.0%}{statistics.median(launches):>11.1f}{_quantile(launches, 0.9):>11.0f}"
           f"{statistics.median(failed):>11.1f}{_quantile(failed, 0.9):>11.0f}"
-          f"{max(o.worst_stage_failed for o in outcomes):>10}")
+          f"{max(o.worst_stage_failed for o in outcomes):>10}{statistics.median(o.repeats for o in outcomes):>5.0f}"
+          f"{_median_or_dash([o.fraction for o in outcomes if o.bounded]):>7}"
+          f"{_median_or_dash([o.fraction for o in outcomes if not o.bounded]):>7}")
+
+
+def _median_or_dash(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f}" if values else "-"
 
 
 if __name__ == "__main__":

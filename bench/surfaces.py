@@ -26,18 +26,31 @@ The model, per rank (world = ranks of one experiment, P = parameters, fp16 with 
   (sharded from stage 1) plus communication (`comm` times a per-stage factor; ZeRO-3 always moves
   more than ZeRO-2); overlap_comm hides part of the communication, contiguous_gradients and the
   bucket sizes change it a little, from stage 2 (full mode's knobs);
-- throughput = mbs * gas * world / step time, times (1 + noise), noise ~ N(0, 0.02) drawn from a
+- throughput = mbs * gas * world / step time, times (1 + noise), noise ~ N(0, 0.02 x f) drawn from a
   hash of the surface seed and the experiment name (a re-measurement has its own name, so its own
-  draw; the same name in two searches gets the same draw).
-The optimum is the best noise-free throughput over every stage and every micro-batch size that fits,
-with gas = mtbpg // mbs (mtbpg = max_train_batch_size / world), at the default knobs.
+  draw; the same name in two searches gets the same draw). On half the surfaces every config has
+  its own f, log-uniform in [0.5, `noise_spread`] (4) from a hash of the config (some configs far
+  noisier than others), else f = 1; on half the surfaces a reading is a straggler's with
+  probability `straggler_rate` (0.05-0.15): its step time times U(1.5, 2), and a lucky one with a
+  third of that probability: its throughput times U(1.3, 1.8) (the config's other readings were
+  slowed by a co-runner). Heavy tails: one reading can beat a better config's.
+- the user's config sets max_train_batch_size on half the surfaces only (most configs have none);
+  30 % of the surfaces report no device peak (a script whose memory the allocator does not see).
+The space is what DeepSpeed searches (`space`): with max_train_batch_size, every size that fits up
+to mtbpg = max_train_batch_size / world, gas = mtbpg // mbs; without it, per stage every size up to
+its largest that fits, T, with gas 1 and with gas T // mbs (DeepSpeed's mtbpg = T x the user's gas
+1). The optimum is the best noise-free throughput over that space at the default knobs.
+
+The new attributes are drawn from a second random stream, so every parameter the surfaces had
+before (bench/README.md's earlier figures) is unchanged; `classic` turns a surface back into that
+earlier one (max_train_batch_size always set, Gaussian noise equal for every config, 85 % peaks).
 """
 from __future__ import annotations
 
 import hashlib
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 GiB = 1 << 30
@@ -73,11 +86,15 @@ class Surface:
     pressure_penalty: float
     overlap_gain: float
     contiguous_gain: float
-    max_train_batch_size: int
+    max_train_batch_size: int | None
     failure_status: str = "oom"
     reports_peak: bool = True
     noise: float = 0.02
     world: int = WORLD
+    drawn_max_train_batch_size: int = 0  #: the limit drawn for the classic surface (0: max_train_batch_size)
+    drawn_reports_peak: bool = True  #: reports_peak of the classic surface
+    noise_spread: float = 0.0  #: > 1: each config's noise is the base times log-uniform [0.5, this]
+    straggler_rate: float = 0.0  #: share of readings slowed 1.5-2x (a third as many sped up 1.3-1.8x)
     knobs: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     # ------------------------------------------------------------ memory
@@ -108,8 +125,16 @@ class Surface:
         return lo
 
     @property
-    def mtbpg(self) -> int:
-        return max(1, self.max_train_batch_size // self.world)
+    def mtbpg(self) -> int | None:
+        """Samples per GPU per step allowed by max_train_batch_size (None: no limit)."""
+        return max(1, self.max_train_batch_size // self.world) if self.max_train_batch_size else None
+
+    def space(self, stage: int) -> list[tuple[int, int]]:
+        """(mbs, gas) of every config DeepSpeed's fast mode can name at `stage` (module docstring)."""
+        top = min(MBS_CAP, self.max_fit(stage))
+        if self.mtbpg:
+            return [(m, max(1, self.mtbpg // m)) for m in range(1, min(top, self.mtbpg) + 1)]
+        return sorted({(m, 1) for m in range(1, top + 1)} | {(m, max(1, top // m)) for m in range(1, top + 1)})
 
     # ------------------------------------------------------------ speed
 
@@ -141,10 +166,8 @@ class Surface:
     def optimum(self, stages: tuple[int, ...] = (0, 1, 2, 3)) -> tuple[float, tuple[int, int, int]]:
         """(best noise-free throughput, (stage, mbs, gas)) over the fast-mode space."""
         best = (0.0, (0, 0, 0))
-        cap = min(MBS_CAP, self.mtbpg)
         for stage in stages:
-            for mbs in range(1, min(cap, self.max_fit(stage)) + 1):
-                gas = max(1, self.mtbpg // mbs)
+            for mbs, gas in self.space(stage):
                 value = self.throughput(stage, mbs, gas)
                 if value > best[0]:
                     best = (value, (stage, mbs, gas))
@@ -170,15 +193,39 @@ class Surface:
             record["metrics"] = {"num_params": self.num_params, "trainable_num_params": self.num_params,
                                  "activation_mem_per_gpu": int(self.activation * self.profile_activation_fraction)}
             return record
-        value = self.throughput(stage, mbs, gas, zero) * (1 + self.noise * _gauss(self.seed, name))
+        value = self.throughput(stage, mbs, gas, zero) * self.reading_factor(name, stage, mbs, gas)
         step_s = mbs * gas * self.world / value
         record["metrics"] = {"throughput": value, "latency": step_s * 1e6, "FLOPS_per_gpu": value}
         return record
 
 
+    def config_noise(self, stage: int, mbs: int, gas: int) -> float:
+        """The standard deviation of this config's readings (a fraction)."""
+        if self.noise_spread <= 1:
+            return self.noise
+        return self.noise * math.exp(_stream(f"{self.seed}:z{stage}:{mbs}:{gas}").uniform(math.log(0.5),
+                                                                                         math.log(self.noise_spread)))
+
+    def reading_factor(self, name: str, stage: int, mbs: int, gas: int) -> float:
+        """One reading over the true throughput, drawn from the experiment's name (module docstring)."""
+        factor = 1 + self.config_noise(stage, mbs, gas) * _gauss(self.seed, name)
+        if self.straggler_rate:
+            draw = _stream(f"{self.seed}:{name}:tail")
+            tail = draw.random()
+            if tail < self.straggler_rate:
+                factor /= draw.uniform(1.5, 2.0)
+            elif tail < self.straggler_rate * 4 / 3:
+                factor *= draw.uniform(1.3, 1.8)
+        return factor
+
+
+def _stream(key: str) -> random.Random:
+    digest = hashlib.sha256(key.encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
 def _gauss(seed: int, name: str) -> float:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return random.Random(int.from_bytes(digest[:8], "big")).gauss(0.0, 1.0)
+    return _stream(f"{seed}:{name}").gauss(0.0, 1.0)
 
 
 def _log_uniform(rng: random.Random, low: float, high: float) -> float:
@@ -226,24 +273,43 @@ def make_surface(family: str, seed: int) -> Surface:
     elif shape == "cliff":
         threshold, penalty = rng.uniform(0.78, 0.92), rng.uniform(0.15, 0.5)
     mtbpg = 2 ** round(math.log2(max(2.0, min(target_max, MBS_CAP) * _log_uniform(rng, 0.5, 4))))
+    profile_fraction, overlap_gain, contiguous_gain = rng.uniform(0.45, 0.9), rng.uniform(0.2, 0.6), rng.uniform(0.0, 0.04)
+    failure_status, drawn_peak = rng.choice(("oom", "crashed")), rng.random() < 0.85
+    extra = random.Random(f"{family}:{seed}:v2")  # new attributes: the draws above stay what they were
+    bounded = extra.random() < 0.5
+    reports_peak = drawn_peak and extra.random() >= 0.18  # 0.85 x 0.82: 30 % of surfaces show no peak
+    noise_spread = 4.0 if extra.random() < 0.5 else 0.0
+    straggler_rate = extra.uniform(0.05, 0.15) if extra.random() < 0.5 else 0.0
     return Surface(
         family=family, seed=seed, capacity=capacity, num_params=num_params, state_factor=state_factor,
-        activation=activation, profile_activation_fraction=rng.uniform(0.45, 0.9),
+        activation=activation, profile_activation_fraction=profile_fraction,
         alloc_overhead=alloc_overhead, untracked=untracked, sample_time=sample_time,
         micro_overhead=micro_overhead, optimizer_time=optimizer_time, comm_time=comm_time,
         stage_comm=stage_comm, stage3_gather=stage3_gather, peak=peak, fall_off=fall_off,
-        pressure_threshold=threshold, pressure_penalty=penalty, overlap_gain=rng.uniform(0.2, 0.6),
-        contiguous_gain=rng.uniform(0.0, 0.04), max_train_batch_size=mtbpg * WORLD,
-        failure_status=rng.choice(("oom", "crashed")), reports_peak=rng.random() < 0.85)
+        pressure_threshold=threshold, pressure_penalty=penalty, overlap_gain=overlap_gain,
+        contiguous_gain=contiguous_gain, max_train_batch_size=mtbpg * WORLD if bounded else None,
+        failure_status=failure_status, reports_peak=reports_peak, drawn_max_train_batch_size=mtbpg * WORLD,
+        drawn_reports_peak=drawn_peak, noise_spread=noise_spread, straggler_rate=straggler_rate)
+
+
+def classic(surface: Surface) -> Surface:
+    """The surface as the bench drew it before: max_train_batch_size always set, Gaussian noise
+    equal for every config, a device peak on 85 % of surfaces (for before/after figures)."""
+    return replace(surface, max_train_batch_size=surface.drawn_max_train_batch_size or surface.max_train_batch_size,
+                   reports_peak=surface.drawn_reports_peak, noise_spread=0.0, straggler_rate=0.0)
 
 
 def user_config(surface: Surface) -> dict[str, Any]:
-    """The DeepSpeed config a user would tune this script with: fast mode, every stage, fp16."""
+    """The DeepSpeed config a user would tune this script with: fast mode, every stage, fp16, and
+    max_train_batch_size only where the surface has one."""
+    autotuning: dict[str, Any] = {"enabled": True, "fast": True}
+    if surface.max_train_batch_size:
+        autotuning["max_train_batch_size"] = surface.max_train_batch_size
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "fp16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": "all"},
-        "autotuning": {"enabled": True, "fast": True, "max_train_batch_size": surface.max_train_batch_size},
+        "autotuning": autotuning,
     }
