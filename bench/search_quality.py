@@ -26,6 +26,7 @@ surfaces' own 2 %): a loaded shared machine or a short profiling window measures
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from collections import Counter
@@ -40,7 +41,11 @@ from bench.surfaces import FAMILIES, MBS_CAP, Surface, classic, make_surface, us
 from scheduler.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.phases import Phase, drive  # noqa: E402
 from scheduler.ranking import best  # noqa: E402
-from scheduler.sampled_search import REPEAT_NAME, full_step_sizes  # noqa: E402
+from scheduler.sampled_search import full_step_sizes  # noqa: E402
+
+
+#: A re-measurement's name (`<name>_r2`, `<name>_r3`, ...; the earlier searches used `_r2` too).
+REPEAT = re.compile(r"_r[0-9]+$")
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def _outcome(surface: Surface, launches: list[dict[str, Any]], config: dict[str,
                         for r in launches if r.get("status") != "ok" and r.get("name") != PROFILE)
     return Outcome(true_value(surface, config) / optimum if optimum else 0.0, len(launches),
                    sum(r.get("status") != "ok" for r in launches), max(per_stage.values(), default=0),
-                   sum(bool(REPEAT_NAME.match(str(r.get("name")))) for r in launches),
+                   sum(bool(REPEAT.search(str(r.get("name")))) for r in launches),
                    bool(surface.max_train_batch_size))
 
 
