@@ -5,8 +5,9 @@ over many scripts whose optimum is known. A surface is a pure function from an e
 stage, micro-batch size, gradient accumulation, ZeRO knobs) to the record a real run of a GPU
 training script would leave: device memory that grows with the micro-batch, a failed run when the
 device is full, throughput that saturates, may peak at a middle size and drops near the memory cap,
-per-stage step costs, and 2 % measurement noise. Every parameter is drawn at random per surface
-from the family's ranges, so nothing is tuned against one fixed script.
+per-stage step costs, and measurement noise (2 %, heavier and heavy-tailed on some surfaces). Every
+parameter is drawn at random per surface from the family's ranges, so nothing is tuned against one
+fixed script.
 
 The model, per rank (world = ranks of one experiment, P = parameters, fp16 with Adam):
 - model states: params 2P, grads 2P, optimizer 12P, ZeRO-sharded over the world from stage 3, 2
@@ -29,17 +30,21 @@ The model, per rank (world = ranks of one experiment, P = parameters, fp16 with 
 - throughput = mbs * gas * world / step time, times (1 + noise), noise ~ N(0, 0.02 x f) drawn from a
   hash of the surface seed and the experiment name (a re-measurement has its own name, so its own
   draw; the same name in two searches gets the same draw). On half the surfaces every config has
-  its own f, log-uniform in [0.5, `noise_spread`] (4) from a hash of the config (some configs far
-  noisier than others), else f = 1; on half the surfaces a reading is a straggler's with
-  probability `straggler_rate` (0.05-0.15): its step time times U(1.5, 2), and a lucky one with a
-  third of that probability: its throughput times U(1.3, 1.8) (the config's other readings were
-  slowed by a co-runner). Heavy tails: one reading can beat a better config's.
+  its own f, log-uniform in [0.5, `noise_spread`] (4) from a hash of (seed, stage, mbs, gas) (some
+  configs far noisier than others), else f = 1; on half the surfaces a reading is a straggler's
+  with probability `straggler_rate` (0.05-0.15): its step time times U(1.5, 2), and a lucky one
+  with a third of that probability: its throughput times U(1.3, 1.8) (the config's other readings
+  were slowed by a co-runner), drawn from a second hash of the seed and the name (so again one
+  draw per reading). Heavy tails: one reading can beat a better config's.
 - the user's config sets max_train_batch_size on half the surfaces only (most configs have none);
   30 % of the surfaces report no device peak (a script whose memory the allocator does not see).
+  Each of these and the two noise models is a coin per surface (so about half, not exactly half,
+  of one family's surfaces: 25 to 33 of seeds 0-59 have no limit).
 The space is what DeepSpeed searches (`space`): with max_train_batch_size, every size that fits up
 to mtbpg = max_train_batch_size / world, gas = mtbpg // mbs; without it, per stage every size up to
 its largest that fits, T, with gas 1 and with gas T // mbs (DeepSpeed's mtbpg = T x the user's gas
-1). The optimum is the best noise-free throughput over that space at the default knobs.
+1; T at most MBS_CAP). The optimum is the best noise-free throughput over that space at the default
+knobs (more gas amortizes the step cost, so a gas-1 config never beats gas T // mbs at its size).
 
 The new attributes are drawn from a second random stream, so every parameter the surfaces had
 before (bench/README.md's earlier figures) is unchanged; `classic` turns a surface back into that
@@ -198,13 +203,11 @@ class Surface:
         record["metrics"] = {"throughput": value, "latency": step_s * 1e6, "FLOPS_per_gpu": value}
         return record
 
-
     def config_noise(self, stage: int, mbs: int, gas: int) -> float:
         """The standard deviation of this config's readings (a fraction)."""
         if self.noise_spread <= 1:
             return self.noise
-        return self.noise * math.exp(_stream(f"{self.seed}:z{stage}:{mbs}:{gas}").uniform(math.log(0.5),
-                                                                                         math.log(self.noise_spread)))
+        return self.noise * _log_uniform(_stream(f"{self.seed}:z{stage}:{mbs}:{gas}"), 0.5, self.noise_spread)
 
     def reading_factor(self, name: str, stage: int, mbs: int, gas: int) -> float:
         """One reading over the true throughput, drawn from the experiment's name (module docstring)."""
@@ -273,7 +276,8 @@ def make_surface(family: str, seed: int) -> Surface:
     elif shape == "cliff":
         threshold, penalty = rng.uniform(0.78, 0.92), rng.uniform(0.15, 0.5)
     mtbpg = 2 ** round(math.log2(max(2.0, min(target_max, MBS_CAP) * _log_uniform(rng, 0.5, 4))))
-    profile_fraction, overlap_gain, contiguous_gain = rng.uniform(0.45, 0.9), rng.uniform(0.2, 0.6), rng.uniform(0.0, 0.04)
+    profile_fraction, overlap_gain = rng.uniform(0.45, 0.9), rng.uniform(0.2, 0.6)
+    contiguous_gain = rng.uniform(0.0, 0.04)
     failure_status, drawn_peak = rng.choice(("oom", "crashed")), rng.random() < 0.85
     extra = random.Random(f"{family}:{seed}:v2")  # new attributes: the draws above stay what they were
     bounded = extra.random() < 0.5
