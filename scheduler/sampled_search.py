@@ -41,8 +41,7 @@ near the memory cap; measurements are noisy, some configs far more than others. 
 
 What the benches show this buys, and what they cannot: bench/search_quality.py (synthetic
 surfaces, with and without max_train_batch_size, heavy-tailed and per-config noise) and
-bench/trace_replay.py (readings of examples/train_gpt.py measured on this machine); see
-bench/README.md.
+bench/vs_deepspeed.py (the real GPT example, end to end); see bench/README.md.
 
 Pure decision logic (`next_size`, `geometric_mid`, `scheduler.confirm`) is separate from the
 generator so it is tested directly; the generators only turn decisions into phases (one experiment
@@ -245,10 +244,9 @@ def samples_per_step(session: _Session, stage: int) -> int:
 
     With max_train_batch_size, what it allows. Without it, DeepSpeed's rule (its mtbpg): the stage's
     largest feasible micro-batch times the user's gas, so a size below the top gets the accumulation
-    that fills the same step. Feasible means known to run (`_known_feasible`). Before the stage's
-    top has run, the predicted top stands in: the lead stage's low probe is measured at the gas
-    that fills the predicted step (the top probe usually confirms it), and a followed stage is
-    anchored first (`_anchor`), so the step never outgrows what the stage can hold.
+    that fills the same step. Feasible means known to run (`_known_feasible`): every stage runs
+    its top first (`_anchor`, at the user's gas, which the predicted top stands in for until then),
+    so the step never outgrows what the stage can hold.
     """
     st = session.settings
     if st.samples_per_step:
@@ -268,8 +266,8 @@ def _known_feasible(session: _Session, stage: int) -> int:
 
 def _anchor(session: _Session, stage: int) -> Step:
     """Without max_train_batch_size, probe the stage's top (at the user's gas) until a size runs, as
-    DeepSpeed's max probes do, so its space is bounded by a size it can hold; True once it is (at
-    once when a stage holding more already ran a size), False when the stage gave up."""
+    DeepSpeed's max probes do, so its space is bounded by a size it can hold; True once it is,
+    False when the stage gave up (`_top` came to 0)."""
     if session.settings.samples_per_step:
         return True
     while not _known_feasible(session, stage):
