@@ -111,8 +111,7 @@ def space_text(experiments: list[Experiment]) -> str:
         if autotuning.get("max_train_batch_size"):
             source = f"from max_train_batch_size {autotuning['max_train_batch_size']}"
         else:
-            source = (f"without max_train_batch_size: the largest size run at gas {user_gas} times {user_gas}, "
-                      "DeepSpeed's rule")
+            source = f"without max_train_batch_size: DeepSpeed's rule, the stage's top size times gas {user_gas}"
         lines.append(f"  z{stage}: micro-batch {min(sizes)}-{max(sizes)}, up to {step} samples per GPU per step "
                      f"({source}); gas = samples per step // micro-batch")
     return "\n".join(lines) + "\n"

@@ -386,8 +386,8 @@ def test_plot_without_any_success_is_still_drawn(tmp_path: Path) -> None:
 
 def test_summary_states_the_space_searched_per_stage() -> None:
     text = summary_text(EXPS, RECORDS, "throughput", True, 1.0)
-    assert ("  z0: micro-batch 1-2, up to 2 samples per GPU per step (without max_train_batch_size: the largest "
-            "size run at gas 1 times 1, DeepSpeed's rule); gas = samples per step // micro-batch") in text.splitlines()
+    assert ("  z0: micro-batch 1-2, up to 2 samples per GPU per step (without max_train_batch_size: DeepSpeed's "
+            "rule, the stage's top size times gas 1); gas = samples per step // micro-batch") in text.splitlines()
     limited = make_exp(1, 4, gas=8)
     limited.ds_config["autotuning"]["max_train_batch_size"] = 64
     text = summary_text([limited], {limited.name: make_record(limited, "ok", throughput=1.0)}, "throughput", True, 1.0)
