@@ -358,10 +358,15 @@ def _sizes(session: _Session, stage: int) -> dict[int, bool]:
     return out
 
 
+def original_name(name: str, measured: Mapping[str, Any]) -> str:
+    """The experiment `name` re-measures (`<original>_r<n>` of an experiment in `measured`), else `name`."""
+    match = REPEAT_NAME.match(name)
+    return match["original"] if match and match["original"] in measured else name
+
+
 def is_repeat(name: str, measured: Mapping[str, Any]) -> bool:
     """Whether `name` is a re-measurement (`<original>_r<n>`) of an experiment in `measured`."""
-    match = REPEAT_NAME.match(name)
-    return bool(match) and match["original"] in measured
+    return original_name(name, measured) != name
 
 
 def _incumbent_size(session: _Session, stages: Sequence[int]) -> int | None:
@@ -416,8 +421,7 @@ def confirm(session: _Session) -> Step:
         for name, (exp, record) in session.measured.items():
             if exp.space == PROFILE:
                 continue
-            match = REPEAT_NAME.match(name)
-            original = match["original"] if match and match["original"] in session.measured else name
+            original = original_name(name, session.measured)
             if original == name:
                 originals[name] = exp
             launched[original] = launched.get(original, 0) + 1
