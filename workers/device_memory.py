@@ -7,7 +7,8 @@ reads them when the script ends, also after an out-of-memory, and writes them wi
 about the ending into the rank's exit report (a small JSON file named by AUTOTUNE_EXIT_REPORT). The
 rank reads that file into its record: `peak_device_bytes` (`torch.cuda.max_memory_reserved`, what
 the allocator held: the figure that hits the device's limit), `peak_device_allocated_bytes`
-(`max_memory_allocated`, live tensors only), the allocator's retry and OOM counts.
+(`max_memory_allocated`, live tensors only), the allocator's retry and OOM counts, and when each
+optimizer step ended (`step_ends`, from `workers.step_clock`).
 
 A script that has no CUDA (a stand-in for a GPU model on a machine without one, a simulator) can
 report what it would hold with `report_peak`; the largest of reported and measured values wins.
@@ -61,10 +62,12 @@ def _raise(peaks: dict[str, int], key: str, value: Any) -> None:
 
 
 def write_exit_report(report: dict[str, Any]) -> None:
-    """Write the report to AUTOTUNE_EXIT_REPORT (no-op without it); never raises."""
+    """Write the report to AUTOTUNE_EXIT_REPORT (no-op without it; ``{rank}`` in it becomes RANK,
+    for launchers that give every rank the same environment); never raises."""
     path = os.environ.get(EXIT_REPORT_ENV)
     if not path:
         return
+    path = path.replace("{rank}", os.environ.get("RANK", "0"))
     try:
         Path(path).write_text(json.dumps(report))
     except OSError:
@@ -88,4 +91,9 @@ def read_exit_report(path: Path) -> dict[str, Any]:
         kept["profiling_exit"] = data["profiling_exit"]
     if isinstance(data.get("oom"), str):
         kept["oom"] = data["oom"][:500]
+    ends = data.get("step_ends")
+    if isinstance(ends, list) and all(
+            isinstance(end, list) and len(end) == 2 and isinstance(end[0], int) and not isinstance(end[0], bool)
+            and isinstance(end[1], (int, float)) and not isinstance(end[1], bool) for end in ends):
+        kept["step_ends"] = ends
     return kept

@@ -7,9 +7,10 @@ bound on the micro-batch size. Recognising it here, in the same process, from th
 would not be. When the script exits non-zero without an OOM exception in sight, the CUDA allocator's
 own OOM count still tells (a library that swallowed the exception and exited).
 
-The exit report (`workers.device_memory`) carries the peak device memory and whether the script
-left through DeepSpeed's profiling exit: on CPU that exit sometimes aborts at interpreter teardown,
-and the rank may only be excused when it provably got that far.
+The exit report (`workers.device_memory`) carries the peak device memory, whether the script
+left through DeepSpeed's profiling exit (on CPU that exit sometimes aborts at interpreter teardown,
+and the rank may only be excused when it provably got that far), and when each optimizer step ended
+(`workers.step_clock`: the metric is the mean step time of the window, not the engine's last step).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import traceback
 from workers.device_memory import measured_peaks, write_exit_report
 from workers.failure import OOM_EXIT_CODE
 from workers.oom import out_of_memory_cause
+from workers.step_clock import install_deepspeed_hook, step_ends
 
 #: Where DeepSpeed's engine calls exit() after the profiled steps (`_autotuning_exit`) or after
 #: writing the model info of a profile run (`forward`).
@@ -60,6 +62,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     pid = os.getpid()
     error: BaseException | None = None
+    install_deepspeed_hook()
     try:
         runpy.run_path(script, run_name="__main__")
     except BaseException as exc:
@@ -76,7 +79,9 @@ def main() -> None:
             oom = f"{type(cause).__name__}: {cause}"
         elif peaks.get("device_ooms"):
             oom = f"the CUDA allocator counted {peaks['device_ooms']} out-of-memory error(s)"
-    write_exit_report({**peaks, "profiling_exit": is_profiling_exit(error), **({"oom": oom} if oom else {})})
+    ends = step_ends()
+    write_exit_report({**peaks, "profiling_exit": is_profiling_exit(error), **({"oom": oom} if oom else {}),
+                       **({"step_ends": ends} if ends else {})})
     if oom is not None:
         print(f"workers.entry: out of memory: {oom}"[:2000], file=sys.stderr)
         sys.stderr.flush()

@@ -26,7 +26,10 @@ DeepSpeed measures FLOPs with its profiler; here the script supplies an
 estimate per optimizer step and rank, and ``FLOPS_per_gpu`` is omitted when it
 does not.
 
-Only the standard library is imported at module level; torch is touched only
+Every optimizer step's end is also noted on `workers.step_clock`, so that under `workers.entry`
+the run's metric is its window's mean step time, as for a DeepSpeed script.
+
+Only the standard library (and `workers.step_clock`, which imports nothing else) is imported at module level; torch is touched only
 through the model object a caller passes in, so importing this module is cheap.
 """
 
@@ -41,6 +44,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
+
+from workers import step_clock
 
 TIMER_NAMES = ("fwd", "bwd", "step")
 DEFAULT_START_PROFILE_STEP = 3
@@ -300,6 +305,7 @@ class AutotuningMetrics:
         if not boundary:
             return
         self.global_steps += 1
+        step_clock.mark(self.global_steps)
         if self.enabled and self.global_steps == self.settings.end_profile_step + 1:
             if self.rank == 0:
                 write_json_atomic(self.settings.metric_path, {**self.window_metrics(), "rank": 0})

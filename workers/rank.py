@@ -1,7 +1,9 @@
 """One rank of one experiment on this slot: the body of the `run_rank` task.
 
 It prepares the experiment folder, meets the other ranks (rendezvous), runs the user's script
-watched (see `workers.launch`), reads the metrics file and returns a JSON record. It never raises
+watched (see `workers.launch`), reads the metrics file and returns a JSON record, whose metrics are
+the profiled window's mean step time where the script ran under `workers.entry` (see
+`workers.step_clock`; the engine's own file times its last step only). It never raises
 for anything the experiment does: a record with a failure class is the answer, so the chord's
 callback always runs and one bad experiment never stops the others.
 
@@ -30,9 +32,11 @@ from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
 from workers.gang import GangReservations
 from workers.failure import Status, classify, describe_exit
 from workers.metric_check import asked_metric, metrics_problem
+from workers.metrics import AutotuningSettings
 from workers.launch import run_watched, tail
 from workers.paths import read_json, safe_child, write_atomic, write_json
 from workers.slot import Slot
+from workers.step_clock import wall_clock_metrics, window_seconds
 
 ABORT_TTL_S = 3600
 PGID_TTL_S = 7 * 24 * 3600
@@ -197,6 +201,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         "master": f"{master[0]}:{master[1]}",
         **read_exit_report(exit_report),
     }
+    step_ends = record.pop("step_ends", None)
     if slot.kind == "cuda":
         record["cuda_index"] = slot.cuda_index
     if problem:
@@ -204,13 +209,26 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     elif status is Status.NO_METRICS:
         record["error"] = f"exited 0 without writing its metrics file {metric_path}"
     elif has_metrics:
-        record["metrics"] = metrics
+        record.update(timed_metrics(metrics, step_ends, spec.ds_config))
         record["metrics_at"] = metric_path.stat().st_mtime  # a later failure did not spoil them
     if launch.start_error:
         record["error"] = launch.start_error
     if status is not Status.OK:
         record["stderr_tail"] = tail(stderr_path, 2000)
     return record
+
+
+def timed_metrics(metrics: dict[str, Any], step_ends: list[list[float]] | None,
+                  ds_config: dict[str, Any]) -> dict[str, Any]:
+    """The record's metric fields. Where the rank noted when its optimizer steps ended, the metrics
+    are the profiled window's mean step time (`workers.step_clock`: the engine's own file times the
+    last step only), with the engine's figures and the window's step times kept beside them."""
+    settings = AutotuningSettings.from_ds_config(ds_config)
+    durations = window_seconds(step_ends or [], settings.start_profile_step, settings.end_profile_step)
+    if not durations:
+        return {"metrics": metrics}
+    return {"metrics": wall_clock_metrics(metrics, durations), "engine_metrics": metrics,
+            "step_seconds": [round(duration, 4) for duration in durations]}
 
 
 class _StopCheck:

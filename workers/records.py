@@ -2,8 +2,10 @@
 
 The experiment takes its root cause's status (see `workers.failure.experiment_status`), rank 0's
 metrics, and the sum of what it cost. The record is what `result.json` holds and what the tuner
-reads; `metrics.json` keeps exactly DeepSpeed's metric dict, so tools that read DeepSpeed's
-layout keep working.
+reads; `metrics.json` keeps DeepSpeed's metric dict (its keys and units), so tools that read
+DeepSpeed's layout keep working and rank as the tuner did: where rank 0 timed its steps, the
+figures are the profiled window's mean step time, and the engine's own (its last step) are kept in
+the record as `engine_metrics` beside the window's `step_seconds` (see `workers.step_clock`).
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
         if _failed_after_measuring(status, rank0, cause):
             record.update(status=Status.OK.value, metrics=rank0["metrics"],
                           exit_after_metrics=record.pop("cause"))
+    if record["status"] == Status.OK.value:
+        record.update({key: rank0[key] for key in ("engine_metrics", "step_seconds") if key in rank0})
     return record
 
 

@@ -35,8 +35,12 @@ def test_deepspeed_example_through_the_embedded_cluster(tmp_path):
     profile = json.loads((results / "profile_model_info" / "result.json").read_text())
     assert profile["status"] == "ok" and profile["metrics"]["num_params"] > 1_000_000  # DeepSpeed's own model info
     for name in ("z0_gas2_tmbspg2", "z0_gas1_tmbspg4", "z1_gas2_tmbspg2", "z1_gas1_tmbspg4"):
-        metrics = json.loads((results / name / "metrics.json").read_text())  # written by DeepSpeed's engine
+        metrics = json.loads((results / name / "metrics.json").read_text())  # DeepSpeed's engine's keys
         assert metrics["throughput"] > 0 and metrics["latency"] > 0 and {"fwd", "bwd", "step"} <= set(metrics)
+        record = json.loads((results / name / "result.json").read_text())
+        # the wall time of the window's steps (start + 1 .. end + 1: step 2 here), not the engine's timers
+        assert len(record["step_seconds"]) == 1 and record["engine_metrics"]["throughput"] > 0
+        assert metrics["latency"] == pytest.approx(record["step_seconds"][0] * 1e6, rel=1e-3)
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert "autotuning" not in optimal and optimal["optimizer"]["params"]["torch_adam"] is True
     command = (results / "cmd_optimal.txt").read_text()
@@ -56,4 +60,4 @@ def test_plain_torch_example_two_ranks(hand_cluster, tmp_path):
     for name in ("z1_gas2_tmbspg2", "z1_gas1_tmbspg4"):
         record = json.loads((results / name / "result.json").read_text())
         assert record["status"] == "ok" and len(record["ranks"]) == 2
-        assert record["metrics"]["throughput"] > 0
+        assert record["metrics"]["throughput"] > 0 and len(record["step_seconds"]) == 1
