@@ -8,9 +8,12 @@ and micro-batch bounds from the command line), both run experiments of 2 ranks o
 
 Printed per run: wall time of the whole command, experiments launched (total and per stage, the
 model-info profile run counted apart), failed experiments, and the config each chose. Then every
-distinct chosen config is re-measured by the same longer run (DeepSpeed's engine metric over more
-steps than either tuner measured), R times each, in round-robin order so that drift of the shared
-cores hits every config alike; the table gives the median and the range. One tuning measurement
+distinct chosen config is re-measured by the same longer run (steps 4..S+1, more than either tuner
+measured; each rank run through `workers.entry`, which notes when every optimizer step ends), R times
+each, in round-robin order so that drift of the shared cores hits every config alike; the table gives
+the median and the range of the window's mean-step throughput, and beside it DeepSpeed's engine
+metric, which times the last step only (on this machine ZeRO-0's steps are bimodal, so one step can
+read up to 2x fast or slow). One tuning measurement
 covers a few steps on 2 shared cores and varies by up to 2x, so the chosen configs are compared
 only by this re-measurement, never by the value the tuner itself saw.
 
@@ -31,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
+
+from workers.step_clock import wall_clock_metrics, window_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
@@ -107,23 +112,31 @@ def key_of(config: dict[str, Any] | None) -> str:
             f" gas {config.get('gradient_accumulation_steps', 1)}")
 
 
-def remeasure(work: Path, config: dict[str, Any], port: int, steps: int, script_args: list[str]) -> float:
-    """The chosen config trained by DeepSpeed's launcher with 2 ranks; DeepSpeed's engine metric over
-    steps 3..steps (the tuners measured 3 steps)."""
+def remeasure(work: Path, config: dict[str, Any], port: int, steps: int,
+              script_args: list[str]) -> tuple[float, float]:
+    """The chosen config trained by DeepSpeed's launcher with 2 ranks, each rank run through
+    `workers.entry` so that it notes when every optimizer step ended. Returns (window, engine):
+    throughput from the mean wall time of steps 4..steps+1 (what celery-autotune ranks by) and
+    DeepSpeed's engine metric (which times the last step only)."""
     work.mkdir(parents=True, exist_ok=True)
     metric_path = work / "metrics.json"
-    metric_path.unlink(missing_ok=True)
+    reports = [work / f"exit{rank}.json" for rank in range(2)]
+    for path in (metric_path, *reports):
+        path.unlink(missing_ok=True)
     cfg = {**config, "autotuning": {"enabled": True, "metric": "throughput", "start_profile_step": 3,
                                     "end_profile_step": steps, "metric_path": str(metric_path)}}
     (work / "ds_config.json").write_text(json.dumps(cfg))
-    argv = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(SCRIPT),
-            "--deepspeed_config", str(work / "ds_config.json"), *script_args]
-    subprocess.run(argv, cwd=work, env=environment(), stdout=(work / "stdout.log").open("a"),
+    argv = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "--no_local_rank",
+            "--module", "workers.entry", str(SCRIPT), "--deepspeed_config", str(work / "ds_config.json"), *script_args]
+    env = {**environment(), "PYTHONPATH": str(ROOT), "AUTOTUNE_EXIT_REPORT": str(work / "exit{rank}.json")}
+    subprocess.run(argv, cwd=work, env=env, stdout=(work / "stdout.log").open("a"),
                    stderr=subprocess.STDOUT, check=False)
     metrics = _read(metric_path)
-    if not metrics:
-        raise SystemExit(f"re-measuring {key_of(config)} wrote no metrics; see {work / 'stdout.log'}")
-    return float(metrics["throughput"])
+    report = _read(reports[0]) or {}
+    durations = window_seconds(report.get("step_ends") or [], 3, steps)
+    if not metrics or not durations:
+        raise SystemExit(f"re-measuring {key_of(config)} wrote no metrics or step times; see {work / 'stdout.log'}")
+    return float(wall_clock_metrics(metrics, durations)["throughput"]), float(metrics["throughput"])
 
 
 def per_stage(launched: dict[str, str]) -> str:
@@ -166,26 +179,31 @@ def main() -> int:
 
     chosen = {key_of(r["chosen"]): r["chosen"] for r in runs if r["chosen"] is not None}
     measured: dict[str, list[float]] = {key: [] for key in chosen}
+    engine: dict[str, list[float]] = {key: [] for key in chosen}
     for round_ in range(args.remeasure):
         for index, (key, cfg) in enumerate(chosen.items()):
             print(f"[{time.monotonic() - started:6.0f}s] re-measuring {key} ({round_ + 1}/{args.remeasure}) ...", flush=True)
-            measured[key].append(remeasure(root / "remeasure" / key.replace(" ", "_"), cfg, 29800 + index,
-                                           args.steps, script_args))
+            window, last_step = remeasure(root / "remeasure" / key.replace(" ", "_"), cfg, 29800 + index,
+                                          args.steps, script_args)
+            measured[key].append(window)
+            engine[key].append(last_step)
 
-    def remeasured(key: str) -> str:
-        values = measured.get(key)
+    def remeasured(key: str, figures: dict[str, list[float]] = measured) -> str:
+        values = figures.get(key)
         if not values:
             return "-"
         return f"{statistics.median(values):,.0f} [{min(values):,.0f}-{max(values):,.0f}]"
 
     rows = [[r["repeat"], r["tool"], f"{r['wall_s']:.0f}", len(r["launched"]), per_stage(r["launched"]),
-             sum(s != "ok" for s in r["launched"].values()), key_of(r["chosen"]), remeasured(key_of(r["chosen"]))]
+             sum(s != "ok" for s in r["launched"].values()), key_of(r["chosen"]), remeasured(key_of(r["chosen"])),
+             remeasured(key_of(r["chosen"]), engine)]
             for r in runs]
     print()
     print(f"examples/train_gpt.py --steps 50, ZeRO stages {args.stages}, micro-batch up to {args.max_mbs}, "
           f"2-rank experiments on this {os.cpu_count()}-core machine; tuning runs alternated")
     print(tabulate(rows, headers=["run", "tool", "wall s", "launched", "per stage", "failed", "chosen config",
-                                  f"re-measured samples/s, median [range] of {args.remeasure}"], tablefmt="pipe"))
+                                  f"re-measured samples/s (window mean), median [range] of {args.remeasure}",
+                                  "DeepSpeed's engine metric (last step)"], tablefmt="pipe"))
     print()
     for tool in ("deepspeed", "celery-autotune"):
         mine = [r for r in runs if r["tool"] == tool]

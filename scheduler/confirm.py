@@ -10,8 +10,10 @@ than the runner-up. So a winner is confirmed before it is named
 - the leader (best mean so far) is always measured at least twice: no config wins on one reading,
   and the pair is the job's first measurement of its noise;
 - the noise is measured, not assumed: the relative spread of every config measured more than once,
-  pooled (`pooled_noise`); a config's own spread counts when it is larger (per-config noise);
-  `PRIOR_NOISE` stands in only until the first pair exists;
+  pooled (`pooled_noise`); a config's own spread counts when it is larger (per-config noise), and so
+  does the spread inside its runs where they give per-step times (`step_noise`: a reading is the mean
+  of its window's steps, so one run of a config whose steps are bimodal already shows its reading is
+  uncertain); `PRIOR_NOISE` stands in only until the first pair exists;
 - a rival is not separated from the leader while their gap is within `SEPARATION_Z` standard errors
   of the difference of their means; the leader and the `MAX_RIVALS` best such rivals are then
   measured in turn, fewest readings first (interleaved: A B A B, so drift of shared machines hits
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -45,10 +47,11 @@ MAX_RIVALS = 2
 
 @dataclass(frozen=True)
 class Readings(Generic[K]):
-    """Every successful measurement of one config."""
+    """Every successful measurement of one config, and the error of one reading seen inside its runs."""
 
     key: K
     values: tuple[float, ...]
+    step_noise: float | None = None  #: relative standard error of one reading from its step times
 
     @property
     def mean(self) -> float:
@@ -66,6 +69,19 @@ class Readings(Generic[K]):
         return statistics.stdev(self.values) / abs(self.mean)
 
 
+def step_noise(runs: Iterable[Sequence[float] | None]) -> float | None:
+    """The relative standard error of one reading, estimated inside the runs that timed each step: a
+    reading is the mean of its window's steps, so its error is the steps' relative spread over the
+    square root of their number. Root mean square over the runs with two steps or more; None when no
+    run has."""
+    squares = []
+    for steps in runs:
+        if steps and len(steps) >= 2 and statistics.fmean(steps) > 0:
+            relative = statistics.stdev(steps) / statistics.fmean(steps)
+            squares.append(relative ** 2 / len(steps))
+    return math.sqrt(statistics.fmean(squares)) if squares else None
+
+
 def pooled_noise(groups: Sequence[Readings]) -> float | None:
     """The relative standard deviation pooled over every config read at least twice (None: none)."""
     squares, freedom = 0.0, 0
@@ -77,10 +93,11 @@ def pooled_noise(groups: Sequence[Readings]) -> float | None:
 
 
 def noise_of(group: Readings, pooled: float | None) -> float:
-    """The relative noise used for `group`: the pooled figure, or its own spread when larger."""
+    """The relative noise used for `group`: the pooled figure, or its own spread across readings or
+    within its runs when larger."""
     base = PRIOR_NOISE if pooled is None else pooled
-    own = group.own_noise
-    return max(MIN_NOISE, base, own if own is not None else 0.0)
+    own = [noise for noise in (group.own_noise, group.step_noise) if noise is not None]
+    return max(MIN_NOISE, base, *own)
 
 
 def separated(leader: Readings, rival: Readings, pooled: float | None, maximize: bool = True) -> bool:
@@ -133,6 +150,9 @@ def verdict(groups: Sequence[Readings[K]], maximize: bool = True) -> Verdict[K] 
     return Verdict(ranked[0], runner_up, apart, pooled)
 
 
-def group_readings(values: Mapping[K, Sequence[float]]) -> list[Readings[K]]:
-    """`Readings` per key, in the mapping's order, keys without a reading left out."""
-    return [Readings(key, tuple(vals)) for key, vals in values.items() if vals]
+def group_readings(values: Mapping[K, Sequence[float]],
+                   steps: Mapping[K, Sequence[Sequence[float] | None]] | None = None) -> list[Readings[K]]:
+    """`Readings` per key, in the mapping's order, keys without a reading left out; `steps` holds the
+    per-step times of each key's runs (None for a run that gave none)."""
+    steps = steps or {}
+    return [Readings(key, tuple(vals), step_noise(steps.get(key, ()))) for key, vals in values.items() if vals]

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 from tabulate import tabulate
 
-from scheduler.confirm import PRIOR_NOISE, Readings, verdict
+from scheduler.confirm import PRIOR_NOISE, Readings, step_noise, verdict
 from scheduler.ranking import best, config_key, metric_value, pooled_best, status_counts
 from scheduler.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
@@ -120,19 +120,24 @@ def space_text(experiments: list[Experiment]) -> str:
 def winner_text(records: list[dict[str, Any]], metric: str, maximize: bool) -> str:
     """The winner and the runner-up as mean, spread and number of readings, and whether the gap
     between them is more than the measured noise (scheduler.confirm)."""
-    groups: dict[str, tuple[str, list[float]]] = {}
+    groups: dict[str, tuple[str, list[float], list[Any]]] = {}
     for record in records:
         value = metric_value(record, metric)
         if value is not None:
-            groups.setdefault(config_key(record), (record["name"], []))[1].append(value)
-    decided = verdict([Readings(name, tuple(values)) for name, values in groups.values()], maximize)
+            name, values, steps = groups.setdefault(config_key(record), (record["name"], [], []))
+            values.append(value)
+            steps.append(record.get("step_seconds"))
+    decided = verdict([Readings(name, tuple(values), step_noise(steps)) for name, values, steps in groups.values()],
+                      maximize)
     if decided is None:
         return ""
 
     def described(readings: Readings) -> str:
         low, high = min(readings.values), max(readings.values)
+        within = ("" if readings.step_noise is None else
+                  f", {100 * readings.step_noise:.1f} % error of one reading from its step times")
         return (f"{readings.key}: {readings.mean:.6g} {metric}, mean of {readings.count} "
-                f"reading{'s' if readings.count > 1 else ''} (range {low:.6g}-{high:.6g})")
+                f"reading{'s' if readings.count > 1 else ''} (range {low:.6g}-{high:.6g}{within})")
 
     lines = [f"Winner: {described(decided.winner)}"]
     if decided.runner_up is not None:

@@ -417,6 +417,7 @@ def confirm(session: _Session) -> Step:
     for spent in range(1, REPEAT_BUDGET + 1):
         originals: dict[str, Experiment] = {}
         readings: dict[str, list[float]] = {}
+        steps: dict[str, list[list[float] | None]] = {}
         launched: dict[str, int] = {}
         for name, (exp, record) in session.measured.items():
             if exp.space == PROFILE:
@@ -428,7 +429,8 @@ def confirm(session: _Session) -> Step:
             value = metric_value(record, st.metric)
             if value is not None:
                 readings.setdefault(original, []).append(value)
-        key = next_repeat(group_readings(readings), st.maximize)
+                steps.setdefault(original, []).append(record.get("step_seconds"))
+        key = next_repeat(group_readings(readings, steps), st.maximize)
         if key is None:
             return
         exp = originals[key]

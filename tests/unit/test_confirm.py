@@ -6,7 +6,8 @@ import math
 import pytest
 
 from scheduler.confirm import (
-    MIN_NOISE, PRIOR_NOISE, Readings, group_readings, next_repeat, noise_of, pooled_noise, separated, verdict,
+    MIN_NOISE, PRIOR_NOISE, Readings, group_readings, next_repeat, noise_of, pooled_noise, separated, step_noise,
+    verdict,
 )
 
 
@@ -78,3 +79,33 @@ def test_a_verdict_names_the_runner_up_and_whether_they_are_apart() -> None:
 
 def test_group_readings_drops_keys_without_a_reading() -> None:
     assert group_readings({"a": [1.0], "b": [], "c": [2.0, 3.0]}) == [r("a", 1.0), r("c", 2.0, 3.0)]
+
+
+def test_step_noise_is_the_standard_error_of_a_window_mean() -> None:
+    # steps 1.0, 2.0, 1.0: mean 4/3, stdev 0.57735; relative 0.43301, over sqrt(3): 0.25
+    assert step_noise([[1.0, 2.0, 1.0]]) == pytest.approx(0.25)
+    # root mean square over runs; a run with one step, none, or no steps tells nothing
+    assert step_noise([[1.0, 2.0, 1.0], [1.0, 1.0, 1.0], [5.0], None, []]) == pytest.approx(math.sqrt(0.25 ** 2 / 2))
+    assert step_noise([[5.0], None]) is None
+
+
+def test_a_bimodal_run_cannot_win_on_its_window_mean_alone() -> None:
+    """One z0 run whose window held a 2x step reads 10 % ahead of a steady z1 read twice. Across
+    readings nothing is known of z0 yet (one reading), but its steps say one reading is +-25 %: not
+    separated, even after a second reading agrees. From steady steps the same two readings lead z1
+    by 9 standard errors and z0 is named."""
+    steady = Readings("z1", (100.0, 101.0), step_noise([[0.8, 0.81, 0.8], [0.8, 0.8, 0.79]]))
+    bimodal = Readings("z0", (111.0,), step_noise([[1.0, 2.0, 1.0]]))
+    assert noise_of(bimodal, 0.01) == pytest.approx(0.25)
+    assert not separated(bimodal, steady, 0.01)
+    leader_twice = Readings("z0", (111.0, 110.0), bimodal.step_noise)
+    assert not separated(leader_twice, steady, 0.01)
+    assert next_repeat([steady, leader_twice]) == "z0"  # equal counts: the leader is measured
+    calm = Readings("z0", (111.0, 110.0), step_noise([[0.9, 0.91, 0.9]]))
+    assert separated(calm, steady, 0.01)
+    assert next_repeat([steady, calm]) is None
+
+
+def test_group_readings_carries_each_keys_step_noise() -> None:
+    groups = group_readings({"a": [1.0], "b": [2.0]}, {"a": [[1.0, 2.0, 1.0]]})
+    assert groups[0].step_noise == pytest.approx(0.25) and groups[1].step_noise is None

@@ -412,3 +412,11 @@ def test_summary_says_when_the_winner_is_not_separated() -> None:
     lines = summary_text(EXPS, close, "throughput", True, 1.0).splitlines()
     assert ("Not separated: the gap is within 2 standard errors at an assumed noise of 3 % (no config was read "
             "twice); both are sound choices, the winner by its mean.") in lines
+
+
+def test_summary_gives_the_error_of_one_reading_from_its_step_times() -> None:
+    """z1 mbs 2's one run timed steps 1, 2 and 1 s: the summary says one reading is +-25 %."""
+    timed = {**RECORDS, EXPS[3].name: {**make_record(EXPS[3], "ok", throughput=40.0), "step_seconds": [1.0, 2.0, 1.0]}}
+    lines = summary_text(EXPS, timed, "throughput", True, 1.0).splitlines()
+    assert ("Winner: z1_gas1_tmbspg2: 40 throughput, mean of 1 reading (range 40-40, 25.0 % error of one "
+            "reading from its step times)") in lines
