@@ -12,8 +12,11 @@ distinct chosen config is re-measured by the same longer run (steps 4..S+1, more
 measured; each rank run through `workers.entry`, which notes when every optimizer step ends), R times
 each, in round-robin order so that drift of the shared cores hits every config alike; the table gives
 the median and the range of the window's mean-step throughput, and beside it DeepSpeed's engine
-metric, which times the last step only (on this machine ZeRO-0's steps are bimodal, so one step can
-read up to 2x fast or slow). One tuning measurement
+metric, which times the last step only. Each config is re-measured under two thread settings:
+DeepSpeed's launcher as is (each rank's torch takes every core: 2 ranks oversubscribe the 2 cores,
+as DeepSpeed's own tuning runs did) and the threads a slot of the embedded cluster gives a rank
+(OMP_NUM_THREADS = cores // slots, as celery-autotune's tuning runs did). The two tools tuned under
+different settings, and which config is fastest depends on it. One tuning measurement
 covers a few steps on 2 shared cores and varies by up to 2x, so the chosen configs are compared
 only by this re-measurement, never by the value the tuner itself saw.
 
@@ -112,12 +115,13 @@ def key_of(config: dict[str, Any] | None) -> str:
             f" gas {config.get('gradient_accumulation_steps', 1)}")
 
 
-def remeasure(work: Path, config: dict[str, Any], port: int, steps: int,
-              script_args: list[str]) -> tuple[float, float]:
+def remeasure(work: Path, config: dict[str, Any], port: int, steps: int, script_args: list[str],
+              threads: int | None = None) -> tuple[float, float]:
     """The chosen config trained by DeepSpeed's launcher with 2 ranks, each rank run through
     `workers.entry` so that it notes when every optimizer step ended. Returns (window, engine):
     throughput from the mean wall time of steps 4..steps+1 (what celery-autotune ranks by) and
-    DeepSpeed's engine metric (which times the last step only)."""
+    DeepSpeed's engine metric (which times the last step only). `threads` sets each rank's
+    OMP_NUM_THREADS/MKL_NUM_THREADS (None: DeepSpeed's launcher leaves torch its default, every core)."""
     work.mkdir(parents=True, exist_ok=True)
     metric_path = work / "metrics.json"
     reports = [work / f"exit{rank}.json" for rank in range(2)]
@@ -129,6 +133,8 @@ def remeasure(work: Path, config: dict[str, Any], port: int, steps: int,
     argv = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "--no_local_rank",
             "--module", "workers.entry", str(SCRIPT), "--deepspeed_config", str(work / "ds_config.json"), *script_args]
     env = {**environment(), "PYTHONPATH": str(ROOT), "AUTOTUNE_EXIT_REPORT": str(work / "exit{rank}.json")}
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     subprocess.run(argv, cwd=work, env=env, stdout=(work / "stdout.log").open("a"),
                    stderr=subprocess.STDOUT, check=False)
     metrics = _read(metric_path)
@@ -178,32 +184,40 @@ def main() -> int:
             runs.append({**run, "repeat": repeat + 1})
 
     chosen = {key_of(r["chosen"]): r["chosen"] for r in runs if r["chosen"] is not None}
-    measured: dict[str, list[float]] = {key: [] for key in chosen}
+    slot_threads = max(1, (os.cpu_count() or 2) // 2)
+    settings = {"default": None, "slot": slot_threads}  # DeepSpeed's launcher as is; as a slot ran it
+    measured = {(setting, key): [] for setting in settings for key in chosen}
     engine: dict[str, list[float]] = {key: [] for key in chosen}
     for round_ in range(args.remeasure):
-        for index, (key, cfg) in enumerate(chosen.items()):
-            print(f"[{time.monotonic() - started:6.0f}s] re-measuring {key} ({round_ + 1}/{args.remeasure}) ...", flush=True)
-            window, last_step = remeasure(root / "remeasure" / key.replace(" ", "_"), cfg, 29800 + index,
-                                          args.steps, script_args)
-            measured[key].append(window)
-            engine[key].append(last_step)
+        for setting, threads in settings.items():
+            for index, (key, cfg) in enumerate(chosen.items()):
+                print(f"[{time.monotonic() - started:6.0f}s] re-measuring {key}, {setting} threads "
+                      f"({round_ + 1}/{args.remeasure}) ...", flush=True)
+                window, last_step = remeasure(root / "remeasure" / f"{setting}_{key.replace(' ', '_')}", cfg,
+                                              29800 + index, args.steps, script_args, threads)
+                measured[setting, key].append(window)
+                if threads is None:
+                    engine[key].append(last_step)
 
-    def remeasured(key: str, figures: dict[str, list[float]] = measured) -> str:
-        values = figures.get(key)
+    def remeasured(values: list[float] | None) -> str:
         if not values:
             return "-"
         return f"{statistics.median(values):,.0f} [{min(values):,.0f}-{max(values):,.0f}]"
 
     rows = [[r["repeat"], r["tool"], f"{r['wall_s']:.0f}", len(r["launched"]), per_stage(r["launched"]),
-             sum(s != "ok" for s in r["launched"].values()), key_of(r["chosen"]), remeasured(key_of(r["chosen"])),
-             remeasured(key_of(r["chosen"]), engine)]
+             sum(s != "ok" for s in r["launched"].values()), key_of(r["chosen"]),
+             remeasured(measured.get(("default", key_of(r["chosen"])))),
+             remeasured(measured.get(("slot", key_of(r["chosen"])))), remeasured(engine.get(key_of(r["chosen"])))]
             for r in runs]
     print()
     print(f"examples/train_gpt.py --steps 50, ZeRO stages {args.stages}, micro-batch up to {args.max_mbs}, "
           f"2-rank experiments on this {os.cpu_count()}-core machine; tuning runs alternated")
     print(tabulate(rows, headers=["run", "tool", "wall s", "launched", "per stage", "failed", "chosen config",
-                                  f"re-measured samples/s (window mean), median [range] of {args.remeasure}",
-                                  "DeepSpeed's engine metric (last step)"], tablefmt="pipe"))
+                                  f"re-measured samples/s, median [range] of {args.remeasure}: default threads",
+                                  f"{slot_threads} thread(s) per rank", "engine metric, default"], tablefmt="pipe"))
+    print("re-measured: the window's mean step time; 'default threads': DeepSpeed's launcher as is (torch "
+          f"takes every core in each rank); '{slot_threads} thread(s) per rank': OMP/MKL_NUM_THREADS as a slot of "
+          "the embedded cluster sets them; engine metric: DeepSpeed's own figure (the last step only)")
     print()
     for tool in ("deepspeed", "celery-autotune"):
         mine = [r for r in runs if r["tool"] == tool]

@@ -6,7 +6,8 @@
     <results_dir>/results.jsonl     one line per experiment: name, config, status, metrics, timings
     <results_dir>/results.csv       the same, one row per experiment, for a spreadsheet
     <results_dir>/ds_config_optimal.json   the winner's config without the autotuning section
-    <results_dir>/cmd_optimal.txt   a shell-quoted command that trains with ds_config_optimal.json
+    <results_dir>/cmd_optimal.txt   a shell-quoted command that trains with ds_config_optimal.json,
+                                    with the CPU threads per rank the winner was measured with
     <results_dir>/hostfile_optimal  the nodes the winner ran on, when it used more than one (cmd_optimal.txt names it)
     <results_dir>/tuning.png        every experiment: micro-batch size against the metric (scheduler.plot)
     <results_dir>/timeline.png      every experiment on its slots over time, coloured by outcome
@@ -175,6 +176,12 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
     refuses a multi-node launch without one): its text is returned for `hostfile`, one line per node
     the winner used, in rank order. `--no_local_rank` is passed exactly when the tuned runs did not get
     `--local_rank=N`, so the script sees the same arguments as during tuning.
+
+    The command sets OMP_NUM_THREADS/MKL_NUM_THREADS to the threads each rank had on its slot: the
+    winner was measured with them, and DeepSpeed's launcher otherwise leaves every rank's torch
+    all cores (on a 2-core machine that made ZeRO-0 2-3x slower than tuned; CPU offload's Adam
+    depends on them on GPU nodes too). Over pdsh DeepSpeed's runner forwards only some variables to
+    other nodes, so a multi-node launch needs them in `.deepspeed_env` as well (README, "Run on a cluster").
     """
     by_node: dict[str, list[int]] = {}
     ranks = sorted((record or {}).get("ranks") or [], key=lambda r: r.get("rank", 0))
@@ -196,6 +203,10 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
         argv += ["--num_nodes", str(num_nodes), "--num_gpus", str(num_gpus)]
     if not local_rank_arg:
         argv.append("--no_local_rank")
+    threads = {rank.get("threads") for rank in ranks}
+    if len(threads) == 1 and isinstance(next(iter(threads)), int):
+        count = next(iter(threads))
+        argv = [f"OMP_NUM_THREADS={count}", f"MKL_NUM_THREADS={count}", *argv]
     return [*argv, *script_argv], hostfile_text
 
 

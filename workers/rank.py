@@ -129,7 +129,7 @@ def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "")
     """Run one rank and return its record; never raises for anything the experiment does."""
     started = time.time()
     base = {"name": spec.name, "rank": spec.rank, "slot": slot.queue, "node": slot.node,
-            "device": slot.device, "worker": slot.worker or socket.gethostname()}
+            "device": slot.device, "worker": slot.worker or socket.gethostname(), "threads": slot.threads}
     try:
         return {**base, **_run(spec, slot, client, task_id)}
     except Exception as exc:  # a bug or fault of ours: still a record, so the chord completes

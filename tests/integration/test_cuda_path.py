@@ -18,6 +18,8 @@ from integration_helpers import ROOT, SCRIPTS, run_autotune, stop_group, wait_fo
 pytestmark = pytest.mark.integration
 FAKE_GPU_DIR = ROOT / "tests" / "fake_gpu"
 PROBE = SCRIPTS / "cuda_rank_probe.py"
+#: CPU threads per rank on a node of 3 fake GPUs (one slot per GPU), as cmd_optimal.txt gives them
+THREADS = max(1, (os.cpu_count() or 1) // 3)
 GiB = 2**30
 
 
@@ -51,7 +53,8 @@ def test_three_fake_gpus_give_three_cuda_slots_and_each_rank_its_own_device(tmp_
             assert probe["cuda_device_order"] == "PCI_BUS_ID" and not probe["redis_url_leaked"]
             assert probe["nccl_socket_ifname"] == "lo"
     command = shlex.split((results / "cmd_optimal.txt").read_text())
-    assert command[:3] == ["deepspeed", "--include", "localhost:0,1,2"] and "--no_local_rank" not in command
+    assert command[:2] == [f"OMP_NUM_THREADS={THREADS}", f"MKL_NUM_THREADS={THREADS}"]
+    assert command[2:5] == ["deepspeed", "--include", "localhost:0,1,2"] and "--no_local_rank" not in command
 
 
 def test_inherited_visible_devices_are_honoured(tmp_path: Path) -> None:
@@ -69,7 +72,7 @@ def test_inherited_visible_devices_are_honoured(tmp_path: Path) -> None:
     assert [p["cuda_visible_devices"] for p in probes] == ["2,0", "2,0"]
     assert [p["local_rank_arg"] for p in probes] == [None, None]
     command = shlex.split((results / "cmd_optimal.txt").read_text())
-    assert command[:4] == ["deepspeed", "--include", "localhost:2,0", "--no_local_rank"]
+    assert command[2:6] == ["deepspeed", "--include", "localhost:2,0", "--no_local_rank"]
 
 
 @pytest.mark.parametrize(
@@ -122,7 +125,7 @@ def test_cmd_optimal_launches_what_was_tuned(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     results = tmp_path / "autotuning_results"
     command = (results / "cmd_optimal.txt").read_text()
-    assert shlex.split(command)[:3] == ["deepspeed", "--include", "localhost:1,2"]
+    assert shlex.split(command)[2:5] == ["deepspeed", "--include", "localhost:1,2"]
     final = tmp_path / "final"
     final.mkdir()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "3", "PYTHONPATH": str(ROOT),

@@ -44,7 +44,11 @@ def test_deepspeed_example_through_the_embedded_cluster(tmp_path):
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert "autotuning" not in optimal and optimal["optimizer"]["params"]["torch_adam"] is True
     command = (results / "cmd_optimal.txt").read_text()
-    assert command.startswith("deepspeed ") and str(results / "ds_config_optimal.json") in command
+    # with the CPU threads each rank had on its slot (cores // 2 slots), as the winner was measured
+    threads = max(1, os.cpu_count() // 2)
+    assert {rank["threads"] for rank in record["ranks"]} == {threads}
+    assert command.startswith(f"OMP_NUM_THREADS={threads} MKL_NUM_THREADS={threads} deepspeed ")
+    assert str(results / "ds_config_optimal.json") in command
     assert "celery-autotune results" in proc.stdout and "Total number of experiments: 4" in proc.stdout
     assert processes_with_marker(marker) == []  # redis-server, workers and training all gone
 

@@ -294,6 +294,11 @@ def _ranks(*placed: tuple[str, int, int | None]) -> dict[str, Any]:
                       for i, (node, device, cuda) in enumerate(placed)]}
 
 
+def _threads(record: dict[str, Any], *threads: int) -> dict[str, Any]:
+    """`record` with rank i's slot giving it threads[i] CPU threads."""
+    return {"ranks": [{**rank, "threads": count} for rank, count in zip(record["ranks"], threads)]}
+
+
 @pytest.mark.parametrize(
     ("argv", "nodes", "gpus", "record", "local_rank_arg", "expected", "hostfile"),
     [
@@ -313,6 +318,12 @@ def _ranks(*placed: tuple[str, int, int | None]) -> dict[str, Any]:
         (["t.py"], 2, 1, _ranks(("b", 0, None), ("a", 0, None)), True,
          ["deepspeed", "--hostfile", "/r/hostfile_optimal", "--num_nodes", "2", "--num_gpus", "1", "t.py"],
          "b slots=1\na slots=1\n"),
+        # the threads every rank had on its slot: the winner was measured with them
+        (["t.py"], 1, 2, _threads(_ranks(("n", 0, None), ("n", 1, None)), 1, 1), True,
+         ["OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1", "deepspeed", "--num_nodes", "1", "--num_gpus", "2", "t.py"], None),
+        # slots that differ (a record from before the field, or unequal nodes): nothing is claimed
+        (["t.py"], 1, 2, _threads(_ranks(("n", 0, None), ("n", 1, None)), 1, 2), True,
+         ["deepspeed", "--num_nodes", "1", "--num_gpus", "2", "t.py"], None),
     ],
 )
 def test_launch_command(argv: list[str], nodes: int, gpus: int, record: dict[str, Any] | None,
