@@ -1,0 +1,167 @@
+"""Real traces: examples/train_gpt.py measured on this machine over the whole space both searches
+choose from, so that bench/trace_replay.py can replay them on real shapes and real noise.
+
+Why: the synthetic surfaces (bench/surfaces.py) are a model we wrote; a search tuned on them can
+still lose on a real script (issue 20: a lucky ZeRO-0 reading beat a steadier config that trains
+2.6x faster). A trace is what the script really did, in seconds, reading by reading.
+
+The space is DeepSpeed's fast-mode space without max_train_batch_size for the vs_deepspeed config
+(bench/vs_deepspeed.py): per ZeRO stage (default 0 1), every micro-batch m in 1..M (default 16) with
+gas 1 and with gas M // m (DeepSpeed's rule: the stage's top size times the user's gas 1; nothing
+runs out of memory below M on this machine, so the top is M). Each config is launched L times
+(default 1) with 2 ranks by DeepSpeed's launcher, each rank through `workers.entry` (which notes when
+every optimizer step ends); a launch trains 2 warm-up steps and then W windows of 3 steps (default
+6). Per window the trace keeps the step times and two readings: the window's mean step time as
+throughput (what celery-autotune ranks by) and the last step alone (what DeepSpeed's engine metric
+times). The windows after the first are warmer than a tuning run's only window; the launches carry
+the run-to-run part of the noise. Each rank runs with OMP/MKL_NUM_THREADS = cores // 2 (--threads),
+as a slot of the embedded cluster runs it (on this machine DeepSpeed's launcher otherwise lets each
+rank's torch take every core, and ZeRO-0 then slows 2-3x: bench/README.md). The model-info profile run is recorded once, with the largest
+resident set of any rank of each launch (host memory, as a CPU slot's cap sees it).
+
+    .venv/bin/python bench/collect_traces.py [--stages 0 1] [--max-mbs 16] [--launches 1] [--windows 6]
+        [--out bench/traces/train_gpt.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from workers.step_clock import window_seconds
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_gpt.py"
+VENV_BIN = Path(sys.executable).parent
+SCRIPT_ARGS = ["--steps", "50"]
+WARMUP_STEPS = 2
+WINDOW_STEPS = 3
+WORLD = 2
+
+
+def base_config(stage: int, mbs: int, gas: int) -> dict[str, Any]:
+    """The config of one traced experiment (bench/vs_deepspeed.py's keys)."""
+    return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "Adam", "params": {"lr": 0.0003, "torch_adam": True}},
+            "zero_optimization": {"stage": stage}}
+
+
+def space(stages: list[int], max_mbs: int) -> list[tuple[int, int, int]]:
+    """(stage, mbs, gas) of every config traced."""
+    return [(stage, mbs, gas) for stage in stages
+            for mbs, gas in sorted({(m, 1) for m in range(1, max_mbs + 1)}
+                                   | {(m, max(1, max_mbs // m)) for m in range(1, max_mbs + 1)})]
+
+
+_MEASURE = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+
+
+def launch(work: Path, ds_config: dict[str, Any], port: int, threads: int) -> tuple[int, dict[str, Any], int]:
+    """One 2-rank launch, `threads` OMP/MKL threads per rank: (exit status, rank 0's exit report,
+    largest resident set in bytes)."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "ds_config.json").write_text(json.dumps(ds_config))
+    env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
+    env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(WORLD), PATH=f"{VENV_BIN}:{env.get('PATH', '')}",
+               TORCH_EXTENSIONS_DIR=str(ROOT / ".venv" / "torch_extensions"), PYTHONPATH=str(ROOT),
+               AUTOTUNE_EXIT_REPORT=str(work / "exit{rank}.json"), OMP_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads))
+    argv = [sys.executable, "-c", _MEASURE, str(VENV_BIN / "deepspeed"), "--num_gpus", str(WORLD), "--master_port",
+            str(port), "--no_local_rank", "--module", "workers.entry", str(SCRIPT),
+            "--deepspeed_config", str(work / "ds_config.json"), *SCRIPT_ARGS]
+    proc = subprocess.run(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=(work / "stderr.log").open("w"),
+                          text=True, check=False)
+    report_path = work / "exit0.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    lines = proc.stdout.strip().splitlines()
+    max_rss = int(lines[-1]) * 1024 if lines and lines[-1].isdigit() else 0
+    return proc.returncode, report, max_rss
+
+
+def trace_config(work: Path, stage: int, mbs: int, gas: int, windows: int, port: int, threads: int) -> dict[str, Any]:
+    """One launch of one config: its windows' step times and readings."""
+    end = WARMUP_STEPS + WINDOW_STEPS * windows - 1
+    config = base_config(stage, mbs, gas)
+    config["autotuning"] = {"enabled": True, "metric": "throughput", "start_profile_step": WARMUP_STEPS,
+                            "end_profile_step": end, "metric_path": str(work / "metrics.json")}
+    rc, report, max_rss = launch(work, config, port, threads)
+    steps = window_seconds(report.get("step_ends") or [], WARMUP_STEPS, end)
+    samples = mbs * gas * WORLD
+    if rc != 0 or len(steps) != WINDOW_STEPS * windows:
+        return {"status": "failed", "exit_code": rc, "peak_rss_bytes": max_rss, "stderr_tail": _tail(work)}
+    readings = []
+    for w in range(windows):
+        window = steps[w * WINDOW_STEPS:(w + 1) * WINDOW_STEPS]
+        readings.append({"step_seconds": [round(s, 4) for s in window],
+                         "throughput": samples * len(window) / sum(window),
+                         "engine_throughput": samples / window[-1]})
+    return {"status": "ok", "peak_rss_bytes": max_rss, "readings": readings}
+
+
+def profile(work: Path, port: int, threads: int) -> dict[str, Any]:
+    """The model-info profile run celery-autotune and DeepSpeed both start with (z0, mbs 1)."""
+    config = base_config(0, 1, 1)
+    config["autotuning"] = {"enabled": True, "model_info": {"profile": True},
+                            "model_info_path": str(work / "model_info.json")}
+    rc, _, max_rss = launch(work, config, port, threads)
+    info_path = work / "model_info.json"
+    if not info_path.exists():
+        raise SystemExit(f"the profile run wrote no model info (exit {rc}): {_tail(work)}")
+    return {"model_info": json.loads(info_path.read_text()), "peak_rss_bytes": max_rss}
+
+
+def _tail(work: Path) -> str:
+    path = work / "stderr.log"
+    return path.read_text()[-400:] if path.exists() else ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--max-mbs", type=int, default=16)
+    parser.add_argument("--launches", type=int, default=1, help="launches per config (default 1)")
+    parser.add_argument("--windows", type=int, default=6, help="3-step windows per launch (default 6)")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // WORLD),
+                        help="OMP/MKL threads per rank (default: cores // 2, as a slot of the embedded cluster)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "traces" / "train_gpt.json")
+    args = parser.parse_args()
+    if args.launches < 1 or args.windows < 1 or args.max_mbs < 1 or args.threads < 1 or any(s not in (0, 1, 2, 3) for s in args.stages):
+        print("error: --launches/--windows/--max-mbs/--threads >= 1, stages within 0-3", file=sys.stderr)
+        return 2
+    if not (VENV_BIN / "deepspeed").exists():
+        print("error: needs DeepSpeed in this venv (bash deploy/setup.sh)", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="traces_"))
+    started = time.monotonic()
+    trace: dict[str, Any] = {
+        "script": "examples/train_gpt.py", "script_args": SCRIPT_ARGS, "world": WORLD, "max_mbs": args.max_mbs,
+        "stages": args.stages, "threads_per_rank": args.threads, "warmup_steps": WARMUP_STEPS, "window_steps": WINDOW_STEPS,
+        "machine": f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') >> 30} GiB",
+        "collected": time.strftime("%Y-%m-%d"), "profile": profile(root / "profile", 29900, args.threads), "configs": []}
+    configs = space(args.stages, args.max_mbs)
+    for launch_no in range(args.launches):  # round-robin: drift of the machine hits every config alike
+        for index, (stage, mbs, gas) in enumerate(configs):
+            name = f"z{stage}_gas{gas}_tmbspg{mbs}"
+            print(f"[{time.monotonic() - started:6.0f}s] {name} launch {launch_no + 1}/{args.launches}", flush=True)
+            result = trace_config(root / f"{name}_{launch_no}", stage, mbs, gas, args.windows, 29901 + index % 50,
+                                  args.threads)
+            if launch_no == 0:
+                trace["configs"].append({"stage": stage, "mbs": mbs, "gas": gas, "launches": []})
+            trace["configs"][index]["launches"].append(result)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(trace, indent=1) + "\n")  # every launch kept if stopped
+    print(f"{len(configs)} configs x {args.launches} launches in {time.monotonic() - started:.0f} s -> {args.out}")
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Both searches replayed on a real trace (bench/collect_traces.py): real shapes, real noise, in seconds.
+
+Why: bench/search_quality.py's surfaces are a model we wrote; a trace is what examples/train_gpt.py
+did on this machine, window by window. Each replay runs our sampled search (`scheduler.fast_search`,
+as the control worker drives it) and DeepSpeed 0.19's fast mode (`bench.deepspeed_replay`) on the
+trace's config (bench/vs_deepspeed.py's: fast mode, the traced ZeRO stages, micro-batch up to the
+traced top, no max_train_batch_size). Every launch of a config draws one of that config's recorded
+windows at random (seeded by the replay's seed and the experiment's name, so a re-measurement draws
+its own): ours reads the window's mean step time as throughput and its step times (as
+`workers.entry` gives them), DeepSpeed reads its engine metric (the window's last step). A config
+the trace lacks ends that replay as "untraced" (counted, never guessed).
+
+A config's true value is the mean throughput over all its recorded windows; the optimum the best
+such mean. Printed per search: the share of replays naming a config within 3 % of the optimum, the
+median and 10th percentile of the fraction of the optimum, the median launches (profile run and
+re-measurements included), and the configs named most often.
+
+    .venv/bin/python bench/trace_replay.py [bench/traces/train_gpt.json] [--replays 200] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
+from scheduler.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
+from scheduler.phases import Phase, drive  # noqa: E402
+from scheduler.ranking import best  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+#: A named config within this fraction of the optimum counts as a good pick (issue 20's goal).
+GOOD = 0.97
+
+
+class Untraced(Exception):
+    """A search asked for a config the trace does not hold."""
+
+
+Key = tuple[int, int, int]  #: (stage, mbs, gas)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One collected trace: every window of every config, and the profile run."""
+
+    data: Mapping[str, Any]
+
+    @property
+    def world(self) -> int:
+        return int(self.data["world"])
+
+    def windows(self, key: Key) -> list[dict[str, Any]]:
+        for config in self.data["configs"]:
+            if (config["stage"], config["mbs"], config["gas"]) == key:
+                return [w for launch in config["launches"] if launch["status"] == "ok" for w in launch["readings"]]
+        raise Untraced(f"z{key[0]} mbs {key[1]} gas {key[2]}")
+
+    def peak(self, key: Key) -> int:
+        for config in self.data["configs"]:
+            if (config["stage"], config["mbs"], config["gas"]) == key:
+                return max(launch["peak_rss_bytes"] for launch in config["launches"])
+        raise Untraced(f"z{key[0]} mbs {key[1]} gas {key[2]}")
+
+    def true_value(self, key: Key) -> float:
+        return statistics.fmean(w["throughput"] for w in self.windows(key))
+
+    def optimum(self) -> tuple[float, Key]:
+        keys = [(c["stage"], c["mbs"], c["gas"]) for c in self.data["configs"]]
+        return max((self.true_value(key), key) for key in keys if self.windows(key))
+
+    def user_config(self) -> dict[str, Any]:
+        """The config a user tunes this script with (bench/vs_deepspeed.py's)."""
+        return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                "optimizer": {"type": "Adam", "params": {"lr": 0.0003, "torch_adam": True}},
+                "zero_optimization": {"stage": list(self.data["stages"])},
+                "autotuning": {"enabled": True, "fast": True, "metric": "throughput", "start_profile_step": 2,
+                               "end_profile_step": 4, "max_train_micro_batch_size_per_gpu": self.data["max_mbs"],
+                               "num_tuning_micro_batch_sizes": 3}}
+
+    def run(self, seed: int, name: str, ds_config: Mapping[str, Any], profile: bool, engine: bool) -> dict[str, Any]:
+        """The record a real launch would leave, one recorded window drawn for it."""
+        record: dict[str, Any] = {"name": name, "ds_config": ds_config, "status": "ok"}
+        if profile:
+            info = self.data["profile"]
+            record["metrics"] = dict(info["model_info"])
+            record["peak_rss_bytes"] = info["peak_rss_bytes"]
+            return record
+        zero = ds_config.get("zero_optimization") or {}
+        key = (int(zero.get("stage", 0)), int(ds_config["train_micro_batch_size_per_gpu"]),
+               int(ds_config.get("gradient_accumulation_steps", 1)))
+        windows = self.windows(key)
+        window = random.Random(f"{seed}:{name}").choice(windows)
+        throughput = window["engine_throughput"] if engine else window["throughput"]
+        samples = key[1] * key[2] * self.world
+        record["metrics"] = {"throughput": throughput, "latency": samples / throughput * 1e6}
+        record["peak_rss_bytes"] = self.peak(key)
+        if not engine:
+            record["step_seconds"] = list(window["step_seconds"])
+        return record
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One replay of one search."""
+
+    fraction: float  #: true value of the named config over the optimum (0: none named or untraced)
+    launches: int
+    named: str
+    untraced: bool = False
+
+
+def _key(config: Mapping[str, Any]) -> Key:
+    zero = config.get("zero_optimization") or {}
+    return (int(zero.get("stage", 0)), int(config["train_micro_batch_size_per_gpu"]),
+            int(config.get("gradient_accumulation_steps", 1)))
+
+
+def _outcome(trace: Trace, launches: int, config: Mapping[str, Any] | None) -> Outcome:
+    if not config:
+        return Outcome(0.0, launches, "none")
+    key = _key(config)
+    return Outcome(trace.true_value(key) / trace.optimum()[0], launches, f"z{key[0]} mbs {key[1]} gas {key[2]}")
+
+
+def ours(trace: Trace, seed: int, capacity: int) -> Outcome:
+    stages = tuple(trace.data["stages"])
+    settings = SearchSettings(
+        ds_config=trace.user_config(), capacity_bytes=capacity, stages=stages, num_gpus=trace.world,
+        max_micro_batch_size=int(trace.data["max_mbs"]), start_profile_step=2, end_profile_step=4,
+        peak_memory_key="peak_rss_bytes", host_memory=True, concurrency=1)
+    launches: list[dict[str, Any]] = []
+
+    def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:
+        out = {}
+        for exp in phase.experiments:
+            record = trace.run(seed, exp.name, exp.ds_config, exp.name == PROFILE, engine=False)
+            launches.append(record)
+            out[exp.name] = record
+        return out
+
+    try:
+        drive(fast_search(settings), run_phase)
+    except Untraced as missing:
+        return Outcome(0.0, len(launches), f"untraced {missing}", untraced=True)
+    winner = best([r for r in launches if r.get("name") != PROFILE], "throughput", True)
+    return _outcome(trace, len(launches), winner["ds_config"] if winner else None)
+
+
+def deepspeed(trace: Trace, seed: int, capacity: int) -> Outcome:
+    def run(name: str, config: dict[str, Any], profile: bool) -> dict[str, Any]:
+        return trace.run(seed, name, config, profile, engine=True)
+
+    try:
+        result = DeepSpeedFastMode(trace.user_config(), run, capacity=capacity, world=trace.world).tune(
+            tuple(trace.data["stages"]))
+    except Untraced as missing:
+        return Outcome(0.0, 0, f"untraced {missing}", untraced=True)
+    return _outcome(trace, len(result.launches), result.best_config)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path, nargs="?", default=ROOT / "bench" / "traces" / "train_gpt.json")
+    parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0, help="first replay seed (default 0)")
+    parser.add_argument("--capacity-gib", type=float, default=24.0, help="slot memory (default 24: this machine)")
+    args = parser.parse_args()
+    if args.replays < 1 or args.capacity_gib <= 0:
+        print("error: --replays >= 1 and --capacity-gib > 0", file=sys.stderr)
+        return 2
+    try:
+        trace = Trace(json.loads(args.trace.read_text()))
+    except (OSError, ValueError) as problem:
+        print(f"error: {args.trace}: {problem}; collect one with bench/collect_traces.py", file=sys.stderr)
+        return 2
+    capacity = int(args.capacity_gib * GiB)
+    optimum, where = trace.optimum()
+    print(f"{trace.data['script']} trace of {trace.data['collected']} ({trace.data['machine']}): "
+          f"{len(trace.data['configs'])} configs; optimum z{where[0]} mbs {where[1]} gas {where[2]}, "
+          f"{optimum:.1f} samples/s (mean of its windows)")
+    seeds = range(args.seed, args.seed + args.replays)
+    for label, search in (("celery-autotune", ours), ("deepspeed", deepspeed)):
+        outcomes = [search(trace, seed, capacity) for seed in seeds]
+        fractions = [o.fraction for o in outcomes]
+        named = Counter(o.named for o in outcomes).most_common(4)
+        print(f"{label:>16}: within {100 * (1 - GOOD):.0f} % of the optimum in "
+              f"{100 * sum(f >= GOOD for f in fractions) / len(fractions):.1f} % of {len(fractions)} replays; "
+              f"fraction median {statistics.median(fractions):.3f}, p10 {_quantile(fractions, 0.1):.3f}; "
+              f"launches median {statistics.median(o.launches for o in outcomes):.0f}; "
+              f"untraced {sum(o.untraced for o in outcomes)}")
+        print(f"{'':>16}  named most: " + ", ".join(f"{name} x{count}" for name, count in named))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
