@@ -35,12 +35,15 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   geometric midpoint, and a stage stops probing upward after `MAX_FAILURES` failures above a
   success (`MAX_BLIND_FAILURES` halvings when nothing in the job ran yet);
 - `confirm`: no config is named on one reading. The leader is measured again, then the rivals it
-  is not separated from at the measured noise, one launch per phase (each under the same
+  is not separated from at the measured noise (across repeats, and inside each run from its step
+  times), one launch per phase (each under the same
   conditions as the originals, which ran alone), within `scheduler.confirm.REPEAT_BUDGET`; the
   winner is picked on the mean of every reading (`scheduler.ranking.best` pools repeats).
 
 What the benches show this buys, and what they cannot: bench/search_quality.py (synthetic
-surfaces, with and without max_train_batch_size, heavy-tailed and per-config noise) and
+surfaces, with and without max_train_batch_size, heavy-tailed and per-config noise),
+bench/trace_replay.py (replays on a real trace of the GPT example, whose optimum, the smallest
+micro-batch with the most accumulation, this search finds in only 20-28 % of replays) and
 bench/vs_deepspeed.py (the real GPT example, end to end); see bench/README.md.
 
 Pure decision logic (`next_size`, `geometric_mid`, `scheduler.confirm`) is separate from the
