@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workers.shared_memory import remove_rank_segment
 from workers.step_clock import window_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +80,8 @@ def launch(work: Path, ds_config: dict[str, Any], port: int, threads: int) -> tu
             "--deepspeed_config", str(work / "ds_config.json"), *SCRIPT_ARGS]
     proc = subprocess.run(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=(work / "stderr.log").open("w"),
                           text=True, check=False)
+    for rank in range(WORLD):  # DeepSpeed's CPU all-reduce never unlinks them (workers/shared_memory.py)
+        remove_rank_segment("127.0.0.1", port, rank)
     report_path = work / "exit0.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     lines = proc.stdout.strip().splitlines()

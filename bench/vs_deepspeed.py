@@ -38,6 +38,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from workers.shared_memory import BUFFER_PREFIX, SHM_DIR
 from workers.step_clock import wall_clock_metrics, window_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,9 +74,11 @@ def run_deepspeed(work: Path, config: dict[str, Any], port: int, script_args: li
     argv = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "--autotuning", "tune",
             str(SCRIPT), "--deepspeed_config", str(work / "ds_config.json"), *script_args]
     started = time.monotonic()
+    since = time.time()
     proc = subprocess.run(argv, cwd=work, env=environment(), stdout=(work / "stdout.log").open("w"),
                           stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
+    remove_leaked_segments(since)
     launched = {}
     for folder in sorted(p for p in results.glob("*") if p.is_dir() and (p / "cmd.txt").exists()):
         ok = (folder / "metrics.json").exists() or (folder / "model_info.json").exists()
@@ -102,6 +105,17 @@ def run_ours(work: Path, config: dict[str, Any], script_args: list[str]) -> dict
             launched[record["name"]] = "ok" if record["status"] == "ok" else record["status"]
     return {"tool": "celery-autotune", "wall_s": wall, "rc": proc.returncode, "launched": launched,
             "chosen": _read(results / "ds_config_optimal.json")}
+
+
+def remove_leaked_segments(since: float) -> None:
+    """DeepSpeed's CPU all-reduce never unlinks its /dev/shm segments (workers/shared_memory.py): the
+    ones this user's runs created since `since` go, or a long bench fills the machine's memory."""
+    for path in SHM_DIR.glob(f"{BUFFER_PREFIX}_{os.getuid()}_*"):
+        try:
+            if path.stat().st_mtime >= since:
+                path.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -135,8 +149,10 @@ def remeasure(work: Path, config: dict[str, Any], port: int, steps: int, script_
     env = {**environment(), "PYTHONPATH": str(ROOT), "AUTOTUNE_EXIT_REPORT": str(work / "exit{rank}.json")}
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    since = time.time()
     subprocess.run(argv, cwd=work, env=env, stdout=(work / "stdout.log").open("a"),
                    stderr=subprocess.STDOUT, check=False)
+    remove_leaked_segments(since)
     metrics = _read(metric_path)
     report = _read(reports[0]) or {}
     durations = window_seconds(report.get("step_ends") or [], 3, steps)

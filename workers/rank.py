@@ -35,6 +35,7 @@ from workers.metric_check import asked_metric, metrics_problem
 from workers.metrics import AutotuningSettings
 from workers.launch import run_watched, tail
 from workers.paths import read_json, safe_child, write_atomic, write_json
+from workers.shared_memory import remove_rank_segment
 from workers.slot import Slot
 from workers.step_clock import wall_clock_metrics, window_seconds
 
@@ -182,6 +183,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         )
     finally:
         client.delete(pgid_key)
+        remove_rank_segment(master[0], master[1], spec.rank)  # DeepSpeed's CPU all-reduce never does
 
     expects_metrics = spec.rank == 0 and bool(spec.metric_file)
     metrics = read_json(metric_path) if expects_metrics else None

@@ -41,6 +41,10 @@ def test_deepspeed_example_through_the_embedded_cluster(tmp_path):
         # the wall time of the window's steps (start + 1 .. end + 1: step 2 here), not the engine's timers
         assert len(record["step_seconds"]) == 1 and record["engine_metrics"]["throughput"] > 0
         assert metrics["latency"] == pytest.approx(record["step_seconds"][0] * 1e6, rel=1e-3)
+        # DeepSpeed's CPU all-reduce segment of every rank is gone (it never unlinks it itself)
+        for rank in record["ranks"]:
+            addr, port = rank["master"].rsplit(":", 1)
+            assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"))
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert "autotuning" not in optimal and optimal["optimizer"]["params"]["torch_adam"] is True
     command = (results / "cmd_optimal.txt").read_text()
