@@ -20,7 +20,10 @@ rank's torch take every core, and ZeRO-0 then slows 2-3x: bench/README.md). The 
 resident set of any rank of each launch (host memory, as a CPU slot's cap sees it).
 
     .venv/bin/python bench/collect_traces.py [--stages 0 1] [--max-mbs 16] [--launches 1] [--windows 6]
-        [--out bench/traces/train_gpt.json]
+        [--model "--n-layers 4 --seq-len 256"] [--out bench/traces/train_gpt.json]
+
+`--model` passes model-size flags to the script: another workload, with its own shape, for a trace
+the search was not developed on.
 """
 from __future__ import annotations
 
@@ -134,8 +137,10 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=6, help="3-step windows per launch (default 6)")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // WORLD),
                         help="OMP/MKL threads per rank (default: cores // 2, as a slot of the embedded cluster)")
+    parser.add_argument("--model", default="", help="model-size flags for the script, e.g. \"--n-layers 4\"")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "traces" / "train_gpt.json")
     args = parser.parse_args()
+    SCRIPT_ARGS.extend(args.model.split())  # every launch of this trace trains this model
     if args.launches < 1 or args.windows < 1 or args.max_mbs < 1 or args.threads < 1 or any(s not in (0, 1, 2, 3) for s in args.stages):
         print("error: --launches/--windows/--max-mbs/--threads >= 1, stages within 0-3", file=sys.stderr)
         return 2

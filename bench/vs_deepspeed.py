@@ -20,7 +20,13 @@ different settings, and which config is fastest depends on it. One tuning measur
 covers a few steps on 2 shared cores and varies by up to 2x, so the chosen configs are compared
 only by this re-measurement, never by the value the tuner itself saw.
 
-    .venv/bin/python bench/vs_deepspeed.py [--repeats 2] [--remeasure 3] [--stages 0 1]
+On a machine with NVIDIA GPUs, `--gpus N` runs the same comparison on the CUDA path: experiments of N
+ranks on N GPUs (DeepSpeed: `--num_gpus N`; ours: one slot per GPU), re-measured under the launcher's
+threads only. `--max-mbs 0` leaves out `max_train_micro_batch_size_per_gpu`, as most users' configs
+do; `--model` passes model-size flags to the script (e.g. "--d-model 768 --n-layers 12").
+
+    .venv/bin/python bench/vs_deepspeed.py [--repeats 2] [--remeasure 3] [--stages 0 1] [--max-mbs 16]
+        [--gpus N] [--model "FLAGS"]
 """
 from __future__ import annotations
 
@@ -47,22 +53,30 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def base_config(stages: list[int], max_mbs: int) -> dict[str, Any]:
-    """The config both tools tune (DeepSpeed's keys only; ours adds user_script/user_args)."""
+    """The config both tools tune (DeepSpeed's keys only; ours adds user_script/user_args);
+    max_mbs 0 leaves the micro-batch unbounded, as a user's config usually does."""
+    autotuning = {"enabled": True, "fast": True, "metric": "throughput", "start_profile_step": 2,
+                  "end_profile_step": 4, "num_tuning_micro_batch_sizes": 3}
+    if max_mbs:
+        autotuning["max_train_micro_batch_size_per_gpu"] = max_mbs
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 0.0003, "torch_adam": True}},
         "zero_optimization": {"stage": stages},
-        "autotuning": {"enabled": True, "fast": True, "metric": "throughput", "start_profile_step": 2,
-                       "end_profile_step": 4, "max_train_micro_batch_size_per_gpu": max_mbs,
-                       "num_tuning_micro_batch_sizes": 3},
+        "autotuning": autotuning,
     }
+
+
+#: Ranks per experiment, and whether they run on GPUs (--gpus N) or on this machine's cores.
+WORLD = {"ranks": 2, "cuda": False}
 
 
 def environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
-    env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE="2", PATH=f"{VENV_BIN}:{env.get('PATH', '')}",
-               TORCH_EXTENSIONS_DIR=str(ROOT / ".venv" / "torch_extensions"))
+    env.update(PATH=f"{VENV_BIN}:{env.get('PATH', '')}", TORCH_EXTENSIONS_DIR=str(ROOT / ".venv" / "torch_extensions"))
+    if not WORLD["cuda"]:
+        env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(WORLD["ranks"]))
     return env
 
 
@@ -71,7 +85,8 @@ def run_deepspeed(work: Path, config: dict[str, Any], port: int, script_args: li
     results, exps = work / "results", work / "exps"
     cfg = {**config, "autotuning": {**config["autotuning"], "results_dir": str(results), "exps_dir": str(exps)}}
     (work / "ds_config.json").write_text(json.dumps(cfg))
-    argv = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "--autotuning", "tune",
+    argv = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(WORLD["ranks"]), "--master_port", str(port),
+            "--autotuning", "tune",
             str(SCRIPT), "--deepspeed_config", str(work / "ds_config.json"), *script_args]
     started = time.monotonic()
     since = time.time()
@@ -93,7 +108,9 @@ def run_ours(work: Path, config: dict[str, Any], script_args: list[str]) -> dict
     cfg = {**config, "autotuning": {**config["autotuning"], "results_dir": str(results), "exps_dir": str(work / "exps"),
                                     "user_script": str(SCRIPT), "user_args": script_args}}
     (work / "cfg.json").write_text(json.dumps(cfg))
-    argv = [sys.executable, "-m", "scheduler.autotune", str(work / "cfg.json"), "--slots", "2", "--num_gpus", "2"]
+    slots = [] if WORLD["cuda"] else ["--slots", str(WORLD["ranks"])]  # on GPUs: one slot per GPU
+    argv = [sys.executable, "-m", "scheduler.autotune", str(work / "cfg.json"), *slots,
+            "--num_gpus", str(WORLD["ranks"])]
     started = time.monotonic()
     proc = subprocess.run(argv, cwd=ROOT, env=environment(), stdout=(work / "stdout.log").open("w"),
                           stderr=subprocess.STDOUT)
@@ -131,20 +148,21 @@ def key_of(config: dict[str, Any] | None) -> str:
 
 def remeasure(work: Path, config: dict[str, Any], port: int, steps: int, script_args: list[str],
               threads: int | None = None) -> tuple[float, float]:
-    """The chosen config trained by DeepSpeed's launcher with 2 ranks, each rank run through
+    """The chosen config trained by DeepSpeed's launcher (WORLD's ranks), each rank run through
     `workers.entry` so that it notes when every optimizer step ended. Returns (window, engine):
     throughput from the mean wall time of steps 4..steps+1 (what celery-autotune ranks by) and
     DeepSpeed's engine metric (which times the last step only). `threads` sets each rank's
     OMP_NUM_THREADS/MKL_NUM_THREADS (None: DeepSpeed's launcher leaves torch its default, every core)."""
     work.mkdir(parents=True, exist_ok=True)
     metric_path = work / "metrics.json"
-    reports = [work / f"exit{rank}.json" for rank in range(2)]
+    reports = [work / f"exit{rank}.json" for rank in range(WORLD["ranks"])]
     for path in (metric_path, *reports):
         path.unlink(missing_ok=True)
     cfg = {**config, "autotuning": {"enabled": True, "metric": "throughput", "start_profile_step": 3,
                                     "end_profile_step": steps, "metric_path": str(metric_path)}}
     (work / "ds_config.json").write_text(json.dumps(cfg))
-    argv = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "--no_local_rank",
+    argv = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(WORLD["ranks"]), "--master_port", str(port),
+            "--no_local_rank",
             "--module", "workers.entry", str(SCRIPT), "--deepspeed_config", str(work / "ds_config.json"), *script_args]
     env = {**environment(), "PYTHONPATH": str(ROOT), "AUTOTUNE_EXIT_REPORT": str(work / "exit{rank}.json")}
     if threads is not None:
@@ -175,17 +193,24 @@ def main() -> int:
     parser.add_argument("--remeasure", type=int, default=3, help="longer runs per chosen config (default 3)")
     parser.add_argument("--steps", type=int, default=10, help="last profiled step of a re-measurement (default 10)")
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1], help="ZeRO stages to tune (default 0 1)")
-    parser.add_argument("--max-mbs", type=int, default=16, help="largest micro-batch size to try (default 16)")
+    parser.add_argument("--max-mbs", type=int, default=16,
+                        help="largest micro-batch size to try (default 16; 0: no bound, as users' configs have)")
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="run on N NVIDIA GPUs, N ranks per experiment (default 0: 2 ranks on this machine's cores)")
+    parser.add_argument("--model", default="", help="model-size flags for the script, e.g. \"--n-layers 12\"")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (printed)")
     args = parser.parse_args()
-    if args.repeats < 1 or args.remeasure < 1 or args.steps < 4 or args.max_mbs < 1 \
+    if args.repeats < 1 or args.remeasure < 1 or args.steps < 4 or args.max_mbs < 0 or args.gpus < 0 \
             or any(s not in (0, 1, 2, 3) for s in args.stages):
-        print("error: --repeats/--remeasure >= 1, --steps >= 4, --max-mbs >= 1, stages within 0-3", file=sys.stderr)
+        print("error: --repeats/--remeasure >= 1, --steps >= 4, --max-mbs/--gpus >= 0, stages within 0-3",
+              file=sys.stderr)
         return 2
+    if args.gpus:
+        WORLD.update(ranks=args.gpus, cuda=True)
     if shutil.which("redis-server") is None or not (VENV_BIN / "deepspeed").exists():
         print("error: needs redis-server on PATH and DeepSpeed in this venv (bash deploy/setup.sh)", file=sys.stderr)
         return 2
-    script_args = ["--steps", "50"]
+    script_args = ["--steps", "50", *args.model.split()]
     config = base_config(args.stages, args.max_mbs)
     root = Path(tempfile.mkdtemp(prefix="vs_deepspeed_"))
     started = time.monotonic()
@@ -200,8 +225,9 @@ def main() -> int:
             runs.append({**run, "repeat": repeat + 1})
 
     chosen = {key_of(r["chosen"]): r["chosen"] for r in runs if r["chosen"] is not None}
-    slot_threads = max(1, (os.cpu_count() or 2) // 2)
-    settings = {"default": None, "slot": slot_threads}  # DeepSpeed's launcher as is; as a slot ran it
+    slot_threads = max(1, (os.cpu_count() or 2) // WORLD["ranks"])
+    # DeepSpeed's launcher as is; as a slot ran it (on GPUs a slot leaves the threads alone)
+    settings = {"default": None} if WORLD["cuda"] else {"default": None, "slot": slot_threads}
     measured = {(setting, key): [] for setting in settings for key in chosen}
     engine: dict[str, list[float]] = {key: [] for key in chosen}
     for round_ in range(args.remeasure):
@@ -226,8 +252,9 @@ def main() -> int:
              remeasured(measured.get(("slot", key_of(r["chosen"])))), remeasured(engine.get(key_of(r["chosen"])))]
             for r in runs]
     print()
-    print(f"examples/train_gpt.py --steps 50, ZeRO stages {args.stages}, micro-batch up to {args.max_mbs}, "
-          f"2-rank experiments on this {os.cpu_count()}-core machine; tuning runs alternated")
+    where = f"{args.gpus} GPU(s)" if WORLD["cuda"] else f"this {os.cpu_count()}-core machine"
+    print(f"examples/train_gpt.py {' '.join(script_args)}, ZeRO stages {args.stages}, micro-batch up to "
+          f"{args.max_mbs or 'no bound'}, {WORLD['ranks']}-rank experiments on {where}; tuning runs alternated")
     print(tabulate(rows, headers=["run", "tool", "wall s", "launched", "per stage", "failed", "chosen config",
                                   f"re-measured samples/s, median [range] of {args.remeasure}: default threads",
                                   f"{slot_threads} thread(s) per rank", "engine metric, default"], tablefmt="pipe"))
