@@ -16,7 +16,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   fits) samples its range on a geometric scale. With max_train_batch_size, a low size first (a
   quarter of the predicted maximum, so the stage's memory line has two measured points before the
   top is probed), then the top; without it, the top first (`_anchor`: the step is bounded by a size
-  that ran), then the low size. Then golden-section-like refinement on log(mbs) around the best
+  that ran), then the smallest size, with the most accumulation (`_sample_smallest`: on CPU slots
+  the real GPT example's optimum lay there, below a plateau a quarter of the top would have sat
+  on). Then golden-section-like refinement on log(mbs) around the best
   measured size until its neighbours are within `REFINE_RATIO` of it, splitting the gaps between
   measured sizes before going below the smallest; a top that the memory line later moves up is
   probed again only when it is `TOP_GAIN` larger;
@@ -42,8 +44,8 @@ near the memory cap; measurements are noisy, some configs far more than others. 
 
 What the benches show this buys, and what they cannot: bench/search_quality.py (synthetic
 surfaces, with and without max_train_batch_size, heavy-tailed and per-config noise),
-bench/trace_replay.py (replays on a real trace of the GPT example, whose optimum, the smallest
-micro-batch with the most accumulation, this search finds in only 20-28 % of replays) and
+bench/trace_replay.py (replays on real traces of the GPT example, whose optimum on CPU slots is
+the smallest micro-batch with the most accumulation) and
 bench/vs_deepspeed.py (the real GPT example, end to end); see bench/README.md.
 
 Pure decision logic (`next_size`, `geometric_mid`, `scheduler.confirm`) is separate from the
@@ -219,6 +221,8 @@ def _explore(session: _Session, stage: int, floor: int = 0) -> Step:
         low = snap(max(1.0, top / 4), sizes) if sizes else top
         if low < top:
             yield from _measure(session, stage, low, f"z{stage}_sample_{low}")
+    elif not st.samples_per_step and not floor:
+        yield from _sample_smallest(session, stage)
     while True:
         values = _values(session, stage)
         if sum(v is not None for v in values.values()) >= MAX_POINTS:
@@ -228,6 +232,20 @@ def _explore(session: _Session, stage: int, floor: int = 0) -> Step:
         if size is None:
             return
         yield from _measure(session, stage, size, f"z{stage}_sample_{size}")
+
+
+def _sample_smallest(session: _Session, stage: int) -> Step:
+    """Without max_train_batch_size, the lead stage's second sample is the smallest size of its
+    space, the one with the most accumulation, right after the top (`_anchor`): both ends of the
+    range are measured before it is refined. A quarter of the top, the low sample with
+    max_train_batch_size, cannot see a curve that rises again below it: on CPU slots the real GPT
+    example's optimum was micro-batch 1 with gas 16, 10 % above a plateau from a quarter of the top
+    to the top (bench/README.md). Where the curve rises with the size (a GPU's, mostly) this costs
+    one launch, and the refinement goes on from the geometric middle of the range."""
+    values = _values(session, stage)
+    sizes = _candidates(session, stage)
+    if sizes and sum(v is not None for v in values.values()) == 1 and sizes[0] not in values:
+        yield from _measure(session, stage, sizes[0], f"z{stage}_sample_{sizes[0]}")
 
 
 def _candidates(session: _Session, stage: int) -> list[int]:

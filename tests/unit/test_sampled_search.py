@@ -13,6 +13,7 @@ from scheduler.confirm import REPEAT_BUDGET
 from scheduler.memory import SharedFacts
 from scheduler.fast_search import PROFILE, SearchSettings, _Session, fast_search, too_large
 from scheduler.phases import Phase, drive, replay
+from scheduler import sampled_search
 from scheduler.ranking import best
 from scheduler.sampled_search import (
     REPEAT_NAME, confirm, full_step_sizes, geometric_mid, lead_first, next_size, sampled_stages, snap,
@@ -305,13 +306,27 @@ def test_a_small_top_starts_at_size_1_and_refines_every_gap_wider_than_the_ratio
 def test_without_a_step_limit_the_space_is_deepspeeds_top_times_the_users_gas() -> None:
     """No max_train_batch_size, user gas 3, top 12: every size fills 12 x 3 = 36 samples per step, as
     DeepSpeed's mtbpg does; the full-step sizes are 36 // g: 1, 2, 3, 4, 5, 6, 7, 9, 12. The top runs
-    first (gas 3: the user's), so the step is bounded by a size that ran; then 12 / 4 = 3 (gas 12);
-    best 12: gap 3-12 split at sqrt(36) = 6 (gas 6); gap 6-12 at the size nearest sqrt(72) = 8.49,
-    i.e. 9 (gas 4); 9-12 (ratio 1.33) is too narrow."""
+    first (gas 3: the user's), so the step is bounded by a size that ran; then the other end of the
+    range, 1 (gas 36); best 12: gap 1-12 split at the size nearest sqrt(12) = 3.46, i.e. 3 (gas 12);
+    gap 3-12 at sqrt(36) = 6 (gas 6); gap 6-12 at the size nearest sqrt(72) = 8.49, i.e. 9 (gas 4);
+    9-12 (ratio 1.33) is too narrow."""
     speed = {(1, m): float(m) for m in range(1, 13)}
     launched, _, _ = play(stages_of((1,)), speed, {1: 12},
                           scripted_settings(stages=(1,), max_train_batch_size=None, gradient_accumulation_steps=3))
-    assert launched == [(1, 12, 3), (1, 3, 12), (1, 6, 6), (1, 9, 4)]
+    assert launched == [(1, 12, 3), (1, 1, 36), (1, 3, 12), (1, 6, 6), (1, 9, 4)]
+
+
+def test_without_a_step_limit_a_curve_that_rises_again_below_a_quarter_of_the_top_is_found() -> None:
+    """The real GPT example on CPU slots (bench/traces/train_gpt.json, rounded): flat from a quarter of
+    the top to the top, and 10 % higher at micro-batch 1 with the most accumulation. Sampling the
+    top and a quarter of it (4: 51) would refine the plateau; the smallest size is sampled second
+    and named."""
+    space = {1: 58.0, 2: 55.0, 3: 56.0, 4: 51.0, 5: 50.0, 6: 48.0, 7: 51.0, 8: 51.0, 16: 52.0}
+    speed = {(1, m): space.get(m, 50.0) for m in range(1, 17)}
+    launched, _, session = play(stages_of((1,)), speed, {1: 16},
+                                scripted_settings(stages=(1,), max_train_batch_size=None))
+    assert launched[:2] == [(1, 16, 1), (1, 1, 16)]
+    assert session.best_mbs(1) == 1
 
 
 def test_failures_bound_the_stage_at_the_geometric_midpoint_then_stop_it() -> None:
@@ -459,14 +474,16 @@ def test_the_low_probe_snaps_to_a_full_step_size() -> None:
     assert launched[:2] == [(1, 8, 4), (1, 28, 1)]
 
 
-def test_a_stage_measures_at_most_max_points_sizes() -> None:
-    """Falling throughput, no step limit, top 1024 (so the full-step sizes are 1024 // g): the top
-    1024 first, then 256, 512, 341 (the only one between 256 and 512), then four times lower 64,
-    then 128, 93 (1024 // 11, the nearest to sqrt(64 * 128) = 90.5): seven sizes; the next (16) is
-    not measured."""
-    speed = {(1, m): 1000.0 / m for m in range(1, 1025)}
-    launched, _, _ = play(stages_of((1,)), speed, {1: 1024}, scripted_settings(stages=(1,), max_train_batch_size=None))
-    assert [mbs for _, mbs, _ in launched] == [1024, 256, 512, 341, 64, 128, 93]
+def test_a_stage_measures_at_most_max_points_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sharp peak at 100 with a step limit of 1024 samples (full-step sizes 1024 // g): the
+    refinement would go on past MAX_POINTS sizes, and stops there."""
+    speed = {(1, m): 1000.0 - 100.0 * abs(math.log(m / 100)) for m in range(1, 1025)}
+    settings = scripted_settings(stages=(1,), max_train_batch_size=2048)
+    launched, _, _ = play(stages_of((1,)), speed, {1: 1024}, settings)
+    assert len(launched) == sampled_search.MAX_POINTS == 7
+    monkeypatch.setattr(sampled_search, "MAX_POINTS", 20)
+    unguarded, _, _ = play(stages_of((1,)), speed, {1: 1024}, settings)
+    assert len(unguarded) > 7 and unguarded[:7] == launched
 
 
 def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
@@ -474,13 +491,13 @@ def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
     the whole budget holds is 100. With a step limit (256 samples per GPU per step) the low probe
     comes first: 98 / 4 = 24.5, nearest full-step size 25 (gas 10); then the top at TOP_SAFETY
     (0.98), 98 (gas 2). Without one the top sets every size's step, so it fills the whole budget
-    (TOP_SAFETY_UNBOUNDED): 100 first (gas 1), then 25 (gas 4)."""
+    (TOP_SAFETY_UNBOUNDED): 100 first (gas 1), then the other end of the range, 1 (gas 100)."""
 
     class Budget(Scripted):
         def predicted_max(self, stage: int, safety: float = 0.9) -> int:
             return int(100 * safety)
 
-    for limit, first, then in ((512, "z1_gas10_tmbspg25", "z1_gas2_tmbspg98"), (None, "z1_gas1_tmbspg100", "z1_gas4_tmbspg25")):
+    for limit, first, then in ((512, "z1_gas10_tmbspg25", "z1_gas2_tmbspg98"), (None, "z1_gas1_tmbspg100", "z1_gas100_tmbspg1")):
         search = sampled_stages(Budget(scripted_settings(stages=(1,), max_train_batch_size=limit), {}), (1,))
         phase = next(search)
         assert phase.experiments[0].name == first
@@ -565,16 +582,18 @@ def test_zero_2_holding_more_is_explored_above_a_lead_still_rising_at_its_cap() 
 
 
 def test_without_a_step_limit_a_followed_stage_runs_its_own_top_first() -> None:
-    """No max_train_batch_size, user gas 1. ZeRO-1 (top 16, so 16 samples per step): 16 (gas 1), 4
-    (gas 4), 8 (gas 2: the gap 4-16 split at sqrt(64)), 5 (gas 3: the only full-step size in 4-8);
-    no full-step size lies in 5-8 or 8-16: done, best 8. ZeRO-2 holds 24: its top first (24, gas 1:
+    """No max_train_batch_size, user gas 1. ZeRO-1 (top 16, so 16 samples per step): 16 (gas 1), 1
+    (gas 16: the other end), 4 (gas 4: the gap 1-16 split at sqrt(16)), 8 (gas 2: of the equal gaps
+    1-4 and 4-16 the larger sizes', at sqrt(64)), 5 (gas 3: the only full-step size in 4-8); no
+    full-step size lies in 5-8 or 8-16: done, best 8. ZeRO-2 holds 24: its top first (24, gas 1:
     its step is 24 samples, not ZeRO-1's 16), then the incumbent's size 8 (gas 24 // 8 = 3). It beats
     the leader there (75 > 70), so it is explored above 8: the gap 8-24 is split at the full-step
     size nearest sqrt(192) = 13.9, i.e. 12 (gas 2); 8-12 holds none: done."""
-    speed = {(1, 16): 50.0, (1, 4): 60.0, (1, 8): 70.0, (1, 5): 65.0, (2, 24): 40.0, (2, 8): 75.0, (2, 12): 72.0}
+    speed = {(1, 16): 50.0, (1, 1): 30.0, (1, 4): 60.0, (1, 8): 70.0, (1, 5): 65.0, (2, 24): 40.0, (2, 8): 75.0,
+             (2, 12): 72.0}
     launched, _, session = play(stages_of((1, 2)), speed, {1: 16, 2: 24},
                                 scripted_settings(stages=(1, 2), max_train_batch_size=None))
-    assert launched == [(1, 16, 1), (1, 4, 4), (1, 8, 2), (1, 5, 3), (2, 24, 1), (2, 8, 3), (2, 12, 2)]
+    assert launched == [(1, 16, 1), (1, 1, 16), (1, 4, 4), (1, 8, 2), (1, 5, 3), (2, 24, 1), (2, 8, 3), (2, 12, 2)]
     assert best([r for _, r in session.measured.values()], "throughput", True)["name"] == "z2_gas3_tmbspg8"
 
 
