@@ -3,7 +3,9 @@
 The class comes from the exit code, the signal, what our own monitor did (killed for memory, for
 time, or because a peer rank failed) and whether the metrics file exists. Never from searching
 stderr for words: a script that logs "error" and exits 0 with metrics is fine, and one that
-crashes silently is still a crash.
+crashes silently is still a crash. The one reading of stderr is `workers.oom.stderr_out_of_memory`,
+done by the rank on a crash: a traceback that ends in an allocator's out-of-memory (a script
+started through a wrapper, whose exception the rank's interpreter never holds) makes it `oom`.
 """
 from __future__ import annotations
 

@@ -10,11 +10,15 @@ misread as a crash costs the search a bound (issue: GPU OOMs classed `crashed`).
 - any of these as the `__cause__` or `__context__` of what finally propagates: a script or library
   that catches the OOM and raises its own error, or calls `sys.exit(1)` inside the `except` block;
 - a host `MemoryError`.
-Everything is decided from the exception objects the process itself holds, never by reading stderr:
-another rank's log line, or a script printing "out of memory" as advice, must not turn into an OOM.
+Decided from the exception objects the process itself holds wherever `workers.entry` runs the script
+in the rank's own interpreter. A script started through a wrapper (a shell script, `--no_python`, its
+own launcher) shows its OOM only as a traceback on the rank's stderr; `stderr_out_of_memory` reads
+that, strictly: only the final exception line of the last traceback counts, so another rank's log
+line, a warning, or a script printing "out of memory" as advice never turns into an OOM.
 """
 from __future__ import annotations
 
+import re
 import sys
 
 #: cudaErrorMemoryAllocation: the `error_code` torch.AcceleratorError carries for a failed cudaMalloc.
@@ -58,3 +62,35 @@ def is_out_of_memory(exc: BaseException) -> bool:
         text = str(exc)
         return any(marker in text for marker in _ALLOCATOR_TEXTS)
     return False
+
+
+#: The names an allocator's out-of-memory exception is printed under as a traceback's last line.
+_OOM_TYPE_NAMES = ("torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError", "OutOfMemoryError", "MemoryError")
+#: Types whose printed message must carry an allocator's own text (`_ALLOCATOR_TEXTS`) to count.
+_RUNTIME_TYPE_NAMES = ("RuntimeError", "torch.AcceleratorError", "AcceleratorError",
+                       "torch.distributed.DistBackendError", "DistBackendError")
+#: What launchers put before each line of a rank's output: "[rank0]: ", "[default0]:".
+_LINE_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def stderr_out_of_memory(text: str) -> str | None:
+    """The exception line when `text` (a rank's stderr) ends its last Python traceback with an
+    allocator's out-of-memory; else None. The exception line is the first unindented line after
+    the traceback's frames; lines after it (a launcher's own "exits with return code" line) do not
+    matter, a later traceback does (a script that caught the OOM and raised its own error)."""
+    lines = [_LINE_PREFIX.sub("", line) for line in text.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.strip() == _TRACEBACK]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1:]:
+        if not line.strip() or line.startswith((" ", "\t")):
+            continue
+        name, _, message = line.partition(":")
+        name = name.strip()
+        if name in _OOM_TYPE_NAMES:
+            return line.strip()
+        if name in _RUNTIME_TYPE_NAMES and any(marker in message for marker in _ALLOCATOR_TEXTS):
+            return line.strip()
+        return None
+    return None

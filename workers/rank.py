@@ -33,6 +33,7 @@ from workers.gang import GangReservations
 from workers.failure import Status, classify, describe_exit
 from workers.metric_check import asked_metric, metrics_problem
 from workers.metrics import AutotuningSettings
+from workers.oom import stderr_out_of_memory
 from workers.launch import run_watched, tail
 from workers.paths import read_json, safe_child, write_atomic, write_json
 from workers.shared_memory import remove_rank_segment
@@ -41,6 +42,9 @@ from workers.step_clock import wall_clock_metrics, window_seconds
 
 ABORT_TTL_S = 3600
 PGID_TTL_S = 7 * 24 * 3600
+#: How much of a crashed rank's stderr is read for an out-of-memory traceback: a deep model's
+#: traceback through DeepSpeed's hooks runs to a few kB, the allocator's message to 600 bytes.
+STDERR_OOM_BYTES = 32_000
 #: The worker's own secrets and bindings: a training script has no business with the cluster's Redis.
 PRIVATE_ENV = frozenset({"AUTOTUNE_REDIS_URL", "AUTOTUNE_SLOT_JSON", "AUTOTUNE_EXIT_WITH_PARENT"})
 
@@ -189,6 +193,9 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     metrics = read_json(metric_path) if expects_metrics else None
     has_metrics = isinstance(metrics, dict)
     status = classify(launch.exit_code, launch.killed_for, expects_metrics, has_metrics)
+    oom_in_stderr = stderr_out_of_memory(tail(stderr_path, STDERR_OOM_BYTES)) if status is Status.CRASHED else None
+    if oom_in_stderr:  # a wrapper's script: its OOM reached only its own stderr (workers.oom)
+        status = Status.OOM
     problem = metrics_problem(metrics, spec.metric_file, asked_metric(spec.ds_config)) if has_metrics else None
     if status is Status.OK and problem:
         status = Status.BAD_METRICS
@@ -215,6 +222,9 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         record["metrics_at"] = metric_path.stat().st_mtime  # a later failure did not spoil them
     if launch.start_error:
         record["error"] = launch.start_error
+    if oom_in_stderr:
+        record["oom"] = oom_in_stderr[:500]
+        record["oom_from"] = "stderr"
     if status is not Status.OK:
         record["stderr_tail"] = tail(stderr_path, 2000)
     return record

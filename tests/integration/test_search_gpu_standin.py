@@ -4,7 +4,8 @@ GPUs (tests/fake_gpu), real slot workers and rank processes running a stand-in
 
 Why: bench/search_quality.py judges the search by replaying it against surfaces; this checks that
 the same figures hold when the records come from the cluster (CUDA slots, device peaks reported from
-inside the ranks, out-of-memory as a real torch.OutOfMemoryError or as a traceback and exit 1): the
+inside the ranks, out-of-memory as a real torch.OutOfMemoryError or as a traceback and exit 1, which
+the rank reads from the script's stderr as `oom`): the
 fraction of the surface's optimum reached, launches against DeepSpeed's replay on the same surface,
 and at most 2 failed probes per stage.
 """
@@ -54,13 +55,14 @@ def tune(tmp_path: Path, surface: Surface, oom: str) -> list[dict]:
             for line in (results / "results.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize(("oom", "failure"), [("torch", "oom"), ("traceback", "crashed")])
-def test_the_search_on_a_gpu_like_script_through_the_cluster(tmp_path: Path, oom: str, failure: str) -> None:
-    surface = surface_for(failure)
+@pytest.mark.parametrize(("oom", "read_from"), [("torch", None), ("traceback", "stderr")])
+def test_the_search_on_a_gpu_like_script_through_the_cluster(tmp_path: Path, oom: str, read_from: str | None) -> None:
+    surface = surface_for("oom")
     records = tune(tmp_path, surface, oom)
     measured = [r for r in records if r["name"] != "profile_model_info"]
     failed = [r for r in measured if r["status"] != "ok"]
-    assert failed and {r["status"] for r in failed} == {failure}  # the failure path ran, classed as it should
+    assert failed and {r["status"] for r in failed} == {"oom"}  # the failure path ran, classed as it should
+    assert {r["cause"].get("oom_from") for r in failed} == {read_from}  # a traceback and exit 1: from stderr
     for record in records:
         if record["status"] == "ok":
             assert record["peak_device_bytes"] > 0  # device memory, reported from inside the ranks

@@ -18,7 +18,7 @@ import torch.distributed
 
 from workers.device_memory import read_exit_report
 from workers.failure import OOM_EXIT_CODE
-from workers.oom import out_of_memory_cause
+from workers.oom import out_of_memory_cause, stderr_out_of_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 ALLOCATOR_TEXT = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB "
@@ -161,3 +161,63 @@ def test_report_fields_are_typed(tmp_path: Path) -> None:
                                 "peak_device_allocated_bytes": 7, "oom": 3}))
     assert read_exit_report(path) == {"peak_device_allocated_bytes": 7}
     assert read_exit_report(tmp_path / "missing.json") == {}
+
+
+# ---------------------------------------------------------------- an OOM seen only on stderr (a wrapper's script)
+
+def _stderr_of(code: str) -> str:
+    """What a real Python process prints to stderr when `code` ends it."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, check=False)
+    assert proc.returncode != 0
+    return proc.stderr
+
+
+#: The end of a real DeepSpeed launch on one H100 (bench/README.md): every line of the rank's output
+#: carries the launcher's "[rank0]: " prefix, and the launcher's own line follows the traceback.
+H100_STDERR = """[rank0]: Traceback (most recent call last):
+[rank0]:   File "/work/main/examples/train_gpt.py", line 65, in <module>
+[rank0]:     main()
+[rank0]:     ^^^^^^
+[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.69 GiB. GPU 0 has a total capacity of 79.18 GiB of which 1.78 GiB is free.
+[2026-11-25 09:35:12,410] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', 'train_gpt.py'] exits with return code = 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("code", "is_oom"),
+    [
+        (f"import torch\nraise torch.OutOfMemoryError({ALLOCATOR_TEXT!r})", True),
+        (f"import torch\ntorch.ones(1)\nraise RuntimeError({ALLOCATOR_TEXT!r})", True),  # older torch, TorchScript
+        ("raise MemoryError()", True),
+        ("raise RuntimeError('CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)')", True),
+        (f"raise ValueError({ALLOCATOR_TEXT!r})", False),  # a user's error quoting the allocator
+        ("import sys\nprint('hint: on CUDA out of memory lower the batch', file=sys.stderr)\nraise KeyError('lr')",
+         False),  # advice text, then another error
+        (f"""
+         import torch
+         try:
+             raise torch.OutOfMemoryError({ALLOCATOR_TEXT!r})
+         except torch.OutOfMemoryError:
+             raise ValueError('training failed')
+         """, False),  # caught, and the script's own error is what ended it
+        (f"""
+         import sys, torch
+         try:
+             raise ValueError('bad batch')
+         except ValueError:
+             raise torch.OutOfMemoryError({ALLOCATOR_TEXT!r})
+         """, True),  # the last traceback is the OOM
+        ("import sys\nprint('CUDA out of memory', file=sys.stderr)\nsys.exit(1)", False),  # no traceback
+    ],
+    ids=["torch-oom", "runtime-error-text", "memory-error", "cublas", "value-error-text", "advice-then-keyerror",
+         "oom-caught-then-own-error", "oom-while-handling", "text-without-traceback"],
+)
+def test_an_oom_is_read_from_stderr_only_as_the_last_tracebacks_exception(code: str, is_oom: bool) -> None:
+    found = stderr_out_of_memory(_stderr_of(code))
+    assert (found is not None) is is_oom, found
+
+
+def test_launcher_prefixes_and_lines_after_the_traceback_are_allowed() -> None:
+    assert stderr_out_of_memory(H100_STDERR).startswith("torch.OutOfMemoryError: CUDA out of memory.")
+    other_rank = H100_STDERR.replace("[rank0]: torch.OutOfMemoryError", "[rank0]: KeyError")
+    assert stderr_out_of_memory("[rank1]: torch.OutOfMemoryError: CUDA out of memory.\n" + other_rank) is None
