@@ -228,7 +228,7 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
                 script_argv=queued.argv, ds_config=exp.ds_config,
                 rank=sum(len(n) for n in placement[:node_rank]) + local_rank, world_size=len(queues),
                 local_rank=local_rank, local_world_size=len(node_slots), node_rank=node_rank,
-                timeout_s=spec.timeout_s, cwd=spec.cwd, metric_file=exp.metric_file, exp=description,
+                num_nodes=len(placement), timeout_s=spec.timeout_s, cwd=spec.cwd, metric_file=exp.metric_file, exp=description,
                 gang_token=token, lease_s=spec.lease_s, cuda_indices=cuda_indices,
                 local_rank_arg=spec.local_rank_arg)
             ranks.append(RankLaunch(slot.queue, rank_spec, uuid.uuid4().hex,

@@ -13,6 +13,9 @@ from typing import Any
 
 #: Our own keys in the autotuning section; DeepSpeed's engine must not see them.
 _OURS = ("user_script", "user_args", "results_dir", "exps_dir")
+#: The autotuning key under which an experiment keeps the user's settings it turned off while
+#: tuning, for `optimal_config` to restore (DeepSpeed reads only the autotuning keys it knows).
+RESTORE_KEY = "restore_after_tuning"
 
 
 @dataclass(frozen=True)
@@ -76,12 +79,20 @@ def experiment_config(user_config: dict[str, Any], stage: int, mbs: int, gas: in
     autotuning = {k: v for k, v in config.get("autotuning", {}).items() if k not in _OURS}
     autotuning.update(enabled=True, start_profile_step=start_profile_step,
                       end_profile_step=end_profile_step)
+    if config.get("memory_breakdown"):
+        # DeepSpeed's memory_breakdown resets the allocator's peak counters around forward, backward
+        # and step on rank 0 (and slows every step): the peak a rank reports would cover the optimizer
+        # step alone. Off while tuning; the winner's config gets the user's value back.
+        autotuning[RESTORE_KEY] = {"memory_breakdown": config["memory_breakdown"]}
+        config["memory_breakdown"] = False
     config["autotuning"] = autotuning
     return config
 
 
 def optimal_config(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """The config to train with: the experiment's, without the autotuning section (no profiling exit)."""
+    """The config to train with: the experiment's, without the autotuning section (no profiling exit),
+    with the user's settings that tuning turned off restored."""
     config = copy.deepcopy(ds_config)
-    config.pop("autotuning", None)
+    autotuning = config.pop("autotuning", None) or {}
+    config.update(autotuning.get(RESTORE_KEY) or {})
     return config

@@ -65,6 +65,7 @@ class RankSpec:
     local_world_size: int
     node_rank: int
     timeout_s: float
+    num_nodes: int = 1  #: nodes the experiment spans (CROSS_SIZE, as DeepSpeed's launcher sets it)
     rendezvous_timeout_s: float = 120.0
     cwd: str = ""
     metric_file: str = "metrics.json"  #: what rank 0's script writes (model_info.json when profiling;
@@ -109,6 +110,7 @@ def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int], exit_report: P
         "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank),
         "WORLD_SIZE": str(spec.world_size), "LOCAL_WORLD_SIZE": str(spec.local_world_size),
         "LOCAL_SIZE": str(spec.local_world_size), "GROUP_RANK": str(spec.node_rank),
+        "CROSS_RANK": str(spec.node_rank), "CROSS_SIZE": str(spec.num_nodes),  # DeepSpeed's checkpointing reads them
         "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
         "PYTHONUNBUFFERED": "1",
     })

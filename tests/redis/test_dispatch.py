@@ -159,9 +159,9 @@ def test_ranks_of_a_two_node_gang(client: redis.Redis, work, tmp_path: Path) -> 
     queues = ["n0.gpu0", "n0.gpu1", "n1.gpu0", "n1.gpu1"]
     assert finish.slots == queues and finish.world_size == 4
     assert [(r.queue, r.spec.rank, r.spec.local_rank, r.spec.local_world_size, r.spec.node_rank,
-             r.spec.world_size, r.spec.cuda_indices) for r in ranks] == [
-        ("n0.gpu0", 0, 0, 2, 0, 4, [5, 7]), ("n0.gpu1", 1, 1, 2, 0, 4, [5, 7]),
-        ("n1.gpu0", 2, 0, 2, 1, 4, [1, 3]), ("n1.gpu1", 3, 1, 2, 1, 4, [1, 3])]
+             r.spec.world_size, r.spec.cuda_indices, r.spec.num_nodes) for r in ranks] == [
+        ("n0.gpu0", 0, 0, 2, 0, 4, [5, 7], 2), ("n0.gpu1", 1, 1, 2, 0, 4, [5, 7], 2),
+        ("n1.gpu0", 2, 0, 2, 1, 4, [1, 3], 2), ("n1.gpu1", 3, 1, 2, 1, 4, [1, 3], 2)]
     assert [r.shown for r in ranks][3] == "(experiment='big', rank=3, slot='n1.gpu1')"
     assert len({r.task_id for r in ranks}) == 4 and all(r.spec.exp["slots"] == queues for r in ranks)
     assert running(client, "j")["big"].rank_tasks == {r.queue: r.task_id for r in ranks}

@@ -15,7 +15,8 @@ GiB = 2**30
 
 def spec(**overrides: object) -> RankSpec:
     fields = dict(job="j", name="z1_gas1_tmbspg4", attempt="a", results_root="/r", script_argv=["t.py", "--x"],
-                  ds_config={}, rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, timeout_s=60.0)
+                  ds_config={}, rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, num_nodes=2,
+                  timeout_s=60.0)
     return RankSpec(**{**fields, **overrides})
 
 
@@ -32,6 +33,7 @@ def test_a_cuda_rank_sees_its_gangs_gpus_and_its_local_rank_indexes_its_own(monk
     assert env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["LOCAL_RANK"])] == "6"
     assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]) == ("4,6", "PCI_BUS_ID")
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("3", "4", "2", "1")
+    assert (env["CROSS_RANK"], env["CROSS_SIZE"]) == ("1", "2")  # as DeepSpeed's launcher sets them
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "lo"  # the interface holding the address
     assert env["AUTOTUNE_EXIT_REPORT"] == "/r/x/rank3.exit.json"
     assert "AUTOTUNE_REDIS_URL" not in env and "AUTOTUNE_SLOT_JSON" not in env
