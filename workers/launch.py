@@ -26,8 +26,12 @@ import psutil
 
 from workers.failure import KillReason
 
-POLL_S = 0.1
-ABORT_CHECK_EVERY = 5  #: polls between checks of the peer-abort flag (a Redis GET)
+POLL_S = 0.1  #: how often the tree's memory is read against a memory cap (a CPU slot's)
+#: Without a cap (a GPU slot: its device memory is the allocator's business) the tree's resident set
+#: is only recorded, and reading every process's smaps_rollup ten times a second costs a training
+#: process with a large address space more than the figure is worth.
+UNCAPPED_POLL_S = 1.0
+ABORT_CHECK_S = 0.5  #: how often the peer-abort flag (a Redis GET) is checked, at most
 KILL_GRACE_S = 3.0
 CONTAINER_ENV = "AUTOTUNE_CONTAINER"  #: per-launch token inherited by every descendant
 
@@ -190,23 +194,26 @@ def _watch(
 ) -> tuple[KillReason | None, int]:
     root = psutil.Process(proc.pid)
     peak = 0
-    polls = 0
+    interval = POLL_S if memory_cap_bytes is not None else UNCAPPED_POLL_S
+    next_abort_check = 0.0
     while proc.poll() is None:
         peak = max(peak, tree_rss(root))
         reason = None
+        now = time.time()
         if memory_cap_bytes is not None and peak > memory_cap_bytes:
             reason = KillReason.MEMORY
-        elif time.time() > deadline:
+        elif now > deadline:
             reason = KillReason.TIMEOUT
-        elif polls % ABORT_CHECK_EVERY == 0 and should_abort():
-            reason = KillReason.PEER_FAILED
+        elif now >= next_abort_check:
+            next_abort_check = now + ABORT_CHECK_S
+            if should_abort():
+                reason = KillReason.PEER_FAILED
         if reason is not None:
             kill_group(proc.pid)
             proc.wait()
             return reason, peak
-        polls += 1
         try:
-            proc.wait(timeout=POLL_S)
+            proc.wait(timeout=min(interval, max(0.01, deadline - now)))
         except subprocess.TimeoutExpired:
             pass
     return None, peak

@@ -1,0 +1,42 @@
+"""How often `workers.launch` reads a rank's memory: ten times a second against a memory cap (a CPU
+slot's), once a second where there is none (a GPU slot's: only the record's figure), and the peer
+abort flag at most twice a second either way (issue 21 item 18)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers import launch
+
+
+@pytest.mark.parametrize(("cap", "reads"), [(1 << 40, range(8, 40)), (None, range(2, 5))])
+def test_memory_is_polled_fast_only_against_a_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  cap: int | None, reads: range) -> None:
+    calls = {"rss": 0, "abort": 0}
+    real_tree_rss = launch.tree_rss
+
+    def counted(root):
+        calls["rss"] += 1
+        return real_tree_rss(root)
+
+    def should_abort() -> bool:
+        calls["abort"] += 1
+        return False
+
+    monkeypatch.setattr(launch, "tree_rss", counted)
+    result = launch.run_watched([sys.executable, "-c", "import time; time.sleep(2.5)"], env={"PATH": "/usr/bin:/bin"},
+                                cwd=str(tmp_path), stdout_path=tmp_path / "out", stderr_path=tmp_path / "err",
+                                timeout_s=30, memory_cap_bytes=cap, should_abort=should_abort)
+    assert result.exit_code == 0 and result.killed_for is None and result.peak_rss_bytes > 0
+    assert calls["rss"] in reads, calls
+    assert 2 <= calls["abort"] <= 7, calls
+
+
+def test_a_timeout_is_not_overshot_by_the_slow_poll(tmp_path: Path) -> None:
+    result = launch.run_watched([sys.executable, "-c", "import time; time.sleep(30)"], env={"PATH": "/usr/bin:/bin"},
+                                cwd=str(tmp_path), stdout_path=tmp_path / "out", stderr_path=tmp_path / "err",
+                                timeout_s=1.2, memory_cap_bytes=None)
+    assert result.killed_for is launch.KillReason.TIMEOUT
+    assert result.wall_s < 1.2 + launch.KILL_GRACE_S, result.wall_s
