@@ -39,8 +39,21 @@ def mark(global_step: int) -> None:
     """Notes that optimizer step ``global_step`` (1 for the first) has just ended."""
     if _marks and _marks[-1][0] == global_step:
         return
+    _synchronize_cuda()
     _marks.append((int(global_step), time.perf_counter()))
     del _marks[:-MAX_MARKS]
+
+
+def _synchronize_cuda() -> None:
+    """On a GPU the host queues kernels ahead of the device: without a synchronisation the moment a
+    step "ends" on the host clock can precede the device's work by up to a queue of kernels, so
+    the window's step times would be the launch times (DeepSpeed's own timers use CUDA events).
+    Once per optimizer step, after the optimizer's kernels are queued: the cost is the wait the
+    next step would have paid anyway."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        cuda.synchronize()
 
 
 def step_ends() -> list[list[float]]:

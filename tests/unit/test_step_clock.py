@@ -119,3 +119,33 @@ def test_entry_times_an_engine_imported_before_the_hook_sees_it(tmp_path: Path) 
             engine.step()
     """)
     assert [step for step, _ in report["step_ends"]] == [1, 2, 3]
+
+
+class _FakeCuda:
+    """torch.cuda as a rank on a GPU sees it: initialised or not; synchronisations counted."""
+
+    def __init__(self, initialized: bool) -> None:
+        self.initialized, self.synchronized = initialized, 0
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+@pytest.mark.parametrize("initialized", [True, False])
+def test_a_step_end_on_a_gpu_waits_for_the_device(monkeypatch: pytest.MonkeyPatch, initialized: bool) -> None:
+    """Issue 21 item 18: host clocks without a synchronisation time kernel launches, not steps."""
+    import types
+
+    from workers import step_clock
+
+    cuda = _FakeCuda(initialized)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(step_clock, "_marks", [])
+    step_clock.mark(1)
+    step_clock.mark(1)  # the same step noted twice (step() then the profiling exit): one wait
+    step_clock.mark(2)
+    assert cuda.synchronized == (2 if initialized else 0)
+    assert [step for step, _ in step_clock.step_ends()] == [1, 2]
