@@ -115,9 +115,10 @@ def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int], exit_report: P
         "PYTHONUNBUFFERED": "1",
     })
     interface = _interface_holding(slot.address)
-    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        if interface and variable not in env:
-            env[variable] = interface
+    if interface:
+        env.setdefault("GLOO_SOCKET_IFNAME", interface)
+        # NCCL reads a bare name as a prefix (eth1 also matches eth10); '=' asks for exactly this one
+        env.setdefault("NCCL_SOCKET_IFNAME", f"={interface}")
     if exit_report is not None:
         env[EXIT_REPORT_ENV] = str(exit_report)
     return env
