@@ -10,7 +10,8 @@ import time
 import redis
 
 from workers import keys
-from workers.rendezvous import KEY_TTL_S, free_port, publish, wait
+from workers import rendezvous
+from workers.rendezvous import KEY_TTL_S, ephemeral_range, free_port, publish, rendezvous_ports, wait
 
 
 def test_free_port_can_be_bound_on_the_address() -> None:
@@ -18,6 +19,26 @@ def test_free_port_can_be_bound_on_the_address() -> None:
     assert 1024 <= port <= 65535
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_the_port_is_drawn_outside_the_kernels_ephemeral_range() -> None:
+    """Issue 21 item 5: between rank 0's pick and the TCPStore's bind, an outgoing connection can take
+    an ephemeral port; the kernel never hands out the ports below its range on its own."""
+    low, high = ephemeral_range()
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(not low <= port <= high for port in ports), (low, high, sorted(ports))
+    assert rendezvous_ports((32768, 60999)) == range(20000, 32768)  # Linux's default
+    assert rendezvous_ports((1024, 50000)) == range(50001, 65536)  # a range that starts low
+    assert rendezvous_ports((1024, 65000)) == range(0)  # no room: the kernel picks, as before
+
+
+def test_a_taken_port_is_not_given(monkeypatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        taken.listen()
+        monkeypatch.setattr(rendezvous, "rendezvous_ports", lambda ephemeral: range(port, port + 1))
+        assert free_port("127.0.0.1") != port
 
 
 def test_rank_0_leaves_one_address_per_waiting_rank_with_a_ttl(client: redis.Redis) -> None:
