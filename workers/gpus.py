@@ -2,8 +2,9 @@
 
 Why: the worker never initialises CUDA (a CUDA context per worker would cost device memory on the
 very device it offers), so nvidia-smi is the only source of what a node has. Its output is read
-strictly: a listing this code cannot read, a MIG-enabled GPU or a CUDA_VISIBLE_DEVICES naming a
-device that does not exist is a one-line refusal at start-up, never a silent CPU slot on a GPU node.
+strictly: a listing this code cannot read, a MIG-enabled GPU among those the worker serves or a
+CUDA_VISIBLE_DEVICES naming a device that does not exist is a one-line refusal at start-up, never a
+silent CPU slot on a GPU node. A MIG GPU that CUDA_VISIBLE_DEVICES leaves out refuses nothing.
 
 Device numbers: nvidia-smi's index is the PCI bus order. Every process we start gets
 `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so CUDA numbers devices the same way, and numeric entries of an
@@ -34,6 +35,7 @@ class Gpu:
     index: int
     uuid: str
     memory_bytes: int
+    mig: bool = False  #: MIG mode enabled: refused as a slot, but only where this worker would use it
 
 
 def parse_listing(text: str) -> list[Gpu]:
@@ -57,14 +59,21 @@ def parse_listing(text: str) -> list[Gpu]:
         if not mib > 0 or mib != mib or mib == float("inf"):
             raise GpuListingError(f"nvidia-smi reports GPU {index}'s memory as {memory!r}, not a number of MiB; "
                                   "check the driver with `nvidia-smi`")
-        if mig.lower() == "enabled":
-            raise GpuListingError(f"GPU {index} has MIG enabled; MIG instances are not supported as slots: "
-                                  f"disable MIG (`nvidia-smi -i {index} -mig 0`) or leave that GPU out of "
-                                  "CUDA_VISIBLE_DEVICES")
-        gpus.append(Gpu(int(index), uuid, int(mib) * 1024**2))
+        gpus.append(Gpu(int(index), uuid, int(mib) * 1024**2, mig=mig.lower() == "enabled"))
     if len({gpu.index for gpu in gpus}) != len(gpus):
         raise GpuListingError("nvidia-smi listed the same GPU index twice; check the driver with `nvidia-smi`")
     return sorted(gpus, key=lambda gpu: gpu.index)
+
+
+def refuse_mig(gpus: list[Gpu]) -> list[Gpu]:
+    """`gpus` unchanged, or GpuListingError for the first with MIG enabled. Called on the GPUs a
+    worker will serve, after CUDA_VISIBLE_DEVICES: a MIG GPU the worker leaves out is no concern."""
+    for gpu in gpus:
+        if gpu.mig:
+            raise GpuListingError(f"GPU {gpu.index} has MIG enabled; MIG instances are not supported as slots: "
+                                  f"disable MIG (`nvidia-smi -i {gpu.index} -mig 0`) or leave that GPU out of "
+                                  "CUDA_VISIBLE_DEVICES")
+    return gpus
 
 
 def visible(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
@@ -111,4 +120,4 @@ def local_gpus() -> list[Gpu] | None:
     if not gpus:
         raise GpuListingError(f"nvidia-smi lists no GPU; fix the driver, or set {DEVICE_KIND_ENV}=cpu "
                               "to use CPU slots")
-    return visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) or None
+    return refuse_mig(visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))) or None

@@ -33,7 +33,6 @@ def test_listing_parsed_in_index_order() -> None:
         ("0, GPU-abc, N/A, Disabled", "memory as 'N/A'"),
         ("0, GPU-abc, nan, Disabled", "memory as 'nan'"),
         ("0, GPU-abc, 0, Disabled", "memory as '0'"),
-        ("0, GPU-abc, 81920, Enabled", "GPU 0 has MIG enabled"),
         ("0, GPU-abc, 81920", "cannot read"),
         ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", "cannot read"),
         ("x, GPU-abc, 81920, Disabled", "index 'x'"),
@@ -115,6 +114,18 @@ def test_local_gpus_refuses_unusable_output(fake_smi: pytest.MonkeyPatch, output
     fake_smi.setenv("FAKE_NVIDIA_SMI_EXIT", exit_code)
     with pytest.raises(GpuListingError, match=says):
         local_gpus()
+
+
+def test_a_mig_gpu_refuses_only_the_workers_that_would_serve_it(fake_smi: pytest.MonkeyPatch) -> None:
+    """Issue 21 item 3: the MIG check comes after the visibility filter."""
+    mig_a100 = A100.replace("Disabled", "Enabled")
+    fake_smi.setenv("FAKE_NVIDIA_SMI_OUTPUT", f"{mig_a100}\n{H100}")
+    fake_smi.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert [gpu.index for gpu in local_gpus()] == [2]
+    fake_smi.setenv("CUDA_VISIBLE_DEVICES", "0,2")
+    with pytest.raises(GpuListingError, match="GPU 0 has MIG enabled"):
+        local_gpus()
+    assert parse_listing(mig_a100)[0].mig and not parse_listing(A100)[0].mig
 
 
 def test_no_nvidia_smi_means_a_cpu_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
