@@ -63,6 +63,16 @@ class Heartbeat:
                 log.warning("heartbeat for %s failed: %s", self._key, exc)
 
 
+def served_elsewhere(slot: Slot, live: list[Slot]) -> Slot | None:
+    """A live slot of another queue serving the same GPU of the same machine as `slot`, if any: two
+    workers under different node names, or with overlapping inherited CUDA_VISIBLE_DEVICES, would
+    otherwise offer one GPU twice and run two experiments on it, each measuring the other."""
+    if slot.kind != "cuda" or not slot.gpu_uuid:
+        return None
+    return next((other for other in live if other.kind == "cuda" and other.queue != slot.queue
+                 and other.gpu_uuid == slot.gpu_uuid and other.host == slot.host), None)
+
+
 def register_slot(client: redis.Redis, slot: Slot) -> Heartbeat:
     beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis())
     beat.start()

@@ -88,6 +88,7 @@ class Slot:
     instance: str = ""  #: new at every worker start: a changed value means the worker restarted
     cuda_index: int = -1  #: CUDA slots: the GPU's nvidia-smi (PCI bus order) index; -1 on CPU slots
     host: str = ""  #: the machine's identity (machine-id): "nodes" sharing it can meet over loopback
+    gpu_uuid: str = ""  #: CUDA slots: the GPU's UUID, which no other slot of the same host may serve
 
     @cached_property
     def queue(self) -> str:
@@ -116,6 +117,7 @@ class Slot:
             cpus=tuple(int(c) for c in fields.get("cpus", "").split(",") if c),
             worker=fields.get("worker", ""), instance=fields.get("instance", ""),
             cuda_index=int(fields.get("cuda_index", -1)), host=fields.get("host", ""),
+            gpu_uuid=fields.get("gpu_uuid", ""),
         )
 
     def child_env(self, cuda_indices: list[int] | None = None) -> dict[str, str]:
@@ -160,7 +162,7 @@ def describe_local_slot(node: str, device: int, address: str, worker: str = "") 
         slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or len(gpus)
         threads = max(1, cores // slots)
         return Slot(node, device, "cuda", gpu.memory_bytes, address, threads, (), worker, cuda_index=gpu.index,
-                    host=machine_id())
+                    host=machine_id(), gpu_uuid=gpu.uuid)
     slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or cores
     explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
     memory = parse_size(explicit) if explicit else psutil.virtual_memory().total // slots

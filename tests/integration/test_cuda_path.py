@@ -114,6 +114,34 @@ def test_a_worker_refuses_an_unusable_listing_with_exit_2(tmp_path: Path, redis_
         assert "Traceback" not in err
 
 
+def test_a_second_worker_for_the_same_gpu_is_refused(tmp_path: Path, redis_url: str) -> None:
+    """Issue 21 item 6: two slot workers of one machine under different node names serving one GPU
+    would run two experiments on it at once; the second one to start refuses, naming the first."""
+    env = {**os.environ, **gpu_env(AUTOTUNE_REDIS_URL=redis_url)}
+
+    def worker(node: str, log: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", "gpu0", "-n",
+                                 f"gpu0@{node}", "-c", "1", "--without-gossip", "--without-mingle"],
+                                cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+    first = worker("fakegpu", tmp_path / "first.log")
+    try:
+        wait_for(lambda: "slot fakegpu.gpu0 registered" in (tmp_path / "first.log").read_text(), 60,
+                 "the first worker's registration")
+        second = worker("alias", tmp_path / "second.log")
+        try:
+            second.wait(timeout=60)
+        finally:
+            stop_group(second, grace_s=5)
+        said = (tmp_path / "second.log").read_text()
+        assert second.returncode == 2, said
+        assert "is already served by slot fakegpu.gpu0 (worker gpu0@fakegpu)" in said and "Traceback" not in said
+        assert first.poll() is None  # the first goes on serving it
+    finally:
+        stop_group(first, grace_s=10)
+
+
 def test_cmd_optimal_launches_what_was_tuned(tmp_path: Path) -> None:
     """cmd_optimal.txt, run as written by DeepSpeed's real launcher (DS_ACCELERATOR=cpu, three local
     "devices"), starts the winner's ranks on the winner's devices with the tuned arguments."""

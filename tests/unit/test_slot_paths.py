@@ -100,13 +100,15 @@ def test_slot_queue_round_trip(node: str, device: int) -> None:
 # ---------------------------------------------------------------- Slot
 
 CPU_SLOT = Slot("n1", 2, "cpu", 3 * GiB, "10.0.0.5", 4, (4, 5, 6, 7), "w2@n1")
-CUDA_SLOT = Slot("gpu-host", 1, "cuda", 80 * GiB, "10.0.0.9", 8, (), "w1@gpu-host", cuda_index=3)
+CUDA_SLOT = Slot("gpu-host", 1, "cuda", 80 * GiB, "10.0.0.9", 8, (), "w1@gpu-host", cuda_index=3,
+                 host="m1", gpu_uuid="GPU-3333")
 
 
 def test_to_redis_strings() -> None:
     assert CPU_SLOT.to_redis() == {
         "node": "n1", "device": "2", "kind": "cpu", "memory_bytes": str(3 * GiB), "address": "10.0.0.5",
         "threads": "4", "cpus": "4,5,6,7", "worker": "w2@n1", "instance": "", "cuda_index": "-1", "host": "",
+        "gpu_uuid": "",
     }
     assert CUDA_SLOT.to_redis()["cpus"] == ""
 
@@ -122,6 +124,21 @@ def test_redis_round_trip(slot: Slot) -> None:
 def test_from_redis_defaults_for_missing_optional_fields() -> None:
     fields = {"node": "n", "device": "3", "kind": "cpu", "memory_bytes": "100", "address": "a", "threads": "2"}
     assert Slot.from_redis(fields) == Slot("n", 3, "cpu", 100, "a", 2, (), "")
+
+
+def test_one_gpu_of_one_machine_is_served_by_one_slot_only() -> None:
+    """Issue 21 item 6: a second worker under another node name (or with an overlapping inherited
+    CUDA_VISIBLE_DEVICES) would offer the same GPU again; its start is refused (tasks.worker_hooks)."""
+    from dataclasses import replace
+
+    from workers.registry import served_elsewhere
+
+    twin = replace(CUDA_SLOT, node="alias", worker="w9@alias", cuda_index=0)  # same host, same UUID
+    assert served_elsewhere(twin, [CPU_SLOT, CUDA_SLOT]) == CUDA_SLOT
+    assert served_elsewhere(CUDA_SLOT, [CUDA_SLOT]) is None  # its own earlier registration (a restart)
+    assert served_elsewhere(replace(twin, host="m2"), [CUDA_SLOT]) is None  # another machine's GPU
+    assert served_elsewhere(replace(twin, gpu_uuid="GPU-4444"), [CUDA_SLOT]) is None  # another GPU
+    assert served_elsewhere(CPU_SLOT, [replace(CPU_SLOT, node="alias")]) is None  # CPU slots share cores by design
 
 
 def test_queue_property() -> None:
@@ -251,7 +268,8 @@ def test_describe_local_cuda_slot(clean_env: pytest.MonkeyPatch, slots_env: str 
     if slots_env is not None:
         clean_env.setenv("AUTOTUNE_SLOTS_PER_NODE", slots_env)
     slot = describe_local_slot("g", 1, "10.0.0.2", "w1@g")
-    assert slot == Slot("g", 1, "cuda", 80 * GiB, "10.0.0.2", threads, (), "w1@g", cuda_index=2, host="machine-1")
+    assert slot == Slot("g", 1, "cuda", 80 * GiB, "10.0.0.2", threads, (), "w1@g", cuda_index=2, host="machine-1",
+                        gpu_uuid="GPU-b")
     assert slot.child_env()["CUDA_VISIBLE_DEVICES"] == "2"
     assert slot.child_env()["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert slot.child_env([7, 2])["CUDA_VISIBLE_DEVICES"] == "7,2"
