@@ -172,7 +172,8 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
     """DeepSpeed's launcher command that trains as the winner was tuned, and the hostfile it needs.
 
     On CUDA slots the command names the very GPUs the winner ran on (`--include node:ids`, nvidia-smi
-    indices), not every GPU of the node; more than one node needs a hostfile (DeepSpeed's runner
+    indices, with CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA numbers them the same way), not every
+    GPU of the node; more than one node needs a hostfile (DeepSpeed's runner
     refuses a multi-node launch without one): its text is returned for `hostfile`, one line per node
     the winner used, in rank order. `--no_local_rank` is passed exactly when the tuned runs did not get
     `--local_rank=N`, so the script sees the same arguments as during tuning.
@@ -203,6 +204,8 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
         argv += ["--num_nodes", str(num_nodes), "--num_gpus", str(num_gpus)]
     if not local_rank_arg:
         argv.append("--no_local_rank")
+    if cuda:  # --include names nvidia-smi (PCI bus order) indices; CUDA's own default order may differ
+        argv = ["CUDA_DEVICE_ORDER=PCI_BUS_ID", *argv]
     threads = {rank.get("threads") for rank in ranks}
     if len(threads) == 1 and isinstance(next(iter(threads)), int):
         count = next(iter(threads))

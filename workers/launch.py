@@ -13,6 +13,7 @@ per experiment would not, but needs a delegated cgroup tree that slot workers ra
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -26,6 +27,8 @@ import psutil
 
 from workers.failure import KillReason
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.1  #: how often the tree's memory is read against a memory cap (a CPU slot's)
 #: Without a cap (a GPU slot: its device memory is the allocator's business) the tree's resident set
 #: is only recorded, and reading every process's smaps_rollup ten times a second costs a training
@@ -33,6 +36,10 @@ POLL_S = 0.1  #: how often the tree's memory is read against a memory cap (a CPU
 UNCAPPED_POLL_S = 1.0
 ABORT_CHECK_S = 0.5  #: how often the peer-abort flag (a Redis GET) is checked, at most
 KILL_GRACE_S = 3.0
+#: How long a killed group may take to be gone. A SIGKILLed process frees its memory (a GPU context
+#: of tens of GB takes seconds) before it is gone; the slot is not handed on before that, or the
+#: next experiment on it meets a GPU still full and reads a false out-of-memory.
+KILL_WAIT_S = 30.0
 CONTAINER_ENV = "AUTOTUNE_CONTAINER"  #: per-launch token inherited by every descendant
 
 
@@ -63,21 +70,32 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def kill_group(pgid: int, grace_s: float = KILL_GRACE_S) -> None:
-    """SIGTERM the group, give it `grace_s` to exit, then SIGKILL what is left."""
+def kill_group(pgid: int, grace_s: float = KILL_GRACE_S) -> bool:
+    """SIGTERM the group, give it `grace_s` to exit, then SIGKILL what is left and wait up to
+    KILL_WAIT_S until it is gone. False when a process of it outlived that (stuck in the kernel)."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not group_alive(pgid):
-            return
-        time.sleep(0.05)
+        return True
+    if _gone(pgid, grace_s):
+        return True
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        return True
+    if _gone(pgid, KILL_WAIT_S):
+        return True
+    log.warning("process group %d is still alive %.0f s after SIGKILL", pgid, KILL_WAIT_S)
+    return False
+
+
+def _gone(pgid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def marked_processes(variable: str, token: str, since: float = 0.0) -> list[psutil.Process]:

@@ -40,3 +40,21 @@ def test_a_timeout_is_not_overshot_by_the_slow_poll(tmp_path: Path) -> None:
                                 timeout_s=1.2, memory_cap_bytes=None)
     assert result.killed_for is launch.KillReason.TIMEOUT
     assert result.wall_s < 1.2 + launch.KILL_GRACE_S, result.wall_s
+
+
+def test_a_killed_group_is_gone_when_kill_group_returns(tmp_path: Path) -> None:
+    """Issue 21 item 10: the slot is handed on after kill_group; a process still tearing down its
+    memory (a GPU context, here 1.5 GB of host pages) would leave the next experiment short of it."""
+    import subprocess
+
+    script = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "block = bytearray(1536 << 20)\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert launch.kill_group(proc.pid, grace_s=0.2) is True
+        assert not launch.group_alive(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()

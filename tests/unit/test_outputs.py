@@ -310,10 +310,11 @@ def _threads(record: dict[str, Any], *threads: int) -> dict[str, Any]:
          ["deepspeed", "--num_nodes", "1", "--num_gpus", "2", "--no_local_rank", "t.py"], None),
         # CUDA: exactly the GPUs the winner used, not every GPU of the node
         (["t.py"], 1, 2, _ranks(("gpu-a", 1, 5), ("gpu-a", 2, 3)), True,
-         ["deepspeed", "--include", "localhost:5,3", "t.py"], None),
+         ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "deepspeed", "--include", "localhost:5,3", "t.py"], None),
         # two nodes: a hostfile of the nodes used, in rank order, and their GPUs
         (["t.py"], 2, 2, _ranks(("b", 0, 2), ("b", 1, 3), ("a", 0, 0), ("a", 1, 1)), False,
-         ["deepspeed", "--hostfile", "/r/hostfile_optimal", "--include", "b:2,3@a:0,1", "--no_local_rank", "t.py"],
+         ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "deepspeed", "--hostfile", "/r/hostfile_optimal", "--include", "b:2,3@a:0,1",
+          "--no_local_rank", "t.py"],
          "b slots=4\na slots=2\n"),
         (["t.py"], 2, 1, _ranks(("b", 0, None), ("a", 0, None)), True,
          ["deepspeed", "--hostfile", "/r/hostfile_optimal", "--num_nodes", "2", "--num_gpus", "1", "t.py"],
@@ -337,7 +338,8 @@ def test_write_results_writes_the_hostfile_the_command_names(tmp_path: Path) -> 
     records = {exps[0].name: {**make_record(exps[0], "ok", throughput=1.0), **_ranks(("n2", 0, 1), ("n1", 0, 0))}}
     write_results(tmp_path, exps, records, "throughput", True, 1.0, optimal_argv, local_rank_arg=False)
     command = shlex.split((tmp_path / "cmd_optimal.txt").read_text())
-    assert command[:6] == ["deepspeed", "--hostfile", str((tmp_path / "hostfile_optimal").resolve()),
+    assert command[:7] == ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "deepspeed", "--hostfile",
+                           str((tmp_path / "hostfile_optimal").resolve()),
                            "--include", "n2:1@n1:0", "--no_local_rank"]
     assert (tmp_path / "hostfile_optimal").read_text() == "n2 slots=2\nn1 slots=1\n"
     records[exps[0].name]["status"] = "crashed"
