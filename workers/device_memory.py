@@ -7,7 +7,10 @@ reads them when the script ends, also after an out-of-memory, and writes them wi
 about the ending into the rank's exit report (a small JSON file named by AUTOTUNE_EXIT_REPORT). The
 rank reads that file into its record: `peak_device_bytes` (`torch.cuda.max_memory_reserved`, what
 the allocator held: the figure that hits the device's limit), `peak_device_allocated_bytes`
-(`max_memory_allocated`, live tensors only), the allocator's retry and OOM counts, and when each
+(`max_memory_allocated`, live tensors only), the allocator's retry and OOM counts, the device's
+usable total and what on it the allocator does not hold (`device_total_bytes`, and
+`device_untracked_bytes` = total - free - reserved at the end: the CUDA context, NCCL's buffers,
+other processes; what the memory model's reserve guesses, issue 21 item 8), and when each
 optimizer step ended (`step_ends`, from `workers.step_clock`).
 
 A script that has no CUDA (a stand-in for a GPU model on a machine without one, a simulator) can
@@ -23,6 +26,10 @@ from typing import Any
 
 #: Environment variable naming the file `workers.entry` writes the exit report to.
 EXIT_REPORT_ENV = "AUTOTUNE_EXIT_REPORT"
+
+#: The device figures an exit report may carry, each a count of bytes or events.
+DEVICE_KEYS = ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc_retries", "device_ooms",
+               "device_total_bytes", "device_untracked_bytes")
 
 _reported: dict[str, int] = {}
 
@@ -51,6 +58,9 @@ def measured_peaks() -> dict[str, int]:
                 _raise(peaks, "peak_device_allocated_bytes", cuda.max_memory_allocated(device))
                 _raise(peaks, "device_alloc_retries", stats.get("num_alloc_retries", 0))
                 _raise(peaks, "device_ooms", stats.get("num_ooms", 0))
+                free, total = cuda.mem_get_info(device)
+                _raise(peaks, "device_total_bytes", total)
+                _raise(peaks, "device_untracked_bytes", max(0, total - free - cuda.memory_reserved(device)))
         except Exception:
             pass
     return peaks
@@ -83,7 +93,7 @@ def read_exit_report(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         return {}
     kept: dict[str, Any] = {}
-    for key in ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc_retries", "device_ooms"):
+    for key in DEVICE_KEYS:
         value = data.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             kept[key] = value

@@ -37,7 +37,8 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
         "peak_rss_bytes": max((r.get("peak_rss_bytes", 0) for r in ranks), default=0),
         "ranks": ranks,
     }
-    for key in ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc_retries"):
+    for key in ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc_retries", "device_total_bytes",
+                "device_untracked_bytes"):
         values = [r[key] for r in ranks if isinstance(r.get(key), int)]
         if values:
             record[key] = max(values)

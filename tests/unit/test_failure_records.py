@@ -235,6 +235,10 @@ def test_device_peaks_are_the_busiest_ranks() -> None:
     assert (record["peak_device_bytes"], record["peak_device_allocated_bytes"], record["device_alloc_retries"]) \
         == (9 * 2**30, 5 * 2**30, 2)
     assert "peak_device_bytes" not in aggregate(EXP, [rank(0, "ok", 0, 1.0), rank(1, "ok", 0, 1.0)])
+    r0["device_untracked_bytes"], r1["device_untracked_bytes"] = 2 * 2**30, 3 * 2**30
+    r0["device_total_bytes"] = r1["device_total_bytes"] = 80 * 2**30
+    record = aggregate(EXP, [r0, r1])
+    assert (record["device_untracked_bytes"], record["device_total_bytes"]) == (3 * 2**30, 80 * 2**30)
 
 
 def test_aggregate_missing_rank_is_lost() -> None:
