@@ -15,7 +15,9 @@ The model, per rank (world = ranks of one experiment, P = parameters, fp16 with 
 - reserved memory (what torch.cuda.max_memory_reserved reports) = states + `alloc_overhead` +
   `activation` * mbs, rounded up to 2 MiB; the device also holds `untracked` bytes the allocator
   never sees (CUDA context, NCCL buffers). A run needing more than the capacity fails: status
-  `oom`, or `crashed` on surfaces whose script prints the CUDA OOM traceback and exits 1;
+  `oom`; on surfaces whose script prints the CUDA OOM traceback and exits 1 (`failure_status`
+  "crashed") the rank reads that traceback from stderr, so the record is `oom` too, with
+  `oom_from: stderr` (workers.oom);
 - the profile run (stage 3, mbs 1) reports num_params and DeepSpeed's activation_mem_per_gpu,
   which is forward-only allocated memory: `profile_activation_fraction` (0.45-0.9) of the true
   per-sample growth; on `reports_peak` surfaces every run also reports its reserved peak;
@@ -188,7 +190,9 @@ class Surface:
         gas = int(ds_config.get("gradient_accumulation_steps", 1))
         record: dict[str, Any] = {"name": name, "ds_config": ds_config}
         if not self.fits(stage, mbs):
-            record.update(status=self.failure_status, exit_code=1)
+            record.update(status="oom", exit_code=1)
+            if self.failure_status == "crashed":  # a traceback and exit 1, read by the rank from stderr
+                record["oom_from"] = "stderr"
             return record
         record["status"] = "ok"
         if self.reports_peak:

@@ -325,17 +325,15 @@ class _Session:
         return [(exp, rec) for exp, rec in self.measured.values() if exp.stage == stage and exp.name != PROFILE]
 
     def observations(self) -> dict[int, list[Observation]]:
-        """Per stage: measured peaks of successes, and upper bounds: every `oom`, and every other
-        failure above a size that succeeded in the same stage (a crash there is memory too)."""
+        """Per stage: measured peaks of successes, and upper bounds: every `oom` (`too_large`). A
+        timeout, a lost node or a plain crash says nothing about memory and is no memory fact."""
         found: dict[int, list[Observation]] = {}
         for stage in sorted({exp.stage for exp, _ in self.measured.values()}):
-            pairs = self.stage_records(stage)
-            smallest_ok = min((exp.micro_batch_size for exp, rec in pairs if _ok(rec)), default=None)
-            for exp, record in pairs:
+            for exp, record in self.stage_records(stage):
                 if _ok(record):
                     peak = _peak(record, self.settings.peak_memory_key)
                     found.setdefault(stage, []).append(Observation(exp.micro_batch_size, peak))
-                elif too_large(record, exp.micro_batch_size, smallest_ok):
+                elif too_large(record):
                     found.setdefault(stage, []).append(Observation(exp.micro_batch_size, oom=True))
         return found
 
@@ -382,12 +380,12 @@ def _ok(record: Mapping[str, Any]) -> bool:
     return record.get("status") == "ok"
 
 
-def too_large(record: Mapping[str, Any], mbs: int, smallest_ok: int | None) -> bool:
-    """A failed probe bounds the stage's micro-batch from above: an `oom` always, any other failure
-    (a CUDA OOM traceback classed `crashed`, a timeout) when a smaller size of the stage succeeded."""
-    if _ok(record):
-        return False
-    return record.get("status") == "oom" or (smallest_ok is not None and mbs > smallest_ok)
+def too_large(record: Mapping[str, Any]) -> bool:
+    """Whether a probe proves the micro-batch too large for memory: only an `oom` (the slot's cap,
+    an allocator's exception in the rank, or its traceback on a wrapper's stderr: workers.oom). On a
+    GPU node most other failures are infrastructure (a timeout, a lost node, a port clash, a JIT
+    build): taken as memory bounds they would prune the optimum (issue 21 item 7)."""
+    return record.get("status") == "oom"
 
 
 def _peak(record: Mapping[str, Any], key: str) -> int | None:

@@ -69,15 +69,10 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     for space, space_records in [*spaces.items(), ("global", tuned)]:
         winner, mean, measured = pooled_best(space_records, metric, maximize)
         counts = status_counts(space_records)
-        bounded = treated_as_too_large(space_records)
-        if bounded:
-            counts["crashed"] -= bounded
-            counts["crashed (treated as too large)"] = bounded
         rows.append([space, len(space_records),
                      mean, f"{winner['name']} (mean of {measured})" if measured > 1 else winner["name"] if winner else None,
                      round(sum(r.get("wall_s", 0.0) or 0.0 for r in space_records), 1),
-                     ", ".join(f"{k}={counts[k]}" for k in [*FAILURE_CLASSES, "crashed (treated as too large)"]
-                               if counts[k]) or "-"])
+                     ", ".join(f"{k}={counts[k]}" for k in FAILURE_CLASSES if counts[k]) or "-"])
     table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val",
                                     "best_exp_name", "experiment_s", "failures"], tablefmt="pipe")
     elapsed = datetime.timedelta(seconds=round(elapsed_s))
@@ -154,17 +149,6 @@ def winner_text(records: list[dict[str, Any]], metric: str, maximize: bool) -> s
         lines.append(f"Not separated: the gap is within 2 standard errors at {noise}; both are sound "
                      "choices, the winner by its mean.")
     return "\n".join(lines) + "\n"
-
-
-def treated_as_too_large(records: list[dict[str, Any]]) -> int:
-    """Crashed probes above a micro-batch size that succeeded at the same stage: the search took them
-    as upper bounds (a CUDA OOM traceback and exit 1 looks like a crash)."""
-    def point(record: dict[str, Any]) -> tuple[Any, int]:
-        config = record.get("ds_config") or {}
-        return (config.get("zero_optimization") or {}).get("stage"), int(config.get("train_micro_batch_size_per_gpu") or 0)
-    ok = [point(r) for r in records if r.get("status") == "ok"]
-    return sum(1 for r in records if r.get("status") == "crashed"
-               and any(stage == point(r)[0] and mbs < point(r)[1] for stage, mbs in ok))
 
 
 def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, record: dict[str, Any] | None = None,

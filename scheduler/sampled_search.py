@@ -30,8 +30,10 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   ZeRO-1/2 at equal size, so it is not measured at all unless it can hold larger sizes that matter
   (the curve was still rising at the cap, or ZeRO-3 holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so
   memory pressure may have turned it), or no ZeRO-1/2 stage was measured;
+- a failure that is not out-of-memory (`RETRIED`: a crash, a timeout, a lost node) is launched once
+  more at once (`_measure`); a size failing twice is left out of its stage, and is no memory fact;
 - the memory side follows `scheduler.memory`: predictions stay between the largest ok and the
-  smallest failed size, and every stage's probes bound the others (`memory.shared_facts`: a failure
+  smallest size out of memory, and every stage's probes bound the others (`memory.shared_facts`: a failure
   bounds the stages holding more, a success the stages holding less, a bracket moves the others'
   predicted tops, with or without measured peaks); after a failure the next upward probe is the
   geometric midpoint, and a stage stops probing upward after `MAX_FAILURES` failures above a
@@ -57,6 +59,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Generator, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from scheduler.confirm import REPEAT_BUDGET, group_readings, next_repeat
@@ -89,6 +92,8 @@ FULL_MODE_BAND = 0.10
 #: times the largest size ZeRO-1/2 hold: near a stage's memory cap the allocator's pressure slows it,
 #: and ZeRO-3 runs those sizes with that much more memory free (large models: bench/README.md).
 ZERO3_ROOM = 1.3
+#: Failures that say nothing about the config: launched once more before the config counts as failed.
+RETRIED = frozenset({"crashed", "timeout", "lost", "rendezvous_failed", "aborted"})
 #: A re-measurement of `<name>` is `<name>_r2`, `<name>_r3`, ...: its own folder and record.
 REPEAT_NAME = re.compile(r"^(?P<original>.+)_r(?P<index>[2-9]|[1-9][0-9]+)$")
 #: The share of the memory budget the top probe may fill. Closer to 1 than memory.SAFETY: the
@@ -308,8 +313,14 @@ def gas_for(session: _Session, stage: int, mbs: int) -> int:
 
 
 def _measure(session: _Session, stage: int, mbs: int, label: str) -> Step:
+    """One config's metric (None: it failed). A failure that is not out-of-memory (`RETRIED`) is
+    launched once more (`<name>_r2`, a repeat) before the config counts as failed: a timeout or a
+    lost node says nothing about the config. Failing twice, the size is left out of the stage's
+    probing (`_sizes`), but is no memory fact for other stages (`fast_search.too_large`)."""
     exp = session.experiment(stage, mbs, gas_for(session, stage, mbs))
     [record] = yield from session.measure(label, [exp])
+    if record.get("status") in RETRIED:
+        [record] = yield from session.measure(f"{label}_retry", [replace(exp, name=f"{exp.name}_r2")])
     return metric_value(record, session.settings.metric)
 
 
@@ -339,28 +350,30 @@ def _top(session: _Session, stage: int) -> int:
 
 
 def _failures_since_a_success(session: _Session, stage: int) -> int:
-    """Failed probes of the stage after its first success: the ones that bracket its top (the blind
-    ones before it only found a size that runs)."""
-    count, seen_ok = 0, bool(session.shared_facts(stage).success)
+    """Sizes of the stage that failed after its first success: the ones that bracket its top (the
+    blind ones before it only found a size that runs). A size whose retry ran is none of them."""
+    failed, seen_ok = set(), bool(session.shared_facts(stage).success)
+    ran = _sizes(session, stage)
     for exp, record in session.stage_records(stage):
         if exp.tuning_space:
             continue
         if record.get("status") == "ok":
             seen_ok = True
-        elif seen_ok:
-            count += 1
-    return count
+        elif seen_ok and not ran.get(exp.micro_batch_size):
+            failed.add(exp.micro_batch_size)
+    return len(failed)
 
 
 def _values(session: _Session, stage: int) -> dict[int, float | None]:
     """size -> metric (None: failed) of the stage's measured sizes at their gas in the space. Without
     max_train_batch_size only sizes that fill the step count (a size between the top probes, run at
-    the user's gas below a top that ran, leaves part of the step empty)."""
+    the user's gas below a top that ran, leaves part of the step empty). A config whose first launch
+    failed (`RETRIED`) reads its retry's metric; other repeats are the confirm phase's."""
     st = session.settings
     filling = None if st.samples_per_step else set(_candidates(session, stage))
     out: dict[int, float | None] = {}
     for exp, record in session.stage_records(stage):
-        if is_repeat(exp.name, session.measured) or exp.tuning_space:
+        if exp.tuning_space or (is_repeat(exp.name, session.measured) and not _retry_of_failure(session, exp.name)):
             continue
         value = metric_value(record, st.metric)
         if filling is not None and value is not None and exp.micro_batch_size not in filling:
@@ -368,6 +381,12 @@ def _values(session: _Session, stage: int) -> dict[int, float | None]:
         if exp.gradient_accumulation_steps == gas_for(session, stage, exp.micro_batch_size):
             out[exp.micro_batch_size] = value
     return out
+
+
+def _retry_of_failure(session: _Session, name: str) -> bool:
+    """Whether `name` is the retry `_measure` launched after its original failed (`RETRIED`)."""
+    original = original_name(name, session.measured)
+    return name == f"{original}_r2" and session.measured[original][1].get("status") in RETRIED
 
 
 def _sizes(session: _Session, stage: int) -> dict[int, bool]:

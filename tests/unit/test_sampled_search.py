@@ -68,16 +68,6 @@ def test_next_size_minimises_latency() -> None:
     assert next_size({4: 1.0, 8: 1.5, 16: 2.0}, [1, 2, 4, 8, 16], maximize=False) == 1
 
 
-@pytest.mark.parametrize(
-    ("status", "mbs", "smallest_ok", "bound"),
-    [("oom", 8, None, True), ("crashed", 16, 8, True), ("crashed", 8, None, False), ("crashed", 4, 8, False),
-     ("timeout", 16, 8, True), ("ok", 16, 8, False)],
-)
-def test_every_failure_above_a_success_is_an_upper_bound(status: str, mbs: int, smallest_ok: int | None,
-                                                         bound: bool) -> None:
-    assert too_large({"status": status}, mbs, smallest_ok) is bound
-
-
 # ---------------------------------------------------------------- the whole search
 
 
@@ -117,10 +107,13 @@ def test_a_failed_size_is_never_exceeded_again_in_its_stage(failure: str) -> Non
                  if n.startswith(f"z{stage}_")]
         ok = [m for m, status in sizes if status == "ok"]
         failed = [m for m, status in sizes if status != "ok"]
-        assert len(failed) <= 2
+        assert len(set(failed)) <= 2  # a crash is launched twice (once retried) before it counts
         if failed and ok:
             assert max(ok) < min(failed)
             later = [m for m, _ in sizes[sizes.index((min(failed), failure)) + 1:]]
+            if failure != "oom":
+                assert later[0] == min(failed)  # the retry, at once
+                later = later[1:]
             assert all(m < min(failed) for m in later)
 
 
@@ -185,16 +178,6 @@ def test_a_peak_that_does_not_grow_is_not_fitted(family: str, seed: int) -> None
         assert len(failed) <= 2, layout
 
 
-def test_summary_shows_crashes_above_a_success_as_too_large() -> None:
-    from scheduler.outputs import treated_as_too_large
-
-    def rec(status: str, stage: int, mbs: int) -> dict[str, Any]:
-        return {"status": status, "ds_config": {"zero_optimization": {"stage": stage},
-                                                 "train_micro_batch_size_per_gpu": mbs}}
-    records = [rec("ok", 1, 8), rec("crashed", 1, 16), rec("crashed", 1, 4), rec("crashed", 2, 16)]
-    assert treated_as_too_large(records) == 1
-
-
 def _launches(surface) -> list[tuple[str, str]]:
     settings = SearchSettings(ds_config=user_config(surface), capacity_bytes=surface.capacity, stages=(0, 1, 2, 3),
                               num_gpus=surface.world, max_train_batch_size=surface.max_train_batch_size,
@@ -210,24 +193,35 @@ def _launches(surface) -> list[tuple[str, str]]:
     return launched
 
 
-def test_a_crash_above_a_success_steers_the_whole_search_as_an_oom_does() -> None:
-    """A script that prints the CUDA OOM traceback and exits 1 (`crashed`) must cost no more probes than
-    one whose OOM is recognised: where every failure lies above a success of its stage, both searches
-    launch the same experiments (a crash not taken as a bound is not carried to the next stage, which
-    then probes past it)."""
-    compared = 0
-    for family in ("monotone", "cliff", "large-model", "small-model"):
-        for seed in range(40):
-            surface = make_surface(family, seed)
-            as_oom = _launches(replace(surface, failure_status="oom"))
-            failures = [name for name, status in as_oom if status != "ok"]
-            stage_ok = {name.split("_")[0] for name, status in as_oom if status == "ok"}
-            if not failures or any(name.split("_")[0] not in stage_ok for name in failures):
-                continue
-            as_crash = _launches(replace(surface, failure_status="crashed"))
-            assert [name for name, _ in as_crash] == [name for name, _ in as_oom], (family, seed)
-            compared += 1
-    assert compared >= 10
+def test_a_crash_is_retried_once_and_is_no_memory_fact() -> None:
+    """Issue 21 item 7. ZeRO-1 (step limit 32 samples per GPU): 8 (gas 4) crashes once (a lost node,
+    a port clash) and its retry 8_r2 runs: 8 is measured, and it wins. 16 crashes twice: it is left
+    out of the stage's probing (never launched a third time) but, not being out of memory, bounds no
+    memory fact (no `oom` observation), so ZeRO-2 is still predicted to hold what the table says."""
+    speed = {(1, m): float(m) for m in (1, 2, 3, 4, 5, 6)} | {(1, 8): 100.0, (1, 10): 9.0, (1, 16): 16.0,
+                                                               (1, 32): 1.0, (2, 8): 50.0}
+    first_failures = {"z1_gas4_tmbspg8": 1, "z1_gas2_tmbspg16": 2}  # how many launches crash
+    session = Scripted(scripted_settings(stages=(1,)), {1: 32})
+    launched: list[str] = []
+
+    def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:
+        out = {}
+        for exp in phase.experiments:
+            launched.append(exp.name)
+            original = exp.name.removesuffix("_r2")
+            if first_failures.get(original, 0) >= (2 if exp.name.endswith("_r2") else 1):
+                out[exp.name] = {"name": exp.name, "status": "crashed"}
+            else:
+                value = speed[(exp.stage, exp.micro_batch_size)]
+                out[exp.name] = {"name": exp.name, "status": "ok",
+                                 "metrics": {"throughput": value, "latency": 1e6 / value}}
+        return out
+
+    drive(sampled_stages(session, (1,)), run_phase)
+    assert launched[launched.index("z1_gas4_tmbspg8") + 1] == "z1_gas4_tmbspg8_r2"  # retried at once
+    assert launched.count("z1_gas2_tmbspg16") == launched.count("z1_gas2_tmbspg16_r2") == 1  # once retried, then out
+    assert session.best_mbs(1) == 8
+    assert not any(o.oom for o in session.observations().get(1, []))  # crashes are no memory facts
 
 
 # ---------------------------------------------------------------- scripted stages: every decision by hand
