@@ -30,8 +30,8 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   ZeRO-1/2 at equal size, so it is not measured at all unless it can hold larger sizes that matter
   (the curve was still rising at the cap, or ZeRO-3 holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so
   memory pressure may have turned it), or no ZeRO-1/2 stage was measured;
-- a failure that is not out-of-memory (`RETRIED`: a crash, a timeout, a lost node) is launched once
-  more at once (`_measure`); a size failing twice is left out of its stage, and is no memory fact;
+- a failure that is not out-of-memory (`RETRIED`: a crash, a timeout, a rendezvous that failed) is
+  launched once more at once (`_measure`); a size failing twice is left out of its stage, and is no memory fact;
 - the memory side follows `scheduler.memory`: predictions stay between the largest ok and the
   smallest size out of memory, and every stage's probes bound the others (`memory.shared_facts`: a failure
   bounds the stages holding more, a success the stages holding less, a bracket moves the others'
@@ -93,7 +93,9 @@ FULL_MODE_BAND = 0.10
 #: and ZeRO-3 runs those sizes with that much more memory free (large models: bench/README.md).
 ZERO3_ROOM = 1.3
 #: Failures that say nothing about the config: launched once more before the config counts as failed.
-RETRIED = frozenset({"crashed", "timeout", "lost", "rendezvous_failed", "aborted"})
+#: Not `lost` (the dispatcher already relaunches those, up to its max_attempts) nor `aborted` (we
+#: stopped it: a cancelled job must end, not start its experiments again).
+RETRIED = frozenset({"crashed", "timeout", "rendezvous_failed"})
 #: A re-measurement of `<name>` is `<name>_r2`, `<name>_r3`, ...: its own folder and record.
 REPEAT_NAME = re.compile(r"^(?P<original>.+)_r(?P<index>[2-9]|[1-9][0-9]+)$")
 #: The share of the memory budget the top probe may fill. Closer to 1 than memory.SAFETY: the
@@ -315,7 +317,7 @@ def gas_for(session: _Session, stage: int, mbs: int) -> int:
 def _measure(session: _Session, stage: int, mbs: int, label: str) -> Step:
     """One config's metric (None: it failed). A failure that is not out-of-memory (`RETRIED`) is
     launched once more (`<name>_r2`, a repeat) before the config counts as failed: a timeout or a
-    lost node says nothing about the config. Failing twice, the size is left out of the stage's
+    failed rendezvous says nothing about the config. Failing twice, the size is left out of the stage's
     probing (`_sizes`), but is no memory fact for other stages (`fast_search.too_large`)."""
     exp = session.experiment(stage, mbs, gas_for(session, stage, mbs))
     [record] = yield from session.measure(label, [exp])

@@ -153,7 +153,7 @@ def test_cmd_optimal_launches_what_was_tuned(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     results = tmp_path / "autotuning_results"
     command = (results / "cmd_optimal.txt").read_text()
-    assert shlex.split(command)[2:5] == ["deepspeed", "--include", "localhost:1,2"]
+    assert shlex.split(command)[2:6] == ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "deepspeed", "--include", "localhost:1,2"]
     final = tmp_path / "final"
     final.mkdir()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "3", "PYTHONPATH": str(ROOT),
