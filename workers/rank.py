@@ -28,6 +28,7 @@ import psutil
 import redis
 
 from workers import keys, rendezvous
+from workers.build_locks import clear_stale_locks
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
 from workers.gang import GangReservations
 from workers.failure import Status, classify, describe_exit
@@ -180,9 +181,11 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     exit_report.unlink(missing_ok=True)
     pgid_key = keys.pgid(slot.queue, task_id or spec.attempt)
     cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
+    env = rank_env(spec, slot, master, exit_report)
+    clear_stale_locks(env["TORCH_EXTENSIONS_DIR"])  # a build killed with an earlier experiment
     try:
         launch = run_watched(
-            command, env=rank_env(spec, slot, master, exit_report), cwd=cwd,
+            command, env=env, cwd=cwd,
             stdout_path=result_dir / f"{log_prefix}stdout.log", stderr_path=stderr_path,
             timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
