@@ -6,15 +6,21 @@ misread as a crash costs the search a bound (issue: GPU OOMs classed `crashed`).
 - a plain `RuntimeError` carrying the allocator's text (TorchScript, older torch, libraries that
   re-raise), or cuBLAS's `CUBLAS_STATUS_ALLOC_FAILED`;
 - `torch.AcceleratorError` for `cudaErrorMemoryAllocation` ("CUDA error: out of memory");
-- NCCL failing to allocate its buffers: a `DistBackendError` "Failed to CUDA calloc";
+- NCCL failing to allocate its buffers: a `DistBackendError` whose "Last error" is NCCL's own warning,
+  "Failed to CUDA calloc", "Cuda failure 'out of memory'" (or "Cuda failure 2 'out of memory'"), or
+  on newer NCCL a failed call inside `ncclCudaCalloc...`;
 - any of these as the `__cause__` or `__context__` of what finally propagates: a script or library
   that catches the OOM and raises its own error, or calls `sys.exit(1)` inside the `except` block;
 - a host `MemoryError`.
 Decided from the exception objects the process itself holds wherever `workers.entry` runs the script
 in the rank's own interpreter. A script started through a wrapper (a shell script, `--no_python`, its
-own launcher) shows its OOM only as a traceback on the rank's stderr; `stderr_out_of_memory` reads
-that, strictly: only the final exception line of the last traceback counts, so another rank's log
-line, a warning, or a script printing "out of memory" as advice never turns into an OOM.
+own launcher) shows its OOM only as a traceback on the rank's stderr; and an OOM that NCCL meets
+inside a collective is often caught by torch's NCCL watchdog thread, which ends the process with
+SIGABRT (`TORCH_NCCL_ASYNC_ERROR_HANDLING`'s default) after printing the C++ exception, with no
+Python traceback and no exit report. `stderr_out_of_memory` reads both from the rank's stderr,
+strictly: only the last fatal report counts (the final exception line of the last Python traceback,
+or the `what():` text of the last C++ "terminate called after throwing" from torch's c10), so another
+rank's log line, a warning, or a script printing "out of memory" as advice never turns into an OOM.
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ CUDA_ERROR_MEMORY_ALLOCATION = 2
 #: Texts that only the allocators themselves put into an exception's message.
 _ALLOCATOR_TEXTS = ("CUDA out of memory", "CUDA error: out of memory", "HIP out of memory",
                     "XPU out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
-                    "Failed to CUDA calloc", "cudaErrorMemoryAllocation")
+                    "Failed to CUDA calloc", "cudaErrorMemoryAllocation", "Cuda failure 'out of memory'",
+                    "Cuda failure 2 'out of memory'", "ncclCudaCalloc")
 #: Exception types whose message is the allocator's own (a user's ValueError saying "out of memory"
 #: is not an allocation failure).
 _RUNTIME_TYPES = (RuntimeError,)
@@ -72,15 +79,23 @@ _RUNTIME_TYPE_NAMES = ("RuntimeError", "torch.AcceleratorError", "AcceleratorErr
 #: What launchers put before each line of a rank's output: "[rank0]: ", "[default0]:".
 _LINE_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 _TRACEBACK = "Traceback (most recent call last):"
+#: How libstdc++ reports an uncaught C++ exception before abort(); torch's own exceptions are c10's.
+_TERMINATE = re.compile(r"^terminate called after throwing an instance of '(?P<type>c10::\w+)'")
+#: Where the `what():` text of a c10 exception ends: its throw site, then the C++ stack frames.
+_WHAT_ENDS = ("Exception raised from", "frame #")
 
 
 def stderr_out_of_memory(text: str) -> str | None:
-    """The exception line when `text` (a rank's stderr) ends its last Python traceback with an
-    allocator's out-of-memory; else None. The exception line is the first unindented line after
-    the traceback's frames; lines after it (a launcher's own "exits with return code" line) do not
-    matter, a later traceback does (a script that caught the OOM and raised its own error)."""
+    """What `text` (a rank's stderr) shows as its out-of-memory, or None: the last fatal report in it,
+    a Python traceback or a C++ abort (`_c10_abort_out_of_memory`), decides. A traceback counts when
+    its exception line (the first unindented line after its frames) is an allocator's OOM; lines
+    after it (a launcher's own "exits with return code" line) do not matter, a later traceback or
+    abort does (a script that caught the OOM and raised its own error)."""
     lines = [_LINE_PREFIX.sub("", line) for line in text.splitlines()]
     starts = [i for i, line in enumerate(lines) if line.strip() == _TRACEBACK]
+    aborts = [i for i, line in enumerate(lines) if _TERMINATE.match(line.strip())]
+    if aborts and (not starts or aborts[-1] > starts[-1]):
+        return _c10_abort_out_of_memory(lines[aborts[-1]:])
     if not starts:
         return None
     for line in lines[starts[-1] + 1:]:
@@ -93,4 +108,23 @@ def stderr_out_of_memory(text: str) -> str | None:
         if name in _RUNTIME_TYPE_NAMES and any(marker in message for marker in _ALLOCATOR_TEXTS):
             return line.strip()
         return None
+    return None
+
+
+def _c10_abort_out_of_memory(lines: list[str]) -> str | None:
+    """The `what():` text of a c10 exception that aborted the process (`lines` start at libstdc++'s
+    "terminate called after throwing" line) when it carries an allocator's or NCCL's out-of-memory
+    text: torch's NCCL watchdog rethrows the collective's error this way, e.g. "Process group
+    watchdog thread terminated with exception: NCCL error ... unhandled cuda error ... Last error:
+    Cuda failure 'out of memory'"."""
+    what: list[str] = []
+    for line in lines[1:]:
+        stripped = line.strip()
+        if stripped.startswith(_WHAT_ENDS) or (what and not stripped):
+            break
+        if stripped:
+            what.append(stripped.removeprefix("what():").strip())
+    message = " ".join(what)
+    if any(marker in message for marker in _ALLOCATOR_TEXTS):
+        return f"{_TERMINATE.match(lines[0].strip())['type']}: {message}"
     return None

@@ -58,6 +58,13 @@ def _chained(outer: BaseException, inner: BaseException, how: str) -> BaseExcept
             "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.21.5\n"
             "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nFailed to CUDA calloc 10485760 bytes"),
          True),
+        (torch.distributed.DistBackendError(
+            "NCCL error in: ProcessGroupNCCL.cpp:2030, unhandled cuda error, NCCL version 2.21.5\n"
+            "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 'out of memory'"), True),
+        (torch.distributed.DistBackendError(
+            "NCCL error in: ProcessGroupNCCL.cpp:2030, unhandled cuda error, NCCL version 2.27.3\n"
+            "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n"
+            "Failed to CUDA call include/alloc.h:126 (ncclCudaCallocAsyncDebug)"), True),
         (torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error"), False),
         (MemoryError(), True),
         (RuntimeError("Expected all tensors to be on the same device"), False),
@@ -245,3 +252,66 @@ def test_the_device_total_and_what_the_allocator_does_not_hold_are_reported(monk
     path = tmp_path / "exit.json"
     path.write_text(json.dumps(peaks))
     assert read_exit_report(path) == peaks
+
+
+# ---------------------------------------------------------------- NCCL's watchdog: a C++ abort, no traceback
+
+#: What torch's NCCL watchdog prints when a collective's CUDA allocation failed, before libstdc++
+#: aborts the process (SIGABRT; the shape of pytorch#126544's and Megatron-LM#935's logs).
+WATCHDOG = """[rank1]:[E1125 10:00:00.000000 ProcessGroupNCCL.cpp:1414] [PG 0 Rank 1] Process group watchdog thread \
+terminated with exception: NCCL error in: ProcessGroupNCCL.cpp:2030, unhandled cuda error (run with NCCL_DEBUG=INFO \
+for details), NCCL version 2.21.5
+[rank1]:ncclUnhandledCudaError: Call to CUDA function failed.
+[rank1]:Last error:
+[rank1]:{last}
+[rank1]:Exception raised from checkForNCCLErrorsInternal at ProcessGroupNCCL.cpp:1941 (most recent call first):
+[rank1]:frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x57 (0x7f in libc10.so)
+terminate called after throwing an instance of 'c10::DistBackendError'
+  what():  [PG 0 Rank 1] Process group watchdog thread terminated with exception: NCCL error in: \
+ProcessGroupNCCL.cpp:2030, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5
+ncclUnhandledCudaError: Call to CUDA function failed.
+Last error:
+{last}
+Exception raised from checkForNCCLErrorsInternal at ProcessGroupNCCL.cpp:1941 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x57 (0x7f in libc10.so)
+"""
+TIMEOUT_ABORT = """terminate called after throwing an instance of 'c10::DistBackendError'
+  what():  [PG 1 Rank 1] Process group watchdog thread terminated with exception: [Rank 1] Watchdog caught \
+collective operation timeout: WorkNCCL(SeqNum=199, OpType=_REDUCE_SCATTER_BASE, Timeout(ms)=600000) ran for 600000 \
+milliseconds before timing out.
+Exception raised from checkTimeout at ProcessGroupNCCL.cpp:565 (most recent call first):
+"""
+
+
+def _aborted_with(text: str) -> str:
+    """The stderr of a real process that prints `text` and dies of SIGABRT, as the watchdog ends a rank."""
+    code = f"import os, sys\nsys.stderr.write({text!r})\nsys.stderr.flush()\nos.abort()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == -6  # SIGABRT: no Python exception, no exit report
+    return proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "is_oom"),
+    [
+        (WATCHDOG.format(last="Cuda failure 'out of memory'"), True),
+        (WATCHDOG.format(last="Cuda failure 2 'out of memory'"), True),
+        (WATCHDOG.format(last="Failed to CUDA calloc async 4194304 bytes"), True),
+        (WATCHDOG.format(last="Failed to CUDA call include/alloc.h:126 (ncclCudaCallocAsyncDebug)"), True),
+        (WATCHDOG.format(last="Cuda failure 'an illegal memory access was encountered'"), False),
+        (TIMEOUT_ABORT, False),  # a collective that timed out: a hang, not memory
+        (f"hint: CUDA out of memory? lower the batch\n{TIMEOUT_ABORT}", False),  # advice before another abort
+        # an OOM traceback, then the watchdog's abort for a timeout: the last fatal report decides
+        (H100_STDERR + TIMEOUT_ABORT, False),
+        # the watchdog's OOM abort last, after an earlier traceback of something else
+        ("Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'lr'\n"
+         + WATCHDOG.format(last="Cuda failure 'out of memory'"), True),
+    ],
+    ids=["cuda-failure", "cuda-failure-2", "calloc-async", "nccl-calloc-call", "illegal-access", "timeout",
+         "advice-then-timeout", "oom-traceback-then-timeout-abort", "traceback-then-oom-abort"],
+)
+def test_an_oom_that_nccls_watchdog_turned_into_an_abort_is_read_from_stderr(text: str, is_oom: bool) -> None:
+    found = stderr_out_of_memory(_aborted_with(text))
+    assert (found is not None) is is_oom, found
+    if is_oom:
+        assert found.startswith("c10::DistBackendError: [PG 0 Rank 1] Process group watchdog")
