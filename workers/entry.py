@@ -8,9 +8,12 @@ would not be. When the script exits non-zero without an OOM exception in sight, 
 own OOM count still tells (a library that swallowed the exception and exited).
 
 The exit report (`workers.device_memory`) carries the peak device memory, whether the script
-left through DeepSpeed's profiling exit (on CPU that exit sometimes aborts at interpreter teardown,
-and the rank may only be excused when it provably got that far), and when each optimizer step ended
+left through DeepSpeed's profiling exit, and when each optimizer step ended
 (`workers.step_clock`: the metric is the mean step time of the window, not the engine's last step).
+After a profiling exit or an OOM the rank leaves at once, without the interpreter's teardown
+(`_leave_now`): tearing down live NCCL communicators can hang, on CPU it sometimes aborts, and the
+measurement is already complete. A rank that still aborts after writing a report that says it got
+that far is excused (`workers.records`).
 """
 from __future__ import annotations
 
@@ -84,11 +87,23 @@ def main() -> None:
                        **({"step_ends": ends} if ends else {})})
     if oom is not None:
         print(f"workers.entry: out of memory: {oom}"[:2000], file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(OOM_EXIT_CODE)
+        _leave_now(OOM_EXIT_CODE)
+    if is_profiling_exit(error):
+        _leave_now(0)
     if error is not None:
         raise error
+
+
+def _leave_now(code: int) -> None:
+    """End the process with `code` without the interpreter's teardown. After DeepSpeed's profiling
+    exit the measurement is complete (rank 0 wrote the metrics, the exit report is written), but the
+    NCCL process groups are still alive: tearing them down at exit aborts communicators, which can
+    hang (pytorch#117291, NVIDIA/nccl#1013) until the experiment's time limit turns a measured config
+    into a `timeout`; on CPU the same teardown sometimes aborts (SIGABRT). After an OOM the state
+    is no better. Nothing the experiment needs is left to the teardown: output is flushed here."""
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ time, or because a peer rank failed) and whether the metrics file exists. Never 
 stderr for words: a script that logs "error" and exits 0 with metrics is fine, and one that
 crashes silently is still a crash. The one reading of stderr is `workers.oom.stderr_out_of_memory`,
 done by the rank on a crash: a traceback that ends in an allocator's out-of-memory (a script
-started through a wrapper, whose exception the rank's interpreter never holds) makes it `oom`.
+started through a wrapper, whose exception the rank's interpreter never holds), or NCCL's watchdog
+aborting the process over one (SIGABRT, no traceback), makes it `oom`.
 """
 from __future__ import annotations
 

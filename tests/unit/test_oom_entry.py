@@ -86,7 +86,8 @@ def test_a_cyclic_chain_ends() -> None:
     assert out_of_memory_cause(first) is None
 
 
-def _run_entry(tmp_path: Path, body: str, extra_files: dict[str, str] | None = None) -> tuple[int, dict, str]:
+def _run_entry(tmp_path: Path, body: str, extra_files: dict[str, str] | None = None,
+               timeout: float = 120) -> tuple[int, dict, str]:
     for name, text in (extra_files or {}).items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(textwrap.dedent(text))
@@ -94,7 +95,7 @@ def _run_entry(tmp_path: Path, body: str, extra_files: dict[str, str] | None = N
     script.write_text(textwrap.dedent(body))
     report = tmp_path / "exit.json"
     done = subprocess.run([sys.executable, "-m", "workers.entry", str(script)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                          text=True, timeout=timeout, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
                                                        "AUTOTUNE_EXIT_REPORT": str(report)})
     return done.returncode, read_exit_report(report), done.stderr
 
@@ -160,6 +161,21 @@ def test_deepspeeds_profiling_exit_is_recognised_precisely(tmp_path: Path, call:
     """, {"site/deepspeed/__init__.py": "", "site/deepspeed/runtime/__init__.py": "",
           "site/deepspeed/runtime/engine.py": ENGINE})
     assert code == 0 and report["profiling_exit"] is profiling_exit
+
+
+def test_a_teardown_that_would_hang_after_the_profiling_exit_is_skipped(tmp_path: Path) -> None:
+    """After DeepSpeed's profiling exit the rank leaves without the interpreter's teardown: a thread
+    that never ends (as a NCCL communicator's abort can) would otherwise keep the process alive past
+    the experiment's time limit and turn the measured config into a timeout."""
+    code, report, _ = _run_entry(tmp_path, f"""
+        import sys, threading
+        sys.path.insert(0, {str(tmp_path / "site")!r})
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        threading.Thread(target=threading.Event().wait).start()  # joined at teardown, never ends
+        DeepSpeedEngine().train_batch()
+    """, {"site/deepspeed/__init__.py": "", "site/deepspeed/runtime/__init__.py": "",
+          "site/deepspeed/runtime/engine.py": ENGINE}, timeout=30)
+    assert code == 0 and report["profiling_exit"] is True
 
 
 def test_report_fields_are_typed(tmp_path: Path) -> None:
