@@ -19,11 +19,13 @@ as a slot of the embedded cluster runs it (on this machine DeepSpeed's launcher 
 rank's torch take every core, and ZeRO-0 then slows 2-3x: bench/README.md). The model-info profile run is recorded once, with the largest
 resident set of any rank of each launch (host memory, as a CPU slot's cap sees it).
 
-    .venv/bin/python bench/collect_traces.py [--stages 0 1] [--max-mbs 16] [--launches 1] [--windows 6]
-        [--model "--n-layers 4 --seq-len 256"] [--out bench/traces/train_gpt.json]
+    .venv/bin/python bench/collect_traces.py [--script gpt|hf] [--stages 0 1] [--max-mbs 16] [--launches 1]
+        [--windows 6] [--model "--n-layers 4 --seq-len 256"] [--out bench/traces/train_gpt.json]
 
-`--model` passes model-size flags to the script: another workload, with its own shape, for a trace
-the search was not developed on.
+`--script hf` traces examples/train_hf.py instead (the Hugging Face Trainer: the sizes also go as its
+`--per_device_train_batch_size` / `--gradient_accumulation_steps` flags, as examples/cfg_hf.json maps
+them). `--model` passes model-size flags to the script: another workload, with its own shape, for a
+trace the search was not developed on.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +45,26 @@ from workers.shared_memory import remove_rank_segment
 from workers.step_clock import window_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "train_gpt.py"
 VENV_BIN = Path(sys.executable).parent
-SCRIPT_ARGS = ["--steps", "50"]
+
+
+@dataclass(frozen=True)
+class Script:
+    """A traced script and how one launch hands it its config, micro-batch and accumulation."""
+
+    path: str  #: relative to the repository
+    extra_args: tuple[str, ...]  #: every launch's (enough steps for the windows)
+    batch_flags: bool  #: the sizes also go as the HF Trainer's flags (examples/cfg_hf.json's arg_mappings)
+
+    def argv(self, ds_config: Path, mbs: int, gas: int, model: list[str]) -> list[str]:
+        if self.batch_flags:
+            return [str(ROOT / self.path), "--deepspeed", str(ds_config), "--per_device_train_batch_size", str(mbs),
+                    "--gradient_accumulation_steps", str(gas), *self.extra_args, *model]
+        return [str(ROOT / self.path), "--deepspeed_config", str(ds_config), *self.extra_args, *model]
+
+
+SCRIPTS = {"gpt": Script("examples/train_gpt.py", ("--steps", "50"), batch_flags=False),
+           "hf": Script("examples/train_hf.py", ("--max_steps", "50"), batch_flags=True)}
 WARMUP_STEPS = 2
 WINDOW_STEPS = 3
 WORLD = 2
@@ -68,9 +88,10 @@ _MEASURE = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:])
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
 
 
-def launch(work: Path, ds_config: dict[str, Any], port: int, threads: int) -> tuple[int, dict[str, Any], int]:
-    """One 2-rank launch, `threads` OMP/MKL threads per rank: (exit status, rank 0's exit report,
-    largest resident set in bytes)."""
+def launch(work: Path, ds_config: dict[str, Any], port: int, threads: int,
+           script_argv: list[str]) -> tuple[int, dict[str, Any], int]:
+    """One 2-rank launch of `script_argv` (`Script.argv`), `threads` OMP/MKL threads per rank: (exit
+    status, rank 0's exit report, largest resident set in bytes)."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "ds_config.json").write_text(json.dumps(ds_config))
     env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
@@ -79,8 +100,7 @@ def launch(work: Path, ds_config: dict[str, Any], port: int, threads: int) -> tu
                AUTOTUNE_EXIT_REPORT=str(work / "exit{rank}.json"), OMP_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads))
     argv = [sys.executable, "-c", _MEASURE, str(VENV_BIN / "deepspeed"), "--num_gpus", str(WORLD), "--master_port",
-            str(port), "--no_local_rank", "--module", "workers.entry", str(SCRIPT),
-            "--deepspeed_config", str(work / "ds_config.json"), *SCRIPT_ARGS]
+            str(port), "--no_local_rank", "--module", "workers.entry", *script_argv]
     proc = subprocess.run(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=(work / "stderr.log").open("w"),
                           text=True, check=False)
     for rank in range(WORLD):  # DeepSpeed's CPU all-reduce never unlinks them (workers/shared_memory.py)
@@ -92,13 +112,14 @@ def launch(work: Path, ds_config: dict[str, Any], port: int, threads: int) -> tu
     return proc.returncode, report, max_rss
 
 
-def trace_config(work: Path, stage: int, mbs: int, gas: int, windows: int, port: int, threads: int) -> dict[str, Any]:
+def trace_config(work: Path, stage: int, mbs: int, gas: int, windows: int, port: int, threads: int,
+                 script: Script, model: list[str]) -> dict[str, Any]:
     """One launch of one config: its windows' step times and readings."""
     end = WARMUP_STEPS + WINDOW_STEPS * windows - 1
     config = base_config(stage, mbs, gas)
     config["autotuning"] = {"enabled": True, "metric": "throughput", "start_profile_step": WARMUP_STEPS,
                             "end_profile_step": end, "metric_path": str(work / "metrics.json")}
-    rc, report, max_rss = launch(work, config, port, threads)
+    rc, report, max_rss = launch(work, config, port, threads, script.argv(work / "ds_config.json", mbs, gas, model))
     steps = window_seconds(report.get("step_ends") or [], WARMUP_STEPS, end)
     samples = mbs * gas * WORLD
     if rc != 0 or len(steps) != WINDOW_STEPS * windows:
@@ -112,12 +133,12 @@ def trace_config(work: Path, stage: int, mbs: int, gas: int, windows: int, port:
     return {"status": "ok", "peak_rss_bytes": max_rss, "readings": readings}
 
 
-def profile(work: Path, port: int, threads: int) -> dict[str, Any]:
+def profile(work: Path, port: int, threads: int, script: Script, model: list[str]) -> dict[str, Any]:
     """The model-info profile run celery-autotune and DeepSpeed both start with (z0, mbs 1)."""
     config = base_config(0, 1, 1)
     config["autotuning"] = {"enabled": True, "model_info": {"profile": True},
                             "model_info_path": str(work / "model_info.json")}
-    rc, _, max_rss = launch(work, config, port, threads)
+    rc, _, max_rss = launch(work, config, port, threads, script.argv(work / "ds_config.json", 1, 1, model))
     info_path = work / "model_info.json"
     if not info_path.exists():
         raise SystemExit(f"the profile run wrote no model info (exit {rc}): {_tail(work)}")
@@ -137,10 +158,13 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=6, help="3-step windows per launch (default 6)")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // WORLD),
                         help="OMP/MKL threads per rank (default: cores // 2, as a slot of the embedded cluster)")
+    parser.add_argument("--script", choices=sorted(SCRIPTS), default="gpt",
+                        help="examples/train_gpt.py (default) or examples/train_hf.py (the HF Trainer)")
     parser.add_argument("--model", default="", help="model-size flags for the script, e.g. \"--n-layers 4\"")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "traces" / "train_gpt.json")
+    parser.add_argument("--out", type=Path, help="default bench/traces/train_<script>.json")
     args = parser.parse_args()
-    SCRIPT_ARGS.extend(args.model.split())  # every launch of this trace trains this model
+    script, model = SCRIPTS[args.script], args.model.split()  # every launch of this trace trains this model
+    out: Path = args.out or ROOT / "bench" / "traces" / f"train_{args.script}.json"
     if args.launches < 1 or args.windows < 1 or args.max_mbs < 1 or args.threads < 1 or any(s not in (0, 1, 2, 3) for s in args.stages):
         print("error: --launches/--windows/--max-mbs/--threads >= 1, stages within 0-3", file=sys.stderr)
         return 2
@@ -150,23 +174,23 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="traces_"))
     started = time.monotonic()
     trace: dict[str, Any] = {
-        "script": "examples/train_gpt.py", "script_args": SCRIPT_ARGS, "world": WORLD, "max_mbs": args.max_mbs,
+        "script": script.path, "script_args": [*script.extra_args, *model], "world": WORLD, "max_mbs": args.max_mbs,
         "stages": args.stages, "threads_per_rank": args.threads, "warmup_steps": WARMUP_STEPS, "window_steps": WINDOW_STEPS,
         "machine": f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') >> 30} GiB",
-        "collected": time.strftime("%Y-%m-%d"), "profile": profile(root / "profile", 29900, args.threads), "configs": []}
+        "collected": time.strftime("%Y-%m-%d"), "profile": profile(root / "profile", 29900, args.threads, script, model), "configs": []}
     configs = space(args.stages, args.max_mbs)
     for launch_no in range(args.launches):  # round-robin: drift of the machine hits every config alike
         for index, (stage, mbs, gas) in enumerate(configs):
             name = f"z{stage}_gas{gas}_tmbspg{mbs}"
             print(f"[{time.monotonic() - started:6.0f}s] {name} launch {launch_no + 1}/{args.launches}", flush=True)
             result = trace_config(root / f"{name}_{launch_no}", stage, mbs, gas, args.windows, 29901 + index % 50,
-                                  args.threads)
+                                  args.threads, script, model)
             if launch_no == 0:
                 trace["configs"].append({"stage": stage, "mbs": mbs, "gas": gas, "launches": []})
             trace["configs"][index]["launches"].append(result)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(trace, indent=1) + "\n")  # every launch kept if stopped
-    print(f"{len(configs)} configs x {args.launches} launches in {time.monotonic() - started:.0f} s -> {args.out}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(trace, indent=1) + "\n")  # every launch kept if stopped
+    print(f"{len(configs)} configs x {args.launches} launches in {time.monotonic() - started:.0f} s -> {out}")
     shutil.rmtree(root, ignore_errors=True)
     return 0
 
