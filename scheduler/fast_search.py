@@ -384,8 +384,10 @@ def too_large(record: Mapping[str, Any]) -> bool:
     """Whether a probe proves the micro-batch too large for memory: only an `oom` (the slot's cap,
     an allocator's exception in the rank, or its traceback on a wrapper's stderr: workers.oom). On a
     GPU node most other failures are infrastructure (a timeout, a lost node, a port clash, a JIT
-    build): taken as memory bounds they would prune the optimum (issue 21 item 7)."""
-    return record.get("status") == "oom"
+    build): taken as memory bounds they would prune the optimum (issue 21 item 7). Nor is an `oom`
+    while other processes held memory on its GPU (`device_foreign_bytes`, workers.device_idle): the
+    config may fit the GPU it would train on (issue 21 item 9)."""
+    return record.get("status") == "oom" and not record.get("device_foreign_bytes")
 
 
 def _peak(record: Mapping[str, Any], key: str) -> int | None:

@@ -30,8 +30,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   ZeRO-1/2 at equal size, so it is not measured at all unless it can hold larger sizes that matter
   (the curve was still rising at the cap, or ZeRO-3 holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so
   memory pressure may have turned it), or no ZeRO-1/2 stage was measured;
-- a failure that is not out-of-memory (`RETRIED`: a crash, a timeout, a rendezvous that failed) is
-  launched once more at once (`_measure`); a size failing twice is left out of its stage, and is no memory fact;
+- a failure that is not out-of-memory (`RETRIED`: a crash, a timeout, a rendezvous that failed), or
+  an out-of-memory while other processes held memory on the GPU, is launched once more at once
+  (`_measure`, `says_nothing`); a size failing twice is left out of its stage, and is no memory fact;
 - the memory side follows `scheduler.memory`: predictions stay between the largest ok and the
   smallest size out of memory, and every stage's probes bound the others (`memory.shared_facts`: a failure
   bounds the stages holding more, a success the stages holding less, a bracket moves the others'
@@ -96,6 +97,15 @@ ZERO3_ROOM = 1.3
 #: Not `lost` (the dispatcher already relaunches those, up to its max_attempts) nor `aborted` (we
 #: stopped it: a cancelled job must end, not start its experiments again).
 RETRIED = frozenset({"crashed", "timeout", "rendezvous_failed"})
+
+
+def says_nothing(record: Mapping[str, Any]) -> bool:
+    """Whether a failed launch says nothing about its config, so it is launched once more: a
+    `RETRIED` status, or an out-of-memory while other processes held memory on its GPU
+    (`device_foreign_bytes`, workers.device_idle: a notebook, another job, a context still being torn
+    down), which is no memory bound either (`fast_search.too_large`)."""
+    status = record.get("status")
+    return status in RETRIED or (status == "oom" and bool(record.get("device_foreign_bytes")))
 #: A re-measurement of `<name>` is `<name>_r2`, `<name>_r3`, ...: its own folder and record.
 REPEAT_NAME = re.compile(r"^(?P<original>.+)_r(?P<index>[2-9]|[1-9][0-9]+)$")
 #: The share of the memory budget the top probe may fill. Closer to 1 than memory.SAFETY: the
@@ -315,13 +325,13 @@ def gas_for(session: _Session, stage: int, mbs: int) -> int:
 
 
 def _measure(session: _Session, stage: int, mbs: int, label: str) -> Step:
-    """One config's metric (None: it failed). A failure that is not out-of-memory (`RETRIED`) is
-    launched once more (`<name>_r2`, a repeat) before the config counts as failed: a timeout or a
+    """One config's metric (None: it failed). A failure that says nothing about the config
+    (`says_nothing`: not out-of-memory, or out of memory beside others' memory) is launched once more (`<name>_r2`, a repeat) before the config counts as failed: a timeout or a
     failed rendezvous says nothing about the config. Failing twice, the size is left out of the stage's
     probing (`_sizes`), but is no memory fact for other stages (`fast_search.too_large`)."""
     exp = session.experiment(stage, mbs, gas_for(session, stage, mbs))
     [record] = yield from session.measure(label, [exp])
-    if record.get("status") in RETRIED:
+    if says_nothing(record):
         [record] = yield from session.measure(f"{label}_retry", [replace(exp, name=f"{exp.name}_r2")])
     return metric_value(record, session.settings.metric)
 
@@ -370,7 +380,7 @@ def _values(session: _Session, stage: int) -> dict[int, float | None]:
     """size -> metric (None: failed) of the stage's measured sizes at their gas in the space. Without
     max_train_batch_size only sizes that fill the step count (a size between the top probes, run at
     the user's gas below a top that ran, leaves part of the step empty). A config whose first launch
-    failed (`RETRIED`) reads its retry's metric; other repeats are the confirm phase's."""
+    failed (`says_nothing`) reads its retry's metric; other repeats are the confirm phase's."""
     st = session.settings
     filling = None if st.samples_per_step else set(_candidates(session, stage))
     out: dict[int, float | None] = {}
@@ -386,9 +396,9 @@ def _values(session: _Session, stage: int) -> dict[int, float | None]:
 
 
 def _retry_of_failure(session: _Session, name: str) -> bool:
-    """Whether `name` is the retry `_measure` launched after its original failed (`RETRIED`)."""
+    """Whether `name` is the retry `_measure` launched after its original failed (`says_nothing`)."""
     original = original_name(name, session.measured)
-    return name == f"{original}_r2" and session.measured[original][1].get("status") in RETRIED
+    return name == f"{original}_r2" and says_nothing(session.measured[original][1])
 
 
 def _sizes(session: _Session, stage: int) -> dict[int, bool]:

@@ -121,3 +121,28 @@ def local_gpus() -> list[Gpu] | None:
         raise GpuListingError(f"nvidia-smi lists no GPU; fix the driver, or set {DEVICE_KIND_ENV}=cpu "
                               "to use CPU slots")
     return refuse_mig(visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))) or None
+
+
+def parse_memory_used(text: str, index: int) -> int | None:
+    """GPU `index`'s used memory in bytes from `nvidia-smi --query-gpu=index,memory.used
+    --format=csv,noheader,nounits` output, or None when the output does not say."""
+    for line in text.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) == 2 and fields[0] == str(index):
+            try:
+                mib = float(fields[1])
+            except ValueError:
+                return None
+            return int(mib * 1024**2) if 0 <= mib < float("inf") else None
+    return None
+
+
+def memory_used(index: int) -> int | None:
+    """How much memory is in use on GPU `index` (nvidia-smi's index), or None when nvidia-smi cannot
+    tell (it failed, timed out or printed something else): then nothing is waited for."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits",
+                               "-i", str(index)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_memory_used(done.stdout, index) if done.returncode == 0 else None

@@ -29,8 +29,10 @@ import redis
 
 from workers import keys, rendezvous
 from workers.build_locks import clear_stale_locks
+from workers.device_idle import WAIT_S, FreeMemoryWaiter
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
 from workers.gang import GangReservations
+from workers.gpus import memory_used
 from workers.failure import Status, classify, describe_exit
 from workers.metric_check import asked_metric, metrics_problem
 from workers.metrics import AutotuningSettings
@@ -48,6 +50,10 @@ PGID_TTL_S = 7 * 24 * 3600
 STDERR_OOM_BYTES = 32_000
 #: The worker's own secrets and bindings: a training script has no business with the cluster's Redis.
 PRIVATE_ENV = frozenset({"AUTOTUNE_REDIS_URL", "AUTOTUNE_SLOT_JSON", "AUTOTUNE_EXIT_WITH_PARENT"})
+#: How long a rank waits for others' memory on its GPU to go (workers.device_idle.WAIT_S by default).
+GPU_WAIT_ENV = "AUTOTUNE_GPU_WAIT_S"
+#: This worker's waits for others' memory on its GPU to go (workers.device_idle), one per process.
+FREE_MEMORY = FreeMemoryWaiter(memory_used, wait_s=float(os.environ.get(GPU_WAIT_ENV) or WAIT_S))
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         write_atomic(result_dir / "cmd.txt", shlex.join(command) + "\n")
 
     stop_check = _StopCheck(client, keys.abort(spec.attempt), slot.queue, spec.gang_token, spec.lease_s)
+    device_wait = FREE_MEMORY.wait(slot.cuda_index, stop_check) if slot.kind == "cuda" and slot.cuda_index >= 0 else None
     master = _meet(spec, slot, client, stop_check)
     if master is None:
         now = time.time()
@@ -219,6 +226,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     step_ends = record.pop("step_ends", None)
     if slot.kind == "cuda":
         record["cuda_index"] = slot.cuda_index
+    if device_wait is not None and device_wait.foreign_bytes is not None:
+        record.update(device_foreign_bytes=device_wait.foreign_bytes, device_wait_s=device_wait.waited_s)
     if problem:
         record["error"] = problem
     elif status is Status.NO_METRICS:

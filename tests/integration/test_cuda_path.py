@@ -36,15 +36,29 @@ def probe_config(path: Path, sizes: list[int]) -> Path:
 
 
 def test_three_fake_gpus_give_three_cuda_slots_and_each_rank_its_own_device(tmp_path: Path) -> None:
+    """Also: another process holds 20 GiB of GPU 2 throughout (workers.device_idle). Its slot waits
+    AUTOTUNE_GPU_WAIT_S for that memory to go before its first rank, then starts anyway and records
+    it; the next launch there sees the same holder and does not wait again."""
     cfg = probe_config(tmp_path / "cfg.json", [1, 2])
-    done = run_autotune([str(cfg), "--num_gpus", "3"], cwd=tmp_path, env_extra=gpu_env())
+    used = tmp_path / "used.csv"
+    used.write_text("0, 2\n1, 0\n2, 20480\n")
+    done = run_autotune([str(cfg), "--num_gpus", "3"], cwd=tmp_path,
+                        env_extra=gpu_env(FAKE_NVIDIA_SMI_USED_FILE=str(used), AUTOTUNE_GPU_WAIT_S="3"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "redis-server and 3 slot workers" in done.stdout  # one per GPU on a 2-core machine
     results = tmp_path / "autotuning_results"
+    waits = {}
     for name, mbs in (("z0_gas2_tmbspg1", 1), ("z0_gas1_tmbspg2", 2)):
         record = json.loads((results / name / "result.json").read_text())
         assert record["status"] == "ok", record
         assert record["peak_device_bytes"] == (2 + mbs) * GiB  # measured inside the ranks, busiest rank
+        assert record["device_foreign_bytes"] == 20 * GiB  # GPU 2's holder, the most any rank saw
+        ranks = {r["rank"]: r for r in record["ranks"]}
+        assert ranks[0]["device_foreign_bytes"] == ranks[1]["device_foreign_bytes"] == 0
+        assert ranks[0]["device_wait_s"] < 1 and ranks[1]["device_wait_s"] < 1
+        waits[name] = (record["started_at"], ranks[2]["device_wait_s"])
+    first, second = sorted(waits.values())
+    assert first[1] >= 3 and second[1] < 1  # waited for once, then only recorded
         probes = [json.loads((results / name / f"probe.rank{rank}.json").read_text()) for rank in range(3)]
         for rank, probe in enumerate(probes):
             assert probe["cuda_visible_devices"] == "0,1,2" and probe["local_rank"] == rank

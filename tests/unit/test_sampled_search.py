@@ -208,6 +208,22 @@ def test_a_crash_is_retried_once_and_is_no_memory_fact() -> None:
     assert not any(o.oom for o in session.observations().get(1, []))  # crashes are no memory facts
 
 
+def test_an_oom_beside_others_memory_is_retried_once_and_is_no_memory_fact() -> None:
+    """Issue 21 item 9. As the crash above, but 8 (gas 4) runs out of memory while another process
+    held 20 GiB of its GPU (`device_foreign_bytes`): launched once more at once, it runs and wins, and
+    the out-of-memory bounds nothing. 16 (gas 2) meets the foreign memory twice: out of the stage's
+    probing, still no memory fact. A plain out-of-memory (32, above what fits) is not retried."""
+    speed = {(1, m): float(m) for m in (1, 2, 3, 4, 5, 6)} | {(1, 8): 100.0, (1, 10): 9.0, (1, 16): 16.0,
+                                                               (1, 32): 1.0}
+    launched, _, session = play(stages_of((1,)), speed, {1: 20}, scripted_settings(stages=(1,)),
+                                predicted={1: 32}, foreign_ooms={"z1_gas4_tmbspg8": 1, "z1_gas2_tmbspg16": 2})
+    assert launched[launched.index((1, 8, 4)) + 1] == (1, 8, 4)  # retried at once
+    assert launched.count((1, 16, 2)) == 2  # once retried, then out
+    assert launched.count((1, 32, 1)) == 1  # out of memory on its own: a bound, not retried
+    assert session.best_mbs(1) == 8
+    assert [o.micro_batch_size for o in session.observations().get(1, []) if o.oom] == [32]
+
+
 # ---------------------------------------------------------------- scripted stages: every decision by hand
 #
 # Memory is a table (stage -> the largest size predicted to fit) and speed a table of hand-picked
@@ -238,13 +254,15 @@ def scripted_settings(**changes: Any) -> SearchSettings:
 
 def play(search, speed: dict[tuple[int, int], float], fits: dict[int, int], settings: SearchSettings,
          predicted: dict[int, int] | None = None, crashes: dict[str, int] | None = None,
-         ) -> tuple[list[tuple[int, int, int]], list[Phase], Scripted]:
+         foreign_ooms: dict[str, int] | None = None) -> tuple[list[tuple[int, int, int]], list[Phase], Scripted]:
     """Drive `search(session)`; (stage, mbs) above fits[stage] runs out of memory, the first
-    crashes[name] launches of experiment `name` (its repeats `name_rN` counted) crash, others report
+    crashes[name] launches of experiment `name` (its repeats `name_rN` counted) crash, the first
+    foreign_ooms[name] run out of memory while 20 GiB of others' memory sat on the GPU, others report
     speed[(stage, mbs)] as throughput and its inverse as latency. Returns (stage, mbs, gas) launched."""
     session = Scripted(settings, predicted or fits)
     launched: list[tuple[int, int, int]] = []
     crashes_left = dict(crashes or {})
+    foreign_left = dict(foreign_ooms or {})
 
     def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:
         out = {}
@@ -253,6 +271,9 @@ def play(search, speed: dict[tuple[int, int], float], fits: dict[int, int], sett
             original = REPEAT_NAME.sub(r"\g<original>", exp.name)
             if exp.micro_batch_size > fits[exp.stage]:
                 out[exp.name] = {"name": exp.name, "status": "oom"}
+            elif foreign_left.get(original, 0) > 0:
+                foreign_left[original] -= 1
+                out[exp.name] = {"name": exp.name, "status": "oom", "device_foreign_bytes": 20 * 2**30}
             elif crashes_left.get(original, 0) > 0:
                 crashes_left[original] -= 1
                 out[exp.name] = {"name": exp.name, "status": "crashed"}
