@@ -221,7 +221,7 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
                         ds_config=exp.ds_config, timeout_s=spec.timeout_s, metric_file=exp.metric_file)
     ranks = []
     for node_rank, node_slots in enumerate(placement):
-        cuda_indices = [slot.cuda_index for slot in node_slots if slot.kind == "cuda"]
+        cuda_devices = [slot.cuda_device for slot in node_slots if slot.kind == "cuda"]
         for local_rank, slot in enumerate(node_slots):
             rank_spec = RankSpec(
                 job=spec.job, name=exp.name, attempt=attempt, results_root=spec.results_root,
@@ -229,7 +229,7 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
                 rank=sum(len(n) for n in placement[:node_rank]) + local_rank, world_size=len(queues),
                 local_rank=local_rank, local_world_size=len(node_slots), node_rank=node_rank,
                 num_nodes=len(placement), timeout_s=spec.timeout_s, cwd=spec.cwd, metric_file=exp.metric_file, exp=description,
-                gang_token=token, lease_s=spec.lease_s, cuda_indices=cuda_indices,
+                gang_token=token, lease_s=spec.lease_s, cuda_devices=cuda_devices,
                 local_rank_arg=spec.local_rank_arg)
             ranks.append(RankLaunch(slot.queue, rank_spec, uuid.uuid4().hex,
                                     f"(experiment={exp.name!r}, rank={rank_spec.rank}, slot={slot.queue!r})"))

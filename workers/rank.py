@@ -80,7 +80,7 @@ class RankSpec:
     exp: dict[str, Any] = field(default_factory=dict)  #: the experiment description for exp.json
     gang_token: str = ""  #: the reservation this launch runs under; a message outliving it is stale
     lease_s: float = 60.0  #: the reservation's lease, which this rank renews for its own slot
-    cuda_indices: list[int] = field(default_factory=list)  #: the gang's GPUs on this node, local-rank order
+    cuda_devices: list[str] = field(default_factory=list)  #: the gang's GPUs on this node (UUIDs), local-rank order
     local_rank_arg: bool = False  #: pass `--local_rank=N` after the script, as DeepSpeed's launcher does
 
     @classmethod
@@ -111,7 +111,7 @@ def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int], exit_report: P
     """The environment torchrun or DeepSpeed's launcher would give this rank, bound to the slot: on
     CUDA slots it sees its gang's GPUs on this node, so LOCAL_RANK names its own reserved device."""
     env = {name: value for name, value in os.environ.items() if name not in PRIVATE_ENV}
-    env.update(slot.child_env(spec.cuda_indices or None))
+    env.update(slot.child_env(spec.cuda_devices or None))
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     env.update({
         "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank),

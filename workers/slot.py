@@ -103,6 +103,11 @@ class Slot:
         explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
         return parse_size(explicit) if explicit else None
 
+    @property
+    def cuda_device(self) -> str:
+        """How a child's CUDA_VISIBLE_DEVICES names this slot's GPU: its UUID, else its index."""
+        return self.gpu_uuid or str(self.cuda_index)
+
     def to_redis(self) -> dict[str, str]:
         fields = asdict(self)
         fields["cpus"] = ",".join(map(str, self.cpus))
@@ -120,15 +125,18 @@ class Slot:
             gpu_uuid=fields.get("gpu_uuid", ""),
         )
 
-    def child_env(self, cuda_indices: list[int] | None = None) -> dict[str, str]:
+    def child_env(self, cuda_devices: list[str] | None = None) -> dict[str, str]:
         """Variables that bind a training process to this slot. A rank of a multi-GPU experiment sees
-        `cuda_indices`, its gang's GPUs on this node in local-rank order (its own among them), so
-        LOCAL_RANK indexes its own device as under torchrun and NCCL can use P2P between them."""
+        `cuda_devices`, its gang's GPUs on this node in local-rank order (its own among them), so
+        LOCAL_RANK indexes its own device as under torchrun and NCCL can use P2P between them.
+        GPUs are named by UUID (`cuda_device`): under MPS, and in containers or Slurm cgroups that
+        renumber devices, CUDA's ordinals and nvidia-smi's indices differ (NVIDIA recommends UUIDs
+        there), while the order of the list still gives LOCAL_RANK its device."""
         env = {"AUTOTUNE_SLOT": self.queue, "OMP_NUM_THREADS": str(self.threads),
                "MKL_NUM_THREADS": str(self.threads)}
         if self.kind == "cuda":
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cuda_indices or [self.cuda_index]))
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_devices or [self.cuda_device])
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
             env.setdefault("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))

@@ -37,7 +37,8 @@ HEX32 = re.compile(r"[0-9a-f]{32}")
 def make_slot(node: str, device: int, kind: str = "cpu", memory: int = GiB, address: str = "10.0.0.1",
               cuda_index: int = -1, host: str = "") -> Slot:
     return Slot(node, device, kind, memory, address, 1, (device,), worker=f"gpu{device}@{node}",
-                instance=f"inst-{node}-{device}", cuda_index=cuda_index, host=host)
+                instance=f"inst-{node}-{device}", cuda_index=cuda_index, host=host,
+                gpu_uuid=f"GPU-{node}-{cuda_index}" if kind == "cuda" else "")
 
 
 def register(client: redis.Redis, *slots: Slot) -> list[Slot]:
@@ -124,7 +125,7 @@ def test_a_launch_is_recorded_in_redis_before_it_is_sent(client: redis.Redis, wo
                                  script_argv=a.argv, ds_config=a.exp["ds_config"], rank=0, world_size=1,
                                  local_rank=0, local_world_size=1, node_rank=0, timeout_s=100.0,
                                  cwd=str(tmp_path), metric_file="metrics.json", exp=description,
-                                 gang_token=token, lease_s=30.0, cuda_indices=[], local_rank_arg=True)
+                                 gang_token=token, lease_s=30.0, cuda_devices=[], local_rank_arg=True)
     # Redis, read back raw
     launched = running(client, "j")
     assert sorted(launched) == ["a", "b"]
@@ -159,9 +160,9 @@ def test_ranks_of_a_two_node_gang(client: redis.Redis, work, tmp_path: Path) -> 
     queues = ["n0.gpu0", "n0.gpu1", "n1.gpu0", "n1.gpu1"]
     assert finish.slots == queues and finish.world_size == 4
     assert [(r.queue, r.spec.rank, r.spec.local_rank, r.spec.local_world_size, r.spec.node_rank,
-             r.spec.world_size, r.spec.cuda_indices, r.spec.num_nodes) for r in ranks] == [
-        ("n0.gpu0", 0, 0, 2, 0, 4, [5, 7], 2), ("n0.gpu1", 1, 1, 2, 0, 4, [5, 7], 2),
-        ("n1.gpu0", 2, 0, 2, 1, 4, [1, 3], 2), ("n1.gpu1", 3, 1, 2, 1, 4, [1, 3], 2)]
+             r.spec.world_size, r.spec.cuda_devices, r.spec.num_nodes) for r in ranks] == [
+        ("n0.gpu0", 0, 0, 2, 0, 4, ["GPU-n0-5", "GPU-n0-7"], 2), ("n0.gpu1", 1, 1, 2, 0, 4, ["GPU-n0-5", "GPU-n0-7"], 2),
+        ("n1.gpu0", 2, 0, 2, 1, 4, ["GPU-n1-1", "GPU-n1-3"], 2), ("n1.gpu1", 3, 1, 2, 1, 4, ["GPU-n1-1", "GPU-n1-3"], 2)]
     assert [r.shown for r in ranks][3] == "(experiment='big', rank=3, slot='n1.gpu1')"
     assert len({r.task_id for r in ranks}) == 4 and all(r.spec.exp["slots"] == queues for r in ranks)
     assert running(client, "j")["big"].rank_tasks == {r.queue: r.task_id for r in ranks}
@@ -321,7 +322,7 @@ def test_placement_honours_the_slot_kind_and_memory(client: redis.Redis, work, t
     assert started(work) == [("roomy", ["n0.gpu1"]), ("small", ["n0.gpu0"]), ("anywhere", ["c.gpu0"])]
     roomy_ranks, roomy = work.launched[0][:2]
     assert roomy.metric_file == "model_info.json" and roomy_ranks[0].spec.metric_file == "model_info.json"
-    assert work.launched[2][0][0].spec.cuda_indices == [0]
+    assert work.launched[2][0][0].spec.cuda_devices == ["GPU-c-0"]
 
 
 def test_a_misfit_in_its_grace_period_holds_back_nothing_else(client: redis.Redis, work, tmp_path: Path,

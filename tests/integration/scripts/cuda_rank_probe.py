@@ -4,7 +4,8 @@ needs from its environment, records it, and fails the way a real rank would when
 A real rank calls `torch.cuda.set_device(LOCAL_RANK)` (DeepSpeed's init_distributed and engine do),
 which fails with "invalid device ordinal" unless LOCAL_RANK indexes one of the devices in
 CUDA_VISIBLE_DEVICES. This probe checks that the device it would pick is its own reserved GPU (the
-slot's nvidia-smi index), that the numbering is the PCI bus order nvidia-smi uses, that `--local_rank`
+slot's nvidia-smi index; a tuning rank names its GPUs by UUID, resolved here through nvidia-smi's
+listing as CUDA resolves them, the final deepspeed command by index), that the numbering is the PCI bus order nvidia-smi uses, that `--local_rank`
 (when given) agrees with LOCAL_RANK, and that the cluster's Redis credentials did not leak into it.
 It writes `<result_dir>/probe.rank<N>.json`, reports a device peak through
 `workers.device_memory.report_peak` and, on rank 0, the metrics file. A failed check exits 1.
@@ -12,10 +13,12 @@ It writes `<result_dir>/probe.rank<N>.json`, reports a device peak through
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 from workers.device_memory import report_peak
+from workers.gpus import QUERY, parse_listing, visible as visible_gpus
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--deepspeed_config", required=True)
@@ -26,9 +29,15 @@ args = parser.parse_args()
 config_path = Path(args.deepspeed_config)
 config = json.loads(config_path.read_text())
 rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+named = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+if "GPU-" in named:  # UUIDs: the indices nvidia-smi gives those GPUs
+    listing = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout
+    visible = [str(gpu.index) for gpu in visible_gpus(parse_listing(listing), named)]
+else:
+    visible = named.split(",")
 facts = {"rank": rank, "local_rank": local_rank, "local_rank_arg": args.local_rank,
-         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cuda_indices": ",".join(visible),
          "cuda_device_order": os.environ.get("CUDA_DEVICE_ORDER"),
          "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["LOCAL_SIZE"]), "slot": os.environ.get("AUTOTUNE_SLOT"),
          "nccl_socket_ifname": os.environ.get("NCCL_SOCKET_IFNAME"),
