@@ -156,6 +156,16 @@ def machine_id() -> str:
     return socket.gethostname()
 
 
+def rank_threads(cores: int, slots: int) -> int:
+    """CPU threads per rank: the worker's own OMP_NUM_THREADS when its user set one (tuning then
+    measures what they will train with, and cmd_optimal.txt writes that value), else the slot's
+    share of the node's cores, so the node's slots do not oversubscribe it."""
+    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
+    return max(1, cores // slots)
+
+
 def describe_local_slot(node: str, device: int, address: str, worker: str = "") -> Slot:
     """The slot this node offers as device `device`: its `device`-th usable GPU when nvidia-smi lists
     GPUs (GpuListingError when there is no such GPU or the listing is unusable), else a CPU slot."""
@@ -168,13 +178,14 @@ def describe_local_slot(node: str, device: int, address: str, worker: str = "") 
                                   f"gpu{len(gpus) - 1} only")
         gpu = gpus[device]
         slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or len(gpus)
-        threads = max(1, cores // slots)
+        threads = rank_threads(cores, slots)
         return Slot(node, device, "cuda", gpu.memory_bytes, address, threads, (), worker, cuda_index=gpu.index,
                     host=machine_id(), gpu_uuid=gpu.uuid)
     slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or cores
     explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
     memory = parse_size(explicit) if explicit else psutil.virtual_memory().total // slots
-    threads = max(1, cores // slots)
-    first = (device * threads) % cores
-    cpus = tuple(sorted({(first + i) % cores for i in range(threads)}))
+    share = max(1, cores // slots)
+    threads = rank_threads(cores, slots)
+    first = (device * share) % cores
+    cpus = tuple(sorted({(first + i) % cores for i in range(share)}))
     return Slot(node, device, "cpu", memory, address, threads, cpus, worker, host=machine_id())

@@ -189,7 +189,7 @@ def test_host_memory_cap(monkeypatch: pytest.MonkeyPatch, slot: Slot, env: str |
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in ("AUTOTUNE_SLOTS_PER_NODE", "AUTOTUNE_SLOT_MEMORY", "AUTOTUNE_NODE", "AUTOTUNE_ADDRESS"):
+    for name in ("AUTOTUNE_SLOTS_PER_NODE", "AUTOTUNE_SLOT_MEMORY", "AUTOTUNE_NODE", "AUTOTUNE_ADDRESS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(slot_module, "machine_id", lambda: "machine-1")
     return monkeypatch
@@ -238,6 +238,19 @@ def test_cpu_slots_pin_distinct_cores(clean_env: pytest.MonkeyPatch, cores: int,
     assert all(p <= set(range(cores)) for p in pinned)
     assert len(set().union(*pinned)) == (cores // slots) * slots  # no core shared between slots
     assert {s.threads for s in described} == {cores // slots}
+
+
+@pytest.mark.parametrize(("chosen", "threads"), [("3", 3), ("0", 4), ("two", 4), ("", 4)])
+def test_the_users_omp_num_threads_is_kept(clean_env: pytest.MonkeyPatch, chosen: str, threads: int) -> None:
+    """A worker whose user set OMP_NUM_THREADS tunes with it (and cmd_optimal.txt writes it): the
+    slot's ranks get that many threads, pinned to the slot's share of cores all the same; a value
+    that is no positive count is ignored (cores // slots)."""
+    no_gpu(clean_env, 8)
+    clean_env.setenv("AUTOTUNE_SLOTS_PER_NODE", "2")
+    clean_env.setenv("OMP_NUM_THREADS", chosen)
+    slot = describe_local_slot("n", 1, "a")
+    assert slot.threads == threads and slot.cpus == (4, 5, 6, 7)
+    assert slot.child_env()["OMP_NUM_THREADS"] == slot.child_env()["MKL_NUM_THREADS"] == str(threads)
 
 
 def test_describe_local_slot_on_this_machine(clean_env: pytest.MonkeyPatch) -> None:
