@@ -165,8 +165,10 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
     The command sets OMP_NUM_THREADS/MKL_NUM_THREADS to the threads each rank had on its slot: the
     winner was measured with them, and DeepSpeed's launcher otherwise leaves every rank's torch
     all cores (on a 2-core machine that made ZeRO-0 2-3x slower than tuned; CPU offload's Adam
-    depends on them on GPU nodes too). Over pdsh DeepSpeed's runner forwards only some variables to
-    other nodes, so a multi-node launch needs them in `.deepspeed_env` as well (README, "Run on a cluster").
+    depends on them on GPU nodes too). A multi-node CUDA winner also gets the NCCL_SOCKET_IFNAME its
+    ranks ran with (one interface name on every node; `workers.rank` sets it across nodes only). Over
+    pdsh DeepSpeed's runner forwards only some variables to other nodes, so a multi-node launch needs
+    them in `.deepspeed_env` as well (README, "Run on a cluster").
     """
     by_node: dict[str, list[int]] = {}
     ranks = sorted((record or {}).get("ranks") or [], key=lambda r: r.get("rank", 0))
@@ -188,6 +190,9 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
         argv += ["--num_nodes", str(num_nodes), "--num_gpus", str(num_gpus)]
     if not local_rank_arg:
         argv.append("--no_local_rank")
+    interfaces = {rank.get("nccl_socket_ifname") for rank in ranks}
+    if cuda and num_nodes > 1 and len(interfaces) == 1 and isinstance(next(iter(interfaces)), str):
+        argv = [f"NCCL_SOCKET_IFNAME={next(iter(interfaces))}", *argv]  # the network the winner was measured on
     if cuda:  # --include names nvidia-smi (PCI bus order) indices; CUDA's own default order may differ
         argv = ["CUDA_DEVICE_ORDER=PCI_BUS_ID", *argv]
     threads = {rank.get("threads") for rank in ranks}

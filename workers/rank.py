@@ -124,8 +124,11 @@ def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int], exit_report: P
     interface = _interface_holding(slot.address)
     if interface:
         env.setdefault("GLOO_SOCKET_IFNAME", interface)
-        # NCCL reads a bare name as a prefix (eth1 also matches eth10); '=' asks for exactly this one
-        env.setdefault("NCCL_SOCKET_IFNAME", f"={interface}")
+        if spec.num_nodes > 1:
+            # Only across nodes: inside one node NCCL talks over P2P/shared memory and picks its own
+            # bootstrap interface, as it will in the final run. NCCL reads a bare name as a prefix
+            # (eth1 also matches eth10); '=' asks for exactly this one. cmd_optimal.txt carries it.
+            env.setdefault("NCCL_SOCKET_IFNAME", f"={interface}")
     if exit_report is not None:
         env[EXIT_REPORT_ENV] = str(exit_report)
     return env
@@ -226,6 +229,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     step_ends = record.pop("step_ends", None)
     if slot.kind == "cuda":
         record["cuda_index"] = slot.cuda_index
+        if env.get("NCCL_SOCKET_IFNAME"):
+            record["nccl_socket_ifname"] = env["NCCL_SOCKET_IFNAME"]  # cmd_optimal.txt sets it alike
     if device_wait is not None and device_wait.foreign_bytes is not None:
         record.update(device_foreign_bytes=device_wait.foreign_bytes, device_wait_s=device_wait.waited_s)
     if problem:

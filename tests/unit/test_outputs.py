@@ -299,6 +299,11 @@ def _threads(record: dict[str, Any], *threads: int) -> dict[str, Any]:
     return {"ranks": [{**rank, "threads": count} for rank, count in zip(record["ranks"], threads)]}
 
 
+def _nccl(record: dict[str, Any], *interfaces: str) -> dict[str, Any]:
+    """`record` with rank i's NCCL_SOCKET_IFNAME interfaces[i]."""
+    return {"ranks": [{**rank, "nccl_socket_ifname": name} for rank, name in zip(record["ranks"], interfaces)]}
+
+
 @pytest.mark.parametrize(
     ("argv", "nodes", "gpus", "record", "local_rank_arg", "expected", "hostfile"),
     [
@@ -319,6 +324,16 @@ def _threads(record: dict[str, Any], *threads: int) -> dict[str, Any]:
         (["t.py"], 2, 1, _ranks(("b", 0, None), ("a", 0, None)), True,
          ["deepspeed", "--hostfile", "/r/hostfile_optimal", "--num_nodes", "2", "--num_gpus", "1", "t.py"],
          "b slots=1\na slots=1\n"),
+        # two nodes over one named interface: the final run's NCCL uses the network the winner was measured on
+        (["t.py"], 2, 1, _nccl(_ranks(("b", 0, 2), ("a", 0, 0)), "=eth1", "=eth1"), True,
+         ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "NCCL_SOCKET_IFNAME==eth1", "deepspeed", "--hostfile", "/r/hostfile_optimal",
+          "--include", "b:2@a:0", "t.py"], "b slots=3\na slots=1\n"),
+        # interfaces named differently per node cannot go on one command line; one node never needs it
+        (["t.py"], 2, 1, _nccl(_ranks(("b", 0, 2), ("a", 0, 0)), "=eth1", "=ib0"), True,
+         ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "deepspeed", "--hostfile", "/r/hostfile_optimal", "--include", "b:2@a:0",
+          "t.py"], "b slots=3\na slots=1\n"),
+        (["t.py"], 1, 2, _nccl(_ranks(("gpu-a", 1, 5), ("gpu-a", 2, 3)), "=lo", "=lo"), True,
+         ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "deepspeed", "--include", "localhost:5,3", "t.py"], None),
         # the threads every rank had on its slot: the winner was measured with them
         (["t.py"], 1, 2, _threads(_ranks(("n", 0, None), ("n", 1, None)), 1, 1), True,
          ["OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1", "deepspeed", "--num_nodes", "1", "--num_gpus", "2", "t.py"], None),

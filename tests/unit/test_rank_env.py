@@ -46,6 +46,15 @@ def test_a_single_gpu_rank_sees_its_own_uuid_and_a_slot_without_one_its_index() 
     assert rank_env(spec(), without, ("10.0.0.2", 29500))["CUDA_VISIBLE_DEVICES"] == "6"
 
 
+def test_inside_one_node_nccl_picks_its_own_interface(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL_SOCKET_IFNAME only across nodes: inside one, NCCL uses P2P/shared memory and its own
+    bootstrap choice, as in the final run; gloo still gets the slot's interface."""
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    env = rank_env(spec(num_nodes=1, node_rank=0, rank=1), CUDA, ("127.0.0.1", 29500))
+    assert "NCCL_SOCKET_IFNAME" not in env and env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
 def test_a_chosen_socket_interface_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     assert rank_env(spec(), CUDA, ("10.0.0.2", 29500))["NCCL_SOCKET_IFNAME"] == "ib0"
