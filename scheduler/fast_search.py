@@ -325,15 +325,19 @@ class _Session:
         return [(exp, rec) for exp, rec in self.measured.values() if exp.stage == stage and exp.name != PROFILE]
 
     def observations(self) -> dict[int, list[Observation]]:
-        """Per stage: measured peaks of successes, and upper bounds: every `oom` (`too_large`). A
-        timeout, a lost node or a plain crash says nothing about memory and is no memory fact."""
+        """Per stage: measured peaks of successes, and upper bounds: every `oom` (`too_large`) at a
+        size larger than any the stage ran (an out-of-memory at or below a size that ran is the GPU's
+        state, not the config's). A timeout, a lost node or a plain crash says nothing about memory
+        and is no memory fact."""
         found: dict[int, list[Observation]] = {}
         for stage in sorted({exp.stage for exp, _ in self.measured.values()}):
-            for exp, record in self.stage_records(stage):
+            records = self.stage_records(stage)
+            largest_ok = max((exp.micro_batch_size for exp, record in records if _ok(record)), default=0)
+            for exp, record in records:
                 if _ok(record):
                     peak = _peak(record, self.settings.peak_memory_key)
                     found.setdefault(stage, []).append(Observation(exp.micro_batch_size, peak))
-                elif too_large(record):
+                elif too_large(record) and exp.micro_batch_size > largest_ok:
                     found.setdefault(stage, []).append(Observation(exp.micro_batch_size, oom=True))
         return found
 

@@ -32,7 +32,8 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   memory pressure may have turned it), or no ZeRO-1/2 stage was measured;
 - a failure that is not out-of-memory (`RETRIED`: a crash, a timeout, a rendezvous that failed), or
   an out-of-memory while other processes held memory on the GPU, is launched once more at once
-  (`_measure`, `says_nothing`); a size failing twice is left out of its stage, and is no memory fact;
+  (`_measure`, `says_nothing`), and so is an out-of-memory at a size the stage already ran at or above
+  (`_contradicted`: memory does not shrink as the size grows); a size failing twice is left out of its stage, and is no memory fact;
 - the memory side follows `scheduler.memory`: predictions stay between the largest ok and the
   smallest size out of memory, and every stage's probes bound the others (`memory.shared_facts`: a failure
   bounds the stages holding more, a success the stages holding less, a bracket moves the others'
@@ -331,9 +332,17 @@ def _measure(session: _Session, stage: int, mbs: int, label: str) -> Step:
     probing (`_sizes`), but is no memory fact for other stages (`fast_search.too_large`)."""
     exp = session.experiment(stage, mbs, gas_for(session, stage, mbs))
     [record] = yield from session.measure(label, [exp])
-    if says_nothing(record):
+    if says_nothing(record) or _contradicted(session, stage, mbs, record):
         [record] = yield from session.measure(f"{label}_retry", [replace(exp, name=f"{exp.name}_r2")])
     return metric_value(record, session.settings.metric)
+
+
+def _contradicted(session: _Session, stage: int, mbs: int, record: Mapping[str, Any]) -> bool:
+    """Whether `record` ran out of memory at a size its stage already ran at or above: memory does
+    not shrink as the micro-batch grows (nor with the accumulation, which adds no activations), so
+    the failure is the GPU's state, not the config's; it is launched once more, not believed
+    (`fast_search.too_large` leaves such an out-of-memory out of the memory facts, too)."""
+    return record.get("status") == "oom" and any(ran and size >= mbs for size, ran in _sizes(session, stage).items())
 
 
 def _top(session: _Session, stage: int) -> int:
@@ -396,9 +405,10 @@ def _values(session: _Session, stage: int) -> dict[int, float | None]:
 
 
 def _retry_of_failure(session: _Session, name: str) -> bool:
-    """Whether `name` is the retry `_measure` launched after its original failed (`says_nothing`)."""
+    """Whether `name` is the retry `_measure` launched after its original failed (confirm repeats
+    only configs that ran)."""
     original = original_name(name, session.measured)
-    return name == f"{original}_r2" and says_nothing(session.measured[original][1])
+    return name == f"{original}_r2" and session.measured[original][1].get("status") != "ok"
 
 
 def _sizes(session: _Session, stage: int) -> dict[int, bool]:

@@ -224,6 +224,20 @@ def test_an_oom_beside_others_memory_is_retried_once_and_is_no_memory_fact() -> 
     assert [o.micro_batch_size for o in session.observations().get(1, []) if o.oom] == [32]
 
 
+def test_an_oom_below_a_size_that_ran_is_retried_and_is_no_memory_fact() -> None:
+    """Issue 21 item 7. ZeRO-1 runs 8 (the low sample) and 32 (the top), then refinement measures 16
+    (gas 2), which runs out of memory once for no reason the record shows: memory does not shrink
+    as the size grows, so it is launched again at once, runs, and the out-of-memory bounds nothing."""
+    speed = {(1, m): float(m) for m in (1, 2, 3, 4, 5, 6)} | {(1, 8): 100.0, (1, 10): 9.0, (1, 16): 16.0,
+                                                               (1, 32): 1.0}
+    launched, _, session = play(stages_of((1,)), speed, {1: 32}, scripted_settings(stages=(1,)),
+                                spurious_ooms={"z1_gas2_tmbspg16": 1})
+    assert launched.index((1, 32, 1)) < launched.index((1, 16, 2))  # the top ran first
+    assert launched[launched.index((1, 16, 2)) + 1] == (1, 16, 2)  # retried at once
+    assert not any(o.oom for o in session.observations().get(1, []))
+    assert session.best_mbs(1) == 8
+
+
 # ---------------------------------------------------------------- scripted stages: every decision by hand
 #
 # Memory is a table (stage -> the largest size predicted to fit) and speed a table of hand-picked
@@ -254,15 +268,18 @@ def scripted_settings(**changes: Any) -> SearchSettings:
 
 def play(search, speed: dict[tuple[int, int], float], fits: dict[int, int], settings: SearchSettings,
          predicted: dict[int, int] | None = None, crashes: dict[str, int] | None = None,
-         foreign_ooms: dict[str, int] | None = None) -> tuple[list[tuple[int, int, int]], list[Phase], Scripted]:
+         foreign_ooms: dict[str, int] | None = None, spurious_ooms: dict[str, int] | None = None,
+         ) -> tuple[list[tuple[int, int, int]], list[Phase], Scripted]:
     """Drive `search(session)`; (stage, mbs) above fits[stage] runs out of memory, the first
     crashes[name] launches of experiment `name` (its repeats `name_rN` counted) crash, the first
-    foreign_ooms[name] run out of memory while 20 GiB of others' memory sat on the GPU, others report
+    foreign_ooms[name] run out of memory while 20 GiB of others' memory sat on the GPU, the first
+    spurious_ooms[name] run out of memory with nothing else to show (a GPU's passing state), others report
     speed[(stage, mbs)] as throughput and its inverse as latency. Returns (stage, mbs, gas) launched."""
     session = Scripted(settings, predicted or fits)
     launched: list[tuple[int, int, int]] = []
     crashes_left = dict(crashes or {})
     foreign_left = dict(foreign_ooms or {})
+    spurious_left = dict(spurious_ooms or {})
 
     def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:
         out = {}
@@ -270,6 +287,9 @@ def play(search, speed: dict[tuple[int, int], float], fits: dict[int, int], sett
             launched.append((exp.stage, exp.micro_batch_size, exp.gradient_accumulation_steps))
             original = REPEAT_NAME.sub(r"\g<original>", exp.name)
             if exp.micro_batch_size > fits[exp.stage]:
+                out[exp.name] = {"name": exp.name, "status": "oom"}
+            elif spurious_left.get(original, 0) > 0:
+                spurious_left[original] -= 1
                 out[exp.name] = {"name": exp.name, "status": "oom"}
             elif foreign_left.get(original, 0) > 0:
                 foreign_left[original] -= 1
