@@ -13,6 +13,15 @@ usable total and what on it the allocator does not hold (`device_total_bytes`, a
 other processes; what the memory model's reserve guesses, issue 21 item 8), and when each
 optimizer step ended (`step_ends`, from `workers.step_clock`).
 
+Building a DeepSpeed engine can hold more than training does (without `zero.Init` the whole model
+goes to the GPU before ZeRO-3 partitions it), and that transient does not grow with the micro-batch:
+counted in the training peak it would inflate the overhead the memory model takes from the profile
+run (issue 21 item 14). So when an engine is built (`workers.step_clock` calls `start_training_peak`)
+the peaks so far are kept apart as `peak_device_init_bytes` / `peak_device_init_allocated_bytes`,
+and the allocator's peak counters restart: `peak_device_bytes` and `peak_device_allocated_bytes`
+are then training's. (Memory the allocator keeps cached after init still counts as reserved, as it
+does in the real run.)
+
 A script that has no CUDA (a stand-in for a GPU model on a machine without one, a simulator) can
 report what it would hold with `report_peak`; the largest of reported and measured values wins.
 """
@@ -29,9 +38,11 @@ EXIT_REPORT_ENV = "AUTOTUNE_EXIT_REPORT"
 
 #: The device figures an exit report may carry, each a count of bytes or events.
 DEVICE_KEYS = ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc_retries", "device_ooms",
-               "device_total_bytes", "device_untracked_bytes")
+               "device_total_bytes", "device_untracked_bytes", "peak_device_init_bytes",
+               "peak_device_init_allocated_bytes")
 
 _reported: dict[str, int] = {}
+_init_peaks: dict[str, int] = {}
 
 
 def report_peak(reserved_bytes: int, allocated_bytes: int | None = None) -> None:
@@ -41,16 +52,38 @@ def report_peak(reserved_bytes: int, allocated_bytes: int | None = None) -> None
     _reported["peak_device_allocated_bytes"] = max(_reported.get("peak_device_allocated_bytes", 0), allocated)
 
 
-def measured_peaks() -> dict[str, int]:
-    """The CUDA allocator's peaks over the devices this process used (the busiest device's), plus
-    what `report_peak` declared; {} when the process never initialised CUDA and reported nothing."""
-    peaks = dict(_reported)
+def _initialised_cuda() -> Any:
+    """torch.cuda when this process initialised CUDA, else None (nothing is imported here)."""
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     try:
-        initialised = bool(cuda is not None and cuda.is_initialized())
+        return cuda if cuda is not None and cuda.is_initialized() else None
     except Exception:  # a broken driver must not turn a finished run into a crash
-        initialised = False
-    if initialised:
+        return None
+
+
+def start_training_peak() -> None:
+    """Keep the peaks so far (building the engine) apart and restart the allocator's peak counters,
+    so the peaks read at the end are training's. Never raises."""
+    cuda = _initialised_cuda()
+    if cuda is None:
+        return
+    try:
+        for device in range(cuda.device_count()):
+            _raise(_init_peaks, "peak_device_init_bytes", cuda.max_memory_reserved(device))
+            _raise(_init_peaks, "peak_device_init_allocated_bytes", cuda.max_memory_allocated(device))
+            cuda.reset_peak_memory_stats(device)
+    except Exception:
+        pass
+
+
+def measured_peaks() -> dict[str, int]:
+    """The CUDA allocator's peaks over the devices this process used (the busiest device's) since
+    the engine was built (`start_training_peak`; since the start without one), the build's own
+    peaks, and what `report_peak` declared; {} when the process never initialised CUDA and reported
+    nothing."""
+    peaks = {**_reported, **_init_peaks}
+    cuda = _initialised_cuda()
+    if cuda is not None:
         try:
             for device in range(cuda.device_count()):
                 stats = cuda.memory_stats(device)

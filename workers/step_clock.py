@@ -15,7 +15,9 @@ that does not use DeepSpeed takes part through `workers.metrics`, which marks it
 rank then turns the moments into the window's step times (`window_seconds`: the steps DeepSpeed's
 profiler covers, from the first profiled step to the one after which the metric file is written)
 and the metric record into wall-clock figures (`wall_clock_metrics`). The two pure functions have
-no I/O and are tested directly.
+no I/O and are tested directly. The same hook also tells `workers.device_memory` when an engine has
+been built (its `__init__` is wrapped too), so the build's memory transient stays out of the
+training peak.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import sys
 import time
 from types import ModuleType
 from typing import Any, Mapping, Sequence
+
+from workers.device_memory import start_training_peak
 
 #: Moments kept at most (the window is a handful of steps; a long run without autotuning keeps its
 #: latest ones only).
@@ -97,6 +101,14 @@ def _patch_engine(module: ModuleType) -> None:
     if engine is None or getattr(engine, "_autotune_step_clock", False):
         return
     step, autotuning_exit = getattr(engine, "step", None), getattr(engine, "_autotuning_exit", None)
+    build = engine.__init__
+
+    @functools.wraps(build)
+    def built(self: Any, *args: Any, **kwargs: Any) -> None:
+        build(self, *args, **kwargs)
+        start_training_peak()  # the build's transient is not training's peak (workers.device_memory)
+
+    engine.__init__ = built
     if step is not None:
         @functools.wraps(step)
         def timed_step(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -270,6 +270,69 @@ def test_the_device_total_and_what_the_allocator_does_not_hold_are_reported(monk
     assert read_exit_report(path) == peaks
 
 
+class FakeCuda:
+    """One device's caching allocator as torch.cuda shows it: current and peak reserved/allocated."""
+
+    def __init__(self) -> None:
+        self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
+
+    def hold(self, allocated: int, reserved: int) -> None:
+        self.allocated, self.reserved = allocated, reserved
+        self.peak_allocated, self.peak_reserved = max(self.peak_allocated, allocated), max(self.peak_reserved, reserved)
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def memory_stats(self, device: int) -> dict[str, int]:
+        return {"num_alloc_retries": 0, "num_ooms": 0}
+
+    def max_memory_reserved(self, device: int) -> int:
+        return self.peak_reserved
+
+    def max_memory_allocated(self, device: int) -> int:
+        return self.peak_allocated
+
+    def reset_peak_memory_stats(self, device: int) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        return 80 * 2**30 - self.reserved, 80 * 2**30
+
+    def memory_reserved(self, device: int) -> int:
+        return self.reserved
+
+
+def test_building_the_engine_is_kept_apart_from_the_training_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 21 item 14. Without zero.Init the whole model (30 GiB) reaches the GPU before ZeRO-3
+    partitions it down to 6 GiB; training then peaks at 14 GiB allocated. The engine's build is
+    hooked (workers.step_clock): the build's peak is reported apart, and the training peak is 14,
+    not 30. What the allocator keeps cached after the build (10 GiB reserved) is still reserved."""
+    import types
+
+    from workers import device_memory, step_clock
+
+    gib = 1 << 30
+    cuda = FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(device_memory, "_init_peaks", {})
+
+    class DeepSpeedEngine:
+        def __init__(self) -> None:
+            cuda.hold(30 * gib, 30 * gib)  # the whole model on the device
+            cuda.hold(6 * gib, 10 * gib)  # partitioned; some of the transient stays cached
+
+    step_clock._patch_engine(types.SimpleNamespace(DeepSpeedEngine=DeepSpeedEngine))
+    DeepSpeedEngine()
+    cuda.hold(14 * gib, 16 * gib)  # training's own peak
+    cuda.hold(6 * gib, 16 * gib)
+    peaks = device_memory.measured_peaks()
+    assert (peaks["peak_device_init_bytes"], peaks["peak_device_init_allocated_bytes"]) == (30 * gib, 30 * gib)
+    assert (peaks["peak_device_bytes"], peaks["peak_device_allocated_bytes"]) == (16 * gib, 14 * gib)
+
+
 # ---------------------------------------------------------------- NCCL's watchdog: a C++ abort, no traceback
 
 #: What torch's NCCL watchdog prints when a collective's CUDA allocation failed, before libstdc++
