@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scheduler.config import TuningConfig, non_negative_int
@@ -86,6 +86,7 @@ class SearchSettings:
     num_gpus: int = 1
     host_memory: bool = False  #: CPU slots: the capacity is host RAM
     overhead_bytes: int | None = None  #: None: from the profile run's peak, else the prior
+    measured_reserve_bytes: int | None = None  #: what the profile run's ranks held outside the allocator
     peak_memory_key: str = "peak_rss_bytes"  #: the record field holding the memory the capacity limits
     estimator: str = "calibrated"  #: or "deepspeed": DeepSpeed's estimate, to compare OOM probes
     search: str = "sampled"  #: or "deepspeed": DeepSpeed's probe-and-bisect algorithm
@@ -114,8 +115,10 @@ class SearchSettings:
 
     @property
     def reserve_bytes(self) -> int:
-        """Device memory no measured peak includes (memory.untracked_reserve_bytes)."""
-        return untracked_reserve_bytes(self.capacity_bytes, self.host_memory)
+        """Device memory no measured peak includes: the prior (memory.untracked_reserve_bytes), or
+        what the profile run measured when that is more (`measured_reserve`)."""
+        prior = untracked_reserve_bytes(self.capacity_bytes, self.host_memory)
+        return max(prior, self.measured_reserve_bytes or 0)
 
     @property
     def budget_bytes(self) -> int:
@@ -256,6 +259,9 @@ def fast_search(settings: SearchSettings) -> Search:
     info, profile_peak = settings.model_info, None
     if info is None:
         info, profile_peak = yield from _profile(session)
+        reserve = measured_reserve(session.measured[PROFILE][1], settings.host_memory)
+        if reserve is not None:
+            settings = session.settings = replace(settings, measured_reserve_bytes=reserve)
     overhead = settings.overhead_bytes
     if overhead is None:
         measured = overhead_from_profile(info, settings.setup, profile_peak)
@@ -399,6 +405,20 @@ def _peak(record: Mapping[str, Any], key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         return None
     return int(value)
+
+
+def measured_reserve(record: Mapping[str, Any], host_memory: bool) -> int | None:
+    """What the profile run's busiest rank held on its GPU outside the allocator at the end (the
+    CUDA context, NCCL's buffers: `device_untracked_bytes` = total - free - reserved, from
+    workers.device_memory), less what other processes held there (`device_foreign_bytes`, not the
+    job's); None on host memory or without the figure. It replaces the reserve's guess when larger
+    (NCCL alone takes 1.6 GB with one communicator and about 6 GB with three or more, issue 21 item
+    8); never lowers it, since NCCL connects lazily and the profile exits in its first forward."""
+    untracked = record.get("device_untracked_bytes")
+    if host_memory or isinstance(untracked, bool) or not isinstance(untracked, int):
+        return None
+    foreign = record.get("device_foreign_bytes")
+    return max(0, untracked - (foreign if isinstance(foreign, int) and not isinstance(foreign, bool) else 0))
 
 
 def _profile(session: _Session) -> Step:

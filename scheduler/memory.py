@@ -20,7 +20,8 @@ Numbers used (documented choices, not measurements):
   The fitted intercept replaces it once the stage's own probes are measured.
 - `untracked_reserve_bytes`: on GPUs the measured peak (torch's max_memory_reserved) never includes
   the CUDA context and NCCL's buffers, yet they share the device: max(1 GiB, 2.5 % of the device)
-  is taken off the capacity before any measured line is compared with it. Host PSS on CPU slots
+  is taken off the capacity before any measured line is compared with it (more when the profile run
+  measured more: `fast_search.measured_reserve`). Host PSS on CPU slots
   counts everything, so the reserve is 0 there.
 - A peak that is missing, or does not grow with the micro-batch (a script without torch, a CPU-only
   measurement of a GPU job), is never fitted (`peak_grows`): the model then uses the profile and

@@ -532,14 +532,16 @@ GPU_RESERVE = GiB  # memory.untracked_reserve_bytes: max(1 GiB, 2.5 %) for slots
 PROFILE_METRICS = {"num_params": N, "trainable_num_params": N, "activation_mem_per_gpu": ACT}
 
 
-def no_stage_fits(search_settings: SearchSettings, profile_peak: int | None = None) -> NoStageFits:
-    """The NoStageFits the search raises, at its start or after its profile run measured `profile_peak`."""
+def no_stage_fits(search_settings: SearchSettings, profile_peak: int | None = None,
+                  **profile_fields: int) -> NoStageFits:
+    """The NoStageFits the search raises, at its start or after its profile run measured `profile_peak`
+    (and `profile_fields` in its record)."""
     search = fast_search(search_settings)
     with pytest.raises(NoStageFits) as caught:
         phase = next(search)
         assert phase.names == (PROFILE,)
         search.send({PROFILE: {"name": PROFILE, "status": "ok", "peak_device_bytes": profile_peak,
-                               "metrics": PROFILE_METRICS}})
+                               "metrics": PROFILE_METRICS, **profile_fields}})
     return caught.value
 
 
@@ -573,6 +575,27 @@ def test_overhead_from_the_profile_peak_or_the_prior(host_memory: bool, capacity
     error = no_stage_fits(search_settings, profile_peak)
     assert error.shortfall_bytes == required - budget
     assert f"stage 3 needs about {required / GiB:.2f} GiB" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("host_memory", "capacity", "fields", "reserve"),
+    [
+        (False, 2 * GiB, {"device_untracked_bytes": 3 * GiB // 2}, 3 * GiB // 2),  # NCCL took more than the guess
+        (False, 2 * GiB, {"device_untracked_bytes": GiB // 2}, GPU_RESERVE),  # less: the guess stands (lazy NCCL)
+        # a notebook's 1 GiB was on the GPU too: not the job's, not its reserve
+        (False, 2 * GiB, {"device_untracked_bytes": 3 * GiB // 2, "device_foreign_bytes": GiB}, GPU_RESERVE),
+        (True, GiB, {"device_untracked_bytes": 3 * GiB // 2}, 0),  # host memory has no untracked reserve
+    ],
+    ids=["measured-larger", "measured-smaller", "foreign-memory-left-out", "host-memory"],
+)
+def test_the_reserve_the_profile_run_measured_replaces_a_smaller_guess(host_memory: bool, capacity: int,
+                                                                       fields: dict[str, int], reserve: int) -> None:
+    """Issue 21 item 8: what the profile's ranks held outside the allocator (total - free - reserved)
+    is the job's reserve when it is more than max(1 GiB, 2.5 %)."""
+    search_settings = settings(host_memory=host_memory, capacity_bytes=capacity, overhead_bytes=None,
+                               peak_memory_key="peak_device_bytes", model_info=None)
+    error = no_stage_fits(search_settings, 1_300_000_000, **fields)
+    assert error.shortfall_bytes == 1_300_000_000 - (capacity - reserve)
 
 
 def test_deepspeed_estimator_gates_stages_with_deepspeeds_formula() -> None:
