@@ -186,7 +186,8 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
         raise
     winner = _report(cfg, spec, client)
     if winner is None:
-        return 1
+        _, records = outcome(client, spec)
+        return 2 if never_reported(list(records.values())) else 1
     if args.run:
         experiments, _ = outcome(client, spec)
         return _train_with_optimal(cfg, args, client, work, spec,
@@ -258,10 +259,15 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
     if summary.exists():
         console.print(summary.read_text(), markup=False, soft_wrap=True)
     if winner is None:
-        console.print("no experiment succeeded; one example per failure class (all in each "
-                      "experiment's result.json):")
-        for line in failure_examples(list(records.values())):
-            console.print(f"  {line}", markup=False)
+        failed = list(records.values())
+        print("error: no experiment succeeded; one example per failure class (all in each experiment's "
+              "result.json):", file=sys.stderr)
+        for line in failure_examples(failed):
+            print(f"  {line}", file=sys.stderr)
+        if never_reported(failed):
+            print(f"  the script ran but never reported {cfg.metric!r} usably: with autotuning.enabled "
+                  "DeepSpeed's engine writes autotuning.metric_path; a script without DeepSpeed writes it "
+                  "with workers/metrics.py (README, \"The config\")", file=sys.stderr)
     else:
         console.print(f"best: {winner['name']} -> {cfg.results_dir / 'ds_config_optimal.json'}", soft_wrap=True)
         # a command meant to be pasted is never wrapped, whatever the terminal's (or log's) width
@@ -292,6 +298,18 @@ def _report_interrupted(cfg: TuningConfig, spec: JobSpec, experiments: list[Expe
                       f"{cfg.results_dir / PARTIAL_FILES[0]}; its command: {cfg.results_dir / PARTIAL_FILES[1]}",
                       soft_wrap=True, markup=False)
     return winner
+
+
+#: Failures of the script's reporting, not of the config: every experiment ending so is bad input.
+UNREPORTED = frozenset({"no_metrics", "bad_metrics"})
+
+
+def never_reported(records: list[dict[str, Any]]) -> bool:
+    """Whether the experiments all ran and none reported a usable metric (`UNREPORTED`): the script
+    does not report what the config asks for, which is the user's input to fix (exit 2), whereas
+    configs that all ran out of memory or crashed are a finished tuning run without a winner (exit 1)."""
+    failed = [record for record in records if record.get("status") != "ok"]  # the profile run's is ok
+    return bool(failed) and all(record.get("status") in UNREPORTED for record in failed)
 
 
 def failure_examples(records: list[dict[str, Any]]) -> list[str]:

@@ -160,12 +160,32 @@ def test_unusable_metrics_never_win_and_the_report_says_why(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "scheduler.autotune", "cfg.json", "--slots", "1",
                            "--slot-memory", "1GiB", "--exp-timeout", "120"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # the script's reporting: input to fix
     assert "Traceback" not in proc.stderr
     records = {p.parent.name: json.loads(p.read_text()) for p in results.glob("*/result.json")}
     assert {name: r["status"] for name, r in records.items()} == {
         "z0_gas3_tmbspg1": "bad_metrics", "z0_gas1_tmbspg2": "bad_metrics", "z0_gas1_tmbspg3": "bad_metrics"}
     assert not (results / "ds_config_optimal.json").exists()
-    assert "bad_metrics (3)" in proc.stdout and '"throughput" is' in proc.stdout, proc.stdout
+    assert proc.stderr.startswith("error: no experiment succeeded"), proc.stderr
+    assert "bad_metrics (3)" in proc.stderr and '"throughput" is' in proc.stderr, proc.stderr
     assert (results / MARKER).is_file() and (results / "cluster" / "redis.log").is_file()
     wait_for(lambda: not processes_with_marker(marker), 20, "every process of the run to exit")
+
+
+def test_a_script_that_never_writes_its_metrics_is_input_to_fix(tmp_path):
+    """Held-out corpus case (issue 22 item 4): a script that trains and exits 0 without ever writing
+    the metrics file. Every experiment is `no_metrics`: the summary goes to stderr after an `error:`
+    line, with how the metric is written, and the exit status is 2, as the README says."""
+    (tmp_path / "train_silent.py").write_text("print('trained, reported nothing')\n")
+    data = json.loads(json.dumps(BASE))
+    data["train_micro_batch_size_per_gpu"] = [1, 2]
+    data["autotuning"].update(user_script="train_silent.py", model_info={"num_params": 1000, "activation_mem_per_gpu": 1024})
+    (tmp_path / "cfg.json").write_text(json.dumps(data))
+    env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
+    proc = subprocess.run([sys.executable, "-m", "scheduler.autotune", "cfg.json", "--slots", "1",
+                           "--slot-memory", "1GiB", "--exp-timeout", "120"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: no experiment succeeded"), proc.stderr
+    assert "no_metrics (2)" in proc.stderr and "never reported 'throughput'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "no experiment succeeded" not in proc.stdout
