@@ -34,6 +34,7 @@ from scheduler import folders
 from scheduler.config import TuningConfig, load_config
 from scheduler.environment import check_numeric_variables, check_redis_url
 from scheduler.errors import ClusterError, ConfigError, OneLineArgumentParser, UsageError, one_line
+from scheduler.full_space import check_full_mode
 from scheduler.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots
 from scheduler.job_store import JobStore
 from scheduler.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     if url:
         check_redis_url(url)
     cfg = load_config(args.config)
+    check_full_mode(cfg)
     script, base_args = _script(cfg, script_args)
     mappings = parse_arg_mappings(cfg.ds_config["autotuning"].get("arg_mappings"), str(cfg.path))
     check_arg_mappings(mappings, base_args, str(cfg.path))

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 from scheduler.config import TuningConfig
 from scheduler.errors import ConfigError
 from scheduler.space import Experiment, experiment_config
+from workers.paths import is_safe_name
 
 ZERO = "zero_optimization"
 MBS = "train_micro_batch_size_per_gpu"
@@ -174,7 +175,35 @@ def full_experiments(cfg: TuningConfig, stage: int, micro_batch_sizes: Sequence[
             name=name, stage=stage, micro_batch_size=mbs, gradient_accumulation_steps=gas,
             ds_config=ds_config, num_nodes=num_nodes, num_gpus=num_gpus, tuning_space=name_of_space))
     _check_unique_names(experiments)
+    _check_safe_names(cfg, stage, experiments)
     return experiments
+
+
+def check_full_mode(cfg: TuningConfig) -> None:
+    """Refuse, before anything starts, a full-mode config whose ZeRO values cannot name experiments:
+    DeepSpeed puts the searched values in each experiment's name, which is its folder, so a value
+    such as "a/b" would otherwise stop the job when its stage's full space is reached. ConfigError
+    naming the field; nothing in fast mode (no knob reaches a name there)."""
+    if (cfg.ds_config.get("autotuning") or {}).get("fast", True) is not False:
+        return
+    for stage in (s for s in cfg.stages if s in DEFAULT_SPACES):
+        full_experiments(cfg, stage, [1], 1, 1, 1)
+
+
+def _check_safe_names(cfg: TuningConfig, stage: int, experiments: list[Experiment]) -> None:
+    unsafe = next((exp.name for exp in experiments if not is_safe_name(exp.name)), None)
+    if unsafe is None:
+        return
+    space = zero_space(cfg.ds_config, stage)
+    for path in _search_paths(space, ()):
+        for value in _get(space, path):
+            if not is_safe_name(f"x{_value_text(value)}"):
+                raise ConfigError(
+                    f"{cfg.path}: {ZERO}.{'.'.join(path)} value {json.dumps(value)} cannot be part of an experiment "
+                    "name (its folder): full mode names experiments by their values; use values of letters, "
+                    "digits and _.+=-")
+    raise ConfigError(f"{cfg.path}: full mode would name an experiment {unsafe!r}, which cannot be a folder "
+                      f"name; use {ZERO} values of letters, digits and _.+=-")
 
 
 def _user_zero(user_config: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -15,13 +15,18 @@ from typing import Any
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]{0,199}$")
 
 
+def is_safe_name(name: str) -> bool:
+    """Whether `name` may name an experiment folder (`safe_child` refuses the rest)."""
+    return bool(_SAFE_NAME.fullmatch(name)) and ".." not in name
+
+
 def safe_child(root: str | os.PathLike, name: str) -> Path:
     """`root/name`, refusing names with separators, '..', or anything resolving outside root.
 
     With separators and '..' refused, a symlink at `root/name` is the only way out of `root`, so
     only a symlink is resolved (one lstat per call, not a full path resolution: a job step calls
     this for every experiment it looks at)."""
-    if not _SAFE_NAME.fullmatch(name) or ".." in name:
+    if not is_safe_name(name):
         raise ValueError(f"unsafe experiment name {name!r}: use letters, digits and _.+=-")
     base = Path(os.path.realpath(root))
     child = base / name

@@ -64,6 +64,9 @@ CASES = [
     ("autotune", lambda w: [_config(w, fast=None)], {}, "autotuning.fast"),
     ("autotune", lambda w: [_config(w, tuner_num_trials=10**30)], {}, "autotuning.tuner_num_trials"),
     ("autotune", lambda w: [str(_deep(w))], {}, "nested more than"),
+    # full mode names experiments by their ZeRO values: one that cannot name a folder is refused up front
+    ("autotune", lambda w: [str(_full_mode(w, {"stage": [1], "reduce_bucket_size": ["a/b", 5e8]}))], {},
+     "zero_optimization.reduce_bucket_size value \"a/b\""),
     ("autotune", lambda w: [_config(w)], {"AUTOTUNE_REDIS_URL": "redis://:pw@h:99999/0"}, "AUTOTUNE_REDIS_URL"),
     ("autotune", lambda w: [_config(w)], {"AUTOTUNE_REDIS_URL": "not a url"}, "AUTOTUNE_REDIS_URL"),
     ("autotune", lambda w: [_config(w)], {"AUTOTUNE_REDIS_URL": "redis://h:1/x"}, "database"),
@@ -80,6 +83,15 @@ CASES = [
 def _deep(folder: Path) -> Path:
     path = folder / "deep.json"
     path.write_text('{"autotuning": {}, "x": ' + "[" * 10000 + "]" * 10000 + "}")
+    return path
+
+
+def _full_mode(folder: Path, zero: dict) -> Path:
+    data = json.loads(json.dumps(BASE))
+    data["zero_optimization"] = zero
+    data["autotuning"]["fast"] = False
+    path = folder / "full.json"
+    path.write_text(json.dumps(data))
     return path
 
 
