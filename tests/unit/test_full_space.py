@@ -11,7 +11,7 @@ import pytest
 from scheduler.config import load_config
 from scheduler.errors import ConfigError
 from scheduler.full_space import (
-    DEFAULT_SPACES, TEMPLATES, abbreviation, canonical_name, full_experiments, space_name, zero_space,
+    DEFAULT_SPACES, TEMPLATES, abbreviation, canonical_name, check_full_mode, full_experiments, space_name, zero_space,
 )
 
 AUTOTUNING = {"enabled": True, "fast": False, "user_script": "train.py", "start_profile_step": 2,
@@ -260,3 +260,27 @@ def test_defaults_are_read_only() -> None:
         DEFAULT_SPACES[1]["reduce_bucket_size"] = (1,)  # type: ignore[index]
     with pytest.raises(TypeError):
         TEMPLATES[1]["stage"] = 2  # type: ignore[index]
+
+
+# ---------------------------------------------------------------- values that cannot name a folder
+
+
+@pytest.mark.parametrize(
+    ("zero", "fast", "refused"),
+    [
+        ({"stage": [1, 2], "reduce_bucket_size": ["a/b", 5e8]}, False, 'zero_optimization.reduce_bucket_size value "a/b"'),
+        ({"stage": 3, "offload_param": {"device": ["cpu", "../x"]}}, False, 'zero_optimization.offload_param.device'),
+        ({"stage": [1], "reduce_bucket_size": [5e7, 5e8]}, False, None),
+        ({"stage": [1], "reduce_bucket_size": ["a/b", 5e8]}, True, None),  # fast mode names no knob
+    ],
+    ids=["slash", "nested-dot-dot", "numbers", "fast-mode"],
+)
+def test_a_value_that_cannot_name_an_experiment_is_refused_up_front(tmp_path: Path, zero: dict[str, Any], fast: bool,
+                                                                    refused: str | None) -> None:
+    cfg = tuning_config(tmp_path, zero, autotuning={**AUTOTUNING, "fast": fast})
+    if refused is None:
+        check_full_mode(cfg)
+        return
+    with pytest.raises(ConfigError, match="cannot be part of an experiment name") as caught:
+        check_full_mode(cfg)
+    assert refused in str(caught.value) and str(tmp_path / "ds_config.json") in str(caught.value)
