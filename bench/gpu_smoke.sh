@@ -16,10 +16,14 @@
 #      need not: on one H100 a ZeRO-1 run of mbs 2 x gas 24 peaked above mbs 8 x gas 6, DeepSpeed's
 #      ~2 GB of fixed buffers dwarfing a small model's activations; bench/README.md);
 #   4. OOMs, if any, are classed `oom` (never `crashed`) and are the larger sizes of their stage;
-#   5. cmd_optimal.txt names the winner's GPUs (--include localhost:a,b) and, run as written by
+#   5. every rank checked its GPU for others' memory before it started (device_wait_s; printed with the
+#      most others held, device_foreign_bytes: workers/device_idle.py), and every successful
+#      experiment has the engine's build peak apart from training's (peak_device_init_bytes);
+#   6. cmd_optimal.txt names the winner's GPUs (--include localhost:a,b) and, run as written by
 #      DeepSpeed's own launcher, trains to the end with exit status 0.
 # GPU_SMOKE_CONFIG and GPU_SMOKE_ARGS override the config and the autotuner's extra flags;
-# GPU_SMOKE_SKIP_FINAL=1 skips step 5 (for a dry run of the checks with tests/fake_gpu on PATH);
+# GPU_SMOKE_SKIP_FINAL=1 skips step 6 (for a dry run of the checks with tests/fake_gpu on PATH and
+# FAKE_NVIDIA_SMI_USED_FILE naming a "index, MiB" listing of used memory);
 # GPU_SMOKE_SKIP_SETUP=1 uses the .venv already there (a machine that cannot reach PyPI or apt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +57,7 @@ world = int(sys.argv[2])
 problems = []
 records = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
 by_stage = defaultdict(list)
+waits, foreign = [], []
 for line in records:
     record = json.loads((results / line["name"] / "result.json").read_text())
     ranks = record.get("ranks", [])
@@ -61,9 +66,17 @@ for line in records:
         problems.append(f"{record['name']}: ranks ran on GPUs {gpus}, not {world} distinct CUDA slots")
     if record["status"] == "crashed":
         problems.append(f"{record['name']}: crashed ({record.get('cause')})")
+    for rank in ranks:
+        if "device_wait_s" not in rank:
+            problems.append(f"{record['name']} rank {rank.get('rank')}: no device_wait_s (nvidia-smi's memory.used "
+                            "unreadable: the GPU-free check before launch did not run)")
+        waits.append(rank.get("device_wait_s") or 0.0)
+        foreign.append(rank.get("device_foreign_bytes") or 0)
     if record["status"] == "ok":
         if not record.get("peak_device_bytes"):
             problems.append(f"{record['name']}: no peak_device_bytes in an ok record")
+        if "peak_device_init_bytes" not in record:
+            problems.append(f"{record['name']}: no peak_device_init_bytes (the engine's build was not seen)")
     mbs = record["ds_config"]["train_micro_batch_size_per_gpu"]
     gas = record["ds_config"].get("gradient_accumulation_steps", 1)
     stage = record["ds_config"]["zero_optimization"]["stage"]
@@ -81,6 +94,8 @@ for stage, runs in sorted(by_stage.items()):
         problems.append(f"stage {stage}: an OOM at a size below one that fit: {runs}")
     print(f"stage {stage}: " + ", ".join(f"mbs {m} gas {g} {s} reserved {p / 2**30:.2f} allocated {a / 2**30:.2f} GiB"
                                          for m, g, s, p, a in runs))
+print(f"GPU-free check: waited at most {max(waits, default=0):.1f} s before a rank; others held at most "
+      f"{max(foreign, default=0) / 2**30:.2f} GiB at a rank's start")
 command = shlex.split((results / "cmd_optimal.txt").read_text())
 while command and "=" in command[0] and not command[0].startswith("-"):
     command.pop(0)  # OMP_NUM_THREADS=... and the like, set for the launch
