@@ -4,7 +4,9 @@ The one required input is the Redis URL, from the environment (credentials never
 
     AUTOTUNE_REDIS_URL   redis://[:password@]host:port/db   broker, result backend and our state
                          (required by workers: one without it refuses to start, exit status 2;
-                         the placeholder below only lets clients import the app)
+                         the placeholder below only lets clients import the app); rediss://
+                         for TLS, with AUTOTUNE_REDIS_CA (and AUTOTUNE_REDIS_CERT/KEY for a client
+                         certificate): workers.redis_tls
     AUTOTUNE_VISIBILITY_TIMEOUT   seconds; must exceed the longest experiment (default 4 h)
 
 Experiments are long, expensive tasks that run one at a time per slot, so the defaults that suit
@@ -12,11 +14,20 @@ short web tasks are wrong here in several places.
 """
 import os
 
+from workers.redis_tls import TlsError, celery_options
+
 # Only `broker_url` and `result_backend` hold the URL: Celery masks their passwords in
 # `inspect conf`, Flower and logs; any other module-level name would be shown in clear text.
 broker_url = os.environ.get("AUTOTUNE_REDIS_URL", "redis://127.0.0.1:6379/0")
 # Chords need a result backend; Redis gives native chord joins (no chord_unlock polling task).
 result_backend = broker_url
+# TLS (rediss://): the same verified certificates for the broker and the result backend. Settings
+# that cannot work leave these unset here; the worker's start check and every command refuse them
+# with one line (workers.redis_tls), never a traceback at import.
+try:
+    broker_use_ssl = redis_backend_use_ssl = celery_options(broker_url)
+except TlsError:
+    broker_use_ssl = redis_backend_use_ssl = None
 broker_connection_retry_on_startup = True
 
 # Security: JSON only. Pickle would let anyone who can write to Redis run code on every slot.

@@ -37,6 +37,7 @@ from scheduler.errors import OneLineArgumentParser, UsageError
 from scheduler.hostfile import read_hostfile
 from scheduler.resources import ResourceRequest, resolve_resources
 from workers import keys
+from workers.redis_tls import TLS_ENV, describe_tls_failure
 from workers.registry import connect, live_slots
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -90,7 +91,7 @@ def _client(url: str) -> redis.Redis:
     except redis.AuthenticationError:
         raise UsageError(f"Redis at {masked(url)} refused the password in AUTOTUNE_REDIS_URL") from None
     except redis.RedisError as exc:
-        raise UsageError(f"cannot reach Redis at {masked(url)}: {exc}") from None
+        raise UsageError(describe_tls_failure(exc) or f"cannot reach Redis at {masked(url)}: {exc}") from None
     return client
 
 
@@ -100,7 +101,9 @@ def up(args: argparse.Namespace, url: str) -> int:
         hosts_devices = {**hosts_devices, args.control: []}
     plans = plan_workers(hosts_devices, args.control, flower=args.flower is not None)
     client = _client(url)
-    env = {"AUTOTUNE_REDIS_URL": url, **_ssh_config_env(args)}
+    # TLS: the certificate files' paths (each host has its own copy there), never their contents
+    env = {"AUTOTUNE_REDIS_URL": url, **_ssh_config_env(args),
+           **{name: os.environ[name] for name in TLS_ENV if os.environ.get(name)}}
     flower_password = secrets.token_urlsafe(12) if args.flower is not None else ""
     grouped = by_host(plans)
     answers = _hosts(args).run_many({

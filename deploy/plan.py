@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 from scheduler.errors import UsageError
 from workers import keys
+from workers.redis_tls import TlsError, tls_files
 from workers.slot import parse_queue, slot_queue
 
 CONTROL_QUEUE = "control"
@@ -83,6 +84,10 @@ def check_redis_url(url: str | None, source: str = "AUTOTUNE_REDIS_URL") -> str:
     if parsed.netloc.split("@")[0] == ":" or (parsed.password == "" and "@" in parsed.netloc):
         raise UsageError(f"{source} has an empty password (is REDIS_PASSWORD set?): generate one with "
                          "`openssl rand -hex 16` and give it to redis-server --requirepass")
+    try:
+        tls_files(url)
+    except TlsError as exc:
+        raise UsageError(str(exc)) from None
     return url
 
 

@@ -24,6 +24,7 @@ import psutil
 
 from celeryconfig import worker_soft_shutdown_timeout
 from workers.launch import KILL_GRACE_S, group_alive, group_runs_slot
+from workers.redis_tls import TLS_ENV
 
 ENV_FILE = "env.json"
 #: After SIGQUIT a slot worker gives its running experiment Celery's soft shutdown, then cancels it:
@@ -32,7 +33,7 @@ ENV_FILE = "env.json"
 #: wait covers both, plus room for a loaded machine.
 COLD_GRACE_S = worker_soft_shutdown_timeout + KILL_GRACE_S + 15.0
 ALLOWED_ENV = frozenset({"AUTOTUNE_REDIS_URL", "FLOWER_BASIC_AUTH", "AUTOTUNE_SLOT_MEMORY",
-                         "AUTOTUNE_DEVICE_KIND", "AUTOTUNE_ADDRESS", "AUTOTUNE_SSH_CONFIG"})
+                         "AUTOTUNE_DEVICE_KIND", "AUTOTUNE_ADDRESS", "AUTOTUNE_SSH_CONFIG", *TLS_ENV})
 
 
 def _say(payload: object) -> None:

@@ -35,6 +35,7 @@ from scheduler.config import TuningConfig, load_config
 from scheduler.environment import check_numeric_variables, check_redis_url
 from scheduler.errors import ClusterError, ConfigError, OneLineArgumentParser, UsageError, one_line
 from scheduler.full_space import check_full_mode
+from workers.redis_tls import describe_tls_failure
 from scheduler.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots
 from scheduler.job_store import JobStore
 from scheduler.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
@@ -417,6 +418,9 @@ def _connect(url: str) -> redis.Redis:
                                "as redis://:PASSWORD@host:port/0") from None
         raise ClusterError(f"Redis at {where} answered {exc}") from None
     except redis.RedisError as exc:
+        refused = describe_tls_failure(exc)
+        if refused:
+            raise UsageError(refused) from None
         raise ClusterError(f"cannot reach Redis at {where} (AUTOTUNE_REDIS_URL): {exc}; start "
                            "redis-server there or unset AUTOTUNE_REDIS_URL for an embedded cluster") from None
     return client

@@ -41,6 +41,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 
 from scheduler.errors import UsageError
+from workers.redis_tls import TlsError, tls_files
 
 EXPORT_PREFIXES: tuple[str, ...] = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 """Name prefixes of the variables copied from the launching environment to every node."""
@@ -219,6 +220,10 @@ def check_redis_url(url: str, name: str = REDIS_URL_VARIABLE) -> str:
         redis.ConnectionPool.from_url(url)
     except (ValueError, TypeError) as exc:
         raise bad(f"the Redis client refuses it ({exc})") from None
+    try:
+        tls_files(url)
+    except TlsError as exc:
+        raise UsageError(str(exc)) from None
     return url
 
 

@@ -29,6 +29,7 @@ from celery.exceptions import TimeLimitExceeded
 from workers import keys
 from workers.gpus import GpuListingError
 from workers.launch import group_runs_slot, kill_group
+from workers.redis_tls import describe_tls_failure
 from workers.registry import Heartbeat, connect, live_slots, register_control, register_slot, served_elsewhere
 from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
 
@@ -64,6 +65,9 @@ def refuse_without_redis(sender: str | None = None, **_: object) -> None:
                     "in AUTOTUNE_REDIS_URL as redis://:PASSWORD@HOST:PORT/0")
         raise
     except redis.RedisError as exc:
+        refused = describe_tls_failure(exc)
+        if refused:  # a certificate that does not verify will not start verifying: no retrying
+            _refuse_at_start(f"worker {sender}: {refused}")
         log.warning("Redis at %s is not reachable yet (%s); retrying", masked(url), exc)
 
 

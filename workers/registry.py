@@ -15,6 +15,7 @@ import threading
 import redis
 
 from workers import keys
+from workers.redis_tls import redis_options
 from workers.slot import Slot
 
 #: Longer than any blocking call we make (BLPOP waits at most BLOCK_S), so a quiet wait is not an error.
@@ -27,9 +28,10 @@ log = logging.getLogger(__name__)
 
 
 def connect(url: str) -> redis.Redis:
-    """The one way this project opens Redis: bounded connect, and reads that outlast BLPOP waits."""
+    """The one way this project opens Redis: bounded connect, reads that outlast BLPOP waits, and for
+    a rediss:// URL the certificates of `workers.redis_tls` (verified, the host's name checked)."""
     return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=SOCKET_TIMEOUT_S,
-                                health_check_interval=30)
+                                health_check_interval=30, **redis_options(url))
 
 
 class Heartbeat:
