@@ -27,16 +27,18 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def tls_redis(tmp_path_factory):
-    """A redis-server that speaks TLS only and asks every client for a certificate; its own
-    certificate names `localhost` only, so 127.0.0.1 is a host name it does not hold."""
+    """A redis-server that speaks TLS only and asks every client for a certificate, from
+    deploy/templates/redis-tls.conf; its own certificate names `localhost` only, so 127.0.0.1 is a
+    host name it does not hold."""
     folder = tmp_path_factory.mktemp("tls")
     pki = make_pki(folder / "pki", ["localhost"])
     port, password = free_tcp_port(), secrets.token_hex(8)
     proc = subprocess.Popen(["redis-server", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             start_new_session=True)
-    proc.stdin.write(f"port 0\ntls-port {port}\nbind 127.0.0.1\nrequirepass {password}\nsave \"\"\n"
-                     f"appendonly no\ndir {folder}\ntls-cert-file {pki.server_cert}\ntls-key-file {pki.server_key}\n"
-                     f"tls-ca-cert-file {pki.ca}\ntls-auth-clients yes\n".encode())
+    # the README's template, filled in as its recipe does (the server's files are named as it expects)
+    template = (ROOT / "deploy" / "templates" / "redis-tls.conf").read_text()
+    config = template.replace("<port>", str(port)).replace("<address>", "127.0.0.1").replace("<tls-dir>", str(pki.ca.parent))
+    proc.stdin.write(f"{config}requirepass \"{password}\"\ndir {folder}\n".encode())
     proc.stdin.close()
     url = f"rediss://:{password}@localhost:{port}/0"
     env = tls_env(pki)

@@ -80,8 +80,8 @@ def make_pki(folder: Path, server_names: list[str]) -> Pki:
     client_key, client_cert = _leaf(ca_key, ca_cert, "autotune-worker", [], ExtendedKeyUsageOID.CLIENT_AUTH)
     _, other_cert = _ca("some other CA")
     return Pki(ca=_write_cert(ca_cert, folder / "ca.crt"),
-               server_cert=_write_cert(server_cert, folder / "server.crt"),
-               server_key=_write_key(server_key, folder / "server.key"),
+               server_cert=_write_cert(server_cert, folder / "redis.crt"),
+               server_key=_write_key(server_key, folder / "redis.key"),
                client_cert=_write_cert(client_cert, folder / "client.crt"),
                client_key=_write_key(client_key, folder / "client.key"),
                other_ca=_write_cert(other_cert, folder / "other-ca.crt"))
