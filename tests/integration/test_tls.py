@@ -37,7 +37,7 @@ def tls_redis(tmp_path_factory):
                             start_new_session=True)
     # the README's template, filled in as its recipe does (the server's files are named as it expects)
     template = (ROOT / "deploy" / "templates" / "redis-tls.conf").read_text()
-    config = template.replace("<port>", str(port)).replace("<address>", "127.0.0.1").replace("<tls-dir>", str(pki.ca.parent))
+    config = template.replace("<port>", str(port)).replace("<addresses>", "127.0.0.1").replace("<tls-dir>", str(pki.ca.parent))
     proc.stdin.write(f"{config}requirepass \"{password}\"\ndir {folder}\n".encode())
     proc.stdin.close()
     url = f"rediss://:{password}@localhost:{port}/0"
