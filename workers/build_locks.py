@@ -1,4 +1,4 @@
-"""Stale build locks of torch's JIT extensions, cleared before an experiment starts.
+"""torch's JIT extensions around an experiment: stale build locks cleared, out-of-date ops rebuilt first.
 
 Why: DeepSpeed compiles its ops (the CPU all-reduce, FusedAdam, CPUAdam) on first use, inside an
 experiment, under torch's build lock: `TORCH_EXTENSIONS_DIR/<op>/lock`, a file created with O_EXCL
@@ -10,11 +10,21 @@ DeepSpeed experiment hung; issue 21 item 1). So a rank clears, before it starts 
 lock that no live build holds: torch runs ninja with the op's folder as its working directory, so a
 build is alive while some process works there. A lock younger than `FRESH_S` is left alone: its
 holder may not have started ninja yet.
+
+And an op built before whose build went out of date (its object files gone: a build killed half-way,
+as ninja removes an interrupted command's output) would be rebuilt inside the experiment, where the
+compiler's gigabyte counts against the slot's memory cap: on this project's CPU slots that made the
+GPT example's profile run an `oom` and the whole job abort. So before the script starts, the rank asks
+ninja whether each op folder is up to date (`ninja -n`, milliseconds) and rebuilds one that is not
+itself, outside the experiment's limits, under torch's own lock (`rebuild_stale_ops`): the ranks'
+scripts then load it, or wait for the lock as torch makes them.
 """
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,6 +35,8 @@ log = logging.getLogger(__name__)
 
 #: A lock younger than this may belong to a build that has not started ninja yet.
 FRESH_S = 60.0
+#: The longest a rebuild of one op may take (DeepSpeed's CPU all-reduce: about 80 s on 2 cores).
+REBUILD_TIMEOUT_S = 900.0
 
 
 def stale_locks(locks: Iterable[tuple[Path, float]], busy_dirs: set[Path], now: float,
@@ -59,3 +71,46 @@ def clear_stale_locks(extensions_dir: str | os.PathLike[str]) -> list[Path]:
         log.warning("removed the stale build lock %s (no build works in its folder)", path)
         removed.append(path)
     return removed
+
+
+def rebuild_stale_ops(extensions_dir: str | os.PathLike[str], path: str | None,
+                      timeout_s: float = REBUILD_TIMEOUT_S) -> list[Path]:
+    """Rebuild every op folder under `extensions_dir` whose ninja build is out of date (see the
+    module), holding torch's lock (`<op>/lock`, created exclusively, removed after) while ninja runs;
+    a folder whose lock is held is left to its builder. Returns the folders rebuilt. Never raises: a
+    build that fails is logged and left to the script, which reports it as torch would.
+
+    `path` is the PATH the script will run with: torch runs the first `ninja` on it, and so must
+    this. Two ninja versions (the distribution's and the venv's) each read the other's build log as
+    stale, so builds alternating between them recompile every time (and a kill mid-compile deletes
+    the object files): exactly the rebuild inside an experiment this is here to prevent."""
+    ninja = shutil.which("ninja", path=path)
+    if ninja is None:
+        return []
+    rebuilt = []
+    for build_file in sorted(Path(extensions_dir).glob("*/build.ninja")):
+        folder = build_file.parent
+        try:
+            dry = subprocess.run([ninja, "-C", str(folder), "-n"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if dry.returncode != 0 or "no work to do" in dry.stdout:
+            continue
+        lock = folder / "lock"
+        try:
+            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # torch's FileBaton.try_acquire
+        except OSError:
+            continue
+        try:
+            done = subprocess.run([ninja, "-C", str(folder)], capture_output=True, text=True, timeout=timeout_s)
+            if done.returncode == 0:
+                log.warning("rebuilt the out-of-date op %s before the experiment", folder.name)
+                rebuilt.append(folder)
+            else:
+                log.warning("rebuilding the op %s failed (exit %s): %s", folder.name, done.returncode,
+                            (done.stdout + done.stderr)[-500:])
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("rebuilding the op %s failed: %s", folder.name, exc)
+        finally:
+            lock.unlink(missing_ok=True)
+    return rebuilt

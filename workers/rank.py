@@ -28,7 +28,7 @@ import psutil
 import redis
 
 from workers import keys, rendezvous
-from workers.build_locks import clear_stale_locks
+from workers.build_locks import clear_stale_locks, rebuild_stale_ops
 from workers.device_idle import WAIT_S, FreeMemoryWaiter
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
 from workers.gang import GangReservations
@@ -193,6 +193,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
     env = rank_env(spec, slot, master, exit_report)
     clear_stale_locks(env["TORCH_EXTENSIONS_DIR"])  # a build killed with an earlier experiment
+    rebuild_stale_ops(env["TORCH_EXTENSIONS_DIR"], env.get("PATH"))  # outside the experiment's memory cap
     try:
         launch = run_watched(
             command, env=env, cwd=cwd,

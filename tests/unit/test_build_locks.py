@@ -1,13 +1,15 @@
-"""Stale torch build locks (`workers.build_locks`): a lock no live build holds is removed before an
-experiment starts; one a build is working under, or one just taken, is kept (issue 21 item 1)."""
+"""torch's JIT builds around an experiment (`workers.build_locks`): a lock no live build holds is
+removed before an experiment starts, one a build is working under, or one just taken, is kept; an op
+whose build went out of date is rebuilt first, outside the experiment (issue 21 item 1)."""
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from workers.build_locks import FRESH_S, clear_stale_locks, stale_locks
+from workers.build_locks import FRESH_S, clear_stale_locks, rebuild_stale_ops, stale_locks
 
 
 def _lock(root: Path, op: str, age_s: float) -> Path:
@@ -39,3 +41,36 @@ def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_ones_kept(tmp_path:
         builder.wait()
     assert clear_stale_locks(tmp_path) == [held]  # its build is gone now
     assert clear_stale_locks(tmp_path / "missing") == []
+
+
+BUILD = """rule copy
+  command = cp $in $out
+build out.txt: copy in.txt
+"""
+
+
+def _op(root: Path, name: str) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "build.ninja").write_text(BUILD)
+    (folder / "in.txt").write_text("source")
+    return folder
+
+
+def test_an_op_whose_build_went_out_of_date_is_rebuilt_before_the_experiment(tmp_path: Path) -> None:
+    """A real ninja over a real build file: an op whose output is gone (a build killed half-way) is
+    rebuilt, under torch's lock and without leaving it; an op up to date is not touched; an op whose
+    lock another build holds is left to that build."""
+    stale, fresh, busy = _op(tmp_path, "stale"), _op(tmp_path, "fresh"), _op(tmp_path, "busy")
+    ninja = os.path.join(os.path.dirname(sys.executable), "ninja")
+    assert subprocess.run([ninja, "-C", str(fresh)], capture_output=True).returncode == 0
+    built_at = (fresh / "out.txt").stat().st_mtime_ns
+    (busy / "lock").write_text("")
+    path = os.path.dirname(ninja)  # the PATH the script would run with
+    assert rebuild_stale_ops(tmp_path, path) == [stale]
+    assert (stale / "out.txt").read_text() == "source" and not (stale / "lock").exists()
+    assert (fresh / "out.txt").stat().st_mtime_ns == built_at
+    assert not (busy / "out.txt").exists() and (busy / "lock").exists()
+    assert rebuild_stale_ops(tmp_path, path) == []  # now up to date
+    assert rebuild_stale_ops(tmp_path, str(tmp_path / "no-ninja-here")) == []  # no ninja: nothing to do
+
