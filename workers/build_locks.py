@@ -26,7 +26,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import psutil
@@ -74,7 +74,7 @@ def clear_stale_locks(extensions_dir: str | os.PathLike[str]) -> list[Path]:
 
 
 def rebuild_stale_ops(extensions_dir: str | os.PathLike[str], path: str | None,
-                      timeout_s: float = REBUILD_TIMEOUT_S) -> list[Path]:
+                      keep_alive: Callable[[], bool] | None = None, timeout_s: float = REBUILD_TIMEOUT_S) -> list[Path]:
     """Rebuild every op folder under `extensions_dir` whose ninja build is out of date (see the
     module), holding torch's lock (`<op>/lock`, created exclusively, removed after) while ninja runs;
     a folder whose lock is held is left to its builder. Returns the folders rebuilt. Never raises: a
@@ -83,7 +83,9 @@ def rebuild_stale_ops(extensions_dir: str | os.PathLike[str], path: str | None,
     `path` is the PATH the script will run with: torch runs the first `ninja` on it, and so must
     this. Two ninja versions (the distribution's and the venv's) each read the other's build log as
     stale, so builds alternating between them recompile every time (and a kill mid-compile deletes
-    the object files): exactly the rebuild inside an experiment this is here to prevent."""
+    the object files): exactly the rebuild inside an experiment this is here to prevent.
+    `keep_alive` is called every second while ninja runs (the rank renews its slot's lease there);
+    when it says stop (the launch was aborted), the build is stopped."""
     ninja = shutil.which("ninja", path=path)
     if ninja is None:
         return []
@@ -102,15 +104,30 @@ def rebuild_stale_ops(extensions_dir: str | os.PathLike[str], path: str | None,
         except OSError:
             continue
         try:
-            done = subprocess.run([ninja, "-C", str(folder)], capture_output=True, text=True, timeout=timeout_s)
-            if done.returncode == 0:
+            code = _build(ninja, folder, keep_alive, timeout_s)
+            if code == 0:
                 log.warning("rebuilt the out-of-date op %s before the experiment", folder.name)
                 rebuilt.append(folder)
             else:
-                log.warning("rebuilding the op %s failed (exit %s): %s", folder.name, done.returncode,
-                            (done.stdout + done.stderr)[-500:])
-        except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("rebuilding the op %s failed (exit %s); see its folder", folder.name, code)
+        except OSError as exc:
             log.warning("rebuilding the op %s failed: %s", folder.name, exc)
         finally:
             lock.unlink(missing_ok=True)
     return rebuilt
+
+
+def _build(ninja: str, folder: Path, keep_alive: Callable[[], bool] | None, timeout_s: float) -> int | None:
+    """Run ninja in `folder` to the end (its exit status), or stop it (None) when `keep_alive` says
+    stop or `timeout_s` passes."""
+    with open(folder / "rebuild.log", "wb") as log_file:
+        proc = subprocess.Popen([ninja, "-C", str(folder)], stdout=log_file, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline or (keep_alive is not None and keep_alive()):
+                proc.kill()
+                proc.wait()
+                return None

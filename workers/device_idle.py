@@ -30,6 +30,16 @@ WAIT_S = 30.0
 POLL_S = 1.0
 
 
+def gpu_wait_s(text: str | None) -> float:
+    """AUTOTUNE_GPU_WAIT_S as seconds: a finite number >= 0, else `WAIT_S` (the commands refuse a bad
+    value up front with one line, scheduler.environment; a worker must not die of it at import)."""
+    try:
+        value = float(text) if text else WAIT_S
+    except ValueError:
+        return WAIT_S
+    return value if 0 <= value < float("inf") else WAIT_S
+
+
 @dataclass(frozen=True)
 class Wait:
     """How the wait before one launch ended."""

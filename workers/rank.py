@@ -29,7 +29,7 @@ import redis
 
 from workers import keys, rendezvous
 from workers.build_locks import clear_stale_locks, rebuild_stale_ops
-from workers.device_idle import WAIT_S, FreeMemoryWaiter
+from workers.device_idle import FreeMemoryWaiter, gpu_wait_s
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
 from workers.gang import GangReservations
 from workers.gpus import memory_used
@@ -53,7 +53,7 @@ PRIVATE_ENV = frozenset({"AUTOTUNE_REDIS_URL", "AUTOTUNE_SLOT_JSON", "AUTOTUNE_E
 #: How long a rank waits for others' memory on its GPU to go (workers.device_idle.WAIT_S by default).
 GPU_WAIT_ENV = "AUTOTUNE_GPU_WAIT_S"
 #: This worker's waits for others' memory on its GPU to go (workers.device_idle), one per process.
-FREE_MEMORY = FreeMemoryWaiter(memory_used, wait_s=float(os.environ.get(GPU_WAIT_ENV) or WAIT_S))
+FREE_MEMORY = FreeMemoryWaiter(memory_used, wait_s=gpu_wait_s(os.environ.get(GPU_WAIT_ENV)))
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
     env = rank_env(spec, slot, master, exit_report)
     clear_stale_locks(env["TORCH_EXTENSIONS_DIR"])  # a build killed with an earlier experiment
-    rebuild_stale_ops(env["TORCH_EXTENSIONS_DIR"], env.get("PATH"))  # outside the experiment's memory cap
+    rebuild_stale_ops(env["TORCH_EXTENSIONS_DIR"], env.get("PATH"), stop_check)  # outside the memory cap
     try:
         launch = run_watched(
             command, env=env, cwd=cwd,

@@ -74,3 +74,17 @@ def test_an_op_whose_build_went_out_of_date_is_rebuilt_before_the_experiment(tmp
     assert rebuild_stale_ops(tmp_path, path) == []  # now up to date
     assert rebuild_stale_ops(tmp_path, str(tmp_path / "no-ninja-here")) == []  # no ninja: nothing to do
 
+
+
+def test_an_aborted_launch_stops_the_rebuild_and_releases_the_lock(tmp_path: Path) -> None:
+    """The rank renews its lease at every second of a rebuild (`keep_alive`); when that says stop
+    (the launch was aborted) ninja is stopped at once, nothing counts as rebuilt, the lock goes."""
+    folder = tmp_path / "slow"
+    folder.mkdir()
+    (folder / "build.ninja").write_text("rule slow\n  command = sleep 60 && touch $out\nbuild out.txt: slow\n")
+    calls = []
+    started = time.monotonic()
+    ninja_dir = os.path.dirname(sys.executable)
+    assert rebuild_stale_ops(tmp_path, ninja_dir, keep_alive=lambda: calls.append(1) or len(calls) >= 2) == []
+    assert time.monotonic() - started < 30 and len(calls) == 2
+    assert not (folder / "lock").exists() and not (folder / "out.txt").exists()

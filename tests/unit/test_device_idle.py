@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.device_idle import FREE_BYTES, POLL_S, WAIT_S, FreeMemoryWaiter
+from workers.device_idle import FREE_BYTES, POLL_S, WAIT_S, FreeMemoryWaiter, gpu_wait_s
 from workers.gpus import parse_memory_used
 
 GiB = 1 << 30
@@ -93,3 +93,9 @@ def test_just_under_and_over_the_free_line() -> None:
 ])
 def test_parse_memory_used(text: str, index: int, expected: int | None) -> None:
     assert parse_memory_used(text, index) == expected
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("5", 5.0), ("0", 0.0), (None, WAIT_S), ("", WAIT_S), ("x", WAIT_S),
+                                              ("-1", WAIT_S), ("inf", WAIT_S), ("nan", WAIT_S)])
+def test_the_wait_a_worker_reads_from_its_environment(text: str | None, seconds: float) -> None:
+    assert gpu_wait_s(text) == seconds
