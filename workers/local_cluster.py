@@ -96,11 +96,11 @@ class LocalCluster:
         port, password = free_tcp_port(), secrets.token_hex(16)
         self._redis = _spawn([server, "-"], self.log_dir / "redis.log", os.environ.copy(),
                              stdin=True, death_signal=signal.SIGTERM, cwd=self.log_dir)
-        config = redis_config([("port", str(port)), ("bind", "127.0.0.1"), ("requirepass", password),
-                               ("save", ""), ("appendonly", "no")])
+        config = redis_config([("port", str(port)), ("bind", "127.0.0.1"), ("save", ""), ("appendonly", "no"),
+                               ("user", ["default", "off"]), ("user", cluster_user_rules(CLUSTER_USER, password))])
         self._redis.stdin.write(config)
         self._redis.stdin.close()
-        self.url = f"redis://:{password}@127.0.0.1:{port}/0"
+        self.url = f"redis://{CLUSTER_USER}:{password}@127.0.0.1:{port}/0"
         client = connect(self.url)
         self._wait(lambda: _pings(client), "redis-server", self.log_dir / "redis.log")
 
@@ -173,17 +173,36 @@ class LocalCluster:
         self._workers.clear()
 
 
-def redis_config(settings: list[tuple[str, str]]) -> bytes:
+def redis_config(settings: list[tuple[str, str | list[str]]]) -> bytes:
     """redis.conf text with every value double-quoted and escaped as redis-server's parser
-    (sdssplitargs) reads it: no value can end its line or add a directive."""
+    (sdssplitargs) reads it: no value can end its line or add a directive. A list is a directive
+    of several arguments (`user NAME RULE...`), each quoted alike."""
     lines = []
     for name, value in settings:
         if not name.isalnum() and not name.replace("-", "").isalnum():
             raise ValueError(f"not a redis-server setting name: {name!r}")
-        quoted = "".join(ch if ch.isascii() and ch.isprintable() and ch not in '"\\' else
-                         "".join(f"\\x{byte:02x}" for byte in ch.encode()) for ch in value)
-        lines.append(f'{name} "{quoted}"')
+        values = value if isinstance(value, list) else [value]
+        lines.append(" ".join([name, *(f'"{_quoted(v)}"' for v in values)]))
     return ("\n".join(lines) + "\n").encode("ascii")
+
+
+def _quoted(value: str) -> str:
+    return "".join(ch if ch.isascii() and ch.isprintable() and ch not in '"\\' else
+                   "".join(f"\\x{byte:02x}" for byte in ch.encode()) for ch in value)
+
+
+#: The Redis user the cluster's workers and commands connect as (README, "Running on a real cluster").
+CLUSTER_USER = "autotune"
+#: What that user may do: every key and channel, every command but Redis's @dangerous category
+#: (CONFIG, MODULE, DEBUG, FLUSHALL/FLUSHDB, SHUTDOWN, KEYS, MONITOR, ACL, REPLICAOF, ...): a
+#: compromised node can disturb jobs but cannot take over the Redis host (CONFIG SET dir/dbfilename,
+#: MODULE LOAD) or wipe every job at once. Celery, kombu, Flower and this project use none of them.
+CLUSTER_USER_RULES = ("on", "~*", "&*", "+@all", "-@dangerous")
+
+
+def cluster_user_rules(user: str, password: str) -> list[str]:
+    """The arguments of redis.conf's `user` directive (or ACL SETUSER) for the cluster's user."""
+    return [user, *CLUSTER_USER_RULES[:1], f">{password}", *CLUSTER_USER_RULES[1:]]
 
 
 def _spawn(argv: list[str], log: Path, env: dict[str, str], death_signal: int,

@@ -90,3 +90,30 @@ def _stop_politely(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
+
+
+def test_the_cluster_user_cannot_take_over_redis(tmp_path):
+    """Issue 22 item 2: the embedded cluster's workers and commands connect as a Redis user that has
+    every key and every command Celery and this project use, and none of Redis's @dangerous ones:
+    CONFIG SET dir (write files anywhere as Redis), MODULE LOAD, DEBUG, FLUSHALL are refused; the
+    default user is off. Every other embedded-cluster test runs its jobs as this user."""
+    import redis
+
+    from workers.local_cluster import CLUSTER_USER, LocalCluster
+    from workers.registry import connect, live_slots
+
+    with LocalCluster(1, tmp_path / "cluster") as cluster:
+        assert cluster.url.startswith(f"redis://{CLUSTER_USER}:")
+        client = connect(cluster.url)
+        wait_for(lambda: len(live_slots(client)) == 1, 90, "the slot worker to register as the cluster user")
+        assert client.acl_whoami() == CLUSTER_USER
+        client.set("autotune-test-key", "1")  # keys: allowed
+        for refused in (lambda: client.config_set("dir", "/tmp"), lambda: client.execute_command("MODULE", "LOAD", "/x.so"),
+                        lambda: client.execute_command("DEBUG", "SLEEP", "0"), client.flushall,
+                        lambda: client.execute_command("SHUTDOWN", "NOSAVE")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+        host, port = client.connection_pool.connection_kwargs["host"], client.connection_pool.connection_kwargs["port"]
+        with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):
+            redis.Redis(host=host, port=port, socket_timeout=3).set("x", "1")  # the default user is off
+        assert client.ping()

@@ -32,15 +32,17 @@ def tls_redis(tmp_path_factory):
     host name it does not hold."""
     folder = tmp_path_factory.mktemp("tls")
     pki = make_pki(folder / "pki", ["localhost"])
-    port, password = free_tcp_port(), secrets.token_hex(8)
+    port, password, admin = free_tcp_port(), secrets.token_hex(8), secrets.token_hex(8)
     proc = subprocess.Popen(["redis-server", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             start_new_session=True)
     # the README's template, filled in as its recipe does (the server's files are named as it expects)
     template = (ROOT / "deploy" / "templates" / "redis-tls.conf").read_text()
     config = template.replace("<port>", str(port)).replace("<addresses>", "127.0.0.1").replace("<tls-dir>", str(pki.ca.parent))
-    proc.stdin.write(f"{config}requirepass \"{password}\"\ndir {folder}\n".encode())
+    # and the README's users: the admin's password on the default user, the cluster user `autotune`
+    proc.stdin.write(f"{config}requirepass \"{admin}\"\nuser autotune on >{password} ~* &* +@all -@dangerous\n"
+                     f"dir {folder}\n".encode())
     proc.stdin.close()
-    url = f"rediss://:{password}@localhost:{port}/0"
+    url = f"rediss://autotune:{password}@localhost:{port}/0"
     env = tls_env(pki)
     client = redis.Redis.from_url(url, ssl_ca_certs=str(pki.ca), ssl_certfile=str(pki.client_cert),
                                   ssl_keyfile=str(pki.client_key))
@@ -70,6 +72,8 @@ def test_a_job_runs_over_tls_and_plain_text_is_refused_by_the_server(tls_redis, 
         try:
             client = connect(tls_redis["url"])  # workers.registry's own client, through the same variables
             wait_for(lambda: len(live_slots(client)) == 1 and control_alive(client), 90, "workers to register over TLS")
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.config_set("dir", "/tmp")  # the cluster user (issue 22 item 2) cannot move Redis's files
         finally:
             for name in with_tls:
                 os.environ.pop(name, None)
@@ -111,7 +115,7 @@ def test_tls_that_cannot_work_is_one_line_and_exit_2(tls_redis, tmp_path: Path, 
     env = tls_env(pki, **{k: v for k, v in changes.items() if k != "other_ca"})
     if "other_ca" in changes:
         env[CA_ENV] = str(pki.other_ca)
-    url = f"rediss://:{tls_redis['password']}@{url_host}:{tls_redis['port']}/0"
+    url = f"rediss://autotune:{tls_redis['password']}@{url_host}:{tls_redis['port']}/0"
     cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1])
     proc = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, {"AUTOTUNE_REDIS_URL": url, **env}, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
