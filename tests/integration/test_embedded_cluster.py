@@ -108,11 +108,14 @@ def test_the_cluster_user_cannot_take_over_redis(tmp_path):
         wait_for(lambda: len(live_slots(client)) == 1, 90, "the slot worker to register as the cluster user")
         assert client.acl_whoami() == CLUSTER_USER
         client.set("autotune-test-key", "1")  # keys: allowed
-        for refused in (lambda: client.config_set("dir", "/tmp"), lambda: client.execute_command("MODULE", "LOAD", "/x.so"),
-                        lambda: client.execute_command("DEBUG", "SLEEP", "0"), client.flushall,
-                        lambda: client.execute_command("SHUTDOWN", "NOSAVE")):
-            with pytest.raises(redis.exceptions.NoPermissionError):
+        for refused in (lambda: client.config_set("dir", "/tmp"),
+                        client.flushall, lambda: client.execute_command("SHUTDOWN", "NOSAVE"),
+                        lambda: client.execute_command("ACL", "SETUSER", "default", "on")):
+            with pytest.raises(redis.exceptions.NoPermissionError):  # the ACL says no
                 refused()
+        for refused_anyway in (("MODULE", "LOAD", "/x.so"), ("DEBUG", "SLEEP", "0")):  # also off by Redis 7's default
+            with pytest.raises(redis.exceptions.ResponseError):
+                client.execute_command(*refused_anyway)
         host, port = client.connection_pool.connection_kwargs["host"], client.connection_pool.connection_kwargs["port"]
         with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):
             redis.Redis(host=host, port=port, socket_timeout=3).set("x", "1")  # the default user is off
