@@ -6,7 +6,10 @@ nodes of different sizes are all usable (DeepSpeed truncates every node to the s
 Two rules keep a gang runnable: its slots are all of one kind (CUDA ranks use NCCL, CPU ranks gloo;
 one process group cannot mix them, and a search sized for GPU memory means nothing on a CPU slot),
 and a gang spanning nodes never uses a slot whose address is loopback (its peers could not reach it),
-unless all of the gang's slots are on one machine (the same `Slot.host`).
+unless all of the gang's slots are on one machine (the same `Slot.host`). On a node, a gang's GPUs
+are taken from one NUMA node when one has enough free (`Slot.numa_node`, workers.topology): across
+the sockets of a two-socket node GPUs have no PCIe peer-to-peer, and the experiment would measure
+the placement, not the config.
 """
 from __future__ import annotations
 
@@ -36,10 +39,23 @@ def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
             free_by_node: dict[str, list[Slot]] = defaultdict(list)
             for slot in pool:
                 free_by_node[slot.node].append(slot)
-            chosen = [free[:num_gpus] for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus]
+            chosen = [_compact(free, num_gpus) for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus]
             if len(chosen) >= num_nodes:
                 return chosen[:num_nodes]
     return None
+
+
+def _compact(free: list[Slot], count: int) -> list[Slot]:
+    """`count` of a node's free slots (in device order): the first NUMA node (by its lowest free
+    device) that has `count` free, else the first `count` (a gang larger than a NUMA node, or
+    unknown NUMA nodes, which all count as one)."""
+    groups: dict[int, list[Slot]] = defaultdict(list)
+    for slot in free:
+        groups[slot.numa_node].append(slot)
+    whole = [group for group in groups.values() if len(group) >= count]
+    if whole:
+        return min(whole, key=lambda group: group[0].device)[:count]
+    return free[:count]
 
 
 def _reachable_pools(slots: list[Slot], num_nodes: int) -> list[list[Slot]]:

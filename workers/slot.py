@@ -25,6 +25,7 @@ from functools import cached_property
 import psutil
 
 from workers.gpus import GpuListingError, local_gpus
+from workers.topology import gpu_bus_ids, node_cpus, numa_node_of
 
 _QUEUE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+)\.)?gpu(?P<device>\d+)$")
 _SIZE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -83,12 +84,13 @@ class Slot:
     memory_bytes: int  #: what an experiment may use on this slot
     address: str  #: how ranks on other nodes reach this node (rank 0's MASTER_ADDR)
     threads: int  #: CPU threads an experiment on this slot should use
-    cpus: tuple[int, ...]  #: cores the slot's children are pinned to (CPU slots)
+    cpus: tuple[int, ...]  #: cores the slot's children are pinned to (CPU slots: its own; CUDA: its GPU's NUMA node's)
     worker: str = ""  #: Celery nodename of the worker serving the slot
     instance: str = ""  #: new at every worker start: a changed value means the worker restarted
     cuda_index: int = -1  #: CUDA slots: the GPU's nvidia-smi (PCI bus order) index; -1 on CPU slots
     host: str = ""  #: the machine's identity (machine-id): "nodes" sharing it can meet over loopback
     gpu_uuid: str = ""  #: CUDA slots: the GPU's UUID, which no other slot of the same host may serve
+    numa_node: int = -1  #: CUDA slots: the GPU's NUMA node (workers.topology; -1: unknown)
 
     @cached_property
     def queue(self) -> str:
@@ -122,7 +124,7 @@ class Slot:
             cpus=tuple(int(c) for c in fields.get("cpus", "").split(",") if c),
             worker=fields.get("worker", ""), instance=fields.get("instance", ""),
             cuda_index=int(fields.get("cuda_index", -1)), host=fields.get("host", ""),
-            gpu_uuid=fields.get("gpu_uuid", ""),
+            gpu_uuid=fields.get("gpu_uuid", ""), numa_node=int(fields.get("numa_node", -1)),
         )
 
     def child_env(self, cuda_devices: list[str] | None = None) -> dict[str, str]:
@@ -179,8 +181,11 @@ def describe_local_slot(node: str, device: int, address: str, worker: str = "") 
         gpu = gpus[device]
         slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or len(gpus)
         threads = rank_threads(cores, slots)
-        return Slot(node, device, "cuda", gpu.memory_bytes, address, threads, (), worker, cuda_index=gpu.index,
-                    host=machine_id(), gpu_uuid=gpu.uuid)
+        numa = numa_node_of(gpu_bus_ids().get(gpu.index))
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(cores))
+        local = tuple(core for core in node_cpus(numa) if core in allowed)  # the GPU's socket, within our cgroup
+        return Slot(node, device, "cuda", gpu.memory_bytes, address, threads, local, worker, cuda_index=gpu.index,
+                    host=machine_id(), gpu_uuid=gpu.uuid, numa_node=numa)
     slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or cores
     explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
     memory = parse_size(explicit) if explicit else psutil.virtual_memory().total // slots

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -127,6 +128,31 @@ NODE_A = [slot("a", d) for d in (3, 1, 0, 2)]  # given out of order on purpose
 )
 def test_place_single_node(busy: set[str], num_gpus: int, expected: list[list[str]] | None) -> None:
     assert queues(place(NODE_A, busy, 1, num_gpus)) == expected
+
+
+#: A two-socket node: GPUs 0, 2, 4, 6 on NUMA node 0, GPUs 1, 3, 5, 7 on node 1 (interleaved, as
+#: some boards number them), and a node whose NUMA nodes are unknown.
+TWO_SOCKETS = [replace(slot("s", d), numa_node=d % 2) for d in range(8)]
+
+
+@pytest.mark.parametrize(
+    ("busy", "num_gpus", "expected"),
+    [
+        (set(), 2, ["s.gpu0", "s.gpu2"]),  # one socket, not gpu0 + gpu1 across the sockets
+        (set(), 4, ["s.gpu0", "s.gpu2", "s.gpu4", "s.gpu6"]),
+        ({"s.gpu0", "s.gpu2", "s.gpu4"}, 2, ["s.gpu1", "s.gpu3"]),  # node 0 has one left: node 1
+        ({"s.gpu1"}, 4, ["s.gpu0", "s.gpu2", "s.gpu4", "s.gpu6"]),
+        ({"s.gpu0"}, 4, ["s.gpu1", "s.gpu3", "s.gpu5", "s.gpu7"]),
+        (set(), 8, [f"s.gpu{d}" for d in range(8)]),  # larger than a socket: across, in device order
+        ({"s.gpu0"}, 6, ["s.gpu1", "s.gpu2", "s.gpu3", "s.gpu4", "s.gpu5", "s.gpu6"]),
+    ],
+    ids=["pair", "socket", "other-socket", "socket-0", "socket-1", "whole-node", "larger-than-a-socket"],
+)
+def test_a_gang_stays_on_one_numa_node_when_it_can(busy: set[str], num_gpus: int, expected: list[str]) -> None:
+    """Issue 21 item 16: across the sockets of a node GPUs have no PCIe peer-to-peer."""
+    assert queues(place(TWO_SOCKETS, busy, 1, num_gpus)) == [expected]
+    unknown = [replace(s, numa_node=-1) for s in TWO_SOCKETS]  # unknown NUMA: device order, as before
+    assert queues(place(unknown, set(), 1, 2)) == [["s.gpu0", "s.gpu1"]]
 
 
 @pytest.mark.parametrize(

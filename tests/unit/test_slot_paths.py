@@ -108,7 +108,7 @@ def test_to_redis_strings() -> None:
     assert CPU_SLOT.to_redis() == {
         "node": "n1", "device": "2", "kind": "cpu", "memory_bytes": str(3 * GiB), "address": "10.0.0.5",
         "threads": "4", "cpus": "4,5,6,7", "worker": "w2@n1", "instance": "", "cuda_index": "-1", "host": "",
-        "gpu_uuid": "",
+        "gpu_uuid": "", "numa_node": "-1",
     }
     assert CUDA_SLOT.to_redis()["cpus"] == ""
 
@@ -192,6 +192,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in ("AUTOTUNE_SLOTS_PER_NODE", "AUTOTUNE_SLOT_MEMORY", "AUTOTUNE_NODE", "AUTOTUNE_ADDRESS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(slot_module, "machine_id", lambda: "machine-1")
+    monkeypatch.setattr(slot_module, "gpu_bus_ids", lambda: {})  # no NUMA facts unless a test gives them
     return monkeypatch
 
 
@@ -287,6 +288,26 @@ def test_describe_local_cuda_slot(clean_env: pytest.MonkeyPatch, slots_env: str 
     assert slot.child_env()["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert slot.child_env(["GPU-h", "GPU-b"])["CUDA_VISIBLE_DEVICES"] == "GPU-h,GPU-b"
     assert slot.host_memory_cap == 3 * GiB
+    assert Slot.from_redis(slot.to_redis()) == slot
+
+
+def test_a_cuda_slot_knows_its_numa_node_and_pins_to_its_cores(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """GPU 2 sits on NUMA node 1 (cores 8-15 of 16; the worker may use 0-11): the slot says node 1 and
+    pins its ranks to 8-11, the node's cores it is allowed (issue 21 item 16)."""
+    from workers import topology
+
+    device = tmp_path / "bus" / "pci" / "devices" / "0000:3b:00.0"
+    device.mkdir(parents=True)
+    (device / "numa_node").write_text("1\n")
+    node = tmp_path / "devices" / "system" / "node" / "node1"
+    node.mkdir(parents=True)
+    (node / "cpulist").write_text("8-15\n")
+    clean_env.setattr(topology, "SYS", tmp_path)
+    clean_env.setattr(slot_module, "gpu_bus_ids", lambda: {2: "0000:3b:00.0"})
+    clean_env.setattr(slot_module, "local_gpus", lambda: [Gpu(2, "GPU-b", 80 * GiB)])
+    clean_env.setattr(slot_module.os, "sched_getaffinity", lambda pid: set(range(12)))
+    slot = describe_local_slot("g", 0, "10.0.0.2", "w@g")
+    assert (slot.numa_node, slot.cpus) == (1, (8, 9, 10, 11))
     assert Slot.from_redis(slot.to_redis()) == slot
 
 
