@@ -132,3 +132,19 @@ def test_no_nvidia_smi_means_a_cpu_node(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("AUTOTUNE_DEVICE_KIND", raising=False)
     assert local_gpus() is None
+
+
+def test_the_worker_reads_memory_in_use_and_bus_ids_through_a_real_subprocess(fake_smi: pytest.MonkeyPatch,
+                                                                              tmp_path: Path) -> None:
+    """What a slot worker asks nvidia-smi besides its listing (workers.device_idle, workers.topology),
+    answered by tests/fake_gpu as the real one answers: one line per GPU of the fields asked."""
+    from workers.gpus import memory_used
+    from workers.topology import gpu_bus_ids
+
+    assert memory_used(1) == 0
+    used = tmp_path / "used.csv"
+    used.write_text("1, 2048\n")
+    fake_smi.setenv("FAKE_NVIDIA_SMI_USED_FILE", str(used))
+    assert (memory_used(1), memory_used(0)) == (2 * GiB, 0)
+    assert gpu_bus_ids() == {0: "0000:10:00.0", 1: "0000:11:00.0", 2: "0000:12:00.0"}
+    assert "--query-gpu=index,memory.used --format=csv,noheader,nounits -i 1" in (tmp_path / "calls").read_text()
