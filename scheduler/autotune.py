@@ -187,9 +187,8 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
         cancel(client, work, spec.job)
         _report(cfg, spec, client, interrupted=running)
         raise
-    winner = _report(cfg, spec, client)
+    winner, records = _report(cfg, spec, client)
     if winner is None:
-        _, records = outcome(client, spec)
         return 2 if never_reported(list(records.values())) else 1
     if args.run:
         experiments, _ = outcome(client, spec)
@@ -248,13 +247,15 @@ def show_status() -> int:
 
 
 def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
-            interrupted: dict[str, dict[str, Any]] | None = None) -> dict[str, Any] | None:
-    """Print the results table and summary. The control worker wrote the outputs of a finished job;
-    an interrupted one (`interrupted`: its launches that were running, by name) gets partial
-    outputs written here from what was measured, every other experiment of it `cancelled`."""
+            interrupted: dict[str, dict[str, Any]] | None = None,
+            ) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
+    """Print the results table and summary; returns the winner (None: none) and the records read.
+    The control worker wrote the outputs of a finished job; an interrupted one (`interrupted`: its
+    launches that were running, by name) gets partial outputs written here from what was measured,
+    every other experiment of it `cancelled`."""
     experiments, records = outcome(client, spec)
     if interrupted is not None:
-        return _report_interrupted(cfg, spec, experiments, records, interrupted)
+        return _report_interrupted(cfg, spec, experiments, records, interrupted), records
     summary = cfg.results_dir / "summary.txt"
     optimal = read_json(cfg.results_dir / "ds_config_optimal.json")
     winner = best(list(records.values()), cfg.metric, cfg.maximize) if optimal is not None else None
@@ -276,7 +277,7 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
         # a command meant to be pasted is never wrapped, whatever the terminal's (or log's) width
         console.print(f"run it: {(cfg.results_dir / 'cmd_optimal.txt').read_text().strip()}",
                       soft_wrap=True, markup=False)
-    return winner
+    return winner, records
 
 
 def _report_interrupted(cfg: TuningConfig, spec: JobSpec, experiments: list[Experiment],

@@ -414,11 +414,10 @@ def measured_reserve(record: Mapping[str, Any], host_memory: bool) -> int | None
     job's); None on host memory or without the figure. It replaces the reserve's guess when larger
     (NCCL alone takes 1.6 GB with one communicator and about 6 GB with three or more, issue 21 item
     8); never lowers it, since NCCL connects lazily and the profile exits in its first forward."""
-    untracked = record.get("device_untracked_bytes")
-    if host_memory or isinstance(untracked, bool) or not isinstance(untracked, int):
+    untracked = _peak(record, "device_untracked_bytes")
+    if host_memory or untracked is None:
         return None
-    foreign = record.get("device_foreign_bytes")
-    return max(0, untracked - (foreign if isinstance(foreign, int) and not isinstance(foreign, bool) else 0))
+    return max(0, untracked - (_peak(record, "device_foreign_bytes") or 0))
 
 
 def _profile(session: _Session) -> Step:

@@ -98,15 +98,6 @@ ZERO3_ROOM = 1.3
 #: Not `lost` (the dispatcher already relaunches those, up to its max_attempts) nor `aborted` (we
 #: stopped it: a cancelled job must end, not start its experiments again).
 RETRIED = frozenset({"crashed", "timeout", "rendezvous_failed"})
-
-
-def says_nothing(record: Mapping[str, Any]) -> bool:
-    """Whether a failed launch says nothing about its config, so it is launched once more: a
-    `RETRIED` status, or an out-of-memory while other processes held memory on its GPU
-    (`device_foreign_bytes`, workers.device_idle: a notebook, another job, a context still being torn
-    down), which is no memory bound either (`fast_search.too_large`)."""
-    status = record.get("status")
-    return status in RETRIED or (status == "oom" and bool(record.get("device_foreign_bytes")))
 #: A re-measurement of `<name>` is `<name>_r2`, `<name>_r3`, ...: its own folder and record.
 REPEAT_NAME = re.compile(r"^(?P<original>.+)_r(?P<index>[2-9]|[1-9][0-9]+)$")
 #: The share of the memory budget the top probe may fill. Closer to 1 than memory.SAFETY: the
@@ -117,6 +108,15 @@ TOP_SAFETY = 0.98
 #: rule), so a margin below the budget costs throughput on every step of the real run, while a
 #: failed probe costs one launch: the whole budget.
 TOP_SAFETY_UNBOUNDED = 1.0
+
+
+def says_nothing(record: Mapping[str, Any]) -> bool:
+    """Whether a failed launch says nothing about its config, so it is launched once more: a
+    `RETRIED` status, or an out-of-memory while other processes held memory on its GPU
+    (`device_foreign_bytes`, workers.device_idle: a notebook, another job, a context still being torn
+    down), which is no memory bound either (`fast_search.too_large`)."""
+    status = record.get("status")
+    return status in RETRIED or (status == "oom" and bool(record.get("device_foreign_bytes")))
 
 
 def geometric_mid(low: int, high: int) -> int | None:
@@ -327,8 +327,9 @@ def gas_for(session: _Session, stage: int, mbs: int) -> int:
 
 def _measure(session: _Session, stage: int, mbs: int, label: str) -> Step:
     """One config's metric (None: it failed). A failure that says nothing about the config
-    (`says_nothing`: not out-of-memory, or out of memory beside others' memory) is launched once more (`<name>_r2`, a repeat) before the config counts as failed: a timeout or a
-    failed rendezvous says nothing about the config. Failing twice, the size is left out of the stage's
+    (`says_nothing`: not out-of-memory, or out of memory beside others' memory), or an out-of-memory
+    a larger success of the stage contradicts (`_contradicted`), is launched once more (`<name>_r2`,
+    a repeat) before the config counts as failed. Failing twice, the size is left out of the stage's
     probing (`_sizes`), but is no memory fact for other stages (`fast_search.too_large`)."""
     exp = session.experiment(stage, mbs, gas_for(session, stage, mbs))
     [record] = yield from session.measure(label, [exp])

@@ -137,12 +137,21 @@ def parse_memory_used(text: str, index: int) -> int | None:
     return None
 
 
+def query(fields: str, index: int | None = None) -> str | None:
+    """`nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits` (of GPU `index` only, when
+    given): its output, or None when it cannot run, fails or times out. For the facts a worker reads
+    besides its listing, where "cannot tell" is an answer and never a reason to refuse."""
+    argv = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    try:
+        done = subprocess.run(argv + ([] if index is None else ["-i", str(index)]), capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
 def memory_used(index: int) -> int | None:
     """How much memory is in use on GPU `index` (nvidia-smi's index), or None when nvidia-smi cannot
     tell (it failed, timed out or printed something else): then nothing is waited for."""
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits",
-                               "-i", str(index)], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_memory_used(done.stdout, index) if done.returncode == 0 else None
+    text = query("index,memory.used", index)
+    return None if text is None else parse_memory_used(text, index)

@@ -11,8 +11,9 @@ pins its ranks to that node's cores (`Slot.cpus`). Anything unreadable (no NUMA,
 """
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
+
+from workers.gpus import query
 
 SYS = Path("/sys")
 
@@ -25,7 +26,7 @@ def normalized_bus_id(bus_id: str) -> str:
 
 def parse_bus_ids(text: str) -> dict[int, str]:
     """GPU index -> sysfs bus id from `nvidia-smi --query-gpu=index,pci.bus_id --format=csv,noheader`
-    (lines that are not `index, bus id` are skipped)."""
+    output (lines that are not `index, bus id` are skipped)."""
     found = {}
     for line in text.splitlines():
         fields = [field.strip() for field in line.split(",")]
@@ -36,12 +37,8 @@ def parse_bus_ids(text: str) -> dict[int, str]:
 
 def gpu_bus_ids() -> dict[int, str]:
     """GPU index -> bus id as nvidia-smi lists them ({} when it cannot tell)."""
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return parse_bus_ids(done.stdout) if done.returncode == 0 else {}
+    text = query("index,pci.bus_id")
+    return {} if text is None else parse_bus_ids(text)
 
 
 def numa_node_of(bus_id: str | None, sys_root: Path | None = None) -> int:
