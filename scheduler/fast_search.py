@@ -51,7 +51,8 @@ Step = Generator[Phase, dict[str, dict], Any]
 
 
 class SearchAborted(UsageError):
-    """The search cannot go on (the profile run failed); the message says what to change."""
+    """The search cannot go on (the profile run failed, an op cannot be built); the message says what
+    to change."""
 
 
 class NoStageFits(SearchAborted):
@@ -311,6 +312,8 @@ class _Session:
             for name, exp in fresh.items():
                 record = sent.get(name)
                 self.measured[name] = (exp, record if isinstance(record, dict) else {"name": name, "status": "lost"})
+            for name, exp in fresh.items():
+                refuse_unbuildable_op(exp, self.measured[name][1])
         return [self.measured[exp.name][1] for exp in experiments]
 
     def experiment(self, stage: int, mbs: int, gas: int) -> Experiment:
@@ -418,6 +421,24 @@ def measured_reserve(record: Mapping[str, Any], host_memory: bool) -> int | None
     if host_memory or untracked is None:
         return None
     return max(0, untracked - (_peak(record, "device_foreign_bytes") or 0))
+
+
+def refuse_unbuildable_op(exp: Experiment, record: Mapping[str, Any]) -> None:
+    """Raise SearchAborted when `record` died because an op DeepSpeed needs could not be built or
+    loaded (`workers.op_build`): the user's config needs it at every stage and size, so every later
+    experiment would crash the same way. A full-mode knob point (its own `tuning_space`) may need an
+    op the user's config does not; it only fails that point."""
+    failure = record.get("op_build_failed")
+    if not failure or (exp.tuning_space and exp.tuning_space != PROFILE):
+        return
+    slot = (record.get("cause") or {}).get("slot")
+    raise SearchAborted(
+        f"{exp.name} could not build or load an op DeepSpeed needs"
+        f"{f' on slot {slot}' if slot else ''} ({failure}); every experiment of this config would fail "
+        "alike: install the CUDA toolkit whose nvcc matches torch's CUDA on every node (or pre-build the "
+        "ops: DS_BUILD_OPS=1 pip install deepspeed), or use an optimizer that needs no op (\"torch_adam\": "
+        f"true in optimizer.params); the build log is {exp.name}/stderr.log in the results folder, and the "
+        "same command resumes once it builds")
 
 
 def _profile(session: _Session) -> Step:

@@ -12,7 +12,9 @@ is deterministic given the spec and the records, any control worker can take any
 survives the death of every process that ever touched it: its state is the folder.
 
 A record on disk answers an experiment when its config is the experiment's config and it is not a
-`lost` record still worth retrying (fewer launches than the job's max_attempts in this job). A fixed
+`lost` record still worth retrying (fewer launches than the job's max_attempts in this job), nor an
+earlier job's record of an op that could not be built (the job stopped there; resumed, it builds
+again). A fixed
 job (`python -m scheduler.run`, `--run`) only accepts records made during the job itself.
 """
 from __future__ import annotations
@@ -157,6 +159,8 @@ def record_lookup(client: redis.Redis, spec: JobSpec, recorded: set[str] | None 
             return None
         if record.get("status") == "lost" and attempts.get(exp.name, 0) < spec.max_attempts:
             return None
+        if record.get("op_build_failed") and exp.name not in recorded:
+            return None  # an earlier job's: the node may build the op now (workers.op_build)
         return record
     return lookup
 

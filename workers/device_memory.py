@@ -132,8 +132,9 @@ def read_exit_report(path: Path) -> dict[str, Any]:
             kept[key] = value
     if isinstance(data.get("profiling_exit"), bool):
         kept["profiling_exit"] = data["profiling_exit"]
-    if isinstance(data.get("oom"), str):
-        kept["oom"] = data["oom"][:500]
+    for key in ("oom", "op_build_failed"):
+        if isinstance(data.get(key), str):
+            kept[key] = data[key][:500]
     ends = data.get("step_ends")
     if isinstance(ends, list) and all(
             isinstance(end, list) and len(end) == 2 and isinstance(end[0], int) and not isinstance(end[0], bool)

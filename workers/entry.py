@@ -8,7 +8,8 @@ would not be. When the script exits non-zero without an OOM exception in sight, 
 own OOM count still tells (a library that swallowed the exception and exited).
 
 The exit report (`workers.device_memory`) carries the peak device memory, whether the script
-left through DeepSpeed's profiling exit, and when each optimizer step ended
+left through DeepSpeed's profiling exit, which op could not be built when a JIT build of DeepSpeed's
+ops killed it (`workers.op_build`), and when each optimizer step ended
 (`workers.step_clock`: the metric is the mean step time of the window, not the engine's last step).
 After a profiling exit or an OOM the rank leaves at once, without the interpreter's teardown
 (`_leave_now`): tearing down live NCCL communicators can hang, on CPU it sometimes aborts, and the
@@ -25,6 +26,7 @@ import traceback
 from workers.device_memory import measured_peaks, write_exit_report
 from workers.failure import OOM_EXIT_CODE
 from workers.oom import out_of_memory_cause
+from workers.op_build import op_build_failure
 from workers.step_clock import install_deepspeed_hook, step_ends
 
 #: Where DeepSpeed's engine calls exit() after the profiled steps (`_autotuning_exit`) or after
@@ -82,9 +84,12 @@ def main() -> None:
             oom = f"{type(cause).__name__}: {cause}"
         elif peaks.get("device_ooms"):
             oom = f"the CUDA allocator counted {peaks['device_ooms']} out-of-memory error(s)"
+    op_build = op_build_failure(error) if exit_status(error) != 0 and oom is None else None
     ends = step_ends()
     write_exit_report({**peaks, "profiling_exit": is_profiling_exit(error), **({"oom": oom} if oom else {}),
-                       **({"step_ends": ends} if ends else {})})
+                       **({"op_build_failed": op_build} if op_build else {}), **({"step_ends": ends} if ends else {})})
+    if op_build is not None:
+        print(f"workers.entry: an op could not be built or loaded: {op_build}", file=sys.stderr)
     if oom is not None:
         print(f"workers.entry: out of memory: {oom}"[:2000], file=sys.stderr)
         _leave_now(OOM_EXIT_CODE)

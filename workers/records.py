@@ -50,6 +50,9 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
         if _failed_after_measuring(status, rank0, cause):
             record.update(status=Status.OK.value, metrics=rank0["metrics"],
                           exit_after_metrics=record.pop("cause"))
+    op_build = next((r["op_build_failed"] for r in by_end if r.get("op_build_failed")), None)
+    if record["status"] != Status.OK.value and op_build:  # any rank's: the others may only have waited for it
+        record["op_build_failed"] = op_build
     if record["status"] == Status.OK.value:
         record.update({key: rank0[key] for key in ("engine_metrics", "step_seconds") if key in rank0})
     return record

@@ -201,3 +201,31 @@ def test_a_script_that_never_writes_its_metrics_is_input_to_fix(tmp_path):
     assert proc.stderr.startswith("error: no experiment succeeded"), proc.stderr
     assert "no_metrics (2)" in proc.stderr and "never reported 'throughput'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "no experiment succeeded" not in proc.stdout
+
+
+def test_an_op_that_cannot_be_built_stops_the_job_at_its_first_experiment(tmp_path):
+    """Issue 21 item 1: a script whose op cannot be built (here torch compiling a C++ extension with a
+    syntax error, as FusedAdam fails on a node without nvcc) fails every experiment alike. The job stops
+    after the first phase with one `error:` line naming the op and the fix, exit 2; the next stage
+    is never launched, and the record keeps the build's failure."""
+    (tmp_path / "train_op.py").write_text(
+        "import torch.utils.cpp_extension as cpp\n"
+        "cpp.load_inline(name='needed_op', cpp_sources='int f( { return 1; }', functions=['f'])\n")
+    data = json.loads(json.dumps(BASE))
+    data["zero_optimization"] = {"stage": [0, 1]}
+    data["autotuning"].update(user_script="train_op.py", model_info={"num_params": 1000, "activation_mem_per_gpu": 1024})
+    (tmp_path / "cfg.json").write_text(json.dumps(data))
+    env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+    proc = subprocess.run([sys.executable, "-m", "scheduler.autotune", "cfg.json", "--slots", "1",
+                           "--slot-memory", "2GiB", "--exp-timeout", "240"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: z0_gas1_tmbspg1 could not build or load an op DeepSpeed needs on slot "), line
+    assert "(needed_op: RuntimeError: Error building extension 'needed_op'" in line and "nvcc" in line, line
+    assert "Traceback" not in proc.stderr
+    results = next(p.parent.parent for p in tmp_path.rglob("z0_gas1_tmbspg1/result.json"))
+    record = json.loads((results / "z0_gas1_tmbspg1" / "result.json").read_text())
+    assert record["status"] == "crashed" and record["op_build_failed"].startswith("needed_op: ")
+    assert not list(results.glob("z1_*")), "the job went on after the op failed"

@@ -5,6 +5,7 @@ says the step does."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import redis
 
 from scheduler import progress
 from scheduler.job_store import JobStore
-from scheduler.jobs import JobSpec, load_spec, submit
+from scheduler.jobs import JobSpec, TuneSpec, load_spec, submit
 from scheduler.live_search import LiveSearches
 from scheduler.progress import advance, record_lookup
 from scheduler.space import Experiment
@@ -117,7 +118,8 @@ def test_advancing_a_job_that_is_gone_does_nothing(client) -> None:
      ({"stale": True}, True, 0, False),
      ({"ds_config": {"train_micro_batch_size_per_gpu": 9}}, True, 0, False),  # another config's folder
      ({"status": "lost"}, True, 1, False),  # lost with an attempt left: run again
-     ({"status": "lost"}, True, 2, True)],  # lost with none left: the record stands
+     ({"status": "lost"}, True, 2, True),  # lost with none left: the record stands
+     ({"status": "crashed", "op_build_failed": "fused_adam: OSError: no CUDA_HOME"}, True, 0, True)],  # this job's
 )
 def test_which_record_on_disk_answers_an_experiment(client, work, tmp_path: Path, fields: dict, recorded: bool,
                                                     attempts: int, answers: bool) -> None:
@@ -132,3 +134,14 @@ def test_which_record_on_disk_answers_an_experiment(client, work, tmp_path: Path
     assert (found is not None) is answers
     if answers:
         assert found["name"] == "a" and found["ds_config"] == CONFIGS["a"]
+
+
+def test_an_earlier_jobs_op_that_could_not_be_built_is_launched_again(client, work, tmp_path: Path) -> None:
+    """A tuning job reuses records of earlier jobs, but not one that stopped a job because an op could
+    not be built (workers.op_build): resumed, the node may build it now."""
+    tune = TuneSpec(str(tmp_path / "cfg.json"), {}, str(tmp_path / "exps"), "train.py", [], {}, 2**30, 2, 2, "cpu", 1)
+    spec = replace(fixed_job(tmp_path), experiments=None, tune=tune)
+    write_record(spec, "a", status="crashed", op_build_failed="fused_adam: OSError: no CUDA_HOME")
+    write_record(spec, "b", status="crashed")
+    lookup = record_lookup(client, spec, recorded=set())
+    assert lookup(experiment("a")) is None and lookup(experiment("b"))["status"] == "crashed"
