@@ -1,15 +1,18 @@
-"""`python -m deploy up|down|status|cleanup`: the cluster's workers, started and stopped over SSH.
+"""`python -m deploy up|down|status|cleanup|redis-user`: the cluster's workers, started and stopped over SSH.
 
 Why: the README's hand recipe (one `celery ... worker` per GPU on every node) is easy to get wrong
 and leaves nothing to stop or clean up with. This starts one slot worker per selected device of a
 hostfile (the same hostfile and `--include/--exclude` as `scheduler.run`), the control worker and
 Flower where asked, as processes that outlive the SSH session; waits until every slot registered in
 Redis and says, one line per host, which did not and why; stops them warm then cold; shows each
-slot's state; and kills the recorded process groups of a job or experiment on their hosts.
+slot's state; kills the recorded process groups of a job or experiment on their hosts; and creates
+the cluster's least-privilege Redis user on a running Redis (`up` warns when the URL's user could
+still reconfigure the server).
 
     python -m deploy up --hostfile F [--include S|--exclude S] [--control HOST] [--flower [PORT]]
     python -m deploy status|down --hostfile F [...]
     python -m deploy cleanup JOB_OR_EXPERIMENT
+    python -m deploy redis-user       (AUTOTUNE_REDIS_ADMIN_URL set: deploy/redis_user.py)
 
 The Redis URL comes from AUTOTUNE_REDIS_URL (or --redis); it reaches each host on stdin and is kept
 there in a 0600 file, never on a command line. SSH user, port and key come from ~/.ssh/config
@@ -33,6 +36,7 @@ import redis
 from deploy.cleanup import DEFAULT_GRACE_S, cleanup, running_launches
 from deploy.fabric_hosts import Answer, Hosts
 from deploy.plan import by_host, check_redis_url, masked, plan_workers, registration_report, up_request
+from deploy.redis_user import ADMIN_ENV, create_cluster_user, may_reconfigure
 from scheduler.errors import OneLineArgumentParser, UsageError
 from scheduler.hostfile import read_hostfile
 from scheduler.resources import ResourceRequest, resolve_resources
@@ -47,7 +51,7 @@ FLOWER_USER = "autotune"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="python -m deploy", description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=["up", "down", "status", "cleanup"])
+    parser.add_argument("action", choices=["up", "down", "status", "cleanup", "redis-user"])
     parser.add_argument("target", nargs="?", help="cleanup: a job id or an experiment name")
     parser.add_argument("-H", "--hostfile", help="MPI-style hostfile: 'HOSTNAME slots=N' per line")
     parser.add_argument("-i", "--include", default="", help="NODE[:ID[,ID...]][@NODE...]: only these")
@@ -101,6 +105,10 @@ def up(args: argparse.Namespace, url: str) -> int:
         hosts_devices = {**hosts_devices, args.control: []}
     plans = plan_workers(hosts_devices, args.control, flower=args.flower is not None)
     client = _client(url)
+    if may_reconfigure(client):
+        print("deploy: warning: the user in AUTOTUNE_REDIS_URL may run CONFIG, MODULE and FLUSHALL: one compromised "
+              "node could take over the Redis host or wipe every job; create the cluster's own user with "
+              "`python -m deploy redis-user` (README, 'Running on a real cluster')", file=sys.stderr)
     # TLS: the certificate files' paths (each host has its own copy there), never their contents
     env = {"AUTOTUNE_REDIS_URL": url, **_ssh_config_env(args),
            **{name: os.environ[name] for name in TLS_ENV if os.environ.get(name)}}
@@ -224,6 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return up(args, url)
         if args.action == "status":
             return status(args, url)
+        if args.action == "redis-user":
+            print(create_cluster_user(url, os.environ.get(ADMIN_ENV)))
+            return 0
         if not args.target:
             raise UsageError("cleanup needs a job id or an experiment name: python -m deploy cleanup NAME")
         result = cleanup(_client(url), _hosts(args), args.target, args.grace)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -45,7 +46,14 @@ def hosts(tmp_path_factory, redis_url):
     hostfile = folder / "hostfile"
     hostfile.write_text("nodeA slots=2\nnodeB slots=1\nnodeC slots=1\n")
     run_dir = folder / "run"
-    yield {"config": config, "hostfile": hostfile, "run_dir": run_dir, "url": redis_url,
+    # The workers connect as the cluster's least-privilege user, created as the README says
+    admin = urlparse(redis_url)
+    url = f"redis://autotune:{secrets.token_hex(8)}@{admin.hostname}:{admin.port}/0"
+    made = subprocess.run([sys.executable, "-m", "deploy", "redis-user"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "AUTOTUNE_REDIS_URL": url, "AUTOTUNE_REDIS_ADMIN_URL": redis_url},
+                          timeout=60)
+    assert made.returncode == 0, made.stderr
+    yield {"config": config, "hostfile": hostfile, "run_dir": run_dir, "url": url, "admin_url": redis_url,
            "known_hosts": folder / "known_hosts"}
     for pidfile in run_dir.glob("*.pid"):  # whatever a failed test left running, by PID
         try:
@@ -80,12 +88,18 @@ def test_unknown_host_keys_are_refused(hosts):
     shown = lines_of(done.stdout)
     assert "not in known_hosts" in shown["nodeA.gpu0"] and "not in known_hosts" in shown["nodeB.gpu0"]
     assert not hosts["known_hosts"].exists() or hosts["known_hosts"].read_text() == ""
+    # `up` as Redis's default user (it may run CONFIG) warns before anything starts; nothing starts
+    # here either: the host keys are still unknown
+    done = deploy(hosts, "up", "--timeout", "5", url=hosts["admin_url"])
+    assert "warning: the user in AUTOTUNE_REDIS_URL may run CONFIG" in done.stderr, done.stderr
+    assert "python -m deploy redis-user" in done.stderr
 
 
 def test_up_status_cleanup_down(hosts):
     client = redis.Redis.from_url(hosts["url"])
     password = urlparse(hosts["url"]).password
     done = deploy(hosts, "up", "--control", "nodeA", "--accept-new-host-keys", "--timeout", "90")
+    assert "warning" not in done.stderr, done.stderr  # the cluster's own user cannot reconfigure Redis
     shown = lines_of(done.stdout)
     assert done.returncode == 1, "nodeC cannot come up"
     assert shown["nodeA"].startswith("nodeA: ok: 2 slot(s) registered") and "control started" in shown["nodeA"]
