@@ -353,7 +353,8 @@ def _top(session: _Session, stage: int) -> int:
     the accumulation), and so does a size a stage holding more ran (`memory.shared_facts`)."""
     sizes = _sizes(session, stage)
     failed = [m for m, ok in sizes.items() if not ok]
-    largest_ok = max([m for m, ok in sizes.items() if ok] + [session.shared_facts(stage).success])
+    borrowed = session.shared_facts(stage).success  # the stage's own failure outranks another stage's success
+    largest_ok = max([m for m, ok in sizes.items() if ok] + [borrowed if not failed or borrowed < min(failed) else 0])
     predicted = session.predicted_max(stage, TOP_SAFETY if session.settings.samples_per_step else TOP_SAFETY_UNBOUNDED)
     if failed:
         smallest_failed = min(failed)
