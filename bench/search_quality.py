@@ -32,7 +32,7 @@ wins, see `every_config_once`). `rpt` is the median number of re-measurements (l
 max_train_batch_size. The last line is the median launches of ours over DeepSpeed's, pooled over
 every surface.
 
-    .venv/bin/python bench/search_quality.py [--surfaces 60] [--seed 0] [--family mid-peak] [--noise 0.02] [--classic]
+    .venv/bin/python bench/search_quality.py [--surfaces 60] [--seed 0] [--family mid-peak] [--noise 0.02] [--classic] [--buckets]
 
 Check every change on held-out surfaces too (`--seed 1000`): the defaults are not a tuning set.
 `--noise` replaces every surface's base measurement noise (standard deviation per launch, default:
@@ -53,7 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
-from bench.surfaces import FAMILIES, Surface, classic, make_surface, user_config  # noqa: E402
+from bench.surfaces import FAMILIES, Surface, classic, make_surface, user_config, with_buckets  # noqa: E402
 from scheduler.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.phases import Phase, drive  # noqa: E402
 from scheduler.ranking import best  # noqa: E402
@@ -152,6 +152,8 @@ def main() -> None:
                         "(standard deviation as a fraction; default: the surfaces' own 0.02)")
     parser.add_argument("--classic", action="store_true", help="the earlier surfaces: max_train_batch_size "
                         "always set, equal Gaussian noise, 85 %% device peaks")
+    parser.add_argument("--buckets", action="store_true", help="DeepSpeed's 1 GB gradient bucket held at "
+                        "ZeRO-1/2/3 on every surface (surfaces.with_buckets)")
     args = parser.parse_args()
     if args.noise is not None and not 0 <= args.noise < 1:
         parser.error(f"--noise {args.noise}: must be a fraction in [0, 1)")
@@ -161,7 +163,8 @@ def main() -> None:
           f"{100 * (0.02 if args.noise is None else args.noise):g} % noise, "
           + ("variant classic (max_train_batch_size always set, equal Gaussian noise, 85 % peaks); "
              if args.classic else "variant new (half without max_train_batch_size, per-config and "
-             "heavy-tailed noise on half, 30 % without peaks); ") +
+             "heavy-tailed noise on half, 30 % without peaks); ")
+          + ("DeepSpeed's 1 GB gradient bucket at ZeRO-1/2/3; " if args.buckets else "") +
           "ours = scheduler.fast_search (sampled), DeepSpeed = bench/deepspeed_replay.py (0.19 fast mode)")
     header = (f"{'family':<13}{'search':<11}{'frac med':>9}{'frac p10':>9}{'>=0.99':>8}{'launch med':>11}"
               f"{'launch p90':>11}{'failed med':>11}{'failed p90':>11}{'worst stg':>10}{'rpt':>5}"
@@ -174,6 +177,8 @@ def main() -> None:
             surfaces = [classic(surface) for surface in surfaces]
         if args.noise is not None:
             surfaces = [replace(surface, noise=args.noise) for surface in surfaces]
+        if args.buckets:
+            surfaces = [with_buckets(surface) for surface in surfaces]
         rows = {"ours": [ours(s) for s in surfaces], "DeepSpeed": [deepspeed(s) for s in surfaces],
                 "all once": [every_config_once(s) for s in surfaces]}
         for label, outcomes in rows.items():

@@ -48,6 +48,10 @@ its largest that fits, T, with gas 1 and with gas T // mbs (DeepSpeed's mtbpg = 
 1; T at most MBS_CAP). The optimum is the best noise-free throughput over that space at the default
 knobs (more gas amortizes the step cost, so a gas-1 config never beats gas T // mbs at its size).
 
+`with_buckets` adds what the states' factor only approximates: DeepSpeed's flat gradient bucket of
+reduce_bucket_size elements (5e8, 1 GB in fp16), held whole at ZeRO-1/2/3 whatever the model's size
+(`search_quality.py --buckets`).
+
 The new attributes are drawn from a second random stream, so every parameter the surfaces had
 before (bench/README.md's earlier figures) is unchanged; `classic` turns a surface back into that
 earlier one (max_train_batch_size always set, Gaussian noise equal for every config, 85 % peaks).
@@ -102,6 +106,7 @@ class Surface:
     drawn_reports_peak: bool = True  #: reports_peak of the classic surface
     noise_spread: float = 0.0  #: > 1: each config's noise is the base times log-uniform [0.5, this]
     straggler_rate: float = 0.0  #: share of readings slowed 1.5-2x (a third as many sped up 1.3-1.8x)
+    bucket_bytes: int = 0  #: DeepSpeed's flat gradient bucket at ZeRO-1/2/3 (`with_buckets`; 0: none)
     knobs: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     # ------------------------------------------------------------ memory
@@ -114,7 +119,7 @@ class Surface:
         return (params + grads + optimizer) * self.state_factor
 
     def reserved(self, stage: int, mbs: int) -> int:
-        raw = self.states(stage) + self.alloc_overhead + self.activation * mbs
+        raw = self.states(stage) + self.alloc_overhead + self.activation * mbs + (self.bucket_bytes if stage else 0)
         return int(math.ceil(raw / (2 * MiB)) * 2 * MiB)
 
     def fits(self, stage: int, mbs: int) -> bool:
@@ -305,6 +310,19 @@ def classic(surface: Surface) -> Surface:
     equal for every config, a device peak on 85 % of surfaces (for before/after figures)."""
     return replace(surface, max_train_batch_size=surface.drawn_max_train_batch_size or surface.max_train_batch_size,
                    reports_peak=surface.drawn_reports_peak, noise_spread=0.0, straggler_rate=0.0)
+
+
+#: DeepSpeed's default reduce_bucket_size (5e8 elements) in fp16: the bucket ZeRO-1/2 allocate at each
+#: backward (one, overlap_comm being off by default there) and ZeRO-3 when its optimizer is built.
+DEEPSPEED_BUCKET_BYTES = 10**9
+
+
+def with_buckets(surface: Surface) -> Surface:
+    """The surface with DeepSpeed's flat gradient bucket held at ZeRO-1/2/3 (issue 21 item 15), the
+    fixed allocation `state_factor` only approximates in proportion to the model; a surface on which
+    no stage fits any more (a large model on a small device) is left without it."""
+    bucketed = replace(surface, bucket_bytes=DEEPSPEED_BUCKET_BYTES)
+    return bucketed if any(bucketed.max_fit(stage) for stage in range(4)) else surface
 
 
 def user_config(surface: Surface) -> dict[str, Any]:

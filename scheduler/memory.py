@@ -12,9 +12,18 @@ Numbers used (documented choices, not measurements):
 - Model states per parameter: fp32 4 (weights) + 4 (gradients) + 12 (Adam); fp16/bf16 2 + 2 + 12,
   where 12 is Adam's two fp32 moments plus an fp32 master copy of the weights. For pure fp32 without
   ZeRO the master copy does not exist, so the model over-counts by 4 bytes there; calibration absorbs it.
+- DeepSpeed's flat gradient buckets (`MemoryModel.buffer_bytes`), allocated whole whatever the
+  model's size: `reduce_bucket_size` elements (5e8 by default) in the training precision, one at
+  ZeRO-1/2 from the start of each backward (two with overlap_comm), one at ZeRO-3 when its optimizer
+  is built (so the profile run's peak holds it); none with contiguous_gradients false, none at
+  ZeRO-0. 1 GB in fp16 by default: for a small model on a GPU, ZeRO-1 holds more than ZeRO-0. On
+  host memory only the pages the gradients are copied into count (at most the model's gradients).
+  The fp32 gradient copies DeepSpeed makes at the optimizer step (FP16_Optimizer's flat copy, ZeRO's
+  fp32 partition) are left out: they exist after backward has freed the activations, so they raise
+  the peak only where activations are smaller than they are, which the measured lines see.
 - The overhead (what a rank holds besides model states and activations) comes from the profile run
-  when it measured its peak: that peak minus the model states at stage 3 and one sample's
-  activations (`overhead_from_profile`). Unmeasured, it is a prior (`prior_overhead_bytes`): 512 MiB
+  when it measured its peak: that peak minus the model states and the bucket at stage 3 and one
+  sample's activations (`overhead_from_profile`). Unmeasured, it is a prior (`prior_overhead_bytes`): 512 MiB
   of framework runtime on CPU slots; on GPUs max(2 GiB, 6 % of the device), because a GPU process
   also holds its CUDA context, the allocator's cache and communication buffers (1-2 GiB is typical).
   The fitted intercept replaces it once the stage's own probes are measured.
@@ -56,6 +65,8 @@ SAFETY = 0.95
 NO_LIMIT = 1 << 31
 #: Adam's two fp32 moments plus the fp32 master copy of the weights.
 _OPTIMIZER_BYTES = 12
+#: DeepSpeed's default zero_optimization.reduce_bucket_size (elements), at every stage.
+DEFAULT_REDUCE_BUCKET_ELEMENTS = 500_000_000
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,11 @@ class TrainingSetup:
     mixed_precision: bool = False  #: fp16 or bf16 weights and gradients
     offload_optimizer: bool = False  #: optimizer states leave the memory the capacity measures
     offload_param: bool = False  #: parameters leave it (ZeRO-3 only)
+    #: zero_optimization.reduce_bucket_size, the elements of each gradient bucket DeepSpeed allocates
+    #: whole (0: none, as with contiguous_gradients false; `MemoryModel.buffer_bytes`)
+    reduce_bucket_elements: int = 0
+    overlap_comm: bool | None = None  #: None: DeepSpeed's default (on at ZeRO-3 only)
+    host_memory: bool = False  #: the capacity is host RAM, where an untouched page costs nothing
 
     @property
     def dp_size(self) -> int:
@@ -108,9 +124,13 @@ class TrainingSetup:
         zero = ds_config.get("zero_optimization")
         zero = zero if isinstance(zero, Mapping) else {}
         freeing = ("nvme",) if host_memory else ("cpu", "nvme")
+        bucket = _number(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_ELEMENTS))
+        overlap = zero.get("overlap_comm")
         return cls(world_size=world_size, mp_size=mp_size, mixed_precision=mixed_precision(ds_config),
                    offload_optimizer=_offload_device(zero, "offload_optimizer") in freeing,
-                   offload_param=_offload_device(zero, "offload_param") in freeing)
+                   offload_param=_offload_device(zero, "offload_param") in freeing,
+                   reduce_bucket_elements=0 if zero.get("contiguous_gradients") is False else bucket or 0,
+                   overlap_comm=overlap if isinstance(overlap, bool) else None, host_memory=host_memory)
 
 
 def mixed_precision(ds_config: Mapping[str, Any]) -> bool:
@@ -187,9 +207,28 @@ class MemoryModel:
     def state(self, stage: int) -> StateBytes:
         return model_state_bytes(self.info, self.setup, stage)
 
+    def buffer_bytes(self, stage: int) -> int:
+        """DeepSpeed's gradient buckets, allocated whole whatever the model's size (module docstring):
+        at ZeRO-1/2 one of `reduce_bucket_size` elements at the start of each backward, two with
+        overlap_comm; at ZeRO-3 one, when the optimizer is built. On host memory only the pages the
+        gradients are copied into are touched: at most the model's gradients per bucket."""
+        setup = self.setup
+        if not setup.reduce_bucket_elements or stage == 0:
+            return 0
+        buckets = 2 if stage in (1, 2) and setup.overlap_comm else 1
+        elements = setup.reduce_bucket_elements
+        if setup.host_memory:
+            elements = min(elements, _ceil_div(self.info.trainable_num_params, setup.mp_size))
+        return buckets * elements * (2 if setup.mixed_precision else 4)
+
+    def held_bytes(self, stage: int) -> int:
+        """What the stage holds that another stage may not, at any micro-batch: its model states and
+        DeepSpeed's buckets (the overhead is common to all)."""
+        return self.state(stage).total + self.buffer_bytes(stage)
+
     def fixed_bytes(self, stage: int) -> int:
         """Memory that does not grow with the micro-batch."""
-        return self.state(stage).total + self.overhead_bytes
+        return self.held_bytes(stage) + self.overhead_bytes
 
     def required_bytes(self, stage: int, mbs: int) -> int:
         return self.fixed_bytes(stage) + self.info.activation_mem_per_gpu * mbs
@@ -266,7 +305,8 @@ def overhead_from_profile(info: ModelInfo, setup: TrainingSetup, peak_bytes: int
     activations, in the units of the measured peak; None when it measured no peak."""
     if not peak_bytes:
         return None
-    return max(0, peak_bytes - model_state_bytes(info, setup, 3).total - info.activation_mem_per_gpu)
+    held = MemoryModel(info, setup, 0).held_bytes(3)  # ZeRO-3 built its bucket before the profiled forward
+    return max(0, peak_bytes - held - info.activation_mem_per_gpu)
 
 
 def peak_grows(observations: Sequence[Observation], prior_slope: float) -> bool:
@@ -358,9 +398,11 @@ def predict_max_micro_batch_size(model: MemoryModel, stage: int, capacity_bytes:
 class SharedFacts:
     """What the other stages' probes say about one stage's largest micro-batch.
 
-    Two kinds. Proven, from the order of model states (offload aside, a stage holding more at equal
-    size fails wherever one holding less failed, and one holding less runs wherever one holding more
-    ran): `success` (a size known to fit, 0: none) and `failure` (a size known not to, None: none).
+    Two kinds. From the order of what the stages hold (`MemoryModel.held_bytes`: model states and
+    DeepSpeed's buckets; offload aside, a stage holding more at equal size fails wherever one holding
+    less failed, and one holding less runs wherever one holding more ran): `success` (a size taken to
+    fit, 0: none) and `failure` (a size taken not to, None: none); a stage's own failure outranks a
+    borrowed success (`sampled_search._top`).
     Predicted, from another stage's ok/failed bracket [a, b) moved by the analytical difference D of
     the two stages' fixed bytes (`predicted_success`, `predicted_failure`): the top moves by D / s,
     where s, the bytes per sample, lies between s_low = max(the profile's figure, R / b) and
@@ -378,13 +420,13 @@ class SharedFacts:
 def shared_facts(model: MemoryModel, stage: int, budget_bytes: int,
                  observations: Mapping[int, Sequence[Observation]]) -> SharedFacts:
     """`SharedFacts` for `stage` from every other stage's observations (see the class)."""
-    held = model.state(stage).total
+    held = model.held_bytes(stage)
     success, failure, predicted_success, predicted_failure = 0, None, 0, None
     for other, found in observations.items():
         if other == stage:
             continue
         largest_ok, smallest_oom = bounds(list(found))
-        other_held = model.state(other).total
+        other_held = model.held_bytes(other)
         if other_held >= held:
             success = max(success, largest_ok)
         if smallest_oom is not None and other_held <= held:

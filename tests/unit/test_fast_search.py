@@ -68,7 +68,9 @@ LAW = Law()
 USER_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 1,
     "fp16": {"enabled": True},
-    "zero_optimization": {"stage": "all", "overlap_comm": True, "offload_optimizer": {"device": "none"}},
+    # no flat gradient bucket: the law has none (scheduler.memory's bucket term: test_memory)
+    "zero_optimization": {"stage": "all", "overlap_comm": True, "contiguous_gradients": False,
+                          "offload_optimizer": {"device": "none"}},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
     "autotuning": {"enabled": True, "user_script": "train.py"},
 }
@@ -891,7 +893,7 @@ def deepspeed_full(tmp_path: Path, stages: tuple[int, ...], *, trials: int, earl
                    zero: dict[str, Any] | None = None, **autotuning: Any) -> SearchSettings:
     """DeepSpeed's algorithm with `"fast": false` and gridsearch, on the trace model and host memory (as
     `settings()`: 512 MiB of overhead, no reserve)."""
-    user = {**USER_CONFIG, "zero_optimization": {"stage": list(stages), **(zero or {})},
+    user = {**USER_CONFIG, "zero_optimization": {"stage": list(stages), "contiguous_gradients": False, **(zero or {})},
             "autotuning": {**USER_CONFIG["autotuning"], "fast": False, "search": "deepspeed",
                            "tuner_type": "gridsearch", "tuner_num_trials": trials,
                            "tuner_early_stopping": early_stopping, "metric": metric,

@@ -1,6 +1,7 @@
 """The memory model (`scheduler.memory`): hand-computed tables, the gate, calibration, DeepSpeed's estimate."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -75,7 +76,41 @@ def test_frozen_parameters_need_no_gradients_or_optimizer_state() -> None:
          "offload-nvme-on-cpu-slot", "offload-none", "offload-param"],
 )
 def test_setup_from_ds_config(ds_config: dict[str, Any], host_memory: bool, expected: TrainingSetup) -> None:
-    assert TrainingSetup.from_ds_config(ds_config, world_size=4, host_memory=host_memory) == expected
+    setup = TrainingSetup.from_ds_config(ds_config, world_size=4, host_memory=host_memory)
+    assert (setup.reduce_bucket_elements, setup.overlap_comm, setup.host_memory) == (500_000_000, None, host_memory)
+    assert replace(setup, reduce_bucket_elements=0, host_memory=False) == expected
+
+
+@pytest.mark.parametrize(
+    ("zero", "host_memory", "bytes_by_stage"),
+    [
+        ({}, False, (0, 2_000_000_000, 2_000_000_000, 2_000_000_000)),  # fp32: 5e8 x 4 B, one bucket
+        ({"overlap_comm": True}, False, (0, 4_000_000_000, 4_000_000_000, 2_000_000_000)),  # two at ZeRO-1/2
+        ({"overlap_comm": True, "reduce_bucket_size": 2e8}, False, (0, 1_600_000_000, 1_600_000_000, 800_000_000)),
+        ({"contiguous_gradients": False}, False, (0, 0, 0, 0)),  # no flat bucket at all
+        ({}, True, (0, 40_000, 40_000, 40_000)),  # host RAM: only the 10^4 gradients' pages are touched
+        ({"overlap_comm": True}, True, (0, 80_000, 80_000, 40_000)),
+    ],
+    ids=["default", "overlap", "smaller-bucket", "not-contiguous", "host", "host-overlap"],
+)
+def test_deepspeeds_gradient_buckets(zero: dict[str, Any], host_memory: bool,
+                                     bytes_by_stage: tuple[int, int, int, int]) -> None:
+    setup = TrainingSetup.from_ds_config({"zero_optimization": zero}, world_size=4, host_memory=host_memory)
+    model = MemoryModel(ModelInfo(10_000, 10_000, 100), setup, overhead_bytes=7)
+    assert tuple(model.buffer_bytes(stage) for stage in range(4)) == bytes_by_stage
+    for stage in range(4):  # fixed = states + buckets + overhead; held leaves the common overhead out
+        assert model.fixed_bytes(stage) == model.state(stage).total + bytes_by_stage[stage] + 7
+        assert model.held_bytes(stage) == model.fixed_bytes(stage) - 7
+    mixed = MemoryModel(ModelInfo(10_000, 10_000, 100), replace(setup, mixed_precision=True))
+    assert tuple(mixed.buffer_bytes(stage) for stage in range(4)) == tuple(b // 2 for b in bytes_by_stage)
+
+
+def test_the_profile_overhead_leaves_out_zero3s_bucket() -> None:
+    setup = TrainingSetup.from_ds_config({}, world_size=4)
+    info = ModelInfo(10_000, 10_000, 100)
+    states = model_state_bytes(info, setup, 3).total
+    peak = states + 2_000_000_000 + 100 + 12345  # states, ZeRO-3's bucket, one sample, the rest
+    assert overhead_from_profile(info, setup, peak) == 12345
 
 
 @pytest.mark.parametrize(("world", "mp", "dp"), [(4, 1, 4), (4, 2, 2), (4, 4, 1), (1, 1, 1), (2, 4, 1)])
@@ -388,7 +423,8 @@ def test_setup_defaults_to_device_memory_and_keeps_mp_size() -> None:
     assert TrainingSetup.from_ds_config(cpu_offload, world_size=4).offload_optimizer is True
     nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}}
     setup = TrainingSetup.from_ds_config(nvme, world_size=8, mp_size=2, host_memory=False)
-    assert setup == TrainingSetup(world_size=8, mp_size=2, offload_optimizer=True, offload_param=True)
+    assert setup == TrainingSetup(world_size=8, mp_size=2, offload_optimizer=True, offload_param=True,
+                                  reduce_bucket_elements=500_000_000)
     assert setup.dp_size == 4
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from bench.search_quality import every_config_once
-from bench.surfaces import FAMILIES, GiB, MBS_CAP, Surface, classic, make_surface, user_config
+from bench.surfaces import FAMILIES, GiB, MBS_CAP, Surface, classic, make_surface, user_config, with_buckets
 
 
 def tiny(**changes) -> Surface:
@@ -98,7 +98,8 @@ RECORDED_SHORT = {
     ("mid-peak", 13): (64, 642712736, 24 * GiB, True, 205.57560222941532, 203.82610209916638,
                        (795.6369493534233, (2, 16, 2))),  # now: no limit, no peak, noisier, stragglers
 }
-NEW_FIELDS = ("drawn_max_train_batch_size", "drawn_reports_peak", "noise_spread", "straggler_rate", "knobs")
+NEW_FIELDS = ("drawn_max_train_batch_size", "drawn_reports_peak", "noise_spread", "straggler_rate", "knobs",
+              "bucket_bytes")
 
 
 def test_classic_surfaces_are_the_ones_drawn_before() -> None:
@@ -156,3 +157,18 @@ def test_all_once_measures_exactly_the_space() -> None:
     outcome = every_config_once(tiny(noise=0.0))
     assert (outcome.launches, outcome.failed, outcome.fraction) == (36, 0, 1.0)
     assert every_config_once(tiny(noise=0.0, max_train_batch_size=16)).launches == 4 * 6
+
+
+def test_deepspeeds_bucket_is_held_from_zero_1_on() -> None:
+    """with_buckets: 10^9 bytes more at ZeRO-1/2/3 at every size, nothing at ZeRO-0; the surface is
+    otherwise the same, and a surface where no stage would fit any more keeps no bucket."""
+    plain = make_surface("small-model", 4)
+    bucketed = with_buckets(plain)
+    assert plain.bucket_bytes == 0 and bucketed.bucket_bytes == 10**9
+    for stage in range(4):
+        grown = bucketed.reserved(stage, 3) - plain.reserved(stage, 3)
+        assert abs(grown - (10**9 if stage else 0)) <= 2 * 2**20  # reserved rounds up to 2 MiB
+    edge = dataclasses.replace(plain, capacity=plain.reserved(1, 3) + plain.untracked)  # ZeRO-1 at 3 just fits
+    assert edge.fits(1, 3) and not with_buckets(edge).fits(1, 3)
+    tight = dataclasses.replace(plain, capacity=plain.reserved(3, 1) + plain.untracked + 2**20)
+    assert tight.max_fit(3) == 1 and with_buckets(tight) is tight
