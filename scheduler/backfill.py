@@ -47,6 +47,7 @@ class Waiting:
     estimate_s: float  #: how long it may run once started: its time limit (module docstring)
     min_memory: int = 0  #: bytes each slot must offer
     kind: str = ""  #: slot kind every slot must be ("" = any one kind)
+    exclusive: bool = False  #: only on nodes where nothing else runs (`placement.place`)
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.num_gpus < 1:
@@ -100,7 +101,7 @@ def strict_fifo(queue: Sequence[Waiting], slots: Sequence[Slot], frees_at: Mappi
         if placement is None:
             break
         starts.append(Start(item.name, placement))
-        busy.update(starts[-1].queues)
+        busy.update(_taken(item, starts[-1], slots))
     return starts
 
 
@@ -116,7 +117,7 @@ def backfill(queue: Sequence[Waiting], slots: Sequence[Slot], frees_at: Mapping[
         return starts
     ends = dict(frees_at)
     for start, item in zip(starts, queue):
-        ends.update(dict.fromkeys(start.queues, now + item.estimate_s))
+        ends.update(dict.fromkeys(_taken(item, start, slots), now + item.estimate_s))
     head = reservation(blocked[0], slots, ends, now)
     busy = set(ends)
     # Busy only grows during a pass, so a shape that found no room stays without room: later items
@@ -126,7 +127,7 @@ def backfill(queue: Sequence[Waiting], slots: Sequence[Slot], frees_at: Mapping[
         if len(busy) >= len(slots):
             break
         within_shadow = head is None or now + item.estimate_s <= head.start_at
-        shape = (item.num_nodes, item.num_gpus, item.min_memory, item.kind, within_shadow)
+        shape = (item.num_nodes, item.num_gpus, item.min_memory, item.kind, item.exclusive, within_shadow)
         if shape in no_room:
             continue
         placement = _backfill_placement(item, slots, busy, head, now)
@@ -134,8 +135,17 @@ def backfill(queue: Sequence[Waiting], slots: Sequence[Slot], frees_at: Mapping[
             no_room.add(shape)
             continue
         starts.append(Start(item.name, placement))
-        busy.update(starts[-1].queues)
+        busy.update(_taken(item, starts[-1], slots))
     return starts
+
+
+def _taken(item: Waiting, start: Start, slots: Sequence[Slot]) -> list[str]:
+    """The slots a start keeps from the others: its own, and for an exclusive item every slot of its
+    nodes (nothing may run beside it)."""
+    if not item.exclusive:
+        return start.queues
+    nodes = {slot.node for placed in start.placement for slot in placed}
+    return [slot.queue for slot in slots if slot.node in nodes]
 
 
 def reservation(head: Waiting, slots: Sequence[Slot], frees_at: Mapping[str, float],
@@ -176,7 +186,7 @@ def _backfill_placement(item: Waiting, slots: Sequence[Slot], busy: set[str], he
 
 
 def _place(slots: Sequence[Slot], busy: set[str], item: Waiting) -> list[list[Slot]] | None:
-    return place(list(slots), busy, item.num_nodes, item.num_gpus, item.min_memory, item.kind)
+    return place(list(slots), busy, item.num_nodes, item.num_gpus, item.min_memory, item.kind, item.exclusive)
 
 
 #: The policies a job may ask for (`JobSpec.policy`), by name.

@@ -6,6 +6,12 @@ only catches what no event announces: lost launches, slots freed by an expired l
 (re)appeared. One Redis lock (`cluster_lock`) serialises every planning step across control
 workers; the gang reservation itself is atomic anyway, so a slot can never be double-booked.
 
+An experiment marked `exclusive` (a finalist's re-measurement, `scheduler.sampled_search.confirm`)
+starts only on nodes where no slot is busy, and while it runs every slot of its nodes counts as
+busy for everyone else: the finalists are compared with their nodes otherwise idle. Each launch
+keeps its co-runners (the launches of any job holding a slot on its nodes when it starts, and those
+starting beside it later), which its record shows (`co_runners_of`).
+
 Order: every queued experiment of every active job, by its submission sequence number (FIFO across
 jobs), with EASY backfill (`scheduler.backfill`): a later experiment starts in free slots only when
 it cannot delay the waiting head past its estimated start. A job may ask for strict FIFO
@@ -26,7 +32,9 @@ import logging
 import math
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -98,14 +106,15 @@ def dispatch(client: redis.Redis, work: Work) -> None:
     policy = POLICIES[asked.pop()] if len(asked) == 1 else backfill
     by_key = {f"{spec.job}/{launch.name}": (spec, launch) for spec, launch in free_waiting if spec.job not in refused}
     items = [Waiting(key, launch.exp["num_nodes"], launch.exp["num_gpus"], spec.timeout_s,
-                     launch.exp.get("min_memory", 0), spec.slot_kind) for key, (spec, launch) in by_key.items()]
-    for key, placement in policy(items, slots, _frees_at(client, jobs, busy), time.time()):
+                     launch.exp.get("min_memory", 0), spec.slot_kind, bool(launch.exp.get("exclusive")))
+             for key, (spec, launch) in by_key.items()]
+    for key, placement in policy(items, slots, _frees_at(client, jobs, busy, slots), time.time()):
         spec, launch = by_key[key]
         queues = [slot.queue for node in placement for slot in node]
         token = gangs.reserve(queues, spec.lease_s, owner=key)
         if token is None:
             break  # taken between our read and now (cannot happen under the lock; be safe)
-        _start(client, work, spec, launch, placement, token)
+        _start(client, work, spec, launch, placement, token, slots)
         busy.update(queues)
     for spec in jobs.values():
         store = JobStore(client, spec.job)
@@ -128,7 +137,7 @@ def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: Queued
     queues = [slot.queue for node in placement for slot in node]
     token = GangReservations(client).reserve(queues, spec.lease_s, owner=f"{spec.job}/{launch.name}")
     if token is not None:
-        _start(client, work, spec, launch, placement, token)
+        _start(client, work, spec, launch, placement, token, slots)
         busy.update(queues)
     return True
 
@@ -185,9 +194,12 @@ def refusal(exp: dict[str, Any], slots: list[Slot], kind: str = "") -> str:
             + f"; use --num_nodes {min(nodes, exp['num_nodes'])} --num_gpus {per_node} or fewer")
 
 
-def _frees_at(client: redis.Redis, jobs: dict[str, JobSpec], busy: set[str]) -> dict[str, float]:
+def _frees_at(client: redis.Redis, jobs: dict[str, JobSpec], busy: set[str],
+              slots: Sequence[Slot] = ()) -> dict[str, float]:
     """When each busy slot should free: our jobs' running experiments from their start plus their
-    shape's mean wall time (or the time limit); slots held by anything else: unknown (infinite)."""
+    shape's mean wall time (or the time limit); slots held by anything else: unknown (infinite).
+    While an exclusive experiment runs (a finalist re-measured with its nodes otherwise idle), every
+    slot of its nodes counts as busy until it ends, so nothing is placed beside it."""
     frees_at = dict.fromkeys(busy, math.inf)
     for job, spec in jobs.items():
         store = JobStore(client, job)
@@ -196,7 +208,41 @@ def _frees_at(client: redis.Redis, jobs: dict[str, JobSpec], busy: set[str]) -> 
         for launch in launches:
             end_at = launch.started + estimate_run_s(spec.timeout_s, walls.get(_shape(launch.exp), ()))
             frees_at.update({q: end_at for q in launch.queues if q in frees_at})
+            if launch.exp.get("exclusive"):
+                nodes = _nodes_of(launch.queues, slots)
+                frees_at.update({s.queue: end_at for s in slots if s.node in nodes and s.queue not in frees_at})
     return frees_at
+
+
+def _nodes_of(queues: list[str], slots: Sequence[Slot]) -> set[str]:
+    wanted = set(queues)
+    return {slot.node for slot in slots if slot.queue in wanted}
+
+
+def _record_co_runners(client: redis.Redis, key: str, queues: list[str], slots: list[Slot]) -> list[str]:
+    """The launches ("job/experiment", from the gang keys' owners) holding a slot on the nodes of
+    `queues`, each told that `key` now runs beside it; returns them, `key`'s own co-runners so far."""
+    nodes = _nodes_of(queues, slots)
+    mates = [slot.queue for slot in slots if slot.node in nodes and slot.queue not in queues]
+    owners = sorted(set(GangReservations(client).owners(mates).values()) - {key})
+    for owner in owners:
+        job, _, name = owner.rpartition("/")
+        store = JobStore(client, job)
+        other = store.running().get(name)
+        if other is not None and key not in other.co_runners:
+            store.update_running(replace(other, co_runners=[*other.co_runners, key]))
+    return owners
+
+
+def co_runners_of(client: redis.Redis, finish: FinishSpec) -> list[str]:
+    """The launches that ran beside this one (`RunningLaunch.co_runners`), for its record; [] for a
+    launch no longer running under this attempt, or while Redis cannot be read: the record is
+    written first whatever Redis does."""
+    try:
+        launch = JobStore(client, finish.job).running().get(finish.name)
+    except redis.RedisError:
+        return []
+    return list(launch.co_runners) if launch is not None and launch.attempt == finish.attempt else []
 
 
 def _shape(exp: dict[str, Any]) -> str:
@@ -204,7 +250,7 @@ def _shape(exp: dict[str, Any]) -> str:
 
 
 def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch, placement: list[list[Slot]],
-           token: str) -> None:
+           token: str, slots: list[Slot]) -> None:
     """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first."""
     exp = Experiment.from_json(queued.exp)
     if spec.tune is not None:  # DeepSpeed's autotuning_exps/<name>.json, for each experiment launched
@@ -234,10 +280,11 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
             ranks.append(RankLaunch(slot.queue, rank_spec, uuid.uuid4().hex,
                                     f"(experiment={exp.name!r}, rank={rank_spec.rank}, slot={slot.queue!r})"))
     now = time.time()
+    co_runners = _record_co_runners(client, f"{spec.job}/{exp.name}", queues, slots)
     store.start(queued, RunningLaunch(
         seq=queued.seq, exp=queued.exp, argv=queued.argv, attempt=attempt, queues=queues, token=token,
         rank_tasks={rank.queue: rank.task_id for rank in ranks}, started=now, deadline=now + spec.timeout_s + spec.lost_grace_s,
-        instances={slot.queue: slot.instance for node in placement for slot in node}))
+        instances={slot.queue: slot.instance for node in placement for slot in node}, co_runners=co_runners))
     work.launch(ranks, finish, int(spec.timeout_s) + TIME_LIMIT_GRACE_S,
                 f"(experiment={exp.name!r}, job={spec.job!r}, slots={queues!r})")
 

@@ -61,6 +61,8 @@ class RunningLaunch(_Json):
     deadline: float  #: past it with no record, the launch is lost
     instances: dict[str, str] = field(default_factory=dict)  #: slot queue -> worker instance at launch
     missing_since: float | None = None  #: when a slot's registration was first seen gone
+    #: "job/experiment" of every launch that held a slot on one of its nodes while it ran
+    co_runners: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:

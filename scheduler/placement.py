@@ -25,16 +25,19 @@ KINDS = ("cuda", "cpu")
 
 
 def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
-          min_memory: int = 0, kind: str = "") -> list[list[Slot]] | None:
+          min_memory: int = 0, kind: str = "", exclusive: bool = False) -> list[list[Slot]] | None:
     """One list of `num_gpus` free slots per node for `num_nodes` nodes, or None if it does not fit now.
 
     All slots are of `kind` ("" = of any one kind, CUDA first). Nodes are taken in name order and
     devices in id order, so the same cluster state always gives the same placement (reproducible
-    experiments, readable logs).
+    experiments, readable logs). `exclusive`: only nodes on which no slot at all is busy (the
+    experiment is to be measured with its nodes otherwise idle).
     """
     ordered = sorted(slots, key=lambda s: (s.node, s.device))
+    occupied = {s.node for s in slots if s.queue in busy} if exclusive else set()
     for candidate in ((kind,) if kind else KINDS):
-        usable = [s for s in ordered if s.queue not in busy and s.memory_bytes >= min_memory and s.kind == candidate]
+        usable = [s for s in ordered if s.queue not in busy and s.memory_bytes >= min_memory and s.kind == candidate
+                  and s.node not in occupied]
         for pool in _reachable_pools(usable, num_nodes):
             free_by_node: dict[str, list[Slot]] = defaultdict(list)
             for slot in pool:

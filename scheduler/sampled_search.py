@@ -42,8 +42,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   success (`MAX_BLIND_FAILURES` halvings when nothing in the job ran yet);
 - `confirm`: no config is named on one reading. The leader is measured again, then the rivals it
   is not separated from at the measured noise (across repeats, and inside each run from its step
-  times), one launch per phase (each under the same
-  conditions as the originals, which ran alone), within `scheduler.confirm.REPEAT_BUDGET`; the
+  times), one launch per phase, each with its nodes otherwise idle (`Experiment.exclusive`: no
+  experiment of any job beside it, so the finalists are compared under the same conditions),
+  within `scheduler.confirm.REPEAT_BUDGET`; the
   winner is picked on the mean of every reading (`scheduler.ranking.best` pools repeats).
 
 What the benches show this buys, and what they cannot: bench/search_quality.py (synthetic
@@ -500,5 +501,5 @@ def confirm(session: _Session) -> Step:
         exp = originals[key]
         repeat = Experiment(f"{exp.name}_r{launched[key] + 1}", exp.stage, exp.micro_batch_size,
                             exp.gradient_accumulation_steps, exp.ds_config, exp.num_nodes, exp.num_gpus,
-                            exp.tuning_space)
+                            exp.tuning_space, exclusive=True)
         yield from session.measure(f"confirm_{spent}", [repeat])

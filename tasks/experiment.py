@@ -47,7 +47,7 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 @app.task(name="autotune.finish_experiment")
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
-    from scheduler.dispatch import cluster_lock, dispatch, record_finished
+    from scheduler.dispatch import cluster_lock, co_runners_of, dispatch, record_finished
     from scheduler.launches import FinishSpec
     from scheduler.progress import advance
 
@@ -55,11 +55,14 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     if rank_records and all(r.get("stale") for r in rank_records):
         return {"name": finish.name, "status": "lost", "stale": True}  # a newer launch owns the folder
     record = aggregate(finish.to_json(), rank_records)
+    client = redis_client(app.conf)
+    co_runners = co_runners_of(client, finish)
+    if co_runners:  # launches of any job that held a slot on its nodes while it ran
+        record["co_runners"] = co_runners
     result_dir = safe_child(finish.results_root, finish.name)
     if record["status"] == "ok" and record["metrics"] is not None and finish.metric_file == "metrics.json":
         write_json(result_dir / "metrics.json", record["metrics"], indent=None)
     write_json(result_dir / "result.json", record)
-    client = redis_client(app.conf)
     with cluster_lock(client):
         record_finished(client, finish, record)
         advance(client, finish.job)

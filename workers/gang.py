@@ -107,6 +107,12 @@ class GangReservations:
         values = self._client.mget([keys.gang(q) for q in ordered]) if ordered else []
         return {q: v.decode().partition("#")[0] or "?" for q, v in zip(ordered, values) if v is not None}
 
+    def owners(self, queues: list[str]) -> dict[str, str]:
+        """queue -> the owner (`reserve`'s `owner`, e.g. "job/experiment") of each reserved one."""
+        ordered = sorted(set(queues))
+        values = self._client.mget([keys.gang(q) for q in ordered]) if ordered else []
+        return {q: v.decode().rsplit("#", 1)[0] for q, v in zip(ordered, values) if v is not None and b"#" in v}
+
     def held(self, queues: list[str]) -> set[str]:
         """Which of `queues` are reserved by anyone right now."""
         ordered = sorted(set(queues))

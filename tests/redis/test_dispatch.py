@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from scheduler import dispatch as dispatch_module
-from scheduler.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock, dispatch,
-                                record_finished, refusal, sweep)
+from scheduler.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock, co_runners_of,
+                                dispatch, record_finished, refusal, sweep)
 from scheduler.job_store import JobStore, reserve_seqs
 from scheduler.jobs import JobSpec, TuneSpec, submit
 from scheduler.launches import FinishSpec, QueuedLaunch, RunningLaunch
@@ -133,7 +133,9 @@ def test_a_launch_is_recorded_in_redis_before_it_is_sent(client: redis.Redis, wo
     assert before <= rec.started <= after and rec.deadline == rec.started + 100 + 20
     assert rec == RunningLaunch(seq=a.seq, exp=a.exp, argv=a.argv, attempt=finish.attempt, queues=["n0.gpu0"],
                                 token=token, rank_tasks={"n0.gpu0": rank.task_id}, started=rec.started,
-                                deadline=rec.deadline, instances={"n0.gpu0": "inst-n0-0"}, missing_since=None)
+                                deadline=rec.deadline, instances={"n0.gpu0": "inst-n0-0"}, missing_since=None,
+                                co_runners=["j/b"])  # b started beside it on node n0, after it
+    assert launched["b"].co_runners == ["j/a"]  # and a ran there already
     for queue in ("n0.gpu0", "n0.gpu1"):
         assert 20_000 < client.pttl(keys.gang(queue)) <= 30_000  # the job's lease
     assert client.hkeys(keys.job_queue("j")) == [b"c"]
@@ -697,3 +699,29 @@ def test_sweep_checks_every_running_launch_of_every_job(client: redis.Redis, wor
     client.delete(keys.slot("n0.gpu1"))
     assert sweep(client, work) == set()
     assert running(client, "j2")["e1"].missing_since is not None
+
+
+def test_a_finalist_runs_with_its_node_otherwise_idle_and_co_runners_are_recorded(client: redis.Redis, work,
+                                                                                   tmp_path: Path) -> None:
+    """Two jobs on nodes n0 and n1 (2 slots each). j1's `a` runs on n0.gpu0; j2 queues `b`, its
+    finalist's re-measurement `fin` (exclusive) and `c`: b goes beside a (n0.gpu1), fin to n1, idle,
+    and c waits although n1.gpu1 is free: nothing runs beside fin, in this pass or the next. When b
+    is recorded, c takes n0.gpu1. a and b each record the other as a co-runner, fin none."""
+    register(client, make_slot("n0", 0), make_slot("n0", 1), make_slot("n1", 0), make_slot("n1", 1))
+    one, two = make_spec(tmp_path, "j1"), make_spec(tmp_path, "j2")
+    active(client, work, one, exp("a"))
+    dispatch(client, work)
+    active(client, work, two, exp("b"), {**exp("fin"), "exclusive": True}, exp("c"))
+    dispatch(client, work)
+    assert started(work) == [("a", ["n0.gpu0"]), ("b", ["n0.gpu1"]), ("fin", ["n1.gpu0"])]
+    dispatch(client, work)
+    assert len(work.launched) == 3  # c still waits: n1.gpu1 is free but fin runs on n1
+    assert running(client, "j1")["a"].co_runners == ["j2/b"]
+    assert running(client, "j2")["b"].co_runners == ["j1/a"] and running(client, "j2")["fin"].co_runners == []
+    finish_b = work.launched[1][1]
+    assert co_runners_of(client, finish_b) == ["j1/a"]
+    assert co_runners_of(client, FinishSpec.from_json({**finish_b.to_json(), "attempt": "older"})) == []
+    assert record_finished(client, finish_b, {"name": "b", "status": "ok", "wall_s": 1.0})
+    dispatch(client, work)
+    assert started(work)[-1] == ("c", ["n0.gpu1"])
+    assert running(client, "j1")["a"].co_runners == ["j2/b", "j2/c"]

@@ -213,6 +213,22 @@ def test_backfill_honours_the_slot_kind() -> None:
     assert named(backfill([w("H", 3, 1, 10), cpu_item], mixed, {}, NOW)) == [("X", ["c.gpu0"])]
 
 
+def test_an_exclusive_item_takes_only_a_node_where_nothing_else_runs() -> None:
+    """A finalist's re-measurement (`exclusive`) starts on b, idle, not beside a.gpu0's run on a; with
+    every node in use it waits, and as the blocked head it is promised the first node to be idle:
+    b, at 150, when b.gpu1's run ends (a's ends at 200). A 100 s item may not take b.gpu0 meanwhile
+    (a.gpu1 is free), a 20 s one may (it ends by 150)."""
+    finalist = Waiting("F", 1, 1, 10, exclusive=True)
+    assert named(backfill([finalist], C4, {"a.gpu0": 150.0}, NOW)) == [("F", ["b.gpu0"])]
+    assert named(backfill([w("F", 1, 1, 10)], C4, {"a.gpu0": 150.0}, NOW)) == [("F", ["a.gpu1"])]
+    assert backfill([finalist], C4, {"a.gpu0": 150.0, "b.gpu1": 150.0}, NOW) == []
+    head = reservation(finalist, C4, {"a.gpu0": 200.0, "b.gpu1": 150.0}, NOW)
+    assert head == Reservation(150.0, frozenset({"b.gpu0"}))
+    queue = [finalist, w("Long", 1, 1, 100), w("Short", 1, 1, 20)]
+    assert named(backfill(queue, C4, {"a.gpu0": 200.0, "b.gpu1": 150.0}, NOW)) == [
+        ("Long", ["a.gpu1"]), ("Short", ["b.gpu0"])]
+
+
 # ---------------------------------------------------------------- dispatch.refusal (found by mutation testing)
 
 

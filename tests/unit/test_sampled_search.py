@@ -131,6 +131,8 @@ def test_confirmation_repeats_run_alone_with_the_original_config() -> None:
     assert all(len(p.experiments) == 1 for p in repeats)
     for exp in (e for p in repeats for e in p.experiments):
         assert runner.records[REPEAT_NAME.match(exp.name)["original"]]["ds_config"] == exp.ds_config
+        assert exp.exclusive  # with its nodes otherwise idle (scheduler.dispatch)
+    assert not any(e.exclusive for p in phases if not p.name.startswith("confirm_") for e in p.experiments)
 
 
 def test_zero_1_leads_when_data_parallel() -> None:
