@@ -45,7 +45,7 @@ from scheduler.job_store import JobStore, heads
 from scheduler.jobs import JobSpec, active_specs, end, load_spec, stop_launch
 from scheduler.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.outputs import write_experiment_descriptions
-from scheduler.placement import fits_ever, is_loopback, largest_shape, pinned_placement
+from scheduler.placement import fits_ever, gang_link, is_loopback, largest_shape, pinned_placement
 from scheduler.space import Experiment
 from scheduler.work import RankLaunch, Work
 from workers import keys
@@ -54,6 +54,7 @@ from workers.paths import safe_child, write_json
 from workers.rank import RankSpec
 from workers.registry import HEARTBEAT_S, TTL_S, live_slots
 from workers.slot import Slot
+from workers.topology import worst_link
 
 SWEEP_S = 2.0
 LOCK_TIMEOUT_S = 120.0
@@ -264,7 +265,8 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
                    "slots": queues, "user_script": queued.argv[0], "user_args": queued.argv[1:]}
     finish = FinishSpec(job=spec.job, name=exp.name, exp_id=exp_id, attempt=attempt, slots=queues,
                         gang_token=token, results_root=spec.results_root, world_size=len(queues),
-                        ds_config=exp.ds_config, timeout_s=spec.timeout_s, metric_file=exp.metric_file)
+                        ds_config=exp.ds_config, timeout_s=spec.timeout_s, metric_file=exp.metric_file,
+                        gpu_link=worst_link(link for node in placement if (link := gang_link(node))))
     ranks = []
     for node_rank, node_slots in enumerate(placement):
         cuda_devices = [slot.cuda_device for slot in node_slots if slot.kind == "cuda"]

@@ -91,3 +91,4 @@ class FinishSpec(_Json):
     ds_config: dict[str, Any]
     timeout_s: float
     metric_file: str = "metrics.json"
+    gpu_link: str = ""  #: the slowest link between the GPUs of one node of its gang (workers.topology)

@@ -9,15 +9,18 @@ and a gang spanning nodes never uses a slot whose address is loopback (its peers
 unless all of the gang's slots are on one machine (the same `Slot.host`). On a node, a gang's GPUs
 are taken from one NUMA node when one has enough free (`Slot.numa_node`, workers.topology): across
 the sockets of a two-socket node GPUs have no PCIe peer-to-peer, and the experiment would measure
-the placement, not the config.
+the placement, not the config; within it, the GPUs whose slowest link is fastest (NVLink pairs
+before PCIe neighbours, `best_linked`).
 """
 from __future__ import annotations
 
 import ipaddress
 from collections import defaultdict
+from itertools import combinations
 
 from scheduler.errors import ClusterError
 from workers.slot import Slot
+from workers.topology import link_rank, worst_link
 
 
 #: Slot kinds in the order an experiment that does not name one tries them.
@@ -49,16 +52,42 @@ def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
 
 
 def _compact(free: list[Slot], count: int) -> list[Slot]:
-    """`count` of a node's free slots (in device order): the first NUMA node (by its lowest free
-    device) that has `count` free, else the first `count` (a gang larger than a NUMA node, or
-    unknown NUMA nodes, which all count as one)."""
+    """`count` of a node's free slots (in device order): from the first NUMA node (by its lowest free
+    device) that has `count` free, else from all of them (a gang larger than a NUMA node, or
+    unknown NUMA nodes, which all count as one); among those, the set whose slowest GPU link is
+    fastest (`best_linked`)."""
     groups: dict[int, list[Slot]] = defaultdict(list)
     for slot in free:
         groups[slot.numa_node].append(slot)
     whole = [group for group in groups.values() if len(group) >= count]
-    if whole:
-        return min(whole, key=lambda group: group[0].device)[:count]
-    return free[:count]
+    return best_linked(min(whole, key=lambda group: group[0].device) if whole else free, count)
+
+
+#: Above this many candidate GPUs the sets are not enumerated (a node has at most 8-16).
+MAX_LINK_CANDIDATES = 16
+
+
+def best_linked(candidates: list[Slot], count: int) -> list[Slot]:
+    """The first `count` candidates (device order) whose slowest pairwise link (`Slot.links`,
+    workers.topology) is fastest: on a node whose GPUs are NVLinked in pairs or islands, a gang of two
+    takes a linked pair rather than two GPUs that only meet over PCIe. Unknown links: the first `count`."""
+    if count < 2 or len(candidates) <= count or len(candidates) > MAX_LINK_CANDIDATES:
+        return candidates[:count]
+    best, best_rank = candidates[:count], _slowest(candidates[:count])
+    for subset in combinations(candidates, count):
+        rank = _slowest(list(subset))
+        if rank > best_rank:
+            best, best_rank = list(subset), rank
+    return best
+
+
+def gang_link(slots: list[Slot]) -> str:
+    """The slowest GPU link inside one node's part of a gang ("" for one GPU, or unknown links)."""
+    return worst_link(a.link_to(b) for a, b in combinations(slots, 2)) if len(slots) > 1 else ""
+
+
+def _slowest(slots: list[Slot]) -> int:
+    return min((link_rank(a.link_to(b)) for a, b in combinations(slots, 2)), default=-1)
 
 
 def _reachable_pools(slots: list[Slot], num_nodes: int) -> list[list[Slot]]:

@@ -25,7 +25,7 @@ from functools import cached_property
 import psutil
 
 from workers.gpus import GpuListingError, local_gpus
-from workers.topology import gpu_bus_ids, node_cpus, numa_node_of
+from workers.topology import gpu_bus_ids, gpu_links, node_cpus, numa_node_of
 
 _QUEUE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+)\.)?gpu(?P<device>\d+)$")
 _SIZE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -91,6 +91,8 @@ class Slot:
     host: str = ""  #: the machine's identity (machine-id): "nodes" sharing it can meet over loopback
     gpu_uuid: str = ""  #: CUDA slots: the GPU's UUID, which no other slot of the same host may serve
     numa_node: int = -1  #: CUDA slots: the GPU's NUMA node (workers.topology; -1: unknown)
+    #: CUDA slots: (other GPU's index, link class) for the node's other GPUs (`nvidia-smi topo -m`)
+    links: tuple[tuple[int, str], ...] = ()
 
     @cached_property
     def queue(self) -> str:
@@ -113,6 +115,7 @@ class Slot:
     def to_redis(self) -> dict[str, str]:
         fields = asdict(self)
         fields["cpus"] = ",".join(map(str, self.cpus))
+        fields["links"] = ",".join(f"{index}:{link}" for index, link in self.links)
         return {key: str(value) for key, value in fields.items()}
 
     @classmethod
@@ -125,7 +128,14 @@ class Slot:
             worker=fields.get("worker", ""), instance=fields.get("instance", ""),
             cuda_index=int(fields.get("cuda_index", -1)), host=fields.get("host", ""),
             gpu_uuid=fields.get("gpu_uuid", ""), numa_node=int(fields.get("numa_node", -1)),
+            links=tuple((int(index), link) for index, _, link in
+                        (pair.partition(":") for pair in fields.get("links", "").split(",") if pair)
+                        if index.isdigit()),
         )
+
+    def link_to(self, other: Slot) -> str:
+        """The link class between this slot's GPU and `other`'s ("" when unknown)."""
+        return dict(self.links).get(other.cuda_index, "")
 
     def child_env(self, cuda_devices: list[str] | None = None) -> dict[str, str]:
         """Variables that bind a training process to this slot. A rank of a multi-GPU experiment sees
@@ -182,10 +192,11 @@ def describe_local_slot(node: str, device: int, address: str, worker: str = "") 
         slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or len(gpus)
         threads = rank_threads(cores, slots)
         numa = numa_node_of(gpu_bus_ids().get(gpu.index))
+        links = tuple(sorted(gpu_links().get(gpu.index, {}).items()))
         allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(cores))
         local = tuple(core for core in node_cpus(numa) if core in allowed)  # the GPU's socket, within our cgroup
         return Slot(node, device, "cuda", gpu.memory_bytes, address, threads, local, worker, cuda_index=gpu.index,
-                    host=machine_id(), gpu_uuid=gpu.uuid, numa_node=numa)
+                    host=machine_id(), gpu_uuid=gpu.uuid, numa_node=numa, links=links)
     slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or cores
     explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
     memory = parse_size(explicit) if explicit else psutil.virtual_memory().total // slots

@@ -44,12 +44,17 @@ def probe_config(path: Path, sizes: list[int]) -> Path:
 def test_three_fake_gpus_give_three_cuda_slots_and_each_rank_its_own_device(tmp_path: Path) -> None:
     """Also: another process holds 20 GiB of GPU 2 throughout (workers.device_idle). Its slot waits
     AUTOTUNE_GPU_WAIT_S for that memory to go before its first rank, then starts anyway and records
-    it; the next launch there sees the same holder and does not wait again."""
+    it; the next launch there sees the same holder and does not wait again. GPUs 0 and 1 are NVLinked
+    and GPU 2 hangs off the host bridge (`nvidia-smi topo -m`): each record names the gang's slowest
+    link, PHB."""
     cfg = probe_config(tmp_path / "cfg.json", [1, 2])
     used = tmp_path / "used.csv"
     used.write_text("0, 2\n1, 0\n2, 20480\n")
+    topology = tmp_path / "topo.csv"
+    topology.write_text("0, 1, NV12\n")
     done = run_autotune([str(cfg), "--num_gpus", "3"], cwd=tmp_path,
-                        env_extra=gpu_env(FAKE_NVIDIA_SMI_USED_FILE=str(used), AUTOTUNE_GPU_WAIT_S="3"))
+                        env_extra=gpu_env(FAKE_NVIDIA_SMI_USED_FILE=str(used), AUTOTUNE_GPU_WAIT_S="3",
+                                          FAKE_NVIDIA_SMI_TOPO_FILE=str(topology)))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "redis-server and 3 slot workers" in done.stdout  # one per GPU on a 2-core machine
     results = tmp_path / "autotuning_results"
@@ -59,6 +64,7 @@ def test_three_fake_gpus_give_three_cuda_slots_and_each_rank_its_own_device(tmp_
         assert record["status"] == "ok", record
         assert record["peak_device_bytes"] == (2 + mbs) * GiB  # measured inside the ranks, busiest rank
         assert record["device_foreign_bytes"] == 20 * GiB  # GPU 2's holder, the most any rank saw
+        assert record["gpu_link"] == "PHB"
         ranks = {r["rank"]: r for r in record["ranks"]}
         assert ranks[0]["device_foreign_bytes"] == ranks[1]["device_foreign_bytes"] == 0
         assert ranks[0]["device_wait_s"] < 1 and ranks[1]["device_wait_s"] < 1

@@ -725,3 +725,15 @@ def test_a_finalist_runs_with_its_node_otherwise_idle_and_co_runners_are_recorde
     dispatch(client, work)
     assert started(work)[-1] == ("c", ["n0.gpu1"])
     assert running(client, "j1")["a"].co_runners == ["j2/b", "j2/c"]
+
+
+def test_a_gang_of_gpus_takes_the_nvlink_pair_and_its_record_names_the_link(client: redis.Redis, work,
+                                                                           tmp_path: Path) -> None:
+    """GPUs 1 and 2 of a 3-GPU node are NVLinked, the rest meet over the host bridge: a 2-GPU
+    experiment takes 1 and 2, and the chord callback is told the gang's slowest link."""
+    links = {0: ((1, "PHB"), (2, "PHB")), 1: ((0, "PHB"), (2, "NV12")), 2: ((0, "PHB"), (1, "NV12"))}
+    register(client, *(replace(make_slot("n0", d, kind="cuda", cuda_index=d), links=links[d]) for d in range(3)))
+    active(client, work, make_spec(tmp_path), exp("pair", gpus=2))
+    dispatch(client, work)
+    [(ranks, finish, _, _)] = work.launched
+    assert finish.slots == ["n0.gpu1", "n0.gpu2"] and finish.gpu_link == "NV12"

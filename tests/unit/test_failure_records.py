@@ -317,3 +317,10 @@ def test_a_profiling_exit_without_rank0s_record_is_not_excused() -> None:
     record = aggregate(EXP, [r1])
     assert record["status"] == "crashed" and record["metrics"] is None
     assert record["cause"]["rank"] == 1
+
+
+def test_the_gangs_slowest_gpu_link_is_in_the_record() -> None:
+    ranks = [{"rank": 0, "status": "ok", "metrics": {"throughput": 1.0}, "ended_at": 1.0},
+             {"rank": 1, "status": "ok", "ended_at": 1.0}]
+    assert aggregate({"name": "e", "world_size": 2, "gpu_link": "NV12"}, ranks)["gpu_link"] == "NV12"
+    assert "gpu_link" not in aggregate({"name": "e", "world_size": 2, "gpu_link": ""}, ranks)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from scheduler.errors import ClusterError
-from scheduler.placement import fits_ever, is_loopback, largest_shape, pinned_placement, place
+from scheduler.placement import fits_ever, gang_link, is_loopback, largest_shape, pinned_placement, place
 from scheduler.ranking import best, metric_value, status_counts
 from workers.slot import Slot
 
@@ -153,6 +153,39 @@ def test_a_gang_stays_on_one_numa_node_when_it_can(busy: set[str], num_gpus: int
     assert queues(place(TWO_SOCKETS, busy, 1, num_gpus)) == [expected]
     unknown = [replace(s, numa_node=-1) for s in TWO_SOCKETS]  # unknown NUMA: device order, as before
     assert queues(place(unknown, set(), 1, 2)) == [["s.gpu0", "s.gpu1"]]
+
+
+def _linked(pairs: dict[tuple[int, int], str], count: int = 4) -> list[Slot]:
+    """One node's `count` GPUs (cuda index = device), every pair PHB unless `pairs` names its link."""
+    def link(a: int, b: int) -> str:
+        return pairs.get((a, b)) or pairs.get((b, a)) or "PHB"
+    return [replace(slot("l", d), cuda_index=d, links=tuple((o, link(d, o)) for o in range(count) if o != d))
+            for d in range(count)]
+
+
+@pytest.mark.parametrize(
+    ("pairs", "busy", "num_gpus", "expected"),
+    [
+        ({(1, 2): "NV4"}, set(), 2, ["l.gpu1", "l.gpu2"]),  # the NVLink pair, not gpu0 + gpu1 over PCIe
+        ({(0, 3): "NV4", (1, 2): "NV12"}, set(), 2, ["l.gpu1", "l.gpu2"]),  # more bonded links
+        ({(1, 2): "NV4"}, {"l.gpu1"}, 2, ["l.gpu0", "l.gpu2"]),  # its pair is busy: device order
+        ({(0, 1): "NV4", (2, 3): "NV4", (0, 2): "PIX", (1, 3): "PIX"}, set(), 3, ["l.gpu0", "l.gpu1", "l.gpu2"]),
+        ({(2, 3): "NV4", (0, 1): "SYS"}, set(), 2, ["l.gpu2", "l.gpu3"]),
+        ({}, set(), 2, ["l.gpu0", "l.gpu1"]),  # all alike: device order
+    ],
+    ids=["nvlink-pair", "faster-pair", "pair-busy", "three-of-two-pairs", "avoid-sys", "uniform"],
+)
+def test_a_gang_takes_the_gpus_whose_slowest_link_is_fastest(pairs: dict, busy: set[str], num_gpus: int,
+                                                             expected: list[str]) -> None:
+    assert queues(place(_linked(pairs), busy, 1, num_gpus)) == [expected]
+    unknown = [replace(s, links=()) for s in _linked(pairs)]  # links unknown: device order
+    assert queues(place(unknown, set(), 1, 2)) == [["l.gpu0", "l.gpu1"]]
+
+
+def test_gang_link_is_the_slowest_pair() -> None:
+    node = _linked({(0, 1): "NV12", (1, 2): "PIX"})
+    assert gang_link(node[:2]) == "NV12" and gang_link(node[:3]) == "PHB" and gang_link(node[:1]) == ""
+    assert gang_link([replace(s, links=()) for s in node[:2]]) == ""
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -108,9 +109,12 @@ def test_to_redis_strings() -> None:
     assert CPU_SLOT.to_redis() == {
         "node": "n1", "device": "2", "kind": "cpu", "memory_bytes": str(3 * GiB), "address": "10.0.0.5",
         "threads": "4", "cpus": "4,5,6,7", "worker": "w2@n1", "instance": "", "cuda_index": "-1", "host": "",
-        "gpu_uuid": "", "numa_node": "-1",
+        "gpu_uuid": "", "numa_node": "-1", "links": "",
     }
     assert CUDA_SLOT.to_redis()["cpus"] == ""
+    linked = replace(CUDA_SLOT, links=((0, "NV12"), (3, "SYS")))
+    assert linked.to_redis()["links"] == "0:NV12,3:SYS" and Slot.from_redis(linked.to_redis()) == linked
+    assert linked.link_to(replace(CUDA_SLOT, cuda_index=3)) == "SYS" and linked.link_to(replace(CUDA_SLOT, cuda_index=5)) == ""
 
 
 @pytest.mark.parametrize("slot", [CPU_SLOT, CUDA_SLOT, Slot("x", 0, "cpu", 1, "127.0.0.1", 1, (0,))],

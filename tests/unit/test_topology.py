@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from workers.topology import node_cpus, normalized_bus_id, numa_node_of, parse_bus_ids, parse_cpulist
+from workers.topology import (
+    link_rank, node_cpus, normalized_bus_id, numa_node_of, parse_bus_ids, parse_cpulist, parse_topology, worst_link,
+)
 
 
 def test_bus_ids_as_sysfs_names_them() -> None:
@@ -34,3 +36,36 @@ def test_numa_node_and_its_cores_from_sysfs(tmp_path: Path) -> None:
     assert numa_node_of("0000:00:00.0", tmp_path) == -1 and numa_node_of(None, tmp_path) == -1
     assert node_cpus(1, tmp_path) == tuple(range(16, 32))
     assert node_cpus(0, tmp_path) == () and node_cpus(-1, tmp_path) == ()
+
+
+#: `nvidia-smi topo -m` of a PCIe node with one NVLink pair and a NIC, as the real one prints it
+#: (underlined header, tab-separated, affinity columns, the legend).
+TOPO = ("\x1b[4m\tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+        "GPU0\t X \tNV4\tPIX\tSYS\tPIX\t0-15\t0\t\tN/A\n"
+        "GPU1\tNV4\t X \tPXB\tSYS\tPXB\t0-15\t0\t\tN/A\n"
+        "GPU2\tPIX\tPXB\t X \tSYS\tNODE\t0-15\t0\t\tN/A\n"
+        "GPU3\tSYS\tSYS\tSYS\t X \tSYS\t16-31\t1\t\tN/A\n"
+        "NIC0\tPIX\tPXB\tNODE\tSYS\t X \n\nLegend:\n\n  X    = Self\n"
+        "  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)\n"
+        "  NV#  = Connection traversing a bonded set of # NVLinks\n\nNIC Legend:\n\n  NIC0: mlx5_0\n")
+
+
+def test_the_link_matrix_as_nvidia_smi_prints_it() -> None:
+    links = parse_topology(TOPO)
+    assert links == {0: {1: "NV4", 2: "PIX", 3: "SYS"}, 1: {0: "NV4", 2: "PXB", 3: "SYS"},
+                     2: {0: "PIX", 1: "PXB", 3: "SYS"}, 3: {0: "SYS", 1: "SYS", 2: "SYS"}}
+    assert parse_topology("") == {} and parse_topology("No devices were found") == {}
+
+
+@pytest.mark.parametrize(
+    ("links", "worst"),
+    [(["NV12", "NV4"], "NV4"), (["NV4", "PIX"], "PIX"), (["PIX", "PXB", "PHB"], "PHB"), (["NODE", "SYS"], "SYS"),
+     ([], ""), (["NV12", "N/A"], "")],
+)
+def test_the_slowest_link(links: list[str], worst: str) -> None:
+    assert worst_link(links) == worst
+
+
+def test_links_rank_from_the_sockets_interconnect_to_nvlink() -> None:
+    order = ["SYS", "NODE", "PHB", "PXB", "PIX", "NV1", "NV4", "NV18"]
+    assert sorted(order, key=link_rank) == order and link_rank("N/A") == -1
