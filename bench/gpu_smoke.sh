@@ -18,7 +18,8 @@
 #   4. OOMs, if any, are classed `oom` (never `crashed`) and are the larger sizes of their stage;
 #   5. every rank checked its GPU for others' memory before it started (device_wait_s; printed with the
 #      most others held, device_foreign_bytes: workers/device_idle.py), and every successful
-#      experiment has the engine's build peak apart from training's (peak_device_init_bytes);
+#      experiment has the engine's build peak apart from training's (peak_device_init_bytes); with 2
+#      GPUs or more, each record names its gang's slowest GPU link (gpu_link, nvidia-smi topo -m);
 #   6. cmd_optimal.txt names the winner's GPUs (--include localhost:a,b) and, run as written by
 #      DeepSpeed's own launcher, trains to the end with exit status 0.
 # GPU_SMOKE_CONFIG and GPU_SMOKE_ARGS override the config and the autotuner's extra flags;
@@ -57,7 +58,7 @@ world = int(sys.argv[2])
 problems = []
 records = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
 by_stage = defaultdict(list)
-waits, foreign = [], []
+waits, foreign, links = [], [], set()
 for line in records:
     record = json.loads((results / line["name"] / "result.json").read_text())
     ranks = record.get("ranks", [])
@@ -66,6 +67,9 @@ for line in records:
         problems.append(f"{record['name']}: ranks ran on GPUs {gpus}, not {world} distinct CUDA slots")
     if record["status"] == "crashed":
         problems.append(f"{record['name']}: crashed ({record.get('cause')})")
+    if world > 1 and not record.get("gpu_link"):
+        problems.append(f"{record['name']}: no gpu_link ({world} GPUs: `nvidia-smi topo -m` was not read)")
+    links.add(record.get("gpu_link") or "-")
     for rank in ranks:
         if "device_wait_s" not in rank:
             problems.append(f"{record['name']} rank {rank.get('rank')}: no device_wait_s (nvidia-smi's memory.used "
@@ -94,6 +98,7 @@ for stage, runs in sorted(by_stage.items()):
         problems.append(f"stage {stage}: an OOM at a size below one that fit: {runs}")
     print(f"stage {stage}: " + ", ".join(f"mbs {m} gas {g} {s} reserved {p / 2**30:.2f} allocated {a / 2**30:.2f} GiB"
                                          for m, g, s, p, a in runs))
+print(f"GPU links of the gangs (nvidia-smi topo -m): {', '.join(sorted(links))}")
 print(f"GPU-free check: waited at most {max(waits, default=0):.1f} s before a rank; others held at most "
       f"{max(foreign, default=0) / 2**30:.2f} GiB at a rank's start")
 command = shlex.split((results / "cmd_optimal.txt").read_text())
