@@ -194,3 +194,22 @@ def test_a_metric_the_script_never_writes(hand_cluster, tmp_path):
     proc = run_autotune([str(cfg), "--", str(script)], tmp_path, _env(hand_cluster))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "FLOPS_per_gpu" in proc.stderr and "throughput" in proc.stderr
+
+
+def test_a_port_taken_before_rank_0_binds_it_is_launched_again_and_never_a_result(hand_cluster, tmp_path):
+    """Issue 21 item 5: the port rank 0 was given is taken by another process before its process
+    group binds it (EADDRINUSE; here the script holds it itself, once). The experiment crashes,
+    says nothing about its config, and is launched again at once with a new port: it runs, and the
+    search goes on from that run (the crash bounds nothing and is not the result)."""
+    taken = tmp_path / "taken_port"
+    cfg = _config(tmp_path, user_args=[*LAW_ARGS, "--take-port-once", str(taken)])
+    proc = run_autotune([str(cfg), "--num_gpus", "2"], tmp_path, _env(hand_cluster))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = _records(tmp_path / "autotuning_results")
+    crashed = [r for r in records.values() if r["status"] != "ok"]
+    [first] = [r for r in crashed if r["status"] == "crashed"]
+    assert "EADDRINUSE" in first["cause"]["stderr_tail"] or "ddress already in use" in first["cause"]["stderr_tail"]
+    retry = records[f"{first['name']}_r2"]
+    assert retry["status"] == "ok" and retry["ds_config"] == first["ds_config"]
+    assert retry["metrics"]["master"].rsplit(":", 1)[1] != taken.read_text()  # a new port
+    assert all(r["status"] == "oom" for r in crashed if r is not first)  # nothing else failed but memory

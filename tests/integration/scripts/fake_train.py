@@ -25,6 +25,9 @@ parser.add_argument("--law", action="store_true",
 parser.add_argument("--per_device_train_batch_size", type=int)
 parser.add_argument("--gradient_accumulation_steps", type=int)
 parser.add_argument("--local_rank", type=int, help="given by DeepSpeed's launcher and by tuned runs")
+parser.add_argument("--take-port-once", metavar="FILE",
+                    help="while FILE does not exist, rank 0 creates it and holds MASTER_PORT before the process "
+                         "group binds it: another process took the port rank 0 was given (EADDRINUSE)")
 args = parser.parse_args()
 
 config_path = Path(args.deepspeed_config)
@@ -60,9 +63,16 @@ if mode.startswith("slow"):  # slow<seconds>: a run long enough to be interrupte
     mode = "ok"
 
 if world > 1:
+    import socket
+
     import torch
     import torch.distributed as dist
 
+    if args.take_port_once and rank == 0 and not Path(args.take_port_once).exists():
+        Path(args.take_port_once).write_text(os.environ["MASTER_PORT"])
+        taken = socket.socket()
+        taken.bind((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+        taken.listen()
     dist.init_process_group("gloo")
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
