@@ -21,7 +21,12 @@
 #      experiment has the engine's build peak apart from training's (peak_device_init_bytes); with 2
 #      GPUs or more, each record names its gang's slowest GPU link (gpu_link, nvidia-smi topo -m);
 #   6. cmd_optimal.txt names the winner's GPUs (--include localhost:a,b) and, run as written by
-#      DeepSpeed's own launcher, trains to the end with exit status 0.
+#      DeepSpeed's own launcher, trains to the end with exit status 0;
+#   7. what a real node's configs add (GPU_SMOKE_SKIP_EXTRAS=1 skips it), three short jobs of the same
+#      script: FusedAdam (no torch_adam: DeepSpeed JIT-builds it), ZeRO-2 with the optimizer offloaded
+#      to the CPU (CPUAdam), and a micro-batch far beyond any GPU's memory. Each either runs, or stops
+#      with the one-line op refusal (exit 2, workers/op_build.py) when an op cannot be built there;
+#      none hangs, no probe is `crashed`, and the huge size is `oom`. Not yet run on a GPU.
 # GPU_SMOKE_CONFIG and GPU_SMOKE_ARGS override the config and the autotuner's extra flags;
 # GPU_SMOKE_SKIP_FINAL=1 skips step 6 (for a dry run of the checks with tests/fake_gpu on PATH and
 # FAKE_NVIDIA_SMI_USED_FILE naming a "index, MiB" listing of used memory);
@@ -117,5 +122,52 @@ if [ "${GPU_SMOKE_SKIP_FINAL:-0}" != 1 ]; then
     PATH="$root/.venv/bin:$PATH" bash -c "$(cat autotuning_results/cmd_optimal.txt)" > final.log 2>&1 \
         || { tail -40 final.log; echo "gpu_smoke: FAILED: cmd_optimal.txt did not train"; exit 1; }
     grep "final loss" final.log || { echo "gpu_smoke: FAILED: no final loss in final.log"; exit 1; }
+fi
+if [ "${GPU_SMOKE_SKIP_EXTRAS:-0}" != 1 ]; then
+    for extra in fused_adam cpu_offload forced_oom; do
+        mkdir -p "$work/$extra" && cd "$work/$extra"
+        "$root/.venv/bin/python" - "$config" "$extra" "$root/examples/train_gpt.py" > cfg.json <<'EOF'
+import json, sys
+config, extra, script = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+config["autotuning"]["user_script"] = script
+if extra == "fused_adam":
+    config["optimizer"]["params"].pop("torch_adam", None)
+    config.update(train_micro_batch_size_per_gpu=[2, 8], zero_optimization={"stage": [1]})
+elif extra == "cpu_offload":
+    config["optimizer"]["params"].pop("torch_adam", None)
+    config.update(train_micro_batch_size_per_gpu=[2, 8],
+                  zero_optimization={"stage": [2], "offload_optimizer": {"device": "cpu"}})
+else:
+    config.update(train_micro_batch_size_per_gpu=[2, 262144], zero_optimization={"stage": [0]})
+print(json.dumps(config))
+EOF
+        set +e
+        timeout 1800 "$root/.venv/bin/python" -m scheduler.autotune cfg.json --num_gpus "$ranks" > tune.log 2> tune.err
+        code=$?
+        set -e
+        "$root/.venv/bin/python" - "$extra" "$code" <<'EOF'
+import json, sys
+from pathlib import Path
+extra, code = sys.argv[1], int(sys.argv[2])
+errors = Path("tune.err").read_text()
+records = [json.loads(p.read_text()) for p in Path("autotuning_results").glob("*/result.json")]
+statuses = {r["name"]: r["status"] for r in records}
+problems = []
+if code == 124:
+    problems.append("still running after 30 minutes (a build lock or a teardown hanging?)")
+elif code == 2 and "could not build or load an op DeepSpeed needs" in errors:
+    print(f"gpu_smoke {extra}: an op cannot be built here, refused in one line: {errors.strip().splitlines()[-1][:300]}")
+elif code != 0:
+    problems.append(f"exit {code}: {errors.strip()[-500:]}")
+problems += [f"{r['name']} crashed: {r.get('cause')}" for r in records if r["status"] == "crashed"]
+if extra == "forced_oom" and code == 0 and statuses.get("z0_gas1_tmbspg262144") != "oom":
+    problems.append(f"micro-batch 262144 is not `oom`: {statuses}")
+print(f"gpu_smoke {extra}: exit {code}, " + ", ".join(f"{n} {s}" for n, s in sorted(statuses.items())))
+if problems:
+    print(f"gpu_smoke {extra}: FAILED\n  " + "\n  ".join(problems))
+    sys.exit(1)
+EOF
+    done
+    cd "$work"
 fi
 echo "gpu_smoke: passed (results in $work)"
