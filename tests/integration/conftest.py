@@ -10,10 +10,12 @@ import shutil
 import signal
 import subprocess
 import sys
+from urllib.parse import urlparse
 
 import pytest
 import redis
 
+from deploy.redis_user import create_cluster_user
 from integration_helpers import ROOT, processes_with_marker, stop_group, wait_for
 from workers.local_cluster import free_tcp_port
 from workers.registry import control_alive, live_slots
@@ -44,10 +46,15 @@ def redis_url(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hand_cluster(redis_url, tmp_path_factory):
-    """Two CPU slot workers (1 GiB cap each) and a control worker, started with plain celery commands."""
+    """Two CPU slot workers (1 GiB cap each) and a control worker, started with plain celery commands,
+    connected as the cluster's least-privilege Redis user (`python -m deploy redis-user`'s), as the
+    README's recipe has them."""
     logs = tmp_path_factory.mktemp("worker-logs")
     marker = secrets.token_hex(8)
-    env = {**os.environ, "AUTOTUNE_REDIS_URL": redis_url, "AUTOTUNE_NODE": "testnode",
+    admin = urlparse(redis_url)
+    url = f"redis://autotune:{secrets.token_hex(8)}@{admin.hostname}:{admin.port}/0"
+    create_cluster_user(url, redis_url)
+    env = {**os.environ, "AUTOTUNE_REDIS_URL": url, "AUTOTUNE_NODE": "testnode",
            "AUTOTUNE_SLOT_MEMORY": "1GiB", "AUTOTUNE_SLOTS_PER_NODE": "2",
            "AUTOTUNE_TEST_MARKER": marker}
     procs = []
@@ -57,9 +64,9 @@ def hand_cluster(redis_url, tmp_path_factory):
                 [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", name,
                  "--without-gossip", "--without-mingle", "-l", "INFO"],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    client = redis.Redis.from_url(redis_url)
+    client = redis.Redis.from_url(url)
     wait_for(lambda: len(live_slots(client)) == 2 and control_alive(client), 90, "workers to register")
-    yield {"url": redis_url, "client": client, "marker": marker, "logs": logs}
+    yield {"url": url, "client": client, "marker": marker, "logs": logs}
     for proc in procs:
         stop_group(proc, signal.SIGQUIT)
     wait_for(lambda: not processes_with_marker(marker), 20, "worker processes to exit")

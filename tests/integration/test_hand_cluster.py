@@ -4,6 +4,7 @@ rendezvous with a real gloo all-reduce, and nothing left running or reserved aft
 from __future__ import annotations
 
 import json
+from urllib.parse import urlparse
 
 import psutil
 import pytest
@@ -85,7 +86,9 @@ def test_two_rank_experiment_meets_through_redis(hand_cluster, tmp_path):
 
 def test_bad_redis_credentials_are_one_clear_line(hand_cluster, tmp_path):
     cfg = write_config(tmp_path / "cfg.json")
-    wrong = hand_cluster["url"].replace("redis://:", "redis://:wrong")
+    password = urlparse(hand_cluster["url"]).password
+    wrong = hand_cluster["url"].replace(f":{password}@", f":wrong{password}@")
+    assert wrong != hand_cluster["url"]
     proc = run_autotune([str(cfg)], tmp_path, {"AUTOTUNE_REDIS_URL": wrong})
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "credentials" in proc.stderr and "Traceback" not in proc.stderr
