@@ -1,0 +1,212 @@
+"""The checks of bench/chaos.py, pure (no I/O): the fault schedule, and the four counts of its summary
+line from what the soak read (records on disk, samples of the process table, leftovers).
+
+Why apart: the soak's verdict must not hang on its own bookkeeping, and each check must be seen to
+fail when its property breaks; tests/unit/test_chaos.py plants records that break each one.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+MIN_GAP_S, MAX_GAP_S = 4.0, 14.0  #: a fault every MIN_GAP_S-MAX_GAP_S seconds
+SAMPLE_S = 0.25  #: how often the soak samples the process table
+#: A record's final statuses: how an experiment ended. `lost` is final only for a job that gave up;
+#: a resume runs it again, so after the soak's resume pass none may be left.
+FINAL = frozenset({"ok", "oom", "timeout", "crashed", "no_metrics", "bad_metrics", "rendezvous_failed"})
+
+
+class Fault(str, Enum):
+    """What the bench does to the cluster."""
+
+    KILL_SLOT_WORKER = "kill_slot_worker"  #: SIGKILL a slot worker's main process; restarted later
+    KILL_CONTROL = "kill_control"  #: SIGKILL the control worker's main process; restarted later
+    KILL_COMMAND = "kill_command"  #: SIGKILL a job's `python -m scheduler.autotune`; run again later
+    STOP_WORKER = "stop_worker"  #: SIGSTOP a slot worker and its training processes for FREEZE_S
+    KILL_RANK = "kill_rank"  #: SIGKILL one rank's training process
+    REDIS_AOF = "redis_restart_aof"  #: SIGKILL redis-server; restarted with its append-only file
+    REDIS_WIPED = "redis_restart_wiped"  #: SIGKILL redis-server; restarted with its data gone
+
+
+#: How often each fault is drawn, relative to the others.
+WEIGHTS = {Fault.KILL_SLOT_WORKER: 3, Fault.KILL_CONTROL: 2, Fault.KILL_COMMAND: 3, Fault.STOP_WORKER: 2,
+           Fault.KILL_RANK: 3, Fault.REDIS_AOF: 1, Fault.REDIS_WIPED: 1}
+
+
+def fault_schedule(seed: int, seconds: float) -> list[tuple[float, Fault]]:
+    """(offset in seconds, fault) for a soak of `seconds`, the same for the same seed."""
+    rng = random.Random(seed)
+    kinds, weights = list(WEIGHTS), list(WEIGHTS.values())
+    schedule, at = [], rng.uniform(MIN_GAP_S, MAX_GAP_S)
+    while at < seconds:
+        schedule.append((round(at, 2), rng.choices(kinds, weights)[0]))
+        at += rng.uniform(MIN_GAP_S, MAX_GAP_S)
+    return schedule
+
+
+# ------------------------------------------------------------------ the checks: pure, no I/O
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One training process in one sample of the process table."""
+
+    slot: str  #: AUTOTUNE_SLOT in its environment
+    launch: str  #: its launch's token (workers.launch.CONTAINER_ENV)
+    experiment: str  #: "<job>/<experiment>", from the folder of its --deepspeed_config argument
+    rank: str  #: RANK in its environment
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The running (not stopped, not zombie) training processes at one moment."""
+
+    at: float
+    seen: tuple[Seen, ...]
+
+
+@dataclass(frozen=True)
+class JobRecords:
+    """What one job left: its results list, the result.json of each experiment folder, and the
+    fault-free run's results list for its config."""
+
+    name: str
+    finished: bool  #: its command ended with status 0
+    listed: tuple[tuple[str, str], ...]  #: (name, status) per results.jsonl line, in order
+    on_disk: dict[str, str | None]  #: every experiment folder -> the status in its result.json (None: none)
+    reference: dict[str, str]  #: experiment -> status in the fault-free run of the same config
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What was still there at the end."""
+
+    redis_keys: tuple[str, ...] = ()  #: leases, recorded process groups, active jobs
+    training: tuple[int, ...] = ()  #: training processes alive once every job ended (pids)
+    processes: tuple[int, ...] = ()  #: processes with the marker alive after teardown (pids)
+    shm: tuple[str, ...] = ()  #: /dev/shm segments of recorded rendezvous
+
+
+@dataclass(frozen=True)
+class Verdict:
+    lost: int
+    duplicated: int
+    overlapping_s: float
+    leaked: int
+    #: one line per finding, to say what each count is made of
+    findings: tuple[str, ...] = field(default=())
+
+
+def fault_made(job: JobRecords) -> bool:
+    """Whether a record of the job is a failure its fault-free run does not have (module docstring)."""
+    listed = dict(job.listed)
+    return any(status not in ("ok", job.reference.get(name)) for name, status in listed.items())
+
+
+def lost_experiments(jobs: Iterable[JobRecords]) -> list[str]:
+    """Experiments a user would miss: unfinished jobs' reference experiments, listed experiments
+    without a final record on disk (or with another status than listed), experiment folders the
+    job's results do not list, and the fault-free run's experiments a job without fault-made
+    failures lacks."""
+    lost = []
+    for job in jobs:
+        listed = dict(job.listed)
+        if not job.finished:
+            lost += [f"{job.name}/{name}: job unfinished" for name in job.reference if listed.get(name) not in FINAL]
+            continue
+        for name, status in listed.items():
+            disk = job.on_disk.get(name)
+            if status not in FINAL or disk != status:
+                lost.append(f"{job.name}/{name}: listed {status}, on disk {disk}")
+        lost += [f"{job.name}/{name}: ran (on disk {status}) but the job's results lack it"
+                 for name, status in job.on_disk.items() if name not in listed]
+        if not fault_made(job):
+            lost += [f"{job.name}/{name}: the fault-free run has it" for name in job.reference if name not in listed]
+    return lost
+
+
+def duplicated_experiments(jobs: Iterable[JobRecords], samples: Iterable[Sample]) -> list[str]:
+    """Experiments listed twice by their job, run by two launches at once, or (in a job without
+    fault-made failures) run where the fault-free run did not need them."""
+    found = []
+    for job in jobs:
+        counts = Counter(name for name, _ in job.listed)
+        found += [f"{job.name}/{name}: listed {n} times" for name, n in counts.items() if n > 1]
+        if job.finished and not fault_made(job):
+            found += [f"{job.name}/{name}: the fault-free run has no such experiment"
+                      for name in counts if name not in job.reference]
+    twice: set[str] = set()
+    for sample in samples:
+        launches: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for seen in sample.seen:
+            launches[(seen.experiment, seen.rank)].add(seen.launch)
+        twice.update(f"{experiment}: rank {rank} in {len(tokens)} launches at once at {sample.at:.1f}"
+                     for (experiment, rank), tokens in launches.items() if len(tokens) > 1)
+    unique: dict[str, str] = {}
+    for line in sorted(twice):
+        unique.setdefault(line.split(":")[0], line)
+    return found + list(unique.values())
+
+
+def overlap_seconds(spans: Iterable[tuple[str, str, float, float]]) -> float:
+    """Slot-seconds covered by two or more experiments: spans are (slot, experiment, start, end)."""
+    by_slot: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for slot, experiment, start, end in spans:
+        if end > start:
+            by_slot[slot].append((start, end, experiment))
+    total = 0.0
+    for intervals in by_slot.values():
+        events = sorted([(start, 1, exp) for start, _, exp in intervals] + [(end, -1, exp) for _, end, exp in intervals],
+                        key=lambda event: (event[0], event[1]))
+        active: Counter[str] = Counter()
+        last = None
+        for at, step, experiment in events:
+            if last is not None and len(+active) > 1:
+                total += at - last
+            active[experiment] += step
+            last = at
+    return total
+
+
+def sampled_overlap_seconds(samples: list[Sample]) -> float:
+    """Slot-seconds during which one slot ran training processes of two launches, each sample
+    counting for the time to the next one (the last for SAMPLE_S)."""
+    total = 0.0
+    for index, sample in enumerate(samples):
+        width = samples[index + 1].at - sample.at if index + 1 < len(samples) else SAMPLE_S
+        launches: dict[str, set[str]] = defaultdict(set)
+        for seen in sample.seen:
+            launches[seen.slot].add(seen.launch)
+        total += width * sum(1 for tokens in launches.values() if len(tokens) > 1)
+    return total
+
+
+def leaked(leftovers: Leftovers) -> list[str]:
+    """One line per leftover."""
+    return ([f"redis key {key}" for key in leftovers.redis_keys]
+            + [f"training process {pid} alive after every job ended" for pid in leftovers.training]
+            + [f"process {pid} alive after teardown" for pid in leftovers.processes]
+            + [f"/dev/shm/{name}" for name in leftovers.shm])
+
+
+def verdict(jobs: list[JobRecords], samples: list[Sample], spans: list[tuple[str, str, float, float]],
+            leftovers: Leftovers) -> Verdict:
+    """The four counts of the summary line, with the findings behind them."""
+    lost, duplicated, leaks = lost_experiments(jobs), duplicated_experiments(jobs, samples), leaked(leftovers)
+    recorded, sampled = overlap_seconds(spans), sampled_overlap_seconds(samples)
+    findings = [f"lost: {line}" for line in lost] + [f"duplicated: {line}" for line in duplicated]
+    if recorded or sampled:
+        findings.append(f"overlapping: {recorded:.1f} slot-s in the records, {sampled:.1f} in the process table")
+    findings += [f"leaked: {line}" for line in leaks]
+    return Verdict(len(lost), len(duplicated), max(recorded, sampled), len(leaks), tuple(findings))
+
+
+def summary_line(faults: int, experiments: int, jobs: int, result: Verdict) -> str:
+    """The soak's one line; overlapping slot-seconds rounded up, so that any overlap shows."""
+    return (f"chaos: {faults} faults, {experiments} experiments, {jobs} jobs: {result.lost} lost, "
+            f"{result.duplicated} duplicated, {math.ceil(result.overlapping_s)} overlapping slot-seconds, "
+            f"{result.leaked} leaked")
