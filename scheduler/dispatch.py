@@ -24,7 +24,9 @@ A launch is `lost` when no record came within its time limit plus a grace, when 
 slots restarted or stopped sending heartbeats, or when its lease lapsed on a slot whose rank has not
 reported (the ranks renew their own slots' leases, so a lapse means that rank's worker or node is
 gone). A lost launch is revoked and queued again at its old place while attempts remain (counted in
-Redis before each launch), then recorded `lost`.
+Redis before each launch), then recorded `lost`. After Redis lost its data, a launch whose ranks ran
+on (they take their slots back) is not launched a second time by its resubmitted job
+(`progress.launches_holding_slots`); its record, when it comes, is adopted (`_adopted`).
 """
 from __future__ import annotations
 
@@ -298,9 +300,24 @@ def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, A
     store = JobStore(client, finish.job)
     launch = store.finish(finish.name, finish.attempt)
     if launch is None:
-        return False
+        return _adopted(client, store, finish, record)
     if record.get("status") == "ok" and record.get("wall_s"):
         store.add_wall(_shape(launch.exp), record["wall_s"])
+    store.publish({"kind": "record", "record": record})
+    return True
+
+
+def _adopted(client: redis.Redis, store: JobStore, finish: FinishSpec, record: dict[str, Any]) -> bool:
+    """A record of a launch its job does not know: after Redis lost its data the job was submitted
+    again, and this launch ran on (its ranks took their leases back) while the job waited for it
+    (`progress.launches_holding_slots`). It answers its experiment when the job is active and has
+    the experiment neither running, queued nor recorded; a launch that was retried or given up meets
+    one of those and stays stale."""
+    name = finish.name
+    if load_spec(client, finish.job) is None or name in store.running_names() or name in store.queued_names() \
+            or name in store.recorded():
+        return False
+    store.mark_recorded(name)
     store.publish({"kind": "record", "record": record})
     return True
 

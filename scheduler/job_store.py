@@ -207,6 +207,10 @@ class JobStore:
         pipe.execute()
         return launch
 
+    def mark_recorded(self, name: str) -> None:
+        """`name` has its record on disk (a launch adopted after Redis lost the job: dispatch)."""
+        self.client.sadd(keys.job_recorded(self.job), name)
+
     def add_wall(self, shape: str, seconds: float) -> None:
         """One more finished launch's wall time for `shape` (dispatch's estimates; under the lock)."""
         walls = json.loads(self.client.hget(keys.job_walls(self.job), shape) or "[]")

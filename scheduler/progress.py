@@ -38,7 +38,9 @@ from scheduler.live_search import LiveSearches
 from scheduler.outputs import write_results
 from scheduler.phases import Phase, Search, replay
 from scheduler.space import PROFILE, Experiment
+from workers.gang import GangReservations
 from workers.paths import read_json, safe_child
+from workers.registry import live_slots
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
         if launch.name in progress.found or lookup(Experiment.from_json(launch.exp)) is not None:
             store.unqueue(launch)
             queued.discard(launch.name)
-    waiting = queued | store.running_names()
+    waiting = queued | store.running_names() | launches_holding_slots(client, spec.job)
     missing = [e for e in current.experiments if e.name not in progress.found]
     todo = [e for e in missing if e.name not in waiting]
     _announce(client, spec, current, todo=len(missing), reused=len(current.experiments) - len(missing))
@@ -135,6 +137,16 @@ def tuning_config(spec: JobSpec) -> TuningConfig:
 
 def _fixed(experiments: tuple[Experiment, ...]) -> Iterator[Phase]:
     yield Phase("run", experiments)
+
+
+def launches_holding_slots(client: redis.Redis, job: str) -> set[str]:
+    """The job's experiments whose ranks still hold slots (the gang keys' owners, `job/experiment`).
+    After Redis lost its data, a running launch's ranks take their leases back (workers.gang) while
+    the job, submitted again, has no record of the launch: queueing the experiment again would run it
+    twice at once. It waits instead; its own record answers it (`dispatch.record_finished` adopts it),
+    or, if that never comes, its leases lapse and it is queued then."""
+    owners = GangReservations(client).owners([slot.queue for slot in live_slots(client)])
+    return {name for owner in owners.values() for owning_job, _, name in [owner.rpartition("/")] if owning_job == job}
 
 
 def record_lookup(client: redis.Redis, spec: JobSpec, recorded: set[str] | None = None) -> Lookup:

@@ -737,3 +737,21 @@ def test_a_gang_of_gpus_takes_the_nvlink_pair_and_its_record_names_the_link(clie
     dispatch(client, work)
     [(ranks, finish, _, _)] = work.launched
     assert finish.slots == ["n0.gpu1", "n0.gpu2"] and finish.gpu_link == "NV12"
+
+
+def test_the_record_of_a_launch_redis_forgot_answers_its_experiment(client: redis.Redis, work, tmp_path: Path) -> None:
+    """Redis lost its data mid-launch; the job was submitted again and waited for the launch, whose
+    ranks ran on. Its record is adopted: the experiment is recorded and the job told, once. A stale
+    finish of an experiment the job runs, queues or recorded itself is not."""
+    finish = _dispatched(client, work, tmp_path)
+    client.delete(keys.job_running("j"))  # what Redis lost; the job spec is back (submitted again)
+    record = {"name": "a", "status": "ok", "wall_s": 2.0, "metrics": {"throughput": 3.0}}
+    assert record_finished(client, finish, record) is True
+    assert client.smembers(keys.job_recorded("j")) == {b"a"} and events(client, "j")[-1] == {"kind": "record",
+                                                                                           "record": record}
+    assert record_finished(client, finish, record) is False  # recorded: once
+    assert len([e for e in events(client, "j") if e["kind"] == "record"]) == 1
+    spec = make_spec(tmp_path)
+    enqueue(client, spec, exp("b", 2, 8))
+    other = FinishSpec.from_json({**finish.to_json(), "name": "b"})
+    assert record_finished(client, other, {"name": "b", "status": "ok"}) is False  # queued: a newer launch will run

@@ -18,6 +18,7 @@ from scheduler.live_search import LiveSearches
 from scheduler.progress import advance, record_lookup
 from scheduler.space import Experiment
 from workers import keys
+from workers.slot import Slot
 
 CONFIGS = {"a": {"train_micro_batch_size_per_gpu": 1}, "b": {"train_micro_batch_size_per_gpu": 2}}
 
@@ -145,3 +146,20 @@ def test_an_earlier_jobs_op_that_could_not_be_built_is_launched_again(client, wo
     write_record(spec, "b", status="crashed")
     lookup = record_lookup(client, spec, recorded=set())
     assert lookup(experiment("a")) is None and lookup(experiment("b"))["status"] == "crashed"
+
+
+def test_an_experiment_whose_ranks_still_hold_slots_is_not_queued_again(client, work, tmp_path: Path) -> None:
+    """After Redis lost its data the job is submitted again while a launch of its experiment `a` runs
+    on: its ranks took their slot back (the gang key, owner j/a). Queueing `a` would run it twice at
+    once: only `b` is queued; once the slot is free (the launch ended), `a` is queued too."""
+    slot = Slot("n0", 0, "cpu", 2**30, "127.0.0.1", 1, (0,), worker="gpu0@n0", instance="i")
+    client.set(keys.slot(slot.queue), json.dumps(slot.to_redis()))
+    client.set(keys.gang(slot.queue), "j/a#0123abcd")
+    client.set(keys.gang("n9.gpu7"), "j/b#0123abcd")  # no live slot: no launch of this job holds it
+    spec = fixed_job(tmp_path)
+    submit(client, work, spec)
+    advance(client, "j")
+    assert list(queue(client)) == ["b"]
+    client.delete(keys.gang(slot.queue))
+    advance(client, "j")
+    assert sorted(queue(client)) == ["a", "b"]
