@@ -52,7 +52,8 @@ def hand_cluster(redis_url, tmp_path_factory):
     logs = tmp_path_factory.mktemp("worker-logs")
     marker = secrets.token_hex(8)
     admin = urlparse(redis_url)
-    url = f"redis://autotune:{secrets.token_hex(8)}@{admin.hostname}:{admin.port}/0"
+    # a user of its own: the session's Redis serves other fixtures' cluster users (test_deploy's)
+    url = f"redis://autotune-hand:{secrets.token_hex(8)}@{admin.hostname}:{admin.port}/0"
     create_cluster_user(url, redis_url)
     env = {**os.environ, "AUTOTUNE_REDIS_URL": url, "AUTOTUNE_NODE": "testnode",
            "AUTOTUNE_SLOT_MEMORY": "1GiB", "AUTOTUNE_SLOTS_PER_NODE": "2",

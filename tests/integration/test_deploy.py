@@ -48,7 +48,8 @@ def hosts(tmp_path_factory, redis_url):
     run_dir = folder / "run"
     # The workers connect as the cluster's least-privilege user, created as the README says
     admin = urlparse(redis_url)
-    url = f"redis://autotune:{secrets.token_hex(8)}@{admin.hostname}:{admin.port}/0"
+    # a user of its own: resetting another fixture's (the hand cluster's) would lock its workers out
+    url = f"redis://autotune-deploy:{secrets.token_hex(8)}@{admin.hostname}:{admin.port}/0"
     made = subprocess.run([sys.executable, "-m", "deploy", "redis-user"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "AUTOTUNE_REDIS_URL": url, "AUTOTUNE_REDIS_ADMIN_URL": redis_url},
                           timeout=60)
