@@ -204,13 +204,14 @@ def test_a_script_that_never_writes_its_metrics_is_input_to_fix(tmp_path):
 
 
 def test_an_op_that_cannot_be_built_stops_the_job_at_its_first_experiment(tmp_path):
-    """Issue 21 item 1: a script whose op cannot be built (here torch compiling a C++ extension with a
-    syntax error, as FusedAdam fails on a node without nvcc) fails every experiment alike. The job stops
+    """Issue 21 item 1: a script whose op cannot be built (here torch compiling a C++ extension that
+    includes a CUDA header the node lacks, as FusedAdam fails on a node without the toolkit) fails every experiment alike. The job stops
     after the first phase with one `error:` line naming the op and the fix, exit 2; the next stage
     is never launched, and the record keeps the build's failure."""
+    (tmp_path / "needed_op.cpp").write_text("#include <cuda_runtime_not_installed.h>\nint f() { return 1; }\n")
     (tmp_path / "train_op.py").write_text(
-        "import torch.utils.cpp_extension as cpp\n"
-        "cpp.load_inline(name='needed_op', cpp_sources='int f( { return 1; }', functions=['f'])\n")
+        "import pathlib, torch.utils.cpp_extension as cpp\n"
+        "cpp.load(name='needed_op', sources=[str(pathlib.Path(__file__).with_name('needed_op.cpp'))])\n")
     data = json.loads(json.dumps(BASE))
     data["zero_optimization"] = {"stage": [0, 1]}
     data["autotuning"].update(user_script="train_op.py", model_info={"num_params": 1000, "activation_mem_per_gpu": 1024})

@@ -203,6 +203,10 @@ def test_a_port_taken_before_rank_0_binds_it_is_launched_again_and_never_a_resul
     search goes on from that run (the crash bounds nothing and is not the result)."""
     taken = tmp_path / "taken_port"
     cfg = _config(tmp_path, user_args=[*LAW_ARGS, "--take-port-once", str(taken)])
+    data = json.loads(cfg.read_text())  # one stage, small sizes: the clash, not the search, is tested
+    data["zero_optimization"] = {"stage": 1}
+    data["autotuning"]["max_train_micro_batch_size_per_gpu"] = 16
+    cfg.write_text(json.dumps(data))
     proc = run_autotune([str(cfg), "--num_gpus", "2"], tmp_path, _env(hand_cluster))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = _records(tmp_path / "autotuning_results")

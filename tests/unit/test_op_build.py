@@ -23,8 +23,10 @@ from workers.records import aggregate
 ROOT = Path(__file__).resolve().parents[2]
 
 BROKEN_OP = """
-    import torch.utils.cpp_extension as cpp
-    cpp.load_inline(name="broken_op", cpp_sources="int f( { return 1; }", functions=["f"])
+    import pathlib, torch.utils.cpp_extension as cpp
+    source = pathlib.Path(__file__).with_name("broken_op.cpp")  # a header only the CUDA toolkit has: it stops at once
+    source.write_text("#include <cuda_runtime_not_installed.h>\\nint f() { return 1; }\\n")
+    cpp.load(name="broken_op", sources=[str(source)])
 """
 
 
