@@ -89,7 +89,7 @@ from bench.chaos_checks import (SAMPLE_S, Fault, JobRecords, Leftovers, Sample, 
 from scheduler.errors import OneLineArgumentParser, UsageError, one_line  # noqa: E402
 from workers import keys  # noqa: E402
 from workers.launch import CONTAINER_ENV, group_alive  # noqa: E402
-from workers.local_cluster import CLUSTER_USER, cluster_user_rules, free_tcp_port, redis_config  # noqa: E402
+from workers.local_cluster import CLUSTER_USER, cluster_user_rules, free_tcp_port, redis_config, worker_argv  # noqa: E402
 from workers.registry import control_alive, live_slots  # noqa: E402
 from workers.shared_memory import SHM_DIR, segment_name  # noqa: E402
 
@@ -194,8 +194,7 @@ class Cluster:
                "AUTOTUNE_SLOTS_PER_NODE": str(len(self.queues) - 1)}
         with open(self.work / f"{queue}.log", "ab") as log:
             self.workers[queue] = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", f"{queue}@chaos",
-                 "-c", "2" if queue == "control" else "1", "--without-gossip", "--without-mingle", "-l", "INFO"],
+                worker_argv(queue, f"{queue}@chaos", 2 if queue == "control" else 1),
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self, queue: str) -> bool:

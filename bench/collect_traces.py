@@ -24,7 +24,10 @@ resident set of any rank of each launch (host memory, as a CPU slot's cap sees i
 
 `--add-to TRACE --within F --launches N` tops an existing trace up instead: N more launches of each
 config whose mean throughput is within F (e.g. 0.10) of the trace's best, in round-robin order, with
-the trace's own script, model, windows and threads; the others keep theirs. Where it matters, a
+the trace's own script, model, windows and threads; the others keep theirs. It first launches the
+trace's best config once and refuses (exit 2, nothing written) when that reads more than MAX_DRIFT
+away from the trace's mean: only some configs get the new launches, so a slower or faster machine
+would move exactly those (seen: a later machine read every topped-up config at 0.5x). Where it matters, a
 config is then measured as often as issue 20 asks (>= 5 launches), so the trace's optimum is known
 better than the 3 % a replay is judged by; far from the best a few launches already place a config.
 
@@ -74,6 +77,8 @@ SCRIPTS = {"gpt": Script("examples/train_gpt.py", ("--steps", "50"), batch_flags
 WARMUP_STEPS = 2
 WINDOW_STEPS = 3
 WORLD = 2
+#: A top-up's machine may read the trace's best config this much faster or slower than the trace did.
+MAX_DRIFT = 0.15
 
 
 def base_config(stage: int, mbs: int, gas: int) -> dict[str, Any]:
@@ -225,6 +230,19 @@ def top_up(path: Path, within: float, launches: int) -> int:
     chosen = [index for index, m in means.items() if m is not None and m >= (1 - within) * best]
     root = Path(tempfile.mkdtemp(prefix="traces_"))
     started = time.monotonic()
+    top = max(chosen, key=lambda index: means[index])
+    config = trace["configs"][top]
+    check = trace_config(root / "speed_check", config["stage"], config["mbs"], config["gas"], windows, 29900,
+                         trace["threads_per_rank"], script, model)
+    ratio = mean_throughput({"launches": [check]}) or 0.0
+    ratio /= means[top]
+    if not 1 - MAX_DRIFT <= ratio <= 1 + MAX_DRIFT:
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"error: --add-to {path}: this machine trains the trace's best config at {ratio:.2f}x the trace's "
+              f"speed (more than {MAX_DRIFT:.0%} off): launches from a machine this different would bias the configs "
+              "topped up against the others; top up where the trace was collected, or collect it anew", file=sys.stderr)
+        return 2
+    print(f"[{time.monotonic() - started:6.0f}s] speed check: the trace's best config at {ratio:.2f}x its recorded speed")
     for launch_no in range(launches):
         for index in chosen:
             config = trace["configs"][index]

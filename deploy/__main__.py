@@ -31,18 +31,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import redis
-
 from deploy.cleanup import DEFAULT_GRACE_S, cleanup, running_launches
 from deploy.fabric_hosts import Answer, Hosts
-from deploy.plan import by_host, check_redis_url, masked, plan_workers, registration_report, up_request
-from deploy.redis_user import ADMIN_ENV, create_cluster_user, may_reconfigure
+from deploy.plan import by_host, check_redis_url, plan_workers, registration_report, up_request
+from deploy.redis_user import ADMIN_ENV, connected, create_cluster_user, may_reconfigure
 from scheduler.errors import OneLineArgumentParser, UsageError
 from scheduler.hostfile import read_hostfile
 from scheduler.resources import ResourceRequest, resolve_resources
 from workers import keys
-from workers.redis_tls import TLS_ENV, describe_tls_failure
-from workers.registry import connect, live_slots
+from workers.redis_tls import TLS_ENV
+from workers.registry import live_slots
 
 REPO = str(Path(__file__).resolve().parents[1])
 RUN_DIR = "~/.celery-autotune/run"
@@ -88,23 +86,12 @@ def _hosts(args: argparse.Namespace) -> Hosts:
                  accept_new_host_keys=args.accept_new_host_keys)
 
 
-def _client(url: str) -> redis.Redis:
-    client = connect(url)
-    try:
-        client.ping()
-    except redis.AuthenticationError:
-        raise UsageError(f"Redis at {masked(url)} refused the password in AUTOTUNE_REDIS_URL") from None
-    except redis.RedisError as exc:
-        raise UsageError(describe_tls_failure(exc) or f"cannot reach Redis at {masked(url)}: {exc}") from None
-    return client
-
-
 def up(args: argparse.Namespace, url: str) -> int:
     hosts_devices = selected_hosts(args)
     if args.control and args.control not in hosts_devices:
         hosts_devices = {**hosts_devices, args.control: []}
     plans = plan_workers(hosts_devices, args.control, flower=args.flower is not None)
-    client = _client(url)
+    client = connected(url)
     if may_reconfigure(client):
         print("deploy: warning: the user in AUTOTUNE_REDIS_URL may run CONFIG, MODULE and FLUSHALL: one compromised "
               "node could take over the Redis host or wipe every job; create the cluster's own user with "
@@ -169,7 +156,7 @@ def _exited(args: argparse.Namespace, waiting: Sequence) -> dict[str, str]:
 def status(args: argparse.Namespace, url: str) -> int:
     hosts_devices = selected_hosts(args)
     plans = plan_workers(hosts_devices)
-    client = _client(url)
+    client = connected(url)
     live = {slot.queue: slot for slot in live_slots(client)}
     busy = {queue: name for launches in running_launches(client).values()
             for name, launch in launches.items() for queue in launch.get("queues", [])}
@@ -237,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if not args.target:
             raise UsageError("cleanup needs a job id or an experiment name: python -m deploy cleanup NAME")
-        result = cleanup(_client(url), _hosts(args), args.target, args.grace)
+        result = cleanup(connected(url), _hosts(args), args.target, args.grace)
         if not result:
             print(f"{args.target}: no recorded process groups (not running, or already cleaned up)")
             return 0

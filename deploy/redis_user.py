@@ -47,7 +47,7 @@ def create_cluster_user(url: str, admin_url: str | None) -> str:
     if _server(admin_url) != _server(url):
         raise UsageError(f"{ADMIN_ENV} ({masked(admin_url)}) and AUTOTUNE_REDIS_URL ({masked(url)}) name "
                          "different servers: give the admin's URL of the cluster's own Redis")
-    admin = _connected(admin_url, ADMIN_ENV)
+    admin = connected(admin_url, ADMIN_ENV)
     try:
         admin.execute_command("ACL", "SETUSER", *_setuser_args(user, password))
     except redis.exceptions.NoPermissionError:
@@ -80,7 +80,9 @@ def _server(url: str) -> tuple[str, str, int]:
     return parsed.scheme, parsed.hostname or "", parsed.port or 6379
 
 
-def _connected(url: str, source: str) -> redis.Redis:
+def connected(url: str, source: str = "AUTOTUNE_REDIS_URL") -> redis.Redis:
+    """A client of the Redis at `url` that answered a PING, or one UsageError naming `source` (the
+    variable the URL came from) and what went wrong: the credentials, TLS, or the address."""
     client = connect(url)
     try:
         client.ping()
@@ -106,7 +108,7 @@ def _persist(admin: redis.Redis) -> str:
 
 def _check_as_user(url: str) -> None:
     """As the new user: a key written and read and a Lua script run work, CONFIG is refused."""
-    client = _connected(url, "AUTOTUNE_REDIS_URL")
+    client = connected(url)
     probe = "autotune:redis-user-check"
     try:
         client.set(probe, "1", ex=10)

@@ -52,6 +52,7 @@ from scheduler.space import Experiment
 from scheduler.work import RankLaunch, Work
 from workers import keys
 from workers.gang import GangReservations
+from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders
 from workers.paths import safe_child, write_json
 from workers.rank import RankSpec
 from workers.registry import HEARTBEAT_S, TTL_S, live_slots
@@ -198,7 +199,7 @@ def refusal(exp: dict[str, Any], slots: list[Slot], kind: str = "") -> str:
 
 
 def _frees_at(client: redis.Redis, jobs: dict[str, JobSpec], busy: set[str],
-              slots: Sequence[Slot] = ()) -> dict[str, float]:
+              slots: Sequence[Slot]) -> dict[str, float]:
     """When each busy slot should free: our jobs' running experiments from their start plus their
     shape's mean wall time (or the time limit); slots held by anything else: unknown (infinite).
     While an exclusive experiment runs (a finalist re-measured with its nodes otherwise idle), every
@@ -284,12 +285,14 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
             ranks.append(RankLaunch(slot.queue, rank_spec, uuid.uuid4().hex,
                                     f"(experiment={exp.name!r}, rank={rank_spec.rank}, slot={slot.queue!r})"))
     now = time.time()
+    build_s = PREBUILD_TIMEOUT_S if needed_op_builders(exp.ds_config) else 0.0  # before the script: workers.op_prebuild
     co_runners = _record_co_runners(client, f"{spec.job}/{exp.name}", queues, slots)
     store.start(queued, RunningLaunch(
         seq=queued.seq, exp=queued.exp, argv=queued.argv, attempt=attempt, queues=queues, token=token,
-        rank_tasks={rank.queue: rank.task_id for rank in ranks}, started=now, deadline=now + spec.timeout_s + spec.lost_grace_s,
+        rank_tasks={rank.queue: rank.task_id for rank in ranks}, started=now,
+        deadline=now + spec.timeout_s + spec.lost_grace_s + build_s,
         instances={slot.queue: slot.instance for node in placement for slot in node}, co_runners=co_runners))
-    work.launch(ranks, finish, int(spec.timeout_s) + TIME_LIMIT_GRACE_S,
+    work.launch(ranks, finish, int(spec.timeout_s + build_s) + TIME_LIMIT_GRACE_S,
                 f"(experiment={exp.name!r}, job={spec.job!r}, slots={queues!r})")
 
 

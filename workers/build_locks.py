@@ -24,17 +24,23 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import psutil
 
+from workers.launch import kill_marked
+
 log = logging.getLogger(__name__)
 
 #: A lock younger than this may belong to a build that has not started ninja yet.
 FRESH_S = 60.0
+#: Every process of a build carries this variable (a token per build), so a stopped build can be found whole.
+BUILD_ENV = "AUTOTUNE_BUILD_TOKEN"
 #: The longest a rebuild of one op may take (DeepSpeed's CPU all-reduce: about 80 s on 2 cores).
 REBUILD_TIMEOUT_S = 900.0
 
@@ -45,15 +51,19 @@ def stale_locks(locks: Iterable[tuple[Path, float]], busy_dirs: set[Path], now: 
     return [path for path, mtime in locks if now - mtime >= fresh_s and path.parent not in busy_dirs]
 
 
-def clear_stale_locks(extensions_dir: str | os.PathLike[str]) -> list[Path]:
-    """Remove the stale build locks under `extensions_dir` (see the module); returns those removed."""
+def clear_stale_locks(extensions_dir: str | os.PathLike[str], fresh_s: float = FRESH_S,
+                      since: float = 0.0) -> list[Path]:
+    """Remove the stale build locks under `extensions_dir` (see the module); returns those removed.
+    `since`: only locks made from then on (right after killing a build of ours: its locks, at once)."""
     root = Path(extensions_dir)
     locks = []
     for path in root.glob("*/lock"):
         try:
-            locks.append((path, path.stat().st_mtime))
+            mtime = path.stat().st_mtime
         except OSError:
             continue
+        if mtime >= since:
+            locks.append((path, mtime))
     if not locks:
         return []
     busy: set[Path] = set()
@@ -63,7 +73,7 @@ def clear_stale_locks(extensions_dir: str | os.PathLike[str]) -> list[Path]:
         except (psutil.Error, OSError):
             continue
     removed = []
-    for path in stale_locks(locks, busy, time.time()):
+    for path in stale_locks(locks, busy, time.time(), fresh_s):
         try:
             path.unlink()
         except OSError:
@@ -104,7 +114,7 @@ def rebuild_stale_ops(extensions_dir: str | os.PathLike[str], path: str | None,
         except OSError:
             continue
         try:
-            code = _build(ninja, folder, keep_alive, timeout_s)
+            code = run_to_end([ninja, "-C", str(folder)], folder / "rebuild.log", keep_alive, timeout_s)
             if code == 0:
                 log.warning("rebuilt the out-of-date op %s before the experiment", folder.name)
                 rebuilt.append(folder)
@@ -117,17 +127,29 @@ def rebuild_stale_ops(extensions_dir: str | os.PathLike[str], path: str | None,
     return rebuilt
 
 
-def _build(ninja: str, folder: Path, keep_alive: Callable[[], bool] | None, timeout_s: float) -> int | None:
-    """Run ninja in `folder` to the end (its exit status), or stop it (None) when `keep_alive` says
-    stop or `timeout_s` passes."""
-    with open(folder / "rebuild.log", "wb") as log_file:
-        proc = subprocess.Popen([ninja, "-C", str(folder)], stdout=log_file, stderr=subprocess.STDOUT)
+def run_to_end(argv: list[str], log_path: Path, keep_alive: Callable[[], bool] | None, timeout_s: float,
+               env: dict[str, str] | None = None, on_start: Callable[[int], None] | None = None) -> int | None:
+    """Run a build (`argv`, output to `log_path`, in a process group of its own whose id goes to
+    `on_start`) to the end: its exit status, or None when it was stopped because `keep_alive` said
+    stop (checked every second) or `timeout_s` passed."""
+    started, token = time.time(), uuid.uuid4().hex
+    env = {**(os.environ if env is None else env), BUILD_ENV: token}
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    if on_start is not None:
+        on_start(proc.pid)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             if time.monotonic() > deadline or (keep_alive is not None and keep_alive()):
-                proc.kill()
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 proc.wait()
+                # ninja starts each compiler in a process group of its own: those go by the token
+                # they inherited, and once they are gone no process works in the op's folder
+                kill_marked(BUILD_ENV, token, started)
                 return None

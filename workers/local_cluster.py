@@ -126,9 +126,7 @@ class LocalCluster:
 
     def _start_worker(self, queue: str, name: str, concurrency: int, env: dict[str, str]) -> None:
         log = self.log_dir / f"{queue}.log"
-        argv = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", name,
-                "-c", str(concurrency), "--without-gossip", "--without-mingle", "-l", "INFO"]
-        self._workers.append(_spawn(argv, log, env, death_signal=signal.SIGQUIT))
+        self._workers.append(_spawn(worker_argv(queue, name, concurrency), log, env, death_signal=signal.SIGQUIT))
 
     def _wait(self, ready, what: str, log: Path) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -171,6 +169,16 @@ class LocalCluster:
                 self._redis.kill()
                 self._redis.wait()
         self._workers.clear()
+
+
+def worker_argv(queue: str, name: str, concurrency: int | None = None) -> list[str]:
+    """The command of one of this project's Celery workers: serving `queue` (a slot's or `control`)
+    as `name`, with `concurrency` processes (Celery's default, one per core, when None), without
+    gossip and mingle (a slot worker talks to Redis, not to its peers) and logging at INFO."""
+    argv = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", name]
+    if concurrency is not None:
+        argv += ["-c", str(concurrency)]
+    return [*argv, "--without-gossip", "--without-mingle", "-l", "INFO"]
 
 
 def redis_config(settings: list[tuple[str, str | list[str]]]) -> bytes:

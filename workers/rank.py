@@ -37,6 +37,7 @@ from workers.failure import Status, classify, describe_exit
 from workers.metric_check import asked_metric, metrics_problem
 from workers.metrics import AutotuningSettings
 from workers.oom import stderr_out_of_memory
+from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders, prebuild_ops
 from workers.launch import run_watched, tail
 from workers.paths import read_json, safe_child, write_atomic, write_json
 from workers.shared_memory import remove_rank_segment
@@ -194,6 +195,14 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     env = rank_env(spec, slot, master, exit_report)
     clear_stale_locks(env["TORCH_EXTENSIONS_DIR"])  # a build killed with an earlier experiment
     rebuild_stale_ops(env["TORCH_EXTENSIONS_DIR"], env.get("PATH"), stop_check)  # outside the memory cap
+    builders = needed_op_builders(ds_config)
+    prebuild_failed = prebuild_ops(builders, _build_env(env, slot), result_dir / f"{log_prefix}op_prebuild.log",
+                                   stop_check, on_start=lambda pgid: client.set(pgid_key, pgid, ex=PGID_TTL_S))
+    if builders and not _ops_ready_everywhere(spec, client, stop_check):
+        client.delete(pgid_key)
+        now = time.time()
+        return {"status": Status.ABORTED.value, "exit": "not started", "started_at": now, "ended_at": now,
+                "wall_s": 0.0, "peak_rss_bytes": 0, "error": "stopped while the ops DeepSpeed needs were built"}
     try:
         launch = run_watched(
             command, env=env, cwd=cwd,
@@ -243,6 +252,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         record["metrics_at"] = metric_path.stat().st_mtime  # a later failure did not spoil them
     if launch.start_error:
         record["error"] = launch.start_error
+    if prebuild_failed:  # advisory: the script may not need the op (workers.op_prebuild)
+        record["op_prebuild_failed"] = prebuild_failed
     if oom_in_stderr:
         record["oom"] = oom_in_stderr[:500]
         record["oom_from"] = "stderr"
@@ -308,6 +319,21 @@ def _meet(spec: RankSpec, slot: Slot, client: redis.Redis, stop_check: _StopChec
         return slot.address, port
     return rendezvous.wait(client, spec.attempt, spec.rendezvous_timeout_s, keep_alive=stop_check,
                            every_s=max(1.0, spec.lease_s / 3))
+
+
+def _build_env(env: dict[str, str], slot: Slot) -> dict[str, str]:
+    """The rank's environment for building its ops: as many compiler jobs as the slot has cores."""
+    return {"MAX_JOBS": str(len(slot.cpus)), **env} if slot.cpus else env
+
+
+def _ops_ready_everywhere(spec: RankSpec, client: redis.Redis, stop_check: _StopCheck) -> bool:
+    """After this rank's ops are built: wait until every rank's are, so the scripts start together
+    and no rank's time limit runs while a peer node compiles. False when the launch was stopped or
+    a peer never got there."""
+    if spec.world_size == 1:
+        return not stop_check()
+    return rendezvous.all_arrived(client, f"{spec.attempt}:ops", spec.world_size, PREBUILD_TIMEOUT_S + 60,
+                                  keep_alive=stop_check)
 
 
 def _signal_abort(client: redis.Redis, attempt: str) -> None:

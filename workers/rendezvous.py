@@ -88,3 +88,28 @@ def wait(client: redis.Redis, attempt: str, timeout_s: float, keep_alive: Callab
             address, _, port = popped[1].decode().rpartition(":")
             return address, int(port)
     return None
+
+
+def all_arrived(client: redis.Redis, barrier: str, count: int, timeout_s: float,
+                keep_alive: Callable[[], object] = lambda: None, every_s: float = 0.5) -> bool:
+    """Count this process in at `barrier` and wait until `count` have: True then, False when
+    `keep_alive` returns true (stop) or `timeout_s` passes first."""
+    key = keys.rendezvous(barrier)
+    counted = False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if keep_alive():
+            return False
+        try:
+            if not counted:
+                pipe = client.pipeline()
+                pipe.incr(key)
+                pipe.expire(key, KEY_TTL_S)
+                pipe.execute()
+                counted = True
+            if int(client.get(key) or 0) >= count:
+                return True
+        except redis.RedisError:
+            pass  # an outage is not a reason to stop: the lease decides (workers.rank._StopCheck)
+        time.sleep(every_s)
+    return False

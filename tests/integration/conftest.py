@@ -9,7 +9,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 from urllib.parse import urlparse
 
 import pytest
@@ -17,7 +16,7 @@ import redis
 
 from deploy.redis_user import create_cluster_user
 from integration_helpers import ROOT, processes_with_marker, stop_group, wait_for
-from workers.local_cluster import free_tcp_port
+from workers.local_cluster import free_tcp_port, worker_argv
 from workers.registry import control_alive, live_slots
 
 # Every process the tests start inherits this: where setproctitle is installed (mutmut pulls it in),
@@ -62,8 +61,7 @@ def hand_cluster(redis_url, tmp_path_factory):
     for queue, name in (("gpu0", "gpu0@testnode"), ("gpu1", "gpu1@testnode"), ("control", "control@testnode")):
         with open(logs / f"{queue}.log", "wb") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", name,
-                 "--without-gossip", "--without-mingle", "-l", "INFO"],
+                worker_argv(queue, name),
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     client = redis.Redis.from_url(url)
     wait_for(lambda: len(live_slots(client)) == 2 and control_alive(client), 90, "workers to register")

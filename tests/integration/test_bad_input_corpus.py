@@ -21,6 +21,7 @@ import redis
 
 from integration_helpers import ROOT, SCRIPTS, processes_with_marker, wait_for
 from scheduler.folders import MARKER
+from tests.unit.test_op_prebuild import failing_compiler
 from workers.local_cluster import free_tcp_port, redis_config
 
 pytestmark = pytest.mark.integration
@@ -230,3 +231,35 @@ def test_an_op_that_cannot_be_built_stops_the_job_at_its_first_experiment(tmp_pa
     record = json.loads((results / "z0_gas1_tmbspg1" / "result.json").read_text())
     assert record["status"] == "crashed" and record["op_build_failed"].startswith("needed_op: ")
     assert not list(results.glob("z1_*")), "the job went on after the op failed"
+
+
+def test_an_op_the_config_names_is_built_before_the_script_and_a_failed_build_is_only_advice(tmp_path):
+    """Issue 21 item 1, ops built once per node before tuning: the config's Adam (without torch_adam)
+    makes DeepSpeed load FusedAdam, so the slot worker builds it before the script starts, outside the
+    slot's memory cap and time limit (workers.op_prebuild). Here the node's compiler fails every
+    compile (as FusedAdam's fails without the CUDA toolkit), but this script hands DeepSpeed no such optimizer
+    (as a script passing its own optimizer to deepspeed.initialize does): the build's failure is
+    kept in each rank's record and its log, the ranks of each 2-rank experiment start the script
+    together, and the job finishes."""
+    data = json.loads(json.dumps(BASE))
+    data["train_micro_batch_size_per_gpu"] = [1, 2]
+    data["optimizer"] = {"type": "Adam", "params": {"lr": 0.001}}
+    data["autotuning"].update(model_info={"num_params": 1000, "activation_mem_per_gpu": 1024})
+    (tmp_path / "cfg.json").write_text(json.dumps(data))
+    env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
+    env.update(TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), CXX=str(failing_compiler(tmp_path)), DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, "-m", "scheduler.autotune", "cfg.json", "--slots", "2", "--num_gpus", "2",
+                           "--slot-memory", "1GiB", "--exp-timeout", "120"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    folders = [p.parent for p in tmp_path.rglob("z0_gas*_tmbspg*/result.json")]
+    assert len(folders) == 2
+    for folder in folders:
+        record = json.loads((folder / "result.json").read_text())
+        assert record["status"] == "ok"
+        for rank in record["ranks"]:  # both ranks built, waited for each other, and started the script
+            assert rank["op_prebuild_failed"].startswith("fused_adam: RuntimeError: Error building extension")
+    # built once per worker: the failure is remembered, not compiled again before every experiment
+    logs = [log for folder in folders for log in folder.glob("*op_prebuild.log")]
+    assert sorted(log.name for log in logs) == ["op_prebuild.log", "rank1.op_prebuild.log"]
+    assert all("cuda_runtime.h: No such file" in log.read_text() for log in logs)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from integration_helpers import ROOT, SCRIPTS, run_autotune, stop_group, wait_for, write_config
+from workers.local_cluster import worker_argv
 
 pytestmark = pytest.mark.integration
 FAKE_GPU_DIR = ROOT / "tests" / "fake_gpu"
@@ -129,8 +130,7 @@ def test_a_worker_refuses_an_unusable_listing_with_exit_2(tmp_path: Path, redis_
         env = {**os.environ, **gpu_env(AUTOTUNE_REDIS_URL=redis_url)}
         if output is not None:
             env["FAKE_NVIDIA_SMI_OUTPUT"] = output
-        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n",
-                                 f"{queue}@fakegpu", "-c", "1", "--without-gossip", "--without-mingle"],
+        proc = subprocess.Popen(worker_argv(queue, f"{queue}@fakegpu", 1),
                                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         try:

@@ -17,7 +17,7 @@ import redis
 
 from integration_helpers import ROOT, processes_with_marker, wait_for, write_config
 from workers import keys
-from workers.local_cluster import free_tcp_port
+from workers.local_cluster import free_tcp_port, worker_argv
 from workers.registry import control_alive, live_slots
 
 pytestmark = pytest.mark.integration
@@ -53,8 +53,7 @@ class Cluster:
                "AUTOTUNE_TEST_MARKER": self.marker}
         with open(self.tmp / f"{queue}.log", "ab") as log:
             self.workers[queue] = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n",
-                 f"{queue}@faultnode", "-c", str(concurrency), "--without-gossip", "--without-mingle"],
+                worker_argv(queue, f"{queue}@faultnode", concurrency),
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self) -> None:

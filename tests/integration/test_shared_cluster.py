@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from integration_helpers import ROOT, SCRIPTS, processes_with_marker, run_autotune, wait_for, write_config
+from workers.local_cluster import worker_argv
 from workers.registry import control_alive, live_slots
 
 pytestmark = pytest.mark.integration
@@ -49,8 +50,7 @@ def four_slots(redis_url, tmp_path_factory):
                         ("gpu1", "gpu1@nodeb"), ("control", "control@nodea")]:
         with open(logs / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", name,
-                 "--without-gossip", "--without-mingle"], cwd=ROOT,
+                worker_argv(queue, name), cwd=ROOT,
                 env={**env, "AUTOTUNE_SLOT_MEMORY": "2GiB" if name.endswith("nodeb") else "1GiB"}, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True))
     client = redis.Redis.from_url(url)

@@ -18,7 +18,7 @@ import redis
 
 from integration_helpers import ROOT, SCRIPTS, processes_with_marker, run_autotune, stop_group, wait_for, write_config
 from tls_pki import Pki, make_pki
-from workers.local_cluster import free_tcp_port
+from workers.local_cluster import free_tcp_port, worker_argv
 from workers.redis_tls import CA_ENV, CERT_ENV, KEY_ENV
 from workers.registry import connect, control_alive, live_slots
 
@@ -64,8 +64,7 @@ def test_a_job_runs_over_tls_and_plain_text_is_refused_by_the_server(tls_redis, 
         for queue in ("gpu0", "control"):
             with open(tmp_path / f"{queue}.log", "wb") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", f"{queue}@tlsnode",
-                     "--without-gossip", "--without-mingle", "-l", "INFO"],
+                    worker_argv(queue, f"{queue}@tlsnode"),
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         with_tls = {**tls_redis["env"]}
         os.environ.update(with_tls)

@@ -27,6 +27,7 @@ from scheduler.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.space import Experiment
 from workers import keys
 from workers.gang import GangReservations
+from workers.op_prebuild import PREBUILD_TIMEOUT_S
 from workers.rank import RankSpec
 from workers.slot import Slot
 
@@ -89,6 +90,27 @@ def started(work) -> list[tuple[str, list[str]]]:
 
 
 # ---------------------------------------------------------------- dispatch: what starts, and its records
+
+
+def test_a_launch_whose_ops_are_built_first_gets_the_build_time_on_its_limits(client: redis.Redis, work,
+                                                                               tmp_path: Path) -> None:
+    """Issue 21 item 1: a config with Adam (no torch_adam) has FusedAdam built before its script
+    (workers.op_prebuild, up to PREBUILD_TIMEOUT_S); that time is not the script's, so neither the
+    lost-launch deadline nor Celery's hard limit may run out during it. A config with torch_adam
+    builds nothing and keeps the plain limits."""
+    register(client, make_slot("n0", 0), make_slot("n0", 1))
+    spec = make_spec(tmp_path)
+    fused, plain = exp("fused"), exp("plain")
+    fused["ds_config"]["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
+    plain["ds_config"]["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+    active(client, work, spec, fused, plain)
+    dispatch(client, work)
+    limits = {finish.name: limit for _, finish, limit, _ in work.launched}
+    assert limits == {"fused": 100 + PREBUILD_TIMEOUT_S + 300, "plain": 100 + 300}
+    launched = running(client, "j")
+    assert launched["fused"].deadline == launched["fused"].started + 100 + 20 + PREBUILD_TIMEOUT_S
+    assert launched["plain"].deadline == launched["plain"].started + 100 + 20
+
 
 
 def test_without_active_jobs_nothing_happens(client: redis.Redis, work) -> None:
@@ -300,9 +322,9 @@ def test_estimated_frees_at(client: redis.Redis, tmp_path: Path) -> None:
     store.add_wall("3/8", 500.0)
     store.add_wall("2/2", 1.0)  # another shape's walls do not count
     busy = {"n0.gpu0", "n0.gpu1", "n0.gpu2", "x.gpu9"}
-    assert _frees_at(client, {"j": spec}, busy) == {
+    assert _frees_at(client, {"j": spec}, busy, []) == {
         "n0.gpu0": 1015.0, "n0.gpu1": 2100.0, "n0.gpu2": 3100.0, "x.gpu9": float("inf")}
-    assert _frees_at(client, {}, {"n0.gpu0"}) == {"n0.gpu0": float("inf")}
+    assert _frees_at(client, {}, {"n0.gpu0"}, []) == {"n0.gpu0": float("inf")}
 
 
 def test_the_cluster_lock(client: redis.Redis) -> None:

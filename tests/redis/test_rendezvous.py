@@ -80,3 +80,33 @@ def test_a_rank_that_hears_nothing_gives_up_and_keeps_its_lease_meanwhile(client
     assert 3 <= waited < 3 + 5  # gives up after the timeout, give or take one blocking pop
     assert len(renewals) >= 2  # renewed every second or so (a loaded machine may stretch a pop), not once
     assert renewals[0] - started < 0.5
+
+
+def test_ranks_start_together_once_every_rank_has_arrived(client: redis.Redis) -> None:
+    """After their ops are built (workers.op_prebuild) the ranks of one launch wait for each other, so
+    no rank's time limit runs while a peer node still compiles: none passes before the last arrives."""
+    passed: list[float] = []
+
+    def rank(delay: float) -> None:
+        time.sleep(delay)
+        assert rendezvous.all_arrived(client, "att:ops", 3, timeout_s=10, every_s=0.05)
+        passed.append(time.monotonic())
+
+    last_arrives = time.monotonic() + 0.6
+    threads = [threading.Thread(target=rank, args=(d,)) for d in (0.0, 0.3, 0.6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(passed) == 3 and min(passed) >= last_arrives - 0.05
+    assert 0 < client.ttl(keys.rendezvous("att:ops")) <= KEY_TTL_S
+
+
+def test_a_rank_waiting_for_its_peers_stops_when_told_or_on_time(client: redis.Redis) -> None:
+    started = time.monotonic()
+    assert not rendezvous.all_arrived(client, "att2:ops", 2, timeout_s=0.5, every_s=0.05)  # the peer never came
+    assert 0.45 <= time.monotonic() - started < 2
+    calls = []
+    assert not rendezvous.all_arrived(client, "att3:ops", 2, timeout_s=30,
+                                      keep_alive=lambda: calls.append(1) or len(calls) > 3, every_s=0.05)
+    assert len(calls) == 4  # a peer failed (the abort key): stop at once, not at the timeout

@@ -1,0 +1,132 @@
+"""DeepSpeed's ops built before the script (workers.op_prebuild, issue 21 item 1): which ops a config
+makes the engine load, and a real child interpreter that builds them with the rank's environment,
+outside the experiment's limits, reporting an op that cannot be built in the record's words."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from workers import op_prebuild
+from workers.op_prebuild import missing_ops, needed_op_builders, prebuild_ops
+
+def _config(optimizer: str | None, torch_adam: bool = False, stage: int = 2, **zero: object) -> dict:
+    config: dict = {"zero_optimization": {"stage": stage, **zero}}
+    if optimizer:
+        config["optimizer"] = {"type": optimizer, "params": {"lr": 1e-3, **({"torch_adam": True} if torch_adam else {})}}
+    return config
+
+
+@pytest.mark.parametrize("config, expected", [
+    (_config("Adam"), ["FusedAdamBuilder"]),
+    (_config("ADAMW"), ["FusedAdamBuilder"]),  # DeepSpeed lower-cases the type
+    (_config("Muon"), ["FusedAdamBuilder"]),  # its auxiliary Adam
+    (_config("AdamW", torch_adam=True), []),
+    ({"optimizer": {"type": "Adam", "params": {"torch_adam": 1}}}, []),  # any true value, as DeepSpeed reads it
+    (_config("Adam", offload_optimizer={"device": "cpu"}), ["CPUAdamBuilder"]),
+    (_config("Adam", offload_optimizer={"device": "none"}), ["FusedAdamBuilder"]),
+    (_config("Adam", cpu_offload=True), ["CPUAdamBuilder"]),  # the legacy key
+    (_config("Adam", stage=3, offload_optimizer={"device": "nvme"}), ["CPUAdamBuilder", "AsyncIOBuilder"]),
+    (_config("SGD", stage=3, offload_param={"device": "nvme"}), ["AsyncIOBuilder"]),
+    (_config("SGD", offload_optimizer={"device": "nvme"}), []),  # ZeRO-1/2 never swap to NVMe
+    (_config("SGD", stage=3, zero_quantized_weights=True), ["QuantizerBuilder"]),
+    (_config("Adagrad"), []),
+    (_config("Adagrad", offload_optimizer={"device": "cpu"}), ["CPUAdagradBuilder"]),
+    (_config("Lamb"), ["FusedLambBuilder"]),
+    (_config("Lion"), ["FusedLionBuilder"]),
+    (_config("Lion", offload_optimizer={"device": "cpu"}), ["CPULionBuilder"]),
+    (_config(None), []),  # the script brings its own optimizer
+    ({"optimizer": "Adam", "zero_optimization": 3}, []),  # malformed: the engine's own error
+])
+def test_the_ops_a_config_makes_deepspeed_load(config, expected) -> None:
+    assert needed_op_builders(config) == expected
+
+
+def test_an_op_already_built_in_the_folder_is_not_built_again(tmp_path: Path) -> None:
+    (tmp_path / "fused_adam").mkdir()
+    (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")
+    (tmp_path / "cpu_adam").mkdir()  # a folder without its library: a build never finished
+    assert missing_ops(["FusedAdamBuilder", "CPUAdamBuilder"], tmp_path) == ["CPUAdamBuilder"]
+    log = tmp_path / "op_prebuild.log"
+    assert prebuild_ops(["FusedAdamBuilder"], {"TORCH_EXTENSIONS_DIR": str(tmp_path)}, log) is None
+    assert not log.exists()  # no child was started
+
+
+def failing_compiler(folder: Path) -> Path:
+    """A C++ compiler that answers torch's version check and fails every compile, as a node without
+    the CUDA toolkit fails FusedAdam's."""
+    compiler = folder / "no-cuda-c++"
+    compiler.write_text('#!/bin/sh\ncase "$1" in --version|-v) echo "g++ (Debian 12.2.0-14) 12.2.0"; exit 0;; esac\n'
+                        'echo "fatal error: cuda_runtime.h: No such file or directory" >&2\nexit 1\n')
+    compiler.chmod(0o755)
+    return compiler
+
+
+def _env(extensions: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu", "MAX_JOBS": "1", **extra}
+
+
+def test_an_op_that_cannot_be_built_is_reported_before_any_training(tmp_path: Path) -> None:
+    """A node whose compiler fails (as nvcc is missing on a GPU node): DeepSpeed's real builder runs
+    in the child, fails, and the failure comes back in the words `workers.op_build` gives it."""
+    log = tmp_path / "rank.op_prebuild.log"
+    broken = _env(tmp_path / "ext", CXX=str(failing_compiler(tmp_path)))
+    failure = prebuild_ops(["FusedAdamBuilder"], broken, log)
+    again = tmp_path / "again.log"  # the next experiment on this worker: the failure remembered, no child
+    assert prebuild_ops(["FusedAdamBuilder"], broken, again) == failure
+    assert not again.exists()
+    assert failure is not None and failure.startswith("fused_adam: RuntimeError: Error building extension 'fused_adam'")
+    assert "cuda_runtime.h: No such file" in log.read_text()  # the compiler's output, for whoever reads the log
+    assert missing_ops(["FusedAdamBuilder"], tmp_path / "ext") == ["FusedAdamBuilder"]
+
+
+def test_a_child_that_loads_every_op_is_not_started_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child's success path, without a compile: the CPU accelerator has no FusedLamb, so the child
+    leaves it to the script (DeepSpeed then says so itself) and reports success; the worker does not
+    ask again before its next experiment. (A real build: the failure tests above run torch's.)"""
+    monkeypatch.setattr(op_prebuild, "_LOADED_HERE", set())
+    log = tmp_path / "op_prebuild.log"
+    assert prebuild_ops(["FusedLambBuilder"], _env(tmp_path / "ext"), log) is None
+    assert log.is_file() and json.loads(log.with_suffix(".json").read_text()) == {}
+    log.unlink()
+    assert prebuild_ops(["FusedLambBuilder"], _env(tmp_path / "ext"), log) is None and not log.exists()
+
+
+def test_a_stopped_launch_stops_the_build_and_reports_nothing(tmp_path: Path) -> None:
+    started = time.monotonic()
+    failure = prebuild_ops(["FusedAdamBuilder"], _env(tmp_path / "ext", CXX=str(failing_compiler(tmp_path))),
+                           tmp_path / "b.log", keep_alive=lambda: True)
+    assert failure is None and time.monotonic() - started < 10  # the launch's abort is its own answer
+
+
+def test_a_build_past_its_time_limit_is_a_failure_naming_the_op_and_leaves_no_lock(tmp_path: Path) -> None:
+    """Killed mid-build (its whole process group), it must not leave torch's lock: every later build
+    of that op on the node would wait on it forever."""
+    ext = tmp_path / "ext"
+    (ext / "fused_adam").mkdir(parents=True)
+    groups: list[int] = []
+    slow = _env(ext, CXX=str(_slow_compiler(tmp_path)))
+    failure = prebuild_ops(["FusedAdamBuilder"], slow, tmp_path / "b.log", timeout_s=15, on_start=groups.append)
+    assert failure == "fused_adam: not built within 15s", failure
+    assert (tmp_path / "compiling").is_file()  # it was killed while compiling, holding torch's lock
+    assert not (ext / "fused_adam" / "lock").exists()
+    assert len(groups) == 1 and not _group_alive(groups[0])
+
+
+def _slow_compiler(folder: Path) -> Path:
+    compiler = folder / "slow-c++"
+    compiler.write_text('#!/bin/sh\ncase "$1" in --version|-v) echo "g++ (Debian 12.2.0-14) 12.2.0"; exit 0;; esac\n'
+                        f'touch {folder / "compiling"}\nexec sleep 600\n')
+    compiler.chmod(0o755)
+    return compiler
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
