@@ -36,12 +36,12 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
 
-from scheduler.backfill import POLICIES, Waiting, backfill, estimate_run_s
+from scheduler.backfill import POLICIES, Policy, Waiting, estimate_run_s
 from scheduler.errors import ClusterError
 from scheduler.job_store import JobStore, heads
 from scheduler.jobs import JobSpec, active_specs, end, load_spec, stop_launch
@@ -78,8 +78,9 @@ def cluster_lock(client: redis.Redis):
                        sleep=LOCK_POLL_S)
 
 
-def dispatch(client: redis.Redis, work: Work) -> None:
-    """Start every queued experiment the policy allows now (module docstring)."""
+def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = POLICIES) -> None:
+    """Start every queued experiment the policy allows now (module docstring). `policies` are the
+    placement policies by the name a job asks for (bench/scale.py passes timed ones)."""
     specs = active_specs(client)
     if not specs:
         return
@@ -107,7 +108,7 @@ def dispatch(client: redis.Redis, work: Work) -> None:
     jobs = {spec.job: spec for spec in specs if spec.job not in refused}
     # Strict FIFO only while every active job asks for it: one backfilling job makes the pass backfill.
     asked = {spec.policy for spec in specs}
-    policy = POLICIES[asked.pop()] if len(asked) == 1 else backfill
+    policy = policies[asked.pop()] if len(asked) == 1 else policies["backfill"]
     by_key = {f"{spec.job}/{launch.name}": (spec, launch) for spec, launch in free_waiting if spec.job not in refused}
     items = [Waiting(key, launch.exp["num_nodes"], launch.exp["num_gpus"], spec.timeout_s,
                      launch.exp.get("min_memory", 0), spec.slot_kind, bool(launch.exp.get("exclusive")))
