@@ -75,7 +75,7 @@ task_send_sent_event = True
 task_track_started = True
 
 # Workers run for days, but recycling a pool child every N tasks stalled the control worker for
-# 2-5 s in the middle of a job (and threw away its live searches, see scheduler.live_search): a
+# 2-5 s in the middle of a job (and threw away its live searches, see scheduler.search.live_search): a
 # child is replaced only if it really grows past ~1 GB (slot workers run the script in a
 # subprocess, so its memory never counts here).
 worker_max_tasks_per_child = None

@@ -1,7 +1,7 @@
 """Strict FIFO (DeepSpeed's ResourceManager) vs EASY backfill on the same mixed-gang workload.
 
 THIS IS A SIMULATION OF THE SCHEDULING POLICY, NOT A MEASUREMENT OF CELERY: a discrete-event loop
-feeds the two pure decision functions of `scheduler.backfill` (the ones dispatch calls) with
+feeds the two pure decision functions of `scheduler.cluster.backfill` (the ones dispatch calls) with
 simulated time. No Redis, no workers, no launch or rendezvous overhead, no polling delay: the
 only difference between the two rows is which experiment the policy starts when. A later
 benchmark measures the same comparison on real workers.
@@ -26,7 +26,7 @@ import random
 import statistics
 from dataclasses import dataclass
 
-from scheduler.backfill import Policy, Waiting, backfill, reservation, strict_fifo
+from scheduler.cluster.backfill import Policy, Waiting, backfill, reservation, strict_fifo
 from workers.slot import Slot
 
 SHAPES = [((1, 1), 0.5), ((1, 2), 0.3), ((2, 2), 0.2)]  #: (nodes, slots per node), share
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     slots = cluster()
     jobs = workload(args.seed, args.experiments)
-    print("SIMULATION of the dispatch policy (scheduler.backfill), not a measurement of Celery workers.")
+    print("SIMULATION of the dispatch policy (scheduler.cluster.backfill), not a measurement of Celery workers.")
     print(describe(jobs, slots) + f"; seed {args.seed}\n")
     print(table(simulate(strict_fifo, jobs, slots), simulate(backfill, jobs, slots)))
     print()

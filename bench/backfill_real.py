@@ -21,8 +21,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from scheduler.backfill import Policy, backfill, strict_fifo
-from scheduler.space import Experiment, experiment_config
+from scheduler.cluster.backfill import Policy, backfill, strict_fifo
+from scheduler.search.space import Experiment, experiment_config
 from workers.local_cluster import LocalCluster
 from workers.registry import connect
 
@@ -46,7 +46,7 @@ def workload(seed: int, count: int, slots: int) -> tuple[list[Experiment], str]:
 
 
 def measure(policy: Policy, experiments: list[Experiment], behaviour: str, slots: int, url: str) -> dict:
-    from scheduler.jobs import JobSpec, run_fixed
+    from scheduler.cluster.jobs import JobSpec, run_fixed
     from tasks import app
     from tasks.work import CeleryWork
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.space import experiment_config
+from scheduler.search.space import experiment_config
 
 PLATEAU = 0.05
 Run = Callable[[str, dict[str, Any], bool], dict[str, Any]]

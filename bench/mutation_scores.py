@@ -7,7 +7,7 @@ how mutmut's own timeout ends a run that blocks in a system call). Run from the 
 
     python bench/mutation_scores.py [--survivors] [MODULE.py ...]
 
-With modules (e.g. scheduler/dispatch.py), only their rows and survivors: what `bench/mutation.sh
+With modules (e.g. scheduler/cluster/dispatch.py), only their rows and survivors: what `bench/mutation.sh
 MODULE.py ...` ran (mutmut leaves the other modules' mutants "not checked").
 """
 from __future__ import annotations

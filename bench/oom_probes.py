@@ -1,6 +1,6 @@
 """OOM probes of the fast search: our calibrated memory model vs DeepSpeed's estimate, side by side.
 
-Replays `scheduler.fast_search` twice over the SAME memory behaviour: a law fitted to the peaks that
+Replays `scheduler.search.fast_search` twice over the SAME memory behaviour: a law fitted to the peaks that
 a real tuning run measured (one least-squares line per ZeRO stage over its successful experiments;
 a stage without one borrows the nearest stage's line; an experiment whose line exceeds the slot
 capacity is an OOM). One replay predicts with the calibrated model (ours), one with DeepSpeed's
@@ -16,9 +16,9 @@ import argparse
 import json
 from pathlib import Path
 
-from scheduler.config import load_config
-from scheduler.fast_search import PROFILE, SearchSettings, fast_search
-from scheduler.phases import drive
+from scheduler.inputs.config import load_config
+from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search
+from scheduler.search.phases import drive
 
 
 def fitted_law(records: list[dict]) -> dict[int, tuple[float, float]]:

@@ -2,8 +2,8 @@
 
 What runs: a real redis-server (private, free port) holding 1,024 slot registrations (128 nodes x 8
 GPUs, as slot workers write them) and four tuning jobs of 2,500 experiments each (1, 2, 4 and 8 GPUs
-per experiment), queued by the real job step (`scheduler.progress.advance`: the search replayed,
-experiment configs built, queue entries written). Then the real `scheduler.dispatch.dispatch`, with the
+per experiment), queued by the real job step (`scheduler.cluster.progress.advance`: the search replayed,
+experiment configs built, queue entries written). Then the real `scheduler.cluster.dispatch.dispatch`, with the
 real Celery app sending its chords to Redis (no worker consumes them: only the control path is timed):
 
 - queueing: the first step of each job (10,000 experiments in all);
@@ -70,7 +70,7 @@ def register_slots(client: redis.Redis, nodes: int, gpus: int) -> list[str]:
 
 
 def submit_job(client: redis.Redis, messages, root: Path, name: str, num_gpus: int, count: int) -> str:
-    from scheduler.jobs import JobSpec, TuneSpec, submit
+    from scheduler.cluster.jobs import JobSpec, TuneSpec, submit
 
     folder = root / name
     folder.mkdir()
@@ -109,8 +109,8 @@ def main() -> int:
     server, url = start_redis(work)
     try:
         os.environ["AUTOTUNE_REDIS_URL"] = url
-        from scheduler.dispatch import dispatch
-        from scheduler.progress import advance
+        from scheduler.cluster.dispatch import dispatch
+        from scheduler.cluster.progress import advance
         from tasks import app
         from tasks.work import CeleryWork
         from workers import keys
@@ -147,7 +147,7 @@ def main() -> int:
             saturated.append(time.perf_counter() - t)
         assert sum(client.hlen(keys.job_running(job)) for job in jobs) == 0
 
-        from scheduler.backfill import POLICIES
+        from scheduler.cluster.backfill import POLICIES
 
         decisions: list[float] = []
 
@@ -185,7 +185,7 @@ def main() -> int:
               f"p99 {ms[min(len(ms) - 1, int(0.99 * len(ms)))]:.1f} ms, max {ms[-1]:.1f} ms "
               f"({started_total} experiments started in {len(ms)} passes)")
         if not decisions:
-            print("error: no placement decision was timed: scheduler.dispatch no longer calls the policies it is "
+            print("error: no placement decision was timed: scheduler.cluster.dispatch no longer calls the policies it is "
                   "given", file=sys.stderr)
             return 1
         decided = sorted(d * 1000 for d in decisions)

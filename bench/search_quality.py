@@ -17,9 +17,9 @@ earlier, easier surfaces (always a limit, equal Gaussian 2 % noise, 85 % peaks),
 surfaces of the figures bench/README.md gave before: the ours and DeepSpeed rows reproduce them
 (same search code); "all once" measures the whole space since, so its row differs.
 
-Both searches are replayed against the same surface: ours through `scheduler.fast_search` (the
+Both searches are replayed against the same surface: ours through `scheduler.search.fast_search` (the
 generator the control worker runs, fed the records a real run would leave; its winner is
-`scheduler.ranking.best` over every launch but the profile, repeats of a config pooled), DeepSpeed's
+`scheduler.search.ranking.best` over every launch but the profile, repeats of a config pooled), DeepSpeed's
 through `bench.deepspeed_replay` (its algorithm line by line, failures included). Per family it
 prints the median and 10th percentile of the fraction of the optimum reached (the noise-free
 throughput of the config each search names, over the best noise-free throughput of the space), the
@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
 from bench.surfaces import FAMILIES, Surface, classic, make_surface, user_config, with_buckets  # noqa: E402
-from scheduler.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
-from scheduler.phases import Phase, drive  # noqa: E402
-from scheduler.ranking import best  # noqa: E402
+from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
+from scheduler.search.phases import Phase, drive  # noqa: E402
+from scheduler.search.ranking import best  # noqa: E402
 
 
 #: A re-measurement's name (`<name>_r2`, `<name>_r3`, ...; the earlier searches used `_r2` too).
@@ -165,7 +165,7 @@ def main() -> None:
              if args.classic else "variant new (half without max_train_batch_size, per-config and "
              "heavy-tailed noise on half, 30 % without peaks); ")
           + ("DeepSpeed's 1 GB gradient bucket at ZeRO-1/2/3; " if args.buckets else "") +
-          "ours = scheduler.fast_search (sampled), DeepSpeed = bench/deepspeed_replay.py (0.19 fast mode)")
+          "ours = scheduler.search.fast_search (sampled), DeepSpeed = bench/deepspeed_replay.py (0.19 fast mode)")
     header = (f"{'family':<13}{'search':<11}{'frac med':>9}{'frac p10':>9}{'>=0.99':>8}{'launch med':>11}"
               f"{'launch p90':>11}{'failed med':>11}{'failed p90':>11}{'worst stg':>10}{'rpt':>5}"
               f"{'mtbs':>7}{'none':>7}")

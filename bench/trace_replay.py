@@ -1,7 +1,7 @@
 """Both searches replayed on a real trace (bench/collect_traces.py): real shapes, real noise, in seconds.
 
 Why: bench/search_quality.py's surfaces are a model we wrote; a trace is what examples/train_gpt.py
-did on this machine, window by window. Each replay runs our sampled search (`scheduler.fast_search`,
+did on this machine, window by window. Each replay runs our sampled search (`scheduler.search.fast_search`,
 as the control worker drives it) and DeepSpeed 0.19's fast mode (`bench.deepspeed_replay`) on the
 trace's config (bench/vs_deepspeed.py's: fast mode, the traced ZeRO stages, micro-batch up to the
 traced top, no max_train_batch_size). Every launch of a config draws one of that config's recorded
@@ -33,9 +33,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
-from scheduler.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
-from scheduler.phases import Phase, drive  # noqa: E402
-from scheduler.ranking import best  # noqa: E402
+from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
+from scheduler.search.phases import Phase, drive  # noqa: E402
+from scheduler.search.ranking import best  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30

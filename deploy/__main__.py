@@ -36,8 +36,8 @@ from deploy.fabric_hosts import Answer, Hosts
 from deploy.plan import by_host, check_redis_url, plan_workers, registration_report, up_request
 from deploy.redis_user import ADMIN_ENV, connected, create_cluster_user, may_reconfigure
 from scheduler.errors import OneLineArgumentParser, UsageError
-from scheduler.hostfile import read_hostfile
-from scheduler.resources import ResourceRequest, resolve_resources
+from scheduler.launch.hostfile import read_hostfile
+from scheduler.launch.resources import ResourceRequest, resolve_resources
 from workers import keys
 from workers.redis_tls import TLS_ENV
 from workers.registry import live_slots

@@ -16,7 +16,7 @@ import threading
 import redis
 
 from deploy.fabric_hosts import Hosts
-from scheduler.job_store import JobStore, active_jobs
+from scheduler.cluster.job_store import JobStore, active_jobs
 from deploy.plan import RecordedGroup, kill_options, launches_matching, pgid_keys, recorded_groups
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ With AUTOTUNE_REDIS_URL set it uses the slot and control workers already running
 otherwise it starts an embedded cluster on this machine (private redis-server, one slot worker per
 device, a control worker) and stops it afterwards, also on errors and Ctrl-C.
 
-This command only submits the job (`scheduler.jobs`) and watches its events: the control worker
+This command only submits the job (`scheduler.cluster.jobs`) and watches its events: the control worker
 advances it phase by phase, dispatches its experiments and writes its outputs, so on a running
 cluster the job finishes even if this command dies; running the same command again while the job is
 active watches it again. Finished experiments are kept in the results folder: running the same
@@ -29,21 +29,21 @@ import redis
 from rich.console import Console
 
 from scheduler import status
-from scheduler.arguments import check_arg_mappings, parse_arg_mappings
-from scheduler import folders
-from scheduler.config import TuningConfig, load_config
-from scheduler.environment import check_numeric_variables, check_redis_url
+from scheduler.inputs.arguments import check_arg_mappings, parse_arg_mappings
+from scheduler.inputs import folders
+from scheduler.inputs.config import TuningConfig, load_config
+from scheduler.launch.environment import check_numeric_variables, check_redis_url
 from scheduler.errors import ClusterError, ConfigError, OneLineArgumentParser, UsageError, one_line
-from scheduler.full_space import check_full_mode
+from scheduler.search.full_space import check_full_mode
 from workers.redis_tls import describe_tls_failure
-from scheduler.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots
-from scheduler.job_store import JobStore
-from scheduler.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
+from scheduler.launch.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots
+from scheduler.cluster.job_store import JobStore
+from scheduler.cluster.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
 from scheduler.live_view import LiveView
-from scheduler.outputs import PARTIAL_FILES, cancelled_record, print_table
-from scheduler.progress import optimal_argv, outcome, search_of, write_outputs
-from scheduler.ranking import best, metric_value
-from scheduler.space import PROFILE, Experiment, optimal_config
+from scheduler.report.outputs import PARTIAL_FILES, cancelled_record, print_table
+from scheduler.cluster.progress import optimal_argv, outcome, search_of, write_outputs
+from scheduler.search.ranking import best, metric_value
+from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.gpus import GpuListingError, local_gpus
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child

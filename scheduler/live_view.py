@@ -7,7 +7,7 @@ queued, the best so far, busy slots, elapsed time and an estimate for the curren
 is not a terminal (a log, CI, a pipe) it prints only the plain lines, never cursor movements.
 
 The panel reads the job's running launches and queue depth from Redis at most once a second; the
-events (`scheduler.jobs.watch`) give the phases and the finished experiments. The estimate is the
+events (`scheduler.cluster.jobs.watch`) give the phases and the finished experiments. The estimate is the
 current phase only: later phases depend on results not yet measured. It is the mean wall time of
 this job's experiments so far, times the queued experiments per free gang, plus what the running
 ones still need.
@@ -26,8 +26,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from scheduler.job_store import JobStore
-from scheduler.ranking import best, metric_value
+from scheduler.cluster.job_store import JobStore
+from scheduler.search.ranking import best, metric_value
 
 POLL_S = 1.0  #: Redis is read at most this often for the panel
 
@@ -44,7 +44,7 @@ class PhaseCount:
 @dataclass
 class LiveView:
     """Prints the job's events and, on a terminal, keeps the live panel up to date. Use it as the
-    `on_event` callback of `scheduler.jobs.watch`, inside `with view:`."""
+    `on_event` callback of `scheduler.cluster.jobs.watch`, inside `with view:`."""
 
     console: Console
     client: redis.Redis

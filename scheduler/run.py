@@ -1,10 +1,10 @@
 """`python -m scheduler.run [options] train.py [args...]`: what `deepspeed train.py ...` does, on Celery slots.
 
 Why: after tuning, people launch training as DeepSpeed taught them: a hostfile and --include/--exclude/
---num_nodes/--num_gpus (resolved by `scheduler.resources`, CUDA_VISIBLE_DEVICES rule included), the
+--num_nodes/--num_gpus (resolved by `scheduler.launch.resources`, CUDA_VISIBLE_DEVICES rule included), the
 script's arguments untouched (argv lists end to end), one rank per selected device.
 
-`--launcher celery` (default) runs ONE Experiment as a fixed job pinned to the selected slots (`scheduler.jobs`): each selected (host,
+`--launcher celery` (default) runs ONE Experiment as a fixed job pinned to the selected slots (`scheduler.cluster.jobs`): each selected (host,
 device) is the slot queue `<host>.gpu<device>`, so hostfile hostnames must be the workers' node names
 (AUTOTUNE_NODE, else the `name@node` of `-n`); `localhost` is this machine. With AUTOTUNE_REDIS_URL the
 running workers serve it (a selected slot without a live worker: one `error:` line, exit 2); without
@@ -12,7 +12,7 @@ it an embedded cluster runs here and is torn down after. Ranks log to `<log_dir>
 stdout.log/stderr.log, rank N: rankN.stdout.log/rankN.stderr.log; result.json: every rank's record).
 Exit 0 when every rank succeeded, else the root-cause rank's exit code (killed by signal N: 128+N).
 Ctrl-C/SIGTERM revokes every rank, kills its process group, stops the embedded cluster, exits 130.
-`--launcher pdsh|openmpi|mpich|impi|mvapich|slurm` runs DeepSpeed's command (`scheduler.launchers`) in
+`--launcher pdsh|openmpi|mpich|impi|mvapich|slurm` runs DeepSpeed's command (`scheduler.launch.launchers`) in
 its own process group, forwards Ctrl-C/SIGTERM to it and returns its exit code; one host runs
 DeepSpeed's per-node launcher locally, as DeepSpeed does. `--dry_run` prints the argv as JSON.
 
@@ -56,15 +56,16 @@ from typing import Any
 import psutil
 import redis
 
-from scheduler import elastic
-from scheduler.environment import check_numeric_variables, check_redis_url, collect_exports
+from scheduler.launch import elastic
+from scheduler.launch.environment import check_numeric_variables, check_redis_url, collect_exports
 from scheduler.errors import ClusterError, OneLineArgumentParser, UsageError, one_line
-from scheduler.jobs import JobCrashed, JobSpec, run_fixed
-from scheduler.hostfile import LOCAL_HOSTNAME, SLOT_WORKER_BYTES, local_pool, max_local_slots, read_hostfile
-from scheduler.launchers import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchSpec, MvapichLauncher, get_launcher,
+from scheduler.cluster.jobs import JobCrashed, JobSpec, run_fixed
+from scheduler.launch.hostfile import LOCAL_HOSTNAME, SLOT_WORKER_BYTES, local_pool, max_local_slots, read_hostfile
+from scheduler.launch.launchers import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchSpec, MvapichLauncher, get_launcher,
                                  local_command, needs_multinode, require_backend)
-from scheduler.resources import ResourceRequest, Resources, detect_local_devices, resolve_resources
-from scheduler.space import Experiment
+from scheduler.launch.resources import ResourceRequest, Resources, resolve_resources
+from scheduler.resources import detect_local_devices
+from scheduler.search.space import Experiment
 from workers.launch import kill_group
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child

@@ -12,7 +12,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from scheduler.job_store import shown_states
+from scheduler.cluster.job_store import shown_states
 from workers.gang import GangReservations
 from workers.registry import live_slots
 

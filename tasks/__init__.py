@@ -4,9 +4,5 @@ Slot workers consume `<node>.gpu<i>` (a bare `-Q gpu<i>` is rewritten to this no
 the worker starts); the control worker consumes `control`. Decision logic lives in `scheduler/`,
 what runs on a slot lives in `workers/`; the tasks here only carry messages between them.
 """
-from celery import Celery
-
-app = Celery("tasks")
-app.config_from_object("celeryconfig")
-
+from tasks.app import app  # noqa: F401  (`celery -A tasks` looks for it here)
 from tasks import experiment, worker_hooks  # noqa: E402,F401  (register tasks and signal handlers)

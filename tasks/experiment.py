@@ -1,7 +1,7 @@
 """The tasks of a tuning job, thin shells over `workers/` (what runs on a slot) and `scheduler/`
 (what the control workers decide).
 
-An experiment is a chord sent by `scheduler.dispatch`:
+An experiment is a chord sent by `scheduler.cluster.dispatch`:
 
     chord([run_rank(spec_r) on <node>.gpu<i> for each rank r], finish_experiment(exp) on control)
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from celery import signals
 
-from tasks import app
+from tasks.app import app
 from tasks.work import CeleryWork
 from tasks.worker_hooks import redis_client
 from workers.paths import safe_child, write_json
@@ -26,15 +26,15 @@ from workers.rank import RankSpec, run_rank as run_rank_body, slot_from_env
 from workers.records import aggregate
 
 log = logging.getLogger(__name__)
-#: The control path's messages, sent through this app (`scheduler.work.Work`).
+#: The control path's messages, sent through this app (`scheduler.cluster.work.Work`).
 WORK = CeleryWork(app)
 
 
 @signals.worker_process_init.connect
 def prewarm(**_: object) -> None:
     """Import the control path when a pool child starts, not inside the first experiment's callback."""
-    import scheduler.dispatch  # noqa: F401
-    import scheduler.progress  # noqa: F401
+    import scheduler.cluster.dispatch  # noqa: F401
+    import scheduler.cluster.progress  # noqa: F401
 
 
 @app.task(name="autotune.run_rank", bind=True, acks_late=True)
@@ -47,9 +47,9 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 @app.task(name="autotune.finish_experiment")
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
-    from scheduler.dispatch import cluster_lock, co_runners_of, dispatch, record_finished
-    from scheduler.launches import FinishSpec
-    from scheduler.progress import advance
+    from scheduler.cluster.dispatch import cluster_lock, co_runners_of, dispatch, record_finished
+    from scheduler.cluster.launches import FinishSpec
+    from scheduler.cluster.progress import advance
 
     finish = FinishSpec.from_json(finish_json)
     if rank_records and all(r.get("stale") for r in rank_records):
@@ -73,8 +73,8 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
 @app.task(name="autotune.advance_job")
 def advance_job(job: str) -> None:
     """A job's first step after submission (or after its submitter re-attached)."""
-    from scheduler.dispatch import cluster_lock, dispatch
-    from scheduler.progress import advance
+    from scheduler.cluster.dispatch import cluster_lock, dispatch
+    from scheduler.cluster.progress import advance
 
     client = redis_client(app.conf)
     with cluster_lock(client):

@@ -1,10 +1,16 @@
-"""`scheduler.work.Work` on Celery: the one place the control path's messages become Celery calls."""
+"""`scheduler.cluster.work.Work` on Celery: the one place the control path's messages become Celery
+calls (and its clean-up of lost launches' hosts becomes `deploy.cleanup`'s)."""
 from __future__ import annotations
 
+from typing import Any
+
+import redis
 from celery import Celery, chord
 
-from scheduler.launches import FinishSpec
-from scheduler.work import RankLaunch
+from deploy.cleanup import clean_launch_in_background
+
+from scheduler.cluster.launches import FinishSpec
+from scheduler.cluster.work import RankLaunch
 
 
 class CeleryWork:
@@ -25,6 +31,9 @@ class CeleryWork:
 
     def revoke(self, task_ids: list[str]) -> None:
         self.app.control.revoke(task_ids, terminate=True, signal="SIGTERM")
+
+    def clean_up(self, client: redis.Redis, name: str, launch: dict[str, Any]) -> None:
+        clean_launch_in_background(client, name, launch)
 
     def advance(self, job: str) -> None:
         self.app.send_task("autotune.advance_job", args=[job], queue="control")

@@ -5,7 +5,7 @@ node's `<node>.gpu0` queue, the slot is described (GPU via nvidia-smi, else a CP
 memory cap and thread budget) and registered in Redis with a heartbeat. This happens in the main
 process before the pool forks, so pool children inherit the binding through the environment and
 the worker itself never initialises CUDA. A worker on `-Q control` registers as a control worker
-and, once its pool is up, runs the sweep thread (`scheduler.control_loop.sweep_forever`).
+and, once its pool is up, runs the sweep thread (`scheduler.cluster.control_loop.sweep_forever`).
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def start_sweeping(sender=None, **_: object) -> None:
     """Started after the pool forked its children, so no child inherits a thread's held lock."""
     if sender is None or "control" not in sender.app.amqp.queues.consume_from:
         return
-    from scheduler.control_loop import sweep_forever
+    from scheduler.cluster.control_loop import sweep_forever
 
     from tasks.work import CeleryWork
 
@@ -187,7 +187,7 @@ def _kill_recorded_group(task_id: str) -> None:
     slot_json = os.environ.get("AUTOTUNE_SLOT_JSON")
     if not slot_json:
         return
-    from tasks import app
+    from tasks.app import app
 
     queue = Slot.from_redis(json.loads(slot_json)).queue
     pgid = redis_client(app.conf).get(keys.pgid(queue, task_id))

@@ -9,7 +9,7 @@ The slot worker never opens a CUDA context on its GPU, so whatever nvidia-smi sh
 before a launch belongs to someone else. So before each rank: while more than `FREE_BYTES` is used,
 wait (polling every `POLL_S`, at most `WAIT_S`); then start anyway and record what was still used
 (`device_foreign_bytes`). An out-of-memory under foreign memory is no bound on the config
-(`scheduler.fast_search.too_large`): the search launches it once more instead.
+(`scheduler.search.session.too_large`): the search launches it once more instead.
 
 A wait that ran out without the usage falling is remembered per GPU: the same holder (within
 `FREE_BYTES`) is not waited for again at every launch, only recorded. Pure decision logic: the
@@ -32,7 +32,7 @@ POLL_S = 1.0
 
 def gpu_wait_s(text: str | None) -> float:
     """AUTOTUNE_GPU_WAIT_S as seconds: a finite number >= 0, else `WAIT_S` (the commands refuse a bad
-    value up front with one line, scheduler.environment; a worker must not die of it at import)."""
+    value up front with one line, scheduler.launch.environment; a worker must not die of it at import)."""
     try:
         value = float(text) if text else WAIT_S
     except ValueError:

@@ -7,7 +7,7 @@ key and value named in its `error`, so it never wins and the report says why.
 
 Rules: the metric the config asks for (throughput, latency or FLOPS_per_gpu) must be a finite number
 above 0 when present; DeepSpeed's other metric keys, when present, must be finite numbers >= 0. A file
-without the asked-for key is left to the job (`scheduler.progress`): it ends with one `error:` line
+without the asked-for key is left to the job (`scheduler.cluster.progress`): it ends with one `error:` line
 naming the key, since every experiment would miss it. The model-info profile run's file must give
 `num_params` as a positive number and `activation_mem_per_gpu` as a number >= 0.
 """

@@ -5,7 +5,7 @@ the experiment. On a node without a CUDA toolkit (`nvcc`), without a compiler, o
 that does not match torch's CUDA, the build fails the same way in every experiment of the job: each
 one is recorded `crashed`, retried, and the search spends its whole budget learning nothing (issue
 21 item 1). Recognised here, the job stops at its first such experiment with one line that names
-the op and the fix (`scheduler.fast_search`), and a resumed job launches that experiment again once
+the op and the fix (`scheduler.search.fast_search`), and a resumed job launches that experiment again once
 the node can build it.
 
 Decided from the exception object the rank's own interpreter holds (`workers.entry`), like an OOM

@@ -53,7 +53,7 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
     op_build = next((r["op_build_failed"] for r in by_end if r.get("op_build_failed")), None)
     if record["status"] != Status.OK.value and op_build:  # any rank's: the others may only have waited for it
         record["op_build_failed"] = op_build
-    if exp.get("gpu_link"):  # the gang's slowest GPU link (scheduler.dispatch, workers.topology)
+    if exp.get("gpu_link"):  # the gang's slowest GPU link (scheduler.cluster.dispatch, workers.topology)
         record["gpu_link"] = exp["gpu_link"]
     if record["status"] == Status.OK.value:
         record.update({key: rank0[key] for key in ("engine_metrics", "step_seconds") if key in rank0})

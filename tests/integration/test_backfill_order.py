@@ -20,8 +20,8 @@ pytestmark = pytest.mark.integration
 JOB = r"""
 import json, sys, uuid
 from pathlib import Path
-from scheduler.jobs import JobSpec, run_fixed
-from scheduler.space import Experiment, experiment_config
+from scheduler.cluster.jobs import JobSpec, run_fixed
+from scheduler.search.space import Experiment, experiment_config
 from tasks import app
 from tasks.work import CeleryWork
 from workers.registry import connect

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from integration_helpers import ROOT, SCRIPTS, processes_with_marker, wait_for
-from scheduler.folders import MARKER
+from scheduler.inputs.folders import MARKER
 from tests.unit.test_op_prebuild import failing_compiler
 from workers.local_cluster import free_tcp_port, redis_config
 

@@ -24,7 +24,7 @@ import redis
 
 from integration_helpers import ROOT, wait_for
 from sshd import start_sshd
-from scheduler.launches import RunningLaunch
+from scheduler.cluster.launches import RunningLaunch
 from workers import keys
 from workers.local_cluster import free_tcp_port
 from workers.registry import live_slots
@@ -175,8 +175,9 @@ def test_a_stopped_launch_has_its_recorded_groups_killed_on_this_host_without_ss
     import socket
     from types import SimpleNamespace
 
-    from scheduler.jobs import stop_launch
-    from scheduler.launches import RunningLaunch
+    from scheduler.cluster.jobs import stop_launch
+    from scheduler.cluster.launches import RunningLaunch
+    from deploy.cleanup import clean_launch_in_background
 
     client = redis.Redis.from_url(redis_url)
     node = socket.gethostname()
@@ -185,7 +186,8 @@ def test_a_stopped_launch_has_its_recorded_groups_killed_on_this_host_without_ss
     rank = subprocess.Popen([sys.executable, "-c", IGNORES_TERM], env={**env, "AUTOTUNE_SLOT": queue},
                             start_new_session=True)
     revoked = []
-    app = SimpleNamespace(revoke=revoked.extend)  # the Work protocol's revoke, recorded
+    app = SimpleNamespace(revoke=revoked.extend,  # the Work protocol's revoke, recorded; its clean-up, CeleryWork's
+                          clean_up=clean_launch_in_background)
     try:
         wait_for(lambda: ignores_term(rank.pid), 10, "rank to ignore SIGTERM")
         client.set(keys.pgid(queue, "t-lost"), rank.pid)

@@ -62,12 +62,13 @@ def client(redis_socket: str) -> redis.Redis:
 
 
 class RecordedWork:
-    """The message layer (`scheduler.work.Work`) as a recorder: launches and revokes are kept, not
-    sent; `finished` answers from the set of task ids the test says have reported."""
+    """The message layer (`scheduler.cluster.work.Work`) as a recorder: launches, revokes and clean-ups
+    are kept, not sent; `finished` answers from the set of task ids the test says have reported."""
 
     def __init__(self, finished: set[str] | None = None) -> None:
         self.launched: list[tuple[list[Any], Any, int, str]] = []
         self.revoked: list[str] = []
+        self.cleaned: list[str] = []
         self.advanced: list[str] = []
         self.reported = set(finished or ())
 
@@ -76,6 +77,9 @@ class RecordedWork:
 
     def revoke(self, task_ids: list[str]) -> None:
         self.revoked.extend(task_ids)
+
+    def clean_up(self, client: Any, name: str, launch: dict[str, Any]) -> None:
+        self.cleaned.append(name)
 
     def advance(self, job: str) -> None:
         self.advanced.append(job)

@@ -1,4 +1,4 @@
-"""Dispatch (`scheduler.dispatch`) against a real redis-server, with no Celery: slots are registered
+"""Dispatch (`scheduler.cluster.dispatch`) against a real redis-server, with no Celery: slots are registered
 by writing their keys, `RecordedWork` (conftest) keeps what would be sent, and every expectation is
 read back from the raw keys (running hash, gang keys and their TTLs, state hash, events list) and
 compared with values worked out by hand."""
@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from scheduler import dispatch as dispatch_module
-from scheduler.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock, co_runners_of,
+from scheduler.cluster import dispatch as dispatch_module
+from scheduler.cluster.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock, co_runners_of,
                                 dispatch, record_finished, refusal, sweep)
-from scheduler.job_store import JobStore, reserve_seqs
-from scheduler.jobs import JobSpec, TuneSpec, submit
-from scheduler.launches import FinishSpec, QueuedLaunch, RunningLaunch
-from scheduler.space import Experiment
+from scheduler.cluster.job_store import JobStore, reserve_seqs
+from scheduler.cluster.jobs import JobSpec, TuneSpec, submit
+from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
+from scheduler.search.space import Experiment
 from workers import keys
 from workers.gang import GangReservations
 from workers.op_prebuild import PREBUILD_TIMEOUT_S
@@ -241,11 +241,11 @@ def test_strict_fifo_only_while_every_job_asks_for_it(client: redis.Redis, work,
 MIXED_PASS = """
 import json, sys
 import redis
-from scheduler.dispatch import dispatch
-from scheduler.job_store import JobStore, reserve_seqs
-from scheduler.jobs import JobSpec, submit
-from scheduler.launches import QueuedLaunch
-from scheduler.space import Experiment
+from scheduler.cluster.dispatch import dispatch
+from scheduler.cluster.job_store import JobStore, reserve_seqs
+from scheduler.cluster.jobs import JobSpec, submit
+from scheduler.cluster.launches import QueuedLaunch
+from scheduler.search.space import Experiment
 from workers import keys
 from workers.slot import Slot
 
@@ -639,7 +639,7 @@ def test_a_lost_launch_with_attempts_left_waits_again(client: redis.Redis, work,
     spec, store, gangs, launch = _running_launch(client, work, tmp_path)
     client.set(keys.gang("n0.gpu1"), "newer#1")
     client.hset(keys.job_attempts("j"), "a", 1)
-    with caplog.at_level(logging.WARNING, logger="scheduler.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.cluster.dispatch"):
         assert _lose(client, work, spec, launch, "why") is False
     assert caplog.messages == ["a lost (why); retrying, attempt 2 of 2"]
     assert work.revoked == ["t0", "t1"]

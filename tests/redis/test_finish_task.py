@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from scheduler.launches import FinishSpec
+from scheduler.cluster.launches import FinishSpec
 from tasks import experiment as experiment_tasks
 
 

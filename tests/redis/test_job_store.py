@@ -1,4 +1,4 @@
-"""The job store (`scheduler.job_store`) against a real redis-server: every operation, its
+"""The job store (`scheduler.cluster.job_store`) against a real redis-server: every operation, its
 atomicity where it claims one, and the shape index's promise that dispatch decides exactly as it
 would over the whole queue.
 """
@@ -11,9 +11,9 @@ import time
 import pytest
 import redis
 
-from scheduler.backfill import Waiting, backfill, strict_fifo
-from scheduler.job_store import JobStore, active_jobs, any_active, heads, reserve_seqs, shown_states
-from scheduler.launches import FinishSpec, QueuedLaunch, RunningLaunch
+from scheduler.cluster.backfill import Waiting, backfill, strict_fifo
+from scheduler.cluster.job_store import JobStore, active_jobs, any_active, heads, reserve_seqs, shown_states
+from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from workers import keys
 from workers.slot import Slot
 

@@ -1,4 +1,4 @@
-"""A job's step (`scheduler.progress`) against a real redis-server, with no Celery: a fixed job of two
+"""A job's step (`scheduler.cluster.progress`) against a real redis-server, with no Celery: a fixed job of two
 experiments is advanced step by step while its records appear on disk, and every expectation is read
 back from the raw keys (queue, state hash, events list) and compared with what the module docstring
 says the step does."""
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from scheduler import progress
-from scheduler.job_store import JobStore
-from scheduler.jobs import JobSpec, TuneSpec, load_spec, submit
-from scheduler.live_search import LiveSearches
-from scheduler.progress import advance, record_lookup
-from scheduler.space import Experiment
+from scheduler.cluster import progress
+from scheduler.cluster.job_store import JobStore
+from scheduler.cluster.jobs import JobSpec, TuneSpec, load_spec, submit
+from scheduler.search.live_search import LiveSearches
+from scheduler.cluster.progress import advance, record_lookup
+from scheduler.search.space import Experiment
 from workers import keys
 from workers.slot import Slot
 

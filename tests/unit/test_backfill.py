@@ -1,4 +1,4 @@
-"""Dispatch decisions (`scheduler.backfill`): hand-computed EASY-backfill cases, DeepSpeed's strict
+"""Dispatch decisions (`scheduler.cluster.backfill`): hand-computed EASY-backfill cases, DeepSpeed's strict
 FIFO beside them, and a seeded check that backfill never moves the head's reservation later."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from scheduler.backfill import Reservation, Start, Waiting, backfill, estimate_run_s, reservation, strict_fifo
-from scheduler.dispatch import refusal
+from scheduler.cluster.backfill import Reservation, Start, Waiting, backfill, estimate_run_s, reservation, strict_fifo
+from scheduler.cluster.dispatch import refusal
 from workers.slot import Slot
 
 GiB = 1024**3

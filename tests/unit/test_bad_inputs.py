@@ -19,8 +19,10 @@ from typing import Any
 
 import pytest
 
-from scheduler import autotune, run
-from scheduler.folders import MARKER
+from scheduler import autotune
+
+from scheduler import run
+from scheduler.inputs.folders import MARKER
 
 SCRIPT = Path(__file__).resolve().parents[1] / "integration" / "scripts" / "fake_train.py"
 DELETE = object()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.config import ALL_STAGES, load_config
+from scheduler.inputs.config import ALL_STAGES, load_config
 from scheduler.errors import ConfigError, UsageError
 
 
@@ -449,7 +449,7 @@ def test_user_args_not_a_list_of_strings(tmp_path: Path, user_args: Any) -> None
 
 # ---------------------------------------------------------------- the strict schema, bound by bound
 
-from scheduler.config import non_negative_int, shown  # noqa: E402
+from scheduler.inputs.config import non_negative_int, shown  # noqa: E402
 
 
 @pytest.mark.parametrize(

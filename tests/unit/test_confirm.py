@@ -1,11 +1,11 @@
-"""Naming a winner under noise (`scheduler.confirm`): expected values worked out by hand."""
+"""Naming a winner under noise (`scheduler.search.confirm`): expected values worked out by hand."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from scheduler.confirm import (
+from scheduler.search.confirm import (
     MIN_NOISE, PRIOR_NOISE, Readings, group_readings, next_repeat, noise_of, pooled_noise, separated, step_noise,
     verdict,
 )

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.elastic import (
+from scheduler.launch.elastic import (
     DEFAULT_RUN_ID,
     ElasticSettings,
     check_elastic_launch,

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from scheduler.environment import (
+from scheduler.launch.environment import (
     collect_exports,
     env_file_paths,
     export_statement,

@@ -1,4 +1,4 @@
-"""DeepSpeed's fast mode as phases (`scheduler.fast_search`, `scheduler.phases`), driven by a fake runner.
+"""DeepSpeed's fast mode as phases (`scheduler.search.fast_search`, `scheduler.search.phases`), driven by a fake runner.
 
 The fake runner is a pure function of the experiment: memory follows a synthetic law (the reference
 notes' trace model: params 2 B/param, gradients 4, optimizer 12, ZeRO-sharded, 200 MB of activations
@@ -16,15 +16,16 @@ from typing import Any
 
 import pytest
 
-from scheduler.config import load_config
+from scheduler.inputs.config import load_config
 from scheduler.errors import ConfigError
-from scheduler.fast_search import (
-    PROFILE, NoStageFits, SearchAborted, SearchSettings, fast_search, fine_grained_micro_batch_sizes, gain,
-    max_probes, max_train_batch_size_per_gpu, too_large, tuning_micro_batch_sizes,
+from scheduler.search.fast_search import (
+    PROFILE, fast_search, fine_grained_micro_batch_sizes, gain, max_probes, max_train_batch_size_per_gpu,
+    tuning_micro_batch_sizes,
 )
-from scheduler.memory import ModelInfo
-from scheduler.phases import Phase, drive, replay
-from scheduler.ranking import best
+from scheduler.search.memory import ModelInfo
+from scheduler.search.phases import Phase, drive, replay
+from scheduler.search.ranking import best
+from scheduler.search.session import NoStageFits, SearchAborted, SearchSettings, too_large
 
 GiB = 1024**3
 N, ACT = 150_000_000, 200_000_000
@@ -68,7 +69,7 @@ LAW = Law()
 USER_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 1,
     "fp16": {"enabled": True},
-    # no flat gradient bucket: the law has none (scheduler.memory's bucket term: test_memory)
+    # no flat gradient bucket: the law has none (scheduler.search.memory's bucket term: test_memory)
     "zero_optimization": {"stage": "all", "overlap_comm": True, "contiguous_gradients": False,
                           "offload_optimizer": {"device": "none"}},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},

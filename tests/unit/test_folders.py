@@ -1,4 +1,4 @@
-"""`scheduler.folders`: overwrite empties only folders we made and filled; everything else is refused."""
+"""`scheduler.inputs.folders`: overwrite empties only folders we made and filled; everything else is refused."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import folders
+from scheduler.inputs import folders
 from scheduler.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""Full mode's search spaces (`scheduler.full_space`): DeepSpeed's names, spaces and grid order."""
+"""Full mode's search spaces (`scheduler.search.full_space`): DeepSpeed's names, spaces and grid order."""
 from __future__ import annotations
 
 import copy
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from scheduler.config import load_config
+from scheduler.inputs.config import load_config
 from scheduler.errors import ConfigError
-from scheduler.full_space import (
+from scheduler.search.full_space import (
     DEFAULT_SPACES, TEMPLATES, abbreviation, canonical_name, check_full_mode, full_experiments, space_name, zero_space,
 )
 

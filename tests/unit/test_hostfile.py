@@ -6,7 +6,7 @@ import os
 import pytest
 
 from scheduler.errors import HostfileError, UsageError
-from scheduler.hostfile import LOCAL_HOSTNAME, local_pool, parse_hostfile, read_hostfile
+from scheduler.launch.hostfile import LOCAL_HOSTNAME, local_pool, parse_hostfile, read_hostfile
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_local_hostname_matches_deepspeed() -> None:
 def test_a_hostfile_of_exactly_the_size_limit_is_read_whole(tmp_path) -> None:
     """The limit (MAX_HOSTFILE_BYTES) is inclusive, and a file at the limit is read to its last
     byte: the host line at its very end keeps its full slot count."""
-    from scheduler.hostfile import MAX_HOSTFILE_BYTES
+    from scheduler.launch.hostfile import MAX_HOSTFILE_BYTES
 
     line = "worker-1 slots=42"
     path = tmp_path / "hostfile"
@@ -148,7 +148,7 @@ def test_a_hostfile_of_exactly_the_size_limit_is_read_whole(tmp_path) -> None:
 
 def test_local_pool_accepts_exactly_the_per_host_maximum() -> None:
     """MAX_SLOTS_PER_HOST devices is allowed (the same bound a hostfile line has); one more is not."""
-    from scheduler.hostfile import MAX_SLOTS_PER_HOST
+    from scheduler.launch.hostfile import MAX_SLOTS_PER_HOST
 
     assert local_pool("h", MAX_SLOTS_PER_HOST) == {"h": MAX_SLOTS_PER_HOST}
     assert parse_hostfile(f"h slots={MAX_SLOTS_PER_HOST}") == {"h": MAX_SLOTS_PER_HOST}
@@ -162,7 +162,7 @@ def test_max_local_slots_is_whole_workers_of_memory(monkeypatch, total_workers: 
     most MAX_LOCAL_SLOTS (256)."""
     import types
 
-    from scheduler import hostfile
+    from scheduler.launch import hostfile
 
     total = int(total_workers * hostfile.SLOT_WORKER_BYTES)
     monkeypatch.setattr(hostfile.psutil, "virtual_memory", lambda: types.SimpleNamespace(total=total))
@@ -226,7 +226,7 @@ def test_parse_hostfile_slot_counts(text: str, expected: dict[str, int] | None) 
 
 
 def test_read_hostfile_error_lines(tmp_path) -> None:
-    from scheduler.hostfile import MAX_HOSTFILE_BYTES
+    from scheduler.launch.hostfile import MAX_HOSTFILE_BYTES
 
     cases = []
     absent = tmp_path / "absent"

@@ -1,14 +1,14 @@
-"""A job's spec as JSON (`scheduler.jobs`), the refusal of shapes no slot can take
-(`scheduler.dispatch.refusal`), and replay from a lookup (`scheduler.phases.replay`)."""
+"""A job's spec as JSON (`scheduler.cluster.jobs`), the refusal of shapes no slot can take
+(`scheduler.cluster.dispatch.refusal`), and replay from a lookup (`scheduler.search.phases.replay`)."""
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
-from scheduler.dispatch import refusal
-from scheduler.jobs import JobSpec, TuneSpec, job_id_for
-from scheduler.phases import Phase, replay
-from scheduler.space import Experiment
+from scheduler.cluster.dispatch import refusal
+from scheduler.cluster.jobs import JobSpec, TuneSpec, job_id_for
+from scheduler.search.phases import Phase, replay
+from scheduler.search.space import Experiment
 from workers.slot import Slot
 
 GiB = 2**30

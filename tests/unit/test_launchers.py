@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from scheduler.elastic import ElasticSettings
+from scheduler.launch.elastic import ElasticSettings
 from scheduler.errors import UsageError
-from scheduler.launchers import (
+from scheduler.launch.launchers import (
     LaunchSpec,
     MvapichLauncher,
     PdshLauncher,
@@ -25,7 +25,7 @@ from scheduler.launchers import (
     needs_multinode,
     require_backend,
 )
-from scheduler.resources import ResourceRequest, Resources
+from scheduler.launch.resources import ResourceRequest, Resources
 
 PY = "/usr/bin/python3"
 TWO_HOSTS = Resources.from_mapping({"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]})

@@ -1,6 +1,6 @@
-"""Live searches (`scheduler.live_search`) give exactly what a replay from the records gives.
+"""Live searches (`scheduler.search.live_search`) give exactly what a replay from the records gives.
 
-The oracle is `scheduler.phases.replay` itself, run from scratch at every step over the same
+The oracle is `scheduler.search.phases.replay` itself, run from scratch at every step over the same
 records; the searches are a toy whose phases depend on the metrics it is sent, and the real fast
 search of a list-mode config.
 """
@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from scheduler.config import parse_config
-from scheduler.fast_search import SearchSettings, fast_search
-from scheduler.live_search import LiveSearches
-from scheduler.phases import Phase, Search, replay
-from scheduler.space import Experiment
+from scheduler.inputs.config import parse_config
+from scheduler.search.fast_search import SearchSettings, fast_search
+from scheduler.search.live_search import LiveSearches
+from scheduler.search.phases import Phase, Search, replay
+from scheduler.search.space import Experiment
 
 
 def _exp(name: str) -> Experiment:

@@ -1,4 +1,4 @@
-"""The memory model (`scheduler.memory`): hand-computed tables, the gate, calibration, DeepSpeed's estimate."""
+"""The memory model (`scheduler.search.memory`): hand-computed tables, the gate, calibration, DeepSpeed's estimate."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -6,11 +6,13 @@ from typing import Any
 
 import pytest
 
-from scheduler.memory import (
+from scheduler.search.memory import (
     SharedFacts, shared_facts,
     GPU_UNTRACKED_FLOOR, NO_LIMIT, overhead_from_profile, peak_grows, prior_overhead_bytes, untracked_reserve_bytes, Calibration, MemoryModel, ModelInfo, Observation, StageFit, StateBytes, TrainingSetup, bounds,
-    calibrate, deepspeed_fp16, deepspeed_instantiation_bytes, deepspeed_max_micro_batch_size, deepspeed_stage_fits,
-    mixed_precision, model_state_bytes, predict_max_micro_batch_size, stage_gate,
+    calibrate, mixed_precision, model_state_bytes, predict_max_micro_batch_size, stage_gate,
+)
+from scheduler.search.deepspeed_memory import (
+    deepspeed_fp16, deepspeed_instantiation_bytes, deepspeed_max_micro_batch_size, deepspeed_stage_fits,
 )
 
 GiB = 1024**3

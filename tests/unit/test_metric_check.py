@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.ranking import best
+from scheduler.search.ranking import best
 from workers.failure import Status
 from workers.metric_check import asked_metric, metrics_problem
 

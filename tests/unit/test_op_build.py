@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.fast_search import PROFILE, SearchAborted, fast_search, refuse_unbuildable_op
-from scheduler.space import Experiment
+from scheduler.search.fast_search import PROFILE, fast_search
+from scheduler.search.session import SearchAborted, refuse_unbuildable_op
+from scheduler.search.space import Experiment
 from tests.unit.test_fast_search import settings
 from workers.device_memory import read_exit_report
 from workers.op_build import op_build_failure

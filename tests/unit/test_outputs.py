@@ -1,4 +1,4 @@
-"""What a tuning job leaves behind (`scheduler.outputs`): summary table, results.jsonl, optimal config/command."""
+"""What a tuning job leaves behind (`scheduler.report.outputs`): summary table, results.jsonl, optimal config/command."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from scheduler.arguments import with_config
-from scheduler.outputs import (
+from scheduler.inputs.arguments import with_config
+from scheduler.report.outputs import (
     FAILURE_CLASSES,
     launch_command,
     print_table,
@@ -18,7 +18,7 @@ from scheduler.outputs import (
     write_experiment_descriptions,
     write_results,
 )
-from scheduler.space import Experiment, experiment_name
+from scheduler.search.space import Experiment, experiment_name
 
 RESULT_KEYS = ["name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at", "peak_rss_bytes",
                "slots", "cause", "exit_after_metrics"]
@@ -400,7 +400,7 @@ def assert_drawn_png(path: Path) -> None:
 
 
 def test_plot_without_any_success_is_still_drawn(tmp_path: Path) -> None:
-    from scheduler.plot import write_plot
+    from scheduler.report.plot import write_plot
 
     failed = {e.name: {"name": e.name, "status": "oom", "metrics": None} for e in EXPS}
     write_plot(tmp_path / "tuning.png", EXPS, failed, "throughput", None)

@@ -1,4 +1,4 @@
-"""An interrupted search's outputs say so (`scheduler.outputs`): cancelled lines, a partial best under
+"""An interrupted search's outputs say so (`scheduler.report.outputs`): cancelled lines, a partial best under
 a partial name, "interrupted" in summary.txt; results.csv beside results.jsonl; the slot timeline."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import csv
 import json
 from pathlib import Path
 
-from scheduler.outputs import OPTIMAL_FILES, PARTIAL_FILES, cancelled_record, write_results
+from scheduler.report.outputs import OPTIMAL_FILES, PARTIAL_FILES, cancelled_record, write_results
 from test_outputs import EXPS, RECORDS, make_exp, make_record, optimal_argv
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -76,7 +76,7 @@ def test_results_csv_has_the_knobs_and_every_metric(tmp_path: Path) -> None:
 def test_timeline_draws_one_row_per_slot(tmp_path: Path) -> None:
     from matplotlib import pyplot
 
-    from scheduler import plot
+    from scheduler.report import plot
 
     exps = [make_exp(0, 1), make_exp(0, 2), make_exp(1, 1)]
     records = [make_record(exps[0], "ok", 5.0, throughput=1.0), make_record(exps[1], "oom", 3.0),

@@ -1,4 +1,4 @@
-"""Picking the best experiment (`scheduler.ranking`) and slots for an experiment (`scheduler.placement`)."""
+"""Picking the best experiment (`scheduler.search.ranking`) and slots for an experiment (`scheduler.cluster.placement`)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from scheduler.errors import ClusterError
-from scheduler.placement import fits_ever, gang_link, is_loopback, largest_shape, pinned_placement, place
-from scheduler.ranking import best, metric_value, status_counts
+from scheduler.cluster.placement import fits_ever, gang_link, is_loopback, largest_shape, pinned_placement, place
+from scheduler.search.ranking import best, metric_value, status_counts
 from workers.slot import Slot
 
 GiB = 1024**3
@@ -415,7 +415,7 @@ def test_pinned_placement_refuses_a_slot_with_no_worker() -> None:
 
 # ---------------------------------------------------------------- ranking: re-measured configs are judged on their mean
 
-from scheduler.ranking import pooled_best  # noqa: E402
+from scheduler.search.ranking import pooled_best  # noqa: E402
 
 
 def measured(name: str, config: dict[str, Any] | None, value: float, status: str = "ok") -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.errors import ResourceFilterError, UsageError
-from scheduler.resources import (
+from scheduler.launch.resources import (
     ResourceRequest,
     Resources,
     apply_visible_devices,
@@ -544,7 +544,7 @@ def test_main_without_hostfile_still_applies_the_counts(capsys, no_visible_devic
 
 
 def test_default_labels_name_include_and_the_hostfile() -> None:
-    from scheduler.resources import first_nodes
+    from scheduler.launch.resources import first_nodes
 
     with pytest.raises(ResourceFilterError) as caught:
         parse_node_specs("a@")

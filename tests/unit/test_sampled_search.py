@@ -1,4 +1,4 @@
-"""The sampled search (`scheduler.sampled_search`): its pure decisions, and the whole search driven by
+"""The sampled search (`scheduler.search.sampled_search`): its pure decisions, and the whole search driven by
 the synthetic law of test_fast_search (16 GiB, 4 ranks) and by bench surfaces."""
 from __future__ import annotations
 
@@ -9,17 +9,18 @@ from typing import Any
 import pytest
 
 from bench.surfaces import classic, make_surface, user_config
-from scheduler.confirm import REPEAT_BUDGET
-from scheduler.memory import SharedFacts
-from scheduler.fast_search import PROFILE, SearchSettings, _Session, fast_search, too_large
-from scheduler.phases import Phase, drive, replay
-from scheduler import sampled_search
-from scheduler.ranking import best
-from scheduler.sampled_search import (
+from scheduler.search.confirm import REPEAT_BUDGET
+from scheduler.search.memory import SharedFacts
+from scheduler.search.fast_search import PROFILE, fast_search
+from scheduler.search.session import SearchSettings, Session, too_large
+from scheduler.search.phases import Phase, drive, replay
+from scheduler.search import sampled_search
+from scheduler.search.ranking import best
+from scheduler.search.sampled_search import (
     REPEAT_NAME, confirm, full_step_sizes, geometric_mid, lead_first, next_size, sampled_stages, snap,
     stages_near_leader,
 )
-from scheduler.space import Experiment
+from scheduler.search.space import Experiment
 from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner, layout
 
 
@@ -131,7 +132,7 @@ def test_confirmation_repeats_run_alone_with_the_original_config() -> None:
     assert all(len(p.experiments) == 1 for p in repeats)
     for exp in (e for p in repeats for e in p.experiments):
         assert runner.records[REPEAT_NAME.match(exp.name)["original"]]["ds_config"] == exp.ds_config
-        assert exp.exclusive  # with its nodes otherwise idle (scheduler.dispatch)
+        assert exp.exclusive  # with its nodes otherwise idle (scheduler.cluster.dispatch)
     assert not any(e.exclusive for p in phases if not p.name.startswith("confirm_") for e in p.experiments)
 
 
@@ -264,7 +265,7 @@ def test_a_stage_that_fails_where_a_stage_holding_more_ran_believes_its_own_fail
 # per step, so the sizes worth measuring are 32 // gas = 1, 2, 3, 4, 5, 6, 8, 10, 16, 32.
 
 
-class Scripted(_Session):
+class Scripted(Session):
     """A session whose memory prediction is a fixed table; the rest is the real session."""
 
     def __init__(self, settings: SearchSettings, predicted: dict[int, int]) -> None:
@@ -583,7 +584,7 @@ def test_full_mode_tunes_every_stage_within_the_band_of_the_leader(zero_2: float
 
 def test_repeats_of_full_mode_configs_keep_their_tuning_space() -> None:
     """Full mode's knob configs are confirmed like the rest; a repeat is reported under its original's space."""
-    session = _Session(scripted_settings(stages=(2,)))
+    session = Session(scripted_settings(stages=(2,)))
     for name, value in (("z2_knobs_a", 100.0), ("z2_knobs_b", 99.8), ("z2_gas2_tmbspg16", 90.0)):
         exp = Experiment(name, 2, 16, 2, {"x": name}, 1, 2, tuning_space="" if "gas" in name else "z2_knobs")
         session.measured[name] = (exp, {"name": name, "status": "ok", "metrics": {"throughput": value}})

@@ -1,4 +1,4 @@
-"""The search space (`scheduler.space`) and the script's argument list (`scheduler.arguments`)."""
+"""The search space (`scheduler.search.space`) and the script's argument list (`scheduler.inputs.arguments`)."""
 from __future__ import annotations
 
 import copy
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from scheduler.arguments import with_config
-from scheduler.config import load_config
-from scheduler.space import Experiment, experiment_config, experiment_name, optimal_config
+from scheduler.inputs.arguments import with_config
+from scheduler.inputs.config import load_config
+from scheduler.search.space import Experiment, experiment_config, experiment_name, optimal_config
 
 # ---------------------------------------------------------------- names
 

@@ -1,4 +1,4 @@
-"""The tuners and DeepSpeed's tuning-loop rules (`scheduler.tuners`): order, seeds, stopping, replay."""
+"""The tuners and DeepSpeed's tuning-loop rules (`scheduler.search.tuners`): order, seeds, stopping, replay."""
 from __future__ import annotations
 
 import json
@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from scheduler.config import load_config
-from scheduler.full_space import full_experiments
-from scheduler.space import Experiment
-from scheduler.tuners import (
+from scheduler.inputs.config import load_config
+from scheduler.search.full_space import full_experiments
+from scheduler.search.space import Experiment
+from scheduler.search.tuners import (
     GridTuner, ModelBasedTuner, RandomTuner, Stop, StopRule, Trial, feature_matrix, make_tuner, plan,
     progress, run_tuner, trials_from_records,
 )
@@ -309,7 +309,7 @@ def test_feature_matrix_keeps_varying_leaves_with_one_length() -> None:
 
 # ---------------------------------------------------------------- found by mutation testing: bounds and messages
 
-from scheduler.tuners import Progress, Tuner  # noqa: E402
+from scheduler.search.tuners import Progress, Tuner  # noqa: E402
 
 
 def test_deepspeed_s_stopping_defaults() -> None:

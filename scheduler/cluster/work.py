@@ -1,18 +1,22 @@
-"""What the control path asks of the message layer: launch an experiment, revoke ranks, ask for a
-job's step, tell whether a rank's task finished. Nothing more.
+"""What the control path asks of the world outside it: launch an experiment, revoke ranks, kill
+what a stopped launch left on its hosts, ask for a job's step, tell whether a rank's task finished.
+Nothing more.
 
 Why a seam: dispatch and the job functions decide; they used to build Celery chords and call
 `app.control.revoke` and `app.AsyncResult` themselves, with an untyped `app` passed through a dozen
 functions. Now they talk to this small protocol; `tasks.work.CeleryWork` implements it with Celery
-(a chord per experiment: one task per rank on its slot's queue, the callback on the control queue),
-and tests give them a recorder instead of a broker.
+(a chord per experiment: one task per rank on its slot's queue, the callback on the control queue)
+and with `deploy.cleanup` for the hosts (SSH), and tests give them a recorder instead of a broker.
+The control path itself imports neither Celery nor deploy (tests/unit/test_architecture.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from scheduler.launches import FinishSpec
+import redis
+
+from scheduler.cluster.launches import FinishSpec
 from workers.rank import RankSpec
 
 
@@ -35,6 +39,10 @@ class Work(Protocol):
 
     def revoke(self, task_ids: list[str]) -> None:
         """Stop these rank tasks (their workers kill the training groups)."""
+
+    def clean_up(self, client: redis.Redis, name: str, launch: dict[str, Any]) -> None:
+        """Kill, on their hosts and without blocking, the training groups a stopped launch's ranks
+        recorded: a worker that died for good kills nothing itself."""
 
     def advance(self, job: str) -> None:
         """Ask a control worker to take the job's next step."""

@@ -21,9 +21,9 @@ import math
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
-from scheduler.config import TuningConfig
+from scheduler.inputs.config import TuningConfig
 from scheduler.errors import ConfigError
-from scheduler.space import Experiment, experiment_config
+from scheduler.search.space import Experiment, experiment_config
 from workers.paths import is_safe_name
 
 ZERO = "zero_optimization"

@@ -2,12 +2,12 @@
 phase still lacks, or end the job with its outputs written.
 
 This is what an experiment's chord callback does after recording it (and what the first step after
-submission does). The search (`scheduler.fast_search`, a generator of phases) answered against the
+submission does). The search (`scheduler.search.fast_search`, a generator of phases) answered against the
 records on disk: the first phase with an unanswered experiment is the current one. When the last
 experiment of a phase is recorded, the search moves past it, so the same step computes the phase's
 result and queues the next phase. A process keeps the job's search alive between steps and feeds it
-only the new records (`scheduler.live_search`); a process without it rebuilds it from the spec and
-replays every record on disk (`scheduler.phases.replay`), with the same result. Because the tuner
+only the new records (`scheduler.search.live_search`); a process without it rebuilds it from the spec and
+replays every record on disk (`scheduler.search.phases.replay`), with the same result. Because the tuner
 is deterministic given the spec and the records, any control worker can take any step, and a job
 survives the death of every process that ever touched it: its state is the folder.
 
@@ -27,17 +27,17 @@ from typing import Any
 
 import redis
 
-from scheduler.arguments import with_config, with_mapped_args
-from scheduler.config import TuningConfig, parse_config
+from scheduler.inputs.arguments import with_config, with_mapped_args
+from scheduler.inputs.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
-from scheduler.fast_search import SearchSettings, fast_search
-from scheduler.job_store import JobStore, reserve_seqs
-from scheduler.jobs import JobSpec, end, load_spec, publish
-from scheduler.launches import QueuedLaunch
-from scheduler.live_search import LiveSearches
-from scheduler.outputs import write_results
-from scheduler.phases import Phase, Search, replay
-from scheduler.space import PROFILE, Experiment
+from scheduler.search.fast_search import SearchSettings, fast_search
+from scheduler.cluster.job_store import JobStore, reserve_seqs
+from scheduler.cluster.jobs import JobSpec, end, load_spec, publish
+from scheduler.cluster.launches import QueuedLaunch
+from scheduler.search.live_search import LiveSearches
+from scheduler.report.outputs import write_results
+from scheduler.search.phases import Phase, Search, replay
+from scheduler.search.space import PROFILE, Experiment
 from workers.gang import GangReservations
 from workers.paths import read_json, safe_child
 from workers.registry import live_slots
@@ -61,7 +61,7 @@ def advance(client: redis.Redis, job: str) -> None:
         end(client, job, {"kind": "failed", "error": f"{type(exc).__name__}: {exc}", "usage": False})
 
 
-#: This process's live searches (`scheduler.live_search`): a step feeds the new records to the
+#: This process's live searches (`scheduler.search.live_search`): a step feeds the new records to the
 #: search the previous step left suspended, instead of replaying every record from disk.
 LIVE_SEARCHES = LiveSearches()
 
@@ -213,7 +213,7 @@ def write_outputs(spec: JobSpec, experiments: list[Experiment], records: dict[st
                   cancelled: dict[str, dict[str, Any]] | None = None) -> str | None:
     """summary.txt, results.jsonl, ds_config_optimal.json, cmd_optimal.txt, tuning.png; returns the
     winner's name. Elapsed time is counted from the job's submission. `cancelled` (an interrupted
-    search) makes them partial (`scheduler.outputs`)."""
+    search) makes them partial (`scheduler.report.outputs`)."""
     cfg = tuning_config(spec)
     winner = write_results(Path(spec.results_root), experiments, records, cfg.metric, cfg.maximize,
                            time.time() - spec.submitted_at, optimal_argv(spec), spec.local_rank_arg,

@@ -3,7 +3,7 @@
 Why one store: the job's state used to be read and written with raw Redis calls spread over
 dispatch, jobs and progress (50-odd of them), each knowing the key layout and the JSON shapes. Here
 each operation is one method, one round trip or one transaction, on typed records
-(`scheduler.launches`); nothing else touches these keys (see `workers.keys` for the layout).
+(`scheduler.cluster.launches`); nothing else touches these keys (see `workers.keys` for the layout).
 
 The queue is indexed by shape. Within one job and one shape (nodes x slots per node, minimum memory)
 waiting launches are interchangeable for placement, and a shape that finds no room in a dispatch
@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from scheduler.launches import QueuedLaunch, RunningLaunch
+from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
 from workers import keys
 
 EVENTS_TTL_S = ATTEMPTS_TTL_S = 7 * 24 * 3600

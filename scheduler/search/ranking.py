@@ -3,7 +3,7 @@
 Throughput and FLOPS are maximised, latency is minimised (DeepSpeed's autotuner maximises all of
 them, so it picks the slowest config when asked for latency). Ties keep the earlier experiment.
 A config measured more than once (the sampled search confirms its winner with repeats `<name>_r2`,
-`<name>_r3`, ...: scheduler.confirm) is judged on the mean of its measurements, and the winner
+`<name>_r3`, ...: scheduler.search.confirm) is judged on the mean of its measurements, and the winner
 named is its first experiment, so the optimal config is always one that ran under its own name.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ Numbers used (documented choices, not measurements):
 - `untracked_reserve_bytes`: on GPUs the measured peak (torch's max_memory_reserved) never includes
   the CUDA context and NCCL's buffers, yet they share the device: max(1 GiB, 2.5 % of the device)
   is taken off the capacity before any measured line is compared with it (more when the profile run
-  measured more: `fast_search.measured_reserve`). Host PSS on CPU slots
+  measured more: `session.measured_reserve`). Host PSS on CPU slots
   counts everything, so the reserve is 0 there.
 - A peak that is missing, or does not grow with the micro-batch (a script without torch, a CPU-only
   measurement of a GPU job), is never fitted (`peak_grows`): the model then uses the profile and
@@ -484,44 +484,3 @@ def _prior_slope(model: MemoryModel, stage: int, observations: Mapping[int, Sequ
         mbs, peak = max(measured)
         return max(profile, (peak - model.fixed_bytes(stage)) / mbs)
     return profile
-
-
-# ---------------------------------------------------------------- DeepSpeed's estimate, for comparison
-
-
-def deepspeed_fp16(ds_config: Mapping[str, Any]) -> bool:
-    """DeepSpeed's precision test: only the fp16 section counts (bf16 is estimated as fp32)."""
-    section = ds_config.get("fp16")
-    return bool(section.get("enabled", False)) if isinstance(section, Mapping) else False
-
-
-def deepspeed_instantiation_bytes(num_params: int, stage: int, fp16: bool, world_size: int,
-                                  mp_size: int = 1) -> float:
-    """DeepSpeed 0.19's model-state estimate (section 1.7): 20 B/param in fp16 and 16 in fp32,
-    sharded over the whole world and then divided by mp_size again; offload ignored."""
-    if not num_params:
-        return 0.0
-    params = num_params * (2 if fp16 else 4)
-    grads = num_params * (2 if fp16 else 4)
-    optimizer = num_params * (16 if fp16 else 8)
-    optimizer = optimizer / world_size if stage >= 1 else optimizer
-    grads = grads / world_size if stage >= 2 else grads
-    params = params / world_size if stage >= 3 else params
-    return (params + grads + optimizer) / mp_size
-
-
-def deepspeed_stage_fits(info: ModelInfo, stage: int, fp16: bool, world_size: int, mp_size: int,
-                         capacity_bytes: int) -> StageFit:
-    """DeepSpeed's gate: a stage is tried when capacity > instantiation + one sample's activations."""
-    required = deepspeed_instantiation_bytes(info.num_params, stage, fp16, world_size, mp_size)
-    required += info.activation_mem_per_gpu
-    return StageFit(stage, math.floor(required) + 1, capacity_bytes)
-
-
-def deepspeed_max_micro_batch_size(info: ModelInfo, stage: int, fp16: bool, world_size: int, mp_size: int,
-                                   capacity_bytes: int) -> int:
-    """DeepSpeed's `int(gpu_mem - instantiation) // activation_mem` (its `calculated_max_mbs`)."""
-    inst = deepspeed_instantiation_bytes(info.num_params, stage, fp16, world_size, mp_size)
-    if info.activation_mem_per_gpu <= 0:
-        return NO_LIMIT
-    return max(0, int(capacity_bytes - inst) // info.activation_mem_per_gpu)

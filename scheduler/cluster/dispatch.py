@@ -6,14 +6,14 @@ only catches what no event announces: lost launches, slots freed by an expired l
 (re)appeared. One Redis lock (`cluster_lock`) serialises every planning step across control
 workers; the gang reservation itself is atomic anyway, so a slot can never be double-booked.
 
-An experiment marked `exclusive` (a finalist's re-measurement, `scheduler.sampled_search.confirm`)
+An experiment marked `exclusive` (a finalist's re-measurement, `scheduler.search.sampled_search.confirm`)
 starts only on nodes where no slot is busy, and while it runs every slot of its nodes counts as
 busy for everyone else: the finalists are compared with their nodes otherwise idle. Each launch
 keeps its co-runners (the launches of any job holding a slot on its nodes when it starts, and those
 starting beside it later), which its record shows (`co_runners_of`).
 
 Order: every queued experiment of every active job, by its submission sequence number (FIFO across
-jobs), with EASY backfill (`scheduler.backfill`): a later experiment starts in free slots only when
+jobs), with EASY backfill (`scheduler.cluster.backfill`): a later experiment starts in free slots only when
 it cannot delay the waiting head past its estimated start. A job may ask for strict FIFO
 (DeepSpeed's ResourceManager rule; benchmarks compare both); it is used while every active job asks
 for it. A job pinned to named slots (`python -m scheduler.run` with a hostfile) waits for exactly
@@ -41,15 +41,15 @@ from typing import Any
 
 import redis
 
-from scheduler.backfill import POLICIES, Policy, Waiting, estimate_run_s
+from scheduler.cluster.backfill import POLICIES, Policy, Waiting, estimate_run_s
 from scheduler.errors import ClusterError
-from scheduler.job_store import JobStore, heads
-from scheduler.jobs import JobSpec, active_specs, end, load_spec, stop_launch
-from scheduler.launches import FinishSpec, QueuedLaunch, RunningLaunch
-from scheduler.outputs import write_experiment_descriptions
-from scheduler.placement import fits_ever, gang_link, is_loopback, largest_shape, pinned_placement
-from scheduler.space import Experiment
-from scheduler.work import RankLaunch, Work
+from scheduler.cluster.job_store import JobStore, heads
+from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec, stop_launch
+from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
+from scheduler.report.outputs import write_experiment_descriptions
+from scheduler.cluster.placement import fits_ever, gang_link, is_loopback, largest_shape, pinned_placement
+from scheduler.search.space import Experiment
+from scheduler.cluster.work import RankLaunch, Work
 from workers import keys
 from workers.gang import GangReservations
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders

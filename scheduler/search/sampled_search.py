@@ -34,7 +34,7 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   an out-of-memory while other processes held memory on the GPU, is launched once more at once
   (`_measure`, `says_nothing`), and so is an out-of-memory at a size the stage already ran at or above
   (`_contradicted`: memory does not shrink as the size grows); a size failing twice is left out of its stage, and is no memory fact;
-- the memory side follows `scheduler.memory`: predictions stay between the largest ok and the
+- the memory side follows `scheduler.search.memory`: predictions stay between the largest ok and the
   smallest size out of memory, and every stage's probes bound the others (`memory.shared_facts`: a failure
   bounds the stages holding more, a success the stages holding less, a bracket moves the others'
   predicted tops, with or without measured peaks); after a failure the next upward probe is the
@@ -44,8 +44,8 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   is not separated from at the measured noise (across repeats, and inside each run from its step
   times), one launch per phase, each with its nodes otherwise idle (`Experiment.exclusive`: no
   experiment of any job beside it, so the finalists are compared under the same conditions),
-  within `scheduler.confirm.REPEAT_BUDGET`; the
-  winner is picked on the mean of every reading (`scheduler.ranking.best` pools repeats).
+  within `scheduler.search.confirm.REPEAT_BUDGET`; the
+  winner is picked on the mean of every reading (`scheduler.search.ranking.best` pools repeats).
 
 What the benches show this buys, and what they cannot: bench/search_quality.py (synthetic
 surfaces, with and without max_train_batch_size, heavy-tailed and per-config noise),
@@ -53,7 +53,7 @@ bench/trace_replay.py (replays on real traces of the GPT example, whose optimum 
 the smallest micro-batch with the most accumulation) and
 bench/vs_deepspeed.py (the real GPT example, end to end); see bench/README.md.
 
-Pure decision logic (`next_size`, `geometric_mid`, `scheduler.confirm`) is separate from the
+Pure decision logic (`next_size`, `geometric_mid`, `scheduler.search.confirm`) is separate from the
 generator so it is tested directly; the generators only turn decisions into phases (one experiment
 each unless the slots allow more) and are replayed from records like every search here.
 """
@@ -61,19 +61,15 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from scheduler.confirm import REPEAT_BUDGET, group_readings, next_repeat
-from scheduler.ranking import metric_value
-from scheduler.space import PROFILE, Experiment
+from scheduler.search.confirm import REPEAT_BUDGET, group_readings, next_repeat
+from scheduler.search.ranking import metric_value
+from scheduler.search.session import Session, Step
+from scheduler.search.space import PROFILE, Experiment
 
-if TYPE_CHECKING:
-    from scheduler.fast_search import _Session
-    from scheduler.phases import Phase
-
-Step = Generator["Phase", dict, Any]
 
 #: Refinement stops when the best size's measured neighbours are within this ratio of it.
 REFINE_RATIO = 1.45
@@ -115,7 +111,7 @@ def says_nothing(record: Mapping[str, Any]) -> bool:
     """Whether a failed launch says nothing about its config, so it is launched once more: a
     `RETRIED` status, or an out-of-memory while other processes held memory on its GPU
     (`device_foreign_bytes`, workers.device_idle: a notebook, another job, a context still being torn
-    down), which is no memory bound either (`fast_search.too_large`)."""
+    down), which is no memory bound either (`session.too_large`)."""
     status = record.get("status")
     return status in RETRIED or (status == "oom" and bool(record.get("device_foreign_bytes")))
 
@@ -181,7 +177,7 @@ def next_size(values: Mapping[int, float | None], sizes: Sequence[int], maximize
 # ---------------------------------------------------------------- the generators
 
 
-def sampled_stages(session: _Session, stages: Sequence[int]) -> Step:
+def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
     """Every allowed stage, in order: sampled, followed from the incumbent, or ruled out."""
     explored: list[int] = []
     for stage in lead_first(stages, session.settings.dp_size):
@@ -207,7 +203,7 @@ def sampled_stages(session: _Session, stages: Sequence[int]) -> Step:
             yield from _explore(session, stage, floor=size)
 
 
-def _wins(session: _Session, stage: int, size: int, value: float) -> bool:
+def _wins(session: Session, stage: int, size: int, value: float) -> bool:
     """Without max_train_batch_size, whether the followed stage beat the incumbent at its size: its
     space fills a step of its own top, so at equal size it may accumulate more and lead."""
     st = session.settings
@@ -229,7 +225,7 @@ def lead_first(stages: Sequence[int], dp_size: int) -> list[int]:
     return ordered
 
 
-def _explore(session: _Session, stage: int, floor: int = 0) -> Step:
+def _explore(session: Session, stage: int, floor: int = 0) -> Step:
     """Sample and refine one stage, above `floor`, until `next_size` says done (or the guards)."""
     st = session.settings
     if not (yield from _anchor(session, stage)):
@@ -253,7 +249,7 @@ def _explore(session: _Session, stage: int, floor: int = 0) -> Step:
         yield from _measure(session, stage, size, f"z{stage}_sample_{size}")
 
 
-def _sample_smallest(session: _Session, stage: int) -> Step:
+def _sample_smallest(session: Session, stage: int) -> Step:
     """Without max_train_batch_size, the lead stage's second sample is the smallest size of its
     space, the one with the most accumulation, right after the top (`_anchor`): both ends of the
     range are measured before it is refined. A quarter of the top, the low sample with
@@ -267,7 +263,7 @@ def _sample_smallest(session: _Session, stage: int) -> Step:
         yield from _measure(session, stage, sizes[0], f"z{stage}_sample_{sizes[0]}")
 
 
-def _candidates(session: _Session, stage: int) -> list[int]:
+def _candidates(session: Session, stage: int) -> list[int]:
     """The sizes worth measuring in the stage now: the full-step sizes of its space, and its top.
     Without max_train_batch_size the space ends at the largest size known to run; a top above it
     is probed at the user's gas and, once it runs, widens the space."""
@@ -279,7 +275,7 @@ def _candidates(session: _Session, stage: int) -> list[int]:
     return full_step_sizes(step, known) + ([top] if top > known else [])
 
 
-def samples_per_step(session: _Session, stage: int) -> int:
+def samples_per_step(session: Session, stage: int) -> int:
     """The samples per GPU per optimizer step a stage's configs fill (the space searched).
 
     With max_train_batch_size, what it allows. Without it, DeepSpeed's rule (its mtbpg): the stage's
@@ -294,7 +290,7 @@ def samples_per_step(session: _Session, stage: int) -> int:
     return max(1, st.gradient_accumulation_steps) * max(1, _known_feasible(session, stage) or _top(session, stage))
 
 
-def _known_feasible(session: _Session, stage: int) -> int:
+def _known_feasible(session: Session, stage: int) -> int:
     """The largest size the stage ran at the user's gas (0: none yet): its top, as DeepSpeed's max
     probes find it (the sizes sampled below the top run at more gas). Another stage's success does
     not count: a stage holding less may hold much more, and its space is bounded by its own top."""
@@ -304,7 +300,7 @@ def _known_feasible(session: _Session, stage: int) -> int:
                default=0)
 
 
-def _anchor(session: _Session, stage: int) -> Step:
+def _anchor(session: Session, stage: int) -> Step:
     """Without max_train_batch_size, probe the stage's top (at the user's gas) until a size runs, as
     DeepSpeed's max probes do, so its space is bounded by a size it can hold; True once it is,
     False when the stage gave up (`_top` came to 0)."""
@@ -318,7 +314,7 @@ def _anchor(session: _Session, stage: int) -> Step:
     return True
 
 
-def gas_for(session: _Session, stage: int, mbs: int) -> int:
+def gas_for(session: Session, stage: int, mbs: int) -> int:
     """The accumulation of `mbs` in the stage's space: what fills `samples_per_step`, at least the user's."""
     st = session.settings
     if st.samples_per_step:
@@ -326,12 +322,12 @@ def gas_for(session: _Session, stage: int, mbs: int) -> int:
     return max(1, st.gradient_accumulation_steps, samples_per_step(session, stage) // mbs)
 
 
-def _measure(session: _Session, stage: int, mbs: int, label: str) -> Step:
+def _measure(session: Session, stage: int, mbs: int, label: str) -> Step:
     """One config's metric (None: it failed). A failure that says nothing about the config
     (`says_nothing`: not out-of-memory, or out of memory beside others' memory), or an out-of-memory
     a larger success of the stage contradicts (`_contradicted`), is launched once more (`<name>_r2`,
     a repeat) before the config counts as failed. Failing twice, the size is left out of the stage's
-    probing (`_sizes`), but is no memory fact for other stages (`fast_search.too_large`)."""
+    probing (`_sizes`), but is no memory fact for other stages (`session.too_large`)."""
     exp = session.experiment(stage, mbs, gas_for(session, stage, mbs))
     [record] = yield from session.measure(label, [exp])
     if says_nothing(record) or _contradicted(session, stage, mbs, record):
@@ -339,15 +335,15 @@ def _measure(session: _Session, stage: int, mbs: int, label: str) -> Step:
     return metric_value(record, session.settings.metric)
 
 
-def _contradicted(session: _Session, stage: int, mbs: int, record: Mapping[str, Any]) -> bool:
+def _contradicted(session: Session, stage: int, mbs: int, record: Mapping[str, Any]) -> bool:
     """Whether `record` ran out of memory at a size its stage already ran at or above: memory does
     not shrink as the micro-batch grows (nor with the accumulation, which adds no activations), so
     the failure is the GPU's state, not the config's; it is launched once more, not believed
-    (`fast_search.too_large` leaves such an out-of-memory out of the memory facts, too)."""
+    (`session.too_large` leaves such an out-of-memory out of the memory facts, too)."""
     return record.get("status") == "oom" and any(ran and size >= mbs for size, ran in _sizes(session, stage).items())
 
 
-def _top(session: _Session, stage: int) -> int:
+def _top(session: Session, stage: int) -> int:
     """The largest size worth probing now: the calibrated prediction, capped, kept below failures;
     after a failure above a success, the geometric midpoint between them; after MAX_FAILURES
     failures, the largest success. A size that ran at any gas counts (memory does not depend on
@@ -373,7 +369,7 @@ def _top(session: _Session, stage: int) -> int:
     return max(predicted, largest_ok)
 
 
-def _failures_since_a_success(session: _Session, stage: int) -> int:
+def _failures_since_a_success(session: Session, stage: int) -> int:
     """Sizes of the stage that failed after its first success: the ones that bracket its top (the
     blind ones before it only found a size that runs). A size whose retry ran is none of them."""
     failed, seen_ok = set(), bool(session.shared_facts(stage).success)
@@ -388,7 +384,7 @@ def _failures_since_a_success(session: _Session, stage: int) -> int:
     return len(failed)
 
 
-def _values(session: _Session, stage: int) -> dict[int, float | None]:
+def _values(session: Session, stage: int) -> dict[int, float | None]:
     """size -> metric (None: failed) of the stage's measured sizes at their gas in the space. Without
     max_train_batch_size only sizes that fill the step count (a size between the top probes, run at
     the user's gas below a top that ran, leaves part of the step empty). A config whose first launch
@@ -407,14 +403,14 @@ def _values(session: _Session, stage: int) -> dict[int, float | None]:
     return out
 
 
-def _retry_of_failure(session: _Session, name: str) -> bool:
+def _retry_of_failure(session: Session, name: str) -> bool:
     """Whether `name` is the retry `_measure` launched after its original failed (confirm repeats
     only configs that ran)."""
     original = original_name(name, session.measured)
     return name == f"{original}_r2" and session.measured[original][1].get("status") != "ok"
 
 
-def _sizes(session: _Session, stage: int) -> dict[int, bool]:
+def _sizes(session: Session, stage: int) -> dict[int, bool]:
     """size -> whether it ran (at any gas) in the stage, for the memory side."""
     out: dict[int, bool] = {}
     for exp, record in session.stage_records(stage):
@@ -434,7 +430,7 @@ def is_repeat(name: str, measured: Mapping[str, Any]) -> bool:
     return original_name(name, measured) != name
 
 
-def _incumbent_size(session: _Session, stages: Sequence[int]) -> int | None:
+def _incumbent_size(session: Session, stages: Sequence[int]) -> int | None:
     """The micro-batch size of the best config measured so far in `stages` (None: none succeeded)."""
     best: tuple[float, int] | None = None
     sign = 1 if session.settings.maximize else -1
@@ -445,7 +441,7 @@ def _incumbent_size(session: _Session, stages: Sequence[int]) -> int | None:
     return None if best is None else best[1]
 
 
-def _at_cap(session: _Session, stages: Sequence[int], mbs: int) -> bool:
+def _at_cap(session: Session, stages: Sequence[int], mbs: int) -> bool:
     """Whether `mbs` is the largest size measured ok in any stage so far: the curve was still
     rising where memory stopped it, so a stage holding larger sizes may do better."""
     largest = max((m for stage in stages for m, v in _values(session, stage).items() if v is not None), default=0)
@@ -457,7 +453,7 @@ def _relative(value: float, reference: float, maximize: bool) -> float:
     return change / abs(reference) if reference else 0.0
 
 
-def stages_near_leader(session: _Session, stages: Sequence[int]) -> list[tuple[int, int, int]]:
+def stages_near_leader(session: Session, stages: Sequence[int]) -> list[tuple[int, int, int]]:
     """(stage, mbs, gas) of each stage >= 1 whose best is within FULL_MODE_BAND of the leader's."""
     st = session.settings
     bests = []
@@ -474,9 +470,9 @@ def stages_near_leader(session: _Session, stages: Sequence[int]) -> list[tuple[i
             if _relative(value, top, st.maximize) >= -FULL_MODE_BAND]
 
 
-def confirm(session: _Session) -> Step:
+def confirm(session: Session) -> Step:
     """Measure the leader and the rivals it is not yet separated from, one launch per phase, until
-    `scheduler.confirm.next_repeat` is satisfied or REPEAT_BUDGET launches are spent. One at a
+    `scheduler.search.confirm.next_repeat` is satisfied or REPEAT_BUDGET launches are spent. One at a
     time: the originals ran alone, so must the repeats."""
     st = session.settings
     for spent in range(1, REPEAT_BUDGET + 1):

@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.errors import UsageError
-from scheduler.resources import Resources
+from scheduler.launch.resources import Resources
 
 DEFAULT_RUN_ID = "123456789"
 """DeepSpeed's rendezvous id when ELASTIC_RUN_ID is not set."""

@@ -18,10 +18,10 @@ than the runner-up. So a winner is confirmed before it is named
   of the difference of their means; the leader and the `MAX_RIVALS` best such rivals are then
   measured in turn, fewest readings first (interleaved: A B A B, so drift of shared machines hits
   both alike), until every rival is separated or `REPEAT_BUDGET` launches are spent;
-- the choice is the best mean over every reading (`scheduler.ranking.best`), and the summary says
+- the choice is the best mean over every reading (`scheduler.search.ranking.best`), and the summary says
   whether the winner was separated from the runner-up (`verdict`).
 
-Pure decision logic; `scheduler.sampled_search.confirm` turns it into phases.
+Pure decision logic; `scheduler.search.sampled_search.confirm` turns it into phases.
 """
 from __future__ import annotations
 

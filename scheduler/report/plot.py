@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scheduler.ranking import metric_value
-from scheduler.space import PROFILE, Experiment
+from scheduler.search.ranking import metric_value
+from scheduler.search.space import PROFILE, Experiment
 
 
 def write_plot(path: Path, experiments: list[Experiment], records: dict[str, dict[str, Any]],

@@ -20,9 +20,11 @@ import hjson
 
 from scheduler.errors import ConfigError
 
+TUNER_TYPES = ("gridsearch", "random", "model_based")  #: DeepSpeed's autotuning.tuner_type values
+
 #: DeepSpeed's autotuning keys (deepspeed/autotuning/constants.py), plus ours: user_script,
 #: user_args (the script, when not given after `--`), tuner_seed (random/model-based tuners) and
-#: search ("sampled", ours, or "deepspeed", DeepSpeed's algorithm; checked by scheduler.fast_search).
+#: search ("sampled", ours, or "deepspeed", DeepSpeed's algorithm; checked by scheduler.search.fast_search).
 KNOWN_AUTOTUNING_KEYS = frozenset({
     "enabled", "fast", "results_dir", "exps_dir", "overwrite", "start_profile_step",
     "end_profile_step", "metric", "metric_path", "tuner_type", "tuner_early_stopping",
@@ -303,8 +305,6 @@ def check_schema(path: Path, raw: Mapping[str, Any]) -> None:
         if key in autotuning:
             check_path_text(path, f"autotuning.{key}", autotuning[key])
     if "tuner_type" in autotuning:
-        from scheduler.tuners import TUNER_TYPES  # numpy and scikit-learn load only when asked
-
         if autotuning["tuner_type"] not in TUNER_TYPES:
             raise ConfigError(f"{path}: autotuning.tuner_type {shown(autotuning['tuner_type'])} is not one of "
                               f"{', '.join(TUNER_TYPES)}")

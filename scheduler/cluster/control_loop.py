@@ -3,7 +3,7 @@
 Dispatch and the job steps are driven by events (a submission, an experiment's chord callback), so
 nothing polls while work flows. But some changes announce themselves to nobody: a launch lost with
 its worker or node, a lease that lapsed, a slot worker that came back. Every SWEEP_S the control
-worker finds lost launches (`scheduler.dispatch.sweep`), takes the step of each job that recorded
+worker finds lost launches (`scheduler.cluster.dispatch.sweep`), takes the step of each job that recorded
 one, and dispatches again, all under the cluster lock.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ import threading
 
 import redis
 
-from scheduler.dispatch import SWEEP_S, cluster_lock, dispatch, sweep
-from scheduler.job_store import any_active
-from scheduler.progress import advance
-from scheduler.work import Work
+from scheduler.cluster.dispatch import SWEEP_S, cluster_lock, dispatch, sweep
+from scheduler.cluster.job_store import any_active
+from scheduler.cluster.progress import advance
+from scheduler.cluster.work import Work
 
 log = logging.getLogger(__name__)
 

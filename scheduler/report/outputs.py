@@ -9,7 +9,7 @@
     <results_dir>/cmd_optimal.txt   a shell-quoted command that trains with ds_config_optimal.json,
                                     with the CPU threads per rank the winner was measured with
     <results_dir>/hostfile_optimal  the nodes the winner ran on, when it used more than one (cmd_optimal.txt names it)
-    <results_dir>/tuning.png        every experiment: micro-batch size against the metric (scheduler.plot)
+    <results_dir>/tuning.png        every experiment: micro-batch size against the metric (scheduler.report.plot)
     <results_dir>/timeline.png      every experiment on its slots over time, coloured by outcome
 
 An interrupted search is not a search that found an optimum: its experiments that were running or
@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.table import Table
 from tabulate import tabulate
 
-from scheduler.confirm import PRIOR_NOISE, Readings, step_noise, verdict
-from scheduler.ranking import best, config_key, metric_value, pooled_best, status_counts
-from scheduler.space import PROFILE, Experiment, optimal_config
+from scheduler.search.confirm import PRIOR_NOISE, Readings, step_noise, verdict
+from scheduler.search.ranking import best, config_key, metric_value, pooled_best, status_counts
+from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
 from workers.paths import safe_child, write_atomic, write_json
 
@@ -115,7 +115,7 @@ def space_text(experiments: list[Experiment]) -> str:
 
 def winner_text(records: list[dict[str, Any]], metric: str, maximize: bool) -> str:
     """The winner and the runner-up as mean, spread and number of readings, and whether the gap
-    between them is more than the measured noise (scheduler.confirm)."""
+    between them is more than the measured noise (scheduler.search.confirm)."""
     groups: dict[str, tuple[str, list[float], list[Any]]] = {}
     for record in records:
         value = metric_value(record, metric)
@@ -225,7 +225,7 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
                  summary_text(experiments, records, metric, maximize, elapsed_s,
                               list(cancelled) if partial else None))
     winner = best(ordered, metric, maximize)
-    from scheduler.plot import write_plot, write_timeline  # matplotlib is imported only when a job ends
+    from scheduler.report.plot import write_plot, write_timeline  # matplotlib is imported only when a job ends
 
     write_plot(results_dir / "tuning.png", experiments, records, metric, winner)
     write_timeline(results_dir / "timeline.png", [*ordered, *cancelled.values()], winner)

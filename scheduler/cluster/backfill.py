@@ -7,7 +7,7 @@ that behaviour for comparison; `backfill` fixes it the way EASY backfilling does
 1. Items start in submission order while they fit the free slots.
 2. The first item that does not fit (the head) gets a reservation: the earliest time ("shadow
    time") at which enough slots of its shape, memory and distinct-node constraint are estimated to
-   be free, and the slots it would take then (`scheduler.placement.place`'s choice at that time).
+   be free, and the slots it would take then (`scheduler.cluster.placement.place`'s choice at that time).
 3. A later item starts now, in submission order, only if it fits the slots free now AND either it
    is estimated to end by the shadow time, or it uses none of the reserved slots. So no backfilled
    item can push the head past its reservation, as far as the estimates hold.
@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from scheduler.placement import place
+from scheduler.cluster.placement import place
 from workers.slot import Slot
 
 

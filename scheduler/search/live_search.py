@@ -1,7 +1,7 @@
 """A job's search kept alive between its steps in one control process, fed only the new records.
 
 Why: after every experiment the job takes a step, and the step used to rebuild the search
-generator and replay it against every record on disk (`scheduler.phases.replay`): O(records) per
+generator and replay it against every record on disk (`scheduler.search.phases.replay`): O(records) per
 step, so a long job paid O(records^2) in all and the gap between two experiments on a slot grew as
 the job went on. The search is deterministic given its spec and the records it is sent, so the
 generator of the previous step, suspended at its current phase, is exactly what a replay would
@@ -20,8 +20,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.phases import Phase, Search
-from scheduler.space import Experiment
+from scheduler.search.phases import Phase, Search
+from scheduler.search.space import Experiment
 
 Lookup = Callable[[Experiment], "dict[str, Any] | None"]
 

@@ -1,6 +1,6 @@
 """The three records of an experiment's life on the control path, typed and JSON-round-tripped.
 
-    QueuedLaunch   waiting in its job's queue (scheduler.job_store), in submission order
+    QueuedLaunch   waiting in its job's queue (scheduler.cluster.job_store), in submission order
     RunningLaunch  sent to its reserved slots: which attempt, which slots under which gang token,
                    the rank tasks to revoke, when it is due, the workers' instances it started on
     FinishSpec     what the chord callback (tasks.experiment.finish_experiment) is told about the

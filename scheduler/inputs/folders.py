@@ -25,7 +25,7 @@ from pathlib import Path
 from scheduler.errors import ConfigError
 
 MARKER = ".celery-autotune"
-#: What `scheduler.outputs` writes at the top of a results folder.
+#: What `scheduler.report.outputs` writes at the top of a results folder.
 RESULT_FILES = frozenset({"summary.txt", "results.jsonl", "ds_config_optimal.json", "cmd_optimal.txt",
                           "hostfile_optimal", "tuning.png", MARKER})
 #: What a slot writes into an experiment folder (`workers.rank`, `tasks`), the script's metric file,
@@ -173,7 +173,7 @@ def _is_atomic_temp(name: str) -> bool:
 
 
 def _is_description(entry: Path) -> bool:
-    """`<exps_dir>/<name>.json` as `scheduler.outputs.write_experiment_descriptions` writes it."""
+    """`<exps_dir>/<name>.json` as `scheduler.report.outputs.write_experiment_descriptions` writes it."""
     if entry.suffix != ".json" or entry.stat().st_size > 4 * 2**20:
         return False
     try:

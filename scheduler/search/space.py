@@ -32,7 +32,7 @@ class Experiment:
     tuning_space: str = ""  #: full mode: DeepSpeed's space name (e.g. z1_rbs_abs_tmbspg)
     metric_file: str = "metrics.json"  #: what rank 0 writes: model_info.json for the profile run
     min_memory: int = 0  #: bytes every slot it runs on must offer (heterogeneous clusters)
-    #: run with its nodes otherwise idle (the finalists' re-measurements: `scheduler.dispatch`)
+    #: run with its nodes otherwise idle (the finalists' re-measurements: `scheduler.cluster.dispatch`)
     exclusive: bool = False
 
     def to_json(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.space import Experiment
+from scheduler.search.space import Experiment
 
 
 @dataclass(frozen=True)

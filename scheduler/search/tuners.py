@@ -34,10 +34,10 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
-from scheduler.ranking import metric_value
-from scheduler.space import Experiment
+from scheduler.inputs.config import TUNER_TYPES
+from scheduler.search.ranking import metric_value
+from scheduler.search.space import Experiment
 
-TUNER_TYPES = ("gridsearch", "random", "model_based")  #: DeepSpeed's autotuning.tuner_type values
 
 
 @dataclass(frozen=True)

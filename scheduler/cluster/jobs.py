@@ -6,8 +6,8 @@ tuning job goes on when `python -m scheduler.autotune` dies. The submitter write
 control worker for the first step, and watches the job's event list to print progress.
 
 A job is either a tuning job (`tune`: a search replayed from the results folder, see
-`scheduler.progress`) or a fixed list of experiments (`experiments`: `python -m scheduler.run`,
-`--run`, benchmarks). Its spec is JSON; its state lives in `scheduler.job_store`, and a stored spec means active.
+`scheduler.cluster.progress`) or a fixed list of experiments (`experiments`: `python -m scheduler.run`,
+`--run`, benchmarks). Its spec is JSON; its state lives in `scheduler.cluster.job_store`, and a stored spec means active.
 
     submit    spec written, job added to keys.JOBS, `autotune.advance_job` sent to the control queue
     advance   (control) replay the search; queue the next phase's experiments, or end the job
@@ -34,11 +34,11 @@ from typing import Any
 
 import redis
 
-from scheduler.environment import env_number
+from scheduler.launch.environment import env_number
 from scheduler.errors import AutotuneError, UsageError
-from scheduler.job_store import JobStore, active_jobs
-from scheduler.launches import RunningLaunch
-from scheduler.work import Work
+from scheduler.cluster.job_store import JobStore, active_jobs
+from scheduler.cluster.launches import RunningLaunch
+from scheduler.cluster.work import Work
 from workers.gang import GangReservations
 from workers.paths import read_json, safe_child
 from workers.registry import control_alive
@@ -125,12 +125,10 @@ def active_specs(client: redis.Redis) -> list[JobSpec]:
 def stop_launch(client: redis.Redis, work: Work, launch: RunningLaunch) -> None:
     """Stop one running launch: revoke its rank tasks (their workers kill the training groups) and
     free its slots, token-checked. A worker that died for good kills nothing, so the groups its
-    ranks recorded are also killed on their hosts (fabric; directly on this one), in the background."""
-    from deploy.cleanup import clean_launch_in_background
-
+    ranks recorded are also killed on their hosts (`Work.clean_up`), in the background."""
     work.revoke(list(launch.rank_tasks.values()))
     GangReservations(client).release(launch.queues, launch.token)
-    clean_launch_in_background(client, launch.name, launch.to_json())
+    work.clean_up(client, launch.name, launch.to_json())
 
 
 def submit(client: redis.Redis, work: Work, spec: JobSpec) -> bool:

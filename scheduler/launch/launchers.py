@@ -30,7 +30,7 @@ element for element, except for these deliberate differences:
 - impi: `--bind_cores_to_rank` is an error instead of numactl ranges computed here.
 - MPI backends count only hosts with devices, so a `slots=0` host no longer fails the equal
   devices-per-host check. Unknown launchers and missing backends are `UsageError`s naming the fix.
-- elastic launches run torchrun on each node (see scheduler/elastic.py).
+- elastic launches run torchrun on each node (see scheduler/launch/elastic.py).
 """
 from __future__ import annotations
 
@@ -44,11 +44,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from scheduler import elastic
-from scheduler.elastic import ElasticSettings
-from scheduler.environment import render_exports
+from scheduler.launch import elastic
+from scheduler.launch.elastic import ElasticSettings
+from scheduler.launch.environment import render_exports
 from scheduler.errors import UsageError
-from scheduler.resources import ResourceRequest, Resources
+from scheduler.launch.resources import ResourceRequest, Resources
 
 Which = Callable[[str], "str | None"]
 """Finds a program on PATH, like shutil.which."""

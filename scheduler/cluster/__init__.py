@@ -1,0 +1,16 @@
+"""The control path: tuning jobs kept in Redis and run on the cluster's slots.
+
+- `job_store`, `jobs`: a job's spec, queue, running launches and records, in Redis (Lua where two
+  control workers could race); submitting, cancelling, ending a job;
+- `progress`: a job's step: replay its search over the records so far and queue what it asks next;
+- `dispatch`, `placement`, `backfill`: which queued experiment starts on which free slots now
+  (gang reservations across nodes, EASY backfill, topology), and the sweep that finds lost launches;
+- `launches`: what a running launch and its finish message carry;
+- `work`: the one seam to the outside (`Work`: launch, revoke, clean up hosts, ask for a step),
+  which `tasks.work.CeleryWork` implements; this package imports neither Celery nor deploy;
+- `control_loop`: the control worker's sweep.
+
+Imports: `scheduler.report`, `scheduler.search`, `scheduler.launch`, `scheduler.inputs`,
+`scheduler.errors`, `workers` (keys, leases, the rank's spec). Imported by: `deploy` (clean-up reads
+the job store), `tasks` (the thin Celery tasks) and the commands.
+"""

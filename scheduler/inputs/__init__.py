@@ -1,0 +1,10 @@
+"""What the user gives, checked once at the door: the DeepSpeed config with its `autotuning` section
+(`config`: every key's type and range, one `error:` line naming the key and the fix), the command's
+arguments (`arguments`: DeepSpeed's autotuner's flags and ours) and the results folder (`folders`:
+a path that cannot escape, a marker so a folder is never taken from another tool).
+
+Its own package, below the search, because every layer reads the user's input and none may reach
+up into another to do it.
+
+Imports: `scheduler.errors`. Imported by: search, report, cluster and the commands.
+"""

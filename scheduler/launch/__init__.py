@@ -1,0 +1,14 @@
+"""DeepSpeed's runner, re-implemented: where a training may run and how it is started.
+
+- `hostfile`: MPI-style hostfiles (`HOSTNAME slots=N`), read and checked;
+- `resources`: `--include/--exclude/--num_nodes/--num_gpus` and CUDA_VISIBLE_DEVICES to a selection
+  of hosts and device ids, with DeepSpeed's semantics and its defects fixed (pure);
+- `launchers`: the per-node commands of pdsh, OpenMPI, MVAPICH, Slurm and Intel MPI;
+- `environment`: what a launch exports (`.deepspeed_env`, the variables DeepSpeed forwards);
+- `elastic`: DeepSpeed's elastic batch sizes.
+
+Beside the search, not above or below it: neither imports the other.
+
+Imports: `scheduler.errors`, `workers` (the local GPU listing). Imported by: cluster, the commands
+(`python -m scheduler.run`, `python -m scheduler.resources`) and `deploy`.
+"""

@@ -1,0 +1,8 @@
+"""What a tuning run leaves in its results folder, as DeepSpeed's autotuner lays it out and more:
+`outputs` (results.jsonl, summary.txt with the space searched and the winner's readings,
+ds_config_optimal.json, cmd_optimal.txt: the command that launches what was tuned) and `plot`
+(throughput per stage and size, drawn from the records).
+
+Imports: `scheduler.search` (ranking, the space), `scheduler.inputs`, `scheduler.errors`.
+Imported by: cluster (records are written as they arrive) and the commands.
+"""

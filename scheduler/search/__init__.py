@@ -1,0 +1,14 @@
+"""The search: which experiments to run next, given what the ones before measured. Pure: no Redis, no
+Celery, no files, no clock; a search is a generator of phases (`phases`), fed the records a real run
+leaves, so it runs the same on a cluster, in a replay after a crash and in bench/'s replays.
+
+- `space`: an experiment (stage, micro-batch, accumulation) and its DeepSpeed config;
+- `memory`: the memory model, calibrated by the profile run and by every probe;
+- `session`: the state both searches share (what was measured, what memory it proves);
+- `fast_search`: DeepSpeed's fast/full mode with its defects fixed; `sampled_search` (the default)
+  with `confirm` (re-measuring the leaders until they are told apart); `full_space` and `tuners`
+  (full mode's knob points: grid, random, model-based); `ranking` (the best config from records);
+  `live_search` (what the live view shows of a running search).
+
+Imports: `scheduler.inputs`, `scheduler.errors`. Imported by: report, cluster and the commands.
+"""

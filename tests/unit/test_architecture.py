@@ -1,0 +1,180 @@
+"""The shape of the tree (issue 23): imports go only downward through the layers below, and no module
+imports itself back through others (no cycle), lazy imports inside functions included.
+
+The allowed direction is written once, as data (`LAYERS`): a module may import its own package and
+any package of a lower layer, never a higher one and never a peer package of its own layer. What the
+layers are for is said in each package's `__init__`; README.md "How it works" draws the picture.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Lowest first. Each entry: the packages (or top-level modules) of one layer.
+LAYERS: list[tuple[str, ...]] = [
+    ("workers",),  # runs on a slot; imported into the user's training process too
+    ("celeryconfig",),  # the Celery app's settings, read from the environment
+    ("scheduler.errors",),  # the one error vocabulary of every layer above
+    ("scheduler.inputs",),  # what the user gives: config file, arguments, results folder
+    ("scheduler.search", "scheduler.launch"),  # pure decisions: the search; DeepSpeed's runner
+    ("scheduler.report",),  # what a run leaves: records, summary, plots
+    ("scheduler.cluster",),  # the control path: jobs, queues, dispatch, leases in Redis
+    ("deploy",),  # workers started and cleaned up over SSH
+    ("tasks",),  # the Celery app: thin tasks over the layers below
+    ("scheduler",),  # the commands: autotune, run, status (+ its live view), resources
+]
+SOURCES = ("workers", "scheduler", "deploy", "tasks", "celeryconfig.py")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for source in SOURCES:
+        root = ROOT / source
+        for path in ([root] if root.suffix == ".py" else sorted(root.rglob("*.py"))):
+            found[_module_name(path)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every project module `name` imports, at any depth (functions' lazy imports too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets.add(base)
+            targets.update(f"{base}.{alias.name}" for alias in node.names)
+    return {_owner(target) for target in targets if _owner(target)} - {name}
+
+
+def _owner(target: str) -> str | None:
+    """The project module a dotted import name refers to (a name imported from a module is its module)."""
+    while target:
+        if target in MODULES:
+            return target
+        target = target.rpartition(".")[0]
+    return None
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer index, the layer entry it belongs to): the longest entry that is the module or a package above it."""
+    best: tuple[int, str] | None = None
+    for index, entries in enumerate(LAYERS):
+        for entry in entries:
+            if (module == entry or module.startswith(entry + ".")) and (best is None or len(entry) > len(best[1])):
+                best = (index, entry)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that goes up a layer or sideways into a peer package of the same layer."""
+    wrong = []
+    for module, targets in graph.items():
+        layer, entry = layer_of(module)
+        for target in sorted(targets):
+            target_layer, target_entry = layer_of(target)
+            if target_layer > layer or (target_layer == layer and target_entry != entry):
+                wrong.append(f"{module} -> {target}")
+    return wrong
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles among modules (each once, from its smallest module), by depth-first search."""
+    found, seen = [], set()
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for target in sorted(graph.get(node, ())):
+                if target == start:
+                    cycle = path
+                    key = frozenset(cycle)
+                    if key not in seen and min(cycle) == start:
+                        seen.add(key)
+                        found.append(cycle + [start])
+                elif target not in path and target > start:
+                    stack.append((target, path + [target]))
+    return found
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    for module in MODULES:
+        layer_of(module)
+
+
+def test_imports_only_go_downward() -> None:
+    assert upward_imports(GRAPH) == []
+
+
+def test_no_module_imports_itself_back() -> None:
+    assert cycles(GRAPH) == []
+
+
+def test_the_checks_see_a_planted_upward_import_and_cycle() -> None:
+    planted = {name: set(targets) for name, targets in GRAPH.items()}
+    planted["scheduler.search.space"].add("scheduler.cluster.dispatch")  # search reaching into the cluster
+    planted["workers.rank"].add("scheduler.errors")  # the slot importing the scheduler
+    assert sorted(upward_imports(planted)) == ["scheduler.search.space -> scheduler.cluster.dispatch",
+                                               "workers.rank -> scheduler.errors"]
+    planted["scheduler.search.ranking"].add("scheduler.search.space")
+    planted["scheduler.search.space"].add("scheduler.search.ranking")
+    assert ["scheduler.search.ranking", "scheduler.search.space", "scheduler.search.ranking"] in cycles(planted)
+
+
+@pytest.mark.parametrize("package", sorted(name for name, path in MODULES.items() if path.name == "__init__.py"))
+def test_each_package_says_what_it_is_what_it_may_import_and_who_imports_it(package: str) -> None:
+    doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
+    assert len(doc) > 80, f"{package}/__init__.py: a docstring saying what the package is for"
+    if package.startswith("scheduler."):
+        assert "Imports" in doc and "Imported by" in doc, f"{package}: say what it may import and what imports it"
+
+
+#: What runs inside the user's training process (workers/__init__.py's table): imported into someone
+#: else's program, so it must not drag Celery, Redis or the scheduler in with it.
+IN_TRAINING = ("workers.entry", "workers.step_clock", "workers.device_memory", "workers.oom", "workers.op_build",
+               "workers.failure", "workers.metrics")
+HEAVY = ("celery", "redis", "kombu", "psutil", "scheduler", "tasks", "deploy")
+
+
+def _third_party(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_what_runs_in_the_training_process_stays_light() -> None:
+    reached, todo = set(), list(IN_TRAINING)
+    while todo:  # everything the in-training modules import, transitively
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(GRAPH[module])
+    assert reached <= {*IN_TRAINING, "workers"}, f"{sorted(reached - {*IN_TRAINING, 'workers'})}: add to the table or keep out"
+    for module in IN_TRAINING:
+        assert not _third_party(MODULES[module]) & set(HEAVY), f"{module} imports {_third_party(MODULES[module]) & set(HEAVY)}"
