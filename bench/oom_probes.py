@@ -8,14 +8,15 @@ estimate (`estimator="deepspeed"`). Throughput for the search's plateau decision
 run's nearest measured experiment of the stage. It is a replay against a fitted law, not a second
 real run: it isolates what the estimate changes.
 
-    .venv/bin/python bench/oom_probes.py autotuning_results [--config cfg.json]
+    .venv/bin/python bench/oom_probes.py autotuning_results --config cfg.json [--capacity BYTES]
 """
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 
+from scheduler.errors import OneLineArgumentParser, UsageError, one_line
 from scheduler.inputs.config import load_config
 from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search
 from scheduler.search.phases import drive
@@ -67,19 +68,32 @@ def replay(settings: SearchSettings, records: list[dict], law: dict[int, tuple[f
     return len(ran), sum(r["status"] == "oom" for r in ran)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results_dir", type=Path)
-    parser.add_argument("--config", type=Path, help="the tuned config (default: from the first experiment)")
-    parser.add_argument("--capacity", help="slot memory in bytes (default: the run's slot cap)")
-    args = parser.parse_args()
-    records = [json.loads(line) for line in (args.results_dir / "results.jsonl").read_text().splitlines()]
-    capacity = int(args.capacity) if args.capacity else next(
-        r["memory_cap_bytes"] for d in args.results_dir.glob("*/result.json")
-        for r in json.loads(d.read_text()).get("ranks", []) if r.get("memory_cap_bytes"))
-    cfg = load_config(args.config) if args.config else None
-    if cfg is None:
-        raise SystemExit("give --config: the config the run tuned")
+    parser.add_argument("--config", type=Path, required=True, help="the config the run tuned")
+    parser.add_argument("--capacity", type=int, help="slot memory in bytes (default: the run's slot cap)")
+    try:
+        args = parser.parse_args()
+    except UsageError as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    results = args.results_dir / "results.jsonl"
+    if not results.is_file():
+        print(f"error: {results}: no such file; give the results folder of a tuning run", file=sys.stderr)
+        return 2
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    capacity = args.capacity or next(
+        (r["memory_cap_bytes"] for d in args.results_dir.glob("*/result.json")
+         for r in json.loads(d.read_text()).get("ranks", []) if r.get("memory_cap_bytes")), None)
+    if not capacity:
+        print(f"error: {args.results_dir}: no record names its slot's memory cap; give --capacity BYTES", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config)
+    except UsageError as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
     law = fitted_law(records)
     measured_ooms = sum(r["status"] == "oom" for r in records)
     print(f"REPLAY against a memory law fitted to {args.results_dir} (capacity {capacity / 2**30:.2f} GiB); "
@@ -92,7 +106,8 @@ def main() -> None:
         rows[estimator] = replay(settings, records, law)
         print(f"{label:<28}{rows[estimator][0]:>12}{rows[estimator][1]:>12}")
     print(f"OOM probes avoided by calibration: {rows['deepspeed'][1] - rows['calibrated'][1]}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

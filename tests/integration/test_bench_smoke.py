@@ -29,7 +29,7 @@ SMOKE = [
     (["bench/search_quality.py", "--surfaces", "1", "--family", "monotone", "--classic", "--buckets"],
      [r"monotone\s+ours\s+\d\.\d{3}"]),
     (["bench/trace_replay.py", "bench/traces/train_hf.json", "--replays", "2"],
-     [r"celery-autotune: within 3 % of the optimum in \d", r"DeepSpeed.*: within 3 % of the optimum in \d"]),
+     [r"celery-autotune: within 3 % of the optimum in \d", r"deepspeed: within 3 % of the optimum in \d"]),
     (["bench/scale.py", "--nodes", "2", "--gpus", "2", "--per-job", "8", "--passes", "3"],
      [r"queueing 32 experiments .*: \d", r"dispatch pass after a node's 8 slots free: p50 \d",
       r"placement decision .*: p50 \d+\.\d\d ms", r"Redis memory: \d+ B per registered slot"]),
@@ -44,7 +44,7 @@ HEAVY = [
     ["bench/vs_deepspeed.py", "--repeats", "0"],
     ["bench/collect_traces.py", "--launches", "0"],
     ["bench/chaos.py", "--seconds", "-1"],
-    ["bench/oom_probes.py", str(ROOT / "no_such_results_folder")],
+    ["bench/oom_probes.py", str(ROOT / "no_such_results_folder"), "--config", "examples/cfg.json"],
 ]
 
 
