@@ -36,6 +36,14 @@ def get(port: int, path: str, auth: str | None) -> tuple[int, str]:
         return exc.code, ""
 
 
+def healthy(port: int) -> bool:
+    """Flower answers its health check; refused while it is still starting (the cluster does not wait)."""
+    try:
+        return get(port, "/healthcheck", None)[0] == 200
+    except urllib.error.URLError:
+        return False
+
+
 def test_flower_shows_slots_and_experiments_and_no_password_leaks(tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -45,7 +53,7 @@ def test_flower_shows_slots_and_experiments_and_no_password_leaks(tmp_path):
                       flower_port=port) as cluster:
         password = urlparse(cluster.url).password
         auth = cluster.flower_auth
-        wait_for(lambda: get(port, "/healthcheck", None)[0] == 200, 60, "flower")
+        wait_for(lambda: healthy(port), 60, "flower")
         listening = [c for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
                      and c.status == psutil.CONN_LISTEN]
         assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening), "Flower binds loopback only"
