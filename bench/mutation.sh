@@ -9,7 +9,7 @@
 #                                the hand mutants in these files; the table has their rows only
 #   bench/mutation.sh --cached   keep mutants/ from the last run (only valid if no test changed:
 #                                mutmut 3.8 keeps its test-to-function map and does not see new tests)
-# Needs the dev extra plus mutmut (pip install -e '.[dev,mutation]'). Runs niced: the machine is shared
+# Needs the dev extra plus mutmut 3.x (.venv/bin/pip install 'mutmut==3.*'). Runs niced: the machine is shared
 # (MUTATION_JOBS=1 on a small one). Survivors: .venv/bin/python bench/mutation_scores.py --survivors [MODULE...]
 # Exit status: 0 when every hand mutant was killed (mutmut's score is reported, not gated).
 set -euo pipefail

@@ -8,7 +8,8 @@ those files.  A plain-torch script can take part in the same tuning run if it
 produces identical files at the identical moment; this module reproduces the
 engine-side semantics (DeepSpeed 0.19, ``DeepSpeedEngine._autotuning_exit`` and
 ``SynchronizedWallClockTimer.get_mean``) so such a script needs only a handful
-of calls:
+of calls (on a GPU each phase is timed between device synchronisations, the
+CUDA-event timing DeepSpeed's timers give, not the host's kernel-queueing time):
 
 * ``load_ds_config`` reads ``--deepspeed_config`` the way DeepSpeed does (a file
   path or base64-encoded JSON);
@@ -40,7 +41,6 @@ import binascii
 import json
 import os
 import tempfile
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -237,7 +237,7 @@ class AutotuningMetrics:
         batch_sizes: BatchSizes,
         rank: int,
         flops_per_optimizer_step: float | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = step_clock.synchronized_now,
     ) -> None:
         self.settings = settings
         self.batch_sizes = batch_sizes
@@ -255,7 +255,7 @@ class AutotuningMetrics:
         rank: int,
         world_size: int,
         flops_per_optimizer_step: float | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = step_clock.synchronized_now,
     ) -> AutotuningMetrics:
         return cls(
             AutotuningSettings.from_ds_config(config),

@@ -48,6 +48,14 @@ def mark(global_step: int) -> None:
     del _marks[:-MAX_MARKS]
 
 
+def synchronized_now() -> float:
+    """The host clock once the device has finished what the host queued (`time.perf_counter` where
+    CUDA is not in use): a phase timed between two of these readings is the device's time for it, as
+    DeepSpeed's CUDA-event timers measure, not the time the host took to queue its kernels."""
+    _synchronize_cuda()
+    return time.perf_counter()
+
+
 def _synchronize_cuda() -> None:
     """On a GPU the host queues kernels ahead of the device: without a synchronisation the moment a
     step "ends" on the host clock can precede the device's work by up to a queue of kernels, so

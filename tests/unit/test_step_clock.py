@@ -149,3 +149,18 @@ def test_a_step_end_on_a_gpu_waits_for_the_device(monkeypatch: pytest.MonkeyPatc
     step_clock.mark(2)
     assert cuda.synchronized == (2 if initialized else 0)
     assert [step for step, _ in step_clock.step_ends()] == [1, 2]
+
+
+def test_a_plain_torch_scripts_phases_are_timed_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 21 item 18, `workers.metrics`: each fwd/bwd/step phase begins and ends after the device
+    caught up, so a phase's time is the device's, not the time to queue its kernels."""
+    import types
+
+    from workers.metrics import AutotuningMetrics
+
+    cuda = _FakeCuda(True)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    metrics = AutotuningMetrics.from_ds_config({"train_micro_batch_size_per_gpu": 1}, rank=0, world_size=1)
+    with metrics.timed("fwd"):
+        assert cuda.synchronized == 1  # the kernels queued before the phase are not its own
+    assert cuda.synchronized == 2  # nor does the phase end before its kernels have run
