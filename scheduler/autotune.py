@@ -44,7 +44,7 @@ from scheduler.report.outputs import PARTIAL_FILES, cancelled_record, print_tabl
 from scheduler.cluster.progress import optimal_argv, outcome, search_of, write_outputs
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.space import PROFILE, Experiment, optimal_config
-from workers.gpus import GpuListingError, local_gpus
+from workers.gpus import GpuListingError, local_gpus, refuse_mig
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child
 from workers.registry import connect, control_alive, live_slots
@@ -367,6 +367,10 @@ def embedded_slot_count(asked: int | None) -> int:
         raise UsageError(f"--slots {asked}: this machine has {len(gpus)} usable GPU(s) and an embedded cluster "
                          f"gets one slot per GPU; ask for at most {len(gpus)}, or set AUTOTUNE_DEVICE_KIND=cpu "
                          "for CPU slots")
+    try:
+        refuse_mig(gpus[:asked or len(gpus)])  # the GPUs the embedded cluster's workers will serve
+    except GpuListingError as exc:
+        raise UsageError(str(exc)) from None
     return asked or len(gpus)
 
 

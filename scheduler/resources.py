@@ -19,7 +19,7 @@ from typing import NoReturn
 from scheduler.errors import UsageError
 from scheduler.launch.hostfile import LOCAL_HOSTNAME, local_pool, read_hostfile
 from scheduler.launch.resources import ResourceRequest, Resources, resolve_resources
-from workers.gpus import GpuListingError, local_gpus
+from workers.gpus import GpuListingError, local_gpus, refuse_mig
 
 
 def detect_local_devices() -> tuple[int, str]:
@@ -27,6 +27,8 @@ def detect_local_devices() -> tuple[int, str]:
     workers use), else CPUs; says which."""
     try:
         gpus = local_gpus()
+        if gpus:
+            refuse_mig(gpus)  # the local pool is every visible GPU
     except GpuListingError as error:
         raise UsageError(str(error)) from None
     if gpus:

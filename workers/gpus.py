@@ -2,9 +2,11 @@
 
 Why: the worker never initialises CUDA (a CUDA context per worker would cost device memory on the
 very device it offers), so nvidia-smi is the only source of what a node has. Its output is read
-strictly: a listing this code cannot read, a MIG-enabled GPU among those the worker serves or a
+strictly: a listing this code cannot read, a MIG-enabled GPU a worker would serve or a
 CUDA_VISIBLE_DEVICES naming a device that does not exist is a one-line refusal at start-up, never a
-silent CPU slot on a GPU node. A MIG GPU that CUDA_VISIBLE_DEVICES leaves out refuses nothing.
+silent CPU slot on a GPU node. A MIG GPU refuses only the slot worker that would serve it (and the
+commands that would use every GPU: the embedded cluster, `scheduler.resources`), never its
+neighbours' workers.
 
 Device numbers: nvidia-smi's index is the PCI bus order. Every process we start gets
 `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so CUDA numbers devices the same way, and numeric entries of an
@@ -66,8 +68,9 @@ def parse_listing(text: str) -> list[Gpu]:
 
 
 def refuse_mig(gpus: list[Gpu]) -> list[Gpu]:
-    """`gpus` unchanged, or GpuListingError for the first with MIG enabled. Called on the GPUs a
-    worker will serve, after CUDA_VISIBLE_DEVICES: a MIG GPU the worker leaves out is no concern."""
+    """`gpus` unchanged, or GpuListingError for the first with MIG enabled. Called on the GPUs that
+    will be used (a slot worker's one GPU; every visible GPU for the embedded cluster), after
+    CUDA_VISIBLE_DEVICES: a MIG GPU left out, or served by another worker, is no concern."""
     for gpu in gpus:
         if gpu.mig:
             raise GpuListingError(f"GPU {gpu.index} has MIG enabled; MIG instances are not supported as slots: "
@@ -103,7 +106,8 @@ def visible(gpus: list[Gpu], cuda_visible_devices: str | None) -> list[Gpu]:
 def local_gpus() -> list[Gpu] | None:
     """The GPUs this process may use (honouring CUDA_VISIBLE_DEVICES), or None on a node without
     nvidia-smi, with AUTOTUNE_DEVICE_KIND=cpu or with CUDA_VISIBLE_DEVICES empty (a CPU node then).
-    Raises GpuListingError when the listing is unusable."""
+    Raises GpuListingError when the listing is unusable. MIG-enabled GPUs are listed (`Gpu.mig`):
+    whoever would use one refuses it (`refuse_mig`)."""
     if os.environ.get(DEVICE_KIND_ENV, "").lower() == "cpu" or not shutil.which("nvidia-smi"):
         return None
     try:
@@ -120,7 +124,7 @@ def local_gpus() -> list[Gpu] | None:
     if not gpus:
         raise GpuListingError(f"nvidia-smi lists no GPU; fix the driver, or set {DEVICE_KIND_ENV}=cpu "
                               "to use CPU slots")
-    return refuse_mig(visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))) or None
+    return visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) or None
 
 
 def parse_memory_used(text: str, index: int) -> int | None:

@@ -24,7 +24,7 @@ from functools import cached_property
 
 import psutil
 
-from workers.gpus import GpuListingError, local_gpus
+from workers.gpus import GpuListingError, local_gpus, refuse_mig
 from workers.topology import gpu_bus_ids, gpu_links, node_cpus, numa_node_of
 
 _QUEUE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+)\.)?gpu(?P<device>\d+)$")
@@ -180,7 +180,8 @@ def rank_threads(cores: int, slots: int) -> int:
 
 def describe_local_slot(node: str, device: int, address: str, worker: str = "") -> Slot:
     """The slot this node offers as device `device`: its `device`-th usable GPU when nvidia-smi lists
-    GPUs (GpuListingError when there is no such GPU or the listing is unusable), else a CPU slot."""
+    GPUs (GpuListingError when there is no such GPU, it has MIG enabled or the listing is unusable),
+    else a CPU slot."""
     cores = os.cpu_count() or 1
     gpus = local_gpus()
     if gpus is not None:
@@ -188,7 +189,7 @@ def describe_local_slot(node: str, device: int, address: str, worker: str = "") 
             raise GpuListingError(f"gpu{device}: this node offers {len(gpus)} GPU(s) (nvidia-smi indices "
                                   f"{', '.join(str(g.index) for g in gpus)}); start slot workers gpu0.."
                                   f"gpu{len(gpus) - 1} only")
-        gpu = gpus[device]
+        gpu = refuse_mig([gpus[device]])[0]  # only the GPU this worker serves: a MIG neighbour is no concern
         slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or len(gpus)
         threads = rank_threads(cores, slots)
         numa = numa_node_of(gpu_bus_ids().get(gpu.index))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.gpus import Gpu, GpuListingError, local_gpus, parse_listing, visible
+from workers.gpus import Gpu, GpuListingError, local_gpus, parse_listing, refuse_mig, visible
 
 MiB, GiB = 1024**2, 1024**3
 FAKE_GPU_DIR = Path(__file__).resolve().parents[1] / "fake_gpu"
@@ -105,7 +105,6 @@ def test_cpu_node_on_request(fake_smi: pytest.MonkeyPatch, env: dict[str, str], 
     ("output", "exit_code", "says"),
     [("", "0", "lists no GPU"),
      ("No devices were found", "6", r"nvidia-smi failed \(exit 6: No devices were found\)"),
-     (A100.replace("Disabled", "Enabled"), "0", "MIG enabled"),
      ("garbage", "0", "cannot read")],
 )
 def test_local_gpus_refuses_unusable_output(fake_smi: pytest.MonkeyPatch, output: str, exit_code: str,
@@ -117,14 +116,20 @@ def test_local_gpus_refuses_unusable_output(fake_smi: pytest.MonkeyPatch, output
 
 
 def test_a_mig_gpu_refuses_only_the_workers_that_would_serve_it(fake_smi: pytest.MonkeyPatch) -> None:
-    """Issue 21 item 3: the MIG check comes after the visibility filter."""
+    """Issue 21 item 3: the MIG check comes after the visibility filter, and on the served GPU only."""
+    from workers import slot as slot_module
+
     mig_a100 = A100.replace("Disabled", "Enabled")
     fake_smi.setenv("FAKE_NVIDIA_SMI_OUTPUT", f"{mig_a100}\n{H100}")
     fake_smi.setenv("CUDA_VISIBLE_DEVICES", "2")
     assert [gpu.index for gpu in local_gpus()] == [2]
     fake_smi.setenv("CUDA_VISIBLE_DEVICES", "0,2")
+    assert [(gpu.index, gpu.mig) for gpu in local_gpus()] == [(0, True), (2, False)]
+    assert slot_module.describe_local_slot("n", 1, "10.0.0.2").gpu_uuid == H100.split(", ")[1]  # GPU 2: served
     with pytest.raises(GpuListingError, match="GPU 0 has MIG enabled"):
-        local_gpus()
+        slot_module.describe_local_slot("n", 0, "10.0.0.2")
+    with pytest.raises(GpuListingError, match="GPU 0 has MIG enabled"):
+        refuse_mig(local_gpus())  # what uses every visible GPU (the embedded cluster) refuses
     assert parse_listing(mig_a100)[0].mig and not parse_listing(A100)[0].mig
 
 

@@ -19,6 +19,7 @@ from scheduler.launch.resources import (
     parse_node_specs,
     resolve_resources,
 )
+from workers.gpus import Gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = {"worker-0": 4, "worker-1": 4, "worker-2": 2}
@@ -422,7 +423,7 @@ def test_main_with_a_hostfile_notes_that_cuda_visible_devices_is_ignored(hostfil
 
 @pytest.mark.parametrize(
     ("gpus", "cpus", "expected_count", "counted_by"),
-    [([object(), object()], 16, 2, "nvidia-smi"), ([], 6, 6, "os.cpu_count()"), ([], None, 1, "os.cpu_count()")],
+    [([Gpu(0, "GPU-a", 2**34), Gpu(1, "GPU-b", 2**34)], 16, 2, "nvidia-smi"), ([], 6, 6, "os.cpu_count()"), ([], None, 1, "os.cpu_count()")],
     ids=["gpus", "cpus", "cpu-count-unknown"],
 )
 def test_main_detects_local_devices(capsys, monkeypatch, no_visible_devices, gpus, cpus, expected_count,
