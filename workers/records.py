@@ -41,8 +41,8 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
                 "device_untracked_bytes", "device_foreign_bytes", "peak_device_init_bytes",
                 "peak_device_init_allocated_bytes"):
         values = [r[key] for r in ranks if isinstance(r.get(key), int)]
-        if values:
-            record[key] = max(values)
+        if values:  # the busiest rank's figure; the total: the smallest GPU, which bounds the gang
+            record[key] = min(values) if key == "device_total_bytes" else max(values)
     cause = next((r for r in by_end if r.get("status") == status.value), None)
     if status is not Status.OK and cause is not None:
         record["cause"] = {key: cause[key] for key in ("rank", "slot", "exit", "error", "oom", "oom_from", "stderr_tail")

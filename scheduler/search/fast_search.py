@@ -31,7 +31,7 @@ from scheduler.search.phases import Phase, Search
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.sampled_search import confirm, sampled_stages, stages_near_leader
 from scheduler.search.session import (
-    NoStageFits, SearchAborted, SearchSettings, Session, measured_reserve, peak_of, succeeded,
+    NoStageFits, SearchAborted, SearchSettings, Session, measured_capacity, measured_reserve, peak_of, succeeded,
 )
 from scheduler.search.space import PROFILE, experiment_name
 from scheduler.search.tuners import StopRule, Trial, make_tuner, plan
@@ -103,9 +103,13 @@ def fast_search(settings: SearchSettings) -> Search:
     info, profile_peak = settings.model_info, None
     if info is None:
         info, profile_peak = yield from _profile(session)
-        reserve = measured_reserve(session.measured[PROFILE][1], settings.host_memory)
+        profiled = session.measured[PROFILE][1]
+        reserve = measured_reserve(profiled, settings.host_memory)
         if reserve is not None:
             settings = session.settings = replace(settings, measured_reserve_bytes=reserve)
+        total = measured_capacity(profiled, settings.host_memory)
+        if total is not None and total < settings.capacity_bytes:
+            settings = session.settings = replace(settings, capacity_bytes=total)
     overhead = settings.overhead_bytes
     if overhead is None:
         measured = overhead_from_profile(info, settings.setup, profile_peak)

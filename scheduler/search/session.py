@@ -5,7 +5,8 @@ Why its own module: DeepSpeed's algorithm (`scheduler.search.fast_search`) and t
 the memory model calibrated by the profile run) and one `SearchSettings`; with the session inside
 fast_search the two modules imported each other. Here it sits below both.
 
-Also here: what a record proves (`too_large`: only an `oom` is a memory bound; `measured_reserve`),
+Also here: what a record proves (`too_large`: only an `oom` is a memory bound; `measured_reserve`,
+`measured_capacity`),
 and the refusals that end a search with one line (`SearchAborted`: an op that cannot be built).
 """
 from __future__ import annotations
@@ -316,6 +317,15 @@ def measured_reserve(record: Mapping[str, Any], host_memory: bool) -> int | None
     if host_memory or untracked is None:
         return None
     return max(0, untracked - (peak_of(record, "device_foreign_bytes") or 0))
+
+
+def measured_capacity(record: Mapping[str, Any], host_memory: bool) -> int | None:
+    """The device memory CUDA itself reported to the profile run's ranks (`device_total_bytes`,
+    `torch.cuda.mem_get_info`'s total, the smallest GPU of the gang), or None on host memory or without
+    the figure. It is what the allocator can have: nvidia-smi's `memory.total`, the slot's advertised
+    capacity, also counts memory the driver keeps for itself (about 0.5 GiB on an 80 GB GPU), which
+    no experiment can use (issue 21 item 8)."""
+    return None if host_memory else peak_of(record, "device_total_bytes")
 
 
 def refuse_unbuildable_op(exp: Experiment, record: Mapping[str, Any]) -> None:

@@ -239,6 +239,8 @@ def test_device_peaks_are_the_busiest_ranks() -> None:
     r0["device_total_bytes"] = r1["device_total_bytes"] = 80 * 2**30
     record = aggregate(EXP, [r0, r1])
     assert (record["device_untracked_bytes"], record["device_total_bytes"]) == (3 * 2**30, 80 * 2**30)
+    r1["device_total_bytes"] = 40 * 2**30  # a smaller GPU in the gang bounds it
+    assert aggregate(EXP, [r0, r1])["device_total_bytes"] == 40 * 2**30
 
 
 def test_aggregate_missing_rank_is_lost() -> None:

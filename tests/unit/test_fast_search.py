@@ -601,6 +601,29 @@ def test_the_reserve_the_profile_run_measured_replaces_a_smaller_guess(host_memo
     assert error.shortfall_bytes == 1_300_000_000 - (capacity - reserve)
 
 
+@pytest.mark.parametrize(
+    ("host_memory", "fields", "capacity"),
+    [
+        (False, {"device_total_bytes": 2 * GiB - GiB // 2}, 2 * GiB - GiB // 2),  # the driver kept 0.5 GiB
+        (False, {"device_total_bytes": 3 * GiB}, 2 * GiB),  # more than the slot says: the slot's figure stands
+        (False, {}, 2 * GiB),  # not measured
+        (True, {"device_total_bytes": GiB}, 2 * GiB),  # host memory: no device total
+    ],
+    ids=["measured-smaller", "measured-larger", "unmeasured", "host-memory"],
+)
+def test_the_capacity_cuda_reported_to_the_profile_replaces_a_larger_listing(host_memory: bool,
+                                                                             fields: dict[str, int],
+                                                                             capacity: int) -> None:
+    """Issue 21 item 8: nvidia-smi's memory.total counts what the driver keeps; the profile's ranks
+    read what the allocator can have (`torch.cuda.mem_get_info`'s total)."""
+    search_settings = settings(host_memory=host_memory, capacity_bytes=2 * GiB, overhead_bytes=None,
+                               peak_memory_key="peak_device_bytes", model_info=None)
+    error = no_stage_fits(search_settings, 2_300_000_000, **fields)
+    reserve = 0 if host_memory else GPU_RESERVE
+    assert error.shortfall_bytes == 2_300_000_000 - (capacity - reserve)
+    assert f"in the slots' {(capacity - reserve) / GiB:.2f} GiB" in str(error)  # what peaks may reach
+
+
 def test_deepspeed_estimator_gates_stages_with_deepspeeds_formula() -> None:
     # DeepSpeed (reference 1.7), fp16 on 4 GPUs: stage 3 holds (2 + 2 + 16) * 1.5e8 / 4 = 7.5e8, plus 2e8 of
     # activations; a stage is tried when the memory is strictly larger, so 950000001 bytes are needed.
