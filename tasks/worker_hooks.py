@@ -30,7 +30,7 @@ from workers import keys
 from workers.gpus import GpuListingError
 from workers.launch import group_runs_slot, kill_group
 from workers.redis_tls import describe_tls_failure
-from workers.registry import Heartbeat, connect, live_slots, register_control, register_slot, served_elsewhere
+from workers.registry import Heartbeat, claim_gpu, connect, register_control, register_slot
 from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,11 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
         if orphans:
             log.warning("killed %d training process group(s) left by an earlier worker of %s",
                         orphans, slot.queue)
-        twin = served_elsewhere(slot, live_slots(client))
+        twin = claim_gpu(client, slot)
         if twin is not None:
             _refuse(f"slot worker {sender}: GPU {slot.cuda_index} ({slot.gpu_uuid}) is already served by slot "
-                    f"{twin.queue} (worker {twin.worker}) on this machine; one slot worker per GPU: stop one, or "
-                    "give each worker its own GPU (gpu<i>, CUDA_VISIBLE_DEVICES)")
+                    f"{twin.get('queue')} (worker {twin.get('worker')}) on this machine; one slot worker per GPU: "
+                    "stop one, or give each worker its own GPU (gpu<i>, CUDA_VISIBLE_DEVICES)")
         _heartbeats.append(register_slot(client, slot))
         log.info("slot %s registered: %s", slot.queue, slot)
         print(f"slot {slot.queue} registered: {slot.kind} device {slot.device}, "

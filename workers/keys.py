@@ -6,6 +6,8 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
                                               (expires unless its worker's heartbeat renews it)
     autotune:control:<node>             str   a live control worker (heartbeat, like slots)
     autotune:gang:<node>.gpu<i>         str   owner token of a gang reservation of that slot (PX lease)
+    autotune:gpu:<host>:<uuid>          str   the slot serving that GPU of that machine (JSON: queue,
+                                              worker); claimed with SET NX, renewed with the slot's key
     autotune:rdzv:<attempt>             list  rank 0's "addr:port", pushed once per waiting rank
     autotune:abort:<attempt>            str   set when a rank of that attempt failed: the others stop
     autotune:pgid:<node>.gpu<i>:<task>  str   process group of a rank running on that slot (cleanup
@@ -46,6 +48,10 @@ def control(node: str) -> str:
 
 def gang(queue: str) -> str:
     return f"{PREFIX}gang:{queue}"
+
+
+def gpu_claim(host: str, gpu_uuid: str) -> str:
+    return f"{PREFIX}gpu:{host}:{gpu_uuid}"
 
 
 def rendezvous(attempt: str) -> str:

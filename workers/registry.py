@@ -35,10 +35,13 @@ def connect(url: str) -> redis.Redis:
 
 
 class Heartbeat:
-    """Keeps one hash key alive in Redis until stopped."""
+    """Keeps string keys alive in Redis until stopped: a registration (JSON of `fields`) and any
+    `claims` beside it (key -> value), renewed together and deleted together."""
 
-    def __init__(self, client: redis.Redis, key: str, fields: dict[str, str]) -> None:
-        self._client, self._key, self._fields = client, key, fields
+    def __init__(self, client: redis.Redis, key: str, fields: dict[str, str],
+                 claims: dict[str, str] | None = None) -> None:
+        self._client, self._key = client, key
+        self._values = {key: json.dumps(fields), **(claims or {})}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat {key}", daemon=True)
 
@@ -50,12 +53,15 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=HEARTBEAT_S + 1)
         try:
-            self._client.delete(self._key)
+            self._client.delete(*self._values)
         except redis.RedisError as exc:
             log.warning("could not unregister %s: %s", self._key, exc)
 
     def _beat(self) -> None:
-        self._client.set(self._key, json.dumps(self._fields), px=int(TTL_S * 1000))
+        with self._client.pipeline(transaction=False) as pipe:
+            for key, value in self._values.items():
+                pipe.set(key, value, px=int(TTL_S * 1000))
+            pipe.execute()
 
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -65,18 +71,35 @@ class Heartbeat:
                 log.warning("heartbeat for %s failed: %s", self._key, exc)
 
 
-def served_elsewhere(slot: Slot, live: list[Slot]) -> Slot | None:
-    """A live slot of another queue serving the same GPU of the same machine as `slot`, if any: two
+def claim_gpu(client: redis.Redis, slot: Slot) -> dict[str, str] | None:
+    """Claim `slot`'s GPU of its machine (host, GPU UUID) for its queue, or say who holds it: the
+    holder's {"queue", "worker"} when a live slot of another queue does, else None (claimed). Two
     workers under different node names, or with overlapping inherited CUDA_VISIBLE_DEVICES, would
-    otherwise offer one GPU twice and run two experiments on it, each measuring the other."""
+    otherwise offer one GPU twice and run two experiments on it, each measuring the other. One
+    SET NX decides, so two workers starting at once cannot both pass a look at the live slots. The
+    claim lives as long as the slot's registration (`register_slot` renews it); the same queue
+    claiming again is its restarted worker, which takes over. CPU slots share cores by design."""
     if slot.kind != "cuda" or not slot.gpu_uuid:
         return None
-    return next((other for other in live if other.kind == "cuda" and other.queue != slot.queue
-                 and other.gpu_uuid == slot.gpu_uuid and other.host == slot.host), None)
+    key = keys.gpu_claim(slot.host, slot.gpu_uuid)
+    mine = json.dumps({"queue": slot.queue, "worker": slot.worker})
+    while not client.set(key, mine, nx=True, px=int(TTL_S * 1000)):
+        raw = client.get(key)
+        if raw is None:  # expired between the two calls: claim again
+            continue
+        holder = json.loads(raw)
+        if holder.get("queue") != slot.queue:
+            return holder
+        client.set(key, mine, px=int(TTL_S * 1000))
+        break
+    return None
 
 
 def register_slot(client: redis.Redis, slot: Slot) -> Heartbeat:
-    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis())
+    """Announce `slot` (after `claim_gpu`), keeping its GPU's claim alive with it."""
+    claims = {keys.gpu_claim(slot.host, slot.gpu_uuid): json.dumps({"queue": slot.queue, "worker": slot.worker})} \
+        if slot.kind == "cuda" and slot.gpu_uuid else {}
+    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis(), claims)
     beat.start()
     return beat
 

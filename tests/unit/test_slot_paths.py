@@ -130,21 +130,6 @@ def test_from_redis_defaults_for_missing_optional_fields() -> None:
     assert Slot.from_redis(fields) == Slot("n", 3, "cpu", 100, "a", 2, (), "")
 
 
-def test_one_gpu_of_one_machine_is_served_by_one_slot_only() -> None:
-    """Issue 21 item 6: a second worker under another node name (or with an overlapping inherited
-    CUDA_VISIBLE_DEVICES) would offer the same GPU again; its start is refused (tasks.worker_hooks)."""
-    from dataclasses import replace
-
-    from workers.registry import served_elsewhere
-
-    twin = replace(CUDA_SLOT, node="alias", worker="w9@alias", cuda_index=0)  # same host, same UUID
-    assert served_elsewhere(twin, [CPU_SLOT, CUDA_SLOT]) == CUDA_SLOT
-    assert served_elsewhere(CUDA_SLOT, [CUDA_SLOT]) is None  # its own earlier registration (a restart)
-    assert served_elsewhere(replace(twin, host="m2"), [CUDA_SLOT]) is None  # another machine's GPU
-    assert served_elsewhere(replace(twin, gpu_uuid="GPU-4444"), [CUDA_SLOT]) is None  # another GPU
-    assert served_elsewhere(CPU_SLOT, [replace(CPU_SLOT, node="alias")]) is None  # CPU slots share cores by design
-
-
 def test_queue_property() -> None:
     assert CPU_SLOT.queue == "n1.gpu2"
     assert CUDA_SLOT.queue == "gpu-host.gpu1"
