@@ -59,30 +59,30 @@ class Wait:
 class FreeMemoryWaiter:
     """Waits per GPU; remembers the usage a wait ran out on, so that holder is not waited for again."""
 
-    read_used: Callable[[int], int | None]
+    read_used: Callable[[str], int | None]
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
     wait_s: float = WAIT_S
     poll_s: float = POLL_S
-    settled: dict[int, int] = field(default_factory=dict)  #: GPU index -> usage a wait ran out on
+    settled: dict[str, int] = field(default_factory=dict)  #: GPU (UUID) -> usage a wait ran out on
 
-    def wait(self, index: int, keep_alive: Callable[[], bool] | None = None) -> Wait:
-        """Wait until GPU `index` is free, its usage is the holder already waited for, or `wait_s`
+    def wait(self, gpu: str, keep_alive: Callable[[], bool] | None = None) -> Wait:
+        """Wait until `gpu` (its UUID) is free, its usage is the holder already waited for, or `wait_s`
         passed. `keep_alive` is called at every poll (the rank renews its slot's lease there); when
         it says stop (the launch was aborted) the wait ends at once."""
         started = self.clock()
-        used = self.read_used(index)
+        used = self.read_used(gpu)
         while used is not None and used > FREE_BYTES:
-            known = self.settled.get(index)
+            known = self.settled.get(gpu)
             if known is not None and abs(used - known) <= FREE_BYTES:
                 break
             if self.clock() - started >= self.wait_s:
-                self.settled[index] = used
+                self.settled[gpu] = used
                 break
             if keep_alive is not None and keep_alive():
                 break
             self.sleep(self.poll_s)
-            used = self.read_used(index)
+            used = self.read_used(gpu)
         if used is not None and used <= FREE_BYTES:
-            self.settled.pop(index, None)
+            self.settled.pop(gpu, None)
         return Wait(used, round(self.clock() - started, 3))

@@ -127,35 +127,37 @@ def local_gpus() -> list[Gpu] | None:
     return visible(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) or None
 
 
-def parse_memory_used(text: str, index: int) -> int | None:
-    """GPU `index`'s used memory in bytes from `nvidia-smi --query-gpu=index,memory.used
-    --format=csv,noheader,nounits` output, or None when the output does not say."""
+def parse_memory_used(text: str, gpu: str) -> int | None:
+    """The used memory in bytes of `gpu` (its UUID, or its index as a string) from `nvidia-smi
+    --query-gpu=index,uuid,memory.used --format=csv,noheader,nounits` output, or None when the output
+    does not say."""
     for line in text.splitlines():
         fields = [field.strip() for field in line.split(",")]
-        if len(fields) == 2 and fields[0] == str(index):
+        if len(fields) == 3 and gpu in (fields[0], fields[1]):
             try:
-                mib = float(fields[1])
+                mib = float(fields[2])
             except ValueError:
                 return None
             return int(mib * 1024**2) if 0 <= mib < float("inf") else None
     return None
 
 
-def query(fields: str, index: int | None = None) -> str | None:
-    """`nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits` (of GPU `index` only, when
-    given): its output, or None when it cannot run, fails or times out. For the facts a worker reads
-    besides its listing, where "cannot tell" is an answer and never a reason to refuse."""
+def query(fields: str, gpu: str | None = None) -> str | None:
+    """`nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits` (of `gpu` only, its UUID or
+    index, when given): its output, or None when it cannot run, fails or times out. For the facts a
+    worker reads besides its listing, where "cannot tell" is an answer and never a reason to refuse."""
     argv = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
     try:
-        done = subprocess.run(argv + ([] if index is None else ["-i", str(index)]), capture_output=True,
+        done = subprocess.run(argv + ([] if gpu is None else ["-i", gpu]), capture_output=True,
                               text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None
 
 
-def memory_used(index: int) -> int | None:
-    """How much memory is in use on GPU `index` (nvidia-smi's index), or None when nvidia-smi cannot
-    tell (it failed, timed out or printed something else): then nothing is waited for."""
-    text = query("index,memory.used", index)
-    return None if text is None else parse_memory_used(text, index)
+def memory_used(gpu: str) -> int | None:
+    """How much memory is in use on `gpu`, named by its UUID (`Slot.cuda_device`: the name CUDA and
+    NVML agree on under MPS and in device cgroups, where indices can differ) or index; None when
+    nvidia-smi cannot tell (it failed, timed out or printed something else): then nothing is waited for."""
+    text = query("index,uuid,memory.used", gpu)
+    return None if text is None else parse_memory_used(text, gpu)

@@ -178,7 +178,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         write_atomic(result_dir / "cmd.txt", shlex.join(command) + "\n")
 
     stop_check = _StopCheck(client, keys.abort(spec.attempt), slot.queue, spec.gang_token, spec.lease_s)
-    device_wait = FREE_MEMORY.wait(slot.cuda_index, stop_check) if slot.kind == "cuda" and slot.cuda_index >= 0 else None
+    device_wait = FREE_MEMORY.wait(slot.cuda_device, stop_check) if slot.kind == "cuda" and slot.cuda_index >= 0 else None
     master = _meet(spec, slot, client, stop_check)
     if master is None:
         now = time.time()

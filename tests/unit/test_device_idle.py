@@ -30,14 +30,14 @@ def waiter(clock: Clock) -> FreeMemoryWaiter:
 
 def test_a_free_gpu_is_not_waited_for() -> None:
     clock = Clock([(0.0, 3 << 20)])
-    wait = waiter(clock).wait(0)
+    wait = waiter(clock).wait("GPU-0")
     assert (wait.waited_s, wait.foreign_bytes) == (0.0, 0)
 
 
 def test_a_context_being_torn_down_is_waited_for_until_it_is_gone() -> None:
     """The last experiment's 70 GiB context goes 4 s after its process: the rank starts then."""
     clock = Clock([(0.0, 70 * GiB), (4.0, 2 << 20)])
-    wait = waiter(clock).wait(0)
+    wait = waiter(clock).wait("GPU-0")
     assert wait.waited_s == 4.0 and wait.foreign_bytes == 0
 
 
@@ -46,53 +46,54 @@ def test_memory_that_stays_is_waited_for_once_then_recorded() -> None:
     so; the next launches on that GPU see the same holder and do not wait again; another GPU does."""
     clock = Clock([(0.0, 20 * GiB)])
     gpus = waiter(clock)
-    first = gpus.wait(0)
+    first = gpus.wait("GPU-0")
     assert first.waited_s == pytest.approx(WAIT_S, abs=POLL_S) and first.foreign_bytes == 20 * GiB
-    second = gpus.wait(0)
+    second = gpus.wait("GPU-0")
     assert second.waited_s == 0.0 and second.foreign_bytes == 20 * GiB
-    assert gpus.wait(1).waited_s == pytest.approx(WAIT_S, abs=POLL_S)
+    assert gpus.wait("GPU-1").waited_s == pytest.approx(WAIT_S, abs=POLL_S)
 
 
 def test_a_new_holder_is_waited_for_again_and_a_freed_gpu_forgets_the_old_one() -> None:
     clock = Clock([(0.0, 20 * GiB)])
     gpus = waiter(clock)
-    gpus.wait(0)
+    gpus.wait("GPU-0")
     clock.usage.append((clock.now, 40 * GiB))  # another job came: a different holder
-    assert gpus.wait(0).waited_s == pytest.approx(WAIT_S, abs=POLL_S)
+    assert gpus.wait("GPU-0").waited_s == pytest.approx(WAIT_S, abs=POLL_S)
     clock.usage.append((clock.now, 0))
-    assert gpus.wait(0).foreign_bytes == 0 and 0 not in gpus.settled
+    assert gpus.wait("GPU-0").foreign_bytes == 0 and "GPU-0" not in gpus.settled
     clock.usage.append((clock.now, 40 * GiB))  # back: waited for once more
-    assert gpus.wait(0).waited_s == pytest.approx(WAIT_S, abs=POLL_S)
+    assert gpus.wait("GPU-0").waited_s == pytest.approx(WAIT_S, abs=POLL_S)
 
 
 def test_an_aborted_launch_stops_waiting() -> None:
     clock = Clock([(0.0, 20 * GiB)])
     calls = []
-    wait = waiter(clock).wait(0, keep_alive=lambda: calls.append(clock.now) or len(calls) >= 3)
+    wait = waiter(clock).wait("GPU-0", keep_alive=lambda: calls.append(clock.now) or len(calls) >= 3)
     assert len(calls) == 3 and wait.waited_s == 2 * POLL_S
 
 
 def test_usage_nvidia_smi_cannot_tell_is_not_waited_for() -> None:
     clock = Clock([(0.0, None)])
-    wait = waiter(clock).wait(0)
+    wait = waiter(clock).wait("GPU-0")
     assert (wait.waited_s, wait.used_bytes, wait.foreign_bytes, clock.reads) == (0.0, None, None, 1)
 
 
 def test_just_under_and_over_the_free_line() -> None:
-    assert waiter(Clock([(0.0, FREE_BYTES)])).wait(0).foreign_bytes == 0
-    assert waiter(Clock([(0.0, FREE_BYTES + (1 << 20))])).wait(0).foreign_bytes == FREE_BYTES + (1 << 20)
+    assert waiter(Clock([(0.0, FREE_BYTES)])).wait("GPU-0").foreign_bytes == 0
+    assert waiter(Clock([(0.0, FREE_BYTES + (1 << 20))])).wait("GPU-0").foreign_bytes == FREE_BYTES + (1 << 20)
 
 
-@pytest.mark.parametrize(("text", "index", "expected"), [
-    ("0, 20480\n1, 3\n", 0, 20480 * 2**20),
-    ("0, 20480\n1, 3\n", 1, 3 * 2**20),
-    ("0, 20480\n", 2, None),  # not listed
-    ("0, [N/A]\n", 0, None),
-    ("0, GPU-00000000-0000-0000-0000-000000000000, 16384, Disabled\n", 0, None),  # another query's answer
-    ("", 0, None),
+@pytest.mark.parametrize(("text", "gpu", "expected"), [
+    ("0, GPU-a, 20480\n1, GPU-b, 3\n", "GPU-a", 20480 * 2**20),
+    ("0, GPU-a, 20480\n1, GPU-b, 3\n", "GPU-b", 3 * 2**20),
+    ("0, GPU-a, 20480\n1, GPU-b, 3\n", "1", 3 * 2**20),  # a slot registered without a UUID: its index
+    ("0, GPU-a, 20480\n", "GPU-c", None),  # not listed
+    ("0, GPU-a, [N/A]\n", "GPU-a", None),
+    ("0, GPU-a, 16384, Disabled\n", "GPU-a", None),  # another query's answer
+    ("", "GPU-a", None),
 ])
-def test_parse_memory_used(text: str, index: int, expected: int | None) -> None:
-    assert parse_memory_used(text, index) == expected
+def test_parse_memory_used(text: str, gpu: str, expected: int | None) -> None:
+    assert parse_memory_used(text, gpu) == expected
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("5", 5.0), ("0", 0.0), (None, WAIT_S), ("", WAIT_S), ("x", WAIT_S),

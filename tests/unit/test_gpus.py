@@ -146,10 +146,11 @@ def test_the_worker_reads_memory_in_use_and_bus_ids_through_a_real_subprocess(fa
     from workers.gpus import memory_used
     from workers.topology import gpu_bus_ids
 
-    assert memory_used(1) == 0
+    one, zero = "GPU-11111111-1111-1111-1111-111111111111", "GPU-00000000-0000-0000-0000-000000000000"
+    assert memory_used(one) == 0
     used = tmp_path / "used.csv"
     used.write_text("1, 2048\n")
     fake_smi.setenv("FAKE_NVIDIA_SMI_USED_FILE", str(used))
-    assert (memory_used(1), memory_used(0)) == (2 * GiB, 0)
+    assert (memory_used(one), memory_used(zero), memory_used("1")) == (2 * GiB, 0, 2 * GiB)
     assert gpu_bus_ids() == {0: "0000:10:00.0", 1: "0000:11:00.0", 2: "0000:12:00.0"}
-    assert "--query-gpu=index,memory.used --format=csv,noheader,nounits -i 1" in (tmp_path / "calls").read_text()
+    assert f"--query-gpu=index,uuid,memory.used --format=csv,noheader,nounits -i {one}" in (tmp_path / "calls").read_text()
