@@ -45,10 +45,12 @@ fi
 .venv/bin/python -c "import torch, deepspeed, celery, scheduler" >/dev/null
 # DeepSpeed JIT-compiles its CPU communication op at the first init_distributed. Do it once here,
 # outside any experiment: the compiler's ~2 GB would otherwise count against a CPU slot's memory cap
-# and turn the first experiment into a false OOM. The slot workers use this same cache.
-if ! command -v nvidia-smi >/dev/null 2>&1 && ! ls .venv/torch_extensions/deepspeed_shm_comm/*.so >/dev/null 2>&1; then
+# and turn the first experiment into a false OOM. The slot workers use this same cache (the venv's
+# torch_extensions, or this machine's subfolder of it on a shared filesystem: workers.build_locks).
+EXTENSIONS=$(.venv/bin/python -c "from workers.build_locks import default_extensions_dir; print(default_extensions_dir())")
+if ! command -v nvidia-smi >/dev/null 2>&1 && ! ls "$EXTENSIONS"/deepspeed_shm_comm/*.so >/dev/null 2>&1; then
     echo "setup: compiling DeepSpeed's CPU communication op (once, about 80 s)"
-    DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions" .venv/bin/python -c \
+    DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$EXTENSIONS" .venv/bin/python -c \
         "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" \
         >/dev/null 2>&1 || echo "setup: warning: could not pre-build deepspeed_shm_comm; the first experiment will compile it" >&2
 fi

@@ -18,14 +18,21 @@ GPT example's profile run an `oom` and the whole job abort. So before the script
 ninja whether each op folder is up to date (`ninja -n`, milliseconds) and rebuilds one that is not
 itself, outside the experiment's limits, under torch's own lock (`rebuild_stale_ops`): the ranks'
 scripts then load it, or wait for the lock as torch makes them.
+
+Both decisions read this machine's processes, so the folder must be this machine's alone
+(`node_extensions_dir`): on a shared filesystem (a venv in an NFS home, as on many clusters) a lock
+may be held by a live build on another node, which no process here shows, and clearing it would let
+two nodes write one op at once. There each machine builds in its own subfolder.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -34,15 +41,54 @@ from pathlib import Path
 import psutil
 
 from workers.launch import kill_marked
+from workers.slot import machine_id
 
 log = logging.getLogger(__name__)
 
+#: Filesystems whose folders several machines can share (/proc/self/mounts' type names).
+SHARED_FILESYSTEMS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "smbfs", "ceph",
+                                "fuse.ceph", "fuse.glusterfs", "fuse.sshfs", "9p", "afs", "panfs", "wekafs",
+                                "fuse.juicefs", "virtiofs"})
+MOUNTS = Path("/proc/self/mounts")
 #: A lock younger than this may belong to a build that has not started ninja yet.
 FRESH_S = 60.0
 #: Every process of a build carries this variable (a token per build), so a stopped build can be found whole.
 BUILD_ENV = "AUTOTUNE_BUILD_TOKEN"
 #: The longest a rebuild of one op may take (DeepSpeed's CPU all-reduce: about 80 s on 2 cores).
 REBUILD_TIMEOUT_S = 900.0
+
+
+def filesystem_type(path: str, mounts_text: str) -> str | None:
+    """The type of the filesystem holding the absolute `path`, from /proc/self/mounts' text: that of
+    its longest mount point (None when no line covers it)."""
+    best, kind = "", None
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def node_extensions_dir(base: str, mounts_text: str, machine: str) -> str:
+    """Where this machine builds torch's extensions: `base`, or `base/<machine>` when `base` lies on
+    a filesystem other machines may share (see the module)."""
+    shared = filesystem_type(base, mounts_text) in SHARED_FILESYSTEMS
+    return os.path.join(base, re.sub(r"[^A-Za-z0-9_.-]", "_", machine)) if shared else base
+
+
+def default_extensions_dir() -> str:
+    """The TORCH_EXTENSIONS_DIR of a rank whose worker was given none: the venv's `torch_extensions`
+    folder, this machine's own (`node_extensions_dir`)."""
+    base = os.path.realpath(os.path.join(sys.prefix, "torch_extensions"))
+    try:
+        mounts = MOUNTS.read_text()
+    except OSError:
+        mounts = ""
+    return node_extensions_dir(base, mounts, machine_id())
 
 
 def stale_locks(locks: Iterable[tuple[Path, float]], busy_dirs: set[Path], now: float,

@@ -28,7 +28,7 @@ import psutil
 import redis
 
 from workers import keys, rendezvous
-from workers.build_locks import clear_stale_locks, rebuild_stale_ops
+from workers.build_locks import clear_stale_locks, default_extensions_dir, rebuild_stale_ops
 from workers.device_idle import FreeMemoryWaiter, gpu_wait_s
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
 from workers.gang import GangReservations
@@ -113,7 +113,7 @@ def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int], exit_report: P
     CUDA slots it sees its gang's GPUs on this node, so LOCAL_RANK names its own reserved device."""
     env = {name: value for name, value in os.environ.items() if name not in PRIVATE_ENV}
     env.update(slot.child_env(spec.cuda_devices or None))
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # this machine's own
     env.update({
         "RANK": str(spec.rank), "LOCAL_RANK": str(spec.local_rank),
         "WORLD_SIZE": str(spec.world_size), "LOCAL_WORLD_SIZE": str(spec.local_world_size),

@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from workers.build_locks import FRESH_S, clear_stale_locks, rebuild_stale_ops, stale_locks
+import pytest
+
+from workers.build_locks import FRESH_S, clear_stale_locks, node_extensions_dir, rebuild_stale_ops, stale_locks
 
 
 def _lock(root: Path, op: str, age_s: float) -> Path:
@@ -88,3 +90,42 @@ def test_an_aborted_launch_stops_the_rebuild_and_releases_the_lock(tmp_path: Pat
     assert rebuild_stale_ops(tmp_path, ninja_dir, keep_alive=lambda: calls.append(1) or len(calls) >= 2) == []
     assert time.monotonic() - started < 30 and len(calls) == 2
     assert not (folder / "lock").exists() and not (folder / "out.txt").exists()
+
+
+MOUNTS_TEXT = """\
+/dev/sda1 / ext4 rw,relatime 0 0
+server:/export/home /home nfs4 rw,vers=4.2 0 0
+/dev/nvme0n1 /home/scratch xfs rw 0 0
+tmpfs /dev/shm tmpfs rw 0 0
+"""
+
+
+@pytest.mark.parametrize(("base", "expected"), [
+    ("/home/ana/venv/torch_extensions", "/home/ana/venv/torch_extensions/m-1"),  # a venv in an NFS home
+    ("/home/scratch/venv/torch_extensions", "/home/scratch/venv/torch_extensions"),  # local disk mounted inside it
+    ("/opt/venv/torch_extensions", "/opt/venv/torch_extensions"),  # the root's ext4
+    ("/homework/venv/torch_extensions", "/homework/venv/torch_extensions"),  # /home's prefix is not /home
+])
+def test_on_a_shared_filesystem_each_machine_builds_in_its_own_folder(base: str, expected: str) -> None:
+    """Issue 21 item 1: `clear_stale_locks` can only see this machine's builds, so the folder it
+    clears must be this machine's alone."""
+    assert node_extensions_dir(base, MOUNTS_TEXT, "m-1") == expected
+
+
+def test_a_rank_gets_its_machines_own_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from workers import build_locks
+    from workers.rank import RankSpec, rank_env
+    from workers.slot import Slot
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("server:/export / nfs rw 0 0\n")
+    monkeypatch.setattr(build_locks, "MOUNTS", mounts)
+    monkeypatch.setattr(build_locks, "machine_id", lambda: "abc/def")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    spec = RankSpec(job="j", name="z1", attempt="a", results_root="/r", script_argv=["t.py"], ds_config={}, rank=0,
+                    world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1, timeout_s=60.0)
+    slot = Slot("n", 0, "cpu", 2**30, "127.0.0.1", 1, (0,), "w@n")
+    env = rank_env(spec, slot, ("127.0.0.1", 29500))
+    assert env["TORCH_EXTENSIONS_DIR"] == os.path.join(os.path.realpath(sys.prefix), "torch_extensions", "abc_def")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/chosen")  # the user's own choice stands
+    assert rank_env(spec, slot, ("127.0.0.1", 29500))["TORCH_EXTENSIONS_DIR"] == "/chosen"
