@@ -42,7 +42,8 @@ from scheduler.cluster.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id
 from scheduler.live_view import LiveView
 from scheduler.report.outputs import PARTIAL_FILES, cancelled_record, print_table
 from scheduler.cluster.progress import optimal_argv, outcome, search_of, write_outputs
-from scheduler.search.ranking import best, metric_value
+from scheduler.cluster.work import Work
+from scheduler.search.ranking import best
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.gpus import GpuListingError, local_gpus, refuse_mig
 from workers.local_cluster import LocalCluster, LocalClusterError
@@ -323,7 +324,7 @@ def failure_examples(records: list[dict[str, Any]]) -> list[str]:
     for record in records:
         by_class.setdefault(str(record.get("status", "lost")), []).append(record)
     lines = []
-    for status, members in by_class.items():
+    for outcome_class, members in by_class.items():
         example = members[0]
         cause = example.get("cause") or example.get("exit_after_metrics") or {}
         last_err = next((line.strip() for line in reversed(str(cause.get("stderr_tail") or "").splitlines())
@@ -332,7 +333,7 @@ def failure_examples(records: list[dict[str, Any]]) -> list[str]:
         why = "; ".join(part for part in parts if part) or "no cause recorded"
         if len(why) > 300:
             why = why[:300] + "..."
-        lines.append(f"{status} ({len(members)}): e.g. {example.get('name')}: {why}")
+        lines.append(f"{outcome_class} ({len(members)}): e.g. {example.get('name')}: {why}")
     return lines
 
 

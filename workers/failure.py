@@ -1,7 +1,8 @@
 """How an experiment ended, decided from facts only.
 
 The class comes from the exit code, the signal, what our own monitor did (killed for memory, for
-time, or because a peer rank failed) and whether the metrics file exists. Never from searching
+time, because a peer rank failed, or because it still ran well after the experiment had measured)
+and whether the metrics file exists. Never from searching
 stderr for words: a script that logs "error" and exits 0 with metrics is fine, and one that
 crashes silently is still a crash. The one reading of stderr is `workers.oom.stderr_out_of_memory`,
 done by the rank on a crash: a traceback that ends in an allocator's out-of-memory (a script
@@ -38,6 +39,9 @@ class KillReason(str, Enum):
     MEMORY = "memory"
     TIMEOUT = "timeout"
     PEER_FAILED = "peer_failed"
+    #: the experiment had measured (rank 0's metrics written) and this rank had not left a grace
+    #: period later: hung in its teardown (NCCL's communicators after DeepSpeed's profiling exit).
+    MEASURED = "measured"
 
 
 def classify(
@@ -49,6 +53,8 @@ def classify(
     """The status of one rank from how its process ended (exit_code < 0: killed by signal -code)."""
     if killed_for is KillReason.MEMORY or exit_code == OOM_EXIT_CODE:
         return Status.OOM
+    if killed_for is KillReason.MEASURED:
+        return Status.NO_METRICS if expects_metrics and not has_metrics else Status.OK
     if killed_for is KillReason.TIMEOUT:
         return Status.TIMEOUT
     if killed_for is KillReason.PEER_FAILED:

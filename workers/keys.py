@@ -10,6 +10,8 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
                                               worker); claimed with SET NX, renewed with the slot's key
     autotune:rdzv:<attempt>             list  rank 0's "addr:port", pushed once per waiting rank
     autotune:abort:<attempt>            str   set when a rank of that attempt failed: the others stop
+    autotune:measured:<attempt>         str   set when rank 0's metrics of that attempt are written: a
+                                              rank still running a grace period later is hung at exit
     autotune:pgid:<node>.gpu<i>:<task>  str   process group of a rank running on that slot (cleanup
                                               when its worker died without killing it)
     autotune:seq                        str   counter: submission order of jobs and of queued experiments
@@ -56,6 +58,10 @@ def gpu_claim(host: str, gpu_uuid: str) -> str:
 
 def rendezvous(attempt: str) -> str:
     return f"{PREFIX}rdzv:{attempt}"
+
+
+def measured(attempt: str) -> str:
+    return f"{PREFIX}measured:{attempt}"
 
 
 def abort(attempt: str) -> str:

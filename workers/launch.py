@@ -41,6 +41,24 @@ KILL_GRACE_S = 3.0
 #: next experiment on it meets a GPU still full and reads a false out-of-memory.
 KILL_WAIT_S = 30.0
 CONTAINER_ENV = "AUTOTUNE_CONTAINER"  #: per-launch token inherited by every descendant
+#: How long a rank may still run once its experiment has measured (rank 0's metrics written) before it
+#: is taken as hung in its teardown and stopped, its measurement kept: after DeepSpeed's profiling
+#: exit() the interpreter's teardown aborts live NCCL communicators, which can hang (pytorch#117291,
+#: NVIDIA/nccl#1013). `workers.entry` leaves without a teardown; a script started through a wrapper
+#: (a shell script, its own launcher) cannot, and would otherwise run into the time limit, its
+#: measurement thrown away as a `timeout`. A normal teardown takes seconds.
+MEASURED_GRACE_S = 30.0
+MEASURED_GRACE_ENV = "AUTOTUNE_MEASURED_GRACE_S"
+
+
+def measured_grace_s(text: str | None) -> float:
+    """AUTOTUNE_MEASURED_GRACE_S as seconds: a finite number >= 0, else `MEASURED_GRACE_S` (the
+    commands refuse a bad value up front, scheduler.launch.environment; a worker must not die of it)."""
+    try:
+        value = float(text) if text else MEASURED_GRACE_S
+    except ValueError:
+        return MEASURED_GRACE_S
+    return value if 0 <= value < float("inf") else MEASURED_GRACE_S
 
 
 @dataclass(frozen=True)
@@ -174,8 +192,13 @@ def run_watched(
     cpus: tuple[int, ...] = (),
     should_abort: Callable[[], bool] = lambda: False,
     on_start: Callable[[int], None] = lambda pgid: None,
+    measured: Callable[[], bool] = lambda: False,
+    measured_grace_s: float = MEASURED_GRACE_S,
 ) -> LaunchResult:
-    """Run `argv` (never a shell string) to completion or until a limit; see the module docstring."""
+    """Run `argv` (never a shell string) to completion or until a limit; see the module docstring.
+    `measured` says whether the experiment has its measurement (polled with `should_abort`): from then
+    on the group gets `measured_grace_s`, or until the deadline if sooner, then is stopped as
+    `KillReason.MEASURED`, not as a timeout."""
     started = time.time()
     token = uuid.uuid4().hex
     env = {**env, CONTAINER_ENV: token}
@@ -192,7 +215,8 @@ def run_watched(
             pass
     on_start(proc.pid)
     try:
-        killed_for, peak = _watch(proc, started + timeout_s, memory_cap_bytes, should_abort)
+        killed_for, peak = _watch(proc, started + timeout_s, memory_cap_bytes, should_abort, measured,
+                                  measured_grace_s)
     except BaseException:
         kill_group(proc.pid)
         proc.wait()
@@ -209,29 +233,38 @@ def _watch(
     deadline: float,
     memory_cap_bytes: int | None,
     should_abort: Callable[[], bool],
+    measured: Callable[[], bool] = lambda: False,
+    measured_grace_s: float = MEASURED_GRACE_S,
 ) -> tuple[KillReason | None, int]:
     root = psutil.Process(proc.pid)
     peak = 0
     interval = POLL_S if memory_cap_bytes is not None else UNCAPPED_POLL_S
     next_abort_check = 0.0
+    measured_at: float | None = None
     while proc.poll() is None:
         peak = max(peak, tree_rss(root))
         reason = None
         now = time.time()
+        checks_due = now >= next_abort_check or now > deadline
+        if checks_due:
+            next_abort_check = now + ABORT_CHECK_S
+            if measured_at is None and measured():
+                measured_at = now
         if memory_cap_bytes is not None and peak > memory_cap_bytes:
             reason = KillReason.MEMORY
+        elif measured_at is not None and (now > deadline or now - measured_at >= measured_grace_s):
+            reason = KillReason.MEASURED
         elif now > deadline:
             reason = KillReason.TIMEOUT
-        elif now >= next_abort_check:
-            next_abort_check = now + ABORT_CHECK_S
-            if should_abort():
-                reason = KillReason.PEER_FAILED
+        elif checks_due and should_abort():
+            reason = KillReason.PEER_FAILED
         if reason is not None:
             kill_group(proc.pid)
             proc.wait()
             return reason, peak
+        wake = deadline if measured_at is None else min(deadline, measured_at + measured_grace_s)
         try:
-            proc.wait(timeout=min(interval, max(0.01, deadline - now)))
+            proc.wait(timeout=min(interval, max(0.01, wake - now)))
         except subprocess.TimeoutExpired:
             pass
     return None, peak

@@ -33,12 +33,12 @@ from workers.device_idle import FreeMemoryWaiter, gpu_wait_s
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
 from workers.gang import GangReservations
 from workers.gpus import memory_used
-from workers.failure import Status, classify, describe_exit
+from workers.failure import KillReason, Status, classify, describe_exit
 from workers.metric_check import asked_metric, metrics_problem
 from workers.metrics import AutotuningSettings
 from workers.oom import stderr_out_of_memory
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders, prebuild_ops
-from workers.launch import run_watched, tail
+from workers.launch import MEASURED_GRACE_ENV, measured_grace_s, run_watched, tail
 from workers.paths import read_json, safe_child, write_atomic, write_json
 from workers.shared_memory import remove_rank_segment
 from workers.slot import Slot
@@ -210,6 +210,9 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
             timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
             on_start=lambda pgid: client.set(pgid_key, pgid, ex=PGID_TTL_S),
+            measured=_Measured(client, keys.measured(spec.attempt),
+                               metric_path if spec.rank == 0 and spec.metric_file else None),
+            measured_grace_s=measured_grace_s(os.environ.get(MEASURED_GRACE_ENV)),
         )
     finally:
         client.delete(pgid_key)
@@ -254,6 +257,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         record["error"] = launch.start_error
     if prebuild_failed:  # advisory: the script may not need the op (workers.op_prebuild)
         record["op_prebuild_failed"] = prebuild_failed
+    if launch.killed_for is KillReason.MEASURED:  # hung at exit: stopped, its measurement kept
+        record["stopped_after_measuring"] = True
     if oom_in_stderr:
         record["oom"] = oom_in_stderr[:500]
         record["oom_from"] = "stderr"
@@ -273,6 +278,30 @@ def timed_metrics(metrics: dict[str, Any], step_ends: list[list[float]] | None,
         return {"metrics": metrics}
     return {"metrics": wall_clock_metrics(metrics, durations), "engine_metrics": metrics,
             "step_seconds": [round(duration, 4) for duration in durations]}
+
+
+class _Measured:
+    """Polled while the script runs: whether this launch has its measurement, after which a rank
+    still running is hung at exit (`workers.launch.MEASURED_GRACE_S`). Rank 0 looks for its metrics
+    file (removed before the script started, so one there is this launch's) and tells the other ranks
+    through Redis; they read that flag. A Redis outage only delays the news."""
+
+    def __init__(self, client: redis.Redis, key: str, metric_path: Path | None) -> None:
+        self._client, self._key, self._metric_path = client, key, metric_path
+        self._seen = self._told = False
+
+    def __call__(self) -> bool:
+        try:
+            if self._metric_path is None:
+                self._seen = self._seen or bool(self._client.exists(self._key))
+            else:
+                self._seen = self._seen or self._metric_path.exists()
+                if self._seen and not self._told:
+                    self._client.set(self._key, 1, ex=ABORT_TTL_S)
+                    self._told = True
+        except redis.RedisError:
+            pass
+        return self._seen
 
 
 class _StopCheck:

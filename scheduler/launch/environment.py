@@ -166,6 +166,7 @@ NUMERIC_VARIABLES: Mapping[str, tuple[float, float, bool]] = {
     "AUTOTUNE_VISIBILITY_TIMEOUT": (60, 365 * 24 * 3600, True),
     "AUTOTUNE_SLOTS_PER_NODE": (0, 1024, True),
     "AUTOTUNE_GPU_WAIT_S": (0.0, 3600.0, False),
+    "AUTOTUNE_MEASURED_GRACE_S": (0.0, 3600.0, False),
 }
 
 

@@ -40,12 +40,15 @@ NO_METRICS, RDZV, ABORTED, LOST = Status.NO_METRICS, Status.RENDEZVOUS_FAILED, S
         (None, KillReason.PEER_FAILED, False, False, ABORTED),
         (OOM_EXIT_CODE, KillReason.TIMEOUT, True, False, OOM),
         (OOM_EXIT_CODE, KillReason.PEER_FAILED, False, False, OOM),
+        (-15, KillReason.MEASURED, True, True, OK),  # rank 0 hung at exit after its metrics
+        (-9, KillReason.MEASURED, False, False, OK),  # another rank hung at exit after rank 0 measured
+        (-15, KillReason.MEASURED, True, False, NO_METRICS),  # its metrics unreadable after all
     ],
     ids=["ok-rank0", "rank0-no-metrics", "ok-other-rank", "other-rank-with-metrics", "exit1-with-metrics",
          "exit1", "exit2", "sigkill", "sigsegv", "never-started", "oom-exit-rank0", "oom-exit-other",
          "killed-memory", "killed-memory-exit0", "killed-timeout", "killed-timeout-exit0", "killed-timeout-exit1",
          "peer-failed", "peer-failed-exit0", "peer-failed-not-started", "oom-exit-beats-timeout",
-         "oom-exit-beats-peer"],
+         "oom-exit-beats-peer", "measured-rank0", "measured-other-rank", "measured-unreadable"],
 )
 def test_classify(exit_code: int | None, killed_for: KillReason | None, expects_metrics: bool,
                   has_metrics: bool, expected: Status) -> None:

@@ -58,3 +58,40 @@ def test_a_killed_group_is_gone_when_kill_group_returns(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+HANGS_AFTER_MEASURING = ("import pathlib, sys, time; time.sleep(0.3); pathlib.Path(sys.argv[1]).write_text('{}'); "
+                         "time.sleep(float(sys.argv[2]))")
+
+
+def run_measuring(tmp_path: Path, hang_s: float, timeout_s: float, grace_s: float) -> launch.LaunchResult:
+    """A script that writes its metrics after 0.3 s, then runs on for `hang_s` (a teardown that hangs)."""
+    metrics = tmp_path / "metrics.json"
+    return launch.run_watched([sys.executable, "-c", HANGS_AFTER_MEASURING, str(metrics), str(hang_s)],
+                              env={"PATH": "/usr/bin:/bin"}, cwd=str(tmp_path), stdout_path=tmp_path / "out",
+                              stderr_path=tmp_path / "err", timeout_s=timeout_s, memory_cap_bytes=None,
+                              measured=metrics.exists, measured_grace_s=grace_s)
+
+
+def test_a_rank_hung_after_its_experiment_measured_is_stopped_after_the_grace(tmp_path: Path) -> None:
+    """Issue 21 item 2: a wrapper's script hung in NCCL's teardown after DeepSpeed's profiling exit."""
+    result = run_measuring(tmp_path, hang_s=60, timeout_s=60, grace_s=1.0)
+    assert result.killed_for is launch.KillReason.MEASURED
+    assert result.wall_s < 0.3 + 1.0 + launch.ABORT_CHECK_S + launch.KILL_GRACE_S, result.wall_s
+
+
+def test_a_hang_after_measuring_that_meets_the_time_limit_is_no_timeout(tmp_path: Path) -> None:
+    result = run_measuring(tmp_path, hang_s=60, timeout_s=1.5, grace_s=30.0)
+    assert result.killed_for is launch.KillReason.MEASURED and result.wall_s < 1.5 + launch.KILL_GRACE_S
+
+
+def test_a_rank_that_leaves_within_the_grace_just_exits(tmp_path: Path) -> None:
+    result = run_measuring(tmp_path, hang_s=0.5, timeout_s=30, grace_s=10.0)
+    assert (result.exit_code, result.killed_for) == (0, None)
+
+
+def test_without_a_measurement_the_time_limit_is_a_timeout(tmp_path: Path) -> None:
+    result = launch.run_watched([sys.executable, "-c", "import time; time.sleep(30)"], env={"PATH": "/usr/bin:/bin"},
+                                cwd=str(tmp_path), stdout_path=tmp_path / "out", stderr_path=tmp_path / "err",
+                                timeout_s=1.0, memory_cap_bytes=None, measured=lambda: False, measured_grace_s=0.1)
+    assert result.killed_for is launch.KillReason.TIMEOUT
