@@ -2,11 +2,11 @@
 # The README example on real GPUs: the CUDA path end to end, to run wherever a machine with NVIDIA
 # GPUs is available (no GPU is lent to CI). Usage, from the repository root:
 #
-#     bash bench/gpu_smoke.sh            # examples/cfg.json: the GPT example, 2 ranks, ZeRO 0-3
+#     bash bench/gpu_smoke.sh            # examples/cfg.json: the GPT example, ZeRO 0-3
 #
 # It sets up the venv (deploy/setup.sh; pip's torch is the CUDA build there), tunes the example on an
-# embedded cluster of one slot per GPU, 2 ranks per experiment (1 on a one-GPU machine), then checks
-# what CPU tests cannot:
+# embedded cluster of one slot per GPU, 4 ranks per experiment on a node of 4-8 GPUs (two gangs side
+# by side on 8), 2 on 2-3 GPUs, 1 on one (GPU_SMOKE_RANKS overrides), then checks what CPU tests cannot:
 #   1. every slot is a CUDA slot and every experiment ran on as many distinct GPUs as it has ranks
 #      (ranks' cuda_index);
 #   2. no experiment crashed: a rank whose LOCAL_RANK named a device it could not see would crash
@@ -26,7 +26,10 @@
 #      script: FusedAdam (no torch_adam: DeepSpeed JIT-builds it), ZeRO-2 with the optimizer offloaded
 #      to the CPU (CPUAdam), and a micro-batch far beyond any GPU's memory. Each either runs, or stops
 #      with the one-line op refusal (exit 2, workers/op_build.py) when an op cannot be built there;
-#      none hangs, no probe is `crashed`, and the huge size is `oom`. Not yet run on a GPU.
+#      none hangs, no probe is `crashed`, and the huge size is `oom`; and no experiment compiled an op
+#      inside itself (no "Emitting ninja build file" in a rank's stderr): the slot worker built the
+#      ops the config needs before the script (workers/op_prebuild.py; its log is op_prebuild.log).
+#      Not yet run on a GPU.
 # GPU_SMOKE_CONFIG and GPU_SMOKE_ARGS override the config and the autotuner's extra flags;
 # GPU_SMOKE_SKIP_FINAL=1 skips step 6 (for a dry run of the checks with tests/fake_gpu on PATH and
 # FAKE_NVIDIA_SMI_USED_FILE naming a "index, MiB" listing of used memory);
@@ -45,7 +48,11 @@ if [ "$gpus" -lt 1 ]; then
     echo "gpu_smoke: nvidia-smi lists no GPU" >&2
     exit 2
 fi
-ranks=$(( gpus >= 2 ? 2 : 1 ))
+ranks=${GPU_SMOKE_RANKS:-$(( gpus >= 4 ? 4 : gpus >= 2 ? 2 : 1 ))}
+if ! [[ "$ranks" =~ ^[1-9][0-9]*$ ]] || [ "$ranks" -gt "$gpus" ]; then
+    echo "gpu_smoke: GPU_SMOKE_RANKS=$ranks: give a whole number from 1 to $gpus (the GPUs listed)" >&2
+    exit 2
+fi
 [ "${GPU_SMOKE_SKIP_SETUP:-0}" = 1 ] || bash deploy/setup.sh
 work=$(mktemp -d /tmp/gpu_smoke.XXXXXX)
 echo "gpu_smoke: tuning $config on $gpus GPUs, $ranks ranks per experiment, in $work"
@@ -160,6 +167,12 @@ elif code == 2 and "could not build or load an op DeepSpeed needs" in errors:
 elif code != 0:
     problems.append(f"exit {code}: {errors.strip()[-500:]}")
 problems += [f"{r['name']} crashed: {r.get('cause')}" for r in records if r["status"] == "crashed"]
+built_inside = sorted(str(log.parent.name) for log in Path("autotuning_results").glob("*/*stderr.log")
+                      if "Emitting ninja build file" in log.read_text(errors="replace"))
+if built_inside:
+    problems.append(f"an op was compiled inside the experiment (not pre-built by the slot worker): {built_inside}")
+prebuilt = sorted(str(log.parent.name) for log in Path("autotuning_results").glob("*/*op_prebuild.log"))
+print(f"gpu_smoke {extra}: op pre-build logs in {prebuilt or 'no experiment (nothing to build, or built before)'}")
 if extra == "forced_oom" and code == 0 and statuses.get("z0_gas1_tmbspg262144") != "oom":
     problems.append(f"micro-batch 262144 is not `oom`: {statuses}")
 print(f"gpu_smoke {extra}: exit {code}, " + ", ".join(f"{n} {s}" for n, s in sorted(statuses.items())))

@@ -62,3 +62,16 @@ def test_a_long_bench_still_starts_and_refuses_bad_input_in_one_line(argv: list[
     done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), done.stderr[-3000:]
+
+
+def test_gpu_smoke_parses_and_refuses_a_machine_or_rank_count_it_cannot_check(tmp_path) -> None:
+    """bench/gpu_smoke.sh runs only on a GPU machine; here: its bash parses, it refuses a machine
+    without nvidia-smi and a GPU_SMOKE_RANKS the (fake) node's GPUs cannot hold, each in one line."""
+    script = str(ROOT / "bench" / "gpu_smoke.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    no_gpu = {"PATH": "/usr/bin:/bin"}
+    fake_gpus = {"PATH": f"{ROOT / 'tests' / 'fake_gpu'}:/usr/bin:/bin", "GPU_SMOKE_RANKS": "4"}  # three fake GPUs
+    for env, says in ((no_gpu, "no nvidia-smi"), (fake_gpus, "GPU_SMOKE_RANKS=4: give a whole number from 1 to 3")):
+        done = subprocess.run(["bash", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
