@@ -89,7 +89,8 @@ from bench.chaos_checks import (SAMPLE_S, Fault, JobRecords, Leftovers, Sample, 
 from scheduler.errors import OneLineArgumentParser, UsageError, one_line  # noqa: E402
 from workers import keys  # noqa: E402
 from workers.launch import CONTAINER_ENV, group_alive  # noqa: E402
-from workers.local_cluster import CLUSTER_USER, cluster_user_rules, free_tcp_port, redis_config, worker_argv  # noqa: E402
+from workers.local_cluster import (CLUSTER_USER, cluster_user_rules, cold_stop, free_tcp_port, redis_config,  # noqa: E402
+                                   worker_argv)
 from workers.registry import control_alive, live_slots  # noqa: E402
 from workers.shared_memory import SHM_DIR, segment_name  # noqa: E402
 
@@ -231,15 +232,7 @@ class Cluster:
         SIGKILL of what is left of their sessions, then Redis."""
         for queue in list(self.frozen):
             self.thaw(queue)
-        for proc in self.workers.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGQUIT)
-        for proc in self.workers.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-            kill_session(proc)
+        cold_stop(list(self.workers.values()), grace_s=20)
         kill_session(self.redis, signal.SIGTERM)
 
 

@@ -42,6 +42,24 @@ PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 15.0
 
 
+def cold_stop(workers: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """Cold shutdown of Celery workers each started as the leader of its own session: SIGQUIT to
+    each (a slot worker's running rank kills its training group on the way out), up to `grace_s` in
+    all for them to exit, then a kill of whatever is left of each group, reaped. One way for the
+    embedded cluster, the fault tests and bench/chaos.py, so all three stop workers alike."""
+    for worker in workers:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGQUIT)
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        try:
+            worker.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        kill_group(worker.pid, grace_s=0.0)
+        worker.wait()
+
+
 class LocalClusterError(RuntimeError):
     """The embedded cluster could not start; the message says what to install or check."""
 
@@ -146,17 +164,7 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop everything this cluster started, by PID; safe to call twice."""
         client = redis.Redis.from_url(self.url, socket_timeout=2) if self.url else None
-        for worker in self._workers:
-            if worker.poll() is None:
-                worker.send_signal(signal.SIGQUIT)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for worker in self._workers:
-            try:
-                worker.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            kill_group(worker.pid, grace_s=0.0)
-            worker.wait()
+        cold_stop(self._workers)
         if client is not None:
             _kill_recorded_groups(client)
         if self._workers:  # training processes that left their group (setsid) still carry our pid

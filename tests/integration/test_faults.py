@@ -17,7 +17,7 @@ import redis
 
 from integration_helpers import ROOT, processes_with_marker, wait_for, write_config
 from workers import keys
-from workers.local_cluster import free_tcp_port, worker_argv
+from workers.local_cluster import cold_stop, free_tcp_port, worker_argv
 from workers.registry import control_alive, live_slots
 
 pytestmark = pytest.mark.integration
@@ -60,15 +60,7 @@ class Cluster:
         wait_for(lambda: len(live_slots(self.client)) == 2 and control_alive(self.client), 90, "workers")
 
     def stop(self) -> None:
-        for proc in self.workers.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGQUIT)
-        for proc in self.workers.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        cold_stop(list(self.workers.values()), grace_s=20)
         if self.redis is not None and self.redis.poll() is None:
             self.redis.terminate()
             self.redis.wait()
