@@ -3,11 +3,13 @@ imports itself back through others (no cycle), lazy imports inside functions inc
 
 The allowed direction is written once, as data (`LAYERS`): a module may import its own package and
 any package of a lower layer, never a higher one and never a peer package of its own layer. What the
-layers are for is said in each package's `__init__`; README.md "How it works" draws the picture.
+layers are for is said in each package's `__init__`; ARCHITECTURE.md draws the picture, and its
+package table must name every package (`test_the_architecture_page_names_every_package`).
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -149,6 +151,15 @@ def test_each_package_says_what_it_is_what_it_may_import_and_who_imports_it(pack
     assert len(doc) > 80, f"{package}/__init__.py: a docstring saying what the package is for"
     if package.startswith("scheduler."):
         assert "Imports" in doc and "Imported by" in doc, f"{package}: say what it may import and what imports it"
+
+
+def test_the_architecture_page_names_every_package() -> None:
+    """ARCHITECTURE.md's package table rows are the tree's packages: a package added, moved or
+    removed without the page changing fails here."""
+    rows = re.findall(r"^\| `([a-z_/]+)/`(?: \(top\))? \|", (ROOT / "ARCHITECTURE.md").read_text(), re.MULTILINE)
+    packages = sorted(name for name, path in MODULES.items()
+                      if path.name == "__init__.py" and name.count(".") <= 1)
+    assert sorted(row.replace("/", ".") for row in rows) == packages
 
 
 #: What runs inside the user's training process (workers/__init__.py's table): imported into someone
