@@ -80,12 +80,17 @@ def measured_peaks() -> dict[str, int]:
     """The CUDA allocator's peaks over the devices this process used (the busiest device's) since
     the engine was built (`start_training_peak`; since the start without one), the build's own
     peaks, and what `report_peak` declared; {} when the process never initialised CUDA and reported
-    nothing."""
+    nothing. A rank sees every GPU of its gang on the node (CUDA_VISIBLE_DEVICES) and uses one: a
+    device where its allocator never held memory is left alone, since `mem_get_info` there would
+    open a CUDA context on a peer's GPU (hundreds of MiB, while the peer may be at its limit) and
+    count the peer's whole usage as this rank's untracked memory, inflating the job's reserve."""
     peaks = {**_reported, **_init_peaks}
     cuda = _initialised_cuda()
     if cuda is not None:
         try:
             for device in range(cuda.device_count()):
+                if not (cuda.max_memory_reserved(device) or cuda.memory_reserved(device)):
+                    continue  # not this process's device (a gang sees its peers' GPUs): see below
                 stats = cuda.memory_stats(device)
                 _raise(peaks, "peak_device_bytes", cuda.max_memory_reserved(device))
                 _raise(peaks, "peak_device_allocated_bytes", cuda.max_memory_allocated(device))

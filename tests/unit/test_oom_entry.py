@@ -255,16 +255,19 @@ def test_the_device_total_and_what_the_allocator_does_not_hold_are_reported(monk
     from workers import device_memory
 
     gib = 1 << 30
-    devices = {0: (80 * gib, 60 * gib, 17 * gib), 1: (80 * gib, 70 * gib, 8 * gib)}  # total, free, reserved
+    # total, free, reserved; device 2 is a gang peer's GPU, visible to this rank, never used by it
+    devices = {0: (80 * gib, 60 * gib, 17 * gib), 1: (80 * gib, 70 * gib, 8 * gib), 2: (80 * gib, 20 * gib, 0)}
+    asked = []
     cuda = types.SimpleNamespace(
-        is_initialized=lambda: True, device_count=lambda: 2,
+        is_initialized=lambda: True, device_count=lambda: 3,
         memory_stats=lambda d: {"num_alloc_retries": 0, "num_ooms": 0},
-        max_memory_reserved=lambda d: devices[d][2], max_memory_allocated=lambda d: devices[d][2] - gib,
-        mem_get_info=lambda d: (devices[d][1], devices[d][0]), memory_reserved=lambda d: devices[d][2])
+        max_memory_reserved=lambda d: devices[d][2], max_memory_allocated=lambda d: max(0, devices[d][2] - gib),
+        mem_get_info=lambda d: asked.append(d) or (devices[d][1], devices[d][0]), memory_reserved=lambda d: devices[d][2])
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
     peaks = device_memory.measured_peaks()
     assert peaks["device_total_bytes"] == 80 * gib
     assert peaks["device_untracked_bytes"] == 3 * gib  # device 0: 80 - 60 - 17; device 1: 80 - 70 - 8 = 2
+    assert asked == [0, 1]  # no CUDA context opened on the peer's GPU, its 60 GiB not taken for ours
     path = tmp_path / "exit.json"
     path.write_text(json.dumps(peaks))
     assert read_exit_report(path) == peaks
