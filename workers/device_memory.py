@@ -24,17 +24,28 @@ does in the real run.)
 
 A script that has no CUDA (a stand-in for a GPU model on a machine without one, a simulator) can
 report what it would hold with `report_peak`; the largest of reported and measured values wins.
+
+A process that aborts (torch's NCCL watchdog ends a rank with SIGABRT; a C++ exception thrown on a
+thread of its own calls terminate) writes no report at its end. So while the script runs,
+`InterimReports` writes the figures so far every `INTERIM_S`, marked `interim`: the rank then still
+knows whether the allocator had run out of memory, or had to retry allocations, before the abort
+(issue 21 item 11; `workers.rank` reads it).
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 #: Environment variable naming the file `workers.entry` writes the exit report to.
 EXIT_REPORT_ENV = "AUTOTUNE_EXIT_REPORT"
+
+#: How often a running script's figures so far are written (`InterimReports`): reading the
+#: allocator's counters takes microseconds, and an abort loses at most this much of the story.
+INTERIM_S = 2.0
 
 #: The device figures an exit report may carry, each a count of bytes or events.
 DEVICE_KEYS = ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc_retries", "device_ooms",
@@ -109,6 +120,31 @@ def _raise(peaks: dict[str, int], key: str, value: Any) -> None:
         peaks[key] = value
 
 
+class InterimReports:
+    """Writes the exit report with the figures so far, marked `interim`, every `interval_s` while
+    the script runs (only once CUDA is in use or a peak was reported: a CPU rank writes nothing),
+    until stopped; `stop` returns once no write is under way, so the final report is the last."""
+
+    def __init__(self, interval_s: float = INTERIM_S) -> None:
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autotune interim report", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            peaks = measured_peaks()
+            if peaks and not self._stop.is_set():
+                write_exit_report({**peaks, "interim": True})
+
+
 def write_exit_report(report: dict[str, Any]) -> None:
     """Write the report to AUTOTUNE_EXIT_REPORT (no-op without it; ``{rank}`` in it becomes RANK,
     for launchers that give every rank the same environment); never raises."""
@@ -116,8 +152,10 @@ def write_exit_report(report: dict[str, Any]) -> None:
     if not path:
         return
     path = path.replace("{rank}", os.environ.get("RANK", "0"))
-    try:
-        Path(path).write_text(json.dumps(report))
+    try:  # whole or not at all: the rank may read it while an interim report is being replaced
+        partial = Path(f"{path}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(report))
+        os.replace(partial, path)
     except OSError:
         pass
 
@@ -135,8 +173,9 @@ def read_exit_report(path: Path) -> dict[str, Any]:
         value = data.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             kept[key] = value
-    if isinstance(data.get("profiling_exit"), bool):
-        kept["profiling_exit"] = data["profiling_exit"]
+    for key in ("profiling_exit", "interim"):
+        if isinstance(data.get(key), bool):
+            kept[key] = data[key]
     for key in ("oom", "op_build_failed"):
         if isinstance(data.get(key), str):
             kept[key] = data[key][:500]

@@ -7,7 +7,8 @@ bound on the micro-batch size. Recognising it here, in the same process, from th
 would not be. When the script exits non-zero without an OOM exception in sight, the CUDA allocator's
 own OOM count still tells (a library that swallowed the exception and exited).
 
-The exit report (`workers.device_memory`) carries the peak device memory, whether the script
+The exit report (`workers.device_memory`; written every few seconds while the script runs, for a
+process that aborts) carries the peak device memory, whether the script
 left through DeepSpeed's profiling exit, which op could not be built when a JIT build of DeepSpeed's
 ops killed it (`workers.op_build`), and when each optimizer step ended
 (`workers.step_clock`: the metric is the mean step time of the window, not the engine's last step).
@@ -23,7 +24,7 @@ import runpy
 import sys
 import traceback
 
-from workers.device_memory import measured_peaks, write_exit_report
+from workers.device_memory import InterimReports, measured_peaks, write_exit_report
 from workers.failure import OOM_EXIT_CODE
 from workers.oom import out_of_memory_cause
 from workers.op_build import op_build_failure
@@ -68,6 +69,8 @@ def main() -> None:
     pid = os.getpid()
     error: BaseException | None = None
     install_deepspeed_hook()
+    interim = InterimReports()  # what an abort, which writes no report, leaves behind
+    interim.start()
     try:
         runpy.run_path(script, run_name="__main__")
     except BaseException as exc:
@@ -76,6 +79,7 @@ def main() -> None:
         if error is not None:
             raise error
         return
+    interim.stop()
     peaks = measured_peaks()
     oom = None
     if exit_status(error) != 0:

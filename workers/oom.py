@@ -21,11 +21,16 @@ Python traceback and no exit report. `stderr_out_of_memory` reads both from the 
 strictly: only the last fatal report counts (the final exception line of the last Python traceback,
 or the `what():` text of the last C++ "terminate called after throwing" from torch's c10), so another
 rank's log line, a warning, or a script printing "out of memory" as advice never turns into an OOM.
+A process that aborted with nothing readable on stderr still left the allocator's counters in its
+interim exit report (`workers.device_memory.InterimReports`): `aborted_out_of_memory` reads them.
 """
 from __future__ import annotations
 
 import re
+import signal
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 #: cudaErrorMemoryAllocation: the `error_code` torch.AcceleratorError carries for a failed cudaMalloc.
 CUDA_ERROR_MEMORY_ALLOCATION = 2
@@ -128,3 +133,19 @@ def _c10_abort_out_of_memory(lines: list[str]) -> str | None:
     if any(marker in message for marker in _ALLOCATOR_TEXTS):
         return f"{_TERMINATE.match(lines[0].strip())['type']}: {message}"
     return None
+
+
+def aborted_out_of_memory(exit_code: int | None, report: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """For a process killed by SIGABRT that left only an interim exit report: (why it was an OOM,
+    why it probably was one). The CUDA allocator's OOM count above zero makes it an OOM (an
+    allocation failed; what followed aborted). Retries alone (the allocator freed its cache to
+    serve an allocation: memory was tight) make it probable only: recorded, no memory bound."""
+    if exit_code != -signal.SIGABRT or not report.get("interim"):
+        return None, None
+    ooms, retries = report.get("device_ooms", 0), report.get("device_alloc_retries", 0)
+    if ooms:
+        return f"the CUDA allocator counted {ooms} out-of-memory error(s) before the process aborted (SIGABRT)", None
+    if retries:
+        return None, (f"the CUDA allocator retried {retries} allocation(s) after freeing its cache before the "
+                      "process aborted (SIGABRT): probably out of memory")
+    return None, None

@@ -36,7 +36,7 @@ from workers.gpus import memory_used
 from workers.failure import KillReason, Status, classify, describe_exit
 from workers.metric_check import asked_metric, metrics_problem
 from workers.metrics import AutotuningSettings
-from workers.oom import stderr_out_of_memory
+from workers.oom import aborted_out_of_memory, stderr_out_of_memory
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders, prebuild_ops
 from workers.launch import MEASURED_GRACE_ENV, measured_grace_s, run_watched, tail
 from workers.paths import read_json, safe_child, write_atomic, write_json
@@ -222,8 +222,11 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     metrics = read_json(metric_path) if expects_metrics else None
     has_metrics = isinstance(metrics, dict)
     status = classify(launch.exit_code, launch.killed_for, expects_metrics, has_metrics)
+    report = read_exit_report(exit_report)
     oom_in_stderr = stderr_out_of_memory(tail(stderr_path, STDERR_OOM_BYTES)) if status is Status.CRASHED else None
-    if oom_in_stderr:  # a wrapper's script: its OOM reached only its own stderr (workers.oom)
+    oom_in_counts, probable_oom = aborted_out_of_memory(launch.exit_code, report) \
+        if status is Status.CRASHED and not oom_in_stderr else (None, None)
+    if oom_in_stderr or oom_in_counts:  # a wrapper's script, or an abort: no exception reached us (workers.oom)
         status = Status.OOM
     problem = metrics_problem(metrics, spec.metric_file, asked_metric(spec.ds_config)) if has_metrics else None
     if status is Status.OK and problem:
@@ -237,7 +240,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         "peak_rss_bytes": launch.peak_rss_bytes,
         "memory_cap_bytes": slot.host_memory_cap,
         "master": f"{master[0]}:{master[1]}",
-        **read_exit_report(exit_report),
+        **report,
     }
     step_ends = record.pop("step_ends", None)
     if slot.kind == "cuda":
@@ -262,6 +265,10 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     if oom_in_stderr:
         record["oom"] = oom_in_stderr[:500]
         record["oom_from"] = "stderr"
+    elif oom_in_counts:
+        record.update(oom=oom_in_counts, oom_from="allocator counts")
+    elif probable_oom:
+        record["probable_oom"] = probable_oom
     if status is not Status.OK:
         record["stderr_tail"] = tail(stderr_path, 2000)
     return record

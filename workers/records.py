@@ -45,7 +45,8 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
             record[key] = min(values) if key == "device_total_bytes" else max(values)
     cause = next((r for r in by_end if r.get("status") == status.value), None)
     if status is not Status.OK and cause is not None:
-        record["cause"] = {key: cause[key] for key in ("rank", "slot", "exit", "error", "oom", "oom_from", "stderr_tail")
+        record["cause"] = {key: cause[key] for key in ("rank", "slot", "exit", "error", "oom", "oom_from", "probable_oom",
+                                                       "stderr_tail")
                            if key in cause}
         if _failed_after_measuring(status, rank0, cause):
             record.update(status=Status.OK.value, metrics=rank0["metrics"],

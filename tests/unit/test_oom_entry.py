@@ -18,7 +18,7 @@ import torch.distributed
 
 from workers.device_memory import read_exit_report
 from workers.failure import OOM_EXIT_CODE
-from workers.oom import out_of_memory_cause, stderr_out_of_memory
+from workers.oom import aborted_out_of_memory, out_of_memory_cause, stderr_out_of_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 ALLOCATOR_TEXT = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB "
@@ -397,3 +397,50 @@ def test_an_oom_that_nccls_watchdog_turned_into_an_abort_is_read_from_stderr(tex
     assert (found is not None) is is_oom, found
     if is_oom:
         assert found.startswith("c10::DistBackendError: [PG 0 Rank 1] Process group watchdog")
+
+
+# ---------------------------------------------------------------- a process that aborts (no report at its end)
+
+#: torch.cuda as a rank on a GPU shows it, in a script that then aborts as NCCL's watchdog makes it.
+ABORTING_ON_A_GPU = """
+    import os, sys, time, types
+    stats = {{"num_alloc_retries": {retries}, "num_ooms": {ooms}}}
+    sys.modules["torch"] = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        is_initialized=lambda: True, device_count=lambda: 1, memory_stats=lambda d: stats,
+        max_memory_reserved=lambda d: 6 << 30, max_memory_allocated=lambda d: 5 << 30,
+        memory_reserved=lambda d: 6 << 30, mem_get_info=lambda d: (1 << 30, 8 << 30)))
+    time.sleep({seconds})
+    {end}
+"""
+
+
+@pytest.mark.parametrize(("ooms", "retries", "oom", "probable"), [(1, 3, True, False), (0, 3, False, True),
+                                                                   (0, 0, False, False)])
+def test_a_rank_that_aborts_leaves_the_allocators_counts_behind(tmp_path: Path, ooms: int, retries: int,
+                                                                oom: bool, probable: bool) -> None:
+    """Issue 21 item 11: torch's NCCL watchdog ends a rank with SIGABRT, which writes no report at the
+    end; the interim report, written while the script ran, still tells what the allocator saw."""
+    code, report, _ = _run_entry(tmp_path, ABORTING_ON_A_GPU.format(ooms=ooms, retries=retries, seconds=2.6,
+                                                                    end="os.abort()"))
+    assert code == -6 and report["interim"] is True and report["peak_device_bytes"] == 6 << 30
+    assert (report.get("device_ooms", 0), report.get("device_alloc_retries", 0)) == (ooms, retries)
+    certain, likely = aborted_out_of_memory(code, report)
+    assert (certain is not None, likely is not None) == (oom, probable)
+
+
+def test_the_final_report_replaces_the_interim_one(tmp_path: Path) -> None:
+    code, report, _ = _run_entry(tmp_path, ABORTING_ON_A_GPU.format(ooms=0, retries=0, seconds=2.6, end="pass"))
+    assert code == 0 and "interim" not in report and report["profiling_exit"] is False
+
+
+def test_a_cpu_rank_writes_no_interim_report(tmp_path: Path) -> None:
+    code, report, _ = _run_entry(tmp_path, "import os, time\ntime.sleep(2.6)\nos.abort()\n")
+    assert code == -6 and report == {}
+
+
+def test_only_an_abort_with_an_interim_report_is_read_from_the_counts() -> None:
+    counts = {"interim": True, "device_ooms": 2}
+    assert aborted_out_of_memory(-6, counts)[0].startswith("the CUDA allocator counted 2 out-of-memory error(s)")
+    assert aborted_out_of_memory(-9, counts) == (None, None)  # killed, not aborted: our monitor's kill, a signal
+    assert aborted_out_of_memory(1, counts) == (None, None)  # an exit: workers.entry read the exception itself
+    assert aborted_out_of_memory(-6, {"device_ooms": 2}) == (None, None)  # a final report: entry already decided
