@@ -156,8 +156,8 @@ def query(fields: str, gpu: str | None = None) -> str | None:
 
 
 def memory_used(gpu: str) -> int | None:
-    """How much memory is in use on `gpu`, named by its UUID (`Slot.cuda_device`: the name CUDA and
-    NVML agree on under MPS and in device cgroups, where indices can differ) or index; None when
+    """How much memory is in use on `gpu`, named by its UUID (`Slot.nvidia_smi_id`: the name no
+    renumbering changes, under MPS or in device cgroups) or index; None when
     nvidia-smi cannot tell (it failed, timed out or printed something else): then nothing is waited for."""
     text = query("index,uuid,memory.used", gpu)
     return None if text is None else parse_memory_used(text, gpu)

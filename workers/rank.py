@@ -81,7 +81,7 @@ class RankSpec:
     exp: dict[str, Any] = field(default_factory=dict)  #: the experiment description for exp.json
     gang_token: str = ""  #: the reservation this launch runs under; a message outliving it is stale
     lease_s: float = 60.0  #: the reservation's lease, which this rank renews for its own slot
-    cuda_devices: list[str] = field(default_factory=list)  #: the gang's GPUs on this node (UUIDs), local-rank order
+    cuda_devices: list[str] = field(default_factory=list)  #: the gang's GPUs on this node (nvidia-smi indices), local-rank order
     local_rank_arg: bool = False  #: pass `--local_rank=N` after the script, as DeepSpeed's launcher does
 
     @classmethod
@@ -178,7 +178,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         write_atomic(result_dir / "cmd.txt", shlex.join(command) + "\n")
 
     stop_check = _StopCheck(client, keys.abort(spec.attempt), slot.queue, spec.gang_token, spec.lease_s)
-    device_wait = FREE_MEMORY.wait(slot.cuda_device, stop_check) if slot.kind == "cuda" and slot.cuda_index >= 0 else None
+    device_wait = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check) if slot.kind == "cuda" and slot.cuda_index >= 0 else None
     master = _meet(spec, slot, client, stop_check)
     if master is None:
         now = time.time()

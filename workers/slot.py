@@ -108,8 +108,8 @@ class Slot:
         return parse_size(explicit) if explicit else None
 
     @property
-    def cuda_device(self) -> str:
-        """How a child's CUDA_VISIBLE_DEVICES names this slot's GPU: its UUID, else its index."""
+    def nvidia_smi_id(self) -> str:
+        """How nvidia-smi (`-i`) is asked about this slot's GPU: its UUID, else its index."""
         return self.gpu_uuid or str(self.cuda_index)
 
     def to_redis(self) -> dict[str, str]:
@@ -141,14 +141,16 @@ class Slot:
         """Variables that bind a training process to this slot. A rank of a multi-GPU experiment sees
         `cuda_devices`, its gang's GPUs on this node in local-rank order (its own among them), so
         LOCAL_RANK indexes its own device as under torchrun and NCCL can use P2P between them.
-        GPUs are named by UUID (`cuda_device`): under MPS, and in containers or Slurm cgroups that
-        renumber devices, CUDA's ordinals and nvidia-smi's indices differ (NVIDIA recommends UUIDs
-        there), while the order of the list still gives LOCAL_RANK its device."""
+        GPUs are named by their nvidia-smi index with CUDA_DEVICE_ORDER=PCI_BUS_ID (the order
+        nvidia-smi lists them in), as DeepSpeed's launcher names them from `--include` and as
+        cmd_optimal.txt's run will: DeepSpeed itself reads CUDA_VISIBLE_DEVICES as integers (ZeRO-1/2's
+        `available_memory` with pynvml installed, `_get_nvml_gpu_id`), so GPU UUIDs there crashed
+        every ZeRO-1/2 experiment on such a node."""
         env = {"AUTOTUNE_SLOT": self.queue, "OMP_NUM_THREADS": str(self.threads),
                "MKL_NUM_THREADS": str(self.threads)}
         if self.kind == "cuda":
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_devices or [self.cuda_device])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_devices or [str(self.cuda_index)])
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
             env.setdefault("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))

@@ -273,7 +273,7 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
                         gpu_link=worst_link(link for node in placement if (link := gang_link(node))))
     ranks = []
     for node_rank, node_slots in enumerate(placement):
-        cuda_devices = [slot.cuda_device for slot in node_slots if slot.kind == "cuda"]
+        cuda_devices = [str(slot.cuda_index) for slot in node_slots if slot.kind == "cuda"]
         for local_rank, slot in enumerate(node_slots):
             rank_spec = RankSpec(
                 job=spec.job, name=exp.name, attempt=attempt, results_root=spec.results_root,

@@ -29,9 +29,10 @@ def test_a_cuda_rank_sees_its_gangs_gpus_and_its_local_rank_indexes_its_own(monk
     monkeypatch.setenv("AUTOTUNE_SLOT_JSON", "{}")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    env = rank_env(spec(cuda_devices=["GPU-4b", "GPU-6a"]), CUDA, ("10.0.0.2", 29500), Path("/r/x/rank3.exit.json"))
-    assert env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["LOCAL_RANK"])] == "GPU-6a"  # by UUID: MPS renumbers
-    assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]) == ("GPU-4b,GPU-6a", "PCI_BUS_ID")
+    env = rank_env(spec(cuda_devices=["4", "6"]), CUDA, ("10.0.0.2", 29500), Path("/r/x/rank3.exit.json"))
+    assert env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["LOCAL_RANK"])] == "6"
+    # nvidia-smi's indices in its (PCI bus) order, as DeepSpeed's launcher sets them: DeepSpeed int()s them
+    assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]) == ("4,6", "PCI_BUS_ID")
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("3", "4", "2", "1")
     assert (env["CROSS_RANK"], env["CROSS_SIZE"]) == ("1", "2")  # as DeepSpeed's launcher sets them
     # the interface holding the address; NCCL exactly that one ('=': a bare name is a prefix to NCCL)
@@ -40,8 +41,8 @@ def test_a_cuda_rank_sees_its_gangs_gpus_and_its_local_rank_indexes_its_own(monk
     assert "AUTOTUNE_REDIS_URL" not in env and "AUTOTUNE_SLOT_JSON" not in env
 
 
-def test_a_single_gpu_rank_sees_its_own_uuid_and_a_slot_without_one_its_index() -> None:
-    assert rank_env(spec(), CUDA, ("10.0.0.2", 29500))["CUDA_VISIBLE_DEVICES"] == "GPU-6a"
+def test_a_single_gpu_rank_sees_its_own_index_whether_or_not_its_slot_knows_the_uuid() -> None:
+    assert rank_env(spec(), CUDA, ("10.0.0.2", 29500))["CUDA_VISIBLE_DEVICES"] == "6"
     without = Slot("n2", 1, "cuda", 80 * GiB, "127.0.0.1", 8, (), "w@n2", cuda_index=6)  # registered before UUIDs
     assert rank_env(spec(), without, ("10.0.0.2", 29500))["CUDA_VISIBLE_DEVICES"] == "6"
 

@@ -152,7 +152,7 @@ def test_child_env_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     assert CUDA_SLOT.child_env() == {
         "AUTOTUNE_SLOT": "gpu-host.gpu1", "OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8",
-        "CUDA_VISIBLE_DEVICES": "GPU-3333", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     }
 
 
@@ -273,9 +273,9 @@ def test_describe_local_cuda_slot(clean_env: pytest.MonkeyPatch, slots_env: str 
     slot = describe_local_slot("g", 1, "10.0.0.2", "w1@g")
     assert slot == Slot("g", 1, "cuda", 80 * GiB, "10.0.0.2", threads, (), "w1@g", cuda_index=2, host="machine-1",
                         gpu_uuid="GPU-b")
-    assert slot.child_env()["CUDA_VISIBLE_DEVICES"] == "GPU-b"  # by UUID: MPS and cgroups renumber indices
+    assert slot.child_env()["CUDA_VISIBLE_DEVICES"] == "2"  # the physical GPU, in PCI bus order
     assert slot.child_env()["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert slot.child_env(["GPU-h", "GPU-b"])["CUDA_VISIBLE_DEVICES"] == "GPU-h,GPU-b"
+    assert slot.child_env(["7", "2"])["CUDA_VISIBLE_DEVICES"] == "7,2"
     assert slot.host_memory_cap == 3 * GiB
     assert Slot.from_redis(slot.to_redis()) == slot
 

@@ -4,21 +4,20 @@ needs from its environment, records it, and fails the way a real rank would when
 A real rank calls `torch.cuda.set_device(LOCAL_RANK)` (DeepSpeed's init_distributed and engine do),
 which fails with "invalid device ordinal" unless LOCAL_RANK indexes one of the devices in
 CUDA_VISIBLE_DEVICES. This probe checks that the device it would pick is its own reserved GPU (the
-slot's nvidia-smi index; a tuning rank names its GPUs by UUID, resolved here through nvidia-smi's
-listing as CUDA resolves them, the final deepspeed command by index), that the numbering is the PCI bus order nvidia-smi uses, that `--local_rank`
-(when given) agrees with LOCAL_RANK, and that the cluster's Redis credentials did not leak into it.
+slot's nvidia-smi index, named as the final deepspeed command names it), that DeepSpeed could read
+CUDA_VISIBLE_DEVICES (it int()s every entry), that the numbering is the PCI bus order nvidia-smi
+uses, that `--local_rank` (when given) agrees with LOCAL_RANK, and that the cluster's Redis
+credentials did not leak into it.
 It writes `<result_dir>/probe.rank<N>.json`, reports a device peak through
 `workers.device_memory.report_peak` and, on rank 0, the metrics file. A failed check exits 1.
 """
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from workers.device_memory import report_peak
-from workers.gpus import QUERY, parse_listing, visible as visible_gpus
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--deepspeed_config", required=True)
@@ -29,13 +28,7 @@ args = parser.parse_args()
 config_path = Path(args.deepspeed_config)
 config = json.loads(config_path.read_text())
 rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-named = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-if "GPU-" in named:  # UUIDs: the indices nvidia-smi gives those GPUs
-    listing = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, check=True).stdout
-    visible = [str(gpu.index) for gpu in visible_gpus(parse_listing(listing), named)]
-else:
-    visible = named.split(",")
+visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
 facts = {"rank": rank, "local_rank": local_rank, "local_rank_arg": args.local_rank,
          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cuda_indices": ",".join(visible),
          "cuda_device_order": os.environ.get("CUDA_DEVICE_ORDER"),
@@ -45,6 +38,10 @@ facts = {"rank": rank, "local_rank": local_rank, "local_rank_arg": args.local_ra
 (config_path.parent / f"probe.rank{rank}.json").write_text(json.dumps(facts))
 
 problems = []
+try:  # as DeepSpeed reads it (`CUDA_Accelerator._get_nvml_gpu_id`, ZeRO-1/2 with pynvml installed)
+    list(map(int, visible))
+except ValueError:
+    problems.append(f"CUDA_VISIBLE_DEVICES={','.join(visible)}: DeepSpeed reads it as integers and would crash")
 if not 0 <= local_rank < len(visible):
     problems.append(f"invalid device ordinal: LOCAL_RANK {local_rank} but CUDA_VISIBLE_DEVICES={visible}")
 elif args.expect_cuda_index and visible[local_rank] != args.expect_cuda_index.split(",")[rank]:
