@@ -61,11 +61,16 @@ def _synchronize_cuda() -> None:
     step "ends" on the host clock can precede the device's work by up to a queue of kernels, so
     the window's step times would be the launch times (DeepSpeed's own timers use CUDA events).
     Once per optimizer step, after the optimizer's kernels are queued: the cost is the wait the
-    next step would have paid anyway."""
+    next step would have paid anyway. Each device this process's allocator holds memory on, not
+    `torch.cuda.synchronize()`'s current device: a plain DDP script that moves its model to
+    `LOCAL_RANK` without `set_device` keeps device 0 current, a gang peer's GPU, where a synchronize
+    would open a CUDA context (hundreds of MiB) and wait on the wrong device."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():
-        cuda.synchronize()
+        for device in range(cuda.device_count()):
+            if cuda.memory_reserved(device):  # a device this process uses: its own, not the current one
+                cuda.synchronize(device)
 
 
 def step_ends() -> list[list[float]]:

@@ -122,16 +122,24 @@ def test_entry_times_an_engine_imported_before_the_hook_sees_it(tmp_path: Path) 
 
 
 class _FakeCuda:
-    """torch.cuda as a rank on a GPU sees it: initialised or not; synchronisations counted."""
+    """torch.cuda as a rank on a GPU sees it: initialised or not; three visible devices (its gang's),
+    of which its allocator uses device 1 only; synchronisations counted, and which device each was."""
 
     def __init__(self, initialized: bool) -> None:
-        self.initialized, self.synchronized = initialized, 0
+        self.initialized, self.synchronized, self.devices = initialized, 0, []
 
     def is_initialized(self) -> bool:
         return self.initialized
 
-    def synchronize(self) -> None:
+    def device_count(self) -> int:
+        return 3
+
+    def memory_reserved(self, device: int) -> int:
+        return 5 << 30 if device == 1 else 0
+
+    def synchronize(self, device: int | None = None) -> None:
         self.synchronized += 1
+        self.devices.append(device)
 
 
 @pytest.mark.parametrize("initialized", [True, False])
@@ -148,6 +156,7 @@ def test_a_step_end_on_a_gpu_waits_for_the_device(monkeypatch: pytest.MonkeyPatc
     step_clock.mark(1)  # the same step noted twice (step() then the profiling exit): one wait
     step_clock.mark(2)
     assert cuda.synchronized == (2 if initialized else 0)
+    assert set(cuda.devices) <= {1}  # its own device; the current one (0, a peer's GPU) is left alone
     assert [step for step, _ in step_clock.step_ends()] == [1, 2]
 
 
