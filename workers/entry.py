@@ -35,12 +35,21 @@ from workers.step_clock import install_deepspeed_hook, step_ends
 _PROFILING_EXITS = {("deepspeed/runtime/engine.py", "_autotuning_exit"), ("deepspeed/runtime/engine.py", "forward")}
 
 
+#: The same exit for a plain-torch script that measures itself with `workers.metrics`.
+_METRICS_EXIT = ("workers/metrics.py", "end_micro_step")
+
+
 def is_profiling_exit(exc: BaseException | None) -> bool:
-    """A clean SystemExit whose innermost DeepSpeed frame is one of the engine's profiling exits."""
+    """A clean SystemExit whose innermost DeepSpeed frame is one of the engine's profiling exits, or
+    raised by `workers.metrics` after writing the metrics (DeepSpeed's exit for a plain-torch script,
+    whose process groups are just as alive)."""
     if not isinstance(exc, SystemExit) or exit_status(exc) != 0:
         return False
-    frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
-              if "deepspeed" in frame.filename.replace(os.sep, "/")]
+    trace = traceback.extract_tb(exc.__traceback__)
+    if trace and trace[-1].filename.replace(os.sep, "/").endswith(_METRICS_EXIT[0]) \
+            and trace[-1].name == _METRICS_EXIT[1]:
+        return True
+    frames = [frame for frame in trace if "deepspeed" in frame.filename.replace(os.sep, "/")]
     if not frames:
         return False
     innermost = frames[-1]

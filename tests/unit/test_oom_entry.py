@@ -178,6 +178,25 @@ def test_a_teardown_that_would_hang_after_the_profiling_exit_is_skipped(tmp_path
     assert code == 0 and report["profiling_exit"] is True
 
 
+def test_a_plain_torch_script_measured_by_workers_metrics_leaves_like_deepspeeds(tmp_path: Path) -> None:
+    """`workers.metrics` raises SystemExit(0) after the metrics, as DeepSpeed's engine exits: the same
+    exit without a teardown (a thread that never ends stands for NCCL's communicators)."""
+    metric = tmp_path / "metrics.json"
+    code, report, _ = _run_entry(tmp_path, f"""
+        import threading
+        from workers.metrics import AutotuningMetrics
+        config = {{"train_micro_batch_size_per_gpu": 1,
+                   "autotuning": {{"enabled": True, "metric_path": {str(metric)!r}, "end_profile_step": 2}}}}
+        metrics = AutotuningMetrics.from_ds_config(config, rank=0, world_size=1)
+        threading.Thread(target=threading.Event().wait).start()  # joined at teardown, never ends
+        while True:
+            with metrics.timed("fwd"):
+                pass
+            metrics.end_micro_step()
+    """, timeout=30)
+    assert code == 0 and report["profiling_exit"] is True and metric.is_file()
+
+
 def test_report_fields_are_typed(tmp_path: Path) -> None:
     path = tmp_path / "exit.json"
     path.write_text(json.dumps({"peak_device_bytes": "9", "device_ooms": -1, "profiling_exit": "yes",
