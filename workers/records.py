@@ -43,6 +43,10 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
         values = [r[key] for r in ranks if isinstance(r.get(key), int)]
         if values:  # the busiest rank's figure; the total: the smallest GPU, which bounds the gang
             record[key] = min(values) if key == "device_total_bytes" else max(values)
+    own = [max(0, r["device_untracked_bytes"] - _count(r.get("device_foreign_bytes"))) for r in ranks
+           if isinstance(r.get("device_untracked_bytes"), int)]
+    if own:  # per rank, then the busiest: one rank's foreign memory says nothing of another's GPU
+        record["device_own_untracked_bytes"] = max(own)
     cause = next((r for r in by_end if r.get("status") == status.value), None)
     if status is not Status.OK and cause is not None:
         record["cause"] = {key: cause[key] for key in ("rank", "slot", "exit", "error", "oom", "oom_from", "probable_oom",
@@ -59,6 +63,10 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
     if record["status"] == Status.OK.value:
         record.update({key: rank0[key] for key in ("engine_metrics", "step_seconds") if key in rank0})
     return record
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _failed_after_measuring(status: Status, rank0: dict[str, Any], cause: dict[str, Any]) -> bool:

@@ -309,12 +309,17 @@ def peak_of(record: Mapping[str, Any], key: str) -> int | None:
 def measured_reserve(record: Mapping[str, Any], host_memory: bool) -> int | None:
     """What the profile run's busiest rank held on its GPU outside the allocator at the end (the
     CUDA context, NCCL's buffers: `device_untracked_bytes` = total - free - reserved, from
-    workers.device_memory), less what other processes held there (`device_foreign_bytes`, not the
-    job's); None on host memory or without the figure. It replaces the reserve's guess when larger
+    workers.device_memory), less what other processes held on that same GPU (`device_foreign_bytes`,
+    not the job's; per rank: `device_own_untracked_bytes`); None on host memory or without the figure. It replaces the reserve's guess when larger
     (NCCL alone takes 1.6 GB with one communicator and about 6 GB with three or more, issue 21 item
     8); never lowers it, since NCCL connects lazily and the profile exits in its first forward."""
-    untracked = peak_of(record, "device_untracked_bytes")
-    if host_memory or untracked is None:
+    if host_memory:
+        return None
+    own = record.get("device_own_untracked_bytes")  # each rank's less its own GPU's foreign memory
+    if isinstance(own, int) and not isinstance(own, bool) and own >= 0:
+        return own
+    untracked = peak_of(record, "device_untracked_bytes")  # a record from before the per-rank figure
+    if untracked is None:
         return None
     return max(0, untracked - (peak_of(record, "device_foreign_bytes") or 0))
 

@@ -246,6 +246,20 @@ def test_device_peaks_are_the_busiest_ranks() -> None:
     assert aggregate(EXP, [r0, r1])["device_total_bytes"] == 40 * 2**30
 
 
+def test_each_ranks_untracked_memory_is_net_of_its_own_gpus_foreign_memory() -> None:
+    """A notebook's 20 GiB on rank 0's GPU that left during the run, NCCL's 6 GiB on rank 1's: the
+    job's own untracked memory is 6 GiB, not max(untracked) - max(foreign) = 0."""
+    gib = 2**30
+    r0 = rank(0, "ok", 0, 1.0, metrics={"throughput": 5}, device_untracked_bytes=2 * gib,
+              device_foreign_bytes=20 * gib)
+    r1 = rank(1, "ok", 0, 1.0, device_untracked_bytes=6 * gib, device_foreign_bytes=0)
+    record = aggregate(EXP, [r0, r1])
+    assert record["device_own_untracked_bytes"] == 6 * gib
+    r1["device_foreign_bytes"] = 5 * gib
+    assert aggregate(EXP, [r0, r1])["device_own_untracked_bytes"] == gib
+    assert "device_own_untracked_bytes" not in aggregate(EXP, [rank(0, "ok", 0, 1.0), rank(1, "ok", 0, 1.0)])
+
+
 def test_aggregate_missing_rank_is_lost() -> None:
     r0 = rank(0, "ok", 1.0, 3.0, 10, metrics={"throughput": 5})
     record = aggregate(EXP, [r0])  # world_size 2, rank 1 never reported

@@ -588,8 +588,11 @@ def test_overhead_from_the_profile_peak_or_the_prior(host_memory: bool, capacity
         # a notebook's 1 GiB was on the GPU too: not the job's, not its reserve
         (False, 2 * GiB, {"device_untracked_bytes": 3 * GiB // 2, "device_foreign_bytes": GiB}, GPU_RESERVE),
         (True, GiB, {"device_untracked_bytes": 3 * GiB // 2}, 0),  # host memory has no untracked reserve
+        # per rank, net of each rank's own GPU's foreign memory (workers.records): that figure decides
+        (False, 2 * GiB, {"device_untracked_bytes": 3 * GiB // 2, "device_foreign_bytes": GiB,
+                          "device_own_untracked_bytes": 3 * GiB // 2}, 3 * GiB // 2),
     ],
-    ids=["measured-larger", "measured-smaller", "foreign-memory-left-out", "host-memory"],
+    ids=["measured-larger", "measured-smaller", "foreign-memory-left-out", "host-memory", "per-rank-figure"],
 )
 def test_the_reserve_the_profile_run_measured_replaces_a_smaller_guess(host_memory: bool, capacity: int,
                                                                        fields: dict[str, int], reserve: int) -> None:
