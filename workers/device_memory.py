@@ -46,6 +46,8 @@ EXIT_REPORT_ENV = "AUTOTUNE_EXIT_REPORT"
 #: How often a running script's figures so far are written (`InterimReports`): reading the
 #: allocator's counters takes microseconds, and an abort loses at most this much of the story.
 INTERIM_S = 2.0
+#: The longest the end of a script waits for an interim reading under way (a hung device's call).
+STOP_WAIT_S = 10.0
 
 #: The device figures an exit report may carry, each a count of bytes or events.
 DEVICE_KEYS = ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc_retries", "device_ooms",
@@ -136,7 +138,7 @@ class InterimReports:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout=STOP_WAIT_S)  # a reading stuck on a hung device must not hold the exit
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
