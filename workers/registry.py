@@ -71,6 +71,14 @@ class Heartbeat:
                 log.warning("heartbeat for %s failed: %s", self._key, exc)
 
 
+def _gpu_claim(slot: Slot) -> dict[str, str]:
+    """The claim key of `slot`'s GPU on its machine and the value saying who holds it; {} for a slot
+    without one (CPU slots share cores by design)."""
+    if slot.kind != "cuda" or not slot.gpu_uuid:
+        return {}
+    return {keys.gpu_claim(slot.host, slot.gpu_uuid): json.dumps({"queue": slot.queue, "worker": slot.worker})}
+
+
 def claim_gpu(client: redis.Redis, slot: Slot) -> dict[str, str] | None:
     """Claim `slot`'s GPU of its machine (host, GPU UUID) for its queue, or say who holds it: the
     holder's {"queue", "worker"} when a live slot of another queue does, else None (claimed). Two
@@ -78,28 +86,23 @@ def claim_gpu(client: redis.Redis, slot: Slot) -> dict[str, str] | None:
     otherwise offer one GPU twice and run two experiments on it, each measuring the other. One
     SET NX decides, so two workers starting at once cannot both pass a look at the live slots. The
     claim lives as long as the slot's registration (`register_slot` renews it); the same queue
-    claiming again is its restarted worker, which takes over. CPU slots share cores by design."""
-    if slot.kind != "cuda" or not slot.gpu_uuid:
-        return None
-    key = keys.gpu_claim(slot.host, slot.gpu_uuid)
-    mine = json.dumps({"queue": slot.queue, "worker": slot.worker})
-    while not client.set(key, mine, nx=True, px=int(TTL_S * 1000)):
-        raw = client.get(key)
-        if raw is None:  # expired between the two calls: claim again
-            continue
-        holder = json.loads(raw)
-        if holder.get("queue") != slot.queue:
-            return holder
-        client.set(key, mine, px=int(TTL_S * 1000))
-        break
+    claiming again is its restarted worker, which takes over."""
+    for key, mine in _gpu_claim(slot).items():
+        while not client.set(key, mine, nx=True, px=int(TTL_S * 1000)):
+            raw = client.get(key)
+            if raw is None:  # expired between the two calls: claim again
+                continue
+            holder = json.loads(raw)
+            if holder.get("queue") != slot.queue:
+                return holder
+            client.set(key, mine, px=int(TTL_S * 1000))
+            break
     return None
 
 
 def register_slot(client: redis.Redis, slot: Slot) -> Heartbeat:
     """Announce `slot` (after `claim_gpu`), keeping its GPU's claim alive with it."""
-    claims = {keys.gpu_claim(slot.host, slot.gpu_uuid): json.dumps({"queue": slot.queue, "worker": slot.worker})} \
-        if slot.kind == "cuda" and slot.gpu_uuid else {}
-    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis(), claims)
+    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis(), _gpu_claim(slot))
     beat.start()
     return beat
 
