@@ -11,16 +11,25 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
 import sys
 
 import pytest
 
-from integration_helpers import SCRIPTS
+from integration_helpers import SCRIPTS, run_autotune, write_config
 
 pytestmark = pytest.mark.integration
+
+
+def tune_one_size(tmp_path, script: str, args: list[str], env_extra: dict[str, str] | None = None):
+    """`python -m scheduler.autotune` on an embedded cluster, ZeRO-0 and micro-batch 1 only (the
+    model's size given, so no profile run): the run and its one experiment's record."""
+    autotuning = {"enabled": True, "metric": "throughput", "user_script": script,
+                  "model_info": {"num_params": 1000, "activation_mem_per_gpu": 1024}}
+    write_config(tmp_path / "cfg.json", autotuning=autotuning)
+    proc = run_autotune(["cfg.json", "--slot-memory", "1GiB", *args], tmp_path, env_extra)
+    found = list(tmp_path.rglob("z0_gas1_tmbspg1/result.json"))
+    return proc, json.loads(found[0].read_text()) if found else None
 
 
 def test_a_wrapper_script_that_hangs_after_measuring_keeps_its_measurement(tmp_path):
@@ -28,19 +37,9 @@ def test_a_wrapper_script_that_hangs_after_measuring_keeps_its_measurement(tmp_p
     wrapper.write_text(f"#!/bin/sh\n{shlex.quote(sys.executable)} {shlex.quote(str(SCRIPTS / 'fake_train.py'))} "
                        "\"$@\" || exit $?\nsleep 600  # every rank: a teardown that never ends\n")
     wrapper.chmod(0o755)
-    cfg = {"train_micro_batch_size_per_gpu": [1], "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": 0},
-           "autotuning": {"enabled": True, "metric": "throughput", "user_script": "train.sh",
-                          "model_info": {"num_params": 1000, "activation_mem_per_gpu": 1024}}}
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
-    env["AUTOTUNE_MEASURED_GRACE_S"] = "2"
-    proc = subprocess.run([sys.executable, "-m", "scheduler.autotune", "cfg.json", "--slots", "2", "--num_gpus", "2",
-                           "--slot-memory", "1GiB", "--exp-timeout", "90"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc, record = tune_one_size(tmp_path, "train.sh", ["--slots", "2", "--num_gpus", "2", "--exp-timeout", "90"],
+                                 {"AUTOTUNE_MEASURED_GRACE_S": "2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    [result] = tmp_path.rglob("z0_gas1_tmbspg1/result.json")
-    record = json.loads(result.read_text())
     assert record["status"] == "ok" and record["metrics"]["throughput"] > 0, record
     assert record["wall_s"] < 45, record["wall_s"]  # stopped after the grace, not at the 90 s limit
     assert [rank["stopped_after_measuring"] for rank in record["ranks"]] == [True, True], record["ranks"]
@@ -60,17 +59,7 @@ os.abort()  # as NCCL's watchdog ends the process: no traceback, no exit report
 
 def test_a_rank_that_aborts_after_its_allocator_ran_out_is_an_oom(tmp_path):
     (tmp_path / "train_abort.py").write_text(ABORTS_AFTER_AN_OOM)
-    cfg = {"train_micro_batch_size_per_gpu": [1], "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": 0},
-           "autotuning": {"enabled": True, "metric": "throughput", "user_script": "train_abort.py",
-                          "model_info": {"num_params": 1000, "activation_mem_per_gpu": 1024}}}
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}
-    proc = subprocess.run([sys.executable, "-m", "scheduler.autotune", "cfg.json", "--slots", "1",
-                           "--slot-memory", "1GiB", "--exp-timeout", "60"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc, record = tune_one_size(tmp_path, "train_abort.py", ["--slots", "1", "--exp-timeout", "60"])
     assert proc.returncode == 1 and "oom (1)" in proc.stderr, proc.stdout + proc.stderr  # nothing succeeded
-    [result] = tmp_path.rglob("z0_gas1_tmbspg1/result.json")
-    record = json.loads(result.read_text())
     assert record["status"] == "oom", record
     assert record["cause"]["oom_from"] == "allocator counts" and "signal SIGABRT" == record["cause"]["exit"]
