@@ -30,14 +30,20 @@ WAIT_S = 30.0
 POLL_S = 1.0
 
 
-def gpu_wait_s(text: str | None) -> float:
-    """AUTOTUNE_GPU_WAIT_S as seconds: a finite number >= 0, else `WAIT_S` (the commands refuse a bad
-    value up front with one line, scheduler.launch.environment; a worker must not die of it at import)."""
+def seconds_setting(text: str | None, default: float) -> float:
+    """A worker's setting of seconds from its environment (AUTOTUNE_GPU_WAIT_S,
+    AUTOTUNE_MEASURED_GRACE_S): a finite number >= 0, else `default` (the commands refuse a bad value
+    up front with one line, scheduler.launch.environment; a worker must not die of it at import)."""
     try:
-        value = float(text) if text else WAIT_S
+        value = float(text) if text else default
     except ValueError:
-        return WAIT_S
-    return value if 0 <= value < float("inf") else WAIT_S
+        return default
+    return value if 0 <= value < float("inf") else default
+
+
+def gpu_wait_s(text: str | None) -> float:
+    """AUTOTUNE_GPU_WAIT_S as seconds, `WAIT_S` when unset or unusable."""
+    return seconds_setting(text, WAIT_S)
 
 
 @dataclass(frozen=True)

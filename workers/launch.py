@@ -51,16 +51,6 @@ MEASURED_GRACE_S = 30.0
 MEASURED_GRACE_ENV = "AUTOTUNE_MEASURED_GRACE_S"
 
 
-def measured_grace_s(text: str | None) -> float:
-    """AUTOTUNE_MEASURED_GRACE_S as seconds: a finite number >= 0, else `MEASURED_GRACE_S` (the
-    commands refuse a bad value up front, scheduler.launch.environment; a worker must not die of it)."""
-    try:
-        value = float(text) if text else MEASURED_GRACE_S
-    except ValueError:
-        return MEASURED_GRACE_S
-    return value if 0 <= value < float("inf") else MEASURED_GRACE_S
-
-
 @dataclass(frozen=True)
 class LaunchResult:
     """How a watched process group ended."""

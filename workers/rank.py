@@ -29,7 +29,7 @@ import redis
 
 from workers import keys, rendezvous
 from workers.build_locks import clear_stale_locks, default_extensions_dir, rebuild_stale_ops
-from workers.device_idle import FreeMemoryWaiter, gpu_wait_s
+from workers.device_idle import FreeMemoryWaiter, gpu_wait_s, seconds_setting
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
 from workers.gang import GangReservations
 from workers.gpus import memory_used
@@ -38,7 +38,7 @@ from workers.metric_check import asked_metric, metrics_problem
 from workers.metrics import AutotuningSettings
 from workers.oom import aborted_out_of_memory, stderr_out_of_memory
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders, prebuild_ops
-from workers.launch import MEASURED_GRACE_ENV, measured_grace_s, run_watched, tail
+from workers.launch import MEASURED_GRACE_ENV, MEASURED_GRACE_S, run_watched, tail
 from workers.paths import read_json, safe_child, write_atomic, write_json
 from workers.shared_memory import remove_rank_segment
 from workers.slot import Slot
@@ -212,7 +212,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
             on_start=lambda pgid: client.set(pgid_key, pgid, ex=PGID_TTL_S),
             measured=_Measured(client, keys.measured(spec.attempt),
                                metric_path if spec.rank == 0 and spec.metric_file else None),
-            measured_grace_s=measured_grace_s(os.environ.get(MEASURED_GRACE_ENV)),
+            measured_grace_s=seconds_setting(os.environ.get(MEASURED_GRACE_ENV), MEASURED_GRACE_S),
         )
     finally:
         client.delete(pgid_key)
