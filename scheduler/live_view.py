@@ -79,6 +79,10 @@ class LiveView:
             self.console.print(f"phase {event['name']}: {event['todo']} to run"
                                + (f", {event['reused']} already measured" if event["reused"] else ""),
                                markup=False)
+        elif event["kind"] == "gpu_busy":  # scheduler.cluster.dispatch.requeue_for_busy_gpu
+            self.console.print(f"  {event['name']:<28} not started: other processes hold memory on "
+                               f"{', '.join(event['slots'])}; out of tuning until it frees, queued again",
+                               markup=False, soft_wrap=True)
         elif event["kind"] == "record":
             record = event["record"]
             self.records.append(record)

@@ -1,6 +1,7 @@
 """`python -m scheduler.autotune --status`: the cluster as the scheduler sees it, for the operator.
 
-Slots (live by heartbeat) with who holds each one, and every active tuning job: its current
+Slots (live by heartbeat) with who holds each one (or that others' memory on its GPU keeps it out
+of tuning, workers.slot_health), and every active tuning job: its current
 phase, queue depth, what runs, and why its head experiment waits. Everything comes from Redis, so
 it works from any host that can reach the cluster's Redis.
 """
@@ -15,16 +16,19 @@ from rich.table import Table
 from scheduler.cluster.job_store import shown_states
 from workers.gang import GangReservations
 from workers.registry import live_slots
+from workers.slot_health import describe, unhealthy
 
 
 def collect(client: redis.Redis) -> dict[str, Any]:
     """Slots with their holders and the published state of every live job."""
     slots = live_slots(client)
     holders = GangReservations(client).holders([s.queue for s in slots])
+    sick = unhealthy(client, [s.queue for s in slots])
     jobs = shown_states(client)
     return {
         "slots": [{"queue": s.queue, "kind": s.kind, "memory_gib": round(s.memory_bytes / 2**30, 1),
-                   "worker": s.worker, "held_by": holders.get(s.queue, "")} for s in slots],
+                   "worker": s.worker, "held_by": holders.get(s.queue, ""),
+                   "unhealthy": describe(s.queue, sick[s.queue]) if s.queue in sick else ""} for s in slots],
         "jobs": jobs,
     }
 
@@ -34,8 +38,8 @@ def render(console: Console, status: dict[str, Any]) -> None:
     for column in ("slot", "kind", "memory GiB", "worker", "held by (job/experiment)"):
         slots.add_column(column)
     for slot in status["slots"]:
-        slots.add_row(slot["queue"], slot["kind"], str(slot["memory_gib"]), slot["worker"],
-                      slot["held_by"] or "free")
+        held = slot["held_by"] or ("out of tuning: " + slot["unhealthy"] if slot.get("unhealthy") else "free")
+        slots.add_row(slot["queue"], slot["kind"], str(slot["memory_gib"]), slot["worker"], held)
     console.print(slots)
     jobs = Table(title=f"tuning jobs ({len(status['jobs'])} running)")
     for column in ("job", "results", "phase", "queued", "running", "head", "head waits because"):

@@ -9,7 +9,9 @@ An experiment is a chord sent by `scheduler.cluster.dispatch`:
 raises makes Celery skip the chord body, and the experiment would never be recorded.
 `finish_experiment` writes the record to the results folder first (the durable record), then, under
 the cluster lock, closes the launch, advances the job (the next phase, or the job's end) and
-dispatches whatever can start now. `advance_job` is the same step for a job just submitted.
+dispatches whatever can start now. A launch a rank did not start because others' memory sat on its
+GPU (`gpu_busy`, workers.slot_health) is no experiment: nothing is written, it is queued again.
+`advance_job` is the same step for a job just submitted.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from celery import signals
 from tasks.app import app
 from tasks.work import CeleryWork
 from tasks.worker_hooks import redis_client
+from workers.failure import Status
 from workers.paths import safe_child, write_json
 from workers.rank import RankSpec, run_rank as run_rank_body, slot_from_env
 from workers.records import aggregate
@@ -47,15 +50,21 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 @app.task(name="autotune.finish_experiment")
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
-    from scheduler.cluster.dispatch import cluster_lock, co_runners_of, dispatch, record_finished
+    from scheduler.cluster.dispatch import cluster_lock, co_runners_of, dispatch, record_finished, requeue_for_busy_gpu
     from scheduler.cluster.launches import FinishSpec
     from scheduler.cluster.progress import advance
 
     finish = FinishSpec.from_json(finish_json)
     if rank_records and all(r.get("stale") for r in rank_records):
         return {"name": finish.name, "status": "lost", "stale": True}  # a newer launch owns the folder
-    record = aggregate(finish.to_json(), rank_records)
     client = redis_client(app.conf)
+    busy = [r for r in rank_records if r.get("status") == Status.GPU_BUSY.value]
+    if busy:  # not started beside others' memory: no record, queued again (workers.slot_health)
+        with cluster_lock(client):
+            requeue_for_busy_gpu(client, finish, busy)
+            dispatch(client, WORK)
+        return {"name": finish.name, "status": Status.GPU_BUSY.value, "requeued": True}
+    record = aggregate(finish.to_json(), rank_records)
     co_runners = co_runners_of(client, finish)
     if co_runners:  # launches of any job that held a slot on its nodes while it ran
         record["co_runners"] = co_runners

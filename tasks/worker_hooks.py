@@ -27,10 +27,11 @@ from celery import signals
 from celery.exceptions import TimeLimitExceeded
 
 from workers import keys
-from workers.gpus import GpuListingError
+from workers.gpus import GpuListingError, memory_used
 from workers.launch import group_runs_slot, kill_group
 from workers.redis_tls import describe_tls_failure
 from workers.registry import Heartbeat, claim_gpu, connect, register_control, register_slot
+from workers.slot_health import HealthWatch
 from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,9 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
             _refuse(f"slot worker {sender}: GPU {slot.cuda_index} ({slot.gpu_uuid}) is already served by slot "
                     f"{twin.get('queue')} (worker {twin.get('worker')}) on this machine; one slot worker per GPU: "
                     "stop one, or give each worker its own GPU (gpu<i>, CUDA_VISIBLE_DEVICES)")
-        _heartbeats.append(register_slot(client, slot))
+        watch = HealthWatch(client, slot.queue, slot.nvidia_smi_id, memory_used) \
+            if slot.kind == "cuda" and slot.cuda_index >= 0 else None
+        _heartbeats.append(register_slot(client, slot, on_beat=watch))
         log.info("slot %s registered: %s", slot.queue, slot)
         print(f"slot {slot.queue} registered: {slot.kind} device {slot.device}, "
               f"{slot.memory_bytes / 2**30:.1f} GiB, address {slot.address}", flush=True)

@@ -1,4 +1,4 @@
-"""Before a rank starts on a GPU: wait for memory others hold there to go, and say what still does.
+"""Before a rank starts on a GPU, and after it ended: wait for memory others hold there to go.
 
 Why: an out-of-memory is a bound on the micro-batch, so a probe must run out of memory only for its
 own sake. Two things make it run out early on a real node (issue 21 items 9 and 10):
@@ -6,20 +6,19 @@ own sake. Two things make it run out early on a real node (issue 21 items 9 and 
   only when the driver has torn it down, which for tens of GiB can take seconds;
 - other processes hold memory on the GPU: a notebook, another job, a dying experiment of someone else.
 The slot worker never opens a CUDA context on its GPU, so whatever nvidia-smi shows as used there
-before a launch belongs to someone else. So before each rank: while more than `FREE_BYTES` is used,
-wait (polling every `POLL_S`, at most `WAIT_S`); then start anyway and record what was still used
-(`device_foreign_bytes`). An out-of-memory under foreign memory is no bound on the config
-(`scheduler.search.session.too_large`): the search launches it once more instead.
+outside a run belongs to someone else. So before each rank, and after each rank's processes ended:
+while more than `FREE_BYTES` is used, wait (polling every `POLL_S`, at most `WAIT_S`). A wait that
+runs out is `Wait.busy`: the rank then takes its slot out of tuning (`workers.slot_health`) instead
+of starting, or, after a run, before its slot is released.
 
-A wait that ran out without the usage falling is remembered per GPU: the same holder (within
-`FREE_BYTES`) is not waited for again at every launch, only recorded. Pure decision logic: the
-reading of the usage and the clock are passed in (`workers.gpus.memory_used` in the worker).
+Pure decision logic: the reading of the usage and the clock are passed in (`workers.gpus.memory_used`
+in the worker).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 #: Usage at or below this counts as a free GPU: an idle one lists a few MiB, one CUDA context alone
 #: takes about 300-600 MiB, so anything above is someone's context.
@@ -48,14 +47,20 @@ def gpu_wait_s(text: str | None) -> float:
 
 @dataclass(frozen=True)
 class Wait:
-    """How the wait before one launch ended."""
+    """How one wait for a free GPU ended."""
 
-    used_bytes: int | None  #: used on the GPU when the rank started (None: nvidia-smi could not tell)
+    used_bytes: int | None  #: used on the GPU when the wait ended (None: nvidia-smi could not tell)
     waited_s: float
+    stopped: bool = False  #: ended early because `keep_alive` said stop
+
+    @property
+    def busy(self) -> bool:
+        """The wait ran out with others still holding more than a free GPU shows."""
+        return not self.stopped and self.used_bytes is not None and self.used_bytes > FREE_BYTES
 
     @property
     def foreign_bytes(self) -> int | None:
-        """What others held when the rank started, if more than a free GPU shows (else 0)."""
+        """What others held when the wait ended, if more than a free GPU shows (else 0)."""
         if self.used_bytes is None:
             return None
         return self.used_bytes if self.used_bytes > FREE_BYTES else 0
@@ -63,32 +68,23 @@ class Wait:
 
 @dataclass
 class FreeMemoryWaiter:
-    """Waits per GPU; remembers the usage a wait ran out on, so that holder is not waited for again."""
+    """Waits until a GPU is free, or for at most `wait_s`."""
 
     read_used: Callable[[str], int | None]
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
     wait_s: float = WAIT_S
     poll_s: float = POLL_S
-    settled: dict[str, int] = field(default_factory=dict)  #: GPU (UUID) -> usage a wait ran out on
 
     def wait(self, gpu: str, keep_alive: Callable[[], bool] | None = None) -> Wait:
-        """Wait until `gpu` (its UUID) is free, its usage is the holder already waited for, or `wait_s`
-        passed. `keep_alive` is called at every poll (the rank renews its slot's lease there); when
-        it says stop (the launch was aborted) the wait ends at once."""
+        """Wait until `gpu` (its UUID) is free or `wait_s` passed. `keep_alive` is called at every
+        poll (the rank renews its slot's lease there); when it says stop (the launch was aborted)
+        the wait ends at once."""
         started = self.clock()
         used = self.read_used(gpu)
-        while used is not None and used > FREE_BYTES:
-            known = self.settled.get(gpu)
-            if known is not None and abs(used - known) <= FREE_BYTES:
-                break
-            if self.clock() - started >= self.wait_s:
-                self.settled[gpu] = used
-                break
+        while used is not None and used > FREE_BYTES and self.clock() - started < self.wait_s:
             if keep_alive is not None and keep_alive():
-                break
+                return Wait(used, round(self.clock() - started, 3), stopped=True)
             self.sleep(self.poll_s)
             used = self.read_used(gpu)
-        if used is not None and used <= FREE_BYTES:
-            self.settled.pop(gpu, None)
         return Wait(used, round(self.clock() - started, 3))

@@ -31,6 +31,9 @@ class Status(str, Enum):
     RENDEZVOUS_FAILED = "rendezvous_failed"  #: rank 0's address never arrived before the deadline
     ABORTED = "aborted"  #: stopped by us because another rank of the experiment failed
     LOST = "lost"  #: the rank never reported (worker or node died)
+    #: not started: other processes held memory on the slot's GPU past the wait (workers.device_idle);
+    #: the slot is out of tuning until it frees and the experiment is queued again, never recorded
+    GPU_BUSY = "gpu_busy"
 
 
 class KillReason(str, Enum):

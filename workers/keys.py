@@ -8,6 +8,9 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:gang:<node>.gpu<i>         str   owner token of a gang reservation of that slot (PX lease)
     autotune:gpu:<host>:<uuid>          str   the slot serving that GPU of that machine (JSON: queue,
                                               worker); claimed with SET NX, renewed with the slot's key
+    autotune:unhealthy:<node>.gpu<i>    str   that slot's GPU holds memory of other processes (JSON: used
+                                              bytes, since, why): out of tuning until its worker sees the
+                                              memory gone (workers.slot_health); renewed like the slot's key
     autotune:rdzv:<attempt>             list  rank 0's "addr:port", pushed once per waiting rank
     autotune:abort:<attempt>            str   set when a rank of that attempt failed: the others stop
     autotune:measured:<attempt>         str   set when rank 0's metrics of that attempt are written: a
@@ -54,6 +57,10 @@ def gang(queue: str) -> str:
 
 def gpu_claim(host: str, gpu_uuid: str) -> str:
     return f"{PREFIX}gpu:{host}:{gpu_uuid}"
+
+
+def unhealthy(queue: str) -> str:
+    return f"{PREFIX}unhealthy:{queue}"
 
 
 def rendezvous(attempt: str) -> str:

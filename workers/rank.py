@@ -42,6 +42,7 @@ from workers.launch import MEASURED_GRACE_ENV, MEASURED_GRACE_S, run_watched, ta
 from workers.paths import read_json, safe_child, write_atomic, write_json
 from workers.shared_memory import remove_rank_segment
 from workers.slot import Slot
+from workers.slot_health import mark_unhealthy
 from workers.step_clock import wall_clock_metrics, window_seconds
 
 ABORT_TTL_S = 3600
@@ -178,7 +179,17 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         write_atomic(result_dir / "cmd.txt", shlex.join(command) + "\n")
 
     stop_check = _StopCheck(client, keys.abort(spec.attempt), slot.queue, spec.gang_token, spec.lease_s)
-    device_wait = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check) if slot.kind == "cuda" and slot.cuda_index >= 0 else None
+    on_gpu = slot.kind == "cuda" and slot.cuda_index >= 0
+    device_wait = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check) if on_gpu else None
+    if device_wait is not None and device_wait.busy:  # not started beside others: workers.slot_health
+        mark_unhealthy(client, slot.queue, device_wait.used_bytes or 0, "before a launch")
+        _signal_abort(client, spec.attempt)
+        now = time.time()
+        return {"status": Status.GPU_BUSY.value, "exit": "not started", "started_at": now, "ended_at": now,
+                "wall_s": 0.0, "peak_rss_bytes": 0, "device_foreign_bytes": device_wait.used_bytes,
+                "device_wait_s": device_wait.waited_s,
+                "error": f"other processes held {(device_wait.used_bytes or 0) / 2**30:.1f} GiB of GPU "
+                         f"{slot.cuda_index} after a {device_wait.waited_s:.0f}s wait"}
     master = _meet(spec, slot, client, stop_check)
     if master is None:
         now = time.time()
@@ -217,6 +228,11 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     finally:
         client.delete(pgid_key)
         remove_rank_segment(master[0], master[1], spec.rank)  # DeepSpeed's CPU all-reduce never does
+    # The slot is freed only with its GPU back to idle: a context torn down slowly is waited for;
+    # memory still held after the wait is someone else's, and the slot leaves tuning until it goes.
+    device_after = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check.slot_taken) if on_gpu else None
+    if device_after is not None and device_after.busy:
+        mark_unhealthy(client, slot.queue, device_after.used_bytes or 0, "after a run")
 
     expects_metrics = spec.rank == 0 and bool(spec.metric_file)
     metrics = read_json(metric_path) if expects_metrics else None
@@ -249,6 +265,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
             record["nccl_socket_ifname"] = env["NCCL_SOCKET_IFNAME"]  # cmd_optimal.txt sets it alike
     if device_wait is not None and device_wait.foreign_bytes is not None:
         record.update(device_foreign_bytes=device_wait.foreign_bytes, device_wait_s=device_wait.waited_s)
+    if device_after is not None and device_after.busy:  # may have been there during the run too
+        record["device_foreign_after_bytes"] = device_after.used_bytes
     if problem:
         record["error"] = problem
     elif status is Status.NO_METRICS:
@@ -327,13 +345,20 @@ class _StopCheck:
 
     def __call__(self) -> bool:
         try:
-            if self._gangs is not None and time.monotonic() >= self._renew_at:
-                self._renew_at = time.monotonic() + self._lease_s / 3
-                if not self._gangs.keep(self._queue, self._token, self._lease_s):
-                    return True  # another launch owns the slot now: this one was given up
-            return bool(self._client.exists(self._abort_key))
+            return self.slot_taken() or bool(self._client.exists(self._abort_key))
         except redis.RedisError:
             return False
+
+    def slot_taken(self) -> bool:
+        """Renew the lease when due; True when another launch owns the slot now (this one was given
+        up). The check for after the run, when a failed peer no longer matters."""
+        try:
+            if self._gangs is not None and time.monotonic() >= self._renew_at:
+                self._renew_at = time.monotonic() + self._lease_s / 3
+                return not self._gangs.keep(self._queue, self._token, self._lease_s)
+        except redis.RedisError:
+            pass
+        return False
 
 
 def _with_metric_path(ds_config: dict[str, Any], metric_path: Path) -> dict[str, Any]:

@@ -38,7 +38,7 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
         "ranks": ranks,
     }
     for key in ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc_retries", "device_total_bytes",
-                "device_untracked_bytes", "device_foreign_bytes", "peak_device_init_bytes",
+                "device_untracked_bytes", "device_foreign_bytes", "device_foreign_after_bytes", "peak_device_init_bytes",
                 "peak_device_init_allocated_bytes"):
         values = [r[key] for r in ranks if isinstance(r.get(key), int)]
         if values:  # the busiest rank's figure; the total: the smallest GPU, which bounds the gang

@@ -57,6 +57,7 @@ from workers.paths import safe_child, write_json
 from workers.rank import RankSpec
 from workers.registry import HEARTBEAT_S, TTL_S, live_slots
 from workers.slot import Slot
+from workers.slot_health import describe, unhealthy
 from workers.topology import worst_link
 
 SWEEP_S = 2.0
@@ -86,7 +87,8 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
         return
     slots = live_slots(client)
     gangs = GangReservations(client)
-    busy = gangs.held([s.queue for s in slots])
+    sick = unhealthy(client, [s.queue for s in slots])  # others' memory on the GPU: no known end
+    busy = gangs.held([s.queue for s in slots]) | set(sick)
     free = sum(1 for s in slots if s.queue not in busy)
     queued = heads(client, [spec.job for spec in specs], free)  # only what could matter now
     waiting = sorted(((launch.seq, spec, launch) for spec in specs for launch in queued[spec.job]),
@@ -113,7 +115,8 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
     items = [Waiting(key, launch.exp["num_nodes"], launch.exp["num_gpus"], spec.timeout_s,
                      launch.exp.get("min_memory", 0), spec.slot_kind, bool(launch.exp.get("exclusive")))
              for key, (spec, launch) in by_key.items()]
-    for key, placement in policy(items, slots, _frees_at(client, jobs, busy, slots), time.time()):
+    frees_at = {**_frees_at(client, jobs, busy, slots), **dict.fromkeys(sick, math.inf)}
+    for key, placement in policy(items, slots, frees_at, time.time()):
         spec, launch = by_key[key]
         queues = [slot.queue for node in placement for slot in node]
         token = gangs.reserve(queues, spec.lease_s, owner=key)
@@ -125,7 +128,7 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
         store = JobStore(client, spec.job)
         running = store.running_names()
         head = next((launch for launch in queued[spec.job] if launch.name not in running), None)
-        _publish_state(store, spec, head, running)
+        _publish_state(store, spec, head, running, sick)
 
 
 def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
@@ -311,6 +314,23 @@ def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, A
     return True
 
 
+def requeue_for_busy_gpu(client: redis.Redis, finish: FinishSpec, busy_ranks: list[dict[str, Any]]) -> bool:
+    """A launch that a rank did not start because others held memory on its GPU (`gpu_busy`,
+    workers.slot_health): its slots are freed and it waits again at its old place, on other slots
+    or later; not counted as an attempt (it never ran). The submitter is told which slots left
+    tuning. False for a stale launch."""
+    GangReservations(client).release(finish.slots, finish.gang_token)
+    store = JobStore(client, finish.job)
+    launch = store.running().get(finish.name)
+    if launch is None or launch.attempt != finish.attempt:
+        return False
+    store.requeue(launch, counted=False)
+    shown = [describe(rank["slot"], {"used_bytes": rank.get("device_foreign_bytes") or 0}) for rank in busy_ranks]
+    log.warning("%s not started: %s; queued again", finish.name, ", ".join(shown))
+    store.publish({"kind": "gpu_busy", "name": finish.name, "slots": shown})
+    return True
+
+
 def _adopted(client: redis.Redis, store: JobStore, finish: FinishSpec, record: dict[str, Any]) -> bool:
     """A record of a launch its job does not know: after Redis lost its data the job was submitted
     again, and this launch ran on (its ranks took their leases back) while the job waited for it
@@ -380,11 +400,15 @@ def _lose(client: redis.Redis, work: Work, spec: JobSpec, launch: RunningLaunch,
     return True
 
 
-def _publish_state(store: JobStore, spec: JobSpec, head_launch: QueuedLaunch | None, running: set[str]) -> None:
+def _publish_state(store: JobStore, spec: JobSpec, head_launch: QueuedLaunch | None, running: set[str],
+                   sick: Mapping[str, dict]) -> None:
     """What `python -m scheduler.autotune --status` shows for the job (an active one)."""
     head = head_launch.exp if head_launch else None
     waits = (f"needs {head['num_nodes']} node(s) x {head['num_gpus']} free slot(s) at once; "
              "the slots that fit are reserved" if head else "-")
+    if head and sick:
+        waits += "; out of tuning until their GPU's memory frees: " + ", ".join(
+            describe(queue, mark) for queue, mark in sorted(sick.items()))
     store.show({"results_dir": spec.results_root, "pending": store.depth(),
                 "running": ",".join(sorted(running)) or "-", "head": head["name"] if head else "-",
                 "head_waits": waits, "updated": round(time.time(), 1)})

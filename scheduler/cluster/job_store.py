@@ -216,10 +216,13 @@ class JobStore:
         walls = json.loads(self.client.hget(keys.job_walls(self.job), shape) or "[]")
         self.client.hset(keys.job_walls(self.job), shape, json.dumps([*walls, seconds]))
 
-    def requeue(self, launch: RunningLaunch) -> None:
-        """A lost launch waits again at its old place, in one transaction."""
+    def requeue(self, launch: RunningLaunch, counted: bool = True) -> None:
+        """A launch waits again at its old place, in one transaction; `counted=False` takes its
+        launch back from the attempts (it never ran: dispatch.requeue_for_busy_gpu)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.hdel(keys.job_running(self.job), launch.name)
+        if not counted:
+            pipe.hincrby(keys.job_attempts(self.job), launch.name, -1)
         self.queue([launch.queued()], pipe)
         pipe.execute()
 

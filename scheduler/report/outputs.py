@@ -38,7 +38,8 @@ from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
 from workers.paths import safe_child, write_atomic, write_json
 
-FAILURE_CLASSES = [s.value for s in Status if s is not Status.OK]
+#: The classes an experiment's record can have (`gpu_busy` is a rank's "not started": never recorded).
+FAILURE_CLASSES = [s.value for s in Status if s not in (Status.OK, Status.GPU_BUSY)]
 #: An experiment that was running or queued when the search was interrupted: not a measurement.
 CANCELLED = "cancelled"
 OPTIMAL_FILES = ("ds_config_optimal.json", "cmd_optimal.txt", "hostfile_optimal")

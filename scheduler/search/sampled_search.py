@@ -67,7 +67,7 @@ from typing import Any
 
 from scheduler.search.confirm import REPEAT_BUDGET, group_readings, next_repeat
 from scheduler.search.ranking import metric_value
-from scheduler.search.session import Session, Step
+from scheduler.search.session import Session, Step, under_foreign_memory
 from scheduler.search.space import PROFILE, Experiment
 
 
@@ -110,10 +110,10 @@ TOP_SAFETY_UNBOUNDED = 1.0
 def says_nothing(record: Mapping[str, Any]) -> bool:
     """Whether a failed launch says nothing about its config, so it is launched once more: a
     `RETRIED` status, or an out-of-memory while other processes held memory on its GPU
-    (`device_foreign_bytes`, workers.device_idle: a notebook, another job, a context still being torn
-    down), which is no memory bound either (`session.too_large`)."""
+    (`session.under_foreign_memory`: a notebook, another job, a context still being torn down),
+    which is no memory bound either (`session.too_large`)."""
     status = record.get("status")
-    return status in RETRIED or (status == "oom" and bool(record.get("device_foreign_bytes")))
+    return status in RETRIED or (status == "oom" and under_foreign_memory(record))
 
 
 def geometric_mid(low: int, high: int) -> int | None:

@@ -293,9 +293,17 @@ def too_large(record: Mapping[str, Any]) -> bool:
     an allocator's exception in the rank, or its traceback on a wrapper's stderr: workers.oom). On a
     GPU node most other failures are infrastructure (a timeout, a lost node, a port clash, a JIT
     build): taken as memory bounds they would prune the optimum (issue 21 item 7). Nor is an `oom`
-    while other processes held memory on its GPU (`device_foreign_bytes`, workers.device_idle): the
-    config may fit the GPU it would train on (issue 21 item 9)."""
-    return record.get("status") == "oom" and not record.get("device_foreign_bytes")
+    under other processes' memory (`under_foreign_memory`): the config may fit the GPU it would
+    train on (issue 21 item 9)."""
+    return record.get("status") == "oom" and not under_foreign_memory(record)
+
+
+def under_foreign_memory(record: Mapping[str, Any]) -> bool:
+    """Whether other processes held memory on a GPU of the experiment: when it started
+    (`device_foreign_bytes`, from records before ranks stopped starting beside them) or a wait after
+    its ranks ended (`device_foreign_after_bytes`: they may have been there during the run;
+    workers.device_idle, workers.slot_health)."""
+    return bool(record.get("device_foreign_bytes")) or bool(record.get("device_foreign_after_bytes"))
 
 
 def peak_of(record: Mapping[str, Any], key: str) -> int | None:

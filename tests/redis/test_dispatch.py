@@ -20,7 +20,7 @@ import redis
 
 from scheduler.cluster import dispatch as dispatch_module
 from scheduler.cluster.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock, co_runners_of,
-                                dispatch, record_finished, refusal, sweep)
+                                dispatch, record_finished, refusal, requeue_for_busy_gpu, sweep)
 from scheduler.cluster.job_store import JobStore, reserve_seqs
 from scheduler.cluster.jobs import JobSpec, TuneSpec, submit
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
@@ -30,6 +30,7 @@ from workers.gang import GangReservations
 from workers.op_prebuild import PREBUILD_TIMEOUT_S
 from workers.rank import RankSpec
 from workers.slot import Slot
+from workers.slot_health import mark_unhealthy
 
 GiB = 2**30
 HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -219,6 +220,26 @@ def test_only_the_free_slots_bound_what_starts(client: redis.Redis, work, tmp_pa
     assert started(work) == [("e0", ["n0.gpu0"]), ("e1", ["n0.gpu1"]), ("e2", ["n0.gpu3"])]
     assert client.get(keys.gang("n0.gpu2")) == b"other/x#1" and client.pttl(keys.gang("n0.gpu2")) == -1
     assert state(client, "j")["pending"] == "2" and state(client, "j")["head"] == "e3"
+
+
+def test_a_slot_whose_gpu_others_hold_gets_nothing_and_the_status_says_why(client: redis.Redis, work,
+                                                                          tmp_path: Path) -> None:
+    """workers.slot_health: n0.gpu1's GPU holds 20 GiB of another process. A two-slot experiment
+    cannot start on n0.gpu0 + n0.gpu1: it takes gpu0 + gpu2, the next one-slot experiment must
+    wait, and --status names the slot and why; once the mark is lifted, gpu1 is used again."""
+    register(client, *(make_slot("n0", d, "cuda", 80 * GiB, cuda_index=d) for d in range(3)))
+    mark_unhealthy(client, "n0.gpu1", 20 * GiB, "before a launch")
+    spec = make_spec(tmp_path)
+    active(client, work, spec, exp("pair", gpus=2), exp("one"))
+    dispatch(client, work)
+    assert started(work) == [("pair", ["n0.gpu0", "n0.gpu2"])]
+    assert not client.exists(keys.gang("n0.gpu1"))
+    assert state(client, "j")["head"] == "one"
+    assert state(client, "j")["head_waits"].endswith(
+        "; out of tuning until their GPU's memory frees: n0.gpu1 (20.0 GiB used by other processes)")
+    client.delete(keys.unhealthy("n0.gpu1"))
+    dispatch(client, work)
+    assert started(work)[-1] == ("one", ["n0.gpu1"])
 
 
 def test_strict_fifo_only_while_every_job_asks_for_it(client: redis.Redis, work, tmp_path: Path) -> None:
@@ -543,6 +564,26 @@ def test_a_stale_finish_frees_only_its_own_slots(client: redis.Redis, work, tmp_
     JobStore(client, "j").update_running(RunningLaunch(1, exp("a", 2, 8), [], "current", [], "t", {}, 0, 0))
     assert record_finished(client, other, {"status": "ok", "wall_s": 1.0}) is False
     assert "a" in running(client, "j") and not client.exists(keys.job_walls("j"))
+
+
+def test_a_launch_not_started_for_a_busy_gpu_waits_again_uncounted(client: redis.Redis, work,
+                                                                   tmp_path: Path) -> None:
+    """A rank found others' memory on its GPU and did not start (`gpu_busy`): the launch's slots
+    are freed, it waits again at its old place with its attempt given back, the submitter is told,
+    nothing is recorded; a second callback of the same launch is stale and changes nothing."""
+    finish = _dispatched(client, work, tmp_path)
+    assert client.hget(keys.job_attempts("j"), "a") == b"1"
+    seq = running(client, "j")["a"].seq
+    busy = [{"slot": "n0.gpu1", "status": "gpu_busy", "device_foreign_bytes": 20 * GiB}]
+    assert requeue_for_busy_gpu(client, finish, busy) is True
+    assert not client.keys(keys.gang("*")) and client.hlen(keys.job_running("j")) == 0
+    assert client.hget(keys.job_attempts("j"), "a") == b"0"
+    assert json.loads(client.hget(keys.job_queue("j"), "a"))["seq"] == seq
+    assert events(client, "j") == [{"kind": "gpu_busy", "name": "a",
+                                    "slots": ["n0.gpu1 (20.0 GiB used by other processes)"]}]
+    assert client.smembers(keys.job_recorded("j")) == set() and not (tmp_path / "j").exists()
+    assert requeue_for_busy_gpu(client, finish, busy) is False
+    assert client.hget(keys.job_attempts("j"), "a") == b"0" and len(events(client, "j")) == 1
 
 
 # ---------------------------------------------------------------- lost launches: why, and what then

@@ -63,3 +63,14 @@ def test_ranks_that_were_all_stale_write_nothing(callback, client: redis.Redis, 
     returned = callback([rank(0, "lost", stale=True), rank(1, "lost", stale=True)], finish(tmp_path))
     assert returned == {"name": "z1_gas1_tmbspg4", "status": "lost", "stale": True}
     assert list(tmp_path.iterdir()) == [] and client.keys("*") == []
+
+
+def test_a_rank_that_found_its_gpu_busy_writes_no_record(callback, client: redis.Redis, tmp_path: Path) -> None:
+    """A `gpu_busy` rank did not start (workers.slot_health): the experiment never ran, so the
+    callback writes nothing and frees the launch's slots (dispatch.requeue_for_busy_gpu queues it
+    again; tests/redis/test_dispatch.py)."""
+    client.set("autotune:gang:n.gpu0", "tok")
+    client.set("autotune:gang:n.gpu1", "tok")
+    returned = callback([rank(0, "aborted"), rank(1, "gpu_busy", device_foreign_bytes=20 * 2**30)], finish(tmp_path))
+    assert returned == {"name": "z1_gas1_tmbspg4", "status": "gpu_busy", "requeued": True}
+    assert list(tmp_path.iterdir()) == [] and not client.keys("autotune:gang:*")

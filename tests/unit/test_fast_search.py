@@ -25,6 +25,7 @@ from scheduler.search.fast_search import (
 from scheduler.search.memory import ModelInfo
 from scheduler.search.phases import Phase, drive, replay
 from scheduler.search.ranking import best
+from scheduler.search.sampled_search import says_nothing
 from scheduler.search.session import NoStageFits, SearchAborted, SearchSettings, too_large
 
 GiB = 1024**3
@@ -521,6 +522,18 @@ def test_candidate_list_edges(min_mbs: int, max_mbs: int, mtbpg: int, sizes: lis
 def test_only_an_out_of_memory_is_a_memory_bound(status: str, bound: bool) -> None:
     """Issue 21 item 7: on a GPU node most other failures are infrastructure."""
     assert too_large({"status": status}) is bound
+
+
+@pytest.mark.parametrize(("fields", "bound"), [
+    ({}, True), ({"device_foreign_bytes": 0, "device_foreign_after_bytes": None}, True),
+    ({"device_foreign_bytes": 20 * 2**30}, False), ({"device_foreign_after_bytes": 8 * 2**30}, False),
+])
+def test_an_out_of_memory_beside_others_memory_is_no_bound(fields: dict, bound: bool) -> None:
+    """Issue 21 item 9: others' memory on the GPU when the run started, or still there a wait after
+    its ranks ended (workers.slot_health), may have been what ran out; the search retries instead."""
+    record = {"status": "oom", **fields}
+    assert too_large(record) is bound
+    assert says_nothing(record) is not bound
 
 
 def test_gas_for_keeps_each_step_within_max_train_batch_size() -> None:

@@ -10,6 +10,9 @@ uses, that `--local_rank` (when given) agrees with LOCAL_RANK, and that the clus
 credentials did not leak into it.
 It writes `<result_dir>/probe.rank<N>.json`, reports a device peak through
 `workers.device_memory.report_peak` and, on rank 0, the metrics file. A failed check exits 1.
+`--leave-used RANK,MBS,MIB`: that rank, at that micro-batch, leaves MIB in use on its GPU when it
+exits (appended to the fake nvidia-smi's $FAKE_NVIDIA_SMI_USED_FILE), as a child process it did not
+take with it would.
 """
 import argparse
 import json
@@ -23,6 +26,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--deepspeed_config", required=True)
 parser.add_argument("--local_rank", type=int)
 parser.add_argument("--expect-cuda-index", default="", help="comma-separated reserved GPU index of each rank")
+parser.add_argument("--leave-used", default="", help="RANK,MBS,MIB: left in use on that rank's GPU at exit")
 args = parser.parse_args()
 
 config_path = Path(args.deepspeed_config)
@@ -63,3 +67,8 @@ autotuning = config.get("autotuning", {})
 if rank == 0 and autotuning.get("enabled"):
     Path(autotuning["metric_path"]).write_text(json.dumps({"throughput": 10.0 * mbs, "latency": 1.0,
                                                            "FLOPS_per_gpu": 1e9}))
+if args.leave_used:
+    leave_rank, leave_mbs, leave_mib = map(int, args.leave_used.split(","))
+    if (leave_rank, leave_mbs) == (rank, mbs):
+        with open(os.environ["FAKE_NVIDIA_SMI_USED_FILE"], "a") as used:
+            used.write(f"{visible[local_rank]}, {leave_mib}\n")

@@ -1,0 +1,87 @@
+"""A slot whose GPU holds others' memory is out of tuning until that memory is gone (workers.slot_health,
+issue 21 items 9 and 10), against a real redis-server: the mark, its renewal by the worker's
+heartbeat while the memory stays, and its lifting only after FREE_BEATS free readings in a row."""
+from __future__ import annotations
+
+import json
+import threading
+
+import redis
+
+from workers import keys, registry
+from workers.device_idle import FREE_BYTES
+from workers.registry import register_slot
+from workers.slot import Slot
+from workers.slot_health import FREE_BEATS, HealthWatch, describe, mark_unhealthy, unhealthy
+
+GiB = 2**30
+SLOT = Slot("n0", 1, "cuda", 80 * GiB, "10.0.0.9", 8, (), "gpu1@n0", cuda_index=1, host="m1", gpu_uuid="GPU-1")
+
+
+class Usage:
+    """What nvidia-smi shows for the GPU at each reading, in turn (the last one repeats)."""
+
+    def __init__(self, *readings: int | None) -> None:
+        self.readings, self.asked = list(readings), []
+
+    def __call__(self, gpu: str) -> int | None:
+        self.asked.append(gpu)
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+def test_a_mark_says_what_was_seen_and_keeps_its_first_since(client: redis.Redis) -> None:
+    assert unhealthy(client, ["n0.gpu1", "n0.gpu2"]) == {} and unhealthy(client, []) == {}
+    mark_unhealthy(client, "n0.gpu1", 20 * GiB, "before a launch")
+    first = unhealthy(client, ["n0.gpu1", "n0.gpu2"])["n0.gpu1"]
+    assert (first["used_bytes"], first["why"]) == (20 * GiB, "before a launch")
+    assert 0 < client.pttl(keys.unhealthy("n0.gpu1")) <= registry.TTL_S * 1000  # lapses with a dead worker
+    mark_unhealthy(client, "n0.gpu1", 30 * GiB, "after a run")
+    again = unhealthy(client, ["n0.gpu1"])["n0.gpu1"]
+    assert again["since"] == first["since"] and again["used_bytes"] == 30 * GiB
+    assert describe("n0.gpu1", again) == "n0.gpu1 (30.0 GiB used by other processes)"
+
+
+def test_an_unmarked_slot_reads_nothing(client: redis.Redis) -> None:
+    usage = Usage(20 * GiB)
+    HealthWatch(client, "n0.gpu1", "GPU-1", usage)()
+    assert usage.asked == [] and not client.exists(keys.unhealthy("n0.gpu1"))
+
+
+def test_the_mark_is_lifted_only_after_free_beats_in_a_row(client: redis.Redis) -> None:
+    """Busy, free, free, busy (the holder flickered back), then free FREE_BEATS times: the mark stays
+    renewed (TTL refreshed, the usage now shown) until the last of those, and only then goes."""
+    assert FREE_BEATS == 3
+    mark_unhealthy(client, "n0.gpu1", 20 * GiB, "after a run")
+    usage = Usage(25 * GiB, 0, FREE_BYTES, 40 * GiB, None, 0, 0, 0)
+    watch = HealthWatch(client, "n0.gpu1", "GPU-1", usage)
+    seen = []
+    for _ in range(8):
+        client.pexpire(keys.unhealthy("n0.gpu1"), 2000)  # the watch must renew it at each beat
+        watch()
+        raw = client.get(keys.unhealthy("n0.gpu1"))
+        seen.append(json.loads(raw)["used_bytes"] if raw else None)
+        if raw:
+            assert client.pttl(keys.unhealthy("n0.gpu1")) > 5000
+    assert seen == [25 * GiB, 25 * GiB, 25 * GiB, 40 * GiB, 40 * GiB, 40 * GiB, 40 * GiB, None]
+    assert usage.asked == ["GPU-1"] * 8
+
+
+def test_the_workers_heartbeat_runs_the_watch(client: redis.Redis, monkeypatch) -> None:
+    """Through `register_slot(on_beat=...)`, as tasks.worker_hooks starts it: the mark outlives its
+    own TTL while the GPU stays busy, and goes once it is free."""
+    monkeypatch.setattr(registry, "TTL_S", 0.5)
+    monkeypatch.setattr(registry, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr("workers.slot_health.TTL_S", 0.5)
+    busy = threading.Event()
+    busy.set()
+    watch = HealthWatch(client, SLOT.queue, SLOT.nvidia_smi_id, lambda gpu: 20 * GiB if busy.is_set() else 0)
+    mark_unhealthy(client, SLOT.queue, 20 * GiB, "after a run")
+    beat = register_slot(client, SLOT, on_beat=watch)
+    try:
+        threading.Event().wait(1.2)  # past two TTLs
+        assert client.exists(keys.unhealthy(SLOT.queue))
+        busy.clear()
+        threading.Event().wait(0.6)
+        assert not client.exists(keys.unhealthy(SLOT.queue))
+    finally:
+        beat.stop()
