@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import threading
+from io import StringIO
 
 import redis
+from rich.console import Console
+
+from scheduler.status import collect, render
 
 from workers import keys, registry
 from workers.device_idle import FREE_BYTES
@@ -85,3 +89,18 @@ def test_the_workers_heartbeat_runs_the_watch(client: redis.Redis, monkeypatch) 
         assert not client.exists(keys.unhealthy(SLOT.queue))
     finally:
         beat.stop()
+
+
+def test_status_shows_a_slot_out_of_tuning_and_why(client: redis.Redis) -> None:
+    """`python -m scheduler.autotune --status`: the marked slot, the memory held; the others free."""
+    other = Slot("n0", 0, "cuda", 80 * GiB, "10.0.0.9", 8, (), "gpu0@n0", cuda_index=0, host="m1", gpu_uuid="GPU-0")
+    for slot in (SLOT, other):
+        client.set(keys.slot(slot.queue), json.dumps(slot.to_redis()))
+    mark_unhealthy(client, SLOT.queue, 20 * GiB, "before a launch")
+    shown = {slot["queue"]: slot["unhealthy"] for slot in collect(client)["slots"]}
+    assert shown == {"n0.gpu0": "", "n0.gpu1": "n0.gpu1 (20.0 GiB used by other processes)"}
+    out = StringIO()
+    render(Console(file=out, width=200), collect(client))
+    rows = {line.split()[1]: line for line in out.getvalue().splitlines() if "n0.gpu" in line}
+    assert "out of tuning: n0.gpu1 (20.0 GiB used by other processes)" in rows["n0.gpu1"]
+    assert "free" in rows["n0.gpu0"] and "out of tuning" not in rows["n0.gpu0"]
