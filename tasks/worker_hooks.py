@@ -27,6 +27,7 @@ from celery import signals
 from celery.exceptions import TimeLimitExceeded
 
 from workers import keys
+from workers.cuda_binding import binding_problem, torch_has_cuda, uuid_seen_by_cuda
 from workers.gpus import GpuListingError, memory_used
 from workers.launch import group_runs_slot, kill_group
 from workers.redis_tls import describe_tls_failure
@@ -100,6 +101,13 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
         except GpuListingError as exc:
             _refuse(f"slot worker {sender}: {exc}")
         slot = replace(described, instance=uuid.uuid4().hex[:12])
+        if slot.kind == "cuda" and torch_has_cuda():  # CUDA and nvidia-smi must agree on the GPU
+            seen = uuid_seen_by_cuda(slot)
+            problem = binding_problem(slot, seen)
+            if problem:
+                _refuse(f"slot worker {sender}: {problem}")
+            if seen is None:
+                log.warning("slot %s: could not ask CUDA which GPU its ranks will open; not checked", slot.queue)
         os.environ["AUTOTUNE_SLOT_JSON"] = json.dumps(slot.to_redis())
         os.environ.update({k: v for k, v in slot.child_env().items() if k.startswith("CUDA_")})
         orphans = kill_orphans(client, slot.queue)

@@ -1,0 +1,66 @@
+"""At a CUDA slot worker's start: does CUDA, given the slot's binding, open the slot's own GPU?
+
+Why (issue 21 item 4): ranks are bound by nvidia-smi index (`CUDA_VISIBLE_DEVICES=<index>` with
+`CUDA_DEVICE_ORDER=PCI_BUS_ID`, `Slot.child_env`), because DeepSpeed reads that variable as integers
+and the final `deepspeed --include` names GPUs the same way. Under MPS, and possibly inside device
+cgroups, CUDA can number devices differently from nvidia-smi: a rank would then train on another
+slot's GPU, two experiments would share one GPU and measure each other, and nothing would fail. So
+the worker asks CUDA once, in a child process bound as its ranks will be (the worker itself never
+opens a CUDA context), which GPU it got, and refuses to serve the slot when its UUID is not the
+slot's. A torch without CUDA, or a child that cannot tell, is no reason to refuse: it is logged.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+from workers.slot import Slot
+
+#: What the child prints: the UUID of the one device CUDA sees, or nothing when it sees no CUDA.
+PROBE = ("import torch\n"
+         "if torch.cuda.is_available() and torch.cuda.device_count() == 1:\n"
+         "    print(torch.cuda.get_device_properties(0).uuid)\n")
+PROBE_TIMEOUT_S = 120.0
+
+
+def torch_has_cuda() -> bool:
+    """Whether the installed torch is a CUDA build, read from its distribution's version without
+    importing it (a CPU wheel is `<version>+cpu`): a CPU torch needs no probe."""
+    try:
+        return not importlib.metadata.version("torch").endswith("+cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def uuid_seen_by_cuda(slot: Slot, env: dict[str, str] | None = None) -> str | None:
+    """The UUID of the GPU CUDA opens for `slot`'s binding, asked in a child process; None when
+    the child cannot tell (no CUDA, it failed or timed out)."""
+    child_env = {**(os.environ if env is None else env), **slot.child_env()}
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE], env=child_env, capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.split()
+    return lines[-1] if done.returncode == 0 and lines else None
+
+
+def same_gpu(nvidia_smi_uuid: str, cuda_uuid: str) -> bool:
+    """nvidia-smi writes `GPU-<uuid>` (or `MIG-...`), torch the bare UUID."""
+    def bare(text: str) -> str:
+        text = text.strip().lower()
+        return text.split("-", 1)[1] if text.startswith(("gpu-", "mig-")) else text
+    return bare(nvidia_smi_uuid) == bare(cuda_uuid)
+
+
+def binding_problem(slot: Slot, cuda_uuid: str | None) -> str | None:
+    """Why `slot`'s binding opens another GPU than its own, or None (the same, or cannot tell)."""
+    if not slot.gpu_uuid or cuda_uuid is None or same_gpu(slot.gpu_uuid, cuda_uuid):
+        return None
+    return (f"GPU {slot.cuda_index} is {slot.gpu_uuid} to nvidia-smi, but CUDA bound as a rank would be "
+            f"(CUDA_VISIBLE_DEVICES={slot.cuda_index}, CUDA_DEVICE_ORDER=PCI_BUS_ID) opens GPU-{cuda_uuid}: "
+            "the two number GPUs differently (MPS, or a device cgroup), so ranks would train on another "
+            "slot's GPU; run the workers where nvidia-smi and CUDA agree (without MPS, or with the MPS "
+            "server seeing every GPU in PCI order)")
