@@ -54,4 +54,20 @@ if ! command -v nvidia-smi >/dev/null 2>&1 && ! ls "$EXTENSIONS"/deepspeed_shm_c
         "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" \
         >/dev/null 2>&1 || echo "setup: warning: could not pre-build deepspeed_shm_comm; the first experiment will compile it" >&2
 fi
+# On a GPU node, the ops DeepSpeed's GPU runs compile most often (FusedAdam for "Adam" without
+# torch_adam, CPUAdam for an offloaded optimizer) are built here, for this node's GPUs, before any
+# tuning; a slot worker builds any other op a config needs once per node, outside the experiment's
+# limits (workers.op_prebuild). Without nvcc they cannot build: said here, and by the job's first
+# experiment that needs one.
+if command -v nvidia-smi >/dev/null 2>&1 && .venv/bin/python -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1 \
+        && ! ls "$EXTENSIONS"/fused_adam/*.so "$EXTENSIONS"/cpu_adam/*.so >/dev/null 2>&1; then
+    echo "setup: compiling DeepSpeed's FusedAdam and CPUAdam for this node's GPUs (once, a few minutes)"
+    REPORT=$(mktemp)
+    TORCH_EXTENSIONS_DIR="$EXTENSIONS" .venv/bin/python -m workers.op_prebuild "$REPORT" FusedAdamBuilder CPUAdamBuilder \
+        >/dev/null 2>&1 || true
+    if [ "$(cat "$REPORT" 2>/dev/null)" != "{}" ]; then
+        echo "setup: warning: could not pre-build DeepSpeed's GPU ops ($(cat "$REPORT" 2>/dev/null)); an experiment that needs one builds it first (is nvcc installed?)" >&2
+    fi
+    rm -f "$REPORT"
+fi
 echo "setup: ready (.venv, redis-server $(redis-server --version | awk '{print $3}'))"
