@@ -17,7 +17,8 @@
 #      ~2 GB of fixed buffers dwarfing a small model's activations; bench/README.md);
 #   4. OOMs, if any, are classed `oom` (never `crashed`) and are the larger sizes of their stage;
 #   5. every rank checked its GPU for others' memory before it started (device_wait_s; printed with the
-#      most others held, device_foreign_bytes: workers/device_idle.py), and every successful
+#      most others held, device_foreign_bytes: workers/device_idle.py, and the ranks whose GPU was not
+#      free a wait after they ended, device_foreign_after_bytes: workers/slot_health.py), and every successful
 #      experiment has the engine's build peak apart from training's (peak_device_init_bytes); with 2
 #      GPUs or more, each record names its gang's slowest GPU link (gpu_link, nvidia-smi topo -m);
 #   6. cmd_optimal.txt names the winner's GPUs (--include localhost:a,b) and, run as written by
@@ -70,7 +71,7 @@ world = int(sys.argv[2])
 problems = []
 records = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
 by_stage = defaultdict(list)
-waits, foreign, links = [], [], set()
+waits, foreign, after, links = [], [], [], set()
 for line in records:
     record = json.loads((results / line["name"] / "result.json").read_text())
     ranks = record.get("ranks", [])
@@ -88,6 +89,7 @@ for line in records:
                             "unreadable: the GPU-free check before launch did not run)")
         waits.append(rank.get("device_wait_s") or 0.0)
         foreign.append(rank.get("device_foreign_bytes") or 0)
+        after.append(rank.get("device_foreign_after_bytes") or 0)
     if record["status"] == "ok":
         if not record.get("peak_device_bytes"):
             problems.append(f"{record['name']}: no peak_device_bytes in an ok record")
@@ -112,7 +114,8 @@ for stage, runs in sorted(by_stage.items()):
                                          for m, g, s, p, a in runs))
 print(f"GPU links of the gangs (nvidia-smi topo -m): {', '.join(sorted(links))}")
 print(f"GPU-free check: waited at most {max(waits, default=0):.1f} s before a rank; others held at most "
-      f"{max(foreign, default=0) / 2**30:.2f} GiB at a rank's start")
+      f"{max(foreign, default=0) / 2**30:.2f} GiB at a rank's start; {sum(1 for a in after if a)} rank(s) left their "
+      f"GPU used (at most {max(after, default=0) / 2**30:.2f} GiB) a wait after they ended: slot out of tuning")
 command = shlex.split((results / "cmd_optimal.txt").read_text())
 while command and "=" in command[0] and not command[0].startswith("-"):
     command.pop(0)  # OMP_NUM_THREADS=... and the like, set for the launch

@@ -205,8 +205,16 @@ def run_fixed(client: redis.Redis, work: Work, spec: JobSpec,
     """Run a fixed job to its end and return one record per experiment, in the spec's order.
     Ctrl-C (KeyboardInterrupt) cancels it on the cluster."""
     submit(client, work, spec)
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event.get("kind") == "record":
+            on_record(event["record"])
+        elif event.get("kind") == "gpu_busy":  # dispatch.requeue_for_busy_gpu
+            log.warning("%s not started: other processes hold memory on %s; it waits until that memory goes",
+                        event.get("name"), ", ".join(event.get("slots", [])))
+
     try:
-        watch(client, work, spec, lambda event: on_record(event["record"]) if event.get("kind") == "record" else None)
+        watch(client, work, spec, on_event)
     except KeyboardInterrupt:
         cancel(client, work, spec.job)
         raise

@@ -22,7 +22,7 @@ from scheduler.cluster import dispatch as dispatch_module
 from scheduler.cluster.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock, co_runners_of,
                                 dispatch, record_finished, refusal, requeue_for_busy_gpu, sweep)
 from scheduler.cluster.job_store import JobStore, reserve_seqs
-from scheduler.cluster.jobs import JobSpec, TuneSpec, submit
+from scheduler.cluster.jobs import JobSpec, TuneSpec, run_fixed, submit
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.search.space import Experiment
 from workers import keys
@@ -818,3 +818,19 @@ def test_the_record_of_a_launch_redis_forgot_answers_its_experiment(client: redi
     enqueue(client, spec, exp("b", 2, 8))
     other = FinishSpec.from_json({**finish.to_json(), "name": "b"})
     assert record_finished(client, other, {"name": "b", "status": "ok"}) is False  # queued: a newer launch will run
+
+
+def test_a_fixed_run_says_when_its_launch_waits_for_a_busy_gpu(client: redis.Redis, work, tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """`python -m scheduler.run` (jobs.run_fixed) tells its user why the run has not started."""
+    def answer(job: str) -> None:  # the control worker's answer to the job's first step
+        store = JobStore(client, job)
+        store.publish({"kind": "gpu_busy", "name": "run", "slots": ["n0.gpu1 (20.0 GiB used by other processes)"]})
+        store.publish({"kind": "done"})
+
+    work.advance = answer
+    spec = make_spec(tmp_path, experiments=[{**exp("run"), "argv": ["t.py"]}])
+    with caplog.at_level(logging.WARNING, logger="scheduler.cluster.jobs"):
+        run_fixed(client, work, spec)
+    assert caplog.messages == ["run not started: other processes hold memory on n0.gpu1 (20.0 GiB used by "
+                               "other processes); it waits until that memory goes"]
