@@ -87,6 +87,7 @@ class LocalCluster:
         self.url = ""
         self._redis: subprocess.Popen | None = None
         self._workers: list[subprocess.Popen] = []
+        self._logs: dict[int, Path] = {}  #: a slot or control worker's pid -> its log
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -145,13 +146,15 @@ class LocalCluster:
     def _start_worker(self, queue: str, name: str, concurrency: int, env: dict[str, str]) -> None:
         log = self.log_dir / f"{queue}.log"
         self._workers.append(_spawn(worker_argv(queue, name, concurrency), log, env, death_signal=signal.SIGQUIT))
+        self._logs[self._workers[-1].pid] = log
 
     def _wait(self, ready, what: str, log: Path) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             dead = [p for p in ([self._redis] + self._workers) if p is not None and p.poll() is not None]
             if dead:
-                raise LocalClusterError(f"a process of the embedded cluster exited during start-up "
+                said = refusal_in(self._logs.get(dead[0].pid))
+                raise LocalClusterError(said or f"a process of the embedded cluster exited during start-up "
                                         f"({' '.join(map(str, dead[0].args[:6]))}); see {self.log_dir}")
             try:
                 if ready():
@@ -219,6 +222,18 @@ CLUSTER_USER_RULES = ("on", "~*", "&*", "+@all", "-@dangerous")
 def cluster_user_rules(user: str, password: str) -> list[str]:
     """The arguments of redis.conf's `user` directive (or ACL SETUSER) for the cluster's user."""
     return [user, *CLUSTER_USER_RULES[:1], f">{password}", *CLUSTER_USER_RULES[1:]]
+
+
+def refusal_in(log: Path | None) -> str | None:
+    """The one-line refusal (`error: ...`) a worker that ended at start-up left in its log, without
+    its prefix: the reason the user must read (a GPU that CUDA numbers differently, one already
+    served), instead of "see the logs". None when it left none."""
+    try:
+        lines = log.read_text(errors="replace").splitlines() if log is not None else []
+    except OSError:
+        return None
+    said = [line[len("error: "):].strip() for line in lines if line.startswith("error: ")]
+    return said[-1] if said else None
 
 
 def _spawn(argv: list[str], log: Path, env: dict[str, str], death_signal: int,
