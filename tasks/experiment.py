@@ -61,9 +61,9 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     busy = [r for r in rank_records if r.get("status") == Status.GPU_BUSY.value]
     if busy:  # not started beside others' memory: no record, queued again (workers.slot_health)
         with cluster_lock(client):
-            requeue_for_busy_gpu(client, finish, busy)
+            requeued = requeue_for_busy_gpu(client, finish, busy)
             dispatch(client, WORK)
-        return {"name": finish.name, "status": Status.GPU_BUSY.value, "requeued": True}
+        return {"name": finish.name, "status": Status.GPU_BUSY.value, "requeued": requeued}
     record = aggregate(finish.to_json(), rank_records)
     co_runners = co_runners_of(client, finish)
     if co_runners:  # launches of any job that held a slot on its nodes while it ran

@@ -27,7 +27,7 @@ from celery import signals
 from celery.exceptions import TimeLimitExceeded
 
 from workers import keys
-from workers.cuda_binding import binding_problem, torch_has_cuda, uuid_seen_by_cuda
+from workers.cuda_binding import binding_problem, should_check, uuid_seen_by_cuda
 from workers.gpus import GpuListingError, memory_used
 from workers.launch import group_runs_slot, kill_group
 from workers.redis_tls import describe_tls_failure
@@ -36,7 +36,7 @@ from workers.slot_health import HealthWatch
 from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
 
 log = logging.getLogger(__name__)
-_heartbeats: list[Heartbeat] = []
+_heartbeats: list[Heartbeat | HealthWatch] = []
 _stop_sweeping = threading.Event()
 
 
@@ -101,7 +101,7 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
         except GpuListingError as exc:
             _refuse(f"slot worker {sender}: {exc}")
         slot = replace(described, instance=uuid.uuid4().hex[:12])
-        if slot.kind == "cuda" and torch_has_cuda():  # CUDA and nvidia-smi must agree on the GPU
+        if slot.kind == "cuda" and should_check():  # CUDA and nvidia-smi must agree on the GPU
             seen = uuid_seen_by_cuda(slot)
             problem = binding_problem(slot, seen)
             if problem:
@@ -119,9 +119,9 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
             _refuse(f"slot worker {sender}: GPU {slot.cuda_index} ({slot.gpu_uuid}) is already served by slot "
                     f"{twin.get('queue')} (worker {twin.get('worker')}) on this machine; one slot worker per GPU: "
                     "stop one, or give each worker its own GPU (gpu<i>, CUDA_VISIBLE_DEVICES)")
-        watch = HealthWatch(client, slot.queue, slot.nvidia_smi_id, memory_used) \
-            if slot.kind == "cuda" and slot.cuda_index >= 0 else None
-        _heartbeats.append(register_slot(client, slot, on_beat=watch))
+        _heartbeats.append(register_slot(client, slot))
+        if slot.kind == "cuda" and slot.cuda_index >= 0:  # lifts the slot's mark when its GPU is free
+            _heartbeats.append(HealthWatch(client, slot.queue, slot.nvidia_smi_id, memory_used).start())
         log.info("slot %s registered: %s", slot.queue, slot)
         print(f"slot {slot.queue} registered: {slot.kind} device {slot.device}, "
               f"{slot.memory_bytes / 2**30:.1f} GiB, address {slot.address}", flush=True)

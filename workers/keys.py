@@ -9,8 +9,8 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:gpu:<host>:<uuid>          str   the slot serving that GPU of that machine (JSON: queue,
                                               worker); claimed with SET NX, renewed with the slot's key
     autotune:unhealthy:<node>.gpu<i>    str   that slot's GPU holds memory of other processes (JSON: used
-                                              bytes, since, why): out of tuning until its worker sees the
-                                              memory gone (workers.slot_health); renewed like the slot's key
+                                              bytes, since, why): out of tuning until its worker reads the
+                                              memory gone (workers.slot_health), which renews it meanwhile
     autotune:rdzv:<attempt>             list  rank 0's "addr:port", pushed once per waiting rank
     autotune:abort:<attempt>            str   set when a rank of that attempt failed: the others stop
     autotune:measured:<attempt>         str   set when rank 0's metrics of that attempt are written: a

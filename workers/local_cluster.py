@@ -87,7 +87,7 @@ class LocalCluster:
         self.url = ""
         self._redis: subprocess.Popen | None = None
         self._workers: list[subprocess.Popen] = []
-        self._logs: dict[int, Path] = {}  #: a slot or control worker's pid -> its log
+        self._logs: dict[int, tuple[Path, int]] = {}  #: a worker's pid -> its log, and where its lines start
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -145,15 +145,16 @@ class LocalCluster:
 
     def _start_worker(self, queue: str, name: str, concurrency: int, env: dict[str, str]) -> None:
         log = self.log_dir / f"{queue}.log"
+        written = log.stat().st_size if log.exists() else 0  # an earlier run's lines stay behind
         self._workers.append(_spawn(worker_argv(queue, name, concurrency), log, env, death_signal=signal.SIGQUIT))
-        self._logs[self._workers[-1].pid] = log
+        self._logs[self._workers[-1].pid] = (log, written)
 
     def _wait(self, ready, what: str, log: Path) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             dead = [p for p in ([self._redis] + self._workers) if p is not None and p.poll() is not None]
             if dead:
-                said = refusal_in(self._logs.get(dead[0].pid))
+                said = refusal_in(*self._logs.get(dead[0].pid, (None, 0)))
                 raise LocalClusterError(said or f"a process of the embedded cluster exited during start-up "
                                         f"({' '.join(map(str, dead[0].args[:6]))}); see {self.log_dir}")
             try:
@@ -224,13 +225,16 @@ def cluster_user_rules(user: str, password: str) -> list[str]:
     return [user, *CLUSTER_USER_RULES[:1], f">{password}", *CLUSTER_USER_RULES[1:]]
 
 
-def refusal_in(log: Path | None) -> str | None:
-    """The one-line refusal (`error: ...`) a worker that ended at start-up left in its log, without
-    its prefix: the reason the user must read (a GPU that CUDA numbers differently, one already
-    served), instead of "see the logs". None when it left none."""
+def refusal_in(log: Path | None, start: int = 0) -> str | None:
+    """The one-line refusal (`error: ...`) a worker that ended at start-up left in its log after byte
+    `start` (where its own lines begin: the log is appended to across runs), without its prefix:
+    the reason the user must read (a GPU that CUDA numbers differently, one already served),
+    instead of "see the logs". None when it left none."""
     try:
-        lines = log.read_text(errors="replace").splitlines() if log is not None else []
-    except OSError:
+        with open(log, "rb") as text:
+            text.seek(start)
+            lines = text.read().decode(errors="replace").splitlines()
+    except (OSError, TypeError):
         return None
     said = [line[len("error: "):].strip() for line in lines if line.startswith("error: ")]
     return said[-1] if said else None

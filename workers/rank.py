@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shlex
 import socket
@@ -45,6 +46,7 @@ from workers.slot import Slot
 from workers.slot_health import mark_unhealthy
 from workers.step_clock import wall_clock_metrics, window_seconds
 
+log = logging.getLogger(__name__)
 ABORT_TTL_S = 3600
 PGID_TTL_S = 7 * 24 * 3600
 #: How much of a crashed rank's stderr is read for an out-of-memory traceback: a deep model's
@@ -182,7 +184,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     on_gpu = slot.kind == "cuda" and slot.cuda_index >= 0
     device_wait = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check) if on_gpu else None
     if device_wait is not None and device_wait.busy:  # not started beside others: workers.slot_health
-        mark_unhealthy(client, slot.queue, device_wait.used_bytes or 0, "before a launch")
+        _take_out_of_tuning(client, slot, device_wait.used_bytes or 0, "before a launch")
         _signal_abort(client, spec.attempt)
         now = time.time()
         return {"status": Status.GPU_BUSY.value, "exit": "not started", "started_at": now, "ended_at": now,
@@ -232,7 +234,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     # memory still held after the wait is someone else's, and the slot leaves tuning until it goes.
     device_after = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check.slot_taken) if on_gpu else None
     if device_after is not None and device_after.busy:
-        mark_unhealthy(client, slot.queue, device_after.used_bytes or 0, "after a run")
+        _take_out_of_tuning(client, slot, device_after.used_bytes or 0, "after a run")
 
     expects_metrics = spec.rank == 0 and bool(spec.metric_file)
     metrics = read_json(metric_path) if expects_metrics else None
@@ -395,6 +397,14 @@ def _ops_ready_everywhere(spec: RankSpec, client: redis.Redis, stop_check: _Stop
         return not stop_check()
     return rendezvous.all_arrived(client, f"{spec.attempt}:ops", spec.world_size, PREBUILD_TIMEOUT_S + 60,
                                   keep_alive=stop_check)
+
+
+def _take_out_of_tuning(client: redis.Redis, slot: Slot, used_bytes: int, why: str) -> None:
+    """Mark the slot (workers.slot_health); Redis being away loses the mark, never the record."""
+    try:
+        mark_unhealthy(client, slot.queue, used_bytes, why)
+    except redis.RedisError as exc:
+        log.warning("slot %s: could not take it out of tuning (%s): %s", slot.queue, why, exc)
 
 
 def _signal_abort(client: redis.Redis, attempt: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
 
 import redis
 
@@ -37,12 +36,11 @@ def connect(url: str) -> redis.Redis:
 
 class Heartbeat:
     """Keeps string keys alive in Redis until stopped: a registration (JSON of `fields`) and any
-    `claims` beside it (key -> value), renewed together and deleted together; `on_beat` runs after
-    each renewal (a slot's `workers.slot_health.HealthWatch`)."""
+    `claims` beside it (key -> value), renewed together and deleted together."""
 
     def __init__(self, client: redis.Redis, key: str, fields: dict[str, str],
-                 claims: dict[str, str] | None = None, on_beat: Callable[[], None] | None = None) -> None:
-        self._client, self._key, self._on_beat = client, key, on_beat
+                 claims: dict[str, str] | None = None) -> None:
+        self._client, self._key = client, key
         self._values = {key: json.dumps(fields), **(claims or {})}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat {key}", daemon=True)
@@ -69,8 +67,6 @@ class Heartbeat:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._beat()
-                if self._on_beat is not None:
-                    self._on_beat()
             except redis.RedisError as exc:  # Redis restarting: keep trying, re-register after
                 log.warning("heartbeat for %s failed: %s", self._key, exc)
 
@@ -104,10 +100,9 @@ def claim_gpu(client: redis.Redis, slot: Slot) -> dict[str, str] | None:
     return None
 
 
-def register_slot(client: redis.Redis, slot: Slot, on_beat: Callable[[], None] | None = None) -> Heartbeat:
-    """Announce `slot` (after `claim_gpu`), keeping its GPU's claim alive with it; `on_beat` runs
-    at each heartbeat."""
-    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis(), _gpu_claim(slot), on_beat)
+def register_slot(client: redis.Redis, slot: Slot) -> Heartbeat:
+    """Announce `slot` (after `claim_gpu`), keeping its GPU's claim alive with it."""
+    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis(), _gpu_claim(slot))
     beat.start()
     return beat
 

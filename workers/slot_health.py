@@ -7,17 +7,21 @@ wait does not start: it marks its slot unhealthy and its experiment is queued ag
 (`scheduler.cluster.dispatch.requeue_for_busy_gpu`), to run on other slots or later. A rank whose
 GPU is not free again a wait after its own processes ended marks it too, before the slot is freed.
 
-The mark is one Redis key per slot (`keys.unhealthy`), with the slot registration's short TTL:
-the slot's worker renews it at each heartbeat while the memory stays (`HealthWatch`, in the
-worker's main process, which owns no CUDA context), and deletes it once the GPU has been free for
-`FREE_BEATS` heartbeats in a row, so a flickering holder does not bring the slot back and out
-again. A dead worker's mark lapses with its registration. Dispatch counts a marked slot as busy
-with no known end, and shows why in `--status`.
+The mark is one Redis key per slot (`keys.unhealthy`) with a TTL of `MARK_TTL_S`: the slot's worker
+renews it while the memory stays (`HealthWatch`, a thread of the worker's main process, which owns no
+CUDA context; apart from the registration's heartbeat, so a slow nvidia-smi never lets the slot's
+registration lapse), and deletes it once the GPU has been free for `FREE_BEATS` readings in a row,
+so a flickering holder does not bring the slot back and out again; each time the same slot is
+marked again, it must stay free twice as long (up to `MAX_FREE_BEATS`), so a holder that keeps
+coming back costs the job ever fewer wasted waits. A dead worker's mark lapses with its TTL.
+Dispatch counts a marked slot as busy with no known end, shows why in `--status`, and stops a job
+that could only run on marked slots for `HELD_GRACE_S` (scheduler.cluster.dispatch).
 """
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,10 +30,17 @@ import redis
 
 from workers import keys
 from workers.device_idle import FREE_BYTES
-from workers.registry import TTL_S
+from workers.registry import HEARTBEAT_S
 
-#: Heartbeats in a row that must see the GPU free before its slot is offered again.
+#: Free readings in a row (one each `POLL_S`) before a slot marked once is offered again; doubled at
+#: each later mark of the same slot by the same worker, up to `MAX_FREE_BEATS`.
 FREE_BEATS = 3
+MAX_FREE_BEATS = 40
+#: A slot left unmarked this long starts again from `FREE_BEATS`.
+CALM_S = 600.0
+POLL_S = HEARTBEAT_S
+#: How long a mark outlives its last renewal: a reading may take nvidia-smi's 10 s time limit.
+MARK_TTL_S = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +51,7 @@ def mark_unhealthy(client: redis.Redis, queue: str, used_bytes: int, why: str) -
     key = keys.unhealthy(queue)
     raw = client.get(key)
     since = json.loads(raw).get("since", time.time()) if raw else time.time()
-    client.set(key, json.dumps({"used_bytes": used_bytes, "since": since, "why": why}), px=int(TTL_S * 1000))
+    client.set(key, json.dumps({"used_bytes": used_bytes, "since": since, "why": why}), px=int(MARK_TTL_S * 1000))
 
 
 def unhealthy(client: redis.Redis, queues: Iterable[str]) -> dict[str, dict]:
@@ -59,27 +70,38 @@ def describe(queue: str, mark: dict) -> str:
 
 @dataclass
 class HealthWatch:
-    """Run at each heartbeat of a CUDA slot's worker: while its slot is marked, read the GPU's usage,
-    keep the mark alive while others hold memory, and lift it after `FREE_BEATS` free readings."""
+    """A CUDA slot's worker's watch over its mark: while the slot is marked, read the GPU's usage
+    each `POLL_S`, keep the mark alive while others hold memory, and lift it after enough free
+    readings in a row (`check` is one reading; `start` runs it in a thread until `stop`)."""
 
     client: redis.Redis
     queue: str
     gpu: str  #: the GPU's UUID (`Slot.nvidia_smi_id`)
     read_used: Callable[[str], int | None]
     free_beats: int = field(default=0, init=False)
+    needed: int = field(default=FREE_BEATS, init=False)  #: free readings that lift the current mark
+    lifted: int = field(default=0, init=False)  #: marks lifted since the slot was last calm
+    lifted_at: float = field(default=0.0, init=False)
+    clock: Callable[[], float] = time.monotonic
+    _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
 
-    def __call__(self) -> None:
+    def check(self) -> None:
         key = keys.unhealthy(self.queue)
         raw = self.client.get(key)
         if raw is None:
             self.free_beats = 0
+            if self.lifted and self.clock() - self.lifted_at > CALM_S:
+                self.lifted, self.needed = 0, FREE_BEATS
             return
         used = self.read_used(self.gpu)
         if used is not None and used <= FREE_BYTES:
             self.free_beats += 1
-            if self.free_beats >= FREE_BEATS:
+            if self.free_beats >= self.needed:
                 self.client.delete(key)
                 self.free_beats = 0
+                self.lifted += 1
+                self.lifted_at = self.clock()
+                self.needed = min(MAX_FREE_BEATS, FREE_BEATS * 2 ** self.lifted)  # for its next mark
                 log.info("slot %s: its GPU is free again; back in tuning", self.queue)
                 return
         elif used is not None:
@@ -87,4 +109,18 @@ class HealthWatch:
         mark = json.loads(raw)
         if used is not None and used > FREE_BYTES:
             mark["used_bytes"] = used  # what --status shows: the holder's usage now
-        self.client.set(key, json.dumps(mark), px=int(TTL_S * 1000))
+        self.client.set(key, json.dumps(mark), px=int(MARK_TTL_S * 1000))
+
+    def start(self) -> HealthWatch:
+        threading.Thread(target=self._run, name=f"health {self.queue}", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.check()
+            except Exception as exc:  # Redis restarting, nvidia-smi gone: try again next time
+                log.warning("health check of slot %s failed: %s", self.queue, exc)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import uuid
 from dataclasses import replace
@@ -51,6 +52,7 @@ from scheduler.cluster.placement import fits_ever, gang_link, is_loopback, large
 from scheduler.search.space import Experiment
 from scheduler.cluster.work import RankLaunch, Work
 from workers import keys
+from workers.device_idle import gpu_wait_s
 from workers.gang import GangReservations
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders
 from workers.paths import safe_child, write_json
@@ -66,6 +68,8 @@ LOCK_TIMEOUT_S = 120.0
 #: half a second to a step waiting behind another; a step holds it for a few ms.
 LOCK_POLL_S = 0.005
 REFUSE_GRACE_S = 60.0  #: after a job's first launch, how long the cluster may lack a fitting shape
+#: How long a job waits when only slots out of tuning (workers.slot_health) could run its experiments.
+HELD_GRACE_S = 600.0
 SLOT_GONE_S = TTL_S + HEARTBEAT_S  #: a slot unregistered this long has lost its worker (not a blip)
 #: Celery's hard limit is only a backstop behind our own per-experiment timeout and group kill.
 TIME_LIMIT_GRACE_S = 300
@@ -103,7 +107,7 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
         if spec.pinned is not None:
             if not _start_pinned(client, work, spec, launch, slots, busy):
                 refused.add(spec.job)
-        elif _fits_or_refused(client, spec, launch, slots, fits, cleared):
+        elif _fits_or_refused(client, spec, launch, slots, fits, cleared, sick):
             free_waiting.append((spec, launch))
         elif load_spec(client, spec.job) is None:
             refused.add(spec.job)
@@ -151,26 +155,44 @@ def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: Queued
 
 
 def _fits_or_refused(client: redis.Redis, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
-                     fits: dict[tuple, bool], cleared: set[str]) -> bool:
+                     fits: dict[tuple, bool], cleared: set[str], sick: Mapping[str, dict]) -> bool:
     """Whether the experiment's shape fits the live cluster at all. A job is refused at once when it
     has launched nothing yet; later, slots may only be re-registering (a worker or Redis restarting),
-    so the cluster gets REFUSE_GRACE_S to come back first. `fits` remembers each shape's answer and
-    `cleared` the jobs whose misfit was cleared, for the rest of the pass."""
+    so the cluster gets REFUSE_GRACE_S to come back first. A shape that fits only with slots out of
+    tuning (others' memory on their GPUs, workers.slot_health) waits for them, and the job is
+    stopped, saying which, once none of its experiments could run for HELD_GRACE_S and none runs.
+    `fits` remembers each shape's answers and `cleared` the jobs whose misfit was cleared, for the
+    rest of the pass."""
     exp = launch.exp
     shape = (exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0), spec.slot_kind)
     if shape not in fits:
         fits[shape] = fits_ever(slots, *shape)
+    if fits[shape] and sick and (shape, "healthy") not in fits:
+        fits[shape, "healthy"] = fits_ever([s for s in slots if s.queue not in sick], *shape)
     store = JobStore(client, spec.job)
-    if fits[shape]:
+    if fits[shape] and fits.get((shape, "healthy"), True):
         if spec.job not in cleared:
             cleared.add(spec.job)
             store.clear_misfit()
         return True
     now = time.time()
     since, dispatched = store.misfit_since(now)
+    if fits[shape]:  # only with slots out of tuning
+        if now - since > HELD_GRACE_S and not store.running_names():
+            end(client, spec.job, {"kind": "failed", "error": held_refusal(exp, sick), "usage": True})
+        return False
     if not dispatched or now - since > REFUSE_GRACE_S:
         end(client, spec.job, {"kind": "failed", "error": refusal(exp, slots, spec.slot_kind), "usage": True})
     return False
+
+
+def held_refusal(exp: dict[str, Any], sick: Mapping[str, dict]) -> str:
+    """Why a job stopped waiting for slots out of tuning, and what to do."""
+    return (f"{exp['name']} needs {exp['num_nodes']} node(s) x {exp['num_gpus']} slot(s), which for "
+            f"{HELD_GRACE_S / 60:.0f} minutes only slots out of tuning could give: "
+            + ", ".join(describe(queue, mark) for queue, mark in sorted(sick.items()))
+            + "; free those GPUs, or leave them out (CUDA_VISIBLE_DEVICES for the embedded cluster, or "
+            "stop their slot workers), and run the command again: nothing measured is lost")
 
 
 def refusal(exp: dict[str, Any], slots: list[Slot], kind: str = "") -> str:
@@ -290,6 +312,8 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
                                     f"(experiment={exp.name!r}, rank={rank_spec.rank}, slot={slot.queue!r})"))
     now = time.time()
     build_s = PREBUILD_TIMEOUT_S if needed_op_builders(exp.ds_config) else 0.0  # before the script: workers.op_prebuild
+    if any(slot.kind == "cuda" for node in placement for slot in node):  # a wait for a free GPU before and after
+        build_s += 2 * gpu_wait_s(os.environ.get("AUTOTUNE_GPU_WAIT_S"))  # the script (workers.device_idle)
     co_runners = _record_co_runners(client, f"{spec.job}/{exp.name}", queues, slots)
     store.start(queued, RunningLaunch(
         seq=queued.seq, exp=queued.exp, argv=queued.argv, attempt=attempt, queues=queues, token=token,

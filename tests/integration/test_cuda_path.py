@@ -25,8 +25,9 @@ GiB = 2**30
 
 
 def gpu_env(**extra: str) -> dict[str, str]:
-    """A machine with three 16 GiB GPUs as far as every process we start can tell."""
-    return {"PATH": f"{FAKE_GPU_DIR}{os.pathsep}{os.environ['PATH']}", **extra}
+    """A machine with three 16 GiB GPUs as far as every process we start can tell (CUDA is not asked
+    which GPU it opens: on a machine with real GPUs it would open a real one, workers.cuda_binding)."""
+    return {"PATH": f"{FAKE_GPU_DIR}{os.pathsep}{os.environ['PATH']}", "AUTOTUNE_CUDA_BINDING_CHECK": "off", **extra}
 
 
 def probe_config(path: Path, sizes: list[int]) -> Path:
@@ -40,7 +41,7 @@ def test_three_fake_gpus_give_three_cuda_slots_and_each_rank_its_own_device(tmp_
     """Also (workers.slot_health, issue 21 items 9 and 10): another process holds 20 GiB of GPU 2
     at the start. The first launch's rank 2 waits AUTOTUNE_GPU_WAIT_S for it, does not start, and
     the launch is queued again with GPU 2's slot out of tuning; the autotuner says so, the test
-    then frees GPU 2, and the launch runs once the slot's heartbeats have seen it free: no record
+    then frees GPU 2, and the launch runs once the slot's worker has read it free: no record
     was measured beside the 20 GiB. The mbs-2 experiment's rank 1 leaves 8 GiB on GPU 1 as it exits:
     its rank waits for it, then records it, and its slot leaves tuning. GPUs 0 and 1 are NVLinked
     and GPU 2 hangs off the host bridge (`nvidia-smi topo -m`): each record names the gang's
@@ -75,6 +76,9 @@ def test_three_fake_gpus_give_three_cuda_slots_and_each_rank_its_own_device(tmp_
     stdout = "".join(lines)
     assert proc.returncode == 0, stdout + stderr.read_text()
     assert "redis-server and 3 slot workers" in stdout  # one per GPU on a 2-core machine
+    left = [line.strip() for line in lines if "still used a wait after the run" in line]
+    assert len(left) == 1 and left[0].startswith("still used a wait after the run: ") \
+        and left[0].endswith(".gpu1 (8.0 GiB); out of tuning until it frees"), stdout
     busy = [line for line in lines if "not started" in line]
     assert len(busy) == 1 and busy[0].split()[0] == "z0_gas2_tmbspg1", stdout
     assert busy[0].rstrip().endswith(".gpu2 (20.0 GiB used by other processes); out of tuning until it frees, "

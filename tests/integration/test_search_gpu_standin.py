@@ -47,7 +47,8 @@ def tune(tmp_path: Path, surface: Surface, oom: str) -> list[dict]:
                                 user_args=["--surface", json.dumps(fields), "--oom", oom])
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(config))
-    env = {"PATH": f"{FAKE_GPU_DIR}{os.pathsep}{os.environ['PATH']}", "FAKE_NVIDIA_SMI_OUTPUT": TWO_GPUS}
+    env = {"PATH": f"{FAKE_GPU_DIR}{os.pathsep}{os.environ['PATH']}", "FAKE_NVIDIA_SMI_OUTPUT": TWO_GPUS,
+           "AUTOTUNE_CUDA_BINDING_CHECK": "off"}  # fake GPUs: CUDA would open a real one (workers.cuda_binding)
     done = run_autotune([str(path), "--num_gpus", "2"], cwd=tmp_path, env_extra=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = tmp_path / "autotuning_results"

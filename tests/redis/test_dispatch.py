@@ -113,6 +113,18 @@ def test_a_launch_whose_ops_are_built_first_gets_the_build_time_on_its_limits(cl
     assert launched["plain"].deadline == launched["plain"].started + 100 + 20
 
 
+def test_a_launch_on_gpus_gets_its_waits_for_a_free_gpu_on_its_limits(client: redis.Redis, work, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """Each rank on a GPU may wait AUTOTUNE_GPU_WAIT_S for others' memory to go before its script and
+    again after it (workers.rank): not the script's time, so not on its deadline either."""
+    monkeypatch.setenv("AUTOTUNE_GPU_WAIT_S", "7")
+    register(client, make_slot("n0", 0, "cuda", 80 * GiB, cuda_index=0))
+    active(client, work, make_spec(tmp_path), exp("gpu"))
+    dispatch(client, work)
+    assert work.launched[0][2] == 100 + 14 + 300
+    assert running(client, "j")["gpu"].deadline == running(client, "j")["gpu"].started + 100 + 20 + 14
+
+
 
 def test_without_active_jobs_nothing_happens(client: redis.Redis, work) -> None:
     register(client, make_slot("n0", 0))
@@ -240,6 +252,39 @@ def test_a_slot_whose_gpu_others_hold_gets_nothing_and_the_status_says_why(clien
     client.delete(keys.unhealthy("n0.gpu1"))
     dispatch(client, work)
     assert started(work)[-1] == ("one", ["n0.gpu1"])
+
+
+def test_a_job_that_only_slots_out_of_tuning_could_run_waits_then_is_stopped_saying_why(
+        client: redis.Redis, work, tmp_path: Path) -> None:
+    """One GPU, held by a notebook: the job waits (no refusal, nothing started) until HELD_GRACE_S
+    has passed with none of its experiments running, then stops with one line naming the slot and
+    the fix; a GPU freed in time clears the clock."""
+    register(client, make_slot("n0", 0, "cuda", 80 * GiB, cuda_index=0))
+    mark_unhealthy(client, "n0.gpu0", 20 * GiB, "before a launch")
+    spec = make_spec(tmp_path)
+    active(client, work, spec, exp("one"))
+    dispatch(client, work)
+    assert work.launched == [] and client.exists(keys.job_spec("j")) and events(client, "j") == []
+    client.delete(keys.unhealthy("n0.gpu0"))
+    dispatch(client, work)  # freed in time: it runs, and the clock is cleared
+    assert started(work) == [("one", ["n0.gpu0"])] and "misfit_since" not in state(client, "j")
+    JobStore(client, "j").finish("one", work.launched[0][1].attempt)
+    client.delete(keys.gang("n0.gpu0"))
+    enqueue(client, spec, exp("two"))
+    mark_unhealthy(client, "n0.gpu0", 20 * GiB, "after a run")
+    dispatch(client, work)
+    client.hset(keys.job_state("j"), "misfit_since", time.time() - dispatch_module.HELD_GRACE_S + 5)
+    dispatch(client, work)
+    assert client.exists(keys.job_spec("j"))  # not yet
+    client.hset(keys.job_state("j"), "misfit_since", time.time() - dispatch_module.HELD_GRACE_S - 1)
+    dispatch(client, work)
+    assert not client.exists(keys.job_spec("j")) and len(work.launched) == 1
+    [failed] = events(client, "j")
+    assert failed["kind"] == "failed" and failed["usage"] is True
+    assert failed["error"] == ("two needs 1 node(s) x 1 slot(s), which for 10 minutes only slots out of tuning "
+                               "could give: n0.gpu0 (20.0 GiB used by other processes); free those GPUs, or leave "
+                               "them out (CUDA_VISIBLE_DEVICES for the embedded cluster, or stop their slot "
+                               "workers), and run the command again: nothing measured is lost")
 
 
 def test_strict_fifo_only_while_every_job_asks_for_it(client: redis.Redis, work, tmp_path: Path) -> None:

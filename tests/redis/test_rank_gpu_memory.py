@@ -94,3 +94,13 @@ def test_memory_torn_down_within_the_wait_is_waited_for_not_marked(client: redis
     driver.join(timeout=5)
     assert record["status"] == "ok" and "device_foreign_after_bytes" not in record
     assert mark(client) is None
+
+
+def test_redis_failing_as_the_slot_is_marked_keeps_the_record(client: redis.Redis, gpu: Path, tmp_path: Path,
+                                                              monkeypatch) -> None:
+    def refused(*args: object) -> None:
+        raise redis.ConnectionError("Redis is restarting")
+
+    monkeypatch.setattr(rank_module, "mark_unhealthy", refused)
+    record = run_rank(spec(tmp_path, script(tmp_path, f'echo "0, 8192" >> {gpu}')), SLOT, client)
+    assert record["status"] == "ok" and record["device_foreign_after_bytes"] == 8 * GiB

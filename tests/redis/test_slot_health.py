@@ -12,11 +12,11 @@ from rich.console import Console
 
 from scheduler.status import collect, render
 
-from workers import keys, registry
+from workers import keys
 from workers.device_idle import FREE_BYTES
-from workers.registry import register_slot
 from workers.slot import Slot
-from workers.slot_health import FREE_BEATS, HealthWatch, describe, mark_unhealthy, unhealthy
+from workers import slot_health
+from workers.slot_health import FREE_BEATS, MARK_TTL_S, HealthWatch, describe, mark_unhealthy, unhealthy
 
 GiB = 2**30
 SLOT = Slot("n0", 1, "cuda", 80 * GiB, "10.0.0.9", 8, (), "gpu1@n0", cuda_index=1, host="m1", gpu_uuid="GPU-1")
@@ -38,7 +38,7 @@ def test_a_mark_says_what_was_seen_and_keeps_its_first_since(client: redis.Redis
     mark_unhealthy(client, "n0.gpu1", 20 * GiB, "before a launch")
     first = unhealthy(client, ["n0.gpu1", "n0.gpu2"])["n0.gpu1"]
     assert (first["used_bytes"], first["why"]) == (20 * GiB, "before a launch")
-    assert 0 < client.pttl(keys.unhealthy("n0.gpu1")) <= registry.TTL_S * 1000  # lapses with a dead worker
+    assert 0 < client.pttl(keys.unhealthy("n0.gpu1")) <= MARK_TTL_S * 1000  # lapses with a dead worker
     mark_unhealthy(client, "n0.gpu1", 30 * GiB, "after a run")
     again = unhealthy(client, ["n0.gpu1"])["n0.gpu1"]
     assert again["since"] == first["since"] and again["used_bytes"] == 30 * GiB
@@ -47,7 +47,7 @@ def test_a_mark_says_what_was_seen_and_keeps_its_first_since(client: redis.Redis
 
 def test_an_unmarked_slot_reads_nothing(client: redis.Redis) -> None:
     usage = Usage(20 * GiB)
-    HealthWatch(client, "n0.gpu1", "GPU-1", usage)()
+    HealthWatch(client, "n0.gpu1", "GPU-1", usage).check()
     assert usage.asked == [] and not client.exists(keys.unhealthy("n0.gpu1"))
 
 
@@ -61,7 +61,7 @@ def test_the_mark_is_lifted_only_after_free_beats_in_a_row(client: redis.Redis) 
     seen = []
     for _ in range(8):
         client.pexpire(keys.unhealthy("n0.gpu1"), 2000)  # the watch must renew it at each beat
-        watch()
+        watch.check()
         raw = client.get(keys.unhealthy("n0.gpu1"))
         seen.append(json.loads(raw)["used_bytes"] if raw else None)
         if raw:
@@ -70,25 +70,51 @@ def test_the_mark_is_lifted_only_after_free_beats_in_a_row(client: redis.Redis) 
     assert usage.asked == ["GPU-1"] * 8
 
 
-def test_the_workers_heartbeat_runs_the_watch(client: redis.Redis, monkeypatch) -> None:
-    """Through `register_slot(on_beat=...)`, as tasks.worker_hooks starts it: the mark outlives its
-    own TTL while the GPU stays busy, and goes once it is free."""
-    monkeypatch.setattr(registry, "TTL_S", 0.5)
-    monkeypatch.setattr(registry, "HEARTBEAT_S", 0.05)
-    monkeypatch.setattr("workers.slot_health.TTL_S", 0.5)
-    busy = threading.Event()
-    busy.set()
-    watch = HealthWatch(client, SLOT.queue, SLOT.nvidia_smi_id, lambda gpu: 20 * GiB if busy.is_set() else 0)
+def test_a_slot_marked_again_must_stay_free_longer_until_it_is_calm(client: redis.Redis) -> None:
+    """A holder that keeps coming back: the second mark needs twice the free readings, the third
+    four times; a slot unmarked for CALM_S starts again from FREE_BEATS."""
+    now = [0.0]
+    watch = HealthWatch(client, "n0.gpu1", "GPU-1", lambda gpu: 0)
+    watch.clock = lambda: now[0]
+
+    def readings_to_lift() -> int:
+        mark_unhealthy(client, "n0.gpu1", 20 * GiB, "after a run")
+        count = 0
+        while client.exists(keys.unhealthy("n0.gpu1")):
+            watch.check()
+            count += 1
+        return count
+
+    assert [readings_to_lift() for _ in range(3)] == [FREE_BEATS, 2 * FREE_BEATS, 4 * FREE_BEATS]
+    now[0] += slot_health.CALM_S + 1
+    watch.check()  # unmarked, calm
+    assert readings_to_lift() == FREE_BEATS
+
+
+def test_the_watch_thread_keeps_the_mark_while_busy_and_lifts_it_when_free(client: redis.Redis,
+                                                                          monkeypatch) -> None:
+    """As tasks.worker_hooks starts it: the mark outlives its own TTL while the GPU stays busy, and
+    goes once it is free; a reading that raises does not end the thread."""
+    monkeypatch.setattr(slot_health, "POLL_S", 0.05)
+    monkeypatch.setattr(slot_health, "MARK_TTL_S", 0.5)
+    state = {"busy": True, "raised": 0}
+
+    def read(gpu: str) -> int:
+        if state["raised"] == 0:
+            state["raised"] = 1
+            raise OSError("nvidia-smi: not found")
+        return 20 * GiB if state["busy"] else 0
+
     mark_unhealthy(client, SLOT.queue, 20 * GiB, "after a run")
-    beat = register_slot(client, SLOT, on_beat=watch)
+    watch = HealthWatch(client, SLOT.queue, SLOT.nvidia_smi_id, read).start()
     try:
         threading.Event().wait(1.2)  # past two TTLs
-        assert client.exists(keys.unhealthy(SLOT.queue))
-        busy.clear()
+        assert client.exists(keys.unhealthy(SLOT.queue)) and state["raised"] == 1
+        state["busy"] = False
         threading.Event().wait(0.6)
         assert not client.exists(keys.unhealthy(SLOT.queue))
     finally:
-        beat.stop()
+        watch.stop()
 
 
 def test_status_shows_a_slot_out_of_tuning_and_why(client: redis.Redis) -> None:

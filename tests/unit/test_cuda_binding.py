@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from workers import cuda_binding
-from workers.cuda_binding import binding_problem, same_gpu, torch_has_cuda, uuid_seen_by_cuda
+from workers.cuda_binding import (NO_DEVICE, SWITCH_ENV, binding_problem, same_gpu, should_check, torch_has_cuda,
+                                  uuid_seen_by_cuda)
 from workers.slot import Slot
 
 SLOT = Slot("n0", 1, "cuda", 80 << 30, "127.0.0.1", 8, (), "gpu1@n0", cuda_index=1, host="m1",
@@ -21,7 +22,9 @@ class cuda:
     @staticmethod
     def _visible():
         table = dict(entry.split("=") for entry in os.environ.get("FAKE_CUDA_UUIDS", "").split(",") if entry)
-        return [table[index] for index in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if index in table]
+        if "CUDA_VISIBLE_DEVICES" not in os.environ:
+            return list(table.values())
+        return [table[index] for index in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if index in table]
     @staticmethod
     def is_available(): return bool(cuda._visible())
     @staticmethod
@@ -53,6 +56,26 @@ def test_cuda_numbering_gpus_differently_is_refused_in_one_line(fake_torch: dict
     assert problem is not None and "\n" not in problem
     assert problem.startswith("GPU 1 is GPU-11111111-1111-1111-1111-111111111111 to nvidia-smi, but CUDA")
     assert "opens GPU-00000000-0000-0000-0000-000000000000" in problem
+
+
+def test_cuda_seeing_gpus_but_none_under_the_binding_is_refused(fake_torch: dict[str, str]) -> None:
+    """An MPS server that leaves nvidia-smi's GPU 1 out: CUDA sees GPUs, none as CUDA_VISIBLE_DEVICES=1."""
+    env = {**fake_torch, "FAKE_CUDA_UUIDS": "0=00000000-0000-0000-0000-000000000000"}
+    seen = uuid_seen_by_cuda(SLOT, env)
+    assert seen == NO_DEVICE
+    problem = binding_problem(SLOT, seen)
+    assert problem is not None and "sees no GPU, though it sees GPUs unbound" in problem and "\n" not in problem
+
+
+def test_the_check_can_be_switched_off_and_skips_a_cpu_torch(monkeypatch) -> None:
+    monkeypatch.setattr(cuda_binding.importlib.metadata, "version", lambda name: "2.13.0")
+    monkeypatch.delenv(SWITCH_ENV, raising=False)
+    assert should_check()
+    monkeypatch.setenv(SWITCH_ENV, "off")
+    assert not should_check()
+    monkeypatch.delenv(SWITCH_ENV)
+    monkeypatch.setattr(cuda_binding.importlib.metadata, "version", lambda name: "2.13.0+cpu")
+    assert not should_check()
 
 
 def test_a_child_that_cannot_tell_refuses_nothing(fake_torch: dict[str, str], tmp_path: Path) -> None:

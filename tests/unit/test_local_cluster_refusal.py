@@ -19,6 +19,8 @@ def test_the_last_refusal_line_without_its_prefix(tmp_path: Path) -> None:
     log.write_text("Traceback ...\nRuntimeError: boom\n")
     assert refusal_in(log) is None
     assert refusal_in(tmp_path / "missing.log") is None and refusal_in(None) is None
+    log.write_text("error: slot worker gpu0@n: an earlier run's refusal\n")
+    assert refusal_in(log, log.stat().st_size) is None  # only this worker's own lines count
 
 
 def test_a_worker_dead_at_start_up_is_reported_by_its_refusal(tmp_path: Path) -> None:
@@ -29,7 +31,7 @@ def test_a_worker_dead_at_start_up_is_reported_by_its_refusal(tmp_path: Path) ->
                                    "GPU-a to nvidia-smi, but CUDA opens GPU-b'); sys.exit(2)"], stdout=out)
     worker.wait()
     cluster._workers.append(worker)
-    cluster._logs[worker.pid] = log
+    cluster._logs[worker.pid] = (log, 0)
     with pytest.raises(LocalClusterError) as raised:
         cluster._wait(lambda: False, "1 slot worker", log)
     assert str(raised.value) == "slot worker gpu0@n: GPU 0 is GPU-a to nvidia-smi, but CUDA opens GPU-b"
