@@ -38,7 +38,7 @@ def gpu(tmp_path: Path, monkeypatch) -> Path:
     used.write_text("0, 2\n")
     monkeypatch.setenv("PATH", f"{FAKE_GPU_DIR}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_NVIDIA_SMI_USED_FILE", str(used))
-    monkeypatch.setattr(rank_module, "FREE_MEMORY", FreeMemoryWaiter(memory_used, wait_s=1.0, poll_s=0.2))
+    monkeypatch.setattr(rank_module, "FREE_MEMORY", FreeMemoryWaiter(memory_used, wait_s=2.0, poll_s=0.2))
     return used
 
 
@@ -64,7 +64,7 @@ def test_others_memory_that_stays_means_no_start(client: redis.Redis, gpu: Path,
     gpu.write_text("0, 20480\n")
     record = run_rank(spec(tmp_path, script(tmp_path, "exit 0")), SLOT, client)
     assert record["status"] == "gpu_busy" and record["exit"] == "not started"
-    assert record["device_foreign_bytes"] == 20 * GiB and record["device_wait_s"] >= 1.0
+    assert record["device_foreign_bytes"] == 20 * GiB and record["device_wait_s"] >= 2.0
     assert not (tmp_path / "ran").exists()
     assert mark(client)["used_bytes"] == 20 * GiB and mark(client)["why"] == "before a launch"
     assert client.exists(keys.abort("att-1"))  # the launch's other ranks stop
@@ -79,12 +79,12 @@ def test_memory_left_after_the_run_keeps_the_slot_out(client: redis.Redis, gpu: 
 
 def test_memory_torn_down_within_the_wait_is_waited_for_not_marked(client: redis.Redis, gpu: Path,
                                                                    tmp_path: Path) -> None:
-    """The script leaves 8 GiB behind that goes 0.5 s after it exited (a context the driver tears
+    """The script leaves 8 GiB behind that goes 0.3 s after it exited (a context the driver tears
     down slowly): the rank waits for it and the slot stays in tuning."""
     def tear_down() -> None:
         while "8192" not in gpu.read_text():
             time.sleep(0.02)
-        time.sleep(0.5)
+        time.sleep(0.3)
         with gpu.open("a") as used:
             used.write("0, 0\n")
 

@@ -96,7 +96,7 @@ def test_the_watch_thread_keeps_the_mark_while_busy_and_lifts_it_when_free(clien
     """As tasks.worker_hooks starts it: the mark outlives its own TTL while the GPU stays busy, and
     goes once it is free; a reading that raises does not end the thread."""
     monkeypatch.setattr(slot_health, "POLL_S", 0.05)
-    monkeypatch.setattr(slot_health, "MARK_TTL_S", 0.5)
+    monkeypatch.setattr(slot_health, "MARK_TTL_S", 1.0)
     state = {"busy": True, "raised": 0}
 
     def read(gpu: str) -> int:
@@ -108,10 +108,10 @@ def test_the_watch_thread_keeps_the_mark_while_busy_and_lifts_it_when_free(clien
     mark_unhealthy(client, SLOT.queue, 20 * GiB, "after a run")
     watch = HealthWatch(client, SLOT.queue, SLOT.nvidia_smi_id, read).start()
     try:
-        threading.Event().wait(1.2)  # past two TTLs
+        threading.Event().wait(2.2)  # past two TTLs
         assert client.exists(keys.unhealthy(SLOT.queue)) and state["raised"] == 1
         state["busy"] = False
-        threading.Event().wait(0.6)
+        threading.Event().wait(1.5)
         assert not client.exists(keys.unhealthy(SLOT.queue))
     finally:
         watch.stop()
