@@ -611,8 +611,8 @@ def test_a_stale_finish_frees_only_its_own_slots(client: redis.Redis, work, tmp_
     assert "a" in running(client, "j") and not client.exists(keys.job_walls("j"))
 
 
-def test_a_launch_not_started_for_a_busy_gpu_waits_again_uncounted(client: redis.Redis, work,
-                                                                   tmp_path: Path) -> None:
+def test_a_launch_not_started_for_a_busy_gpu_waits_again_uncounted(client: redis.Redis, work, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """A rank found others' memory on its GPU and did not start (`gpu_busy`): the launch's slots
     are freed, it waits again at its old place with its attempt given back, the submitter is told,
     nothing is recorded; a second callback of the same launch is stale and changes nothing."""
@@ -620,7 +620,9 @@ def test_a_launch_not_started_for_a_busy_gpu_waits_again_uncounted(client: redis
     assert client.hget(keys.job_attempts("j"), "a") == b"1"
     seq = running(client, "j")["a"].seq
     busy = [{"slot": "n0.gpu1", "status": "gpu_busy", "device_foreign_bytes": 20 * GiB}]
-    assert requeue_for_busy_gpu(client, finish, busy) is True
+    with caplog.at_level(logging.WARNING, logger="scheduler.cluster.dispatch"):
+        assert requeue_for_busy_gpu(client, finish, busy) is True
+    assert caplog.messages == ["a not started: n0.gpu1 (20.0 GiB used by other processes); queued again"]
     assert not client.keys(keys.gang("*")) and client.hlen(keys.job_running("j")) == 0
     assert client.hget(keys.job_attempts("j"), "a") == b"0"
     assert json.loads(client.hget(keys.job_queue("j"), "a"))["seq"] == seq
