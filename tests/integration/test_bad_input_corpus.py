@@ -268,4 +268,6 @@ def test_an_op_the_config_names_is_built_before_the_script_and_a_failed_build_is
     # built once per worker: the failure is remembered, not compiled again before every experiment
     logs = [log for folder in folders for log in folder.glob("*op_prebuild.log")]
     assert sorted(log.name for log in logs) == ["op_prebuild.log", "rank1.op_prebuild.log"]
-    assert all("cuda_runtime.h: No such file" in log.read_text() for log in logs)
+    texts = [log.read_text() for log in logs]  # the builder's log has the compile error; a waiter's, its import
+    assert any("cuda_runtime.h: No such file" in text for text in texts)
+    assert all("cuda_runtime.h: No such file" in text or "cannot open shared object" in text for text in texts)
