@@ -64,6 +64,17 @@ class LocalClusterError(RuntimeError):
     """The embedded cluster could not start; the message says what to install or check."""
 
 
+def redis_server() -> str:
+    """The redis-server binary on PATH; LocalClusterError saying how to install it when there is none
+    (the autotuner asks before it makes a folder, the cluster again when it starts)."""
+    server = shutil.which("redis-server")
+    if server is None:
+        raise LocalClusterError("redis-server not found on PATH; install it (Debian/Ubuntu: "
+                                "apt-get install -y redis-server, macOS: brew install redis) "
+                                "or set AUTOTUNE_REDIS_URL to use a running cluster")
+    return server
+
+
 def free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -106,11 +117,7 @@ class LocalCluster:
         return [p.pid for p in procs]
 
     def start(self) -> None:
-        server = shutil.which("redis-server")
-        if server is None:
-            raise LocalClusterError("redis-server not found on PATH; install it (Debian/Ubuntu: "
-                                    "apt-get install -y redis-server, macOS: brew install redis) "
-                                    "or set AUTOTUNE_REDIS_URL to use a running cluster")
+        server = redis_server()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port, password = free_tcp_port(), secrets.token_hex(16)
         self._redis = _spawn([server, "-"], self.log_dir / "redis.log", os.environ.copy(),

@@ -180,6 +180,12 @@ def rank_threads(cores: int, slots: int) -> int:
     return max(1, cores // slots)
 
 
+def cpu_slot_memory(slots: int, explicit: str | None) -> int:
+    """A CPU slot's memory cap: `explicit` (AUTOTUNE_SLOT_MEMORY, e.g. "3GiB") when set, else the node's
+    RAM shared by its `slots`. The autotuner predicts its embedded cluster's slots with the same rule."""
+    return parse_size(explicit) if explicit else psutil.virtual_memory().total // slots
+
+
 def describe_local_slot(node: str, device: int, address: str, worker: str = "") -> Slot:
     """The slot this node offers as device `device`: its `device`-th usable GPU when nvidia-smi lists
     GPUs (GpuListingError when there is no such GPU, it has MIG enabled or the listing is unusable),
@@ -201,8 +207,7 @@ def describe_local_slot(node: str, device: int, address: str, worker: str = "") 
         return Slot(node, device, "cuda", gpu.memory_bytes, address, threads, local, worker, cuda_index=gpu.index,
                     host=machine_id(), gpu_uuid=gpu.uuid, numa_node=numa, links=links)
     slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or cores
-    explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
-    memory = parse_size(explicit) if explicit else psutil.virtual_memory().total // slots
+    memory = cpu_slot_memory(slots, os.environ.get("AUTOTUNE_SLOT_MEMORY"))
     share = max(1, cores // slots)
     threads = rank_threads(cores, slots)
     first = (device * share) % cores

@@ -229,5 +229,7 @@ def _check_metric_key(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> Non
         metrics = record.get("metrics")
         if record.get("status") == "ok" and isinstance(metrics, dict) and metric not in metrics:
             raise ConfigError(f"{spec.tune.config_path}: autotuning.metric is \"{metric}\" but the script's "
-                              f"metrics file has only {sorted(metrics)}; choose one of those or write \"{metric}\"")
+                              f"metrics file has only {sorted(metrics)}; choose one of those (every experiment then runs "
+                              f"again) or write \"{metric}\" and start afresh with \"overwrite\": true (known only "
+                              "once an experiment ran: its record stays, and a rerun of this config reuses it)")
 
