@@ -218,7 +218,7 @@ def _quoted(value: str) -> str:
                    "".join(f"\\x{byte:02x}" for byte in ch.encode()) for ch in value)
 
 
-#: The Redis user the cluster's workers and commands connect as (README, "Running on a real cluster").
+#: The Redis user the cluster's workers and commands connect as (docs/cluster.md, "The cluster's Redis").
 CLUSTER_USER = "autotune"
 #: What that user may do: every key and channel, every command but Redis's @dangerous category
 #: (CONFIG, MODULE, DEBUG, FLUSHALL/FLUSHDB, SHUTDOWN, KEYS, MONITOR, ACL, REPLICAOF, ...): a

@@ -38,7 +38,7 @@ METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}
 METRIC_ALIASES = {"flops": "FLOPS_per_gpu", "FLOPS": "FLOPS_per_gpu"}
 ALL_STAGES = (0, 1, 2, 3)
 
-#: Documented ranges (README, "The config"): a value outside them is a typo, not a wish, and some
+#: Documented ranges (docs/command.md, "Bad input"): a value outside them is a typo, not a wish, and some
 #: (a micro-batch of 10**30) would really be run. Upper bounds are inclusive.
 MAX_MICRO_BATCH = 65536
 MAX_GRADIENT_ACCUMULATION = 65536

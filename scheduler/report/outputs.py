@@ -169,7 +169,7 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
     depends on them on GPU nodes too). A multi-node CUDA winner also gets the NCCL_SOCKET_IFNAME its
     ranks ran with (one interface name on every node; `workers.rank` sets it across nodes only). Over
     pdsh DeepSpeed's runner forwards only some variables to other nodes, so a multi-node launch needs
-    them in `.deepspeed_env` as well (README, "Run on a cluster").
+    them in `.deepspeed_env` as well (docs/gpus.md, on `cmd_optimal.txt`).
     """
     by_node: dict[str, list[int]] = {}
     ranks = sorted((record or {}).get("ranks") or [], key=lambda r: r.get("rank", 0))
