@@ -282,6 +282,23 @@ case("num-nodes-above-embedded-node", lambda s: Case([s.config(), "--slots", "2"
 case("model-info-fits-no-stage", lambda s: Case(
     [s.config({"model_info": {"num_params": 10**10, "activation_mem_per_gpu": 1024}}), "--slots", "1",
      "--slot-memory", "1GiB"], ("no allowed ZeRO stage fits micro-batch 1", "1.00 GiB"), env=CPU))
+# On a GPU machine (the fake nvidia-smi: three 16 GiB GPUs) the embedded cluster's slots are the GPUs.
+FAKE_GPU_DIR = Path(__file__).resolve().parents[1] / "fake_gpu"
+
+
+def _gpus() -> dict[str, str]:
+    return {"PATH": f"{FAKE_GPU_DIR}{os.pathsep}{os.environ['PATH']}", "AUTOTUNE_DEVICE_KIND": ""}
+
+
+case("gpu-min-slot-memory-above-every-gpu", lambda s: Case([s.config(), "--min-slot-memory", "20GiB"],
+                                                           ("--min-slot-memory 20GiB", "16.00 GiB"), env=_gpus()))
+case("gpu-mp-size-not-dividing-the-gpus", lambda s: Case([s.config({"mp_size": 2})], ("mp_size (2)", "(3)"),
+                                                         env=_gpus()))
+case("gpu-num-gpus-above-the-gpus", lambda s: Case([s.config(), "--slots", "2", "--num_gpus", "3"],
+                                                   ("--num_gpus 2 or fewer",), env=_gpus()))
+case("gpu-model-info-fits-no-stage", lambda s: Case(
+    [s.config({"model_info": {"num_params": 10**12, "activation_mem_per_gpu": 1024}})],
+    ("no allowed ZeRO stage fits micro-batch 1 in the slots' ",), env=_gpus()))
 case("no-redis-server", lambda s: Case([s.config()], ("redis-server not found", "apt-get install"),
                                        env={**CPU, "PATH": str(s.data)}))
 
