@@ -225,7 +225,7 @@ def test_a_model_no_stage_holds_once_profiled_is_refused_saying_so_and_the_next_
 def test_a_script_that_never_writes_its_metrics_is_input_to_fix(tmp_path):
     """Held-out corpus case (issue 22 item 4): a script that trains and exits 0 without ever writing
     the metrics file. Every experiment is `no_metrics`: the summary goes to stderr after an `error:`
-    line, with how the metric is written, and the exit status is 2, as the README says."""
+    line, with how the metric is written, and the exit status is 2, as docs/failures.md says."""
     (tmp_path / "train_silent.py").write_text("print('trained, reported nothing')\n")
     data = json.loads(json.dumps(BASE))
     data["train_micro_batch_size_per_gpu"] = [1, 2]
