@@ -133,6 +133,7 @@ def tune(checked: preflight.Checked, args: argparse.Namespace, client: redis.Red
     cfg, script = checked.cfg, checked.script
     slots = preflight.live_usable_slots(client, args.min_slot_memory)  # the embedded cluster's, now registered
     spec = preflight.job_spec(cfg, args, script, checked.base_args, checked.mappings, slots)
+    assert spec.tune is not None  # a tuning job
     console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {args.num_nodes} node(s) x "
                   f"{spec.tune.num_gpus} slot(s) per experiment, metric {cfg.metric}, "
                   f"slot memory {spec.tune.capacity_bytes / 2**30:.1f} GiB")

@@ -174,6 +174,7 @@ def usable_slots(slots: list[Slot], min_slot_memory: str | None) -> list[Slot]:
 
 
 def min_memory(min_slot_memory: str | None) -> int:
+    """--min-slot-memory in bytes (0: every slot); its bounds were checked by `check_numbers`."""
     return parse_size(min_slot_memory) if min_slot_memory else 0
 
 
