@@ -129,6 +129,9 @@ for key in ("enabled", "fast", "overwrite"):
         case(f"bool-{key}-{json.dumps(value)}",
              lambda s, key=key, value=value: Case([s.config({key: value})], (f"autotuning.{key}", "true or false")))
 
+case("enabled-false", lambda s: Case([s.config({"enabled": False})],
+                                     ("autotuning.enabled is false", 'set "enabled": true')))
+
 # ---------------------------------------------------------------- integers in documented ranges
 
 INTEGER_KEYS = {
