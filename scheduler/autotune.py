@@ -59,7 +59,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="embedded cluster: slot workers to start (default: one per GPU, on a machine "
                         "without GPUs one per core)")
     parser.add_argument("--slot-memory", help="embedded cluster on CPU: memory cap per slot, e.g. 3GiB "
-                        "(default: total RAM / slots)")
+                        "(default: total RAM / slots); GPU slots hold their GPU's memory and ignore it")
+    parser.add_argument("--host-memory-cap", help="embedded cluster on GPUs: cap each rank's host memory "
+                        "(RSS) at this, e.g. 64GiB (default: no cap; CPU slots are capped by --slot-memory)")
     parser.add_argument("--num_gpus", type=int, help="slots per experiment (default: all slots of a node)")
     parser.add_argument("--num_nodes", type=int, default=1, help="nodes per experiment (default 1)")
     parser.add_argument("--exp-timeout", type=float, default=900.0,
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     if checked.client is not None:
         return tune(checked, args, checked.client)
     with LocalCluster(len(checked.slots), cfg.results_dir / "cluster", slot_memory=args.slot_memory,
-                      flower_port=args.flower) as cluster:
+                      flower_port=args.flower, host_memory_cap=args.host_memory_cap) as cluster:
         console.print(f"embedded cluster: redis-server and {len(checked.slots)} slot workers + control "
                       f"on {cluster.node} (logs in {cfg.results_dir / 'cluster'})")
         if args.flower is not None:
@@ -137,6 +139,12 @@ def tune(checked: preflight.Checked, args: argparse.Namespace, client: redis.Red
     console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {args.num_nodes} node(s) x "
                   f"{spec.tune.num_gpus} slot(s) per experiment, metric {cfg.metric}, "
                   f"slot memory {spec.tune.capacity_bytes / 2**30:.1f} GiB")
+    if args.slot_memory and spec.slot_kind == "cuda":
+        console.print(f"note: --slot-memory {args.slot_memory} sizes CPU slots only: these GPU slots hold their "
+                      "GPU's memory, and their ranks' host memory is capped only by --host-memory-cap")
+    if args.host_memory_cap and spec.slot_kind == "cpu":
+        console.print(f"note: --host-memory-cap {args.host_memory_cap} caps ranks on GPU slots only: these CPU "
+                      "slots are capped by their slot memory (--slot-memory)")
     if submit(client, work, spec):
         console.print("the job for this results folder was still running on the cluster: watching it")
 

@@ -36,6 +36,7 @@ from workers import keys
 from workers.launch import kill_group, kill_marked
 from workers.paths import write_json
 from workers.registry import connect, control_alive, live_slots
+from workers.slot import HOST_MEMORY_CAP_ENV
 
 START_TIMEOUT_S = 120.0
 PR_SET_PDEATHSIG = 1
@@ -86,14 +87,15 @@ class LocalCluster:
 
     def __init__(self, slots: int, log_dir: Path, slot_memory: str | None = None,
                  node: str | None = None, devices: Sequence[int] | None = None,
-                 flower_port: int | None = None) -> None:
+                 flower_port: int | None = None, host_memory_cap: str | None = None) -> None:
         self.devices = list(devices) if devices is not None else list(range(slots))
         #: Flower on 127.0.0.1:flower_port with generated basic auth (`flower_auth`, user:password).
         self.flower_port = flower_port
         self.flower_auth = f"autotune:{secrets.token_urlsafe(12)}" if flower_port is not None else ""
         self.slots = len(self.devices)
         self.log_dir = Path(log_dir)
-        self.slot_memory = slot_memory
+        self.slot_memory = slot_memory  #: CPU slots' memory (AUTOTUNE_SLOT_MEMORY); GPU slots ignore it
+        self.host_memory_cap = host_memory_cap  #: GPU ranks' RSS cap (AUTOTUNE_HOST_MEMORY_CAP), when asked
         self.node = node or socket.gethostname()
         self.url = ""
         self._redis: subprocess.Popen | None = None
@@ -137,6 +139,8 @@ class LocalCluster:
                "AUTOTUNE_SLOTS_PER_NODE": str(self.slots), "PYTHONUNBUFFERED": "1"}
         if self.slot_memory:
             env["AUTOTUNE_SLOT_MEMORY"] = self.slot_memory
+        if self.host_memory_cap:
+            env[HOST_MEMORY_CAP_ENV] = self.host_memory_cap
         for device in self.devices:
             self._start_worker(f"gpu{device}", f"gpu{device}@{self.node}", 1, env)
         self._start_worker("control", f"control@{self.node}", 2, env)
