@@ -48,7 +48,7 @@ def test_an_interrupted_then_a_finished_run_are_overwritten_and_a_users_file_is_
     measures afresh; then a file of the user's: refused in one line, nothing deleted."""
     results = tmp_path / "autotuning_results"
     proc = subprocess.Popen([sys.executable, "-m", "scheduler.autotune", str(_config(tmp_path, [1, 2], "2=hang")),
-                             *ARGS], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             *ARGS], cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         wait_for(lambda: (results / MBS1 / layout.RESULT).is_file() and (results / MBS2 / "stdout.log").is_file(),
@@ -63,7 +63,7 @@ def test_an_interrupted_then_a_finished_run_are_overwritten_and_a_users_file_is_
     assert not left & set(layout.OPTIMAL_FILES) and _statuses(results) == {MBS1: "ok", MBS2: "cancelled"}
     interrupted = time.time()
 
-    finished = run_autotune([str(_config(tmp_path, [1, 2])), *ARGS], tmp_path)
+    finished = run_autotune([str(_config(tmp_path, [1, 2])), *ARGS], tmp_path, _env(tmp_path))
     assert finished.returncode == 0, finished.stdout + finished.stderr
     names = set(_files(results))
     assert not names & set(layout.PARTIAL_FILES) and {layout.RESULTS_CSV, *layout.OPTIMAL_FILES[:2]} <= names
@@ -71,7 +71,7 @@ def test_an_interrupted_then_a_finished_run_are_overwritten_and_a_users_file_is_
     assert json.loads((results / MBS1 / layout.RESULT).read_text())["started_at"] > interrupted  # not resumed
     measured = time.time()
 
-    afresh = run_autotune([str(_config(tmp_path, [1])), *ARGS], tmp_path)
+    afresh = run_autotune([str(_config(tmp_path, [1])), *ARGS], tmp_path, _env(tmp_path))
     assert afresh.returncode == 0, afresh.stdout + afresh.stderr
     assert _statuses(results) == {ALONE: "ok"}
     assert not (results / MBS1).exists() and not (results / MBS2).exists()  # the finished run's went with it
@@ -81,7 +81,7 @@ def test_an_interrupted_then_a_finished_run_are_overwritten_and_a_users_file_is_
     (results / "notes.txt").write_text("mine")
     (results / ALONE / "checkpoint.pt").write_text("weights")
     before = _files(results)
-    refused = run_autotune([str(_config(tmp_path, [1])), *ARGS], tmp_path, timeout=60)
+    refused = run_autotune([str(_config(tmp_path, [1])), *ARGS], tmp_path, _env(tmp_path), timeout=60)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     [line] = refused.stderr.strip().splitlines()
     assert line.startswith("error: ") and "was not written by celery-autotune" in line
@@ -95,5 +95,9 @@ def _statuses(results: Path) -> dict[str, str]:
     return {record["name"]: record["status"] for record in map(json.loads, lines)}
 
 
-def _env() -> dict[str, str]:
-    return {key: value for key, value in os.environ.items() if key != "AUTOTUNE_REDIS_URL"}
+def _env(tmp_path: Path) -> dict[str, str]:
+    """The user's environment without a cluster URL (an embedded cluster), with a folder of compiled
+    ops of its own: fake_train needs none, and a stale op in a shared one would be rebuilt first."""
+    env = {key: value for key, value in os.environ.items() if key != "AUTOTUNE_REDIS_URL"}
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")
+    return env
