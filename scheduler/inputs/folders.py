@@ -59,7 +59,8 @@ def create(field: str, folder: Path, config_path: Path) -> None:
         fresh = not folder.exists() or not any(folder.iterdir())
         folder.mkdir(parents=True, exist_ok=True)
         if fresh:
-            layout.result_file(folder, MARKER).write_text(json.dumps({"created_by": "celery-autotune", "field": field}) + "\n")
+            marker = json.dumps({"created_by": "celery-autotune", "field": field}) + "\n"
+            layout.result_file(folder, MARKER).write_text(marker)
     except OSError as exc:
         raise ConfigError(f"{config_path}: autotuning.{field} {folder}: cannot create or write it "
                           f"({exc.strerror or exc}); choose a folder you can write") from None
