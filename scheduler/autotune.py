@@ -33,11 +33,12 @@ from scheduler.errors import OneLineArgumentParser, UsageError, one_line
 from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.jobs import JobCrashed, JobSpec, cancel, run_fixed, submit, watch
 from scheduler.live_view import LiveView
-from scheduler.report.outputs import PARTIAL_FILES, cancelled_record, print_table
+from scheduler.report.outputs import cancelled_record, print_table
 from scheduler.cluster.progress import optimal_argv, outcome, write_outputs
 from scheduler.cluster.work import Work
 from scheduler.search.ranking import best
 from scheduler.search.space import PROFILE, Experiment, optimal_config
+from workers.layout import CLUSTER_DIR, DS_CONFIG, OPTIMAL_FILES, PARTIAL_FILES, SUMMARY
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child
 from workers.registry import connect
@@ -59,7 +60,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="embedded cluster: slot workers to start (default: one per GPU, on a machine "
                         "without GPUs one per core)")
     parser.add_argument("--slot-memory", help="embedded cluster on CPU: memory cap per slot, e.g. 3GiB "
-                        "(default: total RAM / slots)")
+                        "(default: total RAM / slots); GPU slots hold their GPU's memory and ignore it")
+    parser.add_argument("--host-memory-cap", help="embedded cluster on GPUs: cap each rank's host memory "
+                        "(RSS) at this, e.g. 64GiB (default: no cap; CPU slots are capped by --slot-memory)")
     parser.add_argument("--num_gpus", type=int, help="slots per experiment (default: all slots of a node)")
     parser.add_argument("--num_nodes", type=int, default=1, help="nodes per experiment (default 1)")
     parser.add_argument("--exp-timeout", type=float, default=900.0,
@@ -110,10 +113,10 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     folders.prepare([("results_dir", cfg.results_dir), ("exps_dir", cfg.exps_dir)], cfg.path, cfg.overwrite)
     if checked.client is not None:
         return tune(checked, args, checked.client)
-    with LocalCluster(len(checked.slots), cfg.results_dir / "cluster", slot_memory=args.slot_memory,
-                      flower_port=args.flower) as cluster:
+    with LocalCluster(len(checked.slots), cfg.results_dir / CLUSTER_DIR, slot_memory=args.slot_memory,
+                      flower_port=args.flower, host_memory_cap=args.host_memory_cap) as cluster:
         console.print(f"embedded cluster: redis-server and {len(checked.slots)} slot workers + control "
-                      f"on {cluster.node} (logs in {cfg.results_dir / 'cluster'})")
+                      f"on {cluster.node} (logs in {cfg.results_dir / CLUSTER_DIR})")
         if args.flower is not None:
             user, password = cluster.flower_auth.split(":", 1)
             console.print(f"flower: http://127.0.0.1:{args.flower}/ user {user} password {password}",
@@ -137,6 +140,12 @@ def tune(checked: preflight.Checked, args: argparse.Namespace, client: redis.Red
     console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {args.num_nodes} node(s) x "
                   f"{spec.tune.num_gpus} slot(s) per experiment, metric {cfg.metric}, "
                   f"slot memory {spec.tune.capacity_bytes / 2**30:.1f} GiB")
+    if args.slot_memory and spec.slot_kind == "cuda":
+        console.print(f"note: --slot-memory {args.slot_memory} sizes CPU slots only: these GPU slots hold their "
+                      "GPU's memory, and their ranks' host memory is capped only by --host-memory-cap")
+    if args.host_memory_cap and spec.slot_kind == "cpu":
+        console.print(f"note: --host-memory-cap {args.host_memory_cap} caps ranks on GPU slots only: these CPU "
+                      "slots are capped by their slot memory (--slot-memory)")
     if submit(client, work, spec):
         console.print("the job for this results folder was still running on the cluster: watching it")
 
@@ -167,7 +176,7 @@ def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: red
     autotuning section, so nothing exits after the profiled steps. Ranks run on the slot workers."""
     optimal = replace(best, name="run_optimal", ds_config=optimal_config(best.ds_config),
                       tuning_space="run_optimal", metric_file="", min_memory=tuned_spec.min_memory)
-    argv = optimal_argv(tuned_spec)(optimal, safe_child(cfg.results_dir, optimal.name) / "ds_config.json")
+    argv = optimal_argv(tuned_spec)(optimal, safe_child(cfg.results_dir, optimal.name) / DS_CONFIG)
     spec = JobSpec(job=uuid.uuid4().hex, results_root=tuned_spec.results_root, cwd=os.getcwd(),
                    timeout_s=preflight.RUN_TIMEOUT_S, experiments=[{**optimal.to_json(), "argv": argv}],
                    min_memory=tuned_spec.min_memory, slot_kind=tuned_spec.slot_kind,
@@ -199,8 +208,8 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
     experiments, records = outcome(client, spec)
     if interrupted is not None:
         return _report_interrupted(cfg, spec, experiments, records, interrupted), records
-    summary = cfg.results_dir / "summary.txt"
-    optimal = read_json(cfg.results_dir / "ds_config_optimal.json")
+    summary = cfg.results_dir / SUMMARY
+    optimal = read_json(cfg.results_dir / OPTIMAL_FILES[0])
     winner = best(list(records.values()), cfg.metric, cfg.maximize) if optimal is not None else None
     print_table(console, experiments, records, cfg.metric, winner)
     if summary.exists():
@@ -218,9 +227,9 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
                   "ran: its records stay and a rerun would reuse them, so after fixing the script start "
                   "afresh with \"overwrite\": true", file=sys.stderr)
     else:
-        console.print(f"best: {winner['name']} -> {cfg.results_dir / 'ds_config_optimal.json'}", soft_wrap=True)
+        console.print(f"best: {winner['name']} -> {cfg.results_dir / OPTIMAL_FILES[0]}", soft_wrap=True)
         # a command meant to be pasted is never wrapped, whatever the terminal's (or log's) width
-        console.print(f"run it: {(cfg.results_dir / 'cmd_optimal.txt').read_text().strip()}",
+        console.print(f"run it: {(cfg.results_dir / OPTIMAL_FILES[1]).read_text().strip()}",
                       soft_wrap=True, markup=False)
     return winner, records
 
@@ -234,7 +243,7 @@ def _report_interrupted(cfg: TuningConfig, spec: JobSpec, experiments: list[Expe
     write_outputs(spec, experiments, records, cancelled)
     winner = best(list(records.values()), cfg.metric, cfg.maximize)
     print_table(console, experiments, {**records, **cancelled}, cfg.metric, winner)
-    summary = cfg.results_dir / "summary.txt"
+    summary = cfg.results_dir / SUMMARY
     if summary.exists():
         console.print(summary.read_text(), markup=False, soft_wrap=True)
     measured = [e.name for e in experiments if e.name in records and e.name != PROFILE]  # as summary.txt counts

@@ -46,7 +46,7 @@ from workers.gpus import GpuListingError, local_gpus, refuse_mig
 from workers.local_cluster import redis_server
 from workers.redis_tls import describe_tls_failure
 from workers.registry import connect, control_alive, live_slots
-from workers.slot import Slot, cpu_slot_memory, parse_size
+from workers.slot import HOST_MEMORY_CAP_ENV, Slot, cpu_slot_memory, parse_size
 
 RUN_TIMEOUT_S = 7 * 24 * 3600.0  #: a real training run: the limit only guards against a hang forever
 MAX_EXP_TIMEOUT_S = RUN_TIMEOUT_S  #: --exp-timeout above a week is a typo (and inf hangs the dispatcher)
@@ -235,20 +235,22 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--exp-timeout must be a positive number of seconds up to {MAX_EXP_TIMEOUT_S:.0f} "
                          f"(a week), got {args.exp_timeout}")
     total = psutil.virtual_memory().total
-    for flag, low, high in (("slot_memory", MIN_SLOT_MEMORY_BYTES, total),
-                            ("min_slot_memory", 1, MAX_MEMORY_BYTES)):
-        value = getattr(args, flag)
+    for name, value, low, high in (
+            ("--slot-memory", args.slot_memory, MIN_SLOT_MEMORY_BYTES, total),
+            ("--host-memory-cap", getattr(args, "host_memory_cap", None), MIN_SLOT_MEMORY_BYTES, MAX_MEMORY_BYTES),
+            (HOST_MEMORY_CAP_ENV, os.environ.get(HOST_MEMORY_CAP_ENV) or None, MIN_SLOT_MEMORY_BYTES, MAX_MEMORY_BYTES),
+            ("--min-slot-memory", args.min_slot_memory, 1, MAX_MEMORY_BYTES)):
         if value is None:
             continue
         try:
             size = parse_size(value)
         except ValueError as exc:
-            raise UsageError(f"--{flag.replace('_', '-')}: {exc}") from None
+            raise UsageError(f"{name}: {exc}") from None
         except OverflowError:
             size = high + 1
         if not low <= size <= high:
-            raise UsageError(f"--{flag.replace('_', '-')} {value}: must be from {low / 2**20:g} MiB to "
-                             f"{high / 2**30:.1f} GiB" + (" (this machine's RAM)" if flag == "slot_memory" else ""))
+            raise UsageError(f"{name} {value[:40]}: must be from {low / 2**20:g} MiB to "
+                             f"{high / 2**30:.1f} GiB" + (" (this machine's RAM)" if high == total else ""))
 
 
 def connect_checked(url: str) -> redis.Redis:

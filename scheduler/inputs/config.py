@@ -3,6 +3,11 @@
 Users bring the config they give `deepspeed --autotuning`; it must load unchanged. Every problem is
 reported as one line naming the file and field and saying how to fix it (`ConfigError`), so the
 command exits 2 without a traceback.
+
+`"enabled": false` is refused: DeepSpeed's engine writes its metrics (and stops after the profiled
+steps) only when it is true, and DeepSpeed's own tuner never reads it, so `deepspeed --autotuning
+tune` with it false trains every experiment to its end and finds no optimum. Left out, it is
+taken as true (the experiments get it set, as DeepSpeed's profile run does).
 """
 from __future__ import annotations
 
@@ -116,6 +121,11 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
                           "to the config to tune it")
     _check_known_keys(path, autotuning)
     check_schema(path, raw)
+    if autotuning.get("enabled") is False:
+        raise ConfigError(f'{path}: autotuning.enabled is false, so DeepSpeed\'s engine would write no metrics '
+                          "and no experiment could be measured (DeepSpeed's own tuner would train each to the "
+                          'end and find no optimum); set "enabled": true (or leave it out) to tune, or train '
+                          "without tuning with deepspeed itself")
     cwd = cwd or Path.cwd()
     script = autotuning.get("user_script")
     user_args = autotuning.get("user_args", [])

@@ -129,6 +129,9 @@ for key in ("enabled", "fast", "overwrite"):
         case(f"bool-{key}-{json.dumps(value)}",
              lambda s, key=key, value=value: Case([s.config({key: value})], (f"autotuning.{key}", "true or false")))
 
+case("enabled-false", lambda s: Case([s.config({"enabled": False})],
+                                     ("autotuning.enabled is false", 'set "enabled": true')))
+
 # ---------------------------------------------------------------- integers in documented ranges
 
 INTEGER_KEYS = {
@@ -243,7 +246,8 @@ for flag, value, needle in (
         ("--slot-memory", "1e999", "--slot-memory"), ("--slot-memory", "9" * 400, "--slot-memory"),
         ("--slot-memory", "1KiB", "--slot-memory"), ("--slot-memory", "0", "--slot-memory"),
         ("--slot-memory", "-1GiB", "--slot-memory"), ("--min-slot-memory", "x", "--min-slot-memory"),
-        ("--min-slot-memory", "0", "--min-slot-memory")):
+        ("--min-slot-memory", "0", "--min-slot-memory"), ("--host-memory-cap", "lots", "--host-memory-cap"),
+        ("--host-memory-cap", "1KiB", "--host-memory-cap"), ("--host-memory-cap", "9" * 400, "--host-memory-cap")):
     case(f"flag{flag}-{value[:12]}", lambda s, flag=flag, value=value, needle=needle: Case(
         [s.config(), f"{flag}={value}" if value.startswith("-") else flag, *([] if value.startswith("-") else [value])],
         (needle,)))
@@ -319,7 +323,8 @@ for label, url, needle in (
 for name, value in (("AUTOTUNE_LEASE_S", "x"), ("AUTOTUNE_LEASE_S", "nan"), ("AUTOTUNE_LEASE_S", "-1"),
                     ("AUTOTUNE_LOST_GRACE_S", "inf"), ("AUTOTUNE_MAX_ATTEMPTS", "0"),
                     ("AUTOTUNE_MAX_ATTEMPTS", "1.5"), ("AUTOTUNE_VISIBILITY_TIMEOUT", "inf"),
-                    ("AUTOTUNE_SLOTS_PER_NODE", "-3")):
+                    ("AUTOTUNE_SLOTS_PER_NODE", "-3"), ("AUTOTUNE_HOST_MEMORY_CAP", "lots"),
+                    ("AUTOTUNE_HOST_MEMORY_CAP", "1KiB")):
     case(f"env-{name}-{value}", lambda s, name=name, value=value: Case([s.config()], (name,), env={name: value}))
 
 # ---------------------------------------------------------------- scheduler.run and hostfiles

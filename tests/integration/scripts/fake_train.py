@@ -7,7 +7,8 @@ throughput follow a synthetic law so the fast search has something to find), oom
 memory_error (raises MemoryError), crash (exit 3), no_metrics (exit 0, no file), hang (sleeps),
 slow<N> (sleeps N seconds, then ok). `--hold DIR --hold-after K`: every experiment after the K-th
 to start (counted in DIR) waits until DIR/release exists, so a test interrupts while one is running.
-Every rank writes `<result_dir>/started.rank<N>` with its pid as soon as it starts. In DeepSpeed's
+Every rank writes `<result_dir>/started.rank<N>` with its pid as soon as it starts (not with
+--quiet-folder: then, as a real training script, it writes nothing there but the metrics). In DeepSpeed's
 model-info profile mode it writes model_info.json for a tiny model and exits. Without an enabled
 autotuning section (a real training run) it writes trained.rank<N> instead of metrics.
 """
@@ -31,6 +32,8 @@ parser.add_argument("--take-port-once", metavar="FILE",
                          "group binds it: another process took the port rank 0 was given (EADDRINUSE)")
 parser.add_argument("--hold", metavar="DIR", help="experiments after --hold-after wait for DIR/release")
 parser.add_argument("--hold-after", type=int, default=0)
+parser.add_argument("--quiet-folder", action="store_true",
+                    help="write no started.rank<N> (a file of the script's own) into the experiment folder")
 args = parser.parse_args()
 
 config_path = Path(args.deepspeed_config)
@@ -45,7 +48,8 @@ mbs = config["train_micro_batch_size_per_gpu"]
 modes = dict(item.split("=") for item in args.behaviour.split(",") if item)
 mode = modes.get(str(mbs), "ok")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-(config_path.parent / f"started.rank{rank}").write_text(str(os.getpid()))
+if not args.quiet_folder:
+    (config_path.parent / f"started.rank{rank}").write_text(str(os.getpid()))
 
 if args.hold and autotuning.get("enabled") and rank == 0:
     hold = Path(args.hold)
