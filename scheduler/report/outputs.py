@@ -15,7 +15,8 @@
 An interrupted search is not a search that found an optimum: its experiments that were running or
 queued get `cancelled` lines in results.jsonl/results.csv, summary.txt says "interrupted", and the
 best measured config is written as ds_config_best_partial.json / cmd_best_partial.txt, never under
-the "optimal" names.
+the "optimal" names. It draws no plots (and removes an earlier run's): matplotlib's import and
+drawing took most of a Ctrl-C's 10-20 s on a busy machine; the run that finishes the search draws them.
 
 Every name above is taken from `workers.layout` (`result_file` refuses one it does not list), the
 list `"overwrite": true` checks a folder against: a file written here that it did not know would
@@ -230,10 +231,14 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
                  summary_text(experiments, records, metric, maximize, elapsed_s,
                               list(cancelled) if partial else None))
     winner = best(ordered, metric, maximize)
-    from scheduler.report.plot import write_plot, write_timeline  # matplotlib is imported only when a job ends
+    if partial:  # a Ctrl-C is not kept waiting for matplotlib (seconds on a busy machine)
+        for stale in (TUNING_PLOT, TIMELINE_PLOT):
+            result_file(results_dir, stale).unlink(missing_ok=True)
+    else:
+        from scheduler.report.plot import write_plot, write_timeline  # matplotlib is imported only when a job ends
 
-    write_plot(result_file(results_dir, TUNING_PLOT), experiments, records, metric, winner)
-    write_timeline(result_file(results_dir, TIMELINE_PLOT), [*ordered, *cancelled.values()], winner)
+        write_plot(result_file(results_dir, TUNING_PLOT), experiments, records, metric, winner)
+        write_timeline(result_file(results_dir, TIMELINE_PLOT), ordered, winner)
     for stale in (*OPTIMAL_FILES, *PARTIAL_FILES):
         result_file(results_dir, stale).unlink(missing_ok=True)
     if winner is None:
