@@ -32,7 +32,9 @@ from rich.console import Console
 from rich.table import Table
 from tabulate import tabulate
 
-from scheduler.search.confirm import PRIOR_NOISE, Readings, step_noise, verdict
+from scheduler.search.confirm import (
+    ALONE, MIN_NOISE, PRIOR_NOISE, READ_ONCE, SEPARATED, SEPARATION_Z, Readings, Verdict, step_noise, verdict,
+)
 from scheduler.search.ranking import best, config_key, metric_value, pooled_best, status_counts
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
@@ -139,17 +141,29 @@ def winner_text(records: list[dict[str, Any]], metric: str, maximize: bool) -> s
     lines = [f"Winner: {described(decided.winner)}"]
     if decided.runner_up is not None:
         lines.append(f"Runner-up: {described(decided.runner_up)}")
-    noise = (f"the measured noise, {100 * decided.noise:.1f} % (relative standard deviation over the configs "
-             "read more than once)" if decided.noise is not None else
-             f"an assumed noise of {100 * PRIOR_NOISE:.0f} % (no config was read twice)")
-    if decided.runner_up is None:
-        lines.append("No other config ran, so there is nothing to separate it from.")
-    elif decided.is_separated:
-        lines.append(f"Separated: the gap is more than 2 standard errors at {noise}.")
-    else:
-        lines.append(f"Not separated: the gap is within 2 standard errors at {noise}; both are sound "
-                     "choices, the winner by its mean.")
+    lines.append(separation_sentence(decided))
     return "\n".join(lines) + "\n"
+
+
+def separation_sentence(decided: Verdict) -> str:
+    """Why the winner is or is not separated from the runner-up (`Verdict.reason`), with the gap and
+    the standard error it was judged on, so the words and the figures beside them cannot disagree."""
+    reason = decided.reason
+    if reason == ALONE:
+        return "No other config ran, so there is nothing to separate it from."
+    source = (f"the configs read more than once spread {100 * decided.noise:.1f} % pooled; a config's noise is that, "
+              f"at least {100 * MIN_NOISE:.0f} %, or its own spread where larger" if decided.noise is not None else
+              f"no config was read twice: {100 * PRIOR_NOISE:.0f} % assumed, or a config's own spread where larger")
+    winner_noise, runner_noise = decided.noises
+    figures = (f"the gap, {100 * decided.gap:.1f} %, is {decided.standard_errors:.1f} standard errors of the "
+               f"difference ({100 * decided.error:.1f} %, from a noise per reading of {100 * winner_noise:.1f} % "
+               f"for the winner and {100 * runner_noise:.1f} % for the runner-up; {source})")
+    if reason == READ_ONCE:
+        return (f"Not confirmed, read once: the winner was measured once, so its own noise is unknown and "
+                f"no gap separates it; {figures}.")
+    if reason == SEPARATED:
+        return f"Separated: {figures}, more than {SEPARATION_Z:g}."
+    return f"Not separated: {figures}, within {SEPARATION_Z:g}; both are sound choices, the winner by its mean."
 
 
 def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, record: dict[str, Any] | None = None,

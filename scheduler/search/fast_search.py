@@ -29,7 +29,8 @@ from scheduler.search.full_space import full_experiments
 from scheduler.search.memory import SAFETY, GiB, MemoryModel, ModelInfo, overhead_from_profile, prior_overhead_bytes
 from scheduler.search.phases import Phase, Search
 from scheduler.search.ranking import best, metric_value
-from scheduler.search.sampled_search import confirm, sampled_stages, stages_near_leader
+from scheduler.search.repeats import confirm, relaunch
+from scheduler.search.sampled_search import sampled_stages, stages_near_leader
 from scheduler.search.session import (
     NoStageFits, SearchAborted, SearchSettings, Session, measured_capacity, measured_reserve, peak_of, succeeded,
 )
@@ -120,6 +121,8 @@ def fast_search(settings: SearchSettings) -> Search:
     if settings.micro_batch_sizes:
         for stage in stages:
             yield from _run_list(session, stage)
+        if settings.search == "sampled":
+            yield from confirm(session)
         return
     if settings.search == "sampled":
         yield from sampled_stages(session, stages)
@@ -174,11 +177,12 @@ def _gib(size: int) -> str:
 
 def _run_list(session: Session, stage: int) -> Step:
     """The user's own micro-batch list, as DeepSpeed runs it: every size gets gas = mtbpg // size, so
-    all of them train on about the same number of samples per GPU and optimizer step."""
+    all of them train on about the same number of samples per GPU and optimizer step. A crash is
+    launched once more (`repeats.relaunch`), and `fast_search` confirms the winner after the list."""
     st = session.settings
     mtbpg = max(st.micro_batch_sizes) * st.gradient_accumulation_steps
-    yield from session.measure(f"z{stage}_list",
-                               [session.experiment(stage, m, max(1, mtbpg // m)) for m in st.micro_batch_sizes])
+    yield from relaunch(session, f"z{stage}_list",
+                        [session.experiment(stage, m, max(1, mtbpg // m)) for m in st.micro_batch_sizes])
 
 
 def _tune_stage(session: Session, stage: int, prev_max: int) -> Step:
@@ -276,7 +280,9 @@ def _candidates_and_fine(session: Session, stage: int, start: int, top: int) -> 
 
 def tune_full_space(session: Session, stage: int, sizes: Sequence[int], mtbpg: int) -> Step:
     """Full mode for one stage: DeepSpeed's ZeRO-knob space x the fast search's candidate sizes, explored
-    by the configured tuner in batches as wide as the slots allow, until its trial cap or early stop."""
+    by the configured tuner in batches as wide as the slots allow, until its trial cap or early stop.
+    A knob point whose failure says nothing about it is launched once more (`repeats.relaunch`; not
+    under `"search": "deepspeed"`) and the tuner sees the retry's result."""
     st = session.settings
     cfg = st.tuning_config
     if cfg is None:
@@ -286,8 +292,8 @@ def tune_full_space(session: Session, stage: int, sizes: Sequence[int], mtbpg: i
     rule = StopRule(st.maximize, st.tuner_num_trials, st.tuner_early_stopping)
     history: list[Trial] = []
     while batch := plan(tuner, history, rule, st.concurrency):
-        records = yield from session.measure(f"{experiments[0].space}_trial{len(history) + 1}",
-                                             [experiments[i] for i in batch])
+        records = yield from relaunch(session, f"{experiments[0].space}_trial{len(history) + 1}",
+                                      [experiments[i] for i in batch])
         history.extend(Trial(i, metric_value(record, st.metric)) for i, record in zip(batch, records))
 
 
