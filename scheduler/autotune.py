@@ -34,6 +34,7 @@ from scheduler.inputs import folders
 from scheduler.inputs.config import TuningConfig, load_config
 from scheduler.launch.environment import check_numeric_variables, check_redis_url
 from scheduler.errors import ClusterError, ConfigError, OneLineArgumentParser, UsageError, one_line
+from scheduler.search.fast_search import search_notes
 from scheduler.search.full_space import check_full_mode
 from workers.redis_tls import describe_tls_failure
 from scheduler.launch.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots
@@ -41,7 +42,7 @@ from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.jobs import JobCrashed, JobSpec, TuneSpec, cancel, job_id_for, run_fixed, submit, watch
 from scheduler.live_view import LiveView
 from scheduler.report.outputs import PARTIAL_FILES, cancelled_record, print_table
-from scheduler.cluster.progress import optimal_argv, outcome, search_of, write_outputs
+from scheduler.cluster.progress import optimal_argv, outcome, settings_of, write_outputs
 from scheduler.cluster.work import Work
 from scheduler.search.ranking import best
 from scheduler.search.space import PROFILE, Experiment, optimal_config
@@ -170,10 +171,12 @@ def tune(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: t
                       capacity_bytes=min(s.memory_bytes for s in slots), num_nodes=args.num_nodes,
                       num_gpus=num_gpus, device_kind=device_kind,
                       concurrency=len(slots) // (args.num_nodes * num_gpus)))
-    search_of(spec)  # a config the search refuses is reported here, before anything is submitted
+    notes = search_notes(settings_of(spec))  # a config the search refuses: reported before anything is submitted
     console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {args.num_nodes} node(s) x "
                   f"{num_gpus} slot(s) per experiment, metric {cfg.metric}, "
                   f"slot memory {spec.tune.capacity_bytes / 2**30:.1f} GiB")
+    for note in notes:
+        console.print(note, highlight=False, soft_wrap=True)
     if submit(client, work, spec):
         console.print("the job for this results folder was still running on the cluster: watching it")
 

@@ -25,7 +25,9 @@ from collections.abc import Generator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET
 from scheduler.search.full_space import full_experiments
+from scheduler.search.global_batch import batch_notes, no_fit_message
 from scheduler.search.memory import SAFETY, GiB, MemoryModel, ModelInfo, overhead_from_profile, prior_overhead_bytes
 from scheduler.search.phases import Phase, Search
 from scheduler.search.ranking import best, metric_value
@@ -123,6 +125,7 @@ def fast_search(settings: SearchSettings) -> Search:
             yield from _run_list(session, stage)
         if settings.search == "sampled":
             yield from confirm(session)
+        _refuse_if_nothing_kept(session)
         return
     if settings.search == "sampled":
         yield from sampled_stages(session, stages)
@@ -130,6 +133,7 @@ def fast_search(settings: SearchSettings) -> Search:
             for stage, mbs, gas in stages_near_leader(session, stages):
                 yield from tune_full_space(session, stage, [mbs], mbs * gas)
         yield from confirm(session)
+        _refuse_if_nothing_kept(session)
         return
     carried_best = carried_max = 0
     carried_metric: float | None = None
@@ -141,6 +145,31 @@ def fast_search(settings: SearchSettings) -> Search:
             yield from tune_full_space(session, stage, *candidates)
         if best_mbs > carried_best:
             carried_best, carried_max, carried_metric = best_mbs, max_mbs, stage_metric
+
+
+def search_notes(settings: SearchSettings) -> list[str]:
+    """What the command prints first and summary.txt repeats about the search's own rules: the global
+    batch kept, freed or overwritten (`global_batch.batch_notes`), and how a winner is named."""
+    if settings.search == "sampled":
+        rule = ("Search: no config is named on one reading (the leader and its close rivals are measured "
+                f"again, <name>_r<n>, up to {REPEAT_BUDGET} launches and {READ_ONCE_GRACE} more while the "
+                "leader was read once); a crash, timeout or failed rendezvous is launched once more (<name>_r2)")
+    else:
+        rule = ('Search: "search": "deepspeed" keeps DeepSpeed\'s behaviour: every config is read once and the '
+                "best single reading wins (no confirmation); a crash is that config's result (no relaunch)")
+    return [*batch_notes(settings.global_batch, settings.dp_size), rule]
+
+
+def _refuse_if_nothing_kept(session: Session) -> None:
+    """With a kept global batch, a search where no experiment ran ends with one line naming the
+    smallest size that failed and what would help (`global_batch.no_fit_message`)."""
+    st = session.settings
+    tried = [(exp, record) for exp, record in session.measured.values() if exp.name != PROFILE]
+    if not st.kept_per_gpu or any(succeeded(record) for _, record in tried):
+        return
+    raise SearchAborted(no_fit_message(st.global_batch, st.dp_size, [
+        (exp.micro_batch_size, exp.gradient_accumulation_steps, exp.stage, record.get("status", "lost"))
+        for exp, record in tried]))
 
 
 def _profile(session: Session) -> Step:
@@ -180,7 +209,7 @@ def _run_list(session: Session, stage: int) -> Step:
     all of them train on about the same number of samples per GPU and optimizer step. A crash is
     launched once more (`repeats.relaunch`), and `fast_search` confirms the winner after the list."""
     st = session.settings
-    mtbpg = max(st.micro_batch_sizes) * st.gradient_accumulation_steps
+    mtbpg = st.kept_per_gpu or max(st.micro_batch_sizes) * st.gradient_accumulation_steps
     yield from relaunch(session, f"z{stage}_list",
                         [session.experiment(stage, m, max(1, mtbpg // m)) for m in st.micro_batch_sizes])
 

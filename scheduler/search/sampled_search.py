@@ -60,6 +60,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from scheduler.search.global_batch import kept_sizes, largest_kept
 from scheduler.search.ranking import metric_value
 from scheduler.search.repeats import is_repeat, original_name, says_nothing
 from scheduler.search.session import Session, Step
@@ -244,11 +245,14 @@ def _sample_smallest(session: Session, stage: int) -> Step:
 
 
 def _candidates(session: Session, stage: int) -> list[int]:
-    """The sizes worth measuring in the stage now: the full-step sizes of its space, and its top.
+    """The sizes worth measuring in the stage now: the full-step sizes of its space, and its top (with
+    a kept global batch, the sizes dividing its share: `global_batch.kept_sizes`).
     Without max_train_batch_size the space ends at the largest size known to run; a top above it
     is probed at the user's gas and, once it runs, widens the space."""
     top = _top(session, stage)
     step = samples_per_step(session, stage)
+    if session.settings.kept_per_gpu:
+        return kept_sizes(step, session.settings.min_micro_batch_size, top)
     if session.settings.samples_per_step:
         return full_step_sizes(step, top)
     known = min(top, _known_feasible(session, stage) or top)
@@ -346,7 +350,9 @@ def _top(session: Session, stage: int) -> int:
             predicted = min(predicted, mid if mid is not None else largest_ok)
         else:
             predicted = min(predicted, smallest_failed // 2)
-    return max(predicted, largest_ok)
+    top = max(predicted, largest_ok)
+    kept = session.settings.kept_per_gpu
+    return largest_kept(kept, top) if kept else top  # a kept global batch: only sizes dividing its share
 
 
 def _failures_since_a_success(session: Session, stage: int) -> int:
