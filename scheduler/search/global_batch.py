@@ -51,8 +51,9 @@ class GlobalBatch:
 
 
 def cli_batch(base_args: Sequence[str], mappings: Mapping[str, str]) -> tuple[int, int] | None:
-    """(per-device size, accumulation) the user's command line gives through `arg_mappings` (the
-    accumulation 1 when unmapped), or None when the micro-batch flag is unmapped or not a number."""
+    """(per-device size, accumulation) the user's command line gives through `arg_mappings`, or None
+    unless both flags are mapped and given as numbers: an experiment's accumulation must reach the
+    script (the Trainer refuses a DeepSpeed config whose accumulation differs from its own flag)."""
     def value(key: str) -> int | None:
         flag = mappings.get(key)
         if not flag:
@@ -66,7 +67,7 @@ def cli_batch(base_args: Sequence[str], mappings: Mapping[str, str]) -> tuple[in
     mbs = value("train_micro_batch_size_per_gpu")
     if mbs is None:
         return None
-    gas = value("gradient_accumulation_steps") if "gradient_accumulation_steps" in mappings else 1
+    gas = value("gradient_accumulation_steps")
     return (mbs, gas) if gas is not None else None
 
 

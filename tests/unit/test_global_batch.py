@@ -52,7 +52,10 @@ def test_kept_sizes_divide_the_share() -> None:
     (["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"],
      {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
       "gradient_accumulation_steps": "--gradient_accumulation_steps"}, (8, 2)),
-    (["--per_device_train_batch_size=8"], {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}, (8, 1)),
+    (["--per_device_train_batch_size=8", "--gradient_accumulation_steps=3"],
+     {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+      "gradient_accumulation_steps": "--gradient_accumulation_steps"}, (8, 3)),
+    (["--per_device_train_batch_size=8"], {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}, None),
     (["--per_device_train_batch_size", "x"], {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}, None),
     (["--bs", "8"], {}, None),
 ])
@@ -190,3 +193,31 @@ def test_the_summary_says_the_batch_was_kept() -> None:
     text = summary_text(experiments, runner.records, "throughput", True, 1.0, notes=search_notes(settings))
     assert "Global batch kept: 96 samples per optimizer step (train_batch_size 96 in the config)" in text
     assert "24 samples per GPU per step (the global batch kept: 96 per step, every experiment)" in text
+
+
+def test_an_hf_config_keeps_its_command_lines_batch_when_asked(tmp_path: Path) -> None:
+    """The job's spec carries the script's flags: `settings_of` reads the kept batch from them."""
+    from scheduler.cluster.jobs import JobSpec, TuneSpec
+    from scheduler.cluster.progress import settings_of
+
+    config = json.loads((Path(__file__).resolve().parents[2] / "examples" / "cfg_hf.json").read_text())
+    config["autotuning"]["keep_train_batch_size"] = True
+    config["train_batch_size"] = "auto"
+    args = ["--deepspeed", "ds_config.json", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"]
+    mappings = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+                "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+
+    def spec(ds_config: dict[str, Any]) -> JobSpec:
+        return JobSpec(job="j", results_root=str(tmp_path / "r"), cwd=str(tmp_path), timeout_s=60.0,
+                       tune=TuneSpec(config_path=str(tmp_path / "cfg_hf.json"), ds_config=ds_config,
+                                     exps_dir=str(tmp_path / "e"), script="train_hf.py", base_args=args,
+                                     mappings=mappings, capacity_bytes=LAW.capacity, num_nodes=1, num_gpus=2,
+                                     device_kind="cpu", concurrency=1))
+
+    settings = settings_of(spec(config))
+    assert settings.global_batch.size == 32 and settings.kept_per_gpu == 16
+    assert settings.micro_batch_sizes == (2, 4, 8)  # the example's list: each divides 16
+    assert "the command line's per-device batch 8 x accumulation 2 x 2 data-parallel ranks = 32" in \
+        search_notes(settings)[0]
+    unasked = {**config, "autotuning": {k: v for k, v in config["autotuning"].items() if k != "keep_train_batch_size"}}
+    assert settings_of(spec(unasked)).global_batch.size is None
