@@ -95,6 +95,9 @@ TOP_SAFETY = 0.98
 #: rule), so a margin below the budget costs throughput on every step of the real run, while a
 #: failed probe costs one launch: the whole budget.
 TOP_SAFETY_UNBOUNDED = 1.0
+#: The leader's neighbour along the accumulation saw-tooth (one step more, the largest size that
+#: fills it) is measured when it trains at least this many times the leader's samples per step.
+SAWTOOTH_GAIN = 1.05
 
 
 def geometric_mid(low: int, high: int) -> int | None:
@@ -426,6 +429,42 @@ def _at_cap(session: Session, stages: Sequence[int], mbs: int) -> bool:
 def _relative(value: float, reference: float, maximize: bool) -> float:
     change = value - reference if maximize else reference - value
     return change / abs(reference) if reference else 0.0
+
+
+def sawtooth_neighbour(mbs: int, gas: int, samples_per_step: int | None) -> int | None:
+    """The size one accumulation step further along the saw-tooth from (mbs, gas): the largest that
+    fills samples_per_step // (gas + 1) per micro-step, when it is smaller than `mbs` and fills at
+    least SAWTOOTH_GAIN times the samples per step (mbs 26 x gas 5 = 130 beside 27 x 4 = 108 when
+    the step allows 130: the top of a stage rarely fills it); None when there is none."""
+    if not samples_per_step:
+        return None
+    size = samples_per_step // (gas + 1)
+    if not 1 <= size < mbs or size * (samples_per_step // size) < SAWTOOTH_GAIN * mbs * gas:
+        return None
+    return size
+
+
+def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
+    """Before the winner is confirmed, measure the leader's saw-tooth neighbour (`sawtooth_neighbour`)
+    once: refinement stops at sizes within REFINE_RATIO, which a size one smaller always is, though
+    its extra accumulation step may train more samples per step for the same fixed costs. Only with
+    max_train_batch_size: without it every sampled size fills the step, and a kept global batch is
+    filled exactly by every size it allows."""
+    st = session.settings
+    if not st.samples_per_step or st.kept_per_gpu:
+        return
+    leader: tuple[float, int, int] | None = None
+    sign = 1 if st.maximize else -1
+    for stage in stages:
+        for mbs, value in _values(session, stage).items():
+            if value is not None and (leader is None or sign * value > sign * leader[0]):
+                leader = (value, stage, mbs)
+    if leader is None:
+        return
+    _, stage, mbs = leader
+    size = sawtooth_neighbour(mbs, gas_for(session, stage, mbs), st.samples_per_step)
+    if size is not None and size not in _values(session, stage):
+        yield from _measure(session, stage, size, f"z{stage}_sawtooth_{size}")
 
 
 def stages_near_leader(session: Session, stages: Sequence[int]) -> list[tuple[int, int, int]]:
