@@ -17,6 +17,12 @@ Fixed here, compared with DeepSpeed 0.19:
 - the plateau and fine-grained gains follow the metric's direction, so latency is minimised;
 - every config is the user's config pinned to one point: zero options and offload survive;
 - without max_train_batch_size, mp_size no longer divides the per-GPU batch (gas could reach 0).
+
+A user's micro-batch list and full mode's knob points follow our policy whatever the search
+(`scheduler.search.repeats`: a crash launched once more, the winner confirmed by repeats) except
+under `"search": "deepspeed"`, which keeps DeepSpeed's (one reading each, a crash is a result);
+`search_notes` says which in the command's first lines and in summary.txt, with the global batch
+kept or freed (`scheduler.search.global_batch`).
 """
 from __future__ import annotations
 
