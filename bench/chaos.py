@@ -29,7 +29,7 @@ Faults, one every MIN_GAP_S-MAX_GAP_S seconds: kill -9 of a slot worker's main p
 SIGSTOP of a slot worker and everything under it (its training processes: a frozen node) for a lease
 plus 5 s; kill -9 of one rank's training process; redis-server killed and restarted on the same port
 with its append-only file (appendfsync always: nothing acknowledged is lost), or with its data gone.
-Redis is set up as the README's cluster recipe (an admin password on the default user, the cluster
+Redis is set up as docs/cluster.md's recipe (an admin password on the default user, the cluster
 user beside it). After the last fault everything comes back, every job runs to its end, and a job
 that gave an experiment up as `lost` is run once more (a resume runs exactly those again).
 
@@ -167,7 +167,7 @@ class Cluster:
         if wipe:
             for entry in self.redis_dir.iterdir():
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        # The README's recipe for a cluster's Redis (an admin password on the default user, the
+        # docs/cluster.md's recipe for a cluster's Redis (an admin password on the default user, the
         # cluster user beside it), with the append-only file on. Not the embedded cluster's
         # `user default off`: Redis up to 7.2 replays an AOF as the default user and re-checks its
         # ACL at each EXEC, so with that user off every MULTI/EXEC of the file is dropped at load

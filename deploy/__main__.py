@@ -95,7 +95,7 @@ def up(args: argparse.Namespace, url: str) -> int:
     if may_reconfigure(client):
         print("deploy: warning: the user in AUTOTUNE_REDIS_URL may run CONFIG, MODULE and FLUSHALL: one compromised "
               "node could take over the Redis host or wipe every job; create the cluster's own user with "
-              "`python -m deploy redis-user` (README, 'Running on a real cluster')", file=sys.stderr)
+              "`python -m deploy redis-user` (docs/cluster.md, \"The cluster's Redis\")", file=sys.stderr)
     # TLS: the certificate files' paths (each host has its own copy there), never their contents
     env = {"AUTOTUNE_REDIS_URL": url, **_ssh_config_env(args),
            **{name: os.environ[name] for name in TLS_ENV if os.environ.get(name)}}

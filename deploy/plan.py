@@ -71,7 +71,7 @@ def check_redis_url(url: str | None, source: str = "AUTOTUNE_REDIS_URL") -> str:
     to, and it would connect to a Redis that has no password at all."""
     if not url:
         raise UsageError(f"{source} is not set: export AUTOTUNE_REDIS_URL=redis://:PASSWORD@HOST:PORT/0 "
-                         "(see README, 'Running on a real cluster')")
+                         "(see docs/cluster.md)")
     parsed = urlparse(url)
     if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
         raise UsageError(f"{source} is not a Redis URL: expected redis://:PASSWORD@HOST:PORT/0")

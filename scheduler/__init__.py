@@ -1,6 +1,7 @@
 """celery-autotune's scheduler: the commands at this level, over five packages, one concern each.
 
-    python -m scheduler.autotune cfg.json   autotune.py: tune (embedded cluster when none is set)
+    python -m scheduler.autotune cfg.json   autotune.py: tune (embedded cluster when none is set);
+                                            preflight.py: its input check, every refusal before a folder
     python -m scheduler.run ...             run.py: launch the tuned (or any) training like `deepspeed`
     python -m scheduler.autotune --status   status.py (+ live_view.py: a job's progress in the terminal)
     python -m scheduler.resources ...       resources.py: which hosts and devices a run would use

@@ -190,7 +190,7 @@ def run_on_slots(args: argparse.Namespace, resources: Resources, settings: elast
         return run_experiment(connect(url), argv, queues, args.timeout, log_dir)
     if resources.num_nodes > 1:
         raise UsageError("a hostfile with several hosts needs running workers: set AUTOTUNE_REDIS_URL "
-                         "(see README) or use --launcher pdsh")
+                         "(see docs/cluster.md) or use --launcher pdsh")
     os.environ.setdefault("AUTOTUNE_VISIBILITY_TIMEOUT", str(int(args.timeout) + VISIBILITY_MARGIN_S))
     devices = resources.entries[0].device_ids
     with LocalCluster(len(devices), log_dir / "cluster", node=this_node, devices=devices,

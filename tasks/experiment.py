@@ -23,7 +23,9 @@ from celery import signals
 from tasks.app import app
 from tasks.work import CeleryWork
 from tasks.worker_hooks import redis_client
+from workers import layout
 from workers.failure import Status
+from workers.layout import experiment_file
 from workers.paths import safe_child, write_json
 from workers.rank import RankSpec, run_rank as run_rank_body, slot_from_env
 from workers.records import aggregate
@@ -69,9 +71,9 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     if co_runners:  # launches of any job that held a slot on its nodes while it ran
         record["co_runners"] = co_runners
     result_dir = safe_child(finish.results_root, finish.name)
-    if record["status"] == "ok" and record["metrics"] is not None and finish.metric_file == "metrics.json":
-        write_json(result_dir / "metrics.json", record["metrics"], indent=None)
-    write_json(result_dir / "result.json", record)
+    if record["status"] == "ok" and record["metrics"] is not None and finish.metric_file == layout.METRICS:
+        write_json(experiment_file(result_dir, layout.METRICS), record["metrics"], indent=None)
+    write_json(experiment_file(result_dir, layout.RESULT), record)
     with cluster_lock(client):
         record_finished(client, finish, record)
         advance(client, finish.job)

@@ -34,8 +34,10 @@ import redis
 
 from workers import keys
 from workers.launch import kill_group, kill_marked
+from workers.layout import PIDS, cluster_file
 from workers.paths import write_json
 from workers.registry import connect, control_alive, live_slots
+from workers.slot import HOST_MEMORY_CAP_ENV
 
 START_TIMEOUT_S = 120.0
 PR_SET_PDEATHSIG = 1
@@ -64,6 +66,17 @@ class LocalClusterError(RuntimeError):
     """The embedded cluster could not start; the message says what to install or check."""
 
 
+def redis_server() -> str:
+    """The redis-server binary on PATH; LocalClusterError saying how to install it when there is none
+    (the autotuner asks before it makes a folder, the cluster again when it starts)."""
+    server = shutil.which("redis-server")
+    if server is None:
+        raise LocalClusterError("redis-server not found on PATH; install it (Debian/Ubuntu: "
+                                "apt-get install -y redis-server, macOS: brew install redis) "
+                                "or set AUTOTUNE_REDIS_URL to use a running cluster")
+    return server
+
+
 def free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -75,14 +88,15 @@ class LocalCluster:
 
     def __init__(self, slots: int, log_dir: Path, slot_memory: str | None = None,
                  node: str | None = None, devices: Sequence[int] | None = None,
-                 flower_port: int | None = None) -> None:
+                 flower_port: int | None = None, host_memory_cap: str | None = None) -> None:
         self.devices = list(devices) if devices is not None else list(range(slots))
         #: Flower on 127.0.0.1:flower_port with generated basic auth (`flower_auth`, user:password).
         self.flower_port = flower_port
         self.flower_auth = f"autotune:{secrets.token_urlsafe(12)}" if flower_port is not None else ""
         self.slots = len(self.devices)
         self.log_dir = Path(log_dir)
-        self.slot_memory = slot_memory
+        self.slot_memory = slot_memory  #: CPU slots' memory (AUTOTUNE_SLOT_MEMORY); GPU slots ignore it
+        self.host_memory_cap = host_memory_cap  #: GPU ranks' RSS cap (AUTOTUNE_HOST_MEMORY_CAP), when asked
         self.node = node or socket.gethostname()
         self.url = ""
         self._redis: subprocess.Popen | None = None
@@ -106,14 +120,10 @@ class LocalCluster:
         return [p.pid for p in procs]
 
     def start(self) -> None:
-        server = shutil.which("redis-server")
-        if server is None:
-            raise LocalClusterError("redis-server not found on PATH; install it (Debian/Ubuntu: "
-                                    "apt-get install -y redis-server, macOS: brew install redis) "
-                                    "or set AUTOTUNE_REDIS_URL to use a running cluster")
+        server = redis_server()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port, password = free_tcp_port(), secrets.token_hex(16)
-        self._redis = _spawn([server, "-"], self.log_dir / "redis.log", os.environ.copy(),
+        self._redis = _spawn([server, "-"], cluster_file(self.log_dir, "redis.log"), os.environ.copy(),
                              stdin=True, death_signal=signal.SIGTERM, cwd=self.log_dir)
         config = redis_config([("port", str(port)), ("bind", "127.0.0.1"), ("save", ""), ("appendonly", "no"),
                                ("user", ["default", "off"]), ("user", cluster_user_rules(CLUSTER_USER, password))])
@@ -121,7 +131,7 @@ class LocalCluster:
         self._redis.stdin.close()
         self.url = f"redis://{CLUSTER_USER}:{password}@127.0.0.1:{port}/0"
         client = connect(self.url)
-        self._wait(lambda: _pings(client), "redis-server", self.log_dir / "redis.log")
+        self._wait(lambda: _pings(client), "redis-server", cluster_file(self.log_dir, "redis.log"))
 
         # SPT_NOENV: where setproctitle is installed, Celery retitles its processes; without this it
         # overwrites /proc/<pid>/environ, and the markers we find our processes by would vanish.
@@ -130,21 +140,23 @@ class LocalCluster:
                "AUTOTUNE_SLOTS_PER_NODE": str(self.slots), "PYTHONUNBUFFERED": "1"}
         if self.slot_memory:
             env["AUTOTUNE_SLOT_MEMORY"] = self.slot_memory
+        if self.host_memory_cap:
+            env[HOST_MEMORY_CAP_ENV] = self.host_memory_cap
         for device in self.devices:
             self._start_worker(f"gpu{device}", f"gpu{device}@{self.node}", 1, env)
         self._start_worker("control", f"control@{self.node}", 2, env)
         if self.flower_port is not None:  # options from the environment: no secret in `ps`
             self._workers.append(_spawn(
                 [sys.executable, "-m", "celery", "-A", "tasks", "flower", "--address=127.0.0.1",
-                 f"--port={self.flower_port}"], self.log_dir / "flower.log",
+                 f"--port={self.flower_port}"], cluster_file(self.log_dir, "flower.log"),
                 {**env, "FLOWER_BASIC_AUTH": self.flower_auth}, death_signal=signal.SIGTERM))
-        write_json(self.log_dir / "pids.json", {"redis-server": self._redis.pid,
-                                                "workers": [w.pid for w in self._workers]})
+        write_json(cluster_file(self.log_dir, PIDS), {"redis-server": self._redis.pid,
+                                                    "workers": [w.pid for w in self._workers]})
         self._wait(lambda: len(live_slots(client)) >= self.slots and control_alive(client),
-                   f"{self.slots} slot workers and a control worker", self.log_dir / "control.log")
+                   f"{self.slots} slot workers and a control worker", cluster_file(self.log_dir, "control.log"))
 
     def _start_worker(self, queue: str, name: str, concurrency: int, env: dict[str, str]) -> None:
-        log = self.log_dir / f"{queue}.log"
+        log = cluster_file(self.log_dir, f"{queue}.log")
         written = log.stat().st_size if log.exists() else 0  # an earlier run's lines stay behind
         self._workers.append(_spawn(worker_argv(queue, name, concurrency), log, env, death_signal=signal.SIGQUIT))
         self._logs[self._workers[-1].pid] = (log, written)
@@ -211,7 +223,7 @@ def _quoted(value: str) -> str:
                    "".join(f"\\x{byte:02x}" for byte in ch.encode()) for ch in value)
 
 
-#: The Redis user the cluster's workers and commands connect as (README, "Running on a real cluster").
+#: The Redis user the cluster's workers and commands connect as (docs/cluster.md, "The cluster's Redis").
 CLUSTER_USER = "autotune"
 #: What that user may do: every key and channel, every command but Redis's @dangerous category
 #: (CONFIG, MODULE, DEBUG, FLUSHALL/FLUSHDB, SHUTDOWN, KEYS, MONITOR, ACL, REPLICAOF, ...): a

@@ -18,9 +18,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from workers.layout import MODEL_INFO
+
 METRIC_KEYS = ("throughput", "latency", "FLOPS_per_gpu")
 METRIC_ALIASES = {"flops": "FLOPS_per_gpu", "FLOPS": "FLOPS_per_gpu"}
-MODEL_INFO_FILE = "model_info.json"
+MODEL_INFO_FILE = MODEL_INFO
 
 
 def asked_metric(ds_config: Mapping[str, Any]) -> str:

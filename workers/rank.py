@@ -8,8 +8,10 @@ for anything the experiment does: a record with a failure class is the answer, s
 callback always runs and one bad experiment never stops the others.
 
 Folder written (shared with DeepSpeed's layout): exp.json, ds_config.json, cmd.txt,
-stdout.log/stderr.log (rank 0; other ranks rank<N>.stdout.log/.stderr.log), and the metrics file
-the script itself writes (DeepSpeed's engine does, when `autotuning.enabled`).
+stdout.log/stderr.log (rank 0; other ranks rank<N>.stdout.log/.stderr.log), op_prebuild.log/.json
+where ops were built, rank<N>.exit.json, and the metrics file the script itself writes (DeepSpeed's
+engine does, when `autotuning.enabled`). Every name comes from `workers.layout`, the list
+`"overwrite": true` checks a folder against; a name it does not list fails the rank before it runs.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from typing import Any
 import psutil
 import redis
 
-from workers import keys, rendezvous
+from workers import keys, layout, rendezvous
 from workers.build_locks import clear_stale_locks, default_extensions_dir, rebuild_stale_ops
 from workers.device_idle import FreeMemoryWaiter, gpu_wait_s, seconds_setting
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
@@ -40,6 +42,7 @@ from workers.metrics import AutotuningSettings
 from workers.oom import aborted_out_of_memory, stderr_out_of_memory
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders, prebuild_ops
 from workers.launch import MEASURED_GRACE_ENV, MEASURED_GRACE_S, run_watched, tail
+from workers.layout import experiment_file, rank_log
 from workers.paths import read_json, safe_child, write_atomic, write_json
 from workers.shared_memory import remove_rank_segment
 from workers.slot import Slot
@@ -79,7 +82,7 @@ class RankSpec:
     num_nodes: int = 1  #: nodes the experiment spans (CROSS_SIZE, as DeepSpeed's launcher sets it)
     rendezvous_timeout_s: float = 120.0
     cwd: str = ""
-    metric_file: str = "metrics.json"  #: what rank 0's script writes (model_info.json when profiling;
+    metric_file: str = layout.METRICS  #: what rank 0's script writes (model_info.json when profiling;
                                        #: "" for a real training run, which writes none)
     exp: dict[str, Any] = field(default_factory=dict)  #: the experiment description for exp.json
     gang_token: str = ""  #: the reservation this launch runs under; a message outliving it is stale
@@ -171,14 +174,14 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
                 "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0}
     result_dir = spec.result_dir
     result_dir.mkdir(parents=True, exist_ok=True)
-    metric_path = result_dir / (spec.metric_file or "metrics.json")
+    metric_path = experiment_file(result_dir, spec.metric_file or layout.METRICS)
     ds_config = _with_metric_path(spec.ds_config, metric_path)
-    write_json(result_dir / "ds_config.json", ds_config)
+    write_json(experiment_file(result_dir, layout.DS_CONFIG), ds_config)
     command = script_command(spec.script_argv, spec.local_rank if spec.local_rank_arg else None)
     if spec.rank == 0:
         metric_path.unlink(missing_ok=True)
-        write_json(result_dir / "exp.json", {**spec.exp, "ds_config": ds_config})
-        write_atomic(result_dir / "cmd.txt", shlex.join(command) + "\n")
+        write_json(experiment_file(result_dir, layout.EXP_JSON), {**spec.exp, "ds_config": ds_config})
+        write_atomic(experiment_file(result_dir, layout.CMD), shlex.join(command) + "\n")
 
     stop_check = _StopCheck(client, keys.abort(spec.attempt), slot.queue, spec.gang_token, spec.lease_s)
     on_gpu = slot.kind == "cuda" and slot.cuda_index >= 0
@@ -199,9 +202,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
                 "error": f"no address from rank 0 within {spec.rendezvous_timeout_s:.0f}s",
                 "started_at": now, "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0}
 
-    log_prefix = "" if spec.rank == 0 else f"rank{spec.rank}."
-    stderr_path = result_dir / f"{log_prefix}stderr.log"
-    exit_report = result_dir / f"rank{spec.rank}.exit.json"
+    stderr_path = experiment_file(result_dir, rank_log(spec.rank, "stderr"))
+    exit_report = experiment_file(result_dir, layout.exit_report(spec.rank))
     exit_report.unlink(missing_ok=True)
     pgid_key = keys.pgid(slot.queue, task_id or spec.attempt)
     cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
@@ -209,7 +211,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     clear_stale_locks(env["TORCH_EXTENSIONS_DIR"])  # a build killed with an earlier experiment
     rebuild_stale_ops(env["TORCH_EXTENSIONS_DIR"], env.get("PATH"), stop_check)  # outside the memory cap
     builders = needed_op_builders(ds_config)
-    prebuild_failed = prebuild_ops(builders, _build_env(env, slot), result_dir / f"{log_prefix}op_prebuild.log",
+    prebuild_log = experiment_file(result_dir, rank_log(spec.rank, "op_prebuild"))
+    prebuild_failed = prebuild_ops(builders, _build_env(env, slot), prebuild_log,
                                    stop_check, on_start=lambda pgid: client.set(pgid_key, pgid, ex=PGID_TTL_S))
     if builders and not _ops_ready_everywhere(spec, client, stop_check):
         client.delete(pgid_key)
@@ -219,7 +222,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     try:
         launch = run_watched(
             command, env=env, cwd=cwd,
-            stdout_path=result_dir / f"{log_prefix}stdout.log", stderr_path=stderr_path,
+            stdout_path=experiment_file(result_dir, rank_log(spec.rank, "stdout")), stderr_path=stderr_path,
             timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
             on_start=lambda pgid: client.set(pgid_key, pgid, ex=PGID_TTL_S),
@@ -368,7 +371,7 @@ def _with_metric_path(ds_config: dict[str, Any], metric_path: Path) -> dict[str,
     config = copy.deepcopy(ds_config)
     autotuning = config.get("autotuning")
     if isinstance(autotuning, dict):
-        key = "model_info_path" if metric_path.name == "model_info.json" else "metric_path"
+        key = "model_info_path" if metric_path.name == layout.MODEL_INFO else "metric_path"
         autotuning[key] = str(metric_path)
     return config
 

@@ -7,11 +7,20 @@ never initialises CUDA itself; a rank sees its gang's GPUs on the node (see `Slo
 without GPUs, `gpu<i>` is a CPU slot: a memory cap (AUTOTUNE_SLOT_MEMORY, default total RAM /
 slots) that our monitor enforces, and a thread budget (cores / slots) with CPU affinity.
 
+The slot memory is the device's memory as the search sees it: on a CPU slot that is host memory, so
+it caps each rank's RSS; on a GPU slot it is the GPU's, and AUTOTUNE_SLOT_MEMORY does not touch it
+nor the ranks' host memory (a `--slot-memory 1.25GiB` copied from a CPU example would otherwise end
+every GPU rank that loads a real model as a false `oom`). A GPU rank's host memory is capped only
+when its user asks by name: AUTOTUNE_HOST_MEMORY_CAP (`--host-memory-cap`).
+
 Environment read here (all optional):
     AUTOTUNE_NODE             node name (default: the worker's --hostname node part, else the host name)
     AUTOTUNE_ADDRESS          address other nodes use to reach this node (default: the interface
                               that routes to Redis)
-    AUTOTUNE_SLOT_MEMORY      memory cap per slot, e.g. "3GiB" (CPU slots; on GPU slots it caps host RAM)
+    AUTOTUNE_SLOT_MEMORY      memory per CPU slot, e.g. "3GiB": its capacity and its ranks' RSS cap
+                              (GPU slots ignore it: their capacity is the GPU's memory)
+    AUTOTUNE_HOST_MEMORY_CAP  RSS cap of each rank on a GPU slot, e.g. "64GiB" (default: none;
+                              CPU slots ignore it: AUTOTUNE_SLOT_MEMORY is theirs)
     AUTOTUNE_SLOTS_PER_NODE   slots sharing this node's RAM and cores (CPU default: number of cores)
 """
 from __future__ import annotations
@@ -29,6 +38,8 @@ from workers.topology import gpu_bus_ids, gpu_links, node_cpus, numa_node_of
 
 _QUEUE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+)\.)?gpu(?P<device>\d+)$")
 _SIZE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?i?B?)?\s*$", re.IGNORECASE)
+#: The one setting that caps a GPU rank's host memory (RSS); `--host-memory-cap` of the embedded cluster.
+HOST_MEMORY_CAP_ENV = "AUTOTUNE_HOST_MEMORY_CAP"
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
 
@@ -101,10 +112,11 @@ class Slot:
 
     @property
     def host_memory_cap(self) -> int | None:
-        """The RSS cap our monitor enforces: always on CPU slots, on GPU slots only if asked."""
+        """The RSS cap our monitor enforces: on CPU slots the slot memory, on GPU slots only what
+        AUTOTUNE_HOST_MEMORY_CAP asks (never the slot memory: see the module docstring)."""
         if self.kind == "cpu":
             return self.memory_bytes
-        explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
+        explicit = os.environ.get(HOST_MEMORY_CAP_ENV)
         return parse_size(explicit) if explicit else None
 
     @property
@@ -180,6 +192,12 @@ def rank_threads(cores: int, slots: int) -> int:
     return max(1, cores // slots)
 
 
+def cpu_slot_memory(slots: int, explicit: str | None) -> int:
+    """A CPU slot's memory cap: `explicit` (AUTOTUNE_SLOT_MEMORY, e.g. "3GiB") when set, else the node's
+    RAM shared by its `slots`. The autotuner predicts its embedded cluster's slots with the same rule."""
+    return parse_size(explicit) if explicit else psutil.virtual_memory().total // slots
+
+
 def describe_local_slot(node: str, device: int, address: str, worker: str = "") -> Slot:
     """The slot this node offers as device `device`: its `device`-th usable GPU when nvidia-smi lists
     GPUs (GpuListingError when there is no such GPU, it has MIG enabled or the listing is unusable),
@@ -201,8 +219,7 @@ def describe_local_slot(node: str, device: int, address: str, worker: str = "") 
         return Slot(node, device, "cuda", gpu.memory_bytes, address, threads, local, worker, cuda_index=gpu.index,
                     host=machine_id(), gpu_uuid=gpu.uuid, numa_node=numa, links=links)
     slots = int(os.environ.get("AUTOTUNE_SLOTS_PER_NODE", "0")) or cores
-    explicit = os.environ.get("AUTOTUNE_SLOT_MEMORY")
-    memory = parse_size(explicit) if explicit else psutil.virtual_memory().total // slots
+    memory = cpu_slot_memory(slots, os.environ.get("AUTOTUNE_SLOT_MEMORY"))
     share = max(1, cores // slots)
     threads = rank_threads(cores, slots)
     first = (device * share) % cores

@@ -54,6 +54,7 @@ from scheduler.cluster.work import RankLaunch, Work
 from workers import keys
 from workers.device_idle import gpu_wait_s
 from workers.gang import GangReservations
+from workers.layout import RESULT, experiment_file
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders
 from workers.paths import safe_child, write_json
 from workers.rank import RankSpec
@@ -418,7 +419,7 @@ def _lose(client: redis.Redis, work: Work, spec: JobSpec, launch: RunningLaunch,
         return False
     record = {"name": launch.name, "status": "lost", "metrics": None, "ds_config": launch.exp["ds_config"],
               "slots": launch.queues, "cause": {"error": f"{why}; gave up after {attempts} attempts"}}
-    write_json(safe_child(spec.results_root, launch.name) / "result.json", record)
+    write_json(experiment_file(safe_child(spec.results_root, launch.name), RESULT), record)
     store.give_up(launch)
     store.publish({"kind": "record", "record": record})
     return True

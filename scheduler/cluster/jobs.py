@@ -40,6 +40,7 @@ from scheduler.cluster.job_store import JobStore, active_jobs
 from scheduler.cluster.launches import RunningLaunch
 from scheduler.cluster.work import Work
 from workers.gang import GangReservations
+from workers.layout import RESULT
 from workers.paths import read_json, safe_child
 from workers.registry import control_alive
 
@@ -218,5 +219,5 @@ def run_fixed(client: redis.Redis, work: Work, spec: JobSpec,
     except KeyboardInterrupt:
         cancel(client, work, spec.job)
         raise
-    return [read_json(safe_child(spec.results_root, exp["name"]) / "result.json") or
+    return [read_json(safe_child(spec.results_root, exp["name"]) / RESULT) or
             {"name": exp["name"], "status": "lost"} for exp in spec.experiments or []]

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from workers.layout import METRICS
+
 
 class _Json:
     """JSON round trip for flat frozen dataclasses of JSON values."""
@@ -90,5 +92,5 @@ class FinishSpec(_Json):
     world_size: int
     ds_config: dict[str, Any]
     timeout_s: float
-    metric_file: str = "metrics.json"
+    metric_file: str = METRICS
     gpu_link: str = ""  #: the slowest link between the GPUs of one node of its gang (workers.topology)

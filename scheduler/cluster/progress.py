@@ -40,6 +40,7 @@ from scheduler.report.outputs import write_results
 from scheduler.search.phases import Phase, Search, replay
 from scheduler.search.space import PROFILE, Experiment
 from workers.gang import GangReservations
+from workers.layout import DS_CONFIG, RESULT
 from workers.paths import read_json, safe_child
 from workers.registry import live_slots
 
@@ -173,7 +174,7 @@ def record_lookup(client: redis.Redis, spec: JobSpec, recorded: set[str] | None 
     def _answer(exp: Experiment) -> dict[str, Any] | None:
         if spec.tune is None and exp.name not in recorded:
             return None
-        record = read_json(safe_child(spec.results_root, exp.name) / "result.json")
+        record = read_json(safe_child(spec.results_root, exp.name) / RESULT)
         if not isinstance(record, dict) or record.get("stale") or record.get("ds_config") != exp.ds_config:
             return None
         if record.get("status") == "lost" and attempts.get(exp.name, 0) < spec.max_attempts:
@@ -188,7 +189,7 @@ def argv_of(spec: JobSpec, exp: Experiment) -> list[str]:
     """The script's argv for one experiment: the base arguments, mapped flags, and its config path."""
     if spec.tune is None:
         return next(e["argv"] for e in spec.experiments or [] if e["name"] == exp.name)
-    return optimal_argv(spec)(exp, safe_child(spec.results_root, exp.name) / "ds_config.json")
+    return optimal_argv(spec)(exp, safe_child(spec.results_root, exp.name) / DS_CONFIG)
 
 
 def optimal_argv(spec: JobSpec) -> Callable[[Experiment, Path], list[str]]:
@@ -236,5 +237,7 @@ def _check_metric_key(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> Non
         metrics = record.get("metrics")
         if record.get("status") == "ok" and isinstance(metrics, dict) and metric not in metrics:
             raise ConfigError(f"{spec.tune.config_path}: autotuning.metric is \"{metric}\" but the script's "
-                              f"metrics file has only {sorted(metrics)}; choose one of those or write \"{metric}\"")
+                              f"metrics file has only {sorted(metrics)}; choose one of those (every experiment then runs "
+                              f"again) or write \"{metric}\" and start afresh with \"overwrite\": true (known only "
+                              "once an experiment ran: its record stays, and a rerun of this config reuses it)")
 

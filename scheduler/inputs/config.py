@@ -3,6 +3,11 @@
 Users bring the config they give `deepspeed --autotuning`; it must load unchanged. Every problem is
 reported as one line naming the file and field and saying how to fix it (`ConfigError`), so the
 command exits 2 without a traceback.
+
+`"enabled": false` is refused: DeepSpeed's engine writes its metrics (and stops after the profiled
+steps) only when it is true, and DeepSpeed's own tuner never reads it, so `deepspeed --autotuning
+tune` with it false trains every experiment to its end and finds no optimum. Left out, it is
+taken as true (the experiments get it set, as DeepSpeed's profile run does).
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}
 METRIC_ALIASES = {"flops": "FLOPS_per_gpu", "FLOPS": "FLOPS_per_gpu"}
 ALL_STAGES = (0, 1, 2, 3)
 
-#: Documented ranges (README, "The config"): a value outside them is a typo, not a wish, and some
+#: Documented ranges (docs/command.md, "Bad input"): a value outside them is a typo, not a wish, and some
 #: (a micro-batch of 10**30) would really be run. Upper bounds are inclusive.
 MAX_MICRO_BATCH = 65536
 MAX_GRADIENT_ACCUMULATION = 65536
@@ -117,6 +122,11 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
                           "to the config to tune it")
     _check_known_keys(path, autotuning)
     check_schema(path, raw)
+    if autotuning.get("enabled") is False:
+        raise ConfigError(f'{path}: autotuning.enabled is false, so DeepSpeed\'s engine would write no metrics '
+                          "and no experiment could be measured (DeepSpeed's own tuner would train each to the "
+                          'end and find no optimum); set "enabled": true (or leave it out) to tune, or train '
+                          "without tuning with deepspeed itself")
     cwd = cwd or Path.cwd()
     script = autotuning.get("user_script")
     user_args = autotuning.get("user_args", [])

@@ -6,9 +6,11 @@ overwrite empties a folder only when
 
 - it carries the marker (or is empty),
 - it is not `/`, the home folder, the working folder, the config's folder, nor one of their parents,
-- every entry in it is something this tool writes (the outputs, experiment folders holding only
-  experiment files, the embedded cluster's logs, experiment descriptions); one foreign file and the
-  whole overwrite is refused, naming that file.
+- every entry in it is something this tool writes, as `workers.layout` lists it (the one list the
+  writers take their file names from, so the guard cannot fall behind them): the outputs,
+  experiment folders holding only experiment files, the embedded cluster's logs, experiment
+  descriptions, and the temporary files of atomic writes an interrupted run leaves; one foreign
+  file and the whole overwrite is refused, naming that file.
 
 The folder itself is kept (only its contents go), so a folder the user made for us stays theirs.
 Every problem is a `ConfigError` naming the field: a path that is a file, sits under a file, cannot
@@ -20,25 +22,16 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from scheduler.errors import ConfigError
+from workers import layout
 
-MARKER = ".celery-autotune"
-#: What `scheduler.report.outputs` writes at the top of a results folder.
-RESULT_FILES = frozenset({"summary.txt", "results.jsonl", "ds_config_optimal.json", "cmd_optimal.txt",
-                          "hostfile_optimal", "tuning.png", MARKER})
-#: What a slot writes into an experiment folder (`workers.rank`, `tasks`), the script's metric file,
-#: and the temporary files of atomic writes (`.<name>.<random>`, `.tmp-<random>.json`).
-_EXPERIMENT_FILE = re.compile(
-    r"(?:rank\d+\.)?(?:stdout|stderr)\.log|rank\d+\.exit\.json|exp\.json|ds_config\.json|cmd\.txt|metrics\.json"
-    r"|model_info\.json|result\.json|\.tmp-[^/]*\.json|\.(?:exp|ds_config|metrics|model_info|result)\.json\.[^/]+"
-    r"|\.cmd\.txt\.[^/]+")
-_CLUSTER_FILE = re.compile(r"[A-Za-z0-9_.@-]+\.log|pids\.json|\.pids\.json\.[^/]+|dump\.rdb")
-_ATOMIC_TEMP = re.compile(r"\.(?P<name>[^/]+)\.[A-Za-z0-9_]+")
+#: Re-exported: what `workers.layout` says this tool writes (tests and callers use these names).
+MARKER = layout.MARKER
+RESULT_FILES = layout.RESULT_FILES
 _EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]{0,199}")
-_EXPERIMENT_CORE = ("ds_config.json", "exp.json", "result.json")  #: a slot writes one of these first
-_DESCRIPTION_KEYS = {"name", "ds_config", "num_gpus", "num_nodes"}
 
 
 def prepare(folders: list[tuple[str, Path]], config_path: Path, overwrite: bool) -> None:
@@ -66,7 +59,8 @@ def create(field: str, folder: Path, config_path: Path) -> None:
         fresh = not folder.exists() or not any(folder.iterdir())
         folder.mkdir(parents=True, exist_ok=True)
         if fresh:
-            (folder / MARKER).write_text(json.dumps({"created_by": "celery-autotune", "field": field}) + "\n")
+            marker = json.dumps({"created_by": "celery-autotune", "field": field}) + "\n"
+            layout.result_file(folder, MARKER).write_text(marker)
     except OSError as exc:
         raise ConfigError(f"{config_path}: autotuning.{field} {folder}: cannot create or write it "
                           f"({exc.strerror or exc}); choose a folder you can write") from None
@@ -142,17 +136,17 @@ def _foreign_entry(folder: Path) -> Path | None:
         if entry.is_symlink():
             return entry
         if entry.is_file():
-            if name in RESULT_FILES or _is_atomic_temp(name) or _is_description(entry):
+            if layout.is_result_file(name) or _is_description(entry):
                 continue
             return entry
         if not entry.is_dir():
             return entry
         if (entry / MARKER).is_file():
             inner = _foreign_entry(entry)
-        elif name == "cluster":
-            inner = _first_unmatched(entry, _CLUSTER_FILE)
-        elif _EXPERIMENT_NAME.fullmatch(name) and any((entry / f).is_file() for f in _EXPERIMENT_CORE):
-            inner = _first_unmatched(entry, _EXPERIMENT_FILE)
+        elif name == layout.CLUSTER_DIR:
+            inner = _first_unknown(entry, layout.is_cluster_file)
+        elif _EXPERIMENT_NAME.fullmatch(name) and any((entry / f).is_file() for f in layout.EXPERIMENT_CORE):
+            inner = _first_unknown(entry, layout.is_experiment_file)
         else:
             inner = entry
         if inner is not None:
@@ -160,16 +154,11 @@ def _foreign_entry(folder: Path) -> Path | None:
     return None
 
 
-def _first_unmatched(folder: Path, pattern: re.Pattern[str]) -> Path | None:
+def _first_unknown(folder: Path, known: Callable[[str], bool]) -> Path | None:
     for entry in sorted(folder.iterdir()):
-        if entry.is_symlink() or not entry.is_file() or not pattern.fullmatch(entry.name):
+        if entry.is_symlink() or not entry.is_file() or not known(entry.name):
             return entry
     return None
-
-
-def _is_atomic_temp(name: str) -> bool:
-    match = _ATOMIC_TEMP.fullmatch(name)
-    return match is not None and (match["name"] in RESULT_FILES or _EXPERIMENT_FILE.fullmatch(match["name"]) is not None)
 
 
 def _is_description(entry: Path) -> bool:
@@ -180,4 +169,4 @@ def _is_description(entry: Path) -> bool:
         data = json.loads(entry.read_text())
     except (OSError, ValueError, RecursionError):
         return False
-    return isinstance(data, dict) and set(data) == _DESCRIPTION_KEYS and data.get("name") == entry.stem
+    return isinstance(data, dict) and set(data) == layout.DESCRIPTION_KEYS and data.get("name") == entry.stem

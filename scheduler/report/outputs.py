@@ -16,6 +16,10 @@ An interrupted search is not a search that found an optimum: its experiments tha
 queued get `cancelled` lines in results.jsonl/results.csv, summary.txt says "interrupted", and the
 best measured config is written as ds_config_best_partial.json / cmd_best_partial.txt, never under
 the "optimal" names.
+
+Every name above is taken from `workers.layout` (`result_file` refuses one it does not list), the
+list `"overwrite": true` checks a folder against: a file written here that it did not know would
+make overwrite refuse the folder this module just filled.
 """
 from __future__ import annotations
 
@@ -39,14 +43,14 @@ from scheduler.search.global_batch import KEPT_NOTE
 from scheduler.search.ranking import best, config_key, metric_value, pooled_best, status_counts
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
+from workers.layout import (OPTIMAL_FILES, PARTIAL_FILES, RESULTS_CSV, RESULTS_JSONL, SUMMARY, TIMELINE_PLOT,
+                            TUNING_PLOT, result_file)
 from workers.paths import safe_child, write_atomic, write_json
 
 #: The classes an experiment's record can have (`gpu_busy` is a rank's "not started": never recorded).
 FAILURE_CLASSES = [s.value for s in Status if s not in (Status.OK, Status.GPU_BUSY)]
 #: An experiment that was running or queued when the search was interrupted: not a measurement.
 CANCELLED = "cancelled"
-OPTIMAL_FILES = ("ds_config_optimal.json", "cmd_optimal.txt", "hostfile_optimal")
-PARTIAL_FILES = ("ds_config_best_partial.json", "cmd_best_partial.txt", "hostfile_best_partial")
 RECORD_KEYS = ("name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at",
                "peak_rss_bytes", "slots", "cause", "exit_after_metrics")
 
@@ -193,7 +197,7 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
     depends on them on GPU nodes too). A multi-node CUDA winner also gets the NCCL_SOCKET_IFNAME its
     ranks ran with (one interface name on every node; `workers.rank` sets it across nodes only). Over
     pdsh DeepSpeed's runner forwards only some variables to other nodes, so a multi-node launch needs
-    them in `.deepspeed_env` as well (README, "Run on a cluster").
+    them in `.deepspeed_env` as well (docs/gpus.md, on `cmd_optimal.txt`).
     """
     by_node: dict[str, list[int]] = {}
     ranks = sorted((record or {}).get("ranks") or [], key=lambda r: r.get("rank", 0))
@@ -244,32 +248,32 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     ordered = [records[e.name] for e in experiments if e.name in records]
     listed = [records.get(e.name) or cancelled[e.name] for e in experiments
               if e.name in records or e.name in cancelled]
-    write_atomic(results_dir / "results.jsonl", "".join(
+    write_atomic(result_file(results_dir, RESULTS_JSONL), "".join(
         json.dumps({key: record.get(key) for key in RECORD_KEYS}) + "\n" for record in listed))
     by_name = {e.name: e for e in experiments}
-    write_atomic(results_dir / "results.csv", results_csv([(by_name[r["name"]], r) for r in listed], metric))
-    write_atomic(results_dir / "summary.txt",
+    write_atomic(result_file(results_dir, RESULTS_CSV), results_csv([(by_name[r["name"]], r) for r in listed], metric))
+    write_atomic(result_file(results_dir, SUMMARY),
                  summary_text(experiments, records, metric, maximize, elapsed_s,
                               list(cancelled) if partial else None, notes))
     winner = best(ordered, metric, maximize)
     from scheduler.report.plot import write_plot, write_timeline  # matplotlib is imported only when a job ends
 
-    write_plot(results_dir / "tuning.png", experiments, records, metric, winner)
-    write_timeline(results_dir / "timeline.png", [*ordered, *cancelled.values()], winner)
+    write_plot(result_file(results_dir, TUNING_PLOT), experiments, records, metric, winner)
+    write_timeline(result_file(results_dir, TIMELINE_PLOT), [*ordered, *cancelled.values()], winner)
     for stale in (*OPTIMAL_FILES, *PARTIAL_FILES):
-        (results_dir / stale).unlink(missing_ok=True)
+        result_file(results_dir, stale).unlink(missing_ok=True)
     if winner is None:
         return None
     config_name, command_name, hostfile_name = PARTIAL_FILES if partial else OPTIMAL_FILES
     exp = by_name[winner["name"]]
-    optimal_path = (results_dir / config_name).resolve()
+    optimal_path = result_file(results_dir, config_name).resolve()
     write_json(optimal_path, optimal_config(winner["ds_config"]))
-    hostfile = (results_dir / hostfile_name).resolve()
+    hostfile = result_file(results_dir, hostfile_name).resolve()
     command, hostfile_text = launch_command(optimal_argv(exp, optimal_path), exp.num_nodes, exp.num_gpus,
                                             record=winner, local_rank_arg=local_rank_arg, hostfile=hostfile)
     if hostfile_text is not None:
         write_atomic(hostfile, hostfile_text)
-    write_atomic(results_dir / command_name, shlex.join(command) + "\n")
+    write_atomic(result_file(results_dir, command_name), shlex.join(command) + "\n")
     return winner
 
 

@@ -200,11 +200,15 @@ def _feasible_stages(session: Session) -> tuple[int, ...]:
     if feasible:
         return feasible
     closest = min(fits, key=lambda fit: (fit.shortfall_bytes, fit.stage))
+    # With model_info this is decided before anything starts; else only the profile run's measurement tells.
+    measured = "" if session.settings.model_info else (
+        f" (known only from the profile run's measurement: {PROFILE}'s record stays in the results folder, "
+        "and the next run with this config reuses it)")
     raise NoStageFits(
         f"no allowed ZeRO stage fits micro-batch 1 in the slots' {_gib(closest.capacity_bytes)}: stage "
         f"{closest.stage} needs about {_gib(closest.required_bytes)}, {_gib(closest.shortfall_bytes)} more; use "
-        "slots with more memory, more GPUs per experiment, offload, or allow a higher zero_optimization.stage",
-        closest.shortfall_bytes)
+        "slots with more memory, more GPUs per experiment, offload, or allow a higher zero_optimization.stage"
+        + measured, closest.shortfall_bytes)
 
 
 def _gib(size: int) -> str:

@@ -26,6 +26,7 @@ from scheduler.search.memory import (
 from scheduler.search.phases import Phase
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.space import PROFILE, Experiment, experiment_config, experiment_name
+from workers.layout import MODEL_INFO
 
 Step = Generator[Phase, dict[str, dict], Any]
 
@@ -251,7 +252,7 @@ class Session:
         config["memory_breakdown"] = False
         config["autotuning"]["model_info"] = {"profile": True}
         return Experiment(PROFILE, 3, 1, 1, config, st.num_nodes, st.num_gpus, tuning_space=PROFILE,
-                          metric_file="model_info.json")
+                          metric_file=MODEL_INFO)
 
     def stage_records(self, stage: int) -> list[tuple[Experiment, dict[str, Any]]]:
         return [(exp, rec) for exp, rec in self.measured.values() if exp.stage == stage and exp.name != PROFILE]

@@ -10,6 +10,8 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from workers.layout import METRICS
+
 
 #: Our own keys in the autotuning section; DeepSpeed's engine must not see them.
 _OURS = ("user_script", "user_args", "results_dir", "exps_dir")
@@ -30,7 +32,7 @@ class Experiment:
     num_nodes: int = 1
     num_gpus: int = 1
     tuning_space: str = ""  #: full mode: DeepSpeed's space name (e.g. z1_rbs_abs_tmbspg)
-    metric_file: str = "metrics.json"  #: what rank 0 writes: model_info.json for the profile run
+    metric_file: str = METRICS  #: what rank 0 writes: model_info.json for the profile run (workers.layout)
     min_memory: int = 0  #: bytes every slot it runs on must offer (heterogeneous clusters)
     #: run with its nodes otherwise idle (the finalists' re-measurements: `scheduler.cluster.dispatch`)
     exclusive: bool = False

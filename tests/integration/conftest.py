@@ -1,5 +1,5 @@
 """Fixtures that start real servers: a password-protected redis-server on a free port and slot
-workers started by hand, exactly as the README tells a cluster operator to. Everything is
+workers started by hand, exactly as the README and docs/cluster.md tell a cluster operator to. Everything is
 stopped by PID (process group) at the end, and the tests check nothing of theirs is left.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def redis_url(tmp_path_factory):
 def hand_cluster(redis_url, tmp_path_factory):
     """Two CPU slot workers (1 GiB cap each) and a control worker, started with plain celery commands,
     connected as the cluster's least-privilege Redis user (`python -m deploy redis-user`'s), as the
-    README's recipe has them."""
+    recipe in docs/cluster.md has them."""
     logs = tmp_path_factory.mktemp("worker-logs")
     marker = secrets.token_hex(8)
     admin = urlparse(redis_url)

@@ -185,10 +185,47 @@ def test_unusable_metrics_never_win_and_the_report_says_why(tmp_path):
     wait_for(lambda: not processes_with_marker(marker), 20, "every process of the run to exit")
 
 
+def test_a_model_no_stage_holds_once_profiled_is_refused_saying_so_and_the_next_run_resumes(tmp_path):
+    """Issue 36: without autotuning.model_info, whether any stage holds the model is known only once
+    the profile run measured it. The refusal says so (exit 2, one `error:` line); the results folder
+    keeps the profile's record, and the same command again resumes: it reuses that record (no new
+    profile run) and refuses again, leaving no process behind."""
+    (tmp_path / "train_huge.py").write_text(
+        "import argparse, json, pathlib\n"
+        "parser = argparse.ArgumentParser()\nparser.add_argument('--deepspeed_config')\n"
+        "parser.add_argument('--local_rank')\nargs = parser.parse_args()\n"
+        "autotuning = json.loads(pathlib.Path(args.deepspeed_config).read_text())['autotuning']\n"
+        "if autotuning.get('model_info', {}).get('profile'):\n"
+        "    pathlib.Path(autotuning['model_info_path']).write_text(json.dumps(\n"
+        "        {'num_params': 10**10, 'trainable_num_params': 10**10, 'activation_mem_per_gpu': 1024}))\n")
+    data = json.loads(json.dumps(BASE))
+    data["train_micro_batch_size_per_gpu"] = 1
+    data["autotuning"].update(user_script="train_huge.py")
+    (tmp_path / "cfg.json").write_text(json.dumps(data))
+    marker = secrets.token_hex(8)
+    env = {**{k: v for k, v in os.environ.items() if k != "AUTOTUNE_REDIS_URL"}, "AUTOTUNE_TEST_MARKER": marker,
+           "AUTOTUNE_DEVICE_KIND": "cpu"}
+    argv = [sys.executable, "-m", "scheduler.autotune", "cfg.json", "--slots", "1", "--slot-memory", "1GiB",
+            "--exp-timeout", "120"]
+    profile = tmp_path / "autotuning_results" / "profile_model_info" / "result.json"
+    outputs = []
+    for _ in range(2):
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: no allowed ZeRO stage fits micro-batch 1"), proc.stderr
+        assert "known only from the profile run's measurement" in lines[0], lines[0]
+        assert json.loads(profile.read_text())["status"] == "ok"
+        outputs.append((profile.stat().st_mtime_ns, proc.stdout))
+        wait_for(lambda: not processes_with_marker(marker), 20, "every process of the run to exit")
+    assert outputs[1][0] == outputs[0][0], "the second run ran the profile again instead of resuming"
+    assert (tmp_path / "autotuning_results" / MARKER).is_file()
+
+
 def test_a_script_that_never_writes_its_metrics_is_input_to_fix(tmp_path):
     """Held-out corpus case (issue 22 item 4): a script that trains and exits 0 without ever writing
     the metrics file. Every experiment is `no_metrics`: the summary goes to stderr after an `error:`
-    line, with how the metric is written, and the exit status is 2, as the README says."""
+    line, with how the metric is written, and the exit status is 2, as docs/failures.md says."""
     (tmp_path / "train_silent.py").write_text("print('trained, reported nothing')\n")
     data = json.loads(json.dumps(BASE))
     data["train_micro_batch_size_per_gpu"] = [1, 2]

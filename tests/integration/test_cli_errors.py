@@ -1,12 +1,14 @@
 """Bad input ends in one line naming the problem and the fix, exit status 2, and no traceback."""
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import sys
 
 import pytest
 
-from integration_helpers import run_autotune, write_config
+from integration_helpers import processes_with_marker, run_autotune, write_config
 
 
 def _assert_one_line_error(proc, *needles):
@@ -76,3 +78,39 @@ def test_unreachable_redis(tmp_path):
     cfg = write_config(tmp_path / "cfg.json")
     proc = run_autotune([str(cfg)], tmp_path, {"AUTOTUNE_REDIS_URL": "redis://127.0.0.1:1/0"})
     _assert_one_line_error(proc, "cannot reach Redis at 127.0.0.1:1")
+
+
+# Issue 36: each of these was refused only after the results folder was marked and the embedded
+# cluster (redis-server, Celery workers) had started. Run as a user runs it, the command must leave
+# no folder (the embedded cluster's logs would live in results/cluster) and no process carrying the
+# run's marker.
+REFUSED_UP_FRONT = {
+    "search-unknown": ({"search": "grid"}, [], {}, "autotuning.search"),
+    "mp-size-not-dividing": ({"mp_size": 3}, ["--slots", "2"], {}, "must divide"),
+    "min-above-max-micro-batch": ({"min_train_micro_batch_size_per_gpu": 8, "max_train_micro_batch_size_per_gpu": 4},
+                                  [], {}, "make min <= max"),
+    "min-slot-memory-above-every-slot": ({}, ["--slots", "1", "--slot-memory", "1GiB", "--min-slot-memory", "2GiB"],
+                                         {}, "no slot has that much"),
+    "num-gpus-above-embedded-slots": ({}, ["--slots", "1", "--num_gpus", "2"], {}, "--num_gpus 1 or fewer"),
+    "model-info-fits-no-stage": ({"model_info": {"num_params": 10**10, "activation_mem_per_gpu": 1024}},
+                                 ["--slots", "1", "--slot-memory", "1GiB"], {}, "no allowed ZeRO stage fits"),
+    "no-redis-server": ({}, [], {"PATH": "EMPTY"}, "redis-server not found"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_UP_FRONT))
+def test_refused_before_any_folder_or_process(tmp_path, name):
+    autotuning, flags, env, needle = REFUSED_UP_FRONT[name]
+    results, exps = tmp_path / "results", tmp_path / "exps"
+    cfg = write_config(tmp_path / "cfg.json")
+    data = json.loads(cfg.read_text())
+    data["autotuning"].update(autotuning, results_dir=str(results), exps_dir=str(exps))
+    cfg.write_text(json.dumps(data))
+    marker = secrets.token_hex(8)
+    (tmp_path / "empty").mkdir()
+    env = {**{k: str(tmp_path / "empty") if v == "EMPTY" else v for k, v in env.items()},
+           "AUTOTUNE_DEVICE_KIND": "cpu", "AUTOTUNE_TEST_MARKER": marker}
+    proc = run_autotune([str(cfg), *flags], tmp_path, env)
+    _assert_one_line_error(proc, needle)
+    assert not results.exists() and not exps.exists(), sorted(p.name for p in tmp_path.iterdir())
+    assert processes_with_marker(marker) == []

@@ -109,15 +109,21 @@ def test_three_fake_gpus_give_three_cuda_slots_and_each_rank_its_own_device(tmp_
 
 def test_inherited_visible_devices_are_honoured(tmp_path: Path) -> None:
     """The autotuner runs with CUDA_VISIBLE_DEVICES=2,0: two slots, gpu0 is GPU 2 and gpu1 is GPU 0,
-    and a 2-rank experiment's ranks see "2,0", so LOCAL_RANK 0 picks GPU 2."""
+    and a 2-rank experiment's ranks see "2,0", so LOCAL_RANK 0 picks GPU 2.
+
+    Given the README's first command's `--slot-memory 1.25GiB` (issue 36 item 4), the GPU slots keep
+    their GPU's 16 GiB and no rank's host memory is capped: the command says so in a note."""
     cfg = probe_config(tmp_path / "cfg.json", [1])
     data = json.loads(cfg.read_text())
     data["autotuning"]["user_args"] = ["--expect-cuda-index", "2,0"]
     cfg.write_text(json.dumps(data))
-    done = run_autotune([str(cfg), "--no_local_rank"], cwd=tmp_path,
+    done = run_autotune([str(cfg), "--no_local_rank", "--slot-memory", "1.25GiB"], cwd=tmp_path,
                         env_extra=gpu_env(CUDA_VISIBLE_DEVICES="2,0"))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "slot memory 16.0 GiB" in done.stdout and "--slot-memory 1.25GiB sizes CPU slots only" in done.stdout
     results = tmp_path / "autotuning_results"
+    ranks = json.loads((results / "z0_gas1_tmbspg1" / "result.json").read_text())["ranks"]
+    assert [r["memory_cap_bytes"] for r in ranks] == [None, None]
     probes = [json.loads((results / "z0_gas1_tmbspg1" / f"probe.rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [p["cuda_indices"] for p in probes] == ["2,0", "2,0"]
     assert [p["cuda_visible_devices"] for p in probes] == ["2,0"] * 2  # as cmd_optimal.txt's --include
@@ -194,14 +200,20 @@ def test_a_second_worker_for_the_same_gpu_is_refused(tmp_path: Path, redis_url: 
 
 def test_cmd_optimal_launches_what_was_tuned(tmp_path: Path) -> None:
     """cmd_optimal.txt, run as written by DeepSpeed's real launcher (DS_ACCELERATOR=cpu, three local
-    "devices"), starts the winner's ranks on the winner's devices with the tuned arguments."""
+    "devices"), starts the winner's ranks on the winner's devices with the tuned arguments.
+
+    The tuning ranks' host memory is capped where the user asked by name (`--host-memory-cap 3GiB`),
+    at that, whatever `--slot-memory` says (issue 36 item 4)."""
     cfg = probe_config(tmp_path / "cfg.json", [1])
     data = json.loads(cfg.read_text())
     data["autotuning"]["user_args"] = ["--expect-cuda-index", "1,2"]
     cfg.write_text(json.dumps(data))
-    done = run_autotune([str(cfg)], cwd=tmp_path, env_extra=gpu_env(CUDA_VISIBLE_DEVICES="1,2"))
+    done = run_autotune([str(cfg), "--slot-memory", "1.25GiB", "--host-memory-cap", "3GiB"], cwd=tmp_path,
+                        env_extra=gpu_env(CUDA_VISIBLE_DEVICES="1,2"))
     assert done.returncode == 0, done.stdout + done.stderr
     results = tmp_path / "autotuning_results"
+    ranks = json.loads((results / "z0_gas1_tmbspg1" / "result.json").read_text())["ranks"]
+    assert [r["memory_cap_bytes"] for r in ranks] == [3 * GiB, 3 * GiB]
     command = (results / "cmd_optimal.txt").read_text()
     assert shlex.split(command)[2:6] == ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "deepspeed", "--include", "localhost:1,2"]
     final = tmp_path / "final"

@@ -46,7 +46,7 @@ def hosts(tmp_path_factory, redis_url):
     hostfile = folder / "hostfile"
     hostfile.write_text("nodeA slots=2\nnodeB slots=1\nnodeC slots=1\n")
     run_dir = folder / "run"
-    # The workers connect as the cluster's least-privilege user, created as the README says
+    # The workers connect as the cluster's least-privilege user, created as docs/cluster.md says
     admin = urlparse(redis_url)
     # a user of its own: resetting another fixture's (the hand cluster's) would lock its workers out
     url = f"redis://autotune-deploy:{secrets.token_hex(8)}@{admin.hostname}:{admin.port}/0"

@@ -43,6 +43,9 @@ def surface_for(failure: str) -> Surface:
 def tune(tmp_path: Path, surface: Surface, oom: str) -> list[dict]:
     fields = {f.name: getattr(surface, f.name) for f in dataclasses.fields(surface) if f.name != "knobs"}
     config = user_config(surface)
+    # The stand-in never runs DeepSpeed: without torch's Adam a CUDA slot would first build FusedAdam
+    # for it (workers.op_prebuild, minutes of compiling on 2 cores, tested in test_bad_input_corpus).
+    config["optimizer"]["params"]["torch_adam"] = True
     config["autotuning"].update(metric="throughput", user_script=str(SCRIPTS / "gpu_surface_standin.py"),
                                 user_args=["--surface", json.dumps(fields), "--oom", oom])
     path = tmp_path / "cfg.json"

@@ -35,10 +35,10 @@ def tls_redis(tmp_path_factory):
     port, password, admin = free_tcp_port(), secrets.token_hex(8), secrets.token_hex(8)
     proc = subprocess.Popen(["redis-server", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             start_new_session=True)
-    # the README's template, filled in as its recipe does (the server's files are named as it expects)
+    # the template, filled in as docs/cluster.md's recipe does (the server's files are named as it expects)
     template = (ROOT / "deploy" / "templates" / "redis-tls.conf").read_text()
     config = template.replace("<port>", str(port)).replace("<addresses>", "127.0.0.1").replace("<tls-dir>", str(pki.ca.parent))
-    # and the README's users: the admin's password on the default user, the cluster user `autotune`
+    # and docs/cluster.md's users: the admin's password on the default user, the cluster user `autotune`
     proc.stdin.write(f"{config}requirepass \"{admin}\"\nuser autotune on >{password} ~* &* +@all -@dangerous\n"
                      f"dir {folder}\n".encode())
     proc.stdin.close()

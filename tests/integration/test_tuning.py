@@ -128,11 +128,22 @@ def test_running_the_command_again_attaches_to_the_running_job(hand_cluster, tmp
 def test_resume_after_the_job_is_interrupted(hand_cluster, tmp_path):
     """Ctrl-C cancels the job on the cluster; the same command resumes it: finished experiments are
     reused, the interrupted ones run again."""
+    hold = tmp_path / "hold"  # every experiment after the 4th to start waits for hold/release
     cfg, results = _config(tmp_path), tmp_path / "autotuning_results"
-    _stop_scheduler(_start_scheduler(hand_cluster, cfg, tmp_path), results, 4, signal.SIGINT)
+    data = json.loads(cfg.read_text())
+    data["autotuning"]["user_args"] += ["--hold", str(hold), "--hold-after", "4"]
+    cfg.write_text(json.dumps(data))
+    proc = _start_scheduler(hand_cluster, cfg, tmp_path)
+    try:  # interrupted while an experiment runs and more are to come
+        wait_for(lambda: list(hold.glob("holding.*")), 120, "an experiment after the 4th to start")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait()
     wait_for(lambda: not list(hand_cluster["client"].scan_iter(match=keys.gang("*"))), 30,
              "the cancelled job's slots to be released")
     before = _started(results)
+    assert len(before) >= 3  # of the 4 started first, those not still running when interrupted
+    (hold / "release").touch()
     again = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, _env(hand_cluster))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "already measured" in again.stdout

@@ -1,4 +1,4 @@
-"""The bad-input corpus: every case is refused before anything starts, as the README promises.
+"""The bad-input corpus: every case is refused before anything starts, as docs/config.md promises.
 
 Each case calls the command's own `main()` in process (what `python -m` runs, minus interpreter
 start-up) inside a sandbox: a working folder with the user's files, a home folder, a data folder.
@@ -129,6 +129,9 @@ for key in ("enabled", "fast", "overwrite"):
         case(f"bool-{key}-{json.dumps(value)}",
              lambda s, key=key, value=value: Case([s.config({key: value})], (f"autotuning.{key}", "true or false")))
 
+case("enabled-false", lambda s: Case([s.config({"enabled": False})],
+                                     ("autotuning.enabled is false", 'set "enabled": true')))
+
 # ---------------------------------------------------------------- integers in documented ranges
 
 INTEGER_KEYS = {
@@ -243,7 +246,8 @@ for flag, value, needle in (
         ("--slot-memory", "1e999", "--slot-memory"), ("--slot-memory", "9" * 400, "--slot-memory"),
         ("--slot-memory", "1KiB", "--slot-memory"), ("--slot-memory", "0", "--slot-memory"),
         ("--slot-memory", "-1GiB", "--slot-memory"), ("--min-slot-memory", "x", "--min-slot-memory"),
-        ("--min-slot-memory", "0", "--min-slot-memory")):
+        ("--min-slot-memory", "0", "--min-slot-memory"), ("--host-memory-cap", "lots", "--host-memory-cap"),
+        ("--host-memory-cap", "1KiB", "--host-memory-cap"), ("--host-memory-cap", "9" * 400, "--host-memory-cap")):
     case(f"flag{flag}-{value[:12]}", lambda s, flag=flag, value=value, needle=needle: Case(
         [s.config(), f"{flag}={value}" if value.startswith("-") else flag, *([] if value.startswith("-") else [value])],
         (needle,)))
@@ -251,6 +255,56 @@ case("flag-unknown", lambda s: Case([s.config(), "--bogus"], ("unrecognized argu
 case("flag-missing-value", lambda s: Case([s.config(), "--slots"], ("--slots", "expected one argument")))
 case("no-config", lambda s: Case([], ("give the config",)))
 case("status-without-redis", lambda s: Case(["--status"], ("AUTOTUNE_REDIS_URL",)))
+
+# ---------------------------------------------------------------- decided by the search and the slots (issue 36)
+# Each was refused only after the folders were marked and the embedded cluster had started; now the
+# command's input check (scheduler.preflight) predicts the embedded cluster's slots (CPU slots here) and
+# takes the search's first, pure step before anything exists.
+
+CPU = {"AUTOTUNE_DEVICE_KIND": "cpu"}
+case("search-unknown", lambda s: Case([s.config({"search": "grid"})], ("autotuning.search", "sampled"), env=CPU))
+case("search-null", lambda s: Case([s.config({"search": None})], ("autotuning.search",), env=CPU))
+case("mp-size-not-dividing", lambda s: Case([s.config({"mp_size": 3}), "--slots", "2"],
+                                            ("autotuning.mp_size (3)", "must divide", "(2)"), env=CPU))
+case("mp-size-above-ranks", lambda s: Case([s.config({"mp_size": 4}), "--slots", "2", "--num_gpus", "1"],
+                                           ("autotuning.mp_size (4)", "(1)"), env=CPU))
+case("min-above-max-micro-batch", lambda s: Case(
+    [s.config({"min_train_micro_batch_size_per_gpu": 8, "max_train_micro_batch_size_per_gpu": 4})],
+    ("min_train_micro_batch_size_per_gpu (8)", "make min <= max"), env=CPU))
+case("min-slot-memory-above-every-slot", lambda s: Case(
+    [s.config(), "--slots", "1", "--slot-memory", "1GiB", "--min-slot-memory", "2GiB"],
+    ("--min-slot-memory 2GiB", "no slot has that much", "1.00 GiB"), env=CPU))
+case("min-slot-memory-above-env-slot-memory", lambda s: Case(
+    [s.config(), "--slots", "1", "--min-slot-memory", "2GiB"], ("--min-slot-memory 2GiB", "1.00 GiB"),
+    env={**CPU, "AUTOTUNE_SLOT_MEMORY": "1GiB"}))
+case("env-slot-memory-not-a-size", lambda s: Case([s.config(), "--slots", "1"], ("AUTOTUNE_SLOT_MEMORY",),
+                                                  env={**CPU, "AUTOTUNE_SLOT_MEMORY": "lots"}))
+case("num-gpus-above-embedded-slots", lambda s: Case([s.config(), "--slots", "2", "--num_gpus", "4"],
+                                                     ("2 slot(s)", "--num_gpus 2 or fewer"), env=CPU))
+case("num-nodes-above-embedded-node", lambda s: Case([s.config(), "--slots", "2", "--num_nodes", "2"],
+                                                     ("2 slot(s)", "--num_nodes 1"), env=CPU))
+case("model-info-fits-no-stage", lambda s: Case(
+    [s.config({"model_info": {"num_params": 10**10, "activation_mem_per_gpu": 1024}}), "--slots", "1",
+     "--slot-memory", "1GiB"], ("no allowed ZeRO stage fits micro-batch 1", "1.00 GiB"), env=CPU))
+# On a GPU machine (the fake nvidia-smi: three 16 GiB GPUs) the embedded cluster's slots are the GPUs.
+FAKE_GPU_DIR = Path(__file__).resolve().parents[1] / "fake_gpu"
+
+
+def _gpus() -> dict[str, str]:
+    return {"PATH": f"{FAKE_GPU_DIR}{os.pathsep}{os.environ['PATH']}", "AUTOTUNE_DEVICE_KIND": ""}
+
+
+case("gpu-min-slot-memory-above-every-gpu", lambda s: Case([s.config(), "--min-slot-memory", "20GiB"],
+                                                           ("--min-slot-memory 20GiB", "16.00 GiB"), env=_gpus()))
+case("gpu-mp-size-not-dividing-the-gpus", lambda s: Case([s.config({"mp_size": 2})], ("mp_size (2)", "(3)"),
+                                                         env=_gpus()))
+case("gpu-num-gpus-above-the-gpus", lambda s: Case([s.config(), "--slots", "2", "--num_gpus", "3"],
+                                                   ("--num_gpus 2 or fewer",), env=_gpus()))
+case("gpu-model-info-fits-no-stage", lambda s: Case(
+    [s.config({"model_info": {"num_params": 10**12, "activation_mem_per_gpu": 1024}})],
+    ("no allowed ZeRO stage fits micro-batch 1 in the slots' ",), env=_gpus()))
+case("no-redis-server", lambda s: Case([s.config()], ("redis-server not found", "apt-get install"),
+                                       env={**CPU, "PATH": str(s.data)}))
 
 # ---------------------------------------------------------------- environment
 
@@ -269,7 +323,8 @@ for label, url, needle in (
 for name, value in (("AUTOTUNE_LEASE_S", "x"), ("AUTOTUNE_LEASE_S", "nan"), ("AUTOTUNE_LEASE_S", "-1"),
                     ("AUTOTUNE_LOST_GRACE_S", "inf"), ("AUTOTUNE_MAX_ATTEMPTS", "0"),
                     ("AUTOTUNE_MAX_ATTEMPTS", "1.5"), ("AUTOTUNE_VISIBILITY_TIMEOUT", "inf"),
-                    ("AUTOTUNE_SLOTS_PER_NODE", "-3")):
+                    ("AUTOTUNE_SLOTS_PER_NODE", "-3"), ("AUTOTUNE_HOST_MEMORY_CAP", "lots"),
+                    ("AUTOTUNE_HOST_MEMORY_CAP", "1KiB")):
     case(f"env-{name}-{value}", lambda s, name=name, value=value: Case([s.config()], (name,), env={name: value}))
 
 # ---------------------------------------------------------------- scheduler.run and hostfiles
@@ -343,7 +398,7 @@ def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sandbox
     monkeypatch.chdir(box.work)
     monkeypatch.setenv("HOME", str(box.home))
     for name in ("AUTOTUNE_REDIS_URL", "AUTOTUNE_LEASE_S", "AUTOTUNE_LOST_GRACE_S", "AUTOTUNE_MAX_ATTEMPTS",
-                 "AUTOTUNE_VISIBILITY_TIMEOUT", "AUTOTUNE_SLOTS_PER_NODE", "CUDA_VISIBLE_DEVICES"):
+                 "AUTOTUNE_VISIBILITY_TIMEOUT", "AUTOTUNE_SLOTS_PER_NODE", "AUTOTUNE_SLOT_MEMORY", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
 
     def must_not_start(*args: object, **kwargs: object) -> None:

@@ -248,6 +248,20 @@ def test_every_deepspeed_autotuning_key_accepted(tmp_path: Path) -> None:
     assert cfg.ds_config["autotuning"] == autotuning
 
 
+@pytest.mark.parametrize("autotuning", [{"enabled": True}, {}], ids=["true", "absent"])
+def test_enabled_true_or_absent_tunes(tmp_path: Path, autotuning: dict) -> None:
+    """Absent, the experiments still get it true (scheduler.search.space), as DeepSpeed's profile run does."""
+    assert load_config(write(tmp_path, {"autotuning": autotuning}), cwd=tmp_path).ds_config["autotuning"] == autotuning
+
+
+def test_enabled_false_is_refused_saying_how_to_tune(tmp_path: Path) -> None:
+    """DeepSpeed's engine writes no metrics with it false and DeepSpeed's tuner never reads it (it
+    would train every experiment to its end and find no optimum): refused, not silently forced true."""
+    message = load_error(write(tmp_path, {"autotuning": {"enabled": False, "metric": "latency"}}))
+    assert "autotuning.enabled is false" in message
+    assert 'set "enabled": true' in message and "deepspeed" in message
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -478,7 +492,7 @@ from scheduler.inputs.config import non_negative_int, shown  # noqa: E402
         ({}, {"train_micro_batch_size_per_gpu": 65536, "gradient_accumulation_steps": 65536}),
         ({"results_dir": "with space/and ~tilde", "exps_dir": "caf\u00e9 \x80"}, {}),
         ({"results_dir": "r" * 4096}, {}),
-        ({"fast": False, "enabled": False, "overwrite": True}, {}),
+        ({"fast": False, "enabled": True, "overwrite": True}, {}),
     ],
     ids=["seed-max", "zero-lows", "one-trial", "trials-max", "profile-step-max", "nullable-batch", "batch-range",
          "micro-batch-range", "tuning-sizes-and-mp-max", "model-info-null", "model-info-lows", "model-info-highs",

@@ -569,6 +569,19 @@ def test_no_stage_fits_message_in_full() -> None:
                           "or allow a higher zero_optimization.stage")
 
 
+def test_no_stage_fits_after_the_profile_says_only_the_profile_could_tell() -> None:
+    """Issue 36: given model_info, the refusal comes before anything starts (the command takes the
+    search's first step); measured by the profile run, it comes later and says so, and that the
+    profile's record is kept for the next run."""
+    upfront = str(no_stage_fits(settings(capacity_bytes=GiB, model_info=ModelInfo(N, N, ACT))))
+    later = str(no_stage_fits(settings(capacity_bytes=GiB, model_info=None, peak_memory_key="peak_device_bytes"),
+                              2 * GiB))
+    assert "profile run" not in upfront
+    assert later.startswith("no allowed ZeRO stage fits micro-batch 1")
+    assert later.endswith(f"(known only from the profile run's measurement: {PROFILE}'s record stays in the "
+                          "results folder, and the next run with this config reuses it)")
+
+
 @pytest.mark.parametrize(
     ("host_memory", "capacity", "profile_peak", "required", "budget"),
     [

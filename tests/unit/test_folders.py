@@ -12,12 +12,16 @@ from scheduler.errors import ConfigError
 
 def fill_like_a_run(results: Path) -> None:
     """What one finished tuning job leaves in a results folder."""
-    for name in ("summary.txt", "results.jsonl", "ds_config_optimal.json", "cmd_optimal.txt", "tuning.png"):
+    for name in ("summary.txt", "results.jsonl", "results.csv", "ds_config_optimal.json", "cmd_optimal.txt",
+                 "hostfile_optimal", "ds_config_best_partial.json", "cmd_best_partial.txt", "tuning.png",
+                 "timeline.png", ".results.csv.x1y2z3_4"):
         (results / name).write_text("x")
     exp = results / "z0_gas1_tmbspg4"
     exp.mkdir()
     for name in ("exp.json", "ds_config.json", "cmd.txt", "stdout.log", "stderr.log", "metrics.json",
-                 "result.json", "rank1.stdout.log", "rank1.stderr.log", ".result.json.ab12_x9"):
+                 "result.json", "rank1.stdout.log", "rank1.stderr.log", ".result.json.ab12_x9", "op_prebuild.log",
+                 "op_prebuild.json", "rank1.op_prebuild.log", "rank1.op_prebuild.json", "rank0.exit.json",
+                 "rank1.exit.json.977.tmp", ".tmp-a8f_2kq.json"):
         (exp / name).write_text("{}")
     cluster = results / "cluster"
     cluster.mkdir()

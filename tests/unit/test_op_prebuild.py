@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workers import op_prebuild
+from workers import layout, op_prebuild
 from workers.op_prebuild import missing_ops, needed_op_builders, prebuild_ops
 
 def _config(optimizer: str | None, torch_adam: bool = False, stage: int = 2, **zero: object) -> dict:
@@ -88,9 +88,11 @@ def test_a_child_that_loads_every_op_is_not_started_again(tmp_path: Path, monkey
     leaves it to the script (DeepSpeed then says so itself) and reports success; the worker does not
     ask again before its next experiment. (A real build: the failure tests above run torch's.)"""
     monkeypatch.setattr(op_prebuild, "_LOADED_HERE", set())
-    log = tmp_path / "op_prebuild.log"
+    log = tmp_path / layout.rank_log(0, "op_prebuild")  # the name workers.rank gives it
     assert prebuild_ops(["FusedLambBuilder"], _env(tmp_path / "ext"), log) is None
     assert log.is_file() and json.loads(log.with_suffix(".json").read_text()) == {}
+    written = [p.name for p in tmp_path.iterdir() if p.is_file()]
+    assert len(written) == 2 and all(layout.is_experiment_file(name) for name in written)  # overwrite knows them
     log.unlink()
     assert prebuild_ops(["FusedLambBuilder"], _env(tmp_path / "ext"), log) is None and not log.exists()
 

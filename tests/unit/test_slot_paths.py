@@ -157,19 +157,27 @@ def test_child_env_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("slot", "env", "cap"),
+    ("slot", "slot_memory", "host_cap", "cap"),
     [
-        (CPU_SLOT, None, 3 * GiB),
-        (CPU_SLOT, "1GiB", 3 * GiB),
-        (CUDA_SLOT, None, None),
-        (CUDA_SLOT, "2GiB", 2 * GiB),
+        (CPU_SLOT, None, None, 3 * GiB),
+        (CPU_SLOT, "1GiB", None, 3 * GiB),  # the slot's registered memory, not the worker's variable
+        (CPU_SLOT, None, "1GiB", 3 * GiB),  # a GPU-rank setting: CPU slots keep their slot memory
+        (CUDA_SLOT, None, None, None),
+        (CUDA_SLOT, "1.25GiB", None, None),  # the README's first command on a GPU box: no host cap
+        (CUDA_SLOT, "1.25GiB", "2GiB", 2 * GiB),
+        (CUDA_SLOT, None, "2GiB", 2 * GiB),
     ],
+    ids=["cpu", "cpu-slot-memory", "cpu-host-cap", "cuda", "cuda-slot-memory", "cuda-both", "cuda-host-cap"],
 )
-def test_host_memory_cap(monkeypatch: pytest.MonkeyPatch, slot: Slot, env: str | None, cap: int | None) -> None:
-    if env is None:
-        monkeypatch.delenv("AUTOTUNE_SLOT_MEMORY", raising=False)
-    else:
-        monkeypatch.setenv("AUTOTUNE_SLOT_MEMORY", env)
+def test_host_memory_cap(monkeypatch: pytest.MonkeyPatch, slot: Slot, slot_memory: str | None,
+                         host_cap: str | None, cap: int | None) -> None:
+    """Issue 36 item 4: AUTOTUNE_SLOT_MEMORY (--slot-memory) never caps a CUDA rank's host memory;
+    only AUTOTUNE_HOST_MEMORY_CAP (--host-memory-cap) does."""
+    for name, value in (("AUTOTUNE_SLOT_MEMORY", slot_memory), ("AUTOTUNE_HOST_MEMORY_CAP", host_cap)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     assert slot.host_memory_cap == cap
 
 
@@ -178,7 +186,8 @@ def test_host_memory_cap(monkeypatch: pytest.MonkeyPatch, slot: Slot, env: str |
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in ("AUTOTUNE_SLOTS_PER_NODE", "AUTOTUNE_SLOT_MEMORY", "AUTOTUNE_NODE", "AUTOTUNE_ADDRESS", "OMP_NUM_THREADS"):
+    for name in ("AUTOTUNE_SLOTS_PER_NODE", "AUTOTUNE_SLOT_MEMORY", "AUTOTUNE_HOST_MEMORY_CAP", "AUTOTUNE_NODE",
+                 "AUTOTUNE_ADDRESS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(slot_module, "machine_id", lambda: "machine-1")
     monkeypatch.setattr(slot_module, "gpu_bus_ids", lambda: {})  # no NUMA facts unless a test gives them
@@ -267,7 +276,7 @@ def test_describe_local_cuda_slot(clean_env: pytest.MonkeyPatch, slots_env: str 
     usable = [Gpu(5, "GPU-e", 40 * GiB), Gpu(2, "GPU-b", 80 * GiB), Gpu(7, "GPU-h", 24 * GiB)]
     clean_env.setattr(slot_module, "local_gpus", lambda: usable)
     clean_env.setattr(slot_module.os, "cpu_count", lambda: 16)
-    clean_env.setenv("AUTOTUNE_SLOT_MEMORY", "3GiB")  # host RAM cap only: does not change the GPU capacity
+    clean_env.setenv("AUTOTUNE_SLOT_MEMORY", "3GiB")  # a CPU slot's memory: changes neither capacity nor host cap
     if slots_env is not None:
         clean_env.setenv("AUTOTUNE_SLOTS_PER_NODE", slots_env)
     slot = describe_local_slot("g", 1, "10.0.0.2", "w1@g")
@@ -276,7 +285,7 @@ def test_describe_local_cuda_slot(clean_env: pytest.MonkeyPatch, slots_env: str 
     assert slot.child_env()["CUDA_VISIBLE_DEVICES"] == "2"  # the physical GPU, in PCI bus order
     assert slot.child_env()["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert slot.child_env(["7", "2"])["CUDA_VISIBLE_DEVICES"] == "7,2"
-    assert slot.host_memory_cap == 3 * GiB
+    assert slot.host_memory_cap is None
     assert Slot.from_redis(slot.to_redis()) == slot
 
 

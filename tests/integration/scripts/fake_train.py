@@ -5,8 +5,10 @@ until the slot's cap stops it, the one with 3 exit with status 3, and so on. Mod
 ok (metrics written; with WORLD_SIZE > 1 a real gloo all-reduce first; with --law, memory and
 throughput follow a synthetic law so the fast search has something to find), oom (grows RSS),
 memory_error (raises MemoryError), crash (exit 3), no_metrics (exit 0, no file), hang (sleeps),
-slow<N> (sleeps N seconds, then ok).
-Every rank writes `<result_dir>/started.rank<N>` with its pid as soon as it starts. In DeepSpeed's
+slow<N> (sleeps N seconds, then ok). `--hold DIR --hold-after K`: every experiment after the K-th
+to start (counted in DIR) waits until DIR/release exists, so a test interrupts while one is running.
+Every rank writes `<result_dir>/started.rank<N>` with its pid as soon as it starts (not with
+--quiet-folder: then, as a real training script, it writes nothing there but the metrics). In DeepSpeed's
 model-info profile mode it writes model_info.json for a tiny model and exits. Without an enabled
 autotuning section (a real training run) it writes trained.rank<N> instead of metrics.
 """
@@ -28,6 +30,10 @@ parser.add_argument("--local_rank", type=int, help="given by DeepSpeed's launche
 parser.add_argument("--take-port-once", metavar="FILE",
                     help="while FILE does not exist, rank 0 creates it and holds MASTER_PORT before the process "
                          "group binds it: another process took the port rank 0 was given (EADDRINUSE)")
+parser.add_argument("--hold", metavar="DIR", help="experiments after --hold-after wait for DIR/release")
+parser.add_argument("--hold-after", type=int, default=0)
+parser.add_argument("--quiet-folder", action="store_true",
+                    help="write no started.rank<N> (a file of the script's own) into the experiment folder")
 args = parser.parse_args()
 
 config_path = Path(args.deepspeed_config)
@@ -42,7 +48,17 @@ mbs = config["train_micro_batch_size_per_gpu"]
 modes = dict(item.split("=") for item in args.behaviour.split(",") if item)
 mode = modes.get(str(mbs), "ok")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-(config_path.parent / f"started.rank{rank}").write_text(str(os.getpid()))
+if not args.quiet_folder:
+    (config_path.parent / f"started.rank{rank}").write_text(str(os.getpid()))
+
+if args.hold and autotuning.get("enabled") and rank == 0:
+    hold = Path(args.hold)
+    hold.mkdir(parents=True, exist_ok=True)
+    (hold / f"start.{os.getpid()}").touch()
+    if len(list(hold.glob("start.*"))) > args.hold_after:
+        (hold / f"holding.{os.getpid()}").touch()
+        while not (hold / "release").exists():
+            time.sleep(0.1)
 
 if args.law and autotuning.get("enabled"):
     ballast = b"\x01" * (24 * 2**20 * mbs)  # activations: the slot's memory cap decides what fits
