@@ -131,9 +131,9 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     folders.prepare([("results_dir", cfg.results_dir), ("exps_dir", cfg.exps_dir)], cfg.path, cfg.overwrite)
     if checked.client is not None:
         return tune(checked, args, checked.client)
-    with LocalCluster(len(checked.slots), cfg.results_dir / CLUSTER_DIR, slot_memory=args.slot_memory,
+    with LocalCluster(checked.workers, cfg.results_dir / CLUSTER_DIR, slot_memory=args.slot_memory,
                       flower_port=args.flower, host_memory_cap=args.host_memory_cap) as cluster:
-        console.print(f"embedded cluster: redis-server and {len(checked.slots)} slot workers + control "
+        console.print(f"embedded cluster: redis-server and {checked.workers} slot workers + control "
                       f"on {cluster.node} (logs in {cfg.results_dir / CLUSTER_DIR})")
         if args.flower is not None:
             user, password = cluster.flower_auth.split(":", 1)

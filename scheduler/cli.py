@@ -102,3 +102,7 @@ def tune(args: argparse.Namespace) -> int:
     if not Path(args.user_script).is_file():
         raise UsageError(f"training script {args.user_script} not found; check the path")
     return autotune.run(args, [args.user_script, *args.user_args])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,7 +39,7 @@ from scheduler.cluster.dispatch import refusal
 from scheduler.cluster.jobs import JobSpec, TuneSpec, job_id_for
 from scheduler.cluster.placement import largest_shape
 from scheduler.cluster.progress import search_of
-from scheduler.errors import ClusterError, ConfigError, UsageError
+from scheduler.errors import ClusterError, ConfigError, ResourceFilterError, UsageError
 from scheduler.inputs.arguments import check_arg_mappings, parse_arg_mappings
 from scheduler.inputs.config import TuningConfig, load_config
 from scheduler.launch.environment import check_numeric_variables, check_redis_url
@@ -77,6 +77,7 @@ class Checked:
     slots: list[Slot]
     spec: JobSpec
     allowed: list[str] | None = None  #: the resource pool's slot queues (None: every slot)
+    workers: int = 0  #: an embedded cluster's slot workers: one per device, the pool restricts their use
 
 
 def check(args: argparse.Namespace, script_args: list[str]) -> Checked:
@@ -98,13 +99,13 @@ def check(args: argparse.Namespace, script_args: list[str]) -> Checked:
     else:
         client = None
         redis_server()
-        slots, allowed = in_pool(embedded_slots(embedded_slot_count(args.slots), args.slot_memory), args, pool,
-                                 socket.gethostname())
+        workers = embedded_slot_count(args.slots)
+        slots, allowed = in_pool(embedded_slots(workers, args.slot_memory), args, pool, socket.gethostname())
     spec = job_spec(cfg, args, script, base_args, mappings, slots, allowed)
     if client is None:
         _check_shape(spec, slots)
     _check_search(spec)
-    return Checked(cfg, script, base_args, mappings, client, slots, spec, allowed)
+    return Checked(cfg, script, base_args, mappings, client, slots, spec, allowed, 0 if client else workers)
 
 
 def pool_request(args: argparse.Namespace) -> PoolRequest:
@@ -140,6 +141,10 @@ def tuning_slots(client: redis.Redis, args: argparse.Namespace,
             found[:] = [in_pool(live_usable_slots(client), args, request, local_node)]
         except ClusterError as exc:
             return str(exc)
+        except ResourceFilterError as exc:
+            if request.hostfile is not None:
+                raise
+            return str(exc)  # without a hostfile the hosts are the registered ones: one may be starting
         return None
 
     wait_for_cluster(ready)

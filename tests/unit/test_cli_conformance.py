@@ -129,3 +129,38 @@ def test_sizes_and_a_filter_do_not_mix_as_in_deepspeed(workdir: Path) -> None:
         check_counts(PoolRequest(None, None, args.include, args.exclude), args.num_nodes, args.num_gpus)
     with pytest.raises(ValueError, match="Cannot specify num_nodes/gpus with include/exclude"):
         runner.main(argv)
+
+
+def test_pip_install_puts_the_command_on_path() -> None:
+    """pyproject's [project.scripts] names `celery-autotune` and it resolves to the command."""
+    import importlib
+
+    from scheduler import cli
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, name = scripts["celery-autotune"].partition(":")
+    assert getattr(importlib.import_module(module), name) is cli.main
+
+
+def test_without_autotuning_it_launches_like_deepspeed(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from scheduler import cli
+    (workdir / "train.py").write_text("")
+    assert cli.main(["--slots", "2", "--dry_run", "train.py", "--deepspeed_config", "ds_config.json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["argv"] == ["train.py", "--deepspeed_config", "ds_config.json"] and len(shown["slots"][0]) == 2
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--autotuning", "tune", "train.py", "--epochs", "2"], "name no DeepSpeed config"),
+    (["--autotuning", "tune", "--timeout", "60", "train.py", "--deepspeed", "ds_config.json"], "--timeout"),
+    (["--autotuning", "tune"], "needs the training script"),
+    (["--autotuning", "tune", "absent.py", "--deepspeed", "ds_config.json"], "absent.py not found"),
+    (["--autotuning", "walk", "train.py"], "--autotuning"),
+])
+def test_a_tuning_line_it_cannot_run_is_one_error(workdir: Path, capsys: pytest.CaptureFixture[str],
+                                                  argv: list[str], needle: str) -> None:
+    from scheduler import cli
+    (workdir / "train.py").write_text("")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
