@@ -9,9 +9,12 @@ which returns everything the command needs next, so a check cannot slip behind t
 
 In order: the flags' bounds, the numeric `AUTOTUNE_*` variables and the Redis URL, the config file,
 full mode's spaces, the training script and `arg_mappings`; then the cluster: a deployed one is
-connected to and its live slots read (a control worker must run); for the embedded one, `redis-server`
+connected to and its live slots read (a control worker must run; one still starting is waited for,
+up to AUTOTUNE_CLUSTER_WAIT_S, `wait_for_cluster`); for the embedded one, `redis-server`
 must be on PATH and its slots are predicted from the GPUs or `--slots`/`--slot-memory` exactly as its
-workers will describe them (`workers.slot.cpu_slot_memory`), the experiment shape must fit them;
+workers will describe them (`workers.slot.cpu_slot_memory`); the resource pool (`--hostfile`,
+`--include`, `--exclude`: `scheduler.launch.pool`) must name live slots, and the job keeps to it
+(`JobSpec.allowed`); the experiment shape must fit the embedded cluster's pool;
 `--min-slot-memory` must leave a slot; last, the job spec is built and the search takes its first step,
 which is pure: `autotuning.search`, `tuner_type`, `mp_size`, the micro-batch bounds and, with
 `autotuning.model_info`, whether any stage holds the model are decided there.

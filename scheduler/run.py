@@ -7,7 +7,8 @@ script's arguments untouched (argv lists end to end), one rank per selected devi
 `--launcher celery` (default) runs ONE Experiment as a fixed job pinned to the selected slots (`scheduler.cluster.jobs`): each selected (host,
 device) is the slot queue `<host>.gpu<device>`, so hostfile hostnames must be the workers' node names
 (AUTOTUNE_NODE, else the `name@node` of `-n`); `localhost` is this machine. With AUTOTUNE_REDIS_URL the
-running workers serve it (a selected slot without a live worker: one `error:` line, exit 2); without
+running workers serve it (a selected slot or the control worker not live: waited for up to
+AUTOTUNE_CLUSTER_WAIT_S, then one `error:` line, exit 2); without
 it an embedded cluster runs here and is torn down after. Ranks log to `<log_dir>/run/` (rank 0:
 stdout.log/stderr.log, rank N: rankN.stdout.log/rankN.stderr.log; result.json: every rank's record).
 Exit 0 when every rank succeeded, else the root-cause rank's exit code (killed by signal N: 128+N).

@@ -1,8 +1,9 @@
 """Where an experiment can run now: pure choice of slots, no Redis.
 
 An experiment asks for `num_nodes x num_gpus` slots with at least `min_memory` bytes each, on
-distinct nodes when it spans several. Real device ids are kept (DeepSpeed renumbers them), and
-nodes of different sizes are all usable (DeepSpeed truncates every node to the smallest).
+distinct nodes when it spans several, and only among its job's resource pool (`allowed`) when it
+has one. Real device ids are kept (DeepSpeed renumbers them), and nodes of different sizes are all
+usable (DeepSpeed truncates every node to the smallest).
 Two rules keep a gang runnable: its slots are all of one kind (CUDA ranks use NCCL, CPU ranks gloo;
 one process group cannot mix them, and a search sized for GPU memory means nothing on a CPU slot),
 and a gang spanning nodes never uses a slot whose address is loopback (its peers could not reach it),

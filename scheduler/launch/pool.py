@@ -104,7 +104,6 @@ def describe_devices(devices: Mapping[str, Sequence[int]]) -> str:
 
 def _local(spec: str, local_node: str) -> str:
     """A filter with `localhost` written as this machine's node name."""
-    if not spec:
-        return spec
-    return "@".join(local_node + part.strip()[len(LOCAL_HOSTNAME):] if part.strip().split(":")[0].strip() == LOCAL_HOSTNAME
-                    else part for part in spec.split("@"))
+    parts = [part.strip() for part in spec.split("@")] if spec else []
+    return "@".join(local_node + part[len(LOCAL_HOSTNAME):] if part.split(":")[0].strip() == LOCAL_HOSTNAME
+                    else part for part in parts)

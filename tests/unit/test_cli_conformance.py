@@ -106,18 +106,18 @@ def test_the_resource_pool_is_deepspeeds(workdir: Path, where: str, line: str) -
     args = build_parser().parse_args(line.split())
     if args.hostfile:
         pool = runner.fetch_hostfile(args.hostfile)
-        slots = [Slot(host, device, "cuda", 2**34, "10.0.0.1", 1, ()) for host, n in pool.items() for device in range(n)]
-        local = LOCAL_NODE
+        slots = [Slot(host, device, "cuda", 2**34, "10.0.0.1", 1, ())
+                 for host, n in pool.items() for device in range(n)]
     else:
         pool = {"localhost": 4}
         slots = [Slot(LOCAL_NODE, device, "cuda", 2**34, "127.0.0.1", 1, ()) for device in range(4)]
-        local = LOCAL_NODE
     theirs = runner.parse_inclusion_exclusion(pool, args.include, args.exclude)
     request = PoolRequest(read_hostfile(args.hostfile) if args.hostfile else None, args.hostfile,
                           args.include, args.exclude)
-    selected = select_slots(slots, request, local)
+    selected = select_slots(slots, request, LOCAL_NODE)
     assert selected is not None
-    ours = {("localhost" if node == LOCAL_NODE else node): devices for node, devices in registered(selected.slots).items()}
+    ours = {("localhost" if node == LOCAL_NODE else node): devices
+            for node, devices in registered(selected.slots).items()}
     assert ours == {host: list(devices) for host, devices in theirs.items()}
     assert sorted(selected.queues) == sorted(s.queue for s in selected.slots)
 
