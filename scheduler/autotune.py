@@ -198,7 +198,7 @@ def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: red
     spec = JobSpec(job=uuid.uuid4().hex, results_root=tuned_spec.results_root, cwd=os.getcwd(),
                    timeout_s=preflight.RUN_TIMEOUT_S, experiments=[{**optimal.to_json(), "argv": argv}],
                    min_memory=tuned_spec.min_memory, slot_kind=tuned_spec.slot_kind,
-                   local_rank_arg=tuned_spec.local_rank_arg)
+                   local_rank_arg=tuned_spec.local_rank_arg, allowed=tuned_spec.allowed)
     console.print(f"training with the optimal config {best.name} on {best.num_nodes} node(s) x "
                   f"{best.num_gpus} slot(s); logs in {cfg.results_dir / optimal.name}")
     [outcome_record] = run_fixed(client, work, spec)
