@@ -42,7 +42,7 @@ from scheduler.cluster.dispatch import refusal
 from scheduler.cluster.jobs import JobSpec, TuneSpec, job_id_for
 from scheduler.cluster.placement import largest_shape
 from scheduler.cluster.progress import search_of
-from scheduler.errors import ClusterError, ConfigError, ResourceFilterError, UsageError
+from scheduler.errors import ClusterError, ConfigError, UsageError
 from scheduler.inputs.arguments import check_arg_mappings, parse_arg_mappings
 from scheduler.inputs.config import TuningConfig, load_config
 from scheduler.launch.environment import check_numeric_variables, check_redis_url
@@ -133,21 +133,18 @@ def in_pool(slots: list[Slot], args: argparse.Namespace, request: PoolRequest,
 def tuning_slots(client: redis.Redis, args: argparse.Namespace,
                  request: PoolRequest | None = None) -> tuple[list[Slot], list[str] | None]:
     """A deployed (or the started embedded) cluster's slots the job may use, and its pool's queues;
-    waits for a cluster still starting (`wait_for_cluster`). `localhost` is AUTOTUNE_NODE, else
-    this host's name, as the workers started here name their node."""
+    waits for a cluster still starting: no slot or no control worker registered yet (`wait_for_cluster`).
+    `localhost` is AUTOTUNE_NODE, else this host's name, as the workers started here name their node."""
     request = request or pool_request(args)
     local_node = os.environ.get("AUTOTUNE_NODE") or socket.gethostname()
     found: list[tuple[list[Slot], list[str] | None]] = []
 
     def ready() -> str | None:
         try:
-            found[:] = [in_pool(live_usable_slots(client), args, request, local_node)]
-        except ClusterError as exc:
+            slots = live_usable_slots(client)
+        except ClusterError as exc:  # no slot or no control worker registered yet
             return str(exc)
-        except ResourceFilterError as exc:
-            if request.hostfile is not None:
-                raise
-            return str(exc)  # without a hostfile the hosts are the registered ones: one may be starting
+        found[:] = [in_pool(slots, args, request, local_node)]  # a started cluster: its pool is decided now
         return None
 
     wait_for_cluster(ready)

@@ -7,8 +7,8 @@ script's arguments untouched (argv lists end to end), one rank per selected devi
 `--launcher celery` (default) runs ONE Experiment as a fixed job pinned to the selected slots (`scheduler.cluster.jobs`): each selected (host,
 device) is the slot queue `<host>.gpu<device>`, so hostfile hostnames must be the workers' node names
 (AUTOTUNE_NODE, else the `name@node` of `-n`); `localhost` is this machine. With AUTOTUNE_REDIS_URL the
-running workers serve it (a selected slot or the control worker not live: waited for up to
-AUTOTUNE_CLUSTER_WAIT_S, then one `error:` line, exit 2); without
+running workers serve it (no control worker or no slot registered yet: waited for up to
+AUTOTUNE_CLUSTER_WAIT_S; a selected slot without a live worker: one `error:` line, exit 2); without
 it an embedded cluster runs here and is torn down after. Ranks log to `<log_dir>/run/` (rank 0:
 stdout.log/stderr.log, rank N: rankN.stdout.log/rankN.stderr.log; result.json: every rank's record).
 Exit 0 when every rank succeeded, else the root-cause rank's exit code (killed by signal N: 128+N).
@@ -211,12 +211,14 @@ def run_experiment(client: redis.Redis, argv: list[str], queues: list[list[str]]
     def ready() -> str | None:
         if not control_alive(client):
             return "no control worker is running; start one with `celery -A tasks worker -Q control -n control@%h`"
-        live = {slot.queue for slot in live_slots(client)}
-        missing = [queue for node in queues for queue in node if queue not in live]
-        return (f"no live slot worker for {', '.join(missing)}; start `celery -A tasks worker -Q gpu<i> "
-                "-n gpu<i>@<host>` there, or change the selection") if missing else None
+        return None if live_slots(client) else "no slot workers are registered in Redis"
 
-    wait_for_cluster(ready)
+    wait_for_cluster(ready)  # a cluster still starting; a started one lacking a selected slot is an error
+    live = {slot.queue for slot in live_slots(client)}
+    missing = [queue for node in queues for queue in node if queue not in live]
+    if missing:
+        raise UsageError(f"no live slot worker for {', '.join(missing)}; start `celery -A tasks worker -Q gpu<i> "
+                         "-n gpu<i>@<host>` there, or change the selection")
     experiment = Experiment(name=RUN_NAME, stage=0, micro_batch_size=0, gradient_accumulation_steps=0,
                             ds_config=user_ds_config(argv[1:]), num_nodes=len(queues),
                             num_gpus=len(queues[0]), metric_file="")

@@ -32,7 +32,7 @@ def _records(results: Path) -> list[dict]:
 
 def test_include_keeps_every_experiment_on_the_selected_slot(tmp_path: Path) -> None:
     """Three embedded CPU slots, `--include localhost:1`: every experiment runs on slot 1 only (the
-    placement would otherwise take slot 0 first), and cmd_optimal.txt trains on one slot."""
+    placement would otherwise take slot 0 first), and cmd_optimal.txt names that host."""
     cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2, 3])
     del_script = json.loads(cfg.read_text())
     del del_script["autotuning"]["user_script"]  # the script comes from the command line, as for deepspeed
@@ -48,7 +48,9 @@ def test_include_keeps_every_experiment_on_the_selected_slot(tmp_path: Path) -> 
     allowed = f"{socket.gethostname()}.gpu1"
     assert {slot for r in records for slot in r.get("slots") or []} == {allowed}, records
     command = (tmp_path / "autotuning_results" / "cmd_optimal.txt").read_text()
-    assert "--num_gpus 1" in command and "fake_train.py" in command, command
+    assert "--hostfile" in command and "--num_gpus 1" in command and "fake_train.py" in command, command
+    hostfile = (tmp_path / "autotuning_results" / "hostfile_optimal").read_text()
+    assert hostfile == f"{socket.gethostname()} slots=1\n"
 
 
 def test_a_selection_matching_no_live_slot_is_one_error(tmp_path: Path) -> None:
