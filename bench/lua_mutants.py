@@ -100,7 +100,7 @@ def _copy_tree(dest: Path) -> None:
 def _run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[bool, float, str]:
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0", *tests],
                           cwd=tree, env=env, capture_output=True, text=True)
     return proc.returncode == 0, time.monotonic() - start, proc.stdout[-1500:] + proc.stderr[-1500:]
 

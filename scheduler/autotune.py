@@ -35,8 +35,9 @@ from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.jobs import JobCrashed, JobSpec, cancel, run_fixed, submit, watch
 from scheduler.live_view import LiveView
 from scheduler.report.outputs import cancelled_record, print_table
-from scheduler.cluster.progress import optimal_argv, outcome, write_outputs
+from scheduler.cluster.progress import optimal_argv, outcome, settings_of, write_outputs
 from scheduler.cluster.work import Work
+from scheduler.search.fast_search import search_notes
 from scheduler.search.ranking import best
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.layout import CLUSTER_DIR, DS_CONFIG, OPTIMAL_FILES, PARTIAL_FILES, SUMMARY
@@ -158,6 +159,8 @@ def tune(checked: preflight.Checked, args: argparse.Namespace, client: redis.Red
     console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {spec.tune.num_nodes} node(s) x "
                   f"{spec.tune.num_gpus} slot(s) per experiment, metric {cfg.metric}, "
                   f"slot memory {spec.tune.capacity_bytes / 2**30:.1f} GiB")
+    for note in search_notes(settings_of(spec)):  # the global batch kept or not, how the winner is named
+        console.print(note, highlight=False, soft_wrap=True)
     if args.slot_memory and spec.slot_kind == "cuda":
         console.print(f"note: --slot-memory {args.slot_memory} sizes CPU slots only: these GPU slots hold their "
                       "GPU's memory, and their ranks' host memory is capped only by --host-memory-cap")

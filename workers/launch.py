@@ -19,7 +19,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,41 +69,59 @@ class LaunchResult:
 
 def group_alive(pgid: int) -> bool:
     """True while a non-zombie process of the group exists (kill -0 succeeds on zombies)."""
+    return bool(_alive_groups({pgid}))
+
+
+def _alive_groups(pgids: set[int]) -> set[int]:
+    """Those of `pgids` with a non-zombie process: one pass over the process table for all of them."""
+    alive = set()
     for proc in psutil.process_iter(["status"]):
         try:
-            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                return True
+            pgid = os.getpgid(proc.pid)
+            if pgid in pgids and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.add(pgid)
         except (ProcessLookupError, psutil.Error):
             continue
-    return False
+    return alive
 
 
 def kill_group(pgid: int, grace_s: float = KILL_GRACE_S) -> bool:
     """SIGTERM the group, give it `grace_s` to exit, then SIGKILL what is left and wait up to
     KILL_WAIT_S until it is gone. False when a process of it outlived that (stuck in the kernel)."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return True
-    if _gone(pgid, grace_s):
-        return True
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return True
-    if _gone(pgid, KILL_WAIT_S):
-        return True
-    log.warning("process group %d is still alive %.0f s after SIGKILL", pgid, KILL_WAIT_S)
-    return False
+    return kill_groups([pgid], grace_s) == set()
 
 
-def _gone(pgid: int, within_s: float) -> bool:
+def kill_groups(pgids: Iterable[int], grace_s: float = KILL_GRACE_S, wait_s: float = KILL_WAIT_S) -> set[int]:
+    """`kill_group` for several groups at once, so stopping N of them takes one grace, not N: SIGTERM
+    each, `grace_s` for all to exit, SIGKILL what is left, up to `wait_s` until gone. Returns the
+    groups that outlived that (stuck in the kernel)."""
+    left = set()
+    for pgid in set(pgids):
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            left.add(pgid)
+        except ProcessLookupError:
+            pass
+    left = _still_alive(left, grace_s)
+    for pgid in list(left):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            left.discard(pgid)
+    left = _still_alive(left, wait_s)
+    for pgid in left:
+        log.warning("process group %d is still alive %.0f s after SIGKILL", pgid, wait_s)
+    return left
+
+
+def _still_alive(pgids: set[int], within_s: float) -> set[int]:
     deadline = time.monotonic() + within_s
-    while group_alive(pgid):
-        if time.monotonic() >= deadline:
-            return False
+    while pgids:
+        pgids = _alive_groups(pgids)
+        if not pgids or time.monotonic() >= deadline:
+            return pgids
         time.sleep(0.05)
-    return True
+    return pgids
 
 
 def marked_processes(variable: str, token: str, since: float = 0.0) -> list[psutil.Process]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import redis
 
 from workers import keys
-from workers.launch import kill_group, kill_marked
+from workers.launch import kill_groups, kill_marked
 from workers.layout import PIDS, cluster_file
 from workers.paths import write_json
 from workers.registry import connect, control_alive, live_slots
@@ -42,6 +42,10 @@ from workers.slot import HOST_MEMORY_CAP_ENV
 START_TIMEOUT_S = 120.0
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 15.0
+#: How long an embedded cluster's stop gives each step (workers to exit cold, training groups and
+#: redis-server to end on SIGTERM) before it kills: a user's Ctrl-C ends the command within seconds
+#: on a busy machine too. The records are written before the stop; what a step cuts short is killed.
+LOCAL_STOP_GRACE_S = 2.0
 
 
 def cold_stop(workers: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
@@ -58,7 +62,8 @@ def cold_stop(workers: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S
             worker.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        kill_group(worker.pid, grace_s=0.0)
+    kill_groups([worker.pid for worker in workers], grace_s=0.0)
+    for worker in workers:
         worker.wait()
 
 
@@ -178,9 +183,10 @@ class LocalCluster:
         raise LocalClusterError(f"{what} did not come up within {START_TIMEOUT_S:.0f}s; see {log}")
 
     def stop(self) -> None:
-        """Stop everything this cluster started, by PID; safe to call twice."""
+        """Stop everything this cluster started, by PID; safe to call twice. Each step waits at most
+        LOCAL_STOP_GRACE_S before it kills, so the whole stop takes seconds whatever the load."""
         client = redis.Redis.from_url(self.url, socket_timeout=2) if self.url else None
-        cold_stop(self._workers)
+        cold_stop(self._workers, grace_s=LOCAL_STOP_GRACE_S)
         if client is not None:
             _kill_recorded_groups(client)
         if self._workers:  # training processes that left their group (setsid) still carry our pid
@@ -188,7 +194,7 @@ class LocalCluster:
         if self._redis is not None and self._redis.poll() is None:
             self._redis.terminate()
             try:
-                self._redis.wait(timeout=STOP_GRACE_S)
+                self._redis.wait(timeout=LOCAL_STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 self._redis.kill()
                 self._redis.wait()
@@ -276,11 +282,11 @@ def _pings(client: redis.Redis) -> bool:
 
 
 def _kill_recorded_groups(client: redis.Redis) -> None:
-    """Training groups whose worker died before cleaning up (recorded by run_rank); this Redis is ours."""
+    """Training groups whose worker died before cleaning up (recorded by run_rank); this Redis is
+    ours. All at once: one grace for every group, not one each."""
     try:
-        for key in client.scan_iter(match=keys.pgid_pattern()):
-            pgid = client.get(key)
-            if pgid:
-                kill_group(int(pgid), grace_s=2.0)
+        names = list(client.scan_iter(match=keys.pgid_pattern()))
+        pgids = [int(pgid) for pgid in client.mget(names) if pgid] if names else []
     except redis.RedisError:
-        pass
+        return
+    kill_groups(pgids, grace_s=2.0, wait_s=LOCAL_STOP_GRACE_S)

@@ -6,7 +6,7 @@ only catches what no event announces: lost launches, slots freed by an expired l
 (re)appeared. One Redis lock (`cluster_lock`) serialises every planning step across control
 workers; the gang reservation itself is atomic anyway, so a slot can never be double-booked.
 
-An experiment marked `exclusive` (a finalist's re-measurement, `scheduler.search.sampled_search.confirm`)
+An experiment marked `exclusive` (a finalist's re-measurement, `scheduler.search.repeats.confirm`)
 starts only on nodes where no slot is busy, and while it runs every slot of its nodes counts as
 busy for everyone else: the finalists are compared with their nodes otherwise idle. Each launch
 keeps its co-runners (the launches of any job holding a slot on its nodes when it starts, and those

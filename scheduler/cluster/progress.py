@@ -30,7 +30,8 @@ import redis
 from scheduler.inputs.arguments import with_config, with_mapped_args
 from scheduler.inputs.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
-from scheduler.search.fast_search import SearchSettings, fast_search
+from scheduler.search.fast_search import SearchSettings, fast_search, search_notes
+from scheduler.search.global_batch import cli_batch
 from scheduler.cluster.job_store import JobStore, reserve_seqs
 from scheduler.cluster.jobs import JobSpec, end, load_spec, publish
 from scheduler.cluster.launches import QueuedLaunch
@@ -121,12 +122,18 @@ def search_of(spec: JobSpec) -> Search:
     if spec.tune is None:
         return _fixed(tuple(Experiment.from_json({k: v for k, v in e.items() if k != "argv"})
                             for e in spec.experiments or []))
+    return fast_search(settings_of(spec))
+
+
+def settings_of(spec: JobSpec) -> SearchSettings:
+    """The tuning job's search settings, from its config, its slots and the script's flags (the
+    global batch a Hugging Face config keeps comes from them: `scheduler.search.global_batch`)."""
     tune = spec.tune
-    cfg = tuning_config(spec)
-    settings = SearchSettings.from_config(cfg, capacity_bytes=tune.capacity_bytes, num_nodes=tune.num_nodes,
-                                          num_gpus=tune.num_gpus, device_kind=tune.device_kind,
-                                          concurrency=tune.concurrency)
-    return fast_search(settings)
+    assert tune is not None, "a fixed job has no search"
+    return SearchSettings.from_config(tuning_config(spec), capacity_bytes=tune.capacity_bytes,
+                                      num_nodes=tune.num_nodes, num_gpus=tune.num_gpus,
+                                      device_kind=tune.device_kind, concurrency=tune.concurrency,
+                                      command_line=cli_batch(tune.base_args, tune.mappings))
 
 
 def tuning_config(spec: JobSpec) -> TuningConfig:
@@ -218,7 +225,8 @@ def write_outputs(spec: JobSpec, experiments: list[Experiment], records: dict[st
     cfg = tuning_config(spec)
     winner = write_results(Path(spec.results_root), experiments, records, cfg.metric, cfg.maximize,
                            time.time() - spec.submitted_at, optimal_argv(spec), spec.local_rank_arg,
-                           cancelled=cancelled, name_hosts=spec.allowed is not None)
+                           cancelled=cancelled, notes=search_notes(settings_of(spec)),
+                           name_hosts=spec.allowed is not None)
     return winner["name"] if winner else None
 
 

@@ -28,15 +28,16 @@ from scheduler.errors import ConfigError
 TUNER_TYPES = ("gridsearch", "random", "model_based")  #: DeepSpeed's autotuning.tuner_type values
 
 #: DeepSpeed's autotuning keys (deepspeed/autotuning/constants.py), plus ours: user_script,
-#: user_args (the script, when not given after `--`), tuner_seed (random/model-based tuners) and
-#: search ("sampled", ours, or "deepspeed", DeepSpeed's algorithm; checked by scheduler.search.fast_search).
+#: user_args (the script, when not given after `--`), tuner_seed (random/model-based tuners),
+#: search ("sampled", ours, or "deepspeed", DeepSpeed's algorithm; checked by scheduler.search.session)
+#: and keep_train_batch_size (keep or free the user's global batch: scheduler.search.global_batch).
 KNOWN_AUTOTUNING_KEYS = frozenset({
     "enabled", "fast", "results_dir", "exps_dir", "overwrite", "start_profile_step",
     "end_profile_step", "metric", "metric_path", "tuner_type", "tuner_early_stopping",
     "tuner_num_trials", "arg_mappings", "max_train_batch_size", "min_train_batch_size",
     "min_train_micro_batch_size_per_gpu", "max_train_micro_batch_size_per_gpu",
     "num_tuning_micro_batch_sizes", "mp_size", "model_info", "model_info_path",
-    "user_script", "user_args", "tuner_seed", "search",
+    "user_script", "user_args", "tuner_seed", "search", "keep_train_batch_size",
 })
 #: Metric name -> whether bigger is better. `flops` is accepted for FLOPS_per_gpu (DeepSpeed crashes).
 METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}
@@ -58,7 +59,7 @@ MAX_DEPTH = 64  #: nesting of objects/lists; DeepSpeed configs are 4 deep
 MAX_CONFIG_BYTES = 16 * 2**20
 MAX_PATH_CHARS = 4096
 #: autotuning keys holding a JSON boolean; DeepSpeed reads "false" (a string) as true.
-BOOLEAN_KEYS = ("enabled", "fast", "overwrite")
+BOOLEAN_KEYS = ("enabled", "fast", "overwrite", "keep_train_batch_size")
 #: autotuning key -> (smallest, largest) integer; null means "not set" only where marked in NULLABLE.
 INTEGER_RANGES: dict[str, tuple[int, int]] = {
     "start_profile_step": (0, MAX_PROFILE_STEP),

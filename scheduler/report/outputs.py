@@ -16,7 +16,8 @@
 An interrupted search is not a search that found an optimum: its experiments that were running or
 queued get `cancelled` lines in results.jsonl/results.csv, summary.txt says "interrupted", and the
 best measured config is written as ds_config_best_partial.json / cmd_best_partial.txt, never under
-the "optimal" names.
+the "optimal" names. It draws no plots (and removes an earlier run's): matplotlib's import and
+drawing took most of a Ctrl-C's 10-20 s on a busy machine; the run that finishes the search draws them.
 
 Every name above is taken from `workers.layout` (`result_file` refuses one it does not list), the
 list `"overwrite": true` checks a folder against: a file written here that it did not know would
@@ -29,7 +30,7 @@ import datetime
 import io
 import json
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,10 @@ from rich.console import Console
 from rich.table import Table
 from tabulate import tabulate
 
-from scheduler.search.confirm import PRIOR_NOISE, Readings, step_noise, verdict
+from scheduler.search.confirm import (
+    ALONE, MIN_NOISE, PRIOR_NOISE, READ_ONCE, SEPARATED, SEPARATION_Z, Readings, Verdict, step_noise, verdict,
+)
+from scheduler.search.global_batch import KEPT_NOTE
 from scheduler.search.ranking import best, config_key, metric_value, pooled_best, status_counts
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
@@ -62,10 +66,13 @@ def write_experiment_descriptions(exps_dir: Path, experiments: list[Experiment])
 
 
 def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any]], metric: str,
-                 maximize: bool, elapsed_s: float, cancelled: list[str] | None = None) -> str:
+                 maximize: bool, elapsed_s: float, cancelled: list[str] | None = None,
+                 notes: Sequence[str] = ()) -> str:
     """DeepSpeed's summary table (one row per ZeRO stage, then global) and our extra columns. The best
     value is the mean the winner was picked on (a re-measured config: "(mean of 2)" after its name).
-    With `cancelled` (an interrupted search) the closing line says so and names what was cut off."""
+    With `cancelled` (an interrupted search) the closing line says so and names what was cut off.
+    `notes` (`scheduler.search.fast_search.search_notes`: the global batch kept or not, how the
+    winner is named) follow the table."""
     spaces: dict[str, list[dict[str, Any]]] = {}
     for exp in experiments:
         if exp.name in records and exp.space != PROFILE:
@@ -82,7 +89,9 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val",
                                     "best_exp_name", "experiment_s", "failures"], tablefmt="pipe")
     elapsed = datetime.timedelta(seconds=round(elapsed_s))
-    table += "\n\n" + space_text(experiments) + winner_text(tuned, metric, maximize)
+    kept = any(note.startswith(KEPT_NOTE) for note in notes)
+    table += ("\n\n" + "".join(f"{note}.\n" for note in notes) + space_text(experiments, kept)
+              + winner_text(tuned, metric, maximize))
     if cancelled is None:
         return (f"{table}\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."
                 f" Metric: {metric} ({'max' if maximize else 'min'}).\n")
@@ -95,9 +104,10 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
             + "run the same command to finish the search.\n")
 
 
-def space_text(experiments: list[Experiment]) -> str:
+def space_text(experiments: list[Experiment], kept: bool = False) -> str:
     """The space searched, per ZeRO stage: the micro-batch sizes measured, the samples per GPU per
-    optimizer step they fill (gas = that // size) and where that limit came from."""
+    optimizer step they fill (gas = that // size) and where that limit came from (`kept`: the user's
+    global batch, which every experiment keeps)."""
     stages: dict[int, list[Experiment]] = {}
     for exp in experiments:
         if exp.space != PROFILE and not exp.tuning_space:
@@ -110,11 +120,14 @@ def space_text(experiments: list[Experiment]) -> str:
         step = max(e.micro_batch_size * e.gradient_accumulation_steps for e in exps)
         autotuning = exps[0].ds_config.get("autotuning") or {}
         user_gas = min(e.gradient_accumulation_steps for e in exps)
-        if autotuning.get("max_train_batch_size"):
+        if kept:
+            source = f"the global batch kept: {exps[0].ds_config.get('train_batch_size')} per step, every experiment"
+        elif autotuning.get("max_train_batch_size"):
             source = f"from max_train_batch_size {autotuning['max_train_batch_size']}"
         else:
             source = f"without max_train_batch_size: DeepSpeed's rule, the stage's top size times gas {user_gas}"
-        lines.append(f"  z{stage}: micro-batch {min(sizes)}-{max(sizes)}, up to {step} samples per GPU per step "
+        bound = "" if kept else "up to "
+        lines.append(f"  z{stage}: micro-batch {min(sizes)}-{max(sizes)}, {bound}{step} samples per GPU per step "
                      f"({source}); gas = samples per step // micro-batch")
     return "\n".join(lines) + "\n"
 
@@ -144,17 +157,29 @@ def winner_text(records: list[dict[str, Any]], metric: str, maximize: bool) -> s
     lines = [f"Winner: {described(decided.winner)}"]
     if decided.runner_up is not None:
         lines.append(f"Runner-up: {described(decided.runner_up)}")
-    noise = (f"the measured noise, {100 * decided.noise:.1f} % (relative standard deviation over the configs "
-             "read more than once)" if decided.noise is not None else
-             f"an assumed noise of {100 * PRIOR_NOISE:.0f} % (no config was read twice)")
-    if decided.runner_up is None:
-        lines.append("No other config ran, so there is nothing to separate it from.")
-    elif decided.is_separated:
-        lines.append(f"Separated: the gap is more than 2 standard errors at {noise}.")
-    else:
-        lines.append(f"Not separated: the gap is within 2 standard errors at {noise}; both are sound "
-                     "choices, the winner by its mean.")
+    lines.append(separation_sentence(decided))
     return "\n".join(lines) + "\n"
+
+
+def separation_sentence(decided: Verdict) -> str:
+    """Why the winner is or is not separated from the runner-up (`Verdict.reason`), with the gap and
+    the standard error it was judged on, so the words and the figures beside them cannot disagree."""
+    reason = decided.reason
+    if reason == ALONE:
+        return "No other config ran, so there is nothing to separate it from."
+    source = (f"the configs read more than once spread {100 * decided.noise:.1f} % pooled; a config's noise is that, "
+              f"at least {100 * MIN_NOISE:.0f} %, or its own spread where larger" if decided.noise is not None else
+              f"no config was read twice: {100 * PRIOR_NOISE:.0f} % assumed, or a config's own spread where larger")
+    winner_noise, runner_noise = decided.noises
+    figures = (f"the gap, {100 * decided.gap:.1f} %, is {decided.standard_errors:.1f} standard errors of the "
+               f"difference ({100 * decided.error:.1f} %, from a noise per reading of {100 * winner_noise:.1f} % "
+               f"for the winner and {100 * runner_noise:.1f} % for the runner-up; {source})")
+    if reason == READ_ONCE:
+        return (f"Not confirmed, read once: the winner was measured once, so its own noise is unknown and "
+                f"no gap separates it; {figures}.")
+    if reason == SEPARATED:
+        return f"Separated: {figures}, more than {SEPARATION_Z:g}."
+    return f"Not separated: {figures}, within {SEPARATION_Z:g}; both are sound choices, the winner by its mean."
 
 
 def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, record: dict[str, Any] | None = None,
@@ -216,8 +241,9 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
                   optimal_argv: Callable[[Experiment, Path], list[str]],
                   local_rank_arg: bool = True,
                   cancelled: dict[str, dict[str, Any]] | None = None,
-                  name_hosts: bool = False) -> dict[str, Any] | None:
-    """Write every output file; returns the best record (None if no experiment succeeded).
+                  notes: Sequence[str] = (), name_hosts: bool = False) -> dict[str, Any] | None:
+    """Write every output file; returns the best record (None if no experiment succeeded). `notes`
+    go into summary.txt after its table (`summary_text`).
 
     `cancelled` (an interrupted search: name -> a `cancelled` record, see `cancelled_record`) makes
     the outputs partial, as the module docstring says; `name_hosts`: see `launch_command`."""
@@ -233,12 +259,16 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     write_atomic(result_file(results_dir, RESULTS_CSV), results_csv([(by_name[r["name"]], r) for r in listed], metric))
     write_atomic(result_file(results_dir, SUMMARY),
                  summary_text(experiments, records, metric, maximize, elapsed_s,
-                              list(cancelled) if partial else None))
+                              list(cancelled) if partial else None, notes))
     winner = best(ordered, metric, maximize)
-    from scheduler.report.plot import write_plot, write_timeline  # matplotlib is imported only when a job ends
+    if partial:  # a Ctrl-C is not kept waiting for matplotlib (seconds on a busy machine)
+        for stale in (TUNING_PLOT, TIMELINE_PLOT):
+            result_file(results_dir, stale).unlink(missing_ok=True)
+    else:
+        from scheduler.report.plot import write_plot, write_timeline  # matplotlib is imported only when a job ends
 
-    write_plot(result_file(results_dir, TUNING_PLOT), experiments, records, metric, winner)
-    write_timeline(result_file(results_dir, TIMELINE_PLOT), [*ordered, *cancelled.values()], winner)
+        write_plot(result_file(results_dir, TUNING_PLOT), experiments, records, metric, winner)
+        write_timeline(result_file(results_dir, TIMELINE_PLOT), ordered, winner)
     for stale in (*OPTIMAL_FILES, *PARTIAL_FILES):
         result_file(results_dir, stale).unlink(missing_ok=True)
     if winner is None:

@@ -5,7 +5,9 @@ leaves, so it runs the same on a cluster, in a replay after a crash and in bench
 - `space`: an experiment (stage, micro-batch, accumulation) and its DeepSpeed config;
 - `memory`: the memory model, calibrated by the profile run and by every probe;
 - `session`: the state both searches share (what was measured, what memory it proves);
-- `fast_search`: DeepSpeed's fast/full mode with its defects fixed; `sampled_search` (the default)
+- `global_batch`: the user's train_batch_size kept by every experiment, or freed;
+- `fast_search`: DeepSpeed's fast/full mode with its defects fixed; `sampled_search` (the default);
+  `repeats` (one policy for every search of ours: a crash launched once more, the winner confirmed)
   with `confirm` (re-measuring the leaders until they are told apart); `full_space` and `tuners`
   (full mode's knob points: grid, random, model-based); `ranking` (the best config from records);
   `live_search` (what the live view shows of a running search).

@@ -17,11 +17,13 @@ than the runner-up. So a winner is confirmed before it is named
 - a rival is not separated from the leader while their gap is within `SEPARATION_Z` standard errors
   of the difference of their means; the leader and the `MAX_RIVALS` best such rivals are then
   measured in turn, fewest readings first (interleaved: A B A B, so drift of shared machines hits
-  both alike), until every rival is separated or `REPEAT_BUDGET` launches are spent;
+  both alike), until every rival is separated or `REPEAT_BUDGET` launches are spent (a leader still
+  read once then gets up to `READ_ONCE_GRACE` more);
 - the choice is the best mean over every reading (`scheduler.search.ranking.best`), and the summary says
-  whether the winner was separated from the runner-up (`verdict`).
+  whether the winner was separated from the runner-up, and why (`verdict`: read once, within the
+  noise, or separated, with the gap and its standard error it was judged on).
 
-Pure decision logic; `scheduler.search.sampled_search.confirm` turns it into phases.
+Pure decision logic; `scheduler.search.repeats.confirm` turns it into phases.
 """
 from __future__ import annotations
 
@@ -33,8 +35,11 @@ from typing import Generic, TypeVar
 
 K = TypeVar("K")
 
-#: Re-measurement launches a job spends at most on confirming its winner.
+#: Re-measurement launches a job spends on confirming its winner.
 REPEAT_BUDGET = 2
+#: Launches past REPEAT_BUDGET spent only while the leader was read once (its repeat exposed the
+#: previous leader's lucky reading, and the new one has a single reading of its own).
+READ_ONCE_GRACE = 2
 #: A gap within this many standard errors of the difference of two means is not a separation.
 SEPARATION_Z = 2.0
 #: Relative noise assumed before any config was measured twice.
@@ -100,12 +105,20 @@ def noise_of(group: Readings, pooled: float | None) -> float:
     return max(MIN_NOISE, base, *own)
 
 
-def separated(leader: Readings, rival: Readings, pooled: float | None, maximize: bool = True) -> bool:
-    """Whether `leader`'s mean beats `rival`'s by more than SEPARATION_Z standard errors."""
+def separation(leader: Readings, rival: Readings, pooled: float | None,
+               maximize: bool = True) -> tuple[float, float]:
+    """(the gap by which `leader`'s mean beats `rival`'s, relative to the leader's mean; the relative
+    standard error of that difference at the noise `noise_of` gives each)."""
     gap = (leader.mean - rival.mean) if maximize else (rival.mean - leader.mean)
     scale = abs(leader.mean) or 1.0
     error = math.sqrt(noise_of(leader, pooled) ** 2 / leader.count + noise_of(rival, pooled) ** 2 / rival.count)
-    return gap / scale > SEPARATION_Z * error
+    return gap / scale, error
+
+
+def separated(leader: Readings, rival: Readings, pooled: float | None, maximize: bool = True) -> bool:
+    """Whether `leader`'s mean beats `rival`'s by more than SEPARATION_Z standard errors."""
+    gap, error = separation(leader, rival, pooled, maximize)
+    return gap > SEPARATION_Z * error
 
 
 def ordered(groups: Sequence[Readings[K]], maximize: bool = True) -> list[Readings[K]]:
@@ -129,25 +142,53 @@ def next_repeat(groups: Sequence[Readings[K]], maximize: bool = True) -> K | Non
     return min([leader, *rivals], key=lambda g: g.count).key
 
 
+#: Why a winner is or is not separated from its runner-up (`Verdict.reason`).
+ALONE, READ_ONCE, WITHIN_NOISE, SEPARATED = "alone", "read once", "within the noise", "separated"
+
+
 @dataclass(frozen=True)
 class Verdict(Generic[K]):
-    """The winner and the runner-up as a summary shows them."""
+    """The winner and the runner-up as a summary shows them, and the figures the judgement rests on."""
 
     winner: Readings[K]
     runner_up: Readings[K] | None
     is_separated: bool
     noise: float | None  #: the pooled relative noise measured (None: no config read twice)
+    gap: float | None = None  #: the runner-up's gap behind the winner, relative to the winner's mean
+    error: float | None = None  #: the relative standard error of that gap
+    noises: tuple[float, float] | None = None  #: the noise of one reading `noise_of` gave each of the two
+
+    @property
+    def reason(self) -> str:
+        """ALONE (no runner-up), READ_ONCE (the winner has one reading: its own noise is unknown, so
+        no gap separates it), else SEPARATED or WITHIN_NOISE by the gap over its standard error."""
+        if self.runner_up is None:
+            return ALONE
+        if self.winner.count < 2:
+            return READ_ONCE
+        return SEPARATED if self.is_separated else WITHIN_NOISE
+
+    @property
+    def standard_errors(self) -> float | None:
+        """The gap in standard errors of the difference (None: no runner-up)."""
+        if self.gap is None or self.error is None:
+            return None
+        return self.gap / self.error if self.error else math.inf
 
 
 def verdict(groups: Sequence[Readings[K]], maximize: bool = True) -> Verdict[K] | None:
-    """Who won, who came second, and whether the gap between them is more than the noise."""
+    """Who won, who came second, and whether the gap between them is more than the noise: only a
+    winner read at least twice can be separated (one reading shows nothing of its own spread)."""
     if not groups:
         return None
     ranked = ordered(groups, maximize)
     pooled = pooled_noise(groups)
-    runner_up = ranked[1] if len(ranked) > 1 else None
-    apart = runner_up is None or (ranked[0].count >= 2 and separated(ranked[0], runner_up, pooled, maximize))
-    return Verdict(ranked[0], runner_up, apart, pooled)
+    if len(ranked) < 2:
+        return Verdict(ranked[0], None, True, pooled)
+    gap, error = separation(ranked[0], ranked[1], pooled, maximize)
+    apart = ranked[0].count >= 2 and gap > SEPARATION_Z * error
+    noises = (noise_of(ranked[0], pooled), noise_of(ranked[1], pooled))
+    return Verdict(ranked[0], ranked[1], apart, pooled, gap, error, noises)
 
 
 def group_readings(values: Mapping[K, Sequence[float]],

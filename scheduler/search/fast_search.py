@@ -17,6 +17,12 @@ Fixed here, compared with DeepSpeed 0.19:
 - the plateau and fine-grained gains follow the metric's direction, so latency is minimised;
 - every config is the user's config pinned to one point: zero options and offload survive;
 - without max_train_batch_size, mp_size no longer divides the per-GPU batch (gas could reach 0).
+
+A user's micro-batch list and full mode's knob points follow our policy whatever the search
+(`scheduler.search.repeats`: a crash launched once more, the winner confirmed by repeats) except
+under `"search": "deepspeed"`, which keeps DeepSpeed's (one reading each, a crash is a result);
+`search_notes` says which in the command's first lines and in summary.txt, with the global batch
+kept or freed (`scheduler.search.global_batch`).
 """
 from __future__ import annotations
 
@@ -25,11 +31,14 @@ from collections.abc import Generator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET
 from scheduler.search.full_space import full_experiments
+from scheduler.search.global_batch import batch_notes, no_fit_message
 from scheduler.search.memory import SAFETY, GiB, MemoryModel, ModelInfo, overhead_from_profile, prior_overhead_bytes
 from scheduler.search.phases import Phase, Search
 from scheduler.search.ranking import best, metric_value
-from scheduler.search.sampled_search import confirm, sampled_stages, stages_near_leader
+from scheduler.search.repeats import confirm, relaunch
+from scheduler.search.sampled_search import sampled_stages, stages_near_leader, try_sawtooth
 from scheduler.search.session import (
     NoStageFits, SearchAborted, SearchSettings, Session, measured_capacity, measured_reserve, peak_of, succeeded,
 )
@@ -120,13 +129,18 @@ def fast_search(settings: SearchSettings) -> Search:
     if settings.micro_batch_sizes:
         for stage in stages:
             yield from _run_list(session, stage)
+        if settings.search == "sampled":
+            yield from confirm(session)
+        _refuse_if_nothing_kept(session)
         return
     if settings.search == "sampled":
         yield from sampled_stages(session, stages)
+        yield from try_sawtooth(session, stages)
         if not settings.fast:
             for stage, mbs, gas in stages_near_leader(session, stages):
                 yield from tune_full_space(session, stage, [mbs], mbs * gas)
         yield from confirm(session)
+        _refuse_if_nothing_kept(session)
         return
     carried_best = carried_max = 0
     carried_metric: float | None = None
@@ -138,6 +152,31 @@ def fast_search(settings: SearchSettings) -> Search:
             yield from tune_full_space(session, stage, *candidates)
         if best_mbs > carried_best:
             carried_best, carried_max, carried_metric = best_mbs, max_mbs, stage_metric
+
+
+def search_notes(settings: SearchSettings) -> list[str]:
+    """What the command prints first and summary.txt repeats about the search's own rules: the global
+    batch kept, freed or overwritten (`global_batch.batch_notes`), and how a winner is named."""
+    if settings.search == "sampled":
+        rule = ("Search: no config is named on one reading (the leader and its close rivals are measured "
+                f"again, <name>_r<n>, up to {REPEAT_BUDGET} launches and {READ_ONCE_GRACE} more while the "
+                "leader was read once); a crash, timeout or failed rendezvous is launched once more (<name>_r2)")
+    else:
+        rule = ('Search: "search": "deepspeed" keeps DeepSpeed\'s behaviour: every config is read once and the '
+                "best single reading wins (no confirmation); a crash is that config's result (no relaunch)")
+    return [*batch_notes(settings.global_batch, settings.dp_size), rule]
+
+
+def _refuse_if_nothing_kept(session: Session) -> None:
+    """With a kept global batch, a search where no experiment ran ends with one line naming the
+    smallest size that failed and what would help (`global_batch.no_fit_message`)."""
+    st = session.settings
+    tried = [(exp, record) for exp, record in session.measured.values() if exp.name != PROFILE]
+    if not st.kept_per_gpu or any(succeeded(record) for _, record in tried):
+        return
+    raise SearchAborted(no_fit_message(st.global_batch, st.dp_size, [
+        (exp.micro_batch_size, exp.gradient_accumulation_steps, exp.stage, record.get("status", "lost"))
+        for exp, record in tried]))
 
 
 def _profile(session: Session) -> Step:
@@ -178,11 +217,12 @@ def _gib(size: int) -> str:
 
 def _run_list(session: Session, stage: int) -> Step:
     """The user's own micro-batch list, as DeepSpeed runs it: every size gets gas = mtbpg // size, so
-    all of them train on about the same number of samples per GPU and optimizer step."""
+    all of them train on about the same number of samples per GPU and optimizer step. A crash is
+    launched once more (`repeats.relaunch`), and `fast_search` confirms the winner after the list."""
     st = session.settings
-    mtbpg = max(st.micro_batch_sizes) * st.gradient_accumulation_steps
-    yield from session.measure(f"z{stage}_list",
-                               [session.experiment(stage, m, max(1, mtbpg // m)) for m in st.micro_batch_sizes])
+    mtbpg = st.kept_per_gpu or max(st.micro_batch_sizes) * st.gradient_accumulation_steps
+    yield from relaunch(session, f"z{stage}_list",
+                        [session.experiment(stage, m, max(1, mtbpg // m)) for m in st.micro_batch_sizes])
 
 
 def _tune_stage(session: Session, stage: int, prev_max: int) -> Step:
@@ -280,7 +320,9 @@ def _candidates_and_fine(session: Session, stage: int, start: int, top: int) -> 
 
 def tune_full_space(session: Session, stage: int, sizes: Sequence[int], mtbpg: int) -> Step:
     """Full mode for one stage: DeepSpeed's ZeRO-knob space x the fast search's candidate sizes, explored
-    by the configured tuner in batches as wide as the slots allow, until its trial cap or early stop."""
+    by the configured tuner in batches as wide as the slots allow, until its trial cap or early stop.
+    A knob point whose failure says nothing about it is launched once more (`repeats.relaunch`; not
+    under `"search": "deepspeed"`) and the tuner sees the retry's result."""
     st = session.settings
     cfg = st.tuning_config
     if cfg is None:
@@ -290,8 +332,8 @@ def tune_full_space(session: Session, stage: int, sizes: Sequence[int], mtbpg: i
     rule = StopRule(st.maximize, st.tuner_num_trials, st.tuner_early_stopping)
     history: list[Trial] = []
     while batch := plan(tuner, history, rule, st.concurrency):
-        records = yield from session.measure(f"{experiments[0].space}_trial{len(history) + 1}",
-                                             [experiments[i] for i in batch])
+        records = yield from relaunch(session, f"{experiments[0].space}_trial{len(history) + 1}",
+                                      [experiments[i] for i in batch])
         history.extend(Trial(i, metric_value(record, st.metric)) for i, record in zip(batch, records))
 
 

@@ -30,9 +30,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   ZeRO-1/2 at equal size, so it is not measured at all unless it can hold larger sizes that matter
   (the curve was still rising at the cap, or ZeRO-3 holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so
   memory pressure may have turned it), or no ZeRO-1/2 stage was measured;
-- a failure that is not out-of-memory (`RETRIED`: a crash, a timeout, a rendezvous that failed), or
-  an out-of-memory while other processes held memory on the GPU, is launched once more at once
-  (`_measure`, `says_nothing`), and so is an out-of-memory at a size the stage already ran at or above
+- a failure that says nothing about the config (`scheduler.search.repeats.says_nothing`: a crash,
+  a timeout, a rendezvous that failed, an out-of-memory beside others' memory) is launched once
+  more at once (`_measure`), and so is an out-of-memory at a size the stage already ran at or above
   (`_contradicted`: memory does not shrink as the size grows); a size failing twice is left out of its stage, and is no memory fact;
 - the memory side follows `scheduler.search.memory`: predictions stay between the largest ok and the
   smallest size out of memory, and every stage's probes bound the others (`memory.shared_facts`: a failure
@@ -40,12 +40,8 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   predicted tops, with or without measured peaks); after a failure the next upward probe is the
   geometric midpoint, and a stage stops probing upward after `MAX_FAILURES` failures above a
   success (`MAX_BLIND_FAILURES` halvings when nothing in the job ran yet);
-- `confirm`: no config is named on one reading. The leader is measured again, then the rivals it
-  is not separated from at the measured noise (across repeats, and inside each run from its step
-  times), one launch per phase, each with its nodes otherwise idle (`Experiment.exclusive`: no
-  experiment of any job beside it, so the finalists are compared under the same conditions),
-  within `scheduler.search.confirm.REPEAT_BUDGET`; the
-  winner is picked on the mean of every reading (`scheduler.search.ranking.best` pools repeats).
+- `scheduler.search.repeats.confirm` (run after this search by `fast_search`): no config is named
+  on one reading; the leader and the rivals it is not separated from are measured again.
 
 What the benches show this buys, and what they cannot: bench/search_quality.py (synthetic
 surfaces, with and without max_train_batch_size, heavy-tailed and per-config noise),
@@ -60,15 +56,15 @@ each unless the slots allow more) and are replayed from records like every searc
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from scheduler.search.confirm import REPEAT_BUDGET, group_readings, next_repeat
+from scheduler.search.global_batch import kept_sizes, largest_kept
 from scheduler.search.ranking import metric_value
-from scheduler.search.session import Session, Step, under_foreign_memory
-from scheduler.search.space import PROFILE, Experiment
+from scheduler.search.repeats import is_repeat, original_name, says_nothing
+from scheduler.search.session import Session, Step
+from scheduler.search.space import PROFILE
 
 
 #: Refinement stops when the best size's measured neighbours are within this ratio of it.
@@ -91,12 +87,6 @@ FULL_MODE_BAND = 0.10
 #: times the largest size ZeRO-1/2 hold: near a stage's memory cap the allocator's pressure slows it,
 #: and ZeRO-3 runs those sizes with that much more memory free (large models: bench/README.md).
 ZERO3_ROOM = 1.3
-#: Failures that say nothing about the config: launched once more before the config counts as failed.
-#: Not `lost` (the dispatcher already relaunches those, up to its max_attempts) nor `aborted` (we
-#: stopped it: a cancelled job must end, not start its experiments again).
-RETRIED = frozenset({"crashed", "timeout", "rendezvous_failed"})
-#: A re-measurement of `<name>` is `<name>_r2`, `<name>_r3`, ...: its own folder and record.
-REPEAT_NAME = re.compile(r"^(?P<original>.+)_r(?P<index>[2-9]|[1-9][0-9]+)$")
 #: The share of the memory budget the top probe may fill. Closer to 1 than memory.SAFETY: the
 #: budget already leaves out the untracked reserve, the line is fitted on two of the stage's own
 #: sizes before the top is probed, and a failure only costs one launch and bounds the stage.
@@ -105,15 +95,9 @@ TOP_SAFETY = 0.98
 #: rule), so a margin below the budget costs throughput on every step of the real run, while a
 #: failed probe costs one launch: the whole budget.
 TOP_SAFETY_UNBOUNDED = 1.0
-
-
-def says_nothing(record: Mapping[str, Any]) -> bool:
-    """Whether a failed launch says nothing about its config, so it is launched once more: a
-    `RETRIED` status, or an out-of-memory while other processes held memory on its GPU
-    (`session.under_foreign_memory`: a notebook, another job, a context still being torn down),
-    which is no memory bound either (`session.too_large`)."""
-    status = record.get("status")
-    return status in RETRIED or (status == "oom" and under_foreign_memory(record))
+#: The leader's neighbour along the accumulation saw-tooth (one step more, the largest size that
+#: fills it) is measured when it trains at least this many times the leader's samples per step.
+SAWTOOTH_GAIN = 1.05
 
 
 def geometric_mid(low: int, high: int) -> int | None:
@@ -264,11 +248,14 @@ def _sample_smallest(session: Session, stage: int) -> Step:
 
 
 def _candidates(session: Session, stage: int) -> list[int]:
-    """The sizes worth measuring in the stage now: the full-step sizes of its space, and its top.
+    """The sizes worth measuring in the stage now: the full-step sizes of its space, and its top (with
+    a kept global batch, the sizes dividing its share: `global_batch.kept_sizes`).
     Without max_train_batch_size the space ends at the largest size known to run; a top above it
     is probed at the user's gas and, once it runs, widens the space."""
     top = _top(session, stage)
     step = samples_per_step(session, stage)
+    if session.settings.kept_per_gpu:
+        return kept_sizes(step, session.settings.min_micro_batch_size, top)
     if session.settings.samples_per_step:
         return full_step_sizes(step, top)
     known = min(top, _known_feasible(session, stage) or top)
@@ -366,7 +353,9 @@ def _top(session: Session, stage: int) -> int:
             predicted = min(predicted, mid if mid is not None else largest_ok)
         else:
             predicted = min(predicted, smallest_failed // 2)
-    return max(predicted, largest_ok)
+    top = max(predicted, largest_ok)
+    kept = session.settings.kept_per_gpu
+    return largest_kept(kept, top) if kept else top  # a kept global batch: only sizes dividing its share
 
 
 def _failures_since_a_success(session: Session, stage: int) -> int:
@@ -419,17 +408,6 @@ def _sizes(session: Session, stage: int) -> dict[int, bool]:
     return out
 
 
-def original_name(name: str, measured: Mapping[str, Any]) -> str:
-    """The experiment `name` re-measures (`<original>_r<n>` of an experiment in `measured`), else `name`."""
-    match = REPEAT_NAME.match(name)
-    return match["original"] if match and match["original"] in measured else name
-
-
-def is_repeat(name: str, measured: Mapping[str, Any]) -> bool:
-    """Whether `name` is a re-measurement (`<original>_r<n>`) of an experiment in `measured`."""
-    return original_name(name, measured) != name
-
-
 def _incumbent_size(session: Session, stages: Sequence[int]) -> int | None:
     """The micro-batch size of the best config measured so far in `stages` (None: none succeeded)."""
     best: tuple[float, int] | None = None
@@ -453,6 +431,42 @@ def _relative(value: float, reference: float, maximize: bool) -> float:
     return change / abs(reference) if reference else 0.0
 
 
+def sawtooth_neighbour(mbs: int, gas: int, samples_per_step: int | None) -> int | None:
+    """The size one accumulation step further along the saw-tooth from (mbs, gas): the largest that
+    fills samples_per_step // (gas + 1) per micro-step, when it is smaller than `mbs` and fills at
+    least SAWTOOTH_GAIN times the samples per step (mbs 26 x gas 5 = 130 beside 27 x 4 = 108 when
+    the step allows 130: the top of a stage rarely fills it); None when there is none."""
+    if not samples_per_step:
+        return None
+    size = samples_per_step // (gas + 1)
+    if not 1 <= size < mbs or size * (samples_per_step // size) < SAWTOOTH_GAIN * mbs * gas:
+        return None
+    return size
+
+
+def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
+    """Before the winner is confirmed, measure the leader's saw-tooth neighbour (`sawtooth_neighbour`)
+    once: refinement stops at sizes within REFINE_RATIO, which a size one smaller always is, though
+    its extra accumulation step may train more samples per step for the same fixed costs. Only with
+    max_train_batch_size: without it every sampled size fills the step, and a kept global batch is
+    filled exactly by every size it allows."""
+    st = session.settings
+    if not st.samples_per_step or st.kept_per_gpu:
+        return
+    leader: tuple[float, int, int] | None = None
+    sign = 1 if st.maximize else -1
+    for stage in stages:
+        for mbs, value in _values(session, stage).items():
+            if value is not None and (leader is None or sign * value > sign * leader[0]):
+                leader = (value, stage, mbs)
+    if leader is None:
+        return
+    _, stage, mbs = leader
+    size = sawtooth_neighbour(mbs, gas_for(session, stage, mbs), st.samples_per_step)
+    if size is not None and size not in _values(session, stage):
+        yield from _measure(session, stage, size, f"z{stage}_sawtooth_{size}")
+
+
 def stages_near_leader(session: Session, stages: Sequence[int]) -> list[tuple[int, int, int]]:
     """(stage, mbs, gas) of each stage >= 1 whose best is within FULL_MODE_BAND of the leader's."""
     st = session.settings
@@ -468,34 +482,3 @@ def stages_near_leader(session: Session, stages: Sequence[int]) -> list[tuple[in
     top = max(leader) if st.maximize else min(leader)
     return [(stage, mbs, gas_for(session, stage, mbs)) for value, stage, mbs in bests
             if _relative(value, top, st.maximize) >= -FULL_MODE_BAND]
-
-
-def confirm(session: Session) -> Step:
-    """Measure the leader and the rivals it is not yet separated from, one launch per phase, until
-    `scheduler.search.confirm.next_repeat` is satisfied or REPEAT_BUDGET launches are spent. One at a
-    time: the originals ran alone, so must the repeats."""
-    st = session.settings
-    for spent in range(1, REPEAT_BUDGET + 1):
-        originals: dict[str, Experiment] = {}
-        readings: dict[str, list[float]] = {}
-        steps: dict[str, list[list[float] | None]] = {}
-        launched: dict[str, int] = {}
-        for name, (exp, record) in session.measured.items():
-            if exp.space == PROFILE:
-                continue
-            original = original_name(name, session.measured)
-            if original == name:
-                originals[name] = exp
-            launched[original] = launched.get(original, 0) + 1
-            value = metric_value(record, st.metric)
-            if value is not None:
-                readings.setdefault(original, []).append(value)
-                steps.setdefault(original, []).append(record.get("step_seconds"))
-        key = next_repeat(group_readings(readings, steps), st.maximize)
-        if key is None:
-            return
-        exp = originals[key]
-        repeat = Experiment(f"{exp.name}_r{launched[key] + 1}", exp.stage, exp.micro_batch_size,
-                            exp.gradient_accumulation_steps, exp.ds_config, exp.num_nodes, exp.num_gpus,
-                            exp.tuning_space, exclusive=True)
-        yield from session.measure(f"confirm_{spent}", [repeat])

@@ -17,6 +17,7 @@ from typing import Any
 
 from scheduler.errors import ConfigError, UsageError
 from scheduler.inputs.config import TUNER_TYPES, TuningConfig, non_negative_int
+from scheduler.search.global_batch import GlobalBatch, global_batch, kept_sizes
 from scheduler.search.deepspeed_memory import deepspeed_fp16, deepspeed_max_micro_batch_size, deepspeed_stage_fits
 from scheduler.search.memory import (
     SAFETY, MemoryModel, ModelInfo, Observation, SharedFacts, StageFit, TrainingSetup, predict_max_micro_batch_size,
@@ -85,6 +86,8 @@ class SearchSettings:
     tuner_seed: int = 0  #: seeds the random and model-based tuners; part of the config, so replay matches
     concurrency: int = 1  #: experiments that can run at once (slots // ranks per experiment)
     tuning_config: TuningConfig | None = field(default=None, compare=False, repr=False)
+    #: the user's global batch, kept by every experiment when `size` is set (`global_batch`)
+    global_batch: GlobalBatch = GlobalBatch()
 
     @property
     def world_size(self) -> int:
@@ -95,8 +98,16 @@ class SearchSettings:
         return max(1, self.world_size // self.mp_size)
 
     @property
+    def kept_per_gpu(self) -> int | None:
+        """Samples per GPU and step every experiment keeps (the user's global batch / dp; None: free)."""
+        return self.global_batch.per_gpu(self.dp_size)
+
+    @property
     def micro_batch_cap(self) -> int:
-        """max_train_micro_batch_size_per_gpu, lowered so one step stays within max_train_batch_size."""
+        """max_train_micro_batch_size_per_gpu, lowered so one step stays within max_train_batch_size
+        (or the kept global batch)."""
+        if self.kept_per_gpu:
+            return max(1, min(self.max_micro_batch_size, self.kept_per_gpu))
         if self.max_train_batch_size:
             return max(1, min(self.max_micro_batch_size, self.max_train_batch_size // self.dp_size))
         return self.max_micro_batch_size
@@ -115,11 +126,15 @@ class SearchSettings:
 
     @property
     def samples_per_step(self) -> int | None:
-        """Samples per GPU per optimizer step allowed by max_train_batch_size (None: no limit)."""
+        """Samples per GPU per optimizer step: the kept global batch's share, else what
+        max_train_batch_size allows (None: no limit)."""
+        if self.kept_per_gpu:
+            return self.kept_per_gpu
         return max(1, self.max_train_batch_size // self.dp_size) if self.max_train_batch_size else None
 
     def gas_for(self, mbs: int) -> int:
-        """The accumulation that keeps mbs * gas within max_train_batch_size (the user's gas without it)."""
+        """The accumulation that keeps mbs * gas within max_train_batch_size, or equal to the kept
+        batch's share for a size dividing it (the user's gas without either)."""
         per_step = self.samples_per_step
         return max(1, per_step // mbs) if per_step else self.gradient_accumulation_steps
 
@@ -130,8 +145,10 @@ class SearchSettings:
     @classmethod
     def from_config(cls, cfg: TuningConfig, *, capacity_bytes: int, num_nodes: int, num_gpus: int,
                     device_kind: str = "gpu", estimator: str = "calibrated",
-                    concurrency: int = 1) -> SearchSettings:
-        """The fields a TuningConfig does not carry come from `autotuning`, with DeepSpeed's defaults."""
+                    concurrency: int = 1, command_line: tuple[int, int] | None = None) -> SearchSettings:
+        """The fields a TuningConfig does not carry come from `autotuning`, with DeepSpeed's defaults.
+        `command_line`: (per-device size, accumulation) the script's flags give through arg_mappings
+        (`global_batch.cli_batch`), the batch a Hugging Face config keeps when asked to."""
         if device_kind not in ("cpu", "gpu") or estimator not in ESTIMATORS:
             raise ValueError(f"device_kind {device_kind!r} or estimator {estimator!r} is not known")
         section = cfg.ds_config.get("autotuning") or {}
@@ -145,22 +162,34 @@ class SearchSettings:
             raise ConfigError(f"{cfg.path}: autotuning.mp_size ({mp_size}) must divide the GPUs of one "
                               f"experiment ({num_nodes * num_gpus})")
         listed = isinstance(cfg.ds_config.get("train_micro_batch_size_per_gpu"), list)
+        search = _search(cfg, section)
+        batch = global_batch(cfg.ds_config, cfg.path, (num_nodes * num_gpus) // mp_size, search, command_line)
+        sizes = cfg.micro_batch_sizes if listed else ()
+        if batch.size and sizes:
+            share = batch.size // ((num_nodes * num_gpus) // mp_size)
+            sizes = tuple(m for m in sizes if m in kept_sizes(share, min_mbs, max_mbs))
+            if not sizes:
+                raise ConfigError(f"{cfg.path}: no size in train_micro_batch_size_per_gpu "
+                                  f"{list(cfg.micro_batch_sizes)} keeps the global batch ({batch.source}): none "
+                                  f"divides its {share} samples per GPU and step; list sizes such as "
+                                  f"{kept_sizes(share, min_mbs, max_mbs)[-3:]}, or free the batch with "
+                                  '"autotuning": {"keep_train_batch_size": false}')
         return cls(
             ds_config=cfg.ds_config, capacity_bytes=capacity_bytes, stages=cfg.stages, metric=cfg.metric,
             maximize=cfg.maximize, start_profile_step=cfg.start_profile_step,
             end_profile_step=cfg.end_profile_step, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            first_micro_batch_size=cfg.micro_batch_sizes[0], micro_batch_sizes=cfg.micro_batch_sizes if listed else (),
+            first_micro_batch_size=cfg.micro_batch_sizes[0], micro_batch_sizes=sizes,
             min_micro_batch_size=min_mbs, max_micro_batch_size=max_mbs,
             max_train_batch_size=_positive(cfg, section, "max_train_batch_size", None),
             num_tuning_micro_batch_sizes=_positive(cfg, section, "num_tuning_micro_batch_sizes", 3),
             mp_size=mp_size, model_info=ModelInfo.from_mapping(section.get("model_info")),
             num_nodes=num_nodes, num_gpus=num_gpus, host_memory=device_kind == "cpu",
             peak_memory_key="peak_rss_bytes" if device_kind == "cpu" else "peak_device_bytes", estimator=estimator,
-            search=_search(cfg, section), fast=bool(section.get("fast", True)), tuner_type=_tuner_type(cfg, section),
+            search=search, fast=bool(section.get("fast", True)), tuner_type=_tuner_type(cfg, section),
             tuner_num_trials=_positive(cfg, section, "tuner_num_trials", 50),
             tuner_early_stopping=non_negative_int(cfg.path, section, "tuner_early_stopping", 5),
             tuner_seed=non_negative_int(cfg.path, section, "tuner_seed", 0), concurrency=max(1, concurrency),
-            tuning_config=cfg,
+            tuning_config=cfg, global_batch=batch,
         )
 
 

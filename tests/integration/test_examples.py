@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from pathlib import Path
 
 import pytest
 
 from integration_helpers import ROOT, processes_with_marker, run_autotune
+from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET
+from scheduler.search.repeats import RETRIED
 
 pytestmark = pytest.mark.integration
 EXAMPLES = ROOT / "examples"
@@ -35,6 +38,10 @@ def test_deepspeed_example_through_the_embedded_cluster(tmp_path):
     profile = json.loads((results / "profile_model_info" / "result.json").read_text())
     assert profile["status"] == "ok" and profile["metrics"]["num_params"] > 1_000_000  # DeepSpeed's own model info
     for name in ("z0_gas2_tmbspg2", "z0_gas1_tmbspg4", "z1_gas2_tmbspg2", "z1_gas1_tmbspg4"):
+        first = json.loads((results / name / "result.json").read_text())
+        if first["status"] != "ok":  # a stray crash (a loaded machine) is launched once more: its retry ran
+            assert first["status"] in RETRIED, first
+            name = f"{name}_r2"
         metrics = json.loads((results / name / "metrics.json").read_text())  # DeepSpeed's engine's keys
         assert metrics["throughput"] > 0 and metrics["latency"] > 0 and {"fwd", "bwd", "step"} <= set(metrics)
         record = json.loads((results / name / "result.json").read_text())
@@ -53,7 +60,13 @@ def test_deepspeed_example_through_the_embedded_cluster(tmp_path):
     assert {rank["threads"] for rank in record["ranks"]} == {threads}
     assert command.startswith(f"OMP_NUM_THREADS={threads} MKL_NUM_THREADS={threads} deepspeed ")
     assert str(results / "ds_config_optimal.json") in command
-    assert "celery-autotune results" in proc.stdout and "Total number of experiments: 4" in proc.stdout
+    assert "celery-autotune results" in proc.stdout and "Search: no config is named on one reading" in proc.stdout
+    # the list's 4 experiments, then the winner confirmed (issue 32 item 2): repeats named <name>_r<n>
+    total = int(re.search(r"Total number of experiments: (\d+)", proc.stdout)[1])
+    relaunched = sum(1 for folder in results.glob("z*_r2") if (results / folder.name[:-3]).is_dir()
+                     and json.loads((results / folder.name[:-3] / "result.json").read_text())["status"] != "ok")
+    assert 5 + relaunched <= total <= 4 + relaunched + REPEAT_BUDGET + READ_ONCE_GRACE
+    assert re.search(r"^Winner: \S+: \S+ throughput, mean of [2-9] readings", proc.stdout, re.M), proc.stdout[-3000:]
     assert processes_with_marker(marker) == []  # redis-server, workers and training all gone
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from integration_helpers import SCRIPTS, run_autotune, wait_for, write_config
-from scheduler.search.sampled_search import REPEAT_NAME
+from scheduler.search.repeats import REPEAT_NAME
 from workers import keys
 
 pytestmark = pytest.mark.integration

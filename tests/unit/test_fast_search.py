@@ -25,7 +25,7 @@ from scheduler.search.fast_search import (
 from scheduler.search.memory import ModelInfo
 from scheduler.search.phases import Phase, drive, replay
 from scheduler.search.ranking import best
-from scheduler.search.sampled_search import says_nothing
+from scheduler.search.repeats import says_nothing
 from scheduler.search.session import NoStageFits, SearchAborted, SearchSettings, too_large
 
 GiB = 1024**3

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -425,21 +426,75 @@ def test_summary_states_the_space_searched_per_stage() -> None:
 
 def test_summary_gives_winner_and_runner_up_with_their_readings() -> None:
     """z1 mbs 2 read 20 and 22 (mean 21), z0 mbs 1 read 10.5: the pooled noise is z1's own,
-    sqrt(2 * (1 / 21)^2) = 6.7 %; the gap (50 %) is more than 2 standard errors."""
+    sqrt(2 * (1 / 21)^2) = 6.7 %; the gap (50 %) is 50 / sqrt(6.7^2 / 2 + 6.7^2) = 6.1 standard errors."""
     repeat = Experiment(EXPS[3].name + "_r2", 1, 2, 1, EXPS[3].ds_config, 1, 2)
     records = {**RECORDS, repeat.name: make_record(repeat, "ok", throughput=22.0)}
     lines = summary_text([*EXPS, repeat], records, "throughput", True, 1.0).splitlines()
     assert "Winner: z1_gas1_tmbspg2: 21 throughput, mean of 2 readings (range 20-22)" in lines
     assert "Runner-up: z0_gas1_tmbspg1: 10.5 throughput, mean of 1 reading (range 10.5-10.5)" in lines
-    assert ("Separated: the gap is more than 2 standard errors at the measured noise, 6.7 % (relative standard "
-            "deviation over the configs read more than once).") in lines
+    assert ("Separated: the gap, 50.0 %, is 6.1 standard errors of the difference (8.2 %, from a noise per "
+            "reading of 6.7 % for the winner and 6.7 % for the runner-up; the configs read more than once spread "
+            "6.7 % pooled; a config's noise is that, at least 1 %, or its own spread where larger), more than 2.") in lines
 
 
-def test_summary_says_when_the_winner_is_not_separated() -> None:
-    close = {**RECORDS, EXPS[0].name: make_record(EXPS[0], "ok", throughput=19.9)}
-    lines = summary_text(EXPS, close, "throughput", True, 1.0).splitlines()
-    assert ("Not separated: the gap is within 2 standard errors at an assumed noise of 3 % (no config was read "
-            "twice); both are sound choices, the winner by its mean.") in lines
+#: (the winner's readings, the runner-up's, metric, the reason the sentence must give). The first row is
+#: issue 32's README example: a 32 % gap, the winner read once, called "within 2 standard errors".
+SEPARATION_CASES = [
+    ([28.07], [21.25], "throughput", "read once"),
+    ([28.07, 27.5], [21.25], "throughput", "separated"),
+    ([20.0, 22.0], [10.5], "throughput", "separated"),
+    ([100.0, 101.0], [100.2], "throughput", "within"),
+    ([100.0, 100.0], [99.9, 99.9], "throughput", "within"),  # no spread: never below 1 % noise
+    ([100.0, 100.0], [96.0, 96.0], "throughput", "separated"),  # 4 % at the 1 % floor: 4 standard errors
+    ([100.0, 130.0], [100.0], "throughput", "within"),  # a wide spread of the winner's own
+    ([0.40, 0.41], [0.60], "latency", "separated"),  # minimised: the lower mean wins
+    ([0.40], [0.401, 0.402], "latency", "read once"),
+    ([5.0], [], "throughput", "alone"),
+]
+
+
+def _summary_of(winner: list[float], runner_up: list[float], metric: str) -> list[str]:
+    exps, records = [], {}
+    for stage, values in ((1, winner), (0, runner_up)):
+        base = make_exp(stage, 4)
+        for index, value in enumerate(values):
+            exp = base if index == 0 else Experiment(f"{base.name}_r{index + 1}", stage, 4, 1, base.ds_config, 1, 2)
+            exps.append(exp)
+            records[exp.name] = make_record(exp, "ok", **{metric: value})
+    return summary_text(exps, records, metric, metric != "latency", 1.0).splitlines()
+
+
+@pytest.mark.parametrize(("winner", "runner_up", "metric", "reason"), SEPARATION_CASES)
+def test_the_separation_sentence_gives_its_reason_and_agrees_with_its_figures(
+        winner: list[float], runner_up: list[float], metric: str, reason: str) -> None:
+    """The sentence names why (read once / within the noise / separated), and its figures are the
+    ones beside it: the gap is the Winner and Runner-up lines' means, and the word follows from the
+    gap over its standard error and the winner's count of readings."""
+    import re
+
+    lines = _summary_of(winner, runner_up, metric)
+    means = {line.split(":")[0]: float(line.split(": ")[2].split(" ")[0])
+             for line in lines if line.startswith(("Winner:", "Runner-up:"))}
+    [sentence] = [line for line in lines if line.startswith(("Separated", "Not separated", "Not confirmed", "No other"))]
+    if reason == "alone":
+        assert sentence == "No other config ran, so there is nothing to separate it from." and "Runner-up" not in means
+        return
+    found = re.search(r"the gap, (-?[0-9.]+) %, is (-?[0-9.]+|inf) standard errors of the difference \(([0-9.]+) %, "
+                      r"from a noise per reading of ([0-9.]+) % for the winner and ([0-9.]+) % for the runner-up", sentence)
+    assert found, sentence
+    gap, z, error, winner_noise, runner_noise = (float(found[i]) for i in (1, 2, 3, 4, 5))
+    assert error == pytest.approx(math.hypot(winner_noise / math.sqrt(len(winner)),
+                                             runner_noise / math.sqrt(len(runner_up))), abs=0.11)  # rounded
+    expected_gap = 100 * abs(means["Winner"] - means["Runner-up"]) / means["Winner"]
+    assert gap == pytest.approx(expected_gap, abs=0.06)
+    assert z == pytest.approx(gap / error, abs=0.06 + 0.06 * z)
+    assert ("mean of 1 reading " in next(l for l in lines if l.startswith("Winner:"))) == (len(winner) == 1)
+    if reason == "read once":
+        assert sentence.startswith("Not confirmed, read once: the winner was measured once") and len(winner) == 1
+    elif reason == "separated":
+        assert sentence.startswith("Separated: ") and sentence.endswith("more than 2.") and z > 2
+    else:
+        assert sentence.startswith("Not separated: ") and ", within 2; " in sentence and z <= 2
 
 
 def test_summary_gives_the_error_of_one_reading_from_its_step_times() -> None:

@@ -55,6 +55,14 @@ def test_a_complete_search_removes_a_stale_partial_best(tmp_path: Path) -> None:
     assert "Tuning completed" in (tmp_path / "summary.txt").read_text()
 
 
+def test_an_interrupted_search_draws_no_plots_and_leaves_no_stale_ones(tmp_path: Path) -> None:
+    """A Ctrl-C is not kept waiting for matplotlib; an earlier run's plots would describe another search."""
+    write_results(tmp_path, EXPS, RECORDS, "throughput", True, 90.0, optimal_argv)
+    assert (tmp_path / "tuning.png").read_bytes()[:8] == PNG == (tmp_path / "timeline.png").read_bytes()[:8]
+    _interrupted(tmp_path)
+    assert not (tmp_path / "tuning.png").exists() and not (tmp_path / "timeline.png").exists()
+
+
 def test_interrupted_before_anything_succeeded(tmp_path: Path) -> None:
     cancelled = {e.name: cancelled_record(e, None, 1.0) for e in EXPS}
     assert write_results(tmp_path, EXPS, {}, "throughput", True, 5.0, optimal_argv, cancelled=cancelled) is None

@@ -16,9 +16,9 @@ from scheduler.search.session import SearchSettings, Session, too_large
 from scheduler.search.phases import Phase, drive, replay
 from scheduler.search import sampled_search
 from scheduler.search.ranking import best
+from scheduler.search.repeats import REPEAT_NAME, confirm
 from scheduler.search.sampled_search import (
-    REPEAT_NAME, confirm, full_step_sizes, geometric_mid, lead_first, next_size, sampled_stages, snap,
-    stages_near_leader,
+    full_step_sizes, geometric_mid, lead_first, next_size, sampled_stages, snap, stages_near_leader,
 )
 from scheduler.search.space import Experiment
 from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner, layout

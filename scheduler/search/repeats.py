@@ -1,0 +1,106 @@
+"""Launching a config again: once after a failure that says nothing about it, and to confirm a winner.
+
+Why its own module: every search of ours follows one policy (issue 36 item 3, issue 32 item 2), and
+the sampled search, a micro-batch list and full mode's knob points all run it; DeepSpeed's own
+algorithm (`"search": "deepspeed"`) keeps DeepSpeed's behaviour (a crash is that config's result,
+the best single reading wins), and the summary says so (`policy_notes`).
+
+- a failure that says nothing about the config (`RETRIED`: a crash, a timeout, a rendezvous that
+  failed; or an out-of-memory while other processes held memory on its GPU, `says_nothing`) is
+  launched once more as `<name>_r2`, its own folder and record (`relaunch`); a config failing twice
+  counts as failed;
+- `confirm`: no config is named on one reading. The leader is measured again, then the rivals it is
+  not separated from at the measured noise (`scheduler.search.confirm.next_repeat`), one launch per
+  phase, each with its nodes otherwise idle (`Experiment.exclusive`), within `REPEAT_BUDGET`, and a
+  leader still read once gets up to `READ_ONCE_GRACE` launches more; the winner is the best mean of
+  every reading (`scheduler.search.ranking.best` pools repeats).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET, group_readings, next_repeat, ordered
+from scheduler.search.ranking import metric_value
+from scheduler.search.session import Session, Step, under_foreign_memory
+from scheduler.search.space import PROFILE, Experiment
+
+#: Failures that say nothing about the config: launched once more before the config counts as failed.
+#: Not `lost` (the dispatcher already relaunches those, up to its max_attempts) nor `aborted` (we
+#: stopped it: a cancelled job must end, not start its experiments again).
+RETRIED = frozenset({"crashed", "timeout", "rendezvous_failed"})
+#: A re-measurement of `<name>` is `<name>_r2`, `<name>_r3`, ...: its own folder and record.
+REPEAT_NAME = re.compile(r"^(?P<original>.+)_r(?P<index>[2-9]|[1-9][0-9]+)$")
+
+
+def says_nothing(record: Mapping[str, Any]) -> bool:
+    """Whether a failed launch says nothing about its config, so it is launched once more: a
+    `RETRIED` status, or an out-of-memory while other processes held memory on its GPU
+    (`session.under_foreign_memory`: a notebook, another job, a context still being torn down),
+    which is no memory bound either (`session.too_large`)."""
+    status = record.get("status")
+    return status in RETRIED or (status == "oom" and under_foreign_memory(record))
+
+
+def original_name(name: str, measured: Mapping[str, Any]) -> str:
+    """The experiment `name` re-measures (`<original>_r<n>` of an experiment in `measured`), else `name`."""
+    match = REPEAT_NAME.match(name)
+    return match["original"] if match and match["original"] in measured else name
+
+
+def is_repeat(name: str, measured: Mapping[str, Any]) -> bool:
+    """Whether `name` is a re-measurement (`<original>_r<n>`) of an experiment in `measured`."""
+    return original_name(name, measured) != name
+
+
+def relaunch(session: Session, label: str, experiments: Sequence[Experiment]) -> Step:
+    """Measure `experiments` as one phase, then launch those whose failure `says_nothing` once more
+    (`<name>_r2`, together in a phase `<label>_retry`); returns each experiment's record, the retry's
+    in place of a failure it relaunched. Under `"search": "deepspeed"` nothing is relaunched."""
+    records = yield from session.measure(label, experiments)
+    if session.settings.search != "sampled":
+        return records
+    again = [(i, replace(exp, name=f"{exp.name}_r2")) for i, (exp, record) in enumerate(zip(experiments, records))
+             if says_nothing(record)]
+    if not again:
+        return records
+    retried = yield from session.measure(f"{label}_retry", [exp for _, exp in again])
+    out = list(records)
+    for (index, _), record in zip(again, retried):
+        out[index] = record
+    return out
+
+
+def confirm(session: Session) -> Step:
+    """Measure the leader and the rivals it is not yet separated from, one launch per phase, until
+    `scheduler.search.confirm.next_repeat` is satisfied or REPEAT_BUDGET launches are spent; past the
+    budget, only a leader read once is measured again (up to READ_ONCE_GRACE launches more). One at a
+    time: the originals ran alone, so must the repeats."""
+    st = session.settings
+    for spent in range(1, REPEAT_BUDGET + READ_ONCE_GRACE + 1):
+        originals: dict[str, Experiment] = {}
+        readings: dict[str, list[float]] = {}
+        steps: dict[str, list[list[float] | None]] = {}
+        launched: dict[str, int] = {}
+        for name, (exp, record) in session.measured.items():
+            if exp.space == PROFILE:
+                continue
+            original = original_name(name, session.measured)
+            if original == name:
+                originals[name] = exp
+            launched[original] = launched.get(original, 0) + 1
+            value = metric_value(record, st.metric)
+            if value is not None:
+                readings.setdefault(original, []).append(value)
+                steps.setdefault(original, []).append(record.get("step_seconds"))
+        groups = group_readings(readings, steps)
+        key = next_repeat(groups, st.maximize)
+        if key is None or (spent > REPEAT_BUDGET and ordered(groups, st.maximize)[0].count >= 2):
+            return
+        exp = originals[key]
+        repeat = Experiment(f"{exp.name}_r{launched[key] + 1}", exp.stage, exp.micro_batch_size,
+                            exp.gradient_accumulation_steps, exp.ds_config, exp.num_nodes, exp.num_gpus,
+                            exp.tuning_space, exclusive=True)
+        yield from session.measure(f"confirm_{spent}", [repeat])

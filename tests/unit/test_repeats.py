@@ -1,0 +1,133 @@
+"""One policy for launching a config again, in every search of ours (`scheduler.search.repeats`): a
+crash is relaunched once and no winner is named on one reading, with a micro-batch list (the README
+example's mode) and in full mode as in the sampled search; `"search": "deepspeed"` keeps DeepSpeed's
+behaviour (issue 32 item 2, issue 36 item 3)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET
+from scheduler.search.fast_search import fast_search
+from scheduler.search.memory import ModelInfo
+from scheduler.search.phases import Phase, drive
+from scheduler.search.ranking import best, pooled_best
+from scheduler.search.repeats import REPEAT_NAME, original_name, says_nothing
+from tests.unit.test_fast_search import ACT, LAW, N, KnobLaw, Runner, full_settings, layout, settings
+
+
+def listed(search: str = "sampled", **changes: Any):
+    return settings(**{"stages": (0, 1), "micro_batch_sizes": (2, 4, 8), "model_info": ModelInfo(N, N, ACT),
+                       "search": search, **changes})
+
+
+class Flaky(Runner):
+    """The law, but the first launch of each name in `crash` ends `status` (a stray crash)."""
+
+    def __init__(self, crash: set[str], status: str = "crashed", law=LAW) -> None:
+        super().__init__(law)
+        self.crash, self.status = crash, status
+
+    def __call__(self, phase: Phase) -> dict[str, dict[str, Any]]:
+        out = super().__call__(phase)
+        for name in set(out) & self.crash:
+            out[name] = self.records[name] = {"name": name, "status": self.status, "ds_config": out[name]["ds_config"]}
+        return out
+
+
+def _readings(runner: Runner, name: str) -> int:
+    return sum(1 for n, r in runner.records.items() if original_name(n, runner.records) == name and r["status"] == "ok")
+
+
+def test_a_micro_batch_list_confirms_its_winner() -> None:
+    """The README example's mode: the list runs as DeepSpeed runs it, then the leader is read again."""
+    runner = Runner()
+    phases = drive(fast_search(listed()), runner)
+    assert [name for name, _ in layout(phases)][:2] == ["z0_list", "z1_list"]
+    repeats = [p for p in phases if p.name.startswith("confirm_")]
+    assert 1 <= len(repeats) <= REPEAT_BUDGET + READ_ONCE_GRACE
+    assert all(exp.exclusive and REPEAT_NAME.match(exp.name) for p in repeats for exp in p.experiments)
+    winner = best(list(runner.records.values()), "throughput", True)
+    assert _readings(runner, winner["name"]) >= 2 and not REPEAT_NAME.match(winner["name"])
+
+
+def test_deepspeed_mode_keeps_deepspeeds_list_one_reading_each_and_no_relaunch() -> None:
+    runner = Flaky({"z1_gas2_tmbspg4"})
+    phases = drive(fast_search(listed("deepspeed")), runner)
+    assert [name for name, _ in layout(phases)] == ["z0_list", "z1_list"]
+    assert runner.records["z1_gas2_tmbspg4"]["status"] == "crashed" and len(runner.records) == 6
+
+
+@pytest.mark.parametrize("status", ["crashed", "timeout", "rendezvous_failed"])
+def test_a_crash_in_a_micro_batch_list_is_launched_once_more(status: str) -> None:
+    runner = Flaky({"z1_gas2_tmbspg4"}, status)
+    phases = drive(fast_search(listed()), runner)
+    assert ("z1_list_retry", ("z1_gas2_tmbspg4_r2",)) in layout(phases)
+    assert runner.records["z1_gas2_tmbspg4_r2"]["status"] == "ok"
+    # the retry's reading counts for its config: pooled with the original's name
+    assert _readings(runner, "z1_gas2_tmbspg4") >= 1
+
+
+def test_an_out_of_memory_in_a_list_is_a_result_not_relaunched() -> None:
+    runner = Flaky({"z1_gas2_tmbspg4"}, "oom")
+    phases = drive(fast_search(listed()), runner)
+    assert not [p for p in phases if p.name.endswith("_retry")]
+    assert "z1_gas2_tmbspg4_r2" not in runner.records
+
+
+def test_a_crash_of_a_full_mode_knob_point_is_launched_once_more_and_the_tuner_sees_the_retry(tmp_path: Path) -> None:
+    search_settings = full_settings(tmp_path, "gridsearch", trials=5, concurrency=1)
+    plain = Runner(KnobLaw())
+    first_trial = next(p for p in drive(fast_search(search_settings), plain) if "_trial" in p.name)
+    crashed = first_trial.experiments[0].name
+    runner = Flaky({crashed}, law=KnobLaw())
+    phases = drive(fast_search(search_settings), runner)
+    assert (f"{first_trial.name}_retry", (f"{crashed}_r2",)) in layout(phases)
+    assert runner.records[f"{crashed}_r2"]["status"] == "ok"
+    trials = [e.name for p in phases if "_trial" in p.name and not p.name.endswith("_retry") for e in p.experiments]
+    assert len(trials) == 5  # the retry is not a trial of its own: the tuner's cap is unchanged
+    assert [e.name for p in phases if "_trial" in p.name for e in p.experiments] == \
+        [e.name for p in drive(fast_search(search_settings), plain) if "_trial" in p.name for e in p.experiments][:1] \
+        + [f"{crashed}_r2"] + trials[1:]  # and the tuner went on as if the point had run
+
+
+def test_deepspeed_full_mode_does_not_relaunch(tmp_path: Path) -> None:
+    search_settings = replace(full_settings(tmp_path, "gridsearch", trials=5, concurrency=1), search="deepspeed")
+    plain = Runner(KnobLaw())
+    first_trial = next(p for p in drive(fast_search(search_settings), plain) if "_trial" in p.name)
+    runner = Flaky({first_trial.experiments[0].name}, law=KnobLaw())
+    phases = drive(fast_search(search_settings), runner)
+    assert not [p for p in phases if p.name.endswith("_retry")]
+
+
+class Lucky(Runner):
+    """mbs 8, 4 and 2 read 100, 90 and 80 once; every re-measurement reads half: each leader's
+    repeat exposes a lucky first reading, and the next config leads on one reading."""
+
+    def __call__(self, phase: Phase) -> dict[str, dict[str, Any]]:
+        out = super().__call__(phase)
+        for name, record in out.items():
+            if record["status"] == "ok" and record.get("metrics"):
+                mbs = record["ds_config"]["train_micro_batch_size_per_gpu"]
+                value = {8: 100.0, 4: 90.0, 2: 80.0}[mbs] * (0.5 if REPEAT_NAME.match(name) else 1.0)
+                record["metrics"] = {**record["metrics"], "throughput": value}
+        return out
+
+
+def test_no_winner_on_one_reading_when_each_repeat_dethrones_the_leader() -> None:
+    """After the budget's two repeats (mbs 8 then 4, each read low), mbs 2 leads on one reading: it is
+    measured once more (READ_ONCE_GRACE), and the winner then has two readings."""
+    runner = Lucky()
+    phases = drive(fast_search(listed(stages=(0,))), runner)
+    assert [p.name for p in phases if p.name.startswith("confirm_")] == ["confirm_1", "confirm_2", "confirm_3"]
+    winner, _, count = pooled_best([r for r in runner.records.values()], "throughput", True)
+    assert count == 2, winner["name"]
+
+
+def test_says_nothing_is_the_relaunch_rule() -> None:
+    assert says_nothing({"status": "crashed"}) and says_nothing({"status": "timeout"})
+    assert not says_nothing({"status": "oom"}) and not says_nothing({"status": "lost"})
+    assert says_nothing({"status": "oom", "device_foreign_bytes": 1})

@@ -1,0 +1,69 @@
+"""The leader's neighbour along the accumulation saw-tooth (issue 32 item 3): one size smaller with
+one more accumulation step, tried before the winner is named when it fills more of the step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from scheduler.search.fast_search import PROFILE, fast_search
+from scheduler.search.global_batch import GlobalBatch
+from scheduler.search.phases import drive
+from scheduler.search.ranking import best
+from scheduler.search.sampled_search import sawtooth_neighbour
+from scheduler.search.session import SearchSettings
+from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner
+
+
+@pytest.mark.parametrize(("mbs", "gas", "step", "expected"), [
+    (27, 4, 130, 26),  # issue 32's script C: 26 x 5 = 130 samples beside 27 x 4 = 108
+    (32, 4, 130, None),  # 26 x 5 = 130 beside 32 x 4 = 128: under 5 % more, not worth a launch
+    (16, 1, 16, None),  # a full step at gas 1: 8 x 2 fills the same 16
+    (10, 2, 20, None),  # 6 x 3 = 18: fewer samples than the leader
+    (10, 2, 21, 7),  # 7 x 3 = 21 beside 10 x 2 = 20: 5 % more, tried
+    (11, 1, 21, 10),  # 10 x 2 = 20 beside 11: 1.8x the samples
+    (1, 16, 16, None),  # nothing below 1
+    (8, 2, None, None),  # no step limit: every size fills its step already
+])
+def test_sawtooth_neighbour(mbs: int, gas: int, step: int | None, expected: int | None) -> None:
+    assert sawtooth_neighbour(mbs, gas, step) == expected
+
+
+@dataclass(frozen=True)
+class Steps(Law):
+    """The law's memory, but 0.5 s per micro-step plus 0.01 s per sample and a fixed 2 s per
+    optimizer step: larger micro-batches are faster, and so is a step filled with one more
+    accumulation step (issue 32's script C: 26 x 5 beat 27 x 4)."""
+
+    def run(self, exp) -> dict[str, Any]:
+        record = super().run(exp)
+        if record["status"] == "ok" and exp.name != PROFILE:
+            mbs, gas = exp.micro_batch_size, exp.gradient_accumulation_steps
+            step_s = 2.0 + gas * (0.5 + 0.01 * mbs)
+            record["metrics"] = {**record["metrics"], "throughput": mbs * gas * self.world / step_s}
+        return record
+
+
+def test_the_search_tries_the_leaders_sawtooth_neighbour_before_confirming() -> None:
+    """16 GiB holds micro-batch 27 at ZeRO-1 with 530 MB of activations per sample; max_train_batch_size
+    520 on 4 ranks leaves 130 per GPU: the top, 27 x 4 = 108, leads the sampled sizes (7, 14, 21), and
+    26 x 5 = 130, within REFINE_RATIO of it, is measured only as its saw-tooth neighbour, and wins."""
+    settings = SearchSettings(ds_config=USER_CONFIG, capacity_bytes=LAW.capacity, stages=(1,), num_gpus=4,
+                              host_memory=True, max_train_batch_size=520)
+    runner = Runner(Steps(activation=530_000_000))
+    phases = drive(fast_search(settings), runner)
+    assert [(p.name, [(e.micro_batch_size, e.gradient_accumulation_steps) for e in p.experiments])
+            for p in phases if not p.name.startswith(("profile", "confirm"))] == [
+        ("z1_sample_7", [(7, 18)]), ("z1_sample_27", [(27, 4)]), ("z1_sample_14", [(14, 9)]),
+        ("z1_sample_21", [(21, 6)]), ("z1_sawtooth_26", [(26, 5)])]
+    assert phases[-1].name.startswith("confirm")  # the neighbour comes before the confirmation
+    winner = best([r for n, r in runner.records.items() if n != PROFILE], "throughput", True)
+    assert winner["name"] == "z1_gas5_tmbspg26"
+
+
+def test_a_kept_global_batch_has_no_sawtooth_to_try() -> None:
+    settings = SearchSettings(ds_config={**USER_CONFIG, "train_batch_size": 96}, capacity_bytes=LAW.capacity,
+                              stages=(1,), num_gpus=4, host_memory=True, global_batch=GlobalBatch(96, "t"))
+    phases = drive(fast_search(settings), Runner(Steps()))
+    assert not [p for p in phases if "_sawtooth_" in p.name]
