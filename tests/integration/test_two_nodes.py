@@ -306,7 +306,7 @@ def test_the_hostfile_pool_keeps_the_tuning_off_an_excluded_node(cluster, tmp_pa
     assert proc.returncode == 0, proc.stdout + proc.stderr + _log_tails(cluster.logs)
     results = tmp_path / "autotuning_results"
     measured = sorted(p.parent.name for p in results.glob("*/result.json"))
-    assert len([name for name in measured if name.startswith("z0_")]) == 3, measured
+    assert len([name for name in measured if name.startswith("z0_")]) >= 3, measured  # confirmations: _r2
     for name in measured:
         assert [r["slot"] for r in _result(results, name)["ranks"]] == [f"{NODES[1]}.gpu0"], name
     command = (results / "cmd_optimal.txt").read_text()
