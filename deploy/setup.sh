@@ -38,7 +38,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     echo "setup: installing torch==2.13.0"
     .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
 fi
-if ! .venv/bin/python -c "import deepspeed, celery, scheduler, pytest_timeout, xdist, transformers, accelerate" >/dev/null 2>&1; then
+# (again when the celery-autotune command is missing: a .venv made before it existed)
+if ! .venv/bin/python -c "import deepspeed, celery, scheduler, pytest_timeout, xdist, transformers, accelerate" >/dev/null 2>&1 \
+        || [ ! -x .venv/bin/celery-autotune ]; then
     echo "setup: installing celery-autotune[deepspeed,dev,hf]"
     .venv/bin/pip install -q --disable-pip-version-check -e ".[deepspeed,dev,hf]" 2>&1 | grep -v "^WARNING: Location" || true
 fi

@@ -1,5 +1,7 @@
 """celery-autotune's scheduler: the commands at this level, over five packages, one concern each.
 
+    celery-autotune --autotuning tune ...   cli.py: DeepSpeed's launcher line; tunes (autotune.py) or
+                                            launches (run.py)
     python -m scheduler.autotune cfg.json   autotune.py: tune (embedded cluster when none is set);
                                             preflight.py: its input check, every refusal before a folder
     python -m scheduler.run ...             run.py: launch the tuned (or any) training like `deepspeed`

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -54,6 +55,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description="Find the fastest DeepSpeed configuration for a training script.")
     parser.add_argument("config", nargs="?",
                         help="DeepSpeed config with an \"autotuning\" section (JSON or hjson)")
+    add_tuning_options(parser)
+    return parser.parse_args(own), script
+
+
+def add_tuning_options(parser: argparse.ArgumentParser) -> None:
+    """The options `python -m scheduler.autotune` and `celery-autotune --autotuning` share."""
     parser.add_argument("--status", action="store_true",
                         help="show the cluster at AUTOTUNE_REDIS_URL: slots, who holds them, jobs and "
                         "why their next experiment waits; tunes nothing")
@@ -64,8 +71,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "(default: total RAM / slots); GPU slots hold their GPU's memory and ignore it")
     parser.add_argument("--host-memory-cap", help="embedded cluster on GPUs: cap each rank's host memory "
                         "(RSS) at this, e.g. 64GiB (default: no cap; CPU slots are capped by --slot-memory)")
-    parser.add_argument("--num_gpus", type=int, help="slots per experiment (default: all slots of a node)")
-    parser.add_argument("--num_nodes", type=int, default=1, help="nodes per experiment (default 1)")
+    parser.add_argument("-H", "--hostfile", help="resource pool: 'NODE slots=N' per line, NODE a worker's node "
+                        "name (localhost: this machine); experiments use only these slots (default: all)")
+    parser.add_argument("-i", "--include", default="", help="resource pool: NODE[:ID[,ID...]][@NODE...], only these")
+    parser.add_argument("-e", "--exclude", default="", help="resource pool: NODE[:ID[,ID...]][@NODE...], all but these")
+    parser.add_argument("--num_gpus", "--num_accelerators", dest="num_gpus", type=int,
+                        help="slots per experiment (default: all slots of a node)")
+    parser.add_argument("--num_nodes", type=int,
+                        help="nodes per experiment (default: every node of the --hostfile, else 1)")
     parser.add_argument("--exp-timeout", type=float, default=900.0,
                         help="wall-clock limit of one experiment in seconds (default 900)")
     parser.add_argument("--min-slot-memory", help="run experiments only on slots with at least this much "
@@ -79,13 +92,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--run", action="store_true",
                         help="after tuning, train with the optimal config on the same kind of slots "
                         "(DeepSpeed's --autotuning run)")
-    return parser.parse_args(own), script
 
 
 def main(argv: list[str] | None = None) -> int:
+    return guarded(lambda: run(*parse_args(sys.argv[1:] if argv is None else argv)))
+
+
+def guarded(command: Callable[[], int]) -> int:
+    """Run the command with its error endings: one `error:` line and 2 for bad input, 130 on Ctrl-C
+    (also `celery-autotune --autotuning`'s, scheduler/cli.py)."""
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        return run(*parse_args(sys.argv[1:] if argv is None else argv))
+        return command()
     except (UsageError, LocalClusterError) as exc:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
@@ -114,9 +132,9 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     folders.prepare([("results_dir", cfg.results_dir), ("exps_dir", cfg.exps_dir)], cfg.path, cfg.overwrite)
     if checked.client is not None:
         return tune(checked, args, checked.client)
-    with LocalCluster(len(checked.slots), cfg.results_dir / CLUSTER_DIR, slot_memory=args.slot_memory,
+    with LocalCluster(checked.workers, cfg.results_dir / CLUSTER_DIR, slot_memory=args.slot_memory,
                       flower_port=args.flower, host_memory_cap=args.host_memory_cap) as cluster:
-        console.print(f"embedded cluster: redis-server and {len(checked.slots)} slot workers + control "
+        console.print(f"embedded cluster: redis-server and {checked.workers} slot workers + control "
                       f"on {cluster.node} (logs in {cfg.results_dir / CLUSTER_DIR})")
         if args.flower is not None:
             user, password = cluster.flower_auth.split(":", 1)
@@ -135,10 +153,10 @@ def tune(checked: preflight.Checked, args: argparse.Namespace, client: redis.Red
 
     work = CeleryWork(app)
     cfg, script = checked.cfg, checked.script
-    slots = preflight.live_usable_slots(client, args.min_slot_memory)  # the embedded cluster's, now registered
-    spec = preflight.job_spec(cfg, args, script, checked.base_args, checked.mappings, slots)
+    slots, allowed = preflight.tuning_slots(client, args)  # the embedded cluster's, now registered
+    spec = preflight.job_spec(cfg, args, script, checked.base_args, checked.mappings, slots, allowed)
     assert spec.tune is not None  # a tuning job
-    console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {args.num_nodes} node(s) x "
+    console.print(f"tuning {script.name}: stages {list(cfg.stages)}, {spec.tune.num_nodes} node(s) x "
                   f"{spec.tune.num_gpus} slot(s) per experiment, metric {cfg.metric}, "
                   f"slot memory {spec.tune.capacity_bytes / 2**30:.1f} GiB")
     for note in search_notes(settings_of(spec)):  # the global batch kept or not, how the winner is named
@@ -183,7 +201,7 @@ def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: red
     spec = JobSpec(job=uuid.uuid4().hex, results_root=tuned_spec.results_root, cwd=os.getcwd(),
                    timeout_s=preflight.RUN_TIMEOUT_S, experiments=[{**optimal.to_json(), "argv": argv}],
                    min_memory=tuned_spec.min_memory, slot_kind=tuned_spec.slot_kind,
-                   local_rank_arg=tuned_spec.local_rank_arg)
+                   local_rank_arg=tuned_spec.local_rank_arg, allowed=tuned_spec.allowed)
     console.print(f"training with the optimal config {best.name} on {best.num_nodes} node(s) x "
                   f"{best.num_gpus} slot(s); logs in {cfg.results_dir / optimal.name}")
     [outcome_record] = run_fixed(client, work, spec)

@@ -9,9 +9,12 @@ which returns everything the command needs next, so a check cannot slip behind t
 
 In order: the flags' bounds, the numeric `AUTOTUNE_*` variables and the Redis URL, the config file,
 full mode's spaces, the training script and `arg_mappings`; then the cluster: a deployed one is
-connected to and its live slots read (a control worker must run); for the embedded one, `redis-server`
+connected to and its live slots read (a control worker must run; one still starting is waited for,
+up to AUTOTUNE_CLUSTER_WAIT_S, `wait_for_cluster`); for the embedded one, `redis-server`
 must be on PATH and its slots are predicted from the GPUs or `--slots`/`--slot-memory` exactly as its
-workers will describe them (`workers.slot.cpu_slot_memory`), the experiment shape must fit them;
+workers will describe them (`workers.slot.cpu_slot_memory`); the resource pool (`--hostfile`,
+`--include`, `--exclude`: `scheduler.launch.pool`) must name live slots, and the job keeps to it
+(`JobSpec.allowed`); the experiment shape must fit the embedded cluster's pool;
 `--min-slot-memory` must leave a slot; last, the job spec is built and the search takes its first step,
 which is pure: `autotuning.search`, `tuner_type`, `mp_size`, the micro-batch bounds and, with
 `autotuning.model_info`, whether any stage holds the model are decided there.
@@ -25,7 +28,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +46,8 @@ from scheduler.errors import ClusterError, ConfigError, UsageError
 from scheduler.inputs.arguments import check_arg_mappings, parse_arg_mappings
 from scheduler.inputs.config import TuningConfig, load_config
 from scheduler.launch.environment import check_numeric_variables, check_redis_url
-from scheduler.launch.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots
+from scheduler.launch.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots, read_hostfile
+from scheduler.launch.pool import PoolRequest, check_counts, select_slots
 from scheduler.search.full_space import check_full_mode
 from workers.gpus import GpuListingError, local_gpus, refuse_mig
 from workers.local_cluster import redis_server
@@ -53,7 +60,11 @@ MAX_EXP_TIMEOUT_S = RUN_TIMEOUT_S  #: --exp-timeout above a week is a typo (and 
 MAX_NODES = 4096
 MIN_SLOT_MEMORY_BYTES = 64 * 2**20  #: less cannot hold a Python interpreter with torch
 MAX_MEMORY_BYTES = 2**50
-EMBEDDED_NODE = "embedded"  #: the predicted slots' node name (only their count per node matters)
+CLUSTER_WAIT_ENV = "AUTOTUNE_CLUSTER_WAIT_S"
+#: How long a command waits for a deployed cluster's control worker and slots to register: workers
+#: started a moment before the command (`celery ... &` then the command) are still booting.
+CLUSTER_WAIT_S = 30.0
+CLUSTER_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,8 @@ class Checked:
     client: redis.Redis | None
     slots: list[Slot]
     spec: JobSpec
+    allowed: list[str] | None = None  #: the resource pool's slot queues (None: every slot)
+    workers: int = 0  #: an embedded cluster's slot workers: one per device, the pool restricts their use
 
 
 def check(args: argparse.Namespace, script_args: list[str]) -> Checked:
@@ -77,6 +90,7 @@ def check(args: argparse.Namespace, script_args: list[str]) -> Checked:
     url = os.environ.get("AUTOTUNE_REDIS_URL")
     if url:
         check_redis_url(url)
+    pool = pool_request(args)
     cfg = load_config(args.config)
     check_full_mode(cfg)
     script, base_args = script_of(cfg, script_args)
@@ -84,35 +98,94 @@ def check(args: argparse.Namespace, script_args: list[str]) -> Checked:
     check_arg_mappings(mappings, base_args, str(cfg.path))
     if url:
         client: redis.Redis | None = connect_checked(url)
-        slots = live_usable_slots(client, args.min_slot_memory)
+        slots, allowed = tuning_slots(client, args, pool)
     else:
         client = None
         redis_server()
-        slots = usable_slots(embedded_slots(embedded_slot_count(args.slots), args.slot_memory),
-                             args.min_slot_memory)
-    spec = job_spec(cfg, args, script, base_args, mappings, slots)
+        workers = embedded_slot_count(args.slots)
+        slots, allowed = in_pool(embedded_slots(workers, args.slot_memory), args, pool, socket.gethostname())
+    spec = job_spec(cfg, args, script, base_args, mappings, slots, allowed)
     if client is None:
         _check_shape(spec, slots)
     _check_search(spec)
-    return Checked(cfg, script, base_args, mappings, client, slots, spec)
+    return Checked(cfg, script, base_args, mappings, client, slots, spec, allowed, 0 if client else workers)
+
+
+def pool_request(args: argparse.Namespace) -> PoolRequest:
+    """--hostfile/--include/--exclude as a resource pool (the hostfile read and checked now)."""
+    hostfile = getattr(args, "hostfile", None)
+    request = PoolRequest(read_hostfile(hostfile) if hostfile is not None else None, hostfile,
+                          getattr(args, "include", "") or "", getattr(args, "exclude", "") or "")
+    check_counts(request, args.num_nodes, args.num_gpus)
+    return request
+
+
+def in_pool(slots: list[Slot], args: argparse.Namespace, request: PoolRequest,
+            local_node: str) -> tuple[list[Slot], list[str] | None]:
+    """The slots of the resource pool with at least --min-slot-memory, and the pool's slot queues
+    (None: no pool asked)."""
+    pool = select_slots(slots, request, local_node)
+    if pool is None:
+        return usable_slots(slots, args.min_slot_memory), None
+    return usable_slots(pool.slots, args.min_slot_memory), pool.queues
+
+
+def tuning_slots(client: redis.Redis, args: argparse.Namespace,
+                 request: PoolRequest | None = None) -> tuple[list[Slot], list[str] | None]:
+    """A deployed (or the started embedded) cluster's slots the job may use, and its pool's queues;
+    waits for a cluster still starting: no slot or no control worker registered yet (`wait_for_cluster`).
+    `localhost` is AUTOTUNE_NODE, else this host's name, as the workers started here name their node."""
+    request = request or pool_request(args)
+    local_node = os.environ.get("AUTOTUNE_NODE") or socket.gethostname()
+    found: list[tuple[list[Slot], list[str] | None]] = []
+
+    def ready() -> str | None:
+        try:
+            slots = live_usable_slots(client)
+        except ClusterError as exc:  # no slot or no control worker registered yet
+            return str(exc)
+        found[:] = [in_pool(slots, args, request, local_node)]  # a started cluster: its pool is decided now
+        return None
+
+    wait_for_cluster(ready)
+    return found[0]
+
+
+def wait_for_cluster(ready: Callable[[], str | None], wait_s: float | None = None) -> None:
+    """Poll `ready` (None: ready, else why not) for up to AUTOTUNE_CLUSTER_WAIT_S seconds (default
+    30), saying once what it waits for; then the last reason is the error."""
+    limit = float(os.environ.get(CLUSTER_WAIT_ENV) or CLUSTER_WAIT_S) if wait_s is None else wait_s
+    deadline = time.monotonic() + limit
+    why = ready()
+    if why is not None and limit > 0:
+        print(f"waiting up to {limit:g}s ({CLUSTER_WAIT_ENV}) for the cluster to start: {why.split(';')[0]}",
+              file=sys.stderr, flush=True)
+    while why is not None and time.monotonic() < deadline:
+        time.sleep(CLUSTER_POLL_S)
+        why = ready()
+    if why is not None:
+        raise ClusterError(why)
 
 
 def job_spec(cfg: TuningConfig, args: argparse.Namespace, script: Path, base_args: tuple[str, ...],
-             mappings: dict[str, str], slots: list[Slot]) -> JobSpec:
-    """The tuning job for these slots: never mixed kinds, sized for the smallest slot's memory."""
+             mappings: dict[str, str], slots: list[Slot], allowed: list[str] | None = None) -> JobSpec:
+    """The tuning job for these slots (within the pool `allowed`): never mixed kinds, sized for the
+    smallest slot's memory. Each experiment spans --num_nodes nodes, by default (as in DeepSpeed's
+    autotuner) every node of a --hostfile pool, else one."""
     device_kind = "cpu" if all(s.kind == "cpu" for s in slots) else "gpu"
     slots = [s for s in slots if s.kind == ("cpu" if device_kind == "cpu" else "cuda")]
     per_node = max(sum(1 for s in slots if s.node == node) for node in {s.node for s in slots})
     num_gpus = args.num_gpus or per_node
+    num_nodes = args.num_nodes or (len({s.node for s in slots}) if getattr(args, "hostfile", None) else 1)
     return JobSpec(
         job=job_id_for(cfg.results_dir), results_root=str(cfg.results_dir.resolve()), cwd=os.getcwd(),
         timeout_s=args.exp_timeout, min_memory=min_memory(args.min_slot_memory), submitted_at=time.time(),
-        slot_kind="cpu" if device_kind == "cpu" else "cuda", local_rank_arg=not args.no_local_rank,
+        slot_kind="cpu" if device_kind == "cpu" else "cuda", local_rank_arg=not args.no_local_rank, allowed=allowed,
         tune=TuneSpec(config_path=str(cfg.path), ds_config=cfg.ds_config, exps_dir=str(cfg.exps_dir.resolve()),
                       script=str(script), base_args=list(base_args), mappings=mappings,
-                      capacity_bytes=min(s.memory_bytes for s in slots), num_nodes=args.num_nodes,
+                      capacity_bytes=min(s.memory_bytes for s in slots), num_nodes=num_nodes,
                       num_gpus=num_gpus, device_kind=device_kind,
-                      concurrency=len(slots) // (args.num_nodes * num_gpus)))
+                      concurrency=len(slots) // (num_nodes * num_gpus)))
 
 
 def _check_search(spec: JobSpec) -> None:
@@ -138,20 +211,21 @@ def embedded_slots(count: int, slot_memory: str | None) -> list[Slot]:
     """The slots an embedded cluster of `count` workers will register, as they will describe themselves
     (workers.slot.describe_local_slot): the first `count` usable GPUs, else CPU slots of `--slot-memory`
     (or AUTOTUNE_SLOT_MEMORY, which its workers inherit) or RAM / count each."""
+    node = socket.gethostname()  # the embedded cluster's node name (workers.local_cluster)
     gpus = local_gpus()
     if gpus is not None:
-        return [Slot(EMBEDDED_NODE, i, "cuda", gpu.memory_bytes, "127.0.0.1", 1, (), cuda_index=gpu.index)
+        return [Slot(node, i, "cuda", gpu.memory_bytes, "127.0.0.1", 1, (), cuda_index=gpu.index)
                 for i, gpu in enumerate(gpus[:count])]
     explicit = slot_memory or os.environ.get("AUTOTUNE_SLOT_MEMORY") or None
     try:
         memory = cpu_slot_memory(count, explicit)
     except ValueError as exc:
         raise UsageError(f"AUTOTUNE_SLOT_MEMORY: {exc}") from None
-    return [Slot(EMBEDDED_NODE, i, "cpu", memory, "127.0.0.1", 1, ()) for i in range(count)]
+    return [Slot(node, i, "cpu", memory, "127.0.0.1", 1, ()) for i in range(count)]
 
 
-def live_usable_slots(client: redis.Redis, min_slot_memory: str | None) -> list[Slot]:
-    """A deployed cluster's registered slots with at least --min-slot-memory; it needs a control worker."""
+def live_usable_slots(client: redis.Redis) -> list[Slot]:
+    """A deployed cluster's registered slots; it needs a control worker."""
     slots = live_slots(client)
     if not slots:
         raise ClusterError("no slot workers are registered in Redis; start one per device with "
@@ -159,7 +233,7 @@ def live_usable_slots(client: redis.Redis, min_slot_memory: str | None) -> list[
     if not control_alive(client):
         raise ClusterError("no control worker is running; start one with "
                            "`celery -A tasks worker -Q control -n control@%h`")
-    return usable_slots(slots, min_slot_memory)
+    return slots
 
 
 def usable_slots(slots: list[Slot], min_slot_memory: str | None) -> list[Slot]:

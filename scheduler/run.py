@@ -7,7 +7,8 @@ script's arguments untouched (argv lists end to end), one rank per selected devi
 `--launcher celery` (default) runs ONE Experiment as a fixed job pinned to the selected slots (`scheduler.cluster.jobs`): each selected (host,
 device) is the slot queue `<host>.gpu<device>`, so hostfile hostnames must be the workers' node names
 (AUTOTUNE_NODE, else the `name@node` of `-n`); `localhost` is this machine. With AUTOTUNE_REDIS_URL the
-running workers serve it (a selected slot without a live worker: one `error:` line, exit 2); without
+running workers serve it (no control worker or no slot registered yet: waited for up to
+AUTOTUNE_CLUSTER_WAIT_S; a selected slot without a live worker: one `error:` line, exit 2); without
 it an embedded cluster runs here and is torn down after. Ranks log to `<log_dir>/run/` (rank 0:
 stdout.log/stderr.log, rank N: rankN.stdout.log/rankN.stderr.log; result.json: every rank's record).
 Exit 0 when every rank succeeded, else the root-cause rank's exit code (killed by signal N: 128+N).
@@ -58,7 +59,8 @@ import redis
 
 from scheduler.launch import elastic
 from scheduler.launch.environment import check_numeric_variables, check_redis_url, collect_exports
-from scheduler.errors import ClusterError, OneLineArgumentParser, UsageError, one_line
+from scheduler.errors import OneLineArgumentParser, UsageError, one_line
+from scheduler.preflight import wait_for_cluster
 from scheduler.cluster.jobs import JobCrashed, JobSpec, run_fixed
 from scheduler.launch.hostfile import LOCAL_HOSTNAME, SLOT_WORKER_BYTES, local_pool, max_local_slots, read_hostfile
 from scheduler.launch.launchers import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchSpec, MvapichLauncher, get_launcher,
@@ -69,7 +71,7 @@ from scheduler.search.space import Experiment
 from workers.launch import kill_group
 from workers.local_cluster import LocalCluster, LocalClusterError
 from workers.paths import read_json, safe_child
-from workers.registry import connect, control_alive
+from workers.registry import connect, control_alive, live_slots
 from workers.slot import slot_queue
 
 RUN_NAME = "run"
@@ -206,9 +208,17 @@ def run_experiment(client: redis.Redis, argv: list[str], queues: list[list[str]]
     from tasks import app  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
     from tasks.work import CeleryWork
 
-    if not control_alive(client):
-        raise ClusterError("no control worker is running; start one with "
-                           "`celery -A tasks worker -Q control -n control@%h`")
+    def ready() -> str | None:
+        if not control_alive(client):
+            return "no control worker is running; start one with `celery -A tasks worker -Q control -n control@%h`"
+        return None if live_slots(client) else "no slot workers are registered in Redis"
+
+    wait_for_cluster(ready)  # a cluster still starting; a started one lacking a selected slot is an error
+    live = {slot.queue for slot in live_slots(client)}
+    missing = [queue for node in queues for queue in node if queue not in live]
+    if missing:
+        raise UsageError(f"no live slot worker for {', '.join(missing)}; start `celery -A tasks worker -Q gpu<i> "
+                         "-n gpu<i>@<host>` there, or change the selection")
     experiment = Experiment(name=RUN_NAME, stage=0, micro_batch_size=0, gradient_accumulation_steps=0,
                             ds_config=user_ds_config(argv[1:]), num_nodes=len(queues),
                             num_gpus=len(queues[0]), metric_file="")

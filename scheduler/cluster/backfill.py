@@ -48,6 +48,7 @@ class Waiting:
     min_memory: int = 0  #: bytes each slot must offer
     kind: str = ""  #: slot kind every slot must be ("" = any one kind)
     exclusive: bool = False  #: only on nodes where nothing else runs (`placement.place`)
+    allowed: frozenset[str] | None = None  #: the only slot queues it may use (its job's pool; None: any)
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.num_gpus < 1:
@@ -127,7 +128,8 @@ def backfill(queue: Sequence[Waiting], slots: Sequence[Slot], frees_at: Mapping[
         if len(busy) >= len(slots):
             break
         within_shadow = head is None or now + item.estimate_s <= head.start_at
-        shape = (item.num_nodes, item.num_gpus, item.min_memory, item.kind, item.exclusive, within_shadow)
+        shape = (item.num_nodes, item.num_gpus, item.min_memory, item.kind, item.exclusive, item.allowed,
+                 within_shadow)
         if shape in no_room:
             continue
         placement = _backfill_placement(item, slots, busy, head, now)
@@ -186,7 +188,8 @@ def _backfill_placement(item: Waiting, slots: Sequence[Slot], busy: set[str], he
 
 
 def _place(slots: Sequence[Slot], busy: set[str], item: Waiting) -> list[list[Slot]] | None:
-    return place(list(slots), busy, item.num_nodes, item.num_gpus, item.min_memory, item.kind, item.exclusive)
+    return place(list(slots), busy, item.num_nodes, item.num_gpus, item.min_memory, item.kind, item.exclusive,
+                 item.allowed)
 
 
 #: The policies a job may ask for (`JobSpec.policy`), by name.

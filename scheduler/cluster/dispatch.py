@@ -118,7 +118,8 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
     policy = policies[asked.pop()] if len(asked) == 1 else policies["backfill"]
     by_key = {f"{spec.job}/{launch.name}": (spec, launch) for spec, launch in free_waiting if spec.job not in refused}
     items = [Waiting(key, launch.exp["num_nodes"], launch.exp["num_gpus"], spec.timeout_s,
-                     launch.exp.get("min_memory", 0), spec.slot_kind, bool(launch.exp.get("exclusive")))
+                     launch.exp.get("min_memory", 0), spec.slot_kind, bool(launch.exp.get("exclusive")),
+                     pool_of(spec))
              for key, (spec, launch) in by_key.items()]
     frees_at = {**_frees_at(client, jobs, busy, slots), **dict.fromkeys(sick, math.inf)}
     for key, placement in policy(items, slots, frees_at, time.time()):
@@ -165,7 +166,8 @@ def _fits_or_refused(client: redis.Redis, spec: JobSpec, launch: QueuedLaunch, s
     `fits` remembers each shape's answers and `cleared` the jobs whose misfit was cleared, for the
     rest of the pass."""
     exp = launch.exp
-    shape = (exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0), spec.slot_kind)
+    pool = pool_of(spec)
+    shape = (exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0), spec.slot_kind, pool)
     if shape not in fits:
         fits[shape] = fits_ever(slots, *shape)
     if fits[shape] and sick and (shape, "healthy") not in fits:
@@ -183,8 +185,17 @@ def _fits_or_refused(client: redis.Redis, spec: JobSpec, launch: QueuedLaunch, s
             end(client, spec.job, {"kind": "failed", "error": held_refusal(exp, sick), "usage": True})
         return False
     if not dispatched or now - since > REFUSE_GRACE_S:
-        end(client, spec.job, {"kind": "failed", "error": refusal(exp, slots, spec.slot_kind), "usage": True})
+        within = slots if pool is None else [s for s in slots if s.queue in pool]
+        error = refusal(exp, within, spec.slot_kind)
+        if pool is not None:
+            error = f"within the job's resource pool ({', '.join(sorted(pool))}): {error}"
+        end(client, spec.job, {"kind": "failed", "error": error, "usage": True})
     return False
+
+
+def pool_of(spec: JobSpec) -> frozenset[str] | None:
+    """The slot queues the job's experiments may reserve (its --hostfile/--include/--exclude), None: any."""
+    return None if spec.allowed is None else frozenset(spec.allowed)
 
 
 def held_refusal(exp: dict[str, Any], sick: Mapping[str, dict]) -> str:

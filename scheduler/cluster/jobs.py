@@ -92,6 +92,9 @@ class JobSpec:
     policy: str = "backfill"  #: or "strict_fifo" (DeepSpeed's rule, for side-by-side benchmarks)
     min_memory: int = 0  #: bytes every slot of every experiment must offer (heterogeneous clusters)
     slot_kind: str = ""  #: "cuda" or "cpu": every slot of every experiment is of this kind ("" = any one)
+    #: the only slot queues its experiments may reserve (the resource pool: --hostfile/--include/--exclude,
+    #: `scheduler.launch.pool`); None: every slot
+    allowed: list[str] | None = None
     local_rank_arg: bool = False  #: each rank gets `--local_rank=N` after the script, as from DeepSpeed's launcher
     lease_s: float = LEASE_S
     lost_grace_s: float = LOST_GRACE_S

@@ -1,8 +1,9 @@
 """Where an experiment can run now: pure choice of slots, no Redis.
 
 An experiment asks for `num_nodes x num_gpus` slots with at least `min_memory` bytes each, on
-distinct nodes when it spans several. Real device ids are kept (DeepSpeed renumbers them), and
-nodes of different sizes are all usable (DeepSpeed truncates every node to the smallest).
+distinct nodes when it spans several, and only among its job's resource pool (`allowed`) when it
+has one. Real device ids are kept (DeepSpeed renumbers them), and nodes of different sizes are all
+usable (DeepSpeed truncates every node to the smallest).
 Two rules keep a gang runnable: its slots are all of one kind (CUDA ranks use NCCL, CPU ranks gloo;
 one process group cannot mix them, and a search sized for GPU memory means nothing on a CPU slot),
 and a gang spanning nodes never uses a slot whose address is loopback (its peers could not reach it),
@@ -28,19 +29,21 @@ KINDS = ("cuda", "cpu")
 
 
 def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
-          min_memory: int = 0, kind: str = "", exclusive: bool = False) -> list[list[Slot]] | None:
+          min_memory: int = 0, kind: str = "", exclusive: bool = False,
+          allowed: frozenset[str] | None = None) -> list[list[Slot]] | None:
     """One list of `num_gpus` free slots per node for `num_nodes` nodes, or None if it does not fit now.
 
     All slots are of `kind` ("" = of any one kind, CUDA first). Nodes are taken in name order and
     devices in id order, so the same cluster state always gives the same placement (reproducible
     experiments, readable logs). `exclusive`: only nodes on which no slot at all is busy (the
-    experiment is to be measured with its nodes otherwise idle).
+    experiment is to be measured with its nodes otherwise idle). `allowed`: only these slot queues
+    (the job's resource pool, `scheduler.launch.pool`; None = every slot).
     """
     ordered = sorted(slots, key=lambda s: (s.node, s.device))
     occupied = {s.node for s in slots if s.queue in busy} if exclusive else set()
     for candidate in ((kind,) if kind else KINDS):
         usable = [s for s in ordered if s.queue not in busy and s.memory_bytes >= min_memory and s.kind == candidate
-                  and s.node not in occupied]
+                  and s.node not in occupied and (allowed is None or s.queue in allowed)]
         for pool in _reachable_pools(usable, num_nodes):
             free_by_node: dict[str, list[Slot]] = defaultdict(list)
             for slot in pool:
@@ -135,6 +138,7 @@ def largest_shape(slots: list[Slot]) -> tuple[int, int]:
     return len(per_node), max(per_node.values(), default=0)
 
 
-def fits_ever(slots: list[Slot], num_nodes: int, num_gpus: int, min_memory: int = 0, kind: str = "") -> bool:
-    """Whether the shape could run on this cluster at all, once every slot is free."""
-    return place(slots, set(), num_nodes, num_gpus, min_memory, kind) is not None
+def fits_ever(slots: list[Slot], num_nodes: int, num_gpus: int, min_memory: int = 0, kind: str = "",
+              allowed: frozenset[str] | None = None) -> bool:
+    """Whether the shape could run on this cluster (within `allowed`) at all, once every slot is free."""
+    return place(slots, set(), num_nodes, num_gpus, min_memory, kind, allowed=allowed) is not None

@@ -225,7 +225,8 @@ def write_outputs(spec: JobSpec, experiments: list[Experiment], records: dict[st
     cfg = tuning_config(spec)
     winner = write_results(Path(spec.results_root), experiments, records, cfg.metric, cfg.maximize,
                            time.time() - spec.submitted_at, optimal_argv(spec), spec.local_rank_arg,
-                           cancelled=cancelled, notes=search_notes(settings_of(spec)))
+                           cancelled=cancelled, notes=search_notes(settings_of(spec)),
+                           name_hosts=spec.allowed is not None)
     return winner["name"] if winner else None
 
 

@@ -12,6 +12,7 @@ is set to the experiment's value, again on a fresh copy of the base arguments.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,25 @@ def with_config(script: str, base_args: tuple[str, ...], config_path: Path) -> l
             args[index + 1] = str(config_path)
             return [script, *args]
     return [script, *args, "--deepspeed_config", str(config_path)]
+
+
+def config_argument(args: Sequence[str]) -> str | None:
+    """The DeepSpeed config the script's arguments name, as DeepSpeed's autotuner finds it
+    (`Autotuner._get_user_config`): `--deepspeed_config X`, else `--deepspeed X` with `.json` in X;
+    the `=` forms too (`with_config` points the same argument at each experiment's config)."""
+    args = list(args)
+    for index, arg in enumerate(args):
+        if arg == "--deepspeed_config" and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith("--deepspeed_config="):
+            return arg.split("=", 1)[1]
+    for index, arg in enumerate(args):
+        following = args[index + 1] if index + 1 < len(args) else ""
+        if arg.startswith("--deepspeed=") and ".json" in arg:
+            return arg.split("=", 1)[1]
+        if arg == "--deepspeed" and ".json" in following and not following.startswith("-"):
+            return following
+    return None
 
 
 def parse_arg_mappings(mappings: object, source: str) -> dict[str, str]:

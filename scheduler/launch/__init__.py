@@ -3,6 +3,7 @@
 - `hostfile`: MPI-style hostfiles (`HOSTNAME slots=N`), read and checked;
 - `resources`: `--include/--exclude/--num_nodes/--num_gpus` and CUDA_VISIBLE_DEVICES to a selection
   of hosts and device ids, with DeepSpeed's semantics and its defects fixed (pure);
+- `pool`: a tuning's resource pool (`--hostfile/--include/--exclude`) matched to the registered slots (pure);
 - `launchers`: the per-node commands of pdsh, OpenMPI, MVAPICH, Slurm and Intel MPI;
 - `environment`: what a launch exports (`.deepspeed_env`, the variables DeepSpeed forwards);
 - `elastic`: DeepSpeed's elastic batch sizes.

@@ -167,6 +167,7 @@ NUMERIC_VARIABLES: Mapping[str, tuple[float, float, bool]] = {
     "AUTOTUNE_SLOTS_PER_NODE": (0, 1024, True),
     "AUTOTUNE_GPU_WAIT_S": (0.0, 3600.0, False),
     "AUTOTUNE_MEASURED_GRACE_S": (0.0, 3600.0, False),
+    "AUTOTUNE_CLUSTER_WAIT_S": (0.0, 3600.0, False),
 }
 
 

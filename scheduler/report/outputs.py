@@ -8,7 +8,8 @@
     <results_dir>/ds_config_optimal.json   the winner's config without the autotuning section
     <results_dir>/cmd_optimal.txt   a shell-quoted command that trains with ds_config_optimal.json,
                                     with the CPU threads per rank the winner was measured with
-    <results_dir>/hostfile_optimal  the nodes the winner ran on, when it used more than one (cmd_optimal.txt names it)
+    <results_dir>/hostfile_optimal  the nodes the winner ran on, when it used more than one or the tuning had a
+                                    resource pool (--hostfile/--include/--exclude); cmd_optimal.txt names it
     <results_dir>/tuning.png        every experiment: micro-batch size against the metric (scheduler.report.plot)
     <results_dir>/timeline.png      every experiment on its slots over time, coloured by outcome
 
@@ -182,15 +183,18 @@ def separation_sentence(decided: Verdict) -> str:
 
 
 def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, record: dict[str, Any] | None = None,
-                   local_rank_arg: bool = True, hostfile: Path | None = None) -> tuple[list[str], str | None]:
+                   local_rank_arg: bool = True, hostfile: Path | None = None,
+                   name_hosts: bool = False) -> tuple[list[str], str | None]:
     """DeepSpeed's launcher command that trains as the winner was tuned, and the hostfile it needs.
 
     On CUDA slots the command names the very GPUs the winner ran on (`--include node:ids`, nvidia-smi
     indices, with CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA numbers them the same way), not every
     GPU of the node; more than one node needs a hostfile (DeepSpeed's runner
     refuses a multi-node launch without one): its text is returned for `hostfile`, one line per node
-    the winner used, in rank order. `--no_local_rank` is passed exactly when the tuned runs did not get
-    `--local_rank=N`, so the script sees the same arguments as during tuning.
+    the winner used, in rank order. `name_hosts` (a tuning bounded by a resource pool, whose winner may
+    have run on another node than this one): the hostfile and the node names even for one node, as
+    DeepSpeed's cmd_optimal.txt names its pool's hosts. `--no_local_rank` is passed exactly when the
+    tuned runs did not get `--local_rank=N`, so the script sees the same arguments as during tuning.
 
     The command sets OMP_NUM_THREADS/MKL_NUM_THREADS to the threads each rank had on its slot: the
     winner was measured with them, and DeepSpeed's launcher otherwise leaves every rank's torch
@@ -208,7 +212,7 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
             by_node.setdefault(rank["node"], []).append(device)
     cuda = bool(ranks) and all(isinstance(r.get("cuda_index"), int) for r in ranks) and len(by_node) == num_nodes
     argv, hostfile_text = ["deepspeed"], None
-    if num_nodes > 1 and len(by_node) == num_nodes and hostfile is not None:
+    if (num_nodes > 1 or name_hosts) and len(by_node) == num_nodes and hostfile is not None:
         hostfile_text = "".join(f"{node} slots={max(devices) + 1 if cuda else len(devices)}\n"
                                 for node, devices in by_node.items())
         argv += ["--hostfile", str(hostfile)]
@@ -237,12 +241,12 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
                   optimal_argv: Callable[[Experiment, Path], list[str]],
                   local_rank_arg: bool = True,
                   cancelled: dict[str, dict[str, Any]] | None = None,
-                  notes: Sequence[str] = ()) -> dict[str, Any] | None:
+                  notes: Sequence[str] = (), name_hosts: bool = False) -> dict[str, Any] | None:
     """Write every output file; returns the best record (None if no experiment succeeded). `notes`
     go into summary.txt after its table (`summary_text`).
 
     `cancelled` (an interrupted search: name -> a `cancelled` record, see `cancelled_record`) makes
-    the outputs partial, as the module docstring says."""
+    the outputs partial, as the module docstring says; `name_hosts`: see `launch_command`."""
     results_dir.mkdir(parents=True, exist_ok=True)
     partial = cancelled is not None
     cancelled = cancelled or {}
@@ -275,7 +279,8 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     write_json(optimal_path, optimal_config(winner["ds_config"]))
     hostfile = result_file(results_dir, hostfile_name).resolve()
     command, hostfile_text = launch_command(optimal_argv(exp, optimal_path), exp.num_nodes, exp.num_gpus,
-                                            record=winner, local_rank_arg=local_rank_arg, hostfile=hostfile)
+                                            record=winner, local_rank_arg=local_rank_arg, hostfile=hostfile,
+                                            name_hosts=name_hosts)
     if hostfile_text is not None:
         write_atomic(hostfile, hostfile_text)
     write_atomic(result_file(results_dir, command_name), shlex.join(command) + "\n")

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from integration_helpers import ROOT, processes_with_marker, stop_group, wait_for, write_config
+from integration_helpers import ROOT, SCRIPTS, processes_with_marker, stop_group, wait_for, write_config
 from netns import Host, NamespacesUnavailable, create_two_hosts, delete_hosts, inside, namespace_exists
 
 pytestmark = pytest.mark.integration
@@ -230,12 +230,13 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return ["?"]
 
 
-def _autotune_on_node1(cluster: Cluster, args: list[str], cwd: Path,
-                       timeout: float) -> tuple[subprocess.CompletedProcess, float]:
-    """`python -m scheduler.autotune` run on node 1, and its wall time. On a timeout it gets SIGTERM
-    first, which the CLI turns into a cancel of its running experiments, so nothing is orphaned."""
+def _autotune_on_node1(cluster: Cluster, args: list[str], cwd: Path, timeout: float,
+                       module: str = "scheduler.autotune") -> tuple[subprocess.CompletedProcess, float]:
+    """`python -m scheduler.autotune` (or `module`: scheduler.cli is `celery-autotune`) run on node 1,
+    and its wall time. On a timeout it gets SIGTERM first, which the CLI turns into a cancel of its
+    running experiments, so nothing is orphaned."""
     env = {**os.environ, "AUTOTUNE_REDIS_URL": cluster.url, "AUTOTUNE_TEST_MARKER": cluster.marker}
-    argv = inside(cluster.hosts[0], [PYTHON, "-m", "scheduler.autotune", *args])
+    argv = inside(cluster.hosts[0], [PYTHON, "-m", module, *args])
     started = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -288,6 +289,29 @@ def test_two_node_experiments_meet_across_the_link(cluster, tmp_path):
     assert winner["zero_optimization"]["stage"] == 0  # fake_train: throughput halves at stage 1
     _, state = _probe({**os.environ, "AUTOTUNE_REDIS_URL": cluster.url}, node1, 0)
     assert state.get("gangs") == [], state
+    wait_for(lambda: _only_workers_remain(cluster), 10, "only worker processes to remain")
+
+
+def test_the_hostfile_pool_keeps_the_tuning_off_an_excluded_node(cluster, tmp_path):
+    """Issue 34: `celery-autotune --autotuning tune --hostfile hosts --exclude node1`, run on node 1:
+    every experiment runs on node 2's slot, none on node 1's (which is free all along, and which the
+    placement would take first), and cmd_optimal.txt trains on one node as tuned."""
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2, 3])
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{NODES[0]} slots=1\n{NODES[1]} slots=1\n")
+    proc, _ = _autotune_on_node1(cluster, ["--autotuning", "tune", "--hostfile", str(hosts), "--exclude", NODES[0],
+                                           "--exp-timeout", "60", str(SCRIPTS / "fake_train.py"),
+                                           "--deepspeed_config", str(cfg)],
+                                 tmp_path, timeout=120, module="scheduler.cli")
+    assert proc.returncode == 0, proc.stdout + proc.stderr + _log_tails(cluster.logs)
+    results = tmp_path / "autotuning_results"
+    measured = sorted(p.parent.name for p in results.glob("*/result.json"))
+    assert len([name for name in measured if name.startswith("z0_")]) >= 3, measured  # confirmations: _r2
+    for name in measured:
+        assert [r["slot"] for r in _result(results, name)["ranks"]] == [f"{NODES[1]}.gpu0"], name
+    command = (results / "cmd_optimal.txt").read_text()
+    assert f"--hostfile {results / 'hostfile_optimal'} --num_nodes 1 --num_gpus 1" in command, command
+    assert (results / "hostfile_optimal").read_text() == f"{NODES[1]} slots=1\n"
     wait_for(lambda: _only_workers_remain(cluster), 10, "only worker processes to remain")
 
 

@@ -447,6 +447,28 @@ def test_a_kind_the_cluster_lacks_is_refused_with_the_kinds_it_has(client: redis
     assert work.launched == []
 
 
+def test_a_job_with_a_resource_pool_starts_only_inside_it(client: redis.Redis, work, tmp_path: Path) -> None:
+    """Issue 34: a job's experiments reserve only the slots of its pool (JobSpec.allowed, the
+    --hostfile/--include/--exclude of the command); another job may use the rest."""
+    register(client, make_slot("n0", 0), make_slot("n0", 1), make_slot("n1", 0))
+    active(client, work, make_spec(tmp_path, allowed=["n1.gpu0", "n9.gpu0"]), exp("a"), exp("b"))
+    active(client, work, make_spec(tmp_path, "other"), exp("o"))
+    dispatch(client, work)
+    assert sorted(started(work)) == [("a", ["n1.gpu0"]), ("o", ["n0.gpu0"])]
+    assert state(client, "j")["head"] == "b"  # waits for its pool's slot, not for n0.gpu1, which is free
+
+
+def test_a_shape_its_pool_cannot_hold_is_refused_naming_the_pool(client: redis.Redis, work, tmp_path: Path) -> None:
+    register(client, make_slot("n0", 0), make_slot("n0", 1))
+    active(client, work, make_spec(tmp_path, allowed=["n0.gpu1"]), exp("a", gpus=2))
+    dispatch(client, work)
+    assert events(client, "j") == [{"kind": "failed", "usage": True, "error":
+                                    "within the job's resource pool (n0.gpu1): a needs 1 node(s) x 2 slot(s) but the "
+                                    "cluster has 1 node(s) with at most 1 slot(s) each; use --num_nodes 1 --num_gpus 1 "
+                                    "or fewer"}]
+    assert work.launched == []
+
+
 # ---------------------------------------------------------------- pinned jobs
 
 

@@ -26,6 +26,7 @@ import pytest
 from deploy.__main__ import build_parser as deploy_parser
 from scheduler import autotune
 from scheduler.errors import UsageError
+from scheduler.cli import build_parser as cli_parser
 from scheduler.run import build_parser as run_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,7 @@ VARIABLE = re.compile(r"AUTOTUNE_[A-Z0-9_]+")
 README = ROOT / "README.md"
 ENVIRONMENT_PAGE = ROOT / "docs" / "environment.md"
 COMMAND = re.compile(r"(?:\S*/)?(?P<tool>python -m (?:scheduler\.autotune|scheduler\.run|deploy)(?=\s|$)"
+                     r"|celery-autotune(?=\s|$)"
                      r"|celery -A tasks worker(?=\s|$))")
 
 
@@ -97,7 +99,7 @@ def readme_commands(text: str) -> list[tuple[str, list[str]]]:
 def test_the_readme_shows_each_kind_of_command() -> None:
     tools = {tool for tool, _ in readme_commands(README.read_text())}
     assert tools == {"python -m scheduler.autotune", "python -m scheduler.run", "python -m deploy",
-                     "celery -A tasks worker"}, tools
+                     "celery -A tasks worker", "celery-autotune"}, tools
 
 
 def _parse_own(tool: str, argv: list[str]) -> None:
@@ -105,11 +107,13 @@ def _parse_own(tool: str, argv: list[str]) -> None:
         autotune.parse_args(argv)
     elif tool == "python -m scheduler.run":
         run_parser().parse_args(argv)
+    elif tool == "celery-autotune":
+        cli_parser().parse_args(argv)
     else:
         deploy_parser().parse_args(argv)
 
 
-@pytest.mark.parametrize("tool,argv", [c for c in readme_commands(README.read_text()) if not c[0].startswith("celery")],
+@pytest.mark.parametrize("tool,argv", [c for c in readme_commands(README.read_text()) if not c[0].startswith("celery -A")],
                          ids=lambda value: value if isinstance(value, str) else " ".join(value))
 def test_each_readme_command_parses(tool: str, argv: list[str]) -> None:
     assert not any(word.startswith("<") for word in argv), f"a placeholder in `{tool} {' '.join(argv)}`"
@@ -130,7 +134,7 @@ def _celery_help(argv: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_each_readme_celery_command_parses() -> None:
-    shown = [argv for tool, argv in readme_commands(README.read_text()) if tool.startswith("celery")]
+    shown = [argv for tool, argv in readme_commands(README.read_text()) if tool.startswith("celery -A")]
     assert shown
     for argv in shown:
         proc = _celery_help(argv)

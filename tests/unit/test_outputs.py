@@ -503,3 +503,21 @@ def test_summary_gives_the_error_of_one_reading_from_its_step_times() -> None:
     lines = summary_text(EXPS, timed, "throughput", True, 1.0).splitlines()
     assert ("Winner: z1_gas1_tmbspg2: 40 throughput, mean of 1 reading (range 40-40, 25.0 % error of one "
             "reading from its step times)") in lines
+
+
+@pytest.mark.parametrize(("record", "expected", "hostfile"), [
+    (_ranks(("node2", 1, 3)),
+     ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "deepspeed", "--hostfile", "/r/hostfile_optimal", "--include", "node2:3", "t.py"],
+     "node2 slots=4\n"),
+    (_ranks(("node2", 0, None)),
+     ["deepspeed", "--hostfile", "/r/hostfile_optimal", "--num_nodes", "1", "--num_gpus", "1", "t.py"],
+     "node2 slots=1\n"),
+])
+def test_a_pool_bounded_winner_names_its_host_even_on_one_node(record: dict[str, Any], expected: list[str],
+                                                               hostfile: str) -> None:
+    """Issue 34: a tuning bounded by --hostfile/--include/--exclude may win on another node than this
+    one; cmd_optimal.txt names it (not localhost), as DeepSpeed's names its pool's hosts."""
+    assert launch_command(["t.py"], 1, 1, record=record, hostfile=Path("/r/hostfile_optimal"),
+                          name_hosts=True) == (expected, hostfile)
+    assert "localhost" in " ".join(launch_command(["t.py"], 1, 1, record=_ranks(("node2", 1, 3)),
+                                                  hostfile=Path("/r/hostfile_optimal"))[0])
