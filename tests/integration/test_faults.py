@@ -137,7 +137,9 @@ def test_redis_restarted_mid_job(cluster, tmp_path):
     statuses = {d.name: json.loads((d / "result.json").read_text())["status"]
                 for d in results.iterdir() if (d / "result.json").exists()}
     assert statuses and set(statuses.values()) == {"ok"}, statuses
-    assert len(statuses) == 3
+    # each listed config read once, none twice across the restart; the winner (throughput grows with the
+    # micro-batch) is confirmed by one reading more (scheduler.search.repeats.confirm)
+    assert sorted(statuses) == ["z0_gas1_tmbspg2", "z0_gas1_tmbspg3", "z0_gas1_tmbspg3_r2", "z0_gas3_tmbspg1"], statuses
     wait_for(lambda: len(live_slots(cluster.client)) == 2, 15, "slots to re-register after the restart")
     print(f"\nRedis restart -> job complete: {time.monotonic() - restarted_at:.1f}s")
 

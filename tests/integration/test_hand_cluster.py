@@ -69,7 +69,8 @@ def test_two_rank_experiment_meets_through_redis(hand_cluster, tmp_path):
                         {"AUTOTUNE_REDIS_URL": hand_cluster["url"]})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = tmp_path / "autotuning_results"
-    for name in ("z0_gas2_tmbspg2", "z0_gas1_tmbspg4", "z2_gas2_tmbspg2", "z2_gas1_tmbspg4"):
+    # each config, and the winner read again to confirm it (scheduler.search.repeats.confirm)
+    for name in ("z0_gas2_tmbspg2", "z0_gas1_tmbspg4", "z2_gas2_tmbspg2", "z2_gas1_tmbspg4", "z0_gas1_tmbspg4_r2"):
         record = _result(results, name)
         assert record["status"] == "ok", record
         assert sorted(r["slot"] for r in record["ranks"]) == ["testnode.gpu0", "testnode.gpu1"]
@@ -81,7 +82,11 @@ def test_two_rank_experiment_meets_through_redis(hand_cluster, tmp_path):
 
     # resume: the same command again measures nothing new
     again = run_autotune([str(cfg), "--num_gpus", "2"], tmp_path, {"AUTOTUNE_REDIS_URL": hand_cluster["url"]})
-    assert again.returncode == 0 and again.stdout.count("already measured") == 3  # profile, z0, z2
+    assert again.returncode == 0, again.stdout + again.stderr
+    phases = [line for line in again.stdout.splitlines() if line.startswith("phase ")]
+    assert [line.split(":")[0] for line in phases] == ["phase profile_model_info", "phase z0_list", "phase z2_list",
+                                                      "phase confirm_1"], again.stdout
+    assert all(": 0 to run, " in line and line.endswith(" already measured") for line in phases), again.stdout
 
 
 def test_bad_redis_credentials_are_one_clear_line(hand_cluster, tmp_path):

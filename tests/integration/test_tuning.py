@@ -56,7 +56,16 @@ def test_fast_mode_all_stages(hand_cluster, tmp_path):
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert optimal["zero_optimization"]["stage"] == 1  # the law makes ZeRO-1 20 % faster
     assert "autotuning" not in optimal
-    assert len(set(records)) == len(records)  # no experiment ran twice
+    # no experiment recorded twice, and no config measured twice but as a declared repeat of it
+    # (`<name>_r<n>`: the winner's confirmation, scheduler.search.repeats)
+    names = [json.loads(line)["name"] for line in (results / "results.jsonl").read_text().splitlines()]
+    assert len(set(names)) == len(names), names
+    repeats = {name: match["original"] for name in names
+               if (match := REPEAT_NAME.match(name)) and match["original"] in records}
+    assert repeats and all(records[name]["ds_config"] == records[original]["ds_config"]
+                           for name, original in repeats.items()), repeats
+    configs = [json.dumps(records[name]["ds_config"], sort_keys=True) for name in names if name not in repeats]
+    assert len(set(configs)) == len(configs), names
 
 
 @pytest.mark.parametrize("tuner", ["gridsearch", "random", "model_based"])

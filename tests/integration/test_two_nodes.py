@@ -318,7 +318,9 @@ def test_the_hostfile_pool_keeps_the_tuning_off_an_excluded_node(cluster, tmp_pa
 def test_rank_failure_on_node2_stops_node1_at_once(cluster, tmp_path):
     """Rank 1 exits 3 on node 2 after a second; rank 0 on node 1 would sleep 600 s. The abort flag
     in Redis must reach node 1 within seconds: the experiment is `crashed` with the cause on rank 1,
-    rank 0 is `aborted`, and its process is gone."""
+    rank 0 is `aborted`, and its process is gone. A crash says nothing about the config, so it is
+    launched once more as `<name>_r2` (scheduler.search.repeats.relaunch), which fails and is
+    stopped the same way; the first launch's record keeps its own crash."""
     script = tmp_path / "crash_on_node2.py"
     script.write_text(CRASH_ON_NODE2)
     cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[2],
@@ -335,19 +337,21 @@ def test_rank_failure_on_node2_stops_node1_at_once(cluster, tmp_path):
     assert wall < 30, f"the autotuner took {wall:.1f}s: rank 0 was not stopped when rank 1 failed"
 
     results = tmp_path / "autotuning_results"
-    assert sorted(p.parent.name for p in results.glob("*/result.json")) == ["z0_gas1_tmbspg2"]
-    record = _result(results, "z0_gas1_tmbspg2")
-    assert record["status"] == "crashed", record
-    assert record["cause"]["rank"] == 1 and record["cause"]["slot"] == "node2.gpu0"
-    assert record["cause"]["exit"] == "exit 3"
-    rank0, rank1 = record["ranks"]
-    assert (rank0["slot"], rank0["status"]) == ("node1.gpu0", "aborted"), rank0
-    assert (rank1["slot"], rank1["status"]) == ("node2.gpu0", "crashed"), rank1
-    assert rank0["ended_at"] - rank1["ended_at"] < 5, (rank0, rank1)
-    assert rank0["wall_s"] < 15, rank0
-
-    sleeper = int((results / "z0_gas1_tmbspg2" / "started.rank0").read_text())
-    assert not psutil.pid_exists(sleeper) or psutil.Process(sleeper).status() == psutil.STATUS_ZOMBIE
+    launches = ["z0_gas1_tmbspg2", "z0_gas1_tmbspg2_r2"]  # the experiment and its one relaunch
+    assert sorted(p.parent.name for p in results.glob("*/result.json")) == launches
+    for name in launches:
+        record = _result(results, name)
+        assert record["name"] == name and record["status"] == "crashed", record
+        assert record["cause"]["rank"] == 1 and record["cause"]["slot"] == "node2.gpu0"
+        assert record["cause"]["exit"] == "exit 3"
+        rank0, rank1 = record["ranks"]
+        assert (rank0["slot"], rank0["status"]) == ("node1.gpu0", "aborted"), rank0
+        assert (rank1["slot"], rank1["status"]) == ("node2.gpu0", "crashed"), rank1
+        assert rank0["ended_at"] - rank1["ended_at"] < 5, (rank0, rank1)
+        assert rank0["wall_s"] < 15, rank0
+        sleeper = int((results / name / "started.rank0").read_text())
+        assert not psutil.pid_exists(sleeper) or psutil.Process(sleeper).status() == psutil.STATUS_ZOMBIE
+    assert _result(results, launches[1])["started_at"] >= _result(results, launches[0])["ended_at"]
     wait_for(lambda: _only_workers_remain(cluster), 10, "only worker processes to remain")
 
 
