@@ -42,4 +42,8 @@ def test_hf_trainer_example_tuned_through_arg_mappings(tmp_path: Path) -> None:
     # not a terminal: plain lines, and the command to paste on one line however long
     assert "\x1b[" not in proc.stdout
     assert f"run it: {(results / 'cmd_optimal.txt').read_text().strip()}" in proc.stdout.splitlines()
-    assert "Total number of experiments: 4" in proc.stdout
+    # the four listed configs, and the winner measured again before it is named (<name>_r2, ...)
+    repeats = [p.name for p in results.iterdir() if p.is_dir() and "_r" in p.name]
+    assert repeats and {name.rsplit("_r", 1)[0] for name in repeats} <= {
+        f"z{stage}_gas{gas}_tmbspg{mbs}" for stage in (0, 1) for mbs, gas in ((2, 2), (4, 1))}
+    assert f"Total number of experiments: {4 + len(repeats)}" in proc.stdout
