@@ -45,6 +45,7 @@ from workers.shared_memory import remove_rank_segment
 from workers.slot import Slot
 from workers.slot_health import mark_unhealthy
 from workers.step_clock import wall_clock_metrics, window_seconds
+from workers.timeline import launch_timeline
 
 log = logging.getLogger(__name__)
 ABORT_TTL_S = 3600
@@ -261,6 +262,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         **report,
     }
     step_ends = record.pop("step_ends", None)
+    record["timeline"] = launch_timeline(launch.started_at, launch.ended_at, record.pop("moments", None), step_ends,
+                                         spec.ds_config)
     if slot.kind == "cuda":
         record["cuda_index"] = slot.cuda_index
         if env.get("NCCL_SOCKET_IFNAME"):

@@ -2,7 +2,8 @@
 
     <exps_dir>/<name>.json          each experiment's description (DeepSpeed's format)
     <results_dir>/<name>/...        each experiment's folder (written by the slots and the callback)
-    <results_dir>/summary.txt       DeepSpeed's table, plus wall time and failures per class
+    <results_dir>/summary.txt       DeepSpeed's table, plus wall time and failures per class and
+                                    the experiments' start-up share (scheduler.report.startup)
     <results_dir>/results.jsonl     one line per experiment: name, config, status, metrics, timings
     <results_dir>/results.csv       the same, one row per experiment, for a spreadsheet
     <results_dir>/ds_config_optimal.json   the winner's config without the autotuning section
@@ -10,7 +11,8 @@
                                     with the CPU threads per rank the winner was measured with
     <results_dir>/hostfile_optimal  the nodes the winner ran on, when it used more than one (cmd_optimal.txt names it)
     <results_dir>/tuning.png        every experiment: micro-batch size against the metric (scheduler.report.plot)
-    <results_dir>/timeline.png      every experiment on its slots over time, coloured by outcome
+    <results_dir>/timeline.png      every experiment on its slots over time, coloured by outcome,
+                                    its start-up (launch to engine ready) hatched
 
 An interrupted search is not a search that found an optimum: its experiments that were running or
 queued get `cancelled` lines in results.jsonl/results.csv, summary.txt says "interrupted", and the
@@ -34,6 +36,7 @@ from tabulate import tabulate
 
 from scheduler.search.confirm import PRIOR_NOISE, Readings, step_noise, verdict
 from scheduler.search.ranking import best, config_key, metric_value, pooled_best, status_counts
+from scheduler.report.startup import startup_text
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
 from workers.paths import safe_child, write_atomic, write_json
@@ -77,7 +80,7 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val",
                                     "best_exp_name", "experiment_s", "failures"], tablefmt="pipe")
     elapsed = datetime.timedelta(seconds=round(elapsed_s))
-    table += "\n\n" + space_text(experiments) + winner_text(tuned, metric, maximize)
+    table += "\n\n" + space_text(experiments) + winner_text(tuned, metric, maximize) + startup_text(tuned)
     if cancelled is None:
         return (f"{table}\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."
                 f" Metric: {metric} ({'max' if maximize else 'min'}).\n")
