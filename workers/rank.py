@@ -46,6 +46,7 @@ from workers.slot import Slot
 from workers.slot_health import mark_unhealthy
 from workers.step_clock import wall_clock_metrics, window_seconds
 from workers.timeline import launch_timeline
+from workers.warm_start import WARM, Start
 
 log = logging.getLogger(__name__)
 ABORT_TTL_S = 3600
@@ -217,9 +218,11 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         now = time.time()
         return {"status": Status.ABORTED.value, "exit": "not started", "started_at": now, "ended_at": now,
                 "wall_s": 0.0, "peak_rss_bytes": 0, "error": "stopped while the ops DeepSpeed needs were built"}
+    start = Start()  # warm or cold, and why (workers.warm_start)
+    script_argv = command[3:] if command[1:3] == ["-m", "workers.entry"] else command
     try:
         launch = run_watched(
-            command, env=env, cwd=cwd,
+            command, env=env, cwd=cwd, spawn=WARM.spawn_for(script_argv, env, slot.kind, slot.cpus, start),
             stdout_path=result_dir / f"{log_prefix}stdout.log", stderr_path=stderr_path,
             timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
@@ -258,7 +261,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         "ended_at": launch.ended_at, "wall_s": round(launch.wall_s, 3),
         "peak_rss_bytes": launch.peak_rss_bytes,
         "memory_cap_bytes": slot.host_memory_cap,
-        "master": f"{master[0]}:{master[1]}",
+        "master": f"{master[0]}:{master[1]}", "start_path": start.path,
+        **({"cold_because": start.why_cold} if start.why_cold else {}),
         **report,
     }
     step_ends = record.pop("step_ends", None)
