@@ -263,8 +263,9 @@ class WarmStarts:
         receive, send = _CONTEXT.Pipe(duplex=False)
         request = {"script_argv": script_argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr,
                    "cpus": list(cpus)}
-        process = _CONTEXT.Process(target=run_forked_rank, args=(request, send), name="autotune-rank", daemon=True)
-        with _may_have_children():
+        with _may_have_children():  # the Process takes a copy of this process's config when made
+            process = _CONTEXT.Process(target=run_forked_rank, args=(request, send), name="autotune-rank",
+                                       daemon=True)
             process.start()
         send.close()
         try:
@@ -299,8 +300,8 @@ class WarmStarts:
             with _environment(server_env(rank_env, slot_kind, preload, token, report)):
                 multiprocessing.forkserver.ensure_running()
             self._pid, self._token = multiprocessing.forkserver._forkserver._forkserver_pid or 0, token
-            probe = _CONTEXT.Process(target=probe_fork, name="autotune-warm-probe", daemon=True)
             with _may_have_children():
+                probe = _CONTEXT.Process(target=probe_fork, name="autotune-warm-probe", daemon=True)
                 probe.start()
             probe.join(PRELOAD_TIMEOUT_S)
             outcome = _read_report(report)
@@ -366,14 +367,20 @@ def _stop(process: multiprocessing.process.BaseProcess) -> None:
 def _may_have_children() -> Iterator[None]:
     """A Celery pool process is a daemon to multiprocessing, which refuses it children lest they be
     orphaned when it is terminated. Ours are not: each rank is its own process group that the
-    launch kills, and the forkserver ends with this process. The flag is lifted for the start."""
+    launch kills, and the forkserver ends with this process. The flag is lifted for the start. Its
+    authentication key is billiard's (Celery's fork of multiprocessing), which refuses to be sent to
+    a child that billiard did not start: the same bytes as the standard library's, for the start."""
     config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
-    daemon = config.pop("daemon", None)
+    daemon, authkey = config.pop("daemon", None), config.get("authkey")
+    if authkey is not None:
+        config["authkey"] = multiprocessing.process.AuthenticationString(bytes(authkey))
     try:
         yield
     finally:
         if daemon is not None:
             config["daemon"] = daemon
+        if authkey is not None:
+            config["authkey"] = authkey
 
 
 @contextmanager
