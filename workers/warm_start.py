@@ -69,7 +69,9 @@ PRELOAD_ENV = "AUTOTUNE_WARM_PRELOAD"  #: the modules `workers.warm_preload` imp
 REPORT_ENV = "AUTOTUNE_WARM_REPORT"  #: where it writes what it imported, and what failed
 #: Read once, when a library is loaded or first asked, so the warm process must already have the rank's.
 IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "DS_ACCELERATOR", "PYTHONPATH", "PYTHONHASHSEED")
-ALWAYS_PRELOADED = ("torch", "deepspeed")
+#: torch._dynamo: every torch optimizer's constructor imports it (`torch._disable_dynamo`), so
+#: `deepspeed.initialize` paid 2.5-8 s of imports on the 2-core machine after the script's own.
+ALWAYS_PRELOADED = ("torch", "deepspeed", "torch._dynamo")
 #: How long the preload may take (a cold import of torch, DeepSpeed and transformers from a shared
 #: filesystem is tens of seconds), and how long a forked rank may take to say it is ready.
 PRELOAD_TIMEOUT_S = 600.0
