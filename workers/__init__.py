@@ -9,6 +9,6 @@ Two kinds of module live here, and the difference matters:
 |---|---|---|
 | the user's training process (imported into someone else's program) | `entry` (the wrapper every rank's script runs under), `step_clock`, `device_memory`, `oom`, `op_build`, `failure`, `metrics` (for scripts that do not use DeepSpeed) | light: the standard library and torch only, never Celery or Redis (tests/unit/test_architecture.py checks) |
 | the slot worker (a Celery worker bound to one device) | `slot`, `gpus`, `cuda_binding`, `topology`, `registry`, `rank`, `launch`, `rendezvous`, `gang`, `keys`, `records`, `timeline`, `metric_check`, `build_locks`, `op_prebuild`, `device_idle`, `slot_health`, `shared_memory`, `paths`, `redis_tls`, `warm_start` | may use Redis and psutil; `op_prebuild` also runs as a child interpreter (`python -m workers.op_prebuild`) |
-| the slot's warm interpreter (a forkserver that forks ranks, `workers.warm_start`) | `warm_preload` (its preload), `warm_start` (whose `run_forked_rank` becomes the rank before `entry` runs the script) | never Redis: the ranks it forks carry what it imported |
+| the slot's warm interpreter (a forkserver that forks ranks, `workers.warm_start`) | `warm_preload` (its preload), `warm_rank` (what a forked process does to become the rank before `entry` runs the script) | the standard library and torch only: the ranks it forks carry what it imported |
 | the command's machine | `local_cluster` (the embedded cluster: its redis-server and workers) | used by `python -m scheduler.autotune` and the tests |
 """

@@ -84,6 +84,7 @@ def run_script(script: str) -> None:
     leave or re-raise as `main` describes; `workers.warm_start` calls it in a forked rank."""
     pid = os.getpid()
     error: BaseException | None = None
+    loaded = set(sys.modules)
     install_deepspeed_hook()
     interim = InterimReports()  # what an abort, which writes no report, leaves behind
     interim.start()
@@ -108,7 +109,7 @@ def run_script(script: str) -> None:
     ends = step_ends()
     write_exit_report({**peaks, "profiling_exit": is_profiling_exit(error), **({"oom": oom} if oom else {}),
                        **({"op_build_failed": op_build} if op_build else {}), **({"step_ends": ends} if ends else {}),
-                       "moments": moments()})
+                       "moments": moments(), "imported": imports_since(loaded)})
     if op_build is not None:
         print(f"workers.entry: an op could not be built or loaded: {op_build}", file=sys.stderr)
     if oom is not None:
@@ -118,6 +119,20 @@ def run_script(script: str) -> None:
         _leave_now(0)
     if error is not None:
         raise error
+
+
+def imports_since(loaded: set[str], limit: int = 300) -> list[str]:
+    """The modules this run imported that were not loaded before it (the outermost of each:
+    `torch._dynamo`, not its submodules), for the slot's warm interpreter to import before the next
+    rank (`workers.warm_start.WarmStarts.learn`, which keeps the installed ones only): torch and
+    DeepSpeed import much lazily, inside `deepspeed.initialize`."""
+    new = {name for name in list(sys.modules) if name not in loaded}
+    found = []
+    for name in sorted(new):
+        parts = name.split(".")
+        if not any(".".join(parts[:depth]) in new for depth in range(1, len(parts))):  # no new package above it
+            found.append(name)
+    return found[:limit]
 
 
 def _leave_now(code: int) -> None:

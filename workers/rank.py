@@ -234,6 +234,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     finally:
         client.delete(pgid_key)
         remove_rank_segment(master[0], master[1], spec.rank)  # DeepSpeed's CPU all-reduce never does
+    WARM.learn(script_argv, read_exit_report(exit_report).get("imported"))  # preloaded for the next rank
     # The slot is freed only with its GPU back to idle: a context torn down slowly is waited for;
     # memory still held after the wait is someone else's, and the slot leaves tuning until it goes.
     device_after = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check.slot_taken) if on_gpu else None
@@ -266,6 +267,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         **report,
     }
     step_ends = record.pop("step_ends", None)
+    record.pop("imported", None)  # the warm process's business (workers.warm_start), not the record's
     record["timeline"] = launch_timeline(launch.started_at, launch.ended_at, record.pop("moments", None), step_ends,
                                          spec.ds_config)
     if slot.kind == "cuda":

@@ -37,9 +37,7 @@ What stays true, and why:
 from __future__ import annotations
 
 import ast
-import atexit
 import importlib.machinery
-import itertools
 import json
 import logging
 import multiprocessing
@@ -62,6 +60,8 @@ from typing import IO, Any
 
 import psutil
 
+from workers.warm_rank import probe_fork, rank_sys_path, run_forked_rank
+
 log = logging.getLogger(__name__)
 
 SWITCH_ENV = "AUTOTUNE_WARM_START"  #: "0" starts every rank cold
@@ -76,7 +76,7 @@ ALWAYS_PRELOADED = ("torch", "deepspeed", "torch._dynamo")
 #: filesystem is tens of seconds), and how long a forked rank may take to say it is ready.
 PRELOAD_TIMEOUT_S = 600.0
 READY_TIMEOUT_S = 60.0
-REFUSED_EXIT = 86  #: a forked rank that would not run (CUDA initialised in the warm process)
+MAX_LEARNED = 300  #: learned preloads kept per script
 _CONTEXT = multiprocessing.get_context("forkserver")
 
 
@@ -134,13 +134,16 @@ def preload_modules(script: Path, installed: list[Path], search_path: list[str])
     """torch, DeepSpeed and the script's top-level imports that are installed packages (found on
     the rank's `search_path` under `installed`), never a module next to the script or one that
     shadows a package there."""
+    names = [*ALWAYS_PRELOADED, *top_level_imports(script.read_text(errors="replace"))]
+    return installed_only(list(dict.fromkeys(names)), installed, search_path)
+
+
+def installed_only(names: list[str], installed: list[Path], search_path: list[str]) -> list[str]:
+    """The names whose top-level package the rank would find (on `search_path`) under `installed`."""
     chosen = []
-    for name in [*ALWAYS_PRELOADED, *top_level_imports(script.read_text(errors="replace"))]:
-        top = name.partition(".")[0]
-        if name in chosen:
-            continue
+    for name in names:
         try:
-            spec = importlib.machinery.PathFinder.find_spec(top, search_path)
+            spec = importlib.machinery.PathFinder.find_spec(name.partition(".")[0], search_path)
         except (ImportError, ValueError):
             continue
         places = ([spec.origin] if spec.origin else list(spec.submodule_search_locations or [])) if spec else []
@@ -165,7 +168,7 @@ def server_env(rank_env: dict[str, str], slot_kind: str, preload: list[str], tok
                 "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT", EXIT_REPORT_ENV, CONTAINER_ENV}
     env = {name: value for name, value in rank_env.items() if name not in per_rank}
     env.update({"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONUNBUFFERED": "1", CONTAINER_ENV: token,
-                PRELOAD_ENV: ",".join([*preload, __name__]), REPORT_ENV: str(report)})  # this module: the rank's start
+                PRELOAD_ENV: ",".join([*preload, "workers.warm_rank"]), REPORT_ENV: str(report)})  # the rank's start
     env.setdefault("DS_ACCELERATOR", "cuda" if slot_kind == "cuda" else "cpu")
     return env
 
@@ -196,7 +199,9 @@ class WarmProcess:
 
     def inherited_bytes(self) -> int:
         """The memory the rank still shares with the warm process: counted half in its PSS, but a
-        cold rank would own it (its anonymous memory in full, less its proportional share)."""
+        cold rank would own it (its anonymous memory in full, less its proportional share). A
+        script that never imports a preloaded module (torch._dynamo, which every torch optimizer
+        imports) is charged for it all the same: its figure is that much above a cold run's."""
         try:
             fields = {}
             for line in Path(f"/proc/{self.pid}/smaps_rollup").read_text().splitlines():
@@ -224,7 +229,9 @@ class WarmStarts:
         self._key: tuple[Any, ...] | None = None
         self._pid = 0
         self._token = ""
-        self._dropped: set[str] = set()  #: preloads that initialised CUDA
+        self._dropped: set[str] = set()  #: preloads that initialised CUDA, or learned ones that failed
+        self._learned: dict[str, list[str]] = {}  #: per script: what its ranks imported themselves
+        self._last: tuple[str, dict[str, str], str, str] | None = None  #: the latest warm launch's script, env, cwd, kind
         self._failed: dict[tuple[Any, ...], str] = {}  #: keys whose preload failed, and how
         self._lock = threading.Lock()
 
@@ -253,15 +260,12 @@ class WarmStarts:
 
     def _fork(self, script_argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str,
               slot_kind: str, cpus: tuple[int, ...], start: Start) -> WarmProcess:
-        script = script_argv[0]
-        search = rank_sys_path(script, cwd, ["", *env.get("PYTHONPATH", "").split(os.pathsep), *sys.path[1:]])
-        preload = [name for name in preload_modules(Path(script), self._roots, [p for p in search if p])
-                   if name not in self._dropped]
-        key = (tuple(preload), import_time_env(env), slot_kind, env.get("AUTOTUNE_SLOT", ""))
+        key, preload, learned = self._plan(script_argv[0], env, cwd, slot_kind)
+        self._last = (script_argv[0], env, cwd, slot_kind)
         if key in self._failed:
             raise WarmUnavailable(self._failed[key])
         if key != self._key or not self._alive():
-            self._start_server(key, preload, env, slot_kind)
+            self._start_server(key, preload, env, slot_kind, learned)
         receive, send = _CONTEXT.Pipe(duplex=False)
         request = {"script_argv": script_argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr,
                    "cpus": list(cpus)}
@@ -282,6 +286,47 @@ class WarmStarts:
         start.path, start.why_cold = "warm", ""
         return WarmProcess(process, self._pid, self._token)
 
+    def _plan(self, script: str, env: dict[str, str], cwd: str, slot_kind: str
+              ) -> tuple[tuple[Any, ...], list[str], set[str]]:
+        """The warm process this launch needs (its key), what it preloads, and which of those were
+        learned from earlier ranks of the script (`learn`)."""
+        own = [name for name in preload_modules(Path(script), self._roots, self._search_path(script, env, cwd))
+               if name not in self._dropped]
+        learned = [name for name in self._learned.get(script, []) if name not in own and name not in self._dropped]
+        preload = [*own, *learned]
+        return (tuple(preload), import_time_env(env), slot_kind, env.get("AUTOTUNE_SLOT", "")), preload, set(learned)
+
+    @staticmethod
+    def _search_path(script: str, env: dict[str, str], cwd: str) -> list[str]:
+        """Where the rank looks for modules: its sys.path (`rank_sys_path`)."""
+        search = rank_sys_path(script, cwd, ["", *env.get("PYTHONPATH", "").split(os.pathsep), *sys.path[1:]])
+        return [entry for entry in search if entry]
+
+    def learn(self, script_argv: list[str], imported: list[str] | None) -> None:
+        """After a rank of the script ended: the installed modules it imported itself
+        (`workers.entry.installed_imports`; torch and DeepSpeed import much lazily, inside
+        `deepspeed.initialize`) are preloaded from now on, and the warm process is started again
+        with them at once, between experiments rather than inside the next one's wall."""
+        if not imported or not script_argv:
+            return
+        with self._lock:
+            if self._last is None or self._last[0] != script_argv[0] or why_cold(script_argv, self._last[1]):
+                return
+            script, env, cwd, slot_kind = self._last
+            known = self._learned.setdefault(script, [])
+            fresh = [name for name in imported if name not in known and name not in self._dropped]
+            fresh = installed_only(fresh, self._roots, self._search_path(script, env, cwd))
+            if not fresh:
+                return
+            known.extend(fresh[:MAX_LEARNED - len(known)])
+            key, preload, learned = self._plan(script, env, cwd, slot_kind)
+            if key in self._failed or key == self._key:
+                return
+            try:
+                self._start_server(key, preload, env, slot_kind, learned)
+            except Exception as exc:  # noqa: BLE001 - the next launch tries again, or runs cold
+                log.warning("warm start: starting the warm process with the learned preloads failed: %s", exc)
+
     def _alive(self) -> bool:
         try:
             return psutil.Process(self._pid).status() != psutil.STATUS_ZOMBIE
@@ -289,10 +334,10 @@ class WarmStarts:
             return False
 
     def _start_server(self, key: tuple[Any, ...], preload: list[str], rank_env: dict[str, str],
-                      slot_kind: str) -> None:
+                      slot_kind: str, learned: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         """Start the warm process for `key`, its preload done and checked: a module that initialised
-        CUDA is dropped (and the process started again without it); one that failed makes the key
-        cold for this worker's life."""
+        CUDA, or a learned one that failed, is dropped (and the process started again without it);
+        one of the script's own imports that failed makes the key cold for this worker's life."""
         self._stop_server()
         for _ in range(len(preload) + 1):
             report = Path(tempfile.mkdtemp(prefix="autotune-warm.")) / "preload.json"
@@ -313,12 +358,17 @@ class WarmStarts:
                 self._failed[key] = f"the warm process's preload took over {PRELOAD_TIMEOUT_S:.0f} s"
                 raise WarmUnavailable(self._failed[key])
             culprit = outcome.get("cuda_initialised_by")
-            if culprit:
-                log.warning("warm start: preloading %s initialised CUDA in the warm process; dropped from the "
-                            "preload (ranks import it themselves)", culprit)
+            failed = outcome.get("failed") or {}
+            if culprit or failed and set(failed) <= learned:
+                if culprit:
+                    log.warning("warm start: preloading %s initialised CUDA in the warm process; dropped from the "
+                                "preload (ranks import it themselves)", culprit)
+                else:
+                    log.warning("warm start: learned preloads failed, dropped: %s", failed)
                 self._stop_server()
-                self._dropped.add(culprit)
-                preload = [name for name in preload if name != culprit]
+                dropped = {culprit} if culprit else set(failed)
+                self._dropped |= dropped
+                preload = [name for name in preload if name not in dropped]
                 continue
             if outcome.get("failed") or probe.exitcode != 0:
                 self._stop_server()
@@ -327,7 +377,7 @@ class WarmStarts:
                     f"{name}: {error}" for name, error in failed.items())
                 log.warning("warm start: %s; this script's ranks run cold", self._failed[key])
                 raise WarmUnavailable(self._failed[key])
-            self._key = key
+            self._key = (tuple(preload), *key[1:])  # without what was dropped: what the next launch asks for
             log.info("warm start: warm process %d ready (%s), preloaded %s in %.1f s", self._pid, slot_kind,
                      ", ".join(preload), outcome.get("seconds", 0.0))
             return
@@ -397,121 +447,6 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-def probe_fork() -> None:
-    """The first fork of a new warm process: waits for its preload, exits REFUSED_EXIT with CUDA."""
-    from workers import warm_preload
-
-    os._exit(REFUSED_EXIT if warm_preload.cuda_before_fork() else 0)
-
-
-def rank_sys_path(script: str, cwd: str, inherited: list[str]) -> list[str]:
-    """sys.path as `python -m workers.entry script.py` in `cwd` has it: the script's folder, the
-    cwd (`-m`), then the warm interpreter's own (its PYTHONPATH, which is the rank's, and the
-    installation's), less its first entry (the `-c` it was started with). Pure."""
-    first = [os.path.dirname(os.path.abspath(script)), cwd]
-    return [*first, *(entry for entry in inherited[1:] if entry not in first)]
-
-
-def run_forked_rank(request: dict[str, Any], ready: Any) -> None:
-    """The rank, in the process the warm process forked: becomes what a cold rank would be, says so
-    on `ready`, runs the script and ends as the interpreter would. Never returns."""
-    from workers import warm_preload
-
-    refused = warm_preload.cuda_before_fork()
-    if refused:
-        ready.send(("refused", refused))
-        os._exit(REFUSED_EXIT)
-    try:
-        os.setsid()
-        if request["cpus"] and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, request["cpus"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        _redirect(0, os.devnull, os.O_RDONLY)
-        _redirect(1, request["stdout"], os.O_WRONLY | os.O_APPEND)
-        _redirect(2, request["stderr"], os.O_WRONLY | os.O_APPEND)
-        script, *args = request["script_argv"]
-        sys.argv = [script, *args]
-        sys.path[:] = rank_sys_path(script, request["cwd"], sys.path)
-        _as_a_fresh_process(request["env"])
-    except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which runs the rank cold
-        ready.send(("failed", f"{type(exc).__name__}: {exc}"))
-        os._exit(REFUSED_EXIT)
-    ready.send(("ok", ""))
-    ready.close()
-    from workers.entry import run_script
-    from workers.step_clock import note
-
-    note("up")
-    code = 0
-    try:
-        run_script(script)
-    except SystemExit as exc:
-        code = _exit_code(exc)
-    except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())
-        code = -signal.SIGINT
-    except BaseException:  # noqa: BLE001 - the interpreter's top level: print it, exit 1
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    _leave(code)
-
-
-def _exit_code(exc: SystemExit) -> int:
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    print(exc.code, file=sys.stderr)
-    return 1
-
-
-def _leave(code: int) -> None:
-    """The interpreter's exit: non-daemon threads joined, atexit handlers run, output flushed."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except BaseException:  # noqa: BLE001
-        pass
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    if code < 0:  # killed by a signal, as `python script.py` ends on an uncaught KeyboardInterrupt
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
-
-
-def _redirect(fd: int, path: str, flags: int) -> None:
-    opened = os.open(path, flags)
-    os.dup2(opened, fd)
-    os.close(opened)
-
-
-def _as_a_fresh_process(env: dict[str, str]) -> None:
-    """Undo what the fork carried over that a fresh interpreter would not have: multiprocessing's
-    idea of this process (a daemon child of the worker) and its start method, the forkserver's
-    signal handling, torch's thread count (read from OMP_NUM_THREADS when a fresh one loads)."""
-    me = multiprocessing.process.current_process()  # what _MainProcess() would be (it is not exported)
-    me._identity, me._name, me._parent_pid, me._popen = (), "MainProcess", None, None  # type: ignore[attr-defined]
-    me._config = {"authkey": multiprocessing.process.AuthenticationString(os.urandom(32)),  # type: ignore[attr-defined]
-                  "semprefix": "/mp"}
-    multiprocessing.process._parent_process = None  # type: ignore[attr-defined]
-    multiprocessing.process._children = set()  # type: ignore[attr-defined]
-    multiprocessing.process._process_counter = itertools.count(1)  # type: ignore[attr-defined]
-    multiprocessing.context._default_context._actual_context = None  # type: ignore[attr-defined]
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for name in ("SIGTERM", "SIGCHLD", "SIGUSR1", "SIGUSR2", "SIGHUP"):
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
-    torch = sys.modules.get("torch")
-    threads = env.get("OMP_NUM_THREADS", "").strip()
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
 
 
 WARM = WarmStarts()

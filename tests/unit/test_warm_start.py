@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from workers.launch import CONTAINER_ENV
-from workers.warm_start import (PRELOAD_ENV, SWITCH_ENV, import_time_env, preload_modules, rank_sys_path,
+from workers.warm_rank import rank_sys_path
+from workers.warm_start import (PRELOAD_ENV, SWITCH_ENV, import_time_env, preload_modules,
                                 server_env, top_level_imports, why_cold)
 
 
@@ -50,7 +51,7 @@ def test_the_warm_process_has_no_ranks_identity_but_checks_cuda_through_nvml(tmp
     assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "AUTOTUNE_EXIT_REPORT"} & set(env)
     assert env[CONTAINER_ENV] == "server-token" and env["AUTOTUNE_SLOT"] == "n.gpu0"
     assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1" and env["DS_ACCELERATOR"] == "cuda"
-    assert env["OMP_NUM_THREADS"] == "4" and env[PRELOAD_ENV] == "torch,deepspeed,workers.warm_start"
+    assert env["OMP_NUM_THREADS"] == "4" and env[PRELOAD_ENV] == "torch,deepspeed,workers.warm_rank"
     assert server_env({"DS_ACCELERATOR": "cpu"}, "cuda", [], "t", tmp_path)["DS_ACCELERATOR"] == "cpu"
     assert import_time_env({"OMP_NUM_THREADS": "4"}) != import_time_env({"OMP_NUM_THREADS": "2"})
 
