@@ -57,6 +57,7 @@ def one_launch(folder: Path, config: dict, warm: bool) -> dict[str, float | str]
                          stderr_path=folder / "err.log", timeout_s=600, memory_cap_bytes=None,
                          spawn=WARM.spawn_for(script_argv, env, "cpu", (), start))
     exit_report = read_exit_report(report)
+    WARM.learn(script_argv, exit_report.get("imported"))  # as a slot does after every rank (workers.rank)
     steps = window_seconds(exit_report.get("step_ends", []), 1, 1)
     if result.exit_code != 0 or not steps or start.path != ("warm" if warm else "cold"):
         sys.exit(f"error: a {'warm' if warm else 'cold'} launch failed ({result.exit_code}, {start}): "
@@ -78,7 +79,8 @@ def main() -> None:
     config["autotuning"] = {"enabled": True, "metric": "throughput", "start_profile_step": 1, "end_profile_step": 1}
     readings: dict[str, list[dict]] = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory(prefix="warm_vs_cold.") as scratch:
-        one_launch(Path(scratch), config, warm=True)  # starts the warm process: not a reading
+        for _ in range(2):  # start the warm process, then again with what the first rank imported: not readings
+            one_launch(Path(scratch), config, warm=True)
         for pair in range(args.pairs):
             for warm in ((False, True) if pair % 2 == 0 else (True, False)):
                 reading = one_launch(Path(scratch), config, warm)
