@@ -222,7 +222,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     script_argv = command[3:] if command[1:3] == ["-m", "workers.entry"] else command
     try:
         launch = run_watched(
-            command, env=env, cwd=cwd, spawn=WARM.spawn_for(script_argv, env, slot.kind, slot.cpus, start),
+            command, env=env, cwd=cwd, spawn=WARM.spawn_for(script_argv, env, slot.kind, slot.cpus, start, stop_check.slot_taken),
             stdout_path=result_dir / f"{log_prefix}stdout.log", stderr_path=stderr_path,
             timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
@@ -234,7 +234,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     finally:
         client.delete(pgid_key)
         remove_rank_segment(master[0], master[1], spec.rank)  # DeepSpeed's CPU all-reduce never does
-    WARM.learn(script_argv, read_exit_report(exit_report).get("imported"))  # preloaded for the next rank
+    WARM.learn(script_argv, read_exit_report(exit_report).get("imported"), stop_check.slot_taken)  # for the next rank
     # The slot is freed only with its GPU back to idle: a context torn down slowly is waited for;
     # memory still held after the wait is someone else's, and the slot leaves tuning until it goes.
     device_after = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check.slot_taken) if on_gpu else None

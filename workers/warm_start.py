@@ -51,8 +51,9 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,9 +237,11 @@ class WarmStarts:
         self._lock = threading.Lock()
 
     def spawn_for(self, script_argv: list[str], rank_env: dict[str, str], slot_kind: str,
-                  cpus: tuple[int, ...], start: Start):
+                  cpus: tuple[int, ...], start: Start, keep_alive: Callable[[], object] = lambda: None):
         """The `spawn` for `workers.launch.run_watched`: a warm rank when it can, else a cold
-        `subprocess.Popen` of the same command; `start` says which ran."""
+        `subprocess.Popen` of the same command; `start` says which ran. `keep_alive` is called
+        every second while a warm process starts (the slot's lease must not lapse meanwhile: a
+        preload from a shared filesystem takes tens of seconds)."""
         reason = why_cold(script_argv, rank_env)
 
         def spawn(argv: list[str], env: dict[str, str], cwd: str, out: IO[bytes], err: IO[bytes]):
@@ -246,7 +249,8 @@ class WarmStarts:
             if cold is None:
                 try:
                     with self._lock:
-                        return self._fork(script_argv, env, cwd, out.name, err.name, slot_kind, cpus, start)
+                        return self._fork(script_argv, env, cwd, out.name, err.name, slot_kind, cpus, start,
+                                          keep_alive)
                 except WarmUnavailable as exc:
                     cold = str(exc)
                 except Exception as exc:  # noqa: BLE001 - a fault of the warm path costs the launch its speed only
@@ -259,13 +263,14 @@ class WarmStarts:
         return spawn
 
     def _fork(self, script_argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str,
-              slot_kind: str, cpus: tuple[int, ...], start: Start) -> WarmProcess:
+              slot_kind: str, cpus: tuple[int, ...], start: Start,
+              keep_alive: Callable[[], object] = lambda: None) -> WarmProcess:
         key, preload, learned = self._plan(script_argv[0], env, cwd, slot_kind)
         self._last = (script_argv[0], env, cwd, slot_kind)
         if key in self._failed:
             raise WarmUnavailable(self._failed[key])
         if key != self._key or not self._alive():
-            self._start_server(key, preload, env, slot_kind, learned)
+            self._start_server(key, preload, env, slot_kind, learned, keep_alive)
         receive, send = _CONTEXT.Pipe(duplex=False)
         request = {"script_argv": script_argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr,
                    "cpus": list(cpus)}
@@ -275,7 +280,8 @@ class WarmStarts:
             process.start()
         send.close()
         try:
-            answer = receive.recv() if receive.poll(READY_TIMEOUT_S) else ("lost", "no answer in time")
+            answer = receive.recv() if _wait(lambda: receive.poll(1.0), READY_TIMEOUT_S, keep_alive) \
+                else ("lost", "no answer in time")
         except EOFError:
             answer = ("lost", "it ended before it was ready")
         receive.close()
@@ -302,7 +308,8 @@ class WarmStarts:
         search = rank_sys_path(script, cwd, ["", *env.get("PYTHONPATH", "").split(os.pathsep), *sys.path[1:]])
         return [entry for entry in search if entry]
 
-    def learn(self, script_argv: list[str], imported: list[str] | None) -> None:
+    def learn(self, script_argv: list[str], imported: list[str] | None,
+              keep_alive: Callable[[], object] = lambda: None) -> None:
         """After a rank of the script ended: the installed modules it imported itself
         (`workers.entry.installed_imports`; torch and DeepSpeed import much lazily, inside
         `deepspeed.initialize`) are preloaded from now on, and the warm process is started again
@@ -323,7 +330,7 @@ class WarmStarts:
             if key in self._failed or key == self._key:
                 return
             try:
-                self._start_server(key, preload, env, slot_kind, learned)
+                self._start_server(key, preload, env, slot_kind, learned, keep_alive)
             except Exception as exc:  # noqa: BLE001 - the next launch tries again, or runs cold
                 log.warning("warm start: starting the warm process with the learned preloads failed: %s", exc)
 
@@ -334,7 +341,8 @@ class WarmStarts:
             return False
 
     def _start_server(self, key: tuple[Any, ...], preload: list[str], rank_env: dict[str, str],
-                      slot_kind: str, learned: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+                      slot_kind: str, learned: set[str] = frozenset(),  # type: ignore[assignment]
+                      keep_alive: Callable[[], object] = lambda: None) -> None:
         """Start the warm process for `key`, its preload done and checked: a module that initialised
         CUDA, or a learned one that failed, is dropped (and the process started again without it);
         one of the script's own imports that failed makes the key cold for this worker's life."""
@@ -349,11 +357,17 @@ class WarmStarts:
             self._pid, self._token = multiprocessing.forkserver._forkserver._forkserver_pid or 0, token
             with _may_have_children():
                 probe = _CONTEXT.Process(target=probe_fork, name="autotune-warm-probe", daemon=True)
-                probe.start()
-            probe.join(PRELOAD_TIMEOUT_S)
+                # start() waits for the preload (the forkserver forks only after it): in a thread,
+                # so that the lease is kept meanwhile
+                starter = threading.Thread(target=_quietly, args=(probe.start,), daemon=True)
+                starter.start()
+                started = _wait(lambda: starter.join(1.0) or not starter.is_alive(), PRELOAD_TIMEOUT_S, keep_alive)
+            if started and probe.pid is not None:
+                _wait(lambda: probe.join(1.0) or probe.exitcode is not None, 60.0, keep_alive)
             outcome = _read_report(report)
-            if probe.exitcode is None:
-                _stop(probe)
+            if not started or probe.pid is None or probe.exitcode is None:
+                if probe.pid is not None:
+                    _stop(probe)
                 self._stop_server()
                 self._failed[key] = f"the warm process's preload took over {PRELOAD_TIMEOUT_S:.0f} s"
                 raise WarmUnavailable(self._failed[key])
@@ -399,6 +413,25 @@ class WarmStarts:
 
 class WarmUnavailable(Exception):
     """The warm path cannot serve this launch; the message says why (the record's `cold_because`)."""
+
+
+def _wait(done: Callable[[], bool], limit_s: float, keep_alive: Callable[[], object]) -> bool:
+    """Poll `done` (which waits up to a second itself) until it is true or `limit_s` passed,
+    calling `keep_alive` between polls; whether it came true."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        keep_alive()
+    return done()
+
+
+def _quietly(call: Callable[[], object]) -> None:
+    """For a thread: a failure shows as the call's missing effect (the probe has no pid)."""
+    try:
+        call()
+    except Exception:  # noqa: BLE001
+        log.debug("warm start: the probe could not be started", exc_info=True)
 
 
 def _read_report(path: Path) -> dict[str, Any]:

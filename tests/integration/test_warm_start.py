@@ -285,3 +285,19 @@ def test_what_a_rank_imported_itself_is_preloaded_for_the_next(warm: WarmStarts,
     assert warm._pid != server and warm._alive()  # started again at once, between the launches
     second, start, out, err = _launch(warm, tmp_path, script, env=env)
     assert second.exit_code == 0 and start.path == "warm" and out == "preloaded\n", err
+
+
+def test_the_slots_lease_is_kept_while_the_warm_process_starts(warm: WarmStarts, tmp_path: Path) -> None:
+    """A preload from a shared filesystem takes tens of seconds: the launch's keep-alive (the lease
+    renewal, workers.rank) is called every second meanwhile, or the slot would be taken as lost."""
+    (tmp_path / "site" / "slow_lib.py").write_text("import time\ntime.sleep(3.0)\n")
+    script = tmp_path / "slow.py"
+    script.write_text("import slow_lib\nprint('ran')\n")
+    env, calls = _env(tmp_path), []
+    start = Start()
+    command = [sys.executable, "-m", "workers.entry", str(script)]
+    result = run_watched(command, env=env, cwd=str(tmp_path), stdout_path=tmp_path / "out.log",
+                         stderr_path=tmp_path / "err.log", timeout_s=180, memory_cap_bytes=None,
+                         spawn=warm.spawn_for(command[3:], env, "cpu", (), start, lambda: calls.append(1)))
+    assert result.exit_code == 0 and start.path == "warm", start.why_cold
+    assert len(calls) >= 3  # the preload's 3 s (and torch's import) at one call a second
