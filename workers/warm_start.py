@@ -7,9 +7,12 @@ imports take tens of seconds. Each slot worker keeps one multiprocessing forkser
 library's: `set_forkserver_preload`, nothing hand-rolled) whose preload is `workers.warm_preload`,
 and forks every rank from it. The forked rank is a fresh process for every experiment, so nothing
 leaks from one experiment to the next (Ray Tune's `reuse_actors` reuses a process; this does not):
-it sets its environment, argv, cwd, sys.path, stdout/stderr, session and CPU affinity, sets torch's
-thread count, and runs the script through `workers.entry.run_script` as `python script.py` would
-(runpy, `__main__`), then ends as the interpreter would (threads joined, atexit run, exit status).
+`workers.warm_rank` sets its environment, argv, cwd, sys.path, stdout/stderr, session and CPU
+affinity, sets torch's thread count, and runs the script through `workers.entry.run_script` as
+`python script.py` would (runpy, `__main__`), then ends as the interpreter would. What a rank
+imported itself (torch and DeepSpeed import much lazily inside `deepspeed.initialize`) is learned
+and preloaded from then on (`WarmStarts.learn`); the warm process is started again with it between
+experiments, keeping the slot's lease meanwhile.
 
 What stays true, and why:
 - CUDA is never initialised in the warm process: it is started with PYTORCH_NVML_BASED_CUDA_CHECK=1
@@ -33,6 +36,9 @@ What stays true, and why:
 - A launch the warm path cannot serve runs cold (`python -m workers.entry`, as before), and the
   record says which path ran (`start_path`, and `cold_because`): not a `.py` script (a wrapper),
   AUTOTUNE_WARM_START=0, a preload that fails or hangs, a rank that refused.
+- Its costs: the warm process's memory on each slot while the worker lives (not under the slot's
+  cap), one start per script and import-time setting (multiprocessing has one forkserver per
+  process: jobs with different scripts on one slot take turns restarting it).
 """
 from __future__ import annotations
 
