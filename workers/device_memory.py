@@ -186,4 +186,11 @@ def read_exit_report(path: Path) -> dict[str, Any]:
             isinstance(end, list) and len(end) == 2 and isinstance(end[0], int) and not isinstance(end[0], bool)
             and isinstance(end[1], (int, float)) and not isinstance(end[1], bool) for end in ends):
         kept["step_ends"] = ends
+    imported = data.get("imported")
+    if isinstance(imported, list) and all(isinstance(name, str) for name in imported):
+        kept["imported"] = imported[:300]  # workers.entry.installed_imports
+    moments = data.get("moments")
+    if isinstance(moments, dict):  # workers.step_clock.moments: wall-clock seconds by name
+        kept["moments"] = {str(name): float(at) for name, at in moments.items()
+                           if isinstance(at, (int, float)) and not isinstance(at, bool)}
     return kept

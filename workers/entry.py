@@ -28,7 +28,7 @@ from workers.device_memory import InterimReports, measured_peaks, write_exit_rep
 from workers.failure import OOM_EXIT_CODE
 from workers.oom import out_of_memory_cause
 from workers.op_build import op_build_failure
-from workers.step_clock import install_deepspeed_hook, step_ends
+from workers.step_clock import install_deepspeed_hook, moments, note, step_ends
 
 #: Where DeepSpeed's engine calls exit() after the profiled steps (`_autotuning_exit`) or after
 #: writing the model info of a profile run (`forward`).
@@ -70,13 +70,21 @@ def exit_status(exc: BaseException | None) -> int:
 
 
 def main() -> None:
+    note("up")
     if len(sys.argv) < 2:
         sys.exit("usage: python -m workers.entry script.py [args...]")
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    run_script(script)
+
+
+def run_script(script: str) -> None:
+    """Run `script` as `__main__` (sys.argv and sys.path already set), then report how it ended and
+    leave or re-raise as `main` describes; `workers.warm_start` calls it in a forked rank."""
     pid = os.getpid()
     error: BaseException | None = None
+    loaded = set(sys.modules)
     install_deepspeed_hook()
     interim = InterimReports()  # what an abort, which writes no report, leaves behind
     interim.start()
@@ -100,7 +108,8 @@ def main() -> None:
     op_build = op_build_failure(error) if exit_status(error) != 0 and oom is None else None
     ends = step_ends()
     write_exit_report({**peaks, "profiling_exit": is_profiling_exit(error), **({"oom": oom} if oom else {}),
-                       **({"op_build_failed": op_build} if op_build else {}), **({"step_ends": ends} if ends else {})})
+                       **({"op_build_failed": op_build} if op_build else {}), **({"step_ends": ends} if ends else {}),
+                       "moments": moments(), "imported": imports_since(loaded)})
     if op_build is not None:
         print(f"workers.entry: an op could not be built or loaded: {op_build}", file=sys.stderr)
     if oom is not None:
@@ -110,6 +119,20 @@ def main() -> None:
         _leave_now(0)
     if error is not None:
         raise error
+
+
+def imports_since(loaded: set[str], limit: int = 300) -> list[str]:
+    """The modules this run imported that were not loaded before it (the outermost of each:
+    `torch._dynamo`, not its submodules), for the slot's warm interpreter to import before the next
+    rank (`workers.warm_start.WarmStarts.learn`, which keeps the installed ones only): torch and
+    DeepSpeed import much lazily, inside `deepspeed.initialize`."""
+    new = {name for name in list(sys.modules) if name not in loaded}
+    found = []
+    for name in sorted(new):
+        parts = name.split(".")
+        if not any(".".join(parts[:depth]) in new for depth in range(1, len(parts))):  # no new package above it
+            found.append(name)
+    return found[:limit]
 
 
 def _leave_now(code: int) -> None:

@@ -10,6 +10,11 @@ A process that leaves the group (`setsid`, a double fork) escapes a group kill, 
 puts a token in its environment (CONTAINER_ENV) and, after the group, every live process still
 carrying that token is stopped too. A process that clears its environment escapes this; a cgroup
 per experiment would not, but needs a delegated cgroup tree that slot workers rarely have.
+
+The process is a `subprocess.Popen` unless the caller passes `spawn` (`workers.warm_start` forks
+ranks from a warm interpreter): anything with `pid`, `poll()` and `wait(timeout)`, and optionally
+`inherited_bytes()` (memory to count as the process's own) and `after_kill(since)` (what else to
+stop after the group).
 """
 from __future__ import annotations
 
@@ -19,9 +24,10 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 import psutil
 
@@ -124,12 +130,13 @@ def _still_alive(pgids: set[int], within_s: float) -> set[int]:
     return pgids
 
 
-def marked_processes(variable: str, token: str, since: float = 0.0) -> list[psutil.Process]:
+def marked_processes(variable: str, token: str, since: float = 0.0,
+                     exclude: Collection[int] = ()) -> list[psutil.Process]:
     """Live processes started at or after `since` whose environment has `variable`=`token`."""
     found = []
     for proc in psutil.process_iter(["create_time", "status"]):
         try:
-            if proc.pid == os.getpid() or proc.info["create_time"] < since - 1.0:
+            if proc.pid == os.getpid() or proc.pid in exclude or proc.info["create_time"] < since - 1.0:
                 continue
             if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.environ().get(variable) == token:
                 found.append(proc)
@@ -138,9 +145,10 @@ def marked_processes(variable: str, token: str, since: float = 0.0) -> list[psut
     return found
 
 
-def kill_marked(variable: str, token: str, since: float = 0.0, grace_s: float = KILL_GRACE_S) -> None:
+def kill_marked(variable: str, token: str, since: float = 0.0, grace_s: float = KILL_GRACE_S,
+                exclude: Collection[int] = ()) -> None:
     """SIGTERM every process `marked_processes` finds, then SIGKILL what is left after `grace_s`."""
-    procs = marked_processes(variable, token, since)
+    procs = marked_processes(variable, token, since, exclude)
     for proc in procs:
         try:
             proc.terminate()
@@ -202,6 +210,7 @@ def run_watched(
     on_start: Callable[[int], None] = lambda pgid: None,
     measured: Callable[[], bool] = lambda: False,
     measured_grace_s: float = MEASURED_GRACE_S,
+    spawn: Callable[[list[str], dict[str, str], str, IO[bytes], IO[bytes]], Any] | None = None,
 ) -> LaunchResult:
     """Run `argv` (never a shell string) to completion or until a limit; see the module docstring.
     `measured` says whether the experiment has its measurement (polled with `should_abort`): from then
@@ -212,8 +221,8 @@ def run_watched(
     env = {**env, CONTAINER_ENV: token}
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         try:
-            proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = spawn(argv, env, cwd, out, err) if spawn is not None else subprocess.Popen(
+                argv, env=env, cwd=cwd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             return LaunchResult(None, None, 0, started, time.time(), start_error=str(exc))
     if cpus:
@@ -228,16 +237,23 @@ def run_watched(
     except BaseException:
         kill_group(proc.pid)
         proc.wait()
-        kill_marked(CONTAINER_ENV, token, started)
+        _kill_leftovers(proc, token, started)
         raise
     kill_group(proc.pid)
     exit_code = proc.wait()
-    kill_marked(CONTAINER_ENV, token, started)
+    _kill_leftovers(proc, token, started)
     return LaunchResult(exit_code, killed_for, peak, started, time.time())
 
 
+def _kill_leftovers(proc: Any, token: str, started: float) -> None:
+    kill_marked(CONTAINER_ENV, token, started)
+    after_kill = getattr(proc, "after_kill", None)
+    if after_kill is not None:
+        after_kill(started)
+
+
 def _watch(
-    proc: subprocess.Popen,
+    proc: Any,
     deadline: float,
     memory_cap_bytes: int | None,
     should_abort: Callable[[], bool],
@@ -245,12 +261,13 @@ def _watch(
     measured_grace_s: float = MEASURED_GRACE_S,
 ) -> tuple[KillReason | None, int]:
     root = psutil.Process(proc.pid)
+    inherited = getattr(proc, "inherited_bytes", lambda: 0)
     peak = 0
     interval = POLL_S if memory_cap_bytes is not None else UNCAPPED_POLL_S
     next_abort_check = 0.0
     measured_at: float | None = None
     while proc.poll() is None:
-        peak = max(peak, tree_rss(root))
+        peak = max(peak, tree_rss(root) + inherited())
         reason = None
         now = time.time()
         checks_due = now >= next_abort_check or now > deadline

@@ -48,6 +48,8 @@ from workers.shared_memory import remove_rank_segment
 from workers.slot import Slot
 from workers.slot_health import mark_unhealthy
 from workers.step_clock import wall_clock_metrics, window_seconds
+from workers.timeline import launch_timeline
+from workers.warm_start import WARM, Start
 
 log = logging.getLogger(__name__)
 ABORT_TTL_S = 3600
@@ -219,9 +221,11 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         now = time.time()
         return {"status": Status.ABORTED.value, "exit": "not started", "started_at": now, "ended_at": now,
                 "wall_s": 0.0, "peak_rss_bytes": 0, "error": "stopped while the ops DeepSpeed needs were built"}
+    start = Start()  # warm or cold, and why (workers.warm_start)
+    script_argv = command[3:] if command[1:3] == ["-m", "workers.entry"] else command
     try:
         launch = run_watched(
-            command, env=env, cwd=cwd,
+            command, env=env, cwd=cwd, spawn=WARM.spawn_for(script_argv, env, slot.kind, slot.cpus, start, stop_check.slot_taken),
             stdout_path=experiment_file(result_dir, rank_log(spec.rank, "stdout")), stderr_path=stderr_path,
             timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
@@ -233,6 +237,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     finally:
         client.delete(pgid_key)
         remove_rank_segment(master[0], master[1], spec.rank)  # DeepSpeed's CPU all-reduce never does
+    WARM.learn(script_argv, read_exit_report(exit_report).get("imported"), stop_check.slot_taken)  # for the next rank
     # The slot is freed only with its GPU back to idle: a context torn down slowly is waited for;
     # memory still held after the wait is someone else's, and the slot leaves tuning until it goes.
     device_after = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check.slot_taken) if on_gpu else None
@@ -260,10 +265,14 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         "ended_at": launch.ended_at, "wall_s": round(launch.wall_s, 3),
         "peak_rss_bytes": launch.peak_rss_bytes,
         "memory_cap_bytes": slot.host_memory_cap,
-        "master": f"{master[0]}:{master[1]}",
+        "master": f"{master[0]}:{master[1]}", "start_path": start.path,
+        **({"cold_because": start.why_cold} if start.why_cold else {}),
         **report,
     }
     step_ends = record.pop("step_ends", None)
+    record.pop("imported", None)  # the warm process's business (workers.warm_start), not the record's
+    record["timeline"] = launch_timeline(launch.started_at, launch.ended_at, record.pop("moments", None), step_ends,
+                                         spec.ds_config)
     if slot.kind == "cuda":
         record["cuda_index"] = slot.cuda_index
         if env.get("NCCL_SOCKET_IFNAME"):

@@ -62,6 +62,9 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
         record["gpu_link"] = exp["gpu_link"]
     if record["status"] == Status.OK.value:
         record.update({key: rank0[key] for key in ("engine_metrics", "step_seconds") if key in rank0})
+    paths = sorted({r["start_path"] for r in ranks if r.get("start_path")})
+    if paths:  # how the ranks' interpreters started (workers.warm_start): "warm", "cold" or both
+        record["start_path"] = "+".join(paths)
     return record
 
 

@@ -17,7 +17,8 @@ profiler covers, from the first profiled step to the one after which the metric 
 and the metric record into wall-clock figures (`wall_clock_metrics`). The two pure functions have
 no I/O and are tested directly. The same hook also tells `workers.device_memory` when an engine has
 been built (its `__init__` is wrapped too), so the build's memory transient stays out of the
-training peak.
+training peak, and notes (`note`) when DeepSpeed finished importing and when the engine was ready:
+with `workers.entry`'s own "up" these are the rank's start-up phases (`workers.timeline`).
 """
 from __future__ import annotations
 
@@ -37,6 +38,21 @@ MAX_MARKS = 256
 ENGINE_MODULE = "deepspeed.runtime.engine"
 
 _marks: list[tuple[int, float]] = []
+_moments: dict[str, float] = {}
+
+
+def note(moment: str) -> None:
+    """Notes the wall-clock time of a start-up moment ("up", "imports", "engine"); the first wins
+    (a script that builds two engines is ready with its first)."""
+    _moments.setdefault(moment, time.time())
+
+
+def moments() -> dict[str, float]:
+    """The noted start-up moments, and `clock_offset`: what turns a `step_ends` moment (the
+    process's `time.perf_counter`) into wall-clock time, so a rank's steps and its start-up sit on
+    the launcher's clock."""
+    return {**{name: round(at, 6) for name, at in _moments.items()},
+            "clock_offset": round(time.time() - time.perf_counter(), 6)}
 
 
 def mark(global_step: int) -> None:
@@ -83,8 +99,9 @@ def install_deepspeed_hook() -> None:
     engine class at once when DeepSpeed is already imported, else when it is (nothing is imported
     here, so a script without DeepSpeed pays nothing)."""
     module = sys.modules.get(ENGINE_MODULE)
-    if module is not None:
+    if module is not None:  # imported before the script ran (a warm start, workers.warm_start)
         _patch_engine(module)
+        note("imports")
     elif not any(isinstance(finder, _EngineImportHook) for finder in sys.meta_path):
         sys.meta_path.insert(0, _EngineImportHook())
 
@@ -104,6 +121,7 @@ class _EngineImportHook(importlib.abc.MetaPathFinder):
         def exec_module(module: ModuleType) -> None:
             run_module(module)
             _patch_engine(module)
+            note("imports")  # `import deepspeed` imports the engine: DeepSpeed is in
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -119,6 +137,7 @@ def _patch_engine(module: ModuleType) -> None:
     @functools.wraps(build)
     def built(self: Any, *args: Any, **kwargs: Any) -> None:
         build(self, *args, **kwargs)
+        note("engine")
         start_training_peak()  # the build's transient is not training's peak (workers.device_memory)
 
     engine.__init__ = built

@@ -2,7 +2,8 @@
 
     <exps_dir>/<name>.json          each experiment's description (DeepSpeed's format)
     <results_dir>/<name>/...        each experiment's folder (written by the slots and the callback)
-    <results_dir>/summary.txt       DeepSpeed's table, plus wall time and failures per class
+    <results_dir>/summary.txt       DeepSpeed's table, plus wall time and failures per class and
+                                    the experiments' start-up share (scheduler.report.startup)
     <results_dir>/results.jsonl     one line per experiment: name, config, status, metrics, timings
     <results_dir>/results.csv       the same, one row per experiment, for a spreadsheet
     <results_dir>/ds_config_optimal.json   the winner's config without the autotuning section
@@ -11,7 +12,8 @@
     <results_dir>/hostfile_optimal  the nodes the winner ran on, when it used more than one or the tuning had a
                                     resource pool (--hostfile/--include/--exclude); cmd_optimal.txt names it
     <results_dir>/tuning.png        every experiment: micro-batch size against the metric (scheduler.report.plot)
-    <results_dir>/timeline.png      every experiment on its slots over time, coloured by outcome
+    <results_dir>/timeline.png      every experiment on its slots over time, coloured by outcome,
+                                    its start-up (launch to engine ready) hatched
 
 An interrupted search is not a search that found an optimum: its experiments that were running or
 queued get `cancelled` lines in results.jsonl/results.csv, summary.txt says "interrupted", and the
@@ -43,6 +45,7 @@ from scheduler.search.confirm import (
 )
 from scheduler.search.global_batch import KEPT_NOTE
 from scheduler.search.ranking import best, config_key, metric_value, pooled_best, status_counts
+from scheduler.report.startup import startup_text
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
 from workers.layout import (OPTIMAL_FILES, PARTIAL_FILES, RESULTS_CSV, RESULTS_JSONL, SUMMARY, TIMELINE_PLOT,
@@ -91,7 +94,7 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     elapsed = datetime.timedelta(seconds=round(elapsed_s))
     kept = any(note.startswith(KEPT_NOTE) for note in notes)
     table += ("\n\n" + "".join(f"{note}.\n" for note in notes) + space_text(experiments, kept)
-              + winner_text(tuned, metric, maximize))
+              + winner_text(tuned, metric, maximize) + startup_text(tuned))
     if cancelled is None:
         return (f"{table}\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."
                 f" Metric: {metric} ({'max' if maximize else 'min'}).\n")

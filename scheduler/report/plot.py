@@ -65,7 +65,8 @@ STATUS_COLOURS = {"ok": "#2ca02c", "oom": "#d62728", "timeout": "#ff7f0e", "cras
 def write_timeline(path: Path, records: list[dict[str, Any]], winner: dict[str, Any] | None) -> None:
     """`timeline.png`: which slot ran what, when. One row per slot, one bar per experiment on each
     slot it held (a gang spans rows), from its start to its end in seconds since the first start,
-    coloured by outcome; the winner outlined. Gaps are idle slots, long bars the costly probes."""
+    coloured by outcome, its start-up (launch to engine ready, `startup_of`) hatched; the winner
+    outlined. Gaps are idle slots, long bars the costly probes, long hatches the costly starts."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,10 +82,14 @@ def write_timeline(path: Path, records: list[dict[str, Any]], winner: dict[str, 
         start, width = record["started_at"] - origin, max(record["ended_at"] - record["started_at"], 0.01)
         colour = STATUS_COLOURS.get(str(record.get("status")), "#7f7f7f")
         is_winner = winner is not None and record.get("name") == winner.get("name")
+        startup = min(startup_of(record) or 0.0, width)
         for slot in record["slots"]:
             row = slots.index(slot)
             axes.barh(row, width, left=start, height=0.7, color=colour, alpha=0.9,
                       edgecolor="black" if is_winner else "white", linewidth=2.0 if is_winner else 0.5)
+            if startup:  # launch to engine ready: hatched over the bar's first part
+                axes.barh(row, startup, left=start, height=0.7, color="white", alpha=0.45, hatch="////",
+                          edgecolor="#404040", linewidth=0)
             axes.text(start + width / 2, row, record["name"], ha="center", va="center", fontsize=6,
                       rotation=90 if width < 0.08 * span else 0, clip_on=True)
     axes.set_yticks(range(len(slots)), slots)
@@ -93,6 +98,8 @@ def write_timeline(path: Path, records: list[dict[str, Any]], winner: dict[str, 
     axes.grid(axis="x", alpha=0.3)
     present = sorted({str(r.get("status")) for r in timed})
     handles = [Patch(color=STATUS_COLOURS.get(status, "#7f7f7f"), label=status) for status in present]
+    if any(startup_of(r) for r in timed):
+        handles.append(Patch(facecolor="white", edgecolor="#404040", hatch="////", label="start-up"))
     if winner is not None:
         handles.append(Patch(facecolor="white", edgecolor="black", linewidth=2, label=f"best: {winner['name']}"))
     if handles:
@@ -101,3 +108,16 @@ def write_timeline(path: Path, records: list[dict[str, Any]], winner: dict[str, 
     figure.tight_layout()
     figure.savefig(path)
     pyplot.close(figure)
+
+
+def startup_of(record: dict[str, Any]) -> float | None:
+    """Seconds from the experiment's start to its slowest rank's engine ready (None when a rank did
+    not note it): the rank timelines count from each rank's own launch, the bar from the first."""
+    readies = []
+    for rank in record.get("ranks") or []:
+        timeline = rank.get("timeline") if isinstance(rank, dict) else None
+        ready = timeline.get("engine") if isinstance(timeline, dict) else None
+        if not isinstance(ready, (int, float)) or not isinstance(rank.get("started_at"), (int, float)):
+            return None
+        readies.append(rank["started_at"] + ready - record["started_at"])
+    return max(readies) if readies else None

@@ -1,0 +1,303 @@
+"""A warm interpreter per slot (workers.warm_start), with real forkservers, real torch and
+`workers.launch.run_watched`: a forked rank is what a cold one is, everything that finds, limits
+and kills a rank still works, CUDA never reaches a fork, and what the warm path cannot serve runs
+cold and says why."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from workers.failure import KillReason
+from workers.launch import LaunchResult, group_alive, run_watched
+from workers.warm_start import SWITCH_ENV, Start, WarmStarts, installed_roots
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = '''
+import atexit, json, multiprocessing, os, sys
+import torch
+atexit.register(lambda: print("atexit ran", flush=True))
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "rank": os.environ.get("RANK"), "path": sys.path[:2],
+                  "threads": torch.get_num_threads(), "cuda": torch.cuda.is_initialized(),
+                  "process": multiprocessing.current_process().name, "daemon": multiprocessing.current_process().daemon,
+                  "main": __name__, "file": __file__}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+'''
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("AUTOTUNE_")}
+    env.update({"PYTHONPATH": f"{ROOT}:{tmp_path / 'site'}", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", "AUTOTUNE_SLOT": "test.gpu0", "CUDA_VISIBLE_DEVICES": "", "RANK": "0",
+                "DS_ACCELERATOR": "cpu", **extra})
+    return env
+
+
+def _launch(warm: WarmStarts, tmp_path: Path, script: Path, *args: str, env: dict[str, str] | None = None,
+            **watch: object) -> tuple[LaunchResult, Start, str, str]:
+    command = [sys.executable, "-m", "workers.entry", str(script), *args] if script.suffix == ".py" \
+        else [str(script), *args]
+    env = env or _env(tmp_path)
+    start = Start()
+    result = run_watched(command, env=env, cwd=str(tmp_path), stdout_path=tmp_path / "out.log",
+                         stderr_path=tmp_path / "err.log", timeout_s=watch.pop("timeout_s", 180),
+                         memory_cap_bytes=watch.pop("memory_cap_bytes", None),
+                         spawn=warm.spawn_for(command[3:] if script.suffix == ".py" else command, env, "cpu", (), start),
+                         **watch)
+    return result, start, (tmp_path / "out.log").read_text(), (tmp_path / "err.log").read_text()
+
+
+@pytest.fixture
+def warm(tmp_path: Path):
+    (tmp_path / "site").mkdir()
+    starts = WarmStarts(roots=[*installed_roots(), (tmp_path / "site").resolve()])
+    yield starts
+    starts._stop_server()
+
+
+def test_a_forked_rank_is_what_a_cold_one_is(warm: WarmStarts, tmp_path: Path) -> None:
+    """argv, cwd, environment, sys.path, torch's threads, __main__, stdout/stderr, exit status and
+    atexit: the same warm as cold; and the second launch reuses the warm process."""
+    import json
+
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    seen = {}
+    for path, env in (("cold", _env(tmp_path, **{SWITCH_ENV: "0"})), ("warm", _env(tmp_path)),
+                      ("warm", _env(tmp_path, RANK="3"))):
+        result, start, out, err = _launch(warm, tmp_path, script, "7", env=env)
+        assert start.path == path, start.why_cold
+        assert result.exit_code == 7 and "to stderr" in err and out.endswith("atexit ran\n"), (out, err)
+        seen.setdefault(path, []).append(json.loads(out.splitlines()[0]))
+    cold, (warm_first, warm_again) = seen["cold"][0], seen["warm"]
+    assert warm_first == cold
+    assert cold["argv"] == [str(script), "7"] and cold["cwd"] == str(tmp_path) and cold["threads"] == 1
+    assert cold["path"] == [str(tmp_path), str(tmp_path)] and cold["process"] == "MainProcess" and not cold["daemon"]
+    assert warm_again["rank"] == "3"  # the rank's environment, not the one the warm process started with
+
+
+def test_the_second_warm_launch_skips_the_imports(warm: WarmStarts, tmp_path: Path) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    _launch(warm, tmp_path, script, "0")  # starts the warm process
+    began = time.monotonic()
+    result, start, _, _ = _launch(warm, tmp_path, script, "0")
+    warm_s = time.monotonic() - began
+    began = time.monotonic()
+    cold_result, _, _, _ = _launch(warm, tmp_path, script, "0", env=_env(tmp_path, **{SWITCH_ENV: "0"}))
+    cold_s = time.monotonic() - began
+    assert start.path == "warm" and result.exit_code == 0 == cold_result.exit_code
+    assert warm_s < cold_s / 2, (warm_s, cold_s)
+
+
+def test_torch_takes_its_thread_count_from_the_rank(tmp_path: Path) -> None:
+    """OMP_NUM_THREADS is read when torch loads: a rank forked from a process that loaded it with
+    another value sets torch's own count (workers.warm_start._as_a_fresh_process)."""
+    import subprocess
+
+    code = ("import torch; torch.set_num_threads(2); from workers.warm_rank import _as_a_fresh_process; "
+            "_as_a_fresh_process({'OMP_NUM_THREADS': '1'}); print(torch.get_num_threads())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stdout.strip() == "1", done.stderr
+
+
+def test_a_preload_that_initialises_cuda_is_dropped_and_said_so(warm: WarmStarts, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A stand-in for a library that initialises CUDA when imported (torch's flag set, as a real
+    initialisation sets it): the warm process is started again without it, the rank runs warm,
+    imports it itself, and the log names it."""
+    (tmp_path / "site" / "grabs_cuda.py").write_text("import torch\ntorch.cuda._initialized = True\n")
+    script = tmp_path / "uses.py"
+    script.write_text("import grabs_cuda\nimport torch\nprint('cuda', torch.cuda.is_initialized())\n")
+    with caplog.at_level(logging.WARNING, logger="workers.warm_start"):
+        result, start, out, err = _launch(warm, tmp_path, script)
+    assert result.exit_code == 0, err
+    assert start.path == "warm", start.why_cold
+    assert out == "cuda True\n"  # imported in the rank, where it belongs
+    assert "preloading grabs_cuda initialised CUDA" in caplog.text
+
+
+def test_cuda_initialised_in_the_warm_process_after_its_preload_stops_the_fork(warm: WarmStarts,
+                                                                               tmp_path: Path) -> None:
+    """The check before every fork: a library whose thread initialises CUDA a while after it was
+    imported passes the preload's check, but the next fork's rank refuses and the launch runs cold."""
+    (tmp_path / "site" / "late_cuda.py").write_text(textwrap.dedent("""
+        import threading, time, torch
+        def grab():
+            time.sleep(2.0)
+            torch.cuda._initialized = True
+        threading.Thread(target=grab, daemon=True).start()
+    """))
+    script = tmp_path / "uses.py"
+    script.write_text("import late_cuda\nprint('ran')\n")
+    result, start, out, _ = _launch(warm, tmp_path, script)
+    assert result.exit_code == 0 and out == "ran\n"
+    if start.path == "warm":  # the first fork beat the thread: the next one does not
+        time.sleep(2.5)
+        result, start, out, _ = _launch(warm, tmp_path, script)
+    assert start.path == "cold" and "CUDA was initialised in the warm process" in start.why_cold
+    assert result.exit_code == 0 and out == "ran\n"
+
+
+@pytest.mark.parametrize("case", ["wrapper", "switched off", "failing preload"])
+def test_what_the_warm_path_cannot_serve_runs_cold_and_says_why(warm: WarmStarts, tmp_path: Path, case: str) -> None:
+    env = _env(tmp_path)
+    if case == "wrapper":
+        script = tmp_path / "run.sh"
+        script.write_text("#!/bin/sh\necho ran\n")
+        script.chmod(0o755)
+        expected = "not a Python script"
+    else:
+        script = tmp_path / "train.py"
+        script.write_text("import broken_lib\nprint('ran')\n" if case == "failing preload" else "print('ran')\n")
+        (tmp_path / "site" / "broken_lib.py").write_text("import os\nif 'RANK' not in os.environ:\n"
+                                                         "    raise RuntimeError('needs RANK')\n")
+        if case == "switched off":
+            env[SWITCH_ENV] = "0"
+        expected = "a preload failed" if case == "failing preload" else "switched off"
+    result, start, out, err = _launch(warm, tmp_path, script, env=env)
+    assert result.exit_code == 0 and out == "ran\n", err
+    assert start.path == "cold" and expected in start.why_cold
+
+
+ESCAPER = '''
+import os, sys, time
+pid_file = sys.argv[1]
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(pid_file + ".tmp", pid_file)
+        time.sleep(300)
+    os._exit(0)
+while not os.path.exists(pid_file):
+    time.sleep(0.02)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_forked_setsid_grandchild_is_stopped_with_its_warm_rank(warm: WarmStarts, tmp_path: Path) -> None:
+    """No exec anywhere: the grandchild's /proc environ is the warm process's, not the launch's
+    token, so the warm process's own token finds it."""
+    script = tmp_path / "escape.py"
+    script.write_text(ESCAPER)
+    result, start, _, err = _launch(warm, tmp_path, script, str(tmp_path / "grandchild.pid"))
+    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    try:
+        assert start.path == "warm" and result.exit_code == 0, err
+        deadline = time.monotonic() + 5
+        while _alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(grandchild), "the setsid grandchild outlived its warm rank"
+        assert warm._alive(), "the warm process itself was stopped with the rank"
+    finally:
+        if _alive(grandchild):
+            psutil.Process(grandchild).kill()
+
+
+GROWER = '''
+import sys, time
+import torch
+hold = []
+while True:
+    hold.append(bytearray(50 * 2**20))
+    time.sleep(0.05)
+'''
+
+
+def test_the_memory_cap_and_the_figure_are_a_cold_ranks(warm: WarmStarts, tmp_path: Path) -> None:
+    """A warm rank shares the warm process's imports; that memory is counted as its own, as a cold
+    rank owns it: the peak of a script that imports what the warm process preloaded (torch,
+    DeepSpeed and torch._dynamo, which any torch optimizer imports) and then holds 400 MiB is
+    within 15 % of cold's (a cold rank's import transient is the rest), and the cap still stops it."""
+    script = tmp_path / "idle.py"
+    script.write_text("import time, torch, deepspeed, torch._dynamo\nheld = bytearray(400 * 2**20)\ntime.sleep(3)\n")
+    peaks = {}
+    for path, env in (("cold", _env(tmp_path, **{SWITCH_ENV: "0"})), ("warm", _env(tmp_path)),
+                      ("warm", _env(tmp_path))):
+        result, start, _, err = _launch(warm, tmp_path, script, env=env)
+        assert result.exit_code == 0 and start.path == path, err
+        peaks[path] = result.peak_rss_bytes
+    assert abs(peaks["warm"] - peaks["cold"]) < 0.15 * peaks["cold"], peaks
+    grower = tmp_path / "grow.py"
+    grower.write_text(GROWER)
+    result, start, _, _ = _launch(warm, tmp_path, grower, memory_cap_bytes=peaks["cold"] + 400 * 2**20)
+    assert start.path == "warm" and result.killed_for is KillReason.MEMORY and result.exit_code < 0
+
+
+def test_a_stopped_warm_rank_is_killed_with_its_group(warm: WarmStarts, tmp_path: Path) -> None:
+    """A peer's failure (or Ctrl-C's teardown) stops a warm rank as it stops a cold one."""
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    groups: list[int] = []
+    started = []  # from the rank's start: the first launch also starts the warm process
+    result, start, out, _ = _launch(warm, tmp_path, script,
+                                    should_abort=lambda: bool(started) and time.monotonic() - started[0] > 3,
+                                    on_start=lambda pgid: (groups.append(pgid), started.append(time.monotonic())))
+    assert start.path == "warm" and out == "up\n"
+    assert result.killed_for is KillReason.PEER_FAILED and result.exit_code is not None and result.exit_code < 0
+    assert not group_alive(groups[0])
+
+
+def test_an_interrupted_script_ends_as_pythons_does(warm: WarmStarts, tmp_path: Path) -> None:
+    """An uncaught KeyboardInterrupt: traceback on stderr, killed by SIGINT, as `python script.py`."""
+    script = tmp_path / "interrupted.py"
+    script.write_text("raise KeyboardInterrupt\n")
+    cold, _, _, cold_err = _launch(warm, tmp_path, script, env=_env(tmp_path, **{SWITCH_ENV: "0"}))
+    result, start, _, err = _launch(warm, tmp_path, script)
+    assert start.path == "warm" and result.exit_code == cold.exit_code == -2
+    assert "KeyboardInterrupt" in err and "KeyboardInterrupt" in cold_err
+
+
+def test_what_a_rank_imported_itself_is_preloaded_for_the_next(warm: WarmStarts, tmp_path: Path) -> None:
+    """torch and DeepSpeed import much lazily, inside deepspeed.initialize: an installed module the
+    script's run imported (not at its top level) is in the warm process for the next rank, and
+    the warm process was started again with it right after the rank that taught it."""
+    from workers.device_memory import read_exit_report
+
+    (tmp_path / "site" / "lazy_lib.py").write_text("import time\ntime.sleep(1.0)\n")
+    script = tmp_path / "lazy.py"
+    script.write_text("import sys\ndef main():\n    print('preloaded' if 'lazy_lib' in sys.modules else 'not yet')\n"
+                      "    import lazy_lib\nmain()\n")
+    env = _env(tmp_path, AUTOTUNE_EXIT_REPORT=str(tmp_path / "exit.json"))
+    first, start, out, err = _launch(warm, tmp_path, script, env=env)
+    assert first.exit_code == 0 and start.path == "warm" and out == "not yet\n", err
+    imported = read_exit_report(tmp_path / "exit.json").get("imported")
+    assert "lazy_lib" in imported and "lazy" not in imported  # the script's own module is never preloaded
+    server = warm._pid
+    warm.learn([str(script)], imported)
+    assert warm._pid != server and warm._alive()  # started again at once, between the launches
+    second, start, out, err = _launch(warm, tmp_path, script, env=env)
+    assert second.exit_code == 0 and start.path == "warm" and out == "preloaded\n", err
+
+
+def test_the_slots_lease_is_kept_while_the_warm_process_starts(warm: WarmStarts, tmp_path: Path) -> None:
+    """A preload from a shared filesystem takes tens of seconds: the launch's keep-alive (the lease
+    renewal, workers.rank) is called every second meanwhile, or the slot would be taken as lost."""
+    (tmp_path / "site" / "slow_lib.py").write_text("import time\ntime.sleep(3.0)\n")
+    script = tmp_path / "slow.py"
+    script.write_text("import slow_lib\nprint('ran')\n")
+    env, calls = _env(tmp_path), []
+    start = Start()
+    command = [sys.executable, "-m", "workers.entry", str(script)]
+    result = run_watched(command, env=env, cwd=str(tmp_path), stdout_path=tmp_path / "out.log",
+                         stderr_path=tmp_path / "err.log", timeout_s=180, memory_cap_bytes=None,
+                         spawn=warm.spawn_for(command[3:], env, "cpu", (), start, lambda: calls.append(1)))
+    assert result.exit_code == 0 and start.path == "warm", start.why_cold
+    assert len(calls) >= 3  # the preload's 3 s (and torch's import) at one call a second

@@ -1,0 +1,61 @@
+"""The warm path's decisions (workers.warm_start): what is preloaded, what runs cold, what the warm
+process's environment holds. The forking itself: tests/integration/test_warm_start.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from workers.launch import CONTAINER_ENV
+from workers.warm_rank import rank_sys_path
+from workers.warm_start import (PRELOAD_ENV, SWITCH_ENV, import_time_env, preload_modules,
+                                server_env, top_level_imports, why_cold)
+
+
+def test_top_level_imports_in_order_including_guarded_ones_but_not_inside_functions() -> None:
+    source = ("from __future__ import annotations\nimport os, torch.nn as nn\nfrom transformers import AutoModel\n"
+              "from . import sibling\ntry:\n    import wandb\nexcept ImportError:\n    import json\n"
+              "if True:\n    import numpy\ndef main():\n    import pandas\nimport os\n")
+    assert top_level_imports(source) == ["os", "torch.nn", "transformers", "wandb", "json", "numpy"]
+
+
+def test_only_installed_packages_are_preloaded_never_the_scripts_own_modules(tmp_path: Path) -> None:
+    site, here = tmp_path / "site", tmp_path / "job"
+    (site / "pkg").mkdir(parents=True)
+    (site / "pkg" / "__init__.py").write_text("")
+    (site / "lonely.py").write_text("")
+    (site / "shadowed.py").write_text("")
+    here.mkdir()
+    (here / "gpt_model.py").write_text("")
+    (here / "shadowed.py").write_text("")  # next to the script: the rank imports this one, fresh
+    script = here / "train.py"
+    script.write_text("import pkg.sub\nimport lonely\nimport shadowed\nfrom gpt_model import GPT\nimport missing\n")
+    chosen = preload_modules(script, [site.resolve()], [str(here), str(site)])
+    assert chosen == ["pkg.sub", "lonely"]  # torch and DeepSpeed are not under this stand-in's root
+
+
+def test_what_the_warm_path_cannot_serve(tmp_path: Path) -> None:
+    good = tmp_path / "train.py"
+    good.write_text("print(1)\n")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def (:\n")
+    assert why_cold([str(good)], {}) is None
+    assert "not a Python script" in why_cold([str(tmp_path / "run.sh")], {})
+    assert "switched off" in why_cold([str(good)], {SWITCH_ENV: "0"})
+    assert why_cold([str(good)], {SWITCH_ENV: "1"}) is None
+    assert "cannot be read as Python" in why_cold([str(broken)], {})
+
+
+def test_the_warm_process_has_no_ranks_identity_but_checks_cuda_through_nvml(tmp_path: Path) -> None:
+    rank = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500", "OMP_NUM_THREADS": "4",
+            "AUTOTUNE_EXIT_REPORT": "/x/rank1.exit.json", CONTAINER_ENV: "launch-token", "AUTOTUNE_SLOT": "n.gpu0"}
+    env = server_env(rank, "cuda", ["torch", "deepspeed"], "server-token", tmp_path / "r.json")
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "AUTOTUNE_EXIT_REPORT"} & set(env)
+    assert env[CONTAINER_ENV] == "server-token" and env["AUTOTUNE_SLOT"] == "n.gpu0"
+    assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1" and env["DS_ACCELERATOR"] == "cuda"
+    assert env["OMP_NUM_THREADS"] == "4" and env[PRELOAD_ENV] == "torch,deepspeed,workers.warm_rank"
+    assert server_env({"DS_ACCELERATOR": "cpu"}, "cuda", [], "t", tmp_path)["DS_ACCELERATOR"] == "cpu"
+    assert import_time_env({"OMP_NUM_THREADS": "4"}) != import_time_env({"OMP_NUM_THREADS": "2"})
+
+
+def test_the_ranks_path_is_a_cold_ranks() -> None:
+    assert rank_sys_path("/job/train.py", "/work", ["", "/pp", "/job", "/stdlib"]) == \
+        ["/job", "/work", "/pp", "/stdlib"]

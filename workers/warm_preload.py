@@ -1,0 +1,89 @@
+"""The warm process's preload (`workers.warm_start`): importing this module is the preload.
+
+The forkserver imports it once, before it forks anything. It imports the modules named in
+AUTOTUNE_WARM_PRELOAD one by one and checks after each that CUDA is still not initialised in this
+process (a fork after CUDA's initialisation breaks every child's CUDA); the first module that
+initialised it ends the preload, and the report (AUTOTUNE_WARM_REPORT, JSON) names it, so the slot
+worker starts a warm process again without it and says so in its log. A module that fails to
+import is reported too (that script's ranks then run cold). Before every fork, the same check
+runs again (`os.register_at_fork`): its answer is inherited by the forked rank, which refuses to
+run with CUDA initialised in its parent (`cuda_before_fork`).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+
+_state = {"cuda_at_fork": ""}
+
+
+def cuda_initialised() -> bool:
+    """Whether torch has initialised CUDA in this process (False when torch is not imported)."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a half-imported torch: not initialised by anyone
+        return False
+
+
+def cuda_before_fork() -> str:
+    """In a forked rank: why it must not run ("" when it may): its parent had CUDA initialised."""
+    return _state["cuda_at_fork"]
+
+
+def _check_before_fork() -> None:
+    _state["cuda_at_fork"] = "CUDA was initialised in the warm process before the fork" if cuda_initialised() else ""
+
+
+def preload(names: list[str]) -> dict[str, object]:
+    """Import `names` in order; stop at the first that initialised CUDA. The report as a dict."""
+    report: dict[str, object] = {"imported": [], "failed": {}, "cuda_initialised_by": None, "seconds": 0.0}
+    began = time.monotonic()
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # noqa: BLE001 - any failure, SystemExit included, is reported
+            report["failed"][name] = f"{type(exc).__name__}: {exc}"[:500]  # type: ignore[index]
+            continue
+        if cuda_initialised():
+            report["cuda_initialised_by"] = name
+            break
+        report["imported"].append(name)  # type: ignore[union-attr]
+    report["seconds"] = round(time.monotonic() - began, 3)
+    return report
+
+
+def _without_the_workers_main() -> None:
+    """A process this forkserver forks would first take the slot worker's sys.path and import its
+    main module (the standard library's `spawn.prepare`, for pickled functions defined there). A
+    rank's `__main__` is the user's script and its path the one this process's interpreter built
+    from the rank's own PYTHONPATH, as a cold rank's is: both are left as they are here."""
+    from multiprocessing import spawn
+
+    prepare = spawn.prepare
+    workers_own = ("init_main_from_name", "init_main_from_path", "sys_path")
+
+    def prepare_without_main(data: dict[str, object]) -> None:
+        prepare({key: value for key, value in data.items() if key not in workers_own})
+
+    spawn.prepare = prepare_without_main
+
+
+def _main() -> None:
+    _without_the_workers_main()
+    names = [name for name in os.environ.get("AUTOTUNE_WARM_PRELOAD", "").split(",") if name]
+    report = preload(names)
+    path = os.environ.get("AUTOTUNE_WARM_REPORT")
+    if path:
+        with open(path, "w") as handle:
+            json.dump(report, handle)
+    os.register_at_fork(before=_check_before_fork)
+    _check_before_fork()
+
+
+if os.environ.get("AUTOTUNE_WARM_REPORT") is not None:  # imported as the preload, not by a test
+    _main()

@@ -1,0 +1,491 @@
+"""A warm interpreter per slot: ranks forked from a process that has already imported torch,
+DeepSpeed and the script's own top-level imports, instead of a fresh `python` that imports them.
+
+Why: on the 2-core machine `import torch, deepspeed` alone is 3 s of every rank, and most of an
+experiment was start-up (issue 33); on a cluster whose Python lives on a shared filesystem the
+imports take tens of seconds. Each slot worker keeps one multiprocessing forkserver (the standard
+library's: `set_forkserver_preload`, nothing hand-rolled) whose preload is `workers.warm_preload`,
+and forks every rank from it. The forked rank is a fresh process for every experiment, so nothing
+leaks from one experiment to the next (Ray Tune's `reuse_actors` reuses a process; this does not):
+`workers.warm_rank` sets its environment, argv, cwd, sys.path, stdout/stderr, session and CPU
+affinity, sets torch's thread count, and runs the script through `workers.entry.run_script` as
+`python script.py` would (runpy, `__main__`), then ends as the interpreter would. What a rank
+imported itself (torch and DeepSpeed import much lazily inside `deepspeed.initialize`) is learned
+and preloaded from then on (`WarmStarts.learn`); the warm process is started again with it between
+experiments, keeping the slot's lease meanwhile.
+
+What stays true, and why:
+- CUDA is never initialised in the warm process: it is started with PYTORCH_NVML_BASED_CUDA_CHECK=1
+  and DeepSpeed's accelerator named; `workers.warm_preload` checks `torch.cuda.is_initialized()`
+  after every preloaded module (one that initialises CUDA is dropped from the preload and the slot's
+  log says so) and before every fork; a rank forked from a process with CUDA refuses to run and the
+  launch goes cold.
+- Finding, limiting and killing a rank: the rank makes its own process group (`setsid`), so group
+  kills, the memory cap and Ctrl-C work as for a cold rank. A forked process keeps the warm
+  process's original environment in /proc/<pid>/environ, so the warm process carries AUTOTUNE_SLOT
+  (`workers.launch.group_runs_slot`) and a token of its own (`server_token`): after a launch every
+  process holding it, started since the launch, except the warm process, is stopped too, as the
+  launch token stops the ones that exec'd (`WarmProcess.after_kill`). The memory a forked rank
+  shares with the warm process is counted as its own, as a cold rank's would be (`inherited_bytes`).
+- Environment read at import time is the rank's: the warm process is started with the slot's
+  OMP/MKL threads, DeepSpeed's accelerator and PYTHONUNBUFFERED, and a rank whose values differ gets
+  a warm process started with its own (`import_time_env`); torch's thread count is set in the rank
+  (`torch.set_num_threads`); CUDA_VISIBLE_DEVICES and TORCH_EXTENSIONS_DIR are read when CUDA and an
+  op build start, in the rank. The script's own modules (next to it) are never preloaded: they are
+  the user's to edit between jobs, and may read RANK when imported.
+- A launch the warm path cannot serve runs cold (`python -m workers.entry`, as before), and the
+  record says which path ran (`start_path`, and `cold_because`): not a `.py` script (a wrapper),
+  AUTOTUNE_WARM_START=0, a preload that fails or hangs, a rank that refused.
+- Its costs: the warm process's memory on each slot while the worker lives (not under the slot's
+  cap), one start per script and import-time setting (multiprocessing has one forkserver per
+  process: jobs with different scripts on one slot take turns restarting it).
+"""
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import json
+import logging
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.process
+import multiprocessing.resource_tracker
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+
+from workers.warm_rank import probe_fork, rank_sys_path, run_forked_rank
+
+log = logging.getLogger(__name__)
+
+SWITCH_ENV = "AUTOTUNE_WARM_START"  #: "0" starts every rank cold
+PRELOAD_ENV = "AUTOTUNE_WARM_PRELOAD"  #: the modules `workers.warm_preload` imports, comma-separated
+REPORT_ENV = "AUTOTUNE_WARM_REPORT"  #: where it writes what it imported, and what failed
+#: Read once, when a library is loaded or first asked, so the warm process must already have the rank's.
+IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "DS_ACCELERATOR", "PYTHONPATH", "PYTHONHASHSEED")
+#: torch._dynamo: every torch optimizer's constructor imports it (`torch._disable_dynamo`), so
+#: `deepspeed.initialize` paid 2.5-8 s of imports on the 2-core machine after the script's own.
+ALWAYS_PRELOADED = ("torch", "deepspeed", "torch._dynamo")
+#: How long the preload may take (a cold import of torch, DeepSpeed and transformers from a shared
+#: filesystem is tens of seconds), and how long a forked rank may take to say it is ready.
+PRELOAD_TIMEOUT_S = 600.0
+READY_TIMEOUT_S = 60.0
+MAX_LEARNED = 300  #: learned preloads kept per script
+_CONTEXT = multiprocessing.get_context("forkserver")
+
+
+def switched_off(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    return environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def why_cold(script_argv: list[str], environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """Why the warm path cannot run this script (None: it can)."""
+    if switched_off(environ):
+        return f"switched off ({SWITCH_ENV}={environ.get(SWITCH_ENV)})"
+    script = script_argv[0] if script_argv else ""
+    if not script.endswith(".py"):
+        return f"not a Python script: {script}"
+    try:
+        ast.parse(Path(script).read_bytes(), filename=script)
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"cannot be read as Python ({type(exc).__name__}): the cold run reports it"
+    return None
+
+
+def top_level_imports(source: str) -> list[str]:
+    """The absolute modules a script imports at its top level (in order, without duplicates), also
+    inside top-level `try`/`if` blocks; `from a.b import c` gives `a.b`. Pure."""
+    found: list[str] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Try):
+                for block in (node.body, *(handler.body for handler in node.handlers), node.orelse, node.finalbody):
+                    visit(block)
+            elif isinstance(node, ast.If):
+                visit(node.body)
+                visit(node.orelse)
+            for name in names:
+                if name != "__future__" and name not in found:
+                    found.append(name)
+
+    visit(ast.parse(source).body)
+    return found
+
+
+def installed_roots() -> list[Path]:
+    """Where installed packages live: the standard library and site-packages."""
+    return [Path(p).resolve() for p in {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib",
+                                                                               "platlib")}]
+
+
+def preload_modules(script: Path, installed: list[Path], search_path: list[str]) -> list[str]:
+    """torch, DeepSpeed and the script's top-level imports that are installed packages (found on
+    the rank's `search_path` under `installed`), never a module next to the script or one that
+    shadows a package there."""
+    names = [*ALWAYS_PRELOADED, *top_level_imports(script.read_text(errors="replace"))]
+    return installed_only(list(dict.fromkeys(names)), installed, search_path)
+
+
+def installed_only(names: list[str], installed: list[Path], search_path: list[str]) -> list[str]:
+    """The names whose top-level package the rank would find (on `search_path`) under `installed`."""
+    chosen = []
+    for name in names:
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(name.partition(".")[0], search_path)
+        except (ImportError, ValueError):
+            continue
+        places = ([spec.origin] if spec.origin else list(spec.submodule_search_locations or [])) if spec else []
+        if places and all(any(Path(place).resolve().is_relative_to(root) for root in installed) for place in places):
+            chosen.append(name)
+    return chosen
+
+
+def import_time_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The rank's values of what libraries read once: a warm process started with others is not its."""
+    return tuple((name, env.get(name, "")) for name in IMPORT_TIME_ENV)
+
+
+def server_env(rank_env: dict[str, str], slot_kind: str, preload: list[str], token: str,
+               report: Path) -> dict[str, str]:
+    """The warm process's environment: the rank's without what is the rank's alone (its rank, its
+    peers, its launch), CUDA's check through NVML, DeepSpeed's accelerator named."""
+    from workers.device_memory import EXIT_REPORT_ENV
+    from workers.launch import CONTAINER_ENV
+
+    per_rank = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK", "CROSS_RANK",
+                "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT", EXIT_REPORT_ENV, CONTAINER_ENV}
+    env = {name: value for name, value in rank_env.items() if name not in per_rank}
+    env.update({"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONUNBUFFERED": "1", CONTAINER_ENV: token,
+                PRELOAD_ENV: ",".join([*preload, "workers.warm_rank"]), REPORT_ENV: str(report)})  # the rank's start
+    env.setdefault("DS_ACCELERATOR", "cuda" if slot_kind == "cuda" else "cpu")
+    return env
+
+
+@dataclass
+class Start:
+    """How one launch was started: the record's `start_path` and, when cold, why."""
+
+    path: str = "cold"
+    why_cold: str = ""
+
+
+class WarmProcess:
+    """A rank forked by the warm process, as `workers.launch.run_watched` watches a Popen."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, server_pid: int, server_token: str) -> None:
+        self._process, self.pid = process, int(process.pid or 0)
+        self._server_pid, self._server_token = server_pid, server_token
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"warm rank {self.pid}", timeout or 0.0)
+        return self._process.exitcode
+
+    def inherited_bytes(self) -> int:
+        """The memory the rank still shares with the warm process: counted half in its PSS, but a
+        cold rank would own it (its anonymous memory in full, less its proportional share). A
+        script that never imports a preloaded module (torch._dynamo, which every torch optimizer
+        imports) is charged for it all the same: its figure is that much above a cold run's."""
+        try:
+            fields = {}
+            for line in Path(f"/proc/{self.pid}/smaps_rollup").read_text().splitlines():
+                name, _, value = line.partition(":")
+                if name.replace("_", "").isalpha():
+                    fields[name] = int(value.split()[0]) * 1024
+            anonymous, proportional = fields["Anonymous"], fields["Pss_Anon"]
+        except (OSError, KeyError, ValueError, IndexError):
+            return 0
+        return max(0, anonymous - proportional)
+
+    def after_kill(self, since: float) -> None:
+        """Stop what the rank forked without exec (its /proc environ is the warm process's)."""
+        from workers.launch import CONTAINER_ENV, kill_marked
+
+        kill_marked(CONTAINER_ENV, self._server_token, since, exclude=(self._server_pid,))
+
+
+class WarmStarts:
+    """This slot worker's warm process, started on the first launch that can use it, started again
+    when a launch needs other preloads or import-time settings, or after it died."""
+
+    def __init__(self, roots: list[Path] | None = None) -> None:
+        self._roots = roots if roots is not None else installed_roots()
+        self._key: tuple[Any, ...] | None = None
+        self._pid = 0
+        self._token = ""
+        self._dropped: set[str] = set()  #: preloads that initialised CUDA, or learned ones that failed
+        self._learned: dict[str, list[str]] = {}  #: per script: what its ranks imported themselves
+        self._last: tuple[str, dict[str, str], str, str] | None = None  #: the latest warm launch's script, env, cwd, kind
+        self._failed: dict[tuple[Any, ...], str] = {}  #: keys whose preload failed, and how
+        self._lock = threading.Lock()
+
+    def spawn_for(self, script_argv: list[str], rank_env: dict[str, str], slot_kind: str,
+                  cpus: tuple[int, ...], start: Start, keep_alive: Callable[[], object] = lambda: None):
+        """The `spawn` for `workers.launch.run_watched`: a warm rank when it can, else a cold
+        `subprocess.Popen` of the same command; `start` says which ran. `keep_alive` is called
+        every second while a warm process starts (the slot's lease must not lapse meanwhile: a
+        preload from a shared filesystem takes tens of seconds)."""
+        reason = why_cold(script_argv, rank_env)
+
+        def spawn(argv: list[str], env: dict[str, str], cwd: str, out: IO[bytes], err: IO[bytes]):
+            cold = reason
+            if cold is None:
+                try:
+                    with self._lock:
+                        return self._fork(script_argv, env, cwd, out.name, err.name, slot_kind, cpus, start,
+                                          keep_alive)
+                except WarmUnavailable as exc:
+                    cold = str(exc)
+                except Exception as exc:  # noqa: BLE001 - a fault of the warm path costs the launch its speed only
+                    log.exception("warm start failed; this rank runs cold")
+                    cold = f"the warm path failed ({type(exc).__name__}: {exc})"
+            start.path, start.why_cold = "cold", cold
+            return subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+
+        return spawn
+
+    def _fork(self, script_argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str,
+              slot_kind: str, cpus: tuple[int, ...], start: Start,
+              keep_alive: Callable[[], object] = lambda: None) -> WarmProcess:
+        key, preload, learned = self._plan(script_argv[0], env, cwd, slot_kind)
+        self._last = (script_argv[0], env, cwd, slot_kind)
+        if key in self._failed:
+            raise WarmUnavailable(self._failed[key])
+        if key != self._key or not self._alive():
+            self._start_server(key, preload, env, slot_kind, learned, keep_alive)
+        receive, send = _CONTEXT.Pipe(duplex=False)
+        request = {"script_argv": script_argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr,
+                   "cpus": list(cpus)}
+        with _may_have_children():  # the Process takes a copy of this process's config when made
+            process = _CONTEXT.Process(target=run_forked_rank, args=(request, send), name="autotune-rank",
+                                       daemon=True)
+            process.start()
+        send.close()
+        try:
+            answer = receive.recv() if _wait(lambda: receive.poll(1.0), READY_TIMEOUT_S, keep_alive) \
+                else ("lost", "no answer in time")
+        except EOFError:
+            answer = ("lost", "it ended before it was ready")
+        receive.close()
+        if answer[0] != "ok":
+            _stop(process)
+            self._stop_server()
+            raise WarmUnavailable(f"the forked rank did not start ({answer[0]}: {answer[1]})")
+        start.path, start.why_cold = "warm", ""
+        return WarmProcess(process, self._pid, self._token)
+
+    def _plan(self, script: str, env: dict[str, str], cwd: str, slot_kind: str
+              ) -> tuple[tuple[Any, ...], list[str], set[str]]:
+        """The warm process this launch needs (its key), what it preloads, and which of those were
+        learned from earlier ranks of the script (`learn`)."""
+        own = [name for name in preload_modules(Path(script), self._roots, self._search_path(script, env, cwd))
+               if name not in self._dropped]
+        learned = [name for name in self._learned.get(script, []) if name not in own and name not in self._dropped]
+        preload = [*own, *learned]
+        return (tuple(preload), import_time_env(env), slot_kind, env.get("AUTOTUNE_SLOT", "")), preload, set(learned)
+
+    @staticmethod
+    def _search_path(script: str, env: dict[str, str], cwd: str) -> list[str]:
+        """Where the rank looks for modules: its sys.path (`rank_sys_path`)."""
+        search = rank_sys_path(script, cwd, ["", *env.get("PYTHONPATH", "").split(os.pathsep), *sys.path[1:]])
+        return [entry for entry in search if entry]
+
+    def learn(self, script_argv: list[str], imported: list[str] | None,
+              keep_alive: Callable[[], object] = lambda: None) -> None:
+        """After a rank of the script ended: the installed modules it imported itself
+        (`workers.entry.installed_imports`; torch and DeepSpeed import much lazily, inside
+        `deepspeed.initialize`) are preloaded from now on, and the warm process is started again
+        with them at once, between experiments rather than inside the next one's wall."""
+        if not imported or not script_argv:
+            return
+        with self._lock:
+            if self._last is None or self._last[0] != script_argv[0] or why_cold(script_argv, self._last[1]):
+                return
+            script, env, cwd, slot_kind = self._last
+            known = self._learned.setdefault(script, [])
+            fresh = [name for name in imported if name not in known and name not in self._dropped]
+            fresh = installed_only(fresh, self._roots, self._search_path(script, env, cwd))
+            if not fresh:
+                return
+            known.extend(fresh[:MAX_LEARNED - len(known)])
+            key, preload, learned = self._plan(script, env, cwd, slot_kind)
+            if key in self._failed or key == self._key:
+                return
+            try:
+                self._start_server(key, preload, env, slot_kind, learned, keep_alive)
+            except Exception as exc:  # noqa: BLE001 - the next launch tries again, or runs cold
+                log.warning("warm start: starting the warm process with the learned preloads failed: %s", exc)
+
+    def _alive(self) -> bool:
+        try:
+            return psutil.Process(self._pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def _start_server(self, key: tuple[Any, ...], preload: list[str], rank_env: dict[str, str],
+                      slot_kind: str, learned: set[str] = frozenset(),  # type: ignore[assignment]
+                      keep_alive: Callable[[], object] = lambda: None) -> None:
+        """Start the warm process for `key`, its preload done and checked: a module that initialised
+        CUDA, or a learned one that failed, is dropped (and the process started again without it);
+        one of the script's own imports that failed makes the key cold for this worker's life."""
+        self._stop_server()
+        for _ in range(len(preload) + 1):
+            report = Path(tempfile.mkdtemp(prefix="autotune-warm.")) / "preload.json"
+            token = uuid.uuid4().hex
+            _CONTEXT.set_forkserver_preload(["workers.warm_preload"])
+            multiprocessing.resource_tracker.ensure_running()  # this worker's: not marked as the ranks are
+            with _environment(server_env(rank_env, slot_kind, preload, token, report)):
+                multiprocessing.forkserver.ensure_running()
+            self._pid, self._token = multiprocessing.forkserver._forkserver._forkserver_pid or 0, token
+            with _may_have_children():
+                probe = _CONTEXT.Process(target=probe_fork, name="autotune-warm-probe", daemon=True)
+                # start() waits for the preload (the forkserver forks only after it): in a thread,
+                # so that the lease is kept meanwhile
+                starter = threading.Thread(target=_quietly, args=(probe.start,), daemon=True)
+                starter.start()
+                started = _wait(lambda: starter.join(1.0) or not starter.is_alive(), PRELOAD_TIMEOUT_S, keep_alive)
+            if started and probe.pid is not None:
+                _wait(lambda: probe.join(1.0) or probe.exitcode is not None, 60.0, keep_alive)
+            outcome = _read_report(report)
+            if not started or probe.pid is None or probe.exitcode is None:
+                if probe.pid is not None:
+                    _stop(probe)
+                self._stop_server()
+                self._failed[key] = f"the warm process's preload took over {PRELOAD_TIMEOUT_S:.0f} s"
+                raise WarmUnavailable(self._failed[key])
+            culprit = outcome.get("cuda_initialised_by")
+            failed = outcome.get("failed") or {}
+            if culprit or failed and set(failed) <= learned:
+                if culprit:
+                    log.warning("warm start: preloading %s initialised CUDA in the warm process; dropped from the "
+                                "preload (ranks import it themselves)", culprit)
+                else:
+                    log.warning("warm start: learned preloads failed, dropped: %s", failed)
+                self._stop_server()
+                dropped = {culprit} if culprit else set(failed)
+                self._dropped |= dropped
+                preload = [name for name in preload if name not in dropped]
+                continue
+            if outcome.get("failed") or probe.exitcode != 0:
+                self._stop_server()
+                failed = outcome.get("failed") or {"?": f"the probe exited {probe.exitcode}"}
+                self._failed[key] = "a preload failed in the warm process: " + "; ".join(
+                    f"{name}: {error}" for name, error in failed.items())
+                log.warning("warm start: %s; this script's ranks run cold", self._failed[key])
+                raise WarmUnavailable(self._failed[key])
+            self._key = (tuple(preload), *key[1:])  # without what was dropped: what the next launch asks for
+            log.info("warm start: warm process %d ready (%s), preloaded %s in %.1f s", self._pid, slot_kind,
+                     ", ".join(preload), outcome.get("seconds", 0.0))
+            return
+        raise WarmUnavailable("every preload initialised CUDA")
+
+    def _stop_server(self) -> None:
+        server = multiprocessing.forkserver._forkserver
+        if server._forkserver_pid is not None:
+            try:
+                os.kill(server._forkserver_pid, signal.SIGKILL)  # a preload may hang: no polite stop
+            except ProcessLookupError:
+                pass
+            try:
+                server._stop()
+            except ChildProcessError:
+                server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+        self._key, self._pid, self._token = None, 0, ""
+
+
+class WarmUnavailable(Exception):
+    """The warm path cannot serve this launch; the message says why (the record's `cold_because`)."""
+
+
+def _wait(done: Callable[[], bool], limit_s: float, keep_alive: Callable[[], object]) -> bool:
+    """Poll `done` (which waits up to a second itself) until it is true or `limit_s` passed,
+    calling `keep_alive` between polls; whether it came true."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        keep_alive()
+    return done()
+
+
+def _quietly(call: Callable[[], object]) -> None:
+    """For a thread: a failure shows as the call's missing effect (the probe has no pid)."""
+    try:
+        call()
+    except Exception:  # noqa: BLE001
+        log.debug("warm start: the probe could not be started", exc_info=True)
+
+
+def _read_report(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _stop(process: multiprocessing.process.BaseProcess) -> None:
+    if process.exitcode is None:
+        process.kill()
+    process.join(5)
+
+
+@contextmanager
+def _may_have_children() -> Iterator[None]:
+    """A Celery pool process is a daemon to multiprocessing, which refuses it children lest they be
+    orphaned when it is terminated. Ours are not: each rank is its own process group that the
+    launch kills, and the forkserver ends with this process. The flag is lifted for the start. Its
+    authentication key is billiard's (Celery's fork of multiprocessing), which refuses to be sent to
+    a child that billiard did not start: the same bytes as the standard library's, for the start."""
+    config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
+    daemon, authkey = config.pop("daemon", None), config.get("authkey")
+    if authkey is not None:
+        config["authkey"] = multiprocessing.process.AuthenticationString(bytes(authkey))
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+        if authkey is not None:
+            config["authkey"] = authkey
+
+
+@contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """This process's environment replaced by `env` for the block: the forkserver takes the
+    environment of the process that starts it, and it is started from this worker's pool process."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+WARM = WarmStarts()
