@@ -4,6 +4,7 @@ and kills a rank still works, CUDA never reaches a fork, and what the warm path 
 cold and says why."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from integration_helpers import run_autotune, write_config
 from workers.failure import KillReason
 from workers.launch import LaunchResult, group_alive, run_watched
 from workers.warm_start import SWITCH_ENV, Start, WarmStarts, installed_roots
@@ -37,7 +39,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("AUTOTUNE_")}
     env.update({"PYTHONPATH": f"{ROOT}:{tmp_path / 'site'}", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1", "AUTOTUNE_SLOT": "test.gpu0", "CUDA_VISIBLE_DEVICES": "", "RANK": "0",
-                "DS_ACCELERATOR": "cpu", **extra})
+                "DS_ACCELERATOR": "cpu", SWITCH_ENV: "1", **extra})
     return env
 
 
@@ -301,3 +303,17 @@ def test_the_slots_lease_is_kept_while_the_warm_process_starts(warm: WarmStarts,
                          spawn=warm.spawn_for(command[3:], env, "cpu", (), start, lambda: calls.append(1)))
     assert result.exit_code == 0 and start.path == "warm", start.why_cold
     assert len(calls) >= 3  # the preload's 3 s (and torch's import) at one call a second
+
+
+def test_every_rank_of_a_real_job_runs_warm_when_asked(tmp_path: Path) -> None:
+    """Under Celery's pool (billiard's authkey once made every rank silently cold), with the switch on
+    for the embedded cluster: every rank forked warm, and the summary counts them."""
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2])
+    proc = run_autotune([str(cfg), "--slots", "2", "--num_gpus", "1"], tmp_path, {SWITCH_ENV: "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = tmp_path / "autotuning_results"
+    names = [json.loads(line)["name"] for line in (results / "results.jsonl").read_text().splitlines()]
+    ranks = [rank for name in names for rank in json.loads((results / name / "result.json").read_text())["ranks"]]
+    assert ranks and {rank.get("start_path") for rank in ranks} == {"warm"}, [r.get("cold_because") for r in ranks]
+    summary = (results / "summary.txt").read_text()
+    assert "cold: 0." in summary and "ranks started warm: " in summary

@@ -37,11 +37,12 @@ def test_what_the_warm_path_cannot_serve(tmp_path: Path) -> None:
     good.write_text("print(1)\n")
     broken = tmp_path / "broken.py"
     broken.write_text("def (:\n")
-    assert why_cold([str(good)], {}) is None
-    assert "not a Python script" in why_cold([str(tmp_path / "run.sh")], {})
+    on = {SWITCH_ENV: "1"}
+    assert why_cold([str(good)], on) is None
+    assert "not a Python script" in why_cold([str(tmp_path / "run.sh")], on)
     assert "switched off" in why_cold([str(good)], {SWITCH_ENV: "0"})
-    assert why_cold([str(good)], {SWITCH_ENV: "1"}) is None
-    assert "cannot be read as Python" in why_cold([str(broken)], {})
+    assert "switched off" in why_cold([str(good)], {})  # opt-in: unset is off
+    assert "cannot be read as Python" in why_cold([str(broken)], on)
 
 
 def test_the_warm_process_has_no_ranks_identity_but_checks_cuda_through_nvml(tmp_path: Path) -> None:
