@@ -382,13 +382,15 @@ def test_up_status_cleanup_down_across_two_hosts(cluster, tmp_path):
 
     # `down` while node 2 runs a rank that ignores SIGTERM: node 1's idle workers stop warm; node 2's
     # worker waits for its experiment until the deadline, then stops cold, killing the rank's group.
+    # The deadline is what an idle worker's warm shutdown needs with 3 test processes on 2 cores
+    # (3 s was once too short there: node 1 reported cold though its workers had begun a warm one).
     tuner, hung = _tune_with_node2_hanging(cluster, tmp_path, "1=ok,2=ok")
     try:
         hung_pid = int((hung / "hung.node2").read_text())
         wait_for(lambda: len(list(tmp_path.glob("autotuning_results/*/result.json"))) == 1, 30,
                  "the other experiment to finish on node 1")
         _down(cluster, {"node1": "node1: node1.control warm shutdown; node1.gpu0 warm shutdown",
-                        "node2": "node2: node2.gpu0 cold shutdown"}, deadline_s=3)
+                        "node2": "node2: node2.gpu0 cold shutdown"}, deadline_s=12)
         assert cluster.group("node2", hung_pid) == {}, "a cold shutdown must kill the running rank's group"
     finally:
         _stop_tuner(tuner, cluster)
