@@ -116,8 +116,8 @@ class LocalCluster:
             raise
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        self.stop(settled=exc_type is None)
 
     @property
     def pids(self) -> list[int]:
@@ -182,11 +182,22 @@ class LocalCluster:
             time.sleep(0.2)
         raise LocalClusterError(f"{what} did not come up within {START_TIMEOUT_S:.0f}s; see {log}")
 
-    def stop(self) -> None:
+    def stop(self, settled: bool = False) -> None:
         """Stop everything this cluster started, by PID; safe to call twice. Each step waits at most
-        LOCAL_STOP_GRACE_S before it kills, so the whole stop takes seconds whatever the load."""
+        LOCAL_STOP_GRACE_S before it kills, so the whole stop takes seconds whatever the load.
+
+        `settled`: the command using the cluster ended without an exception. If no rank is recorded
+        as running either, the workers are killed at once: this Redis is ours and goes next, so a
+        cold shutdown's bookkeeping would be read by no one, and it costs over a second a worker
+        (billiard's pool process sleeps 1 s on its way out). Otherwise (Ctrl-C, an error, a rank
+        still running) each worker's cold shutdown kills its running rank's group first."""
         client = redis.Redis.from_url(self.url, socket_timeout=2) if self.url else None
-        cold_stop(self._workers, grace_s=LOCAL_STOP_GRACE_S)
+        if settled and client is not None and not _ranks_recorded(client):
+            kill_groups([worker.pid for worker in self._workers], grace_s=0.0, wait_s=LOCAL_STOP_GRACE_S)
+            for worker in self._workers:
+                worker.wait()
+        else:
+            cold_stop(self._workers, grace_s=LOCAL_STOP_GRACE_S)
         if client is not None:
             _kill_recorded_groups(client)
         if self._workers:  # training processes that left their group (setsid) still carry our pid
@@ -279,6 +290,15 @@ def die_with_parent(sig: int) -> Callable[[], None] | None:
 
 def _pings(client: redis.Redis) -> bool:
     return bool(client.ping())
+
+
+def _ranks_recorded(client: redis.Redis) -> bool:
+    """Whether a rank's process group is recorded as running (run_rank records it while it runs);
+    true when Redis cannot say, so the caller takes the careful way."""
+    try:
+        return next(client.scan_iter(match=keys.pgid_pattern()), None) is not None
+    except redis.RedisError:
+        return True
 
 
 def _kill_recorded_groups(client: redis.Redis) -> None:

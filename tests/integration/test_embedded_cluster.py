@@ -120,3 +120,35 @@ def test_the_cluster_user_cannot_take_over_redis(tmp_path):
         with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):
             redis.Redis(host=host, port=port, socket_timeout=3).set("x", "1")  # the default user is off
         assert client.ping()
+
+
+@pytest.mark.parametrize("settled,rank_running", [(True, False), (True, True), (False, True)])
+def test_stop_kills_every_worker_and_a_rank_recorded_as_running(tmp_path, settled, rank_running):
+    """The stop after a normal end with nothing running kills the idle workers at once (no cold
+    shutdown to wait for); after an interrupt, or with a rank recorded as running, it shuts them
+    down cold. Either way the recorded rank group (one that ignores SIGTERM) and every process of the
+    cluster are gone when stop returns."""
+    from workers import keys
+    from workers.local_cluster import LocalCluster
+    from workers.registry import connect
+
+    cluster = LocalCluster(1, tmp_path / "cluster")
+    cluster.start()
+    rank = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                             "signal.SIG_IGN); print('up', flush=True); time.sleep(300)"],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert rank.stdout.readline() == b"up\n"
+        if rank_running:
+            connect(cluster.url).set(keys.pgid("gpu0", "t-rank"), rank.pid)
+        pids = cluster.pids
+        cluster.stop(settled=settled)
+        if rank_running:
+            assert rank.wait(timeout=10) == -signal.SIGKILL, "the recorded rank's group must be killed"
+        assert not [pid for pid in pids if psutil.pid_exists(pid) and
+                    psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "a cluster process outlived stop"
+    finally:
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)
+            rank.wait()
+        cluster.stop()
