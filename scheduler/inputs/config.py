@@ -321,11 +321,10 @@ def check_schema(path: Path, raw: Mapping[str, Any]) -> None:
             raise ConfigError(f"{path}: autotuning.tuner_type {shown(autotuning['tuner_type'])} is not one of "
                               f"{', '.join(TUNER_TYPES)}")
     _check_model_info(path, autotuning.get("model_info"))
-    if "mlflow" in autotuning and autotuning["mlflow"] is not False:
-        if not isinstance(autotuning["mlflow"], str):
-            raise ConfigError(f"{path}: autotuning.mlflow must be an MLflow tracking URI such as "
-                              f'"http://mlflow-host:5000", or false to log nowhere, got {shown(autotuning["mlflow"])}')
-        check_path_text(path, "autotuning.mlflow", autotuning["mlflow"])
+    uri = autotuning.get("mlflow", False)
+    if uri is not False and (not isinstance(uri, str) or not uri or any(ord(c) < 32 or ord(c) == 127 for c in uri)):
+        raise ConfigError(f'{path}: autotuning.mlflow must be an MLflow tracking URI such as "http://mlflow-host:5000" '
+                          f"(one line), or false to log nowhere, got {shown(uri)}")
     for section in ("fp16", "bf16"):
         value = raw.get(section)
         if value is not None and not isinstance(value, dict):

@@ -84,6 +84,7 @@ class MlflowLog:
         for name, value in HTTP_DEFAULTS.items():  # MLflow's client reads them from this process's environment
             os.environ.setdefault(name, value)
         try:
+            import mlflow
             from mlflow.tracking import MlflowClient
         except ImportError:
             warn(f"MLflow logging is on ({fields.shown_uri(uri)}) but the mlflow client is not installed: "
@@ -91,6 +92,9 @@ class MlflowLog:
             return None
         # urllib3 says each retry on stderr; the one line that matters is ours
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+        # MLflow's artifact upload through a server (mlflow-artifacts:/) reads the process's tracking URI
+        # (2.x does), not the client's: both name the same server
+        mlflow.set_tracking_uri(uri)
         log = cls(MlflowClient(tracking_uri=uri), uri, results_dir, warn)
         log._guarded(log._open_parent, job, fields.experiment_name(environ))
         return log if log.client is not None else None
@@ -164,6 +168,9 @@ class MlflowLog:
         client = self.client
         if logged is not None:  # measured again (a lost launch relaunched): the new reading is the record
             client.set_tag(logged["run_id"], fields.SUPERSEDED, "true")
+            if self.state.get("winner") == name:
+                client.delete_tag(logged["run_id"], fields.WINNER)
+                self.state["winner"] = None
         tags = {PARENT_TAG: self.state["parent_run_id"], **fields.experiment_tags(record)}
         run = client.create_run(self.state["experiment_id"], start_time=_ms(record.get("started_at")),
                                 tags=tags, run_name=name)
@@ -194,8 +201,9 @@ class MlflowLog:
         client.set_tag(parent, fields.WINNER, winner or "")
         client.set_tag(parent, fields.STATUS, "interrupted" if interrupted else "finished" if winner else "no_winner")
         self._send(parent, metrics=fields.job_metrics(records, metric, maximize, elapsed_s))
+        # ended before the uploads: a server that stores no artifacts must not leave the run RUNNING
+        client.set_terminated(parent, status="KILLED" if interrupted else "FINISHED" if winner else "FAILED")
         for name in ARTIFACTS:
             path = result_file(self.results_dir, name)
             if path.is_file():
                 client.log_artifact(parent, str(path))
-        client.set_terminated(parent, status="KILLED" if interrupted else "FINISHED" if winner else "FAILED")

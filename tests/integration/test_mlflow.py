@@ -58,7 +58,16 @@ def mlflow_server(tmp_path_factory):
         assert proc.poll() is None, (work / "server.log").read_text()[-3000:]
         yield url
     finally:
-        stop_group(proc)
+        stop_group(proc)  # the server, its uvicorn worker and its job consumers: one process group
+        wait_for(lambda: not _group_alive(proc.pid), 30, "the mlflow server's processes to exit")
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _env(hand_cluster, tracking_uri: str, experiment: str) -> dict[str, str]:
