@@ -66,7 +66,8 @@ class MlflowLog:
     """One tuning job's runs in MLflow: `start` it, hand it each `record`, `finish` it."""
 
     def __init__(self, client: Any, uri: str, results_dir: Path, warn: Callable[[str], None]) -> None:
-        self.client: Any = client  #: None once a failure switched logging off
+        self.client: Any = client
+        self.off = False  #: a failure switched logging off for this run
         self.uri = uri
         self.results_dir = results_dir
         self.warn = warn
@@ -92,12 +93,17 @@ class MlflowLog:
             return None
         # urllib3 says each retry on stderr; the one line that matters is ours
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
-        # MLflow's artifact upload through a server (mlflow-artifacts:/) reads the process's tracking URI
-        # (2.x does), not the client's: both name the same server
-        mlflow.set_tracking_uri(uri)
-        log = cls(MlflowClient(tracking_uri=uri), uri, results_dir, warn)
-        log._guarded(log._open_parent, job, fields.experiment_name(environ))
-        return log if log.client is not None else None
+        log = cls(None, uri, results_dir, warn)
+
+        def connect() -> None:
+            # MLflow's artifact upload through a server (mlflow-artifacts:/) reads the process's tracking
+            # URI (2.x does), not the client's: both name the same server
+            mlflow.set_tracking_uri(uri)
+            log.client = MlflowClient(tracking_uri=uri)  # a URI MLflow cannot use fails here
+            log._open_parent(job, fields.experiment_name(environ))
+
+        log._guarded(connect)
+        return None if log.off else log
 
     @property
     def parent_run_id(self) -> str | None:
@@ -114,15 +120,15 @@ class MlflowLog:
         self._guarded(self._finish, records, winner, metric, maximize, elapsed_s, interrupted)
 
     def _guarded(self, step: Callable[..., None], *args: Any) -> None:
-        if self.client is None:
+        if self.off:
             return
         try:
             step(*args)
         except Exception as exc:  # the server, the network, the client: never a reason to stop tuning
-            self.client = None
-            self.warn(f"MLflow at {fields.shown_uri(self.uri)} failed ({fields.failure_text(exc)}); tuning goes on without "
-                      f"it: every record stays in {self.results_dir}, and the same command run again logs "
-                      "what is missing")
+            self.off = True
+            self.warn(f"MLflow at {fields.shown_uri(self.uri)} failed ({fields.failure_text(exc)}); tuning goes "
+                      f"on without it: every record stays in {self.results_dir}, and the same command run again "
+                      "logs what is missing")
 
     def _save(self) -> None:
         write_json(result_file(self.results_dir, MLFLOW_RUN), self.state)

@@ -59,7 +59,14 @@ def mlflow_server(tmp_path_factory):
         yield url
     finally:
         stop_group(proc)  # the server, its uvicorn worker and its job consumers: one process group
-        wait_for(lambda: not _group_alive(proc.pid), 30, "the mlflow server's processes to exit")
+        try:  # the job consumers may outlive the server by seconds
+            wait_for(lambda: not _group_alive(proc.pid), 30, "the mlflow server's processes to exit")
+        except AssertionError:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            wait_for(lambda: not _group_alive(proc.pid), 10, "the mlflow server's processes to be killed")
 
 
 def _group_alive(group: int) -> bool:

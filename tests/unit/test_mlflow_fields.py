@@ -146,3 +146,17 @@ def test_on_without_the_client_is_one_warning_naming_the_extra(tmp_path: Path, m
     assert len(warned) == 1 and INSTALL_HINT in warned[0] and "tuning goes on" in warned[0]
     assert "secret" not in warned[0] and "https://mlflow.example.com" in warned[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_uri_mlflow_cannot_use_is_one_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mlflow = pytest.importorskip("mlflow")
+    previous = mlflow.get_tracking_uri()
+    for name in HTTP_DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    warned: list[str] = []
+    try:
+        assert MlflowLog.start("nosuchscheme://host", tmp_path, JOB, warned.append, environ={}) is None
+    finally:
+        mlflow.set_tracking_uri(previous)  # start sets this process's URI (2.x uploads read it)
+    assert len(warned) == 1 and warned[0].startswith("MLflow at nosuchscheme://host failed (")
+    assert list(tmp_path.iterdir()) == []
