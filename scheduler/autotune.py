@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -34,6 +35,8 @@ from scheduler.errors import OneLineArgumentParser, UsageError, one_line
 from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.jobs import JobCrashed, JobSpec, cancel, run_fixed, submit, watch
 from scheduler.live_view import LiveView
+from scheduler.report import mlflow_fields
+from scheduler.report.mlflow_log import JobRun, MlflowLog
 from scheduler.report.outputs import cancelled_record, print_table
 from scheduler.cluster.progress import optimal_argv, outcome, settings_of, write_outputs
 from scheduler.cluster.work import Work
@@ -167,21 +170,33 @@ def tune(checked: preflight.Checked, args: argparse.Namespace, client: redis.Red
     if args.host_memory_cap and spec.slot_kind == "cpu":
         console.print(f"note: --host-memory-cap {args.host_memory_cap} caps ranks on GPU slots only: these CPU "
                       "slots are capped by their slot memory (--slot-memory)")
+    tracking = start_mlflow(cfg, spec)  # before the job exists: a Ctrl-C meanwhile leaves nothing running
     if submit(client, work, spec):
         console.print("the job for this results folder was still running on the cluster: watching it")
 
     view = LiveView(console, client, spec.job, cfg.metric, cfg.maximize, total_slots=len(slots),
                     concurrency=spec.tune.concurrency, started=spec.submitted_at)
+
+    def on_event(event: dict[str, Any]) -> None:
+        view(event)
+        if tracking is not None and event.get("kind") == "record":
+            tracking.record(event["record"])
+
     try:
         with view:
-            done = watch(client, work, spec, view)
+            done = watch(client, work, spec, on_event)
     except KeyboardInterrupt:
         running = {name: launch.to_json()  # read before cancel forgets them
                    for name, launch in JobStore(client, spec.job).running().items()}
         cancel(client, work, spec.job)
-        _report(cfg, spec, client, interrupted=running)
+        _, measured = _report(cfg, spec, client, interrupted=running)
+        if tracking is not None:
+            tracking.finish(measured, None, cfg.metric, cfg.maximize, time.time() - spec.submitted_at, interrupted=True)
         raise
     winner, records = _report(cfg, spec, client)
+    if tracking is not None:
+        tracking.finish(records, winner["name"] if winner else None, cfg.metric, cfg.maximize,
+                        time.time() - spec.submitted_at)
     if winner is None:
         return 2 if never_reported(list(records.values())) else 1
     if args.run:
@@ -189,6 +204,24 @@ def tune(checked: preflight.Checked, args: argparse.Namespace, client: redis.Red
         return _train_with_optimal(cfg, args, client, work, spec,
                                    next(e for e in experiments if e.name == done["winner"]))
     return 0
+
+
+def start_mlflow(cfg: TuningConfig, spec: JobSpec) -> MlflowLog | None:
+    """The job's parent run in MLflow when MLFLOW_TRACKING_URI or autotuning.mlflow asks for one
+    (`scheduler.report.mlflow_log`); None when off, or after its one warning line."""
+    tune = spec.tune
+    assert tune is not None
+    script = Path(tune.script).name
+    job = JobRun(name=f"{script} {cfg.path.name}", config_key=mlflow_fields.config_key(cfg.ds_config),
+                 params=mlflow_fields.job_params(cfg.ds_config, cfg.metric, script, tune.num_nodes, tune.num_gpus),
+                 tags={"autotune.config": str(cfg.path.resolve()), "autotune.job": spec.job},
+                 started_at=spec.submitted_at)
+    tracking = MlflowLog.start((cfg.ds_config.get("autotuning") or {}).get("mlflow"), cfg.results_dir, job,
+                               warn=lambda line: print(f"warning: {line}", file=sys.stderr, flush=True))
+    if tracking is not None:
+        console.print(f"mlflow: run {tracking.parent_run_id} at {mlflow_fields.shown_uri(tracking.uri)}",
+                      soft_wrap=True, markup=False)
+    return tracking
 
 
 def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: redis.Redis, work: Work,

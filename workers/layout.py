@@ -12,7 +12,8 @@ here), and the guard asks `is_result_file`, `is_experiment_file` and `is_cluster
 The layout (DeepSpeed's, plus ours):
 
     <results_dir>/.celery-autotune           the marker: this folder was made by this tool
-    <results_dir>/<RESULT_FILES>             summary, results.jsonl/.csv, plots, optimal or partial best
+    <results_dir>/<RESULT_FILES>             summary, results.jsonl/.csv, plots, optimal or partial best,
+                                             mlflow_run.json (what was logged to MLflow)
     <results_dir>/<experiment>/<file>        per experiment: EXPERIMENT_FILES and the ranks' files
     <results_dir>/cluster/<name>.log         the embedded cluster's logs, pids.json (CLUSTER_DIR)
     <exps_dir>/<experiment>.json             each experiment's description (DESCRIPTION_KEYS)
@@ -34,12 +35,14 @@ RESULTS_JSONL = "results.jsonl"
 RESULTS_CSV = "results.csv"
 TUNING_PLOT = "tuning.png"
 TIMELINE_PLOT = "timeline.png"
+#: What the command logged to MLflow: the parent run a rerun continues (`scheduler.report.mlflow_log`).
+MLFLOW_RUN = "mlflow_run.json"
 #: The winner of a finished search: its config, its command, its hostfile (more than one node).
 OPTIMAL_FILES = ("ds_config_optimal.json", "cmd_optimal.txt", "hostfile_optimal")
 #: The best measured config of an interrupted search, never under the "optimal" names.
 PARTIAL_FILES = ("ds_config_best_partial.json", "cmd_best_partial.txt", "hostfile_best_partial")
 #: Every file this tool writes at the top of a results folder (`scheduler.report.outputs`).
-RESULT_FILES = frozenset({MARKER, SUMMARY, RESULTS_JSONL, RESULTS_CSV, TUNING_PLOT, TIMELINE_PLOT,
+RESULT_FILES = frozenset({MARKER, SUMMARY, RESULTS_JSONL, RESULTS_CSV, TUNING_PLOT, TIMELINE_PLOT, MLFLOW_RUN,
                           *OPTIMAL_FILES, *PARTIAL_FILES})
 
 EXP_JSON = "exp.json"  #: the experiment as launched (rank 0)

@@ -30,14 +30,15 @@ TUNER_TYPES = ("gridsearch", "random", "model_based")  #: DeepSpeed's autotuning
 #: DeepSpeed's autotuning keys (deepspeed/autotuning/constants.py), plus ours: user_script,
 #: user_args (the script, when not given after `--`), tuner_seed (random/model-based tuners),
 #: search ("sampled", ours, or "deepspeed", DeepSpeed's algorithm; checked by scheduler.search.session)
-#: and keep_train_batch_size (keep or free the user's global batch: scheduler.search.global_batch).
+#: keep_train_batch_size (keep or free the user's global batch: scheduler.search.global_batch) and
+#: mlflow (a tracking URI to log the job to, or false: scheduler.report.mlflow_log).
 KNOWN_AUTOTUNING_KEYS = frozenset({
     "enabled", "fast", "results_dir", "exps_dir", "overwrite", "start_profile_step",
     "end_profile_step", "metric", "metric_path", "tuner_type", "tuner_early_stopping",
     "tuner_num_trials", "arg_mappings", "max_train_batch_size", "min_train_batch_size",
     "min_train_micro_batch_size_per_gpu", "max_train_micro_batch_size_per_gpu",
     "num_tuning_micro_batch_sizes", "mp_size", "model_info", "model_info_path",
-    "user_script", "user_args", "tuner_seed", "search", "keep_train_batch_size",
+    "user_script", "user_args", "tuner_seed", "search", "keep_train_batch_size", "mlflow",
 })
 #: Metric name -> whether bigger is better. `flops` is accepted for FLOPS_per_gpu (DeepSpeed crashes).
 METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}
@@ -320,6 +321,10 @@ def check_schema(path: Path, raw: Mapping[str, Any]) -> None:
             raise ConfigError(f"{path}: autotuning.tuner_type {shown(autotuning['tuner_type'])} is not one of "
                               f"{', '.join(TUNER_TYPES)}")
     _check_model_info(path, autotuning.get("model_info"))
+    uri = autotuning.get("mlflow", False)
+    if uri is not False and (not isinstance(uri, str) or not uri or any(ord(c) < 32 or ord(c) == 127 for c in uri)):
+        raise ConfigError(f'{path}: autotuning.mlflow must be an MLflow tracking URI such as "http://mlflow-host:5000" '
+                          f"(one line), or false to log nowhere, got {shown(uri)}")
     for section in ("fp16", "bf16"):
         value = raw.get(section)
         if value is not None and not isinstance(value, dict):

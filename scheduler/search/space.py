@@ -14,7 +14,7 @@ from workers.layout import METRICS
 
 
 #: Our own keys in the autotuning section; DeepSpeed's engine must not see them.
-_OURS = ("user_script", "user_args", "results_dir", "exps_dir")
+_OURS = ("user_script", "user_args", "results_dir", "exps_dir", "mlflow")
 #: The autotuning key under which an experiment keeps the user's settings it turned off while
 #: tuning, for `optimal_config` to restore (DeepSpeed reads only the autotuning keys it knows).
 RESTORE_KEY = "restore_after_tuning"

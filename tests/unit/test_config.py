@@ -493,11 +493,14 @@ from scheduler.inputs.config import non_negative_int, shown  # noqa: E402
         ({"results_dir": "with space/and ~tilde", "exps_dir": "caf\u00e9 \x80"}, {}),
         ({"results_dir": "r" * 4096}, {}),
         ({"fast": False, "enabled": True, "overwrite": True}, {}),
+        ({"mlflow": "http://mlflow-host:5000"}, {}),
+        ({"mlflow": False}, {}),
     ],
     ids=["seed-max", "zero-lows", "one-trial", "trials-max", "profile-step-max", "nullable-batch", "batch-range",
          "micro-batch-range", "tuning-sizes-and-mp-max", "model-info-null", "model-info-lows", "model-info-highs",
          "train-batch-auto", "train-batch-one", "train-batch-max", "precision-auto", "precision-bools",
-         "precision-without-enabled", "mbs-and-gas-max", "printable-paths", "path-4096-chars", "booleans"],
+         "precision-without-enabled", "mbs-and-gas-max", "printable-paths", "path-4096-chars", "booleans",
+         "mlflow-uri", "mlflow-off"],
 )
 def test_values_at_the_documented_bounds_are_accepted(tmp_path: Path, autotuning: dict, top: dict) -> None:
     data = {"autotuning": autotuning, **top}
@@ -551,6 +554,13 @@ def test_values_at_the_documented_bounds_are_accepted(tmp_path: Path, autotuning
         ({"results_dir": "r" * 4097}, {},
          "autotuning.results_dir is 4097 characters long; use a path of at most 4096"),
         ({"tuner_type": "gridsearch", "zzz": 1}, {}, 'unknown autotuning key "zzz"; remove or rename it'),
+        ({"mlflow": True}, {}, 'autotuning.mlflow must be an MLflow tracking URI such as "http://mlflow-host:5000" '
+                               "(one line), or false to log nowhere, got true"),
+        ({"mlflow": ""}, {}, 'autotuning.mlflow must be an MLflow tracking URI such as "http://mlflow-host:5000" '
+                             '(one line), or false to log nowhere, got ""'),
+        ({"mlflow": "http://h\n:5000"}, {}, 'autotuning.mlflow must be an MLflow tracking URI such as '
+                                            '"http://mlflow-host:5000" (one line), or false to log nowhere, got '
+                                            '"http://h\\n:5000"'),
         ({}, {"zero_optimization": {"stage": 4}},
          'zero_optimization.stage 4 is not valid; use 0-3, a list such as [0, 1], or "all"'),
     ],
