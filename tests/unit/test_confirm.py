@@ -6,8 +6,8 @@ import math
 import pytest
 
 from scheduler.search.confirm import (
-    MIN_NOISE, PRIOR_NOISE, Readings, group_readings, next_repeat, noise_of, pooled_noise, separated, step_noise,
-    verdict,
+    KEPT_BATCH_LAUNCHES, MIN_NOISE, PRIOR_NOISE, REPEAT_BUDGET, Readings, doubtful, group_readings, next_repeat,
+    noise_of, ordered, pooled_noise, repeat_budget, separated, step_noise, verdict,
 )
 
 
@@ -63,6 +63,32 @@ def test_rivals_are_the_closest_two_and_the_one_with_fewest_readings_goes_first(
     groups = [r("lead", 100, 100), r("b", 99.9, 99.9), r("c", 99.8), r("d", 99.7)]
     assert next_repeat(groups) == "c"  # rivals b, c (the closest two); c has 1 reading
     assert next_repeat([r("lead", 100, 100), r("b", 99.9, 99.9)]) == "lead"  # equal counts: the leader
+
+
+def test_a_config_read_once_at_half_the_leaders_reading_is_a_rival_while_readings_are_doubted() -> None:
+    """With a kept batch (`doubt_once`): b's one reading, 55 % of the leader's, may be a straggler's
+    (0.5-0.67x its config), so b is measured again; c at 45 % is not; nor is b once it has two readings."""
+    leader = r("lead", 100, 100)
+    assert doubtful(leader, r("b", 55)) and not doubtful(leader, r("c", 45)) and not doubtful(leader, r("b", 55, 56))
+    assert doubtful(leader, r("b", 190), maximize=False) and not doubtful(leader, r("b", 210), maximize=False)
+    groups = [leader, r("b", 55), r("c", 45)]
+    assert next_repeat(groups) is None  # far apart on one reading each: separated
+    assert next_repeat(groups, doubt_once=True) == "b"
+    assert next_repeat([leader, r("b", 55, 56), r("c", 45)], doubt_once=True) is None
+
+
+def test_with_a_kept_batch_confirmation_may_spend_what_the_launch_goal_leaves() -> None:
+    assert repeat_budget(6, kept_batch=False) == REPEAT_BUDGET
+    assert repeat_budget(6, kept_batch=True) == KEPT_BATCH_LAUNCHES - 6 == 8
+    assert repeat_budget(KEPT_BATCH_LAUNCHES, kept_batch=True) == REPEAT_BUDGET
+
+
+def test_from_three_readings_the_median_ranks_a_config() -> None:
+    """A lucky reading (150) among three cannot keep a config ahead: its median (91) ranks it."""
+    lucky, steady = r("lucky", 150, 90, 91), r("steady", 100, 98)
+    assert (lucky.value, lucky.mean) == (91, pytest.approx(110.333, abs=1e-3))
+    assert [g.key for g in ordered([lucky, steady])] == ["steady", "lucky"]
+    assert verdict([lucky, steady]).winner.key == "steady"
 
 
 def test_a_verdict_names_the_runner_up_and_whether_they_are_apart() -> None:
