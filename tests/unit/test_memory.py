@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from scheduler.search.memory import (
-    SharedFacts, shared_facts,
     GPU_UNTRACKED_FLOOR, NO_LIMIT, overhead_from_profile, peak_grows, prior_overhead_bytes, untracked_reserve_bytes, Calibration, MemoryModel, ModelInfo, Observation, StageFit, StateBytes, TrainingSetup, bounds,
-    calibrate, mixed_precision, model_state_bytes, predict_max_micro_batch_size, stage_gate,
+    calibrate, mixed_precision, model_state_bytes, stage_gate,
 )
+from scheduler.search.memory_facts import SharedFacts, model_overpredicted, predict_max_micro_batch_size, shared_facts
 from scheduler.search.deepspeed_memory import (
     deepspeed_fp16, deepspeed_instantiation_bytes, deepspeed_max_micro_batch_size, deepspeed_stage_fits,
 )
@@ -526,9 +526,30 @@ def test_without_any_peak_the_other_stages_brackets_steer_the_prediction() -> No
     assert predict_max_micro_batch_size(heavy, 2, 26000, ZERO_1_BRACKET) == 51
 
 
+def test_a_model_caught_over_predicting_gives_a_stage_that_ran_nothing_a_cautious_first_probe() -> None:
+    """Issue 32 item 2: ZeRO-1 failed at 60 where the model (no peaks measured) says 190 fit. A stage
+    that ran nothing is first probed halfway from what the bracket says it surely holds to the
+    optimistic end: ZeRO-2 53 + (64 - 53) // 2 = 58, ZeRO-0 21 + (36 - 21) // 2 = 28. Not cautious (a
+    decision, not a probe), or once the stage ran something, the optimistic end as before."""
+    assert FOUR.max_micro_batch_size(1, 26000) == 190 and model_overpredicted(FOUR, 26000, ZERO_1_BRACKET)
+    assert predict_max_micro_batch_size(FOUR, 2, 26000, ZERO_1_BRACKET, cautious=True) == 58
+    assert predict_max_micro_batch_size(FOUR, 0, 26000, ZERO_1_BRACKET, cautious=True) == 28
+    assert predict_max_micro_batch_size(FOUR, 2, 26000, ZERO_1_BRACKET) == 64
+    ran = {**ZERO_1_BRACKET, 2: [Observation(30)]}
+    assert predict_max_micro_batch_size(FOUR, 2, 26000, ran, cautious=True) == 64
+    # a model that predicted less than the failure (1000 bytes per sample: ZeRO-1 19) was not caught
+    heavy = MemoryModel(ModelInfo(1000, 1000, 1000), TrainingSetup(world_size=4, mixed_precision=True), 0)
+    assert not model_overpredicted(heavy, 26000, ZERO_1_BRACKET)
+    assert predict_max_micro_batch_size(heavy, 2, 26000, ZERO_1_BRACKET, cautious=True) == 51
+
+
 def test_brackets_that_contradict_the_analytical_difference_are_not_moved() -> None:
     # ZeRO-1 ran 50 (at most 380 bytes per sample), ZeRO-2 (holding less) failed at 40 (at least
     # 20500 / 40 = 512.5): moved to ZeRO-3, a success at floor(50 + 3000 / 380) = 57 above a failure
-    # at ceil(40 + 1500 / 512.5) = 43. Only the proven success (50, from a stage holding more) stays.
+    # at ceil(40 + 1500 / 512.5) = 43. ZeRO-2 ran nothing: its failure moves least surely (its bytes
+    # per sample rest on the model's room for it alone) and is dropped; the moved success stays.
     observations = {1: [Observation(50)], 2: [Observation(40, oom=True)]}
+    assert shared_facts(FOUR, 3, 26000, observations) == SharedFacts(50, None, 57, None)
+    # with a success of its own at 30, ZeRO-2's bracket is kept and the contradiction drops both
+    observations[2].append(Observation(30))
     assert shared_facts(FOUR, 3, 26000, observations) == SharedFacts(50, None, 0, None)
