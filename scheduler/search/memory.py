@@ -6,7 +6,8 @@ mp_size dividing the model a second time after ZeRO sharding, offload ignored). 
 an out-of-memory probe: a process start, a model load and a crash. Here the analytical model is only
 the opening guess. Every successful probe reports its peak memory; a line mem(mbs) = a + b*mbs is
 fitted per stage, carried to the next stage by the analytical difference between the two stages, and
-bounded from above by the OOMs seen, so later probes land just under the real limit.
+bounded from above by the OOMs seen, so later probes land just under the real limit
+(`scheduler.search.memory_facts` reads the model against what ran: the predictions the search uses).
 
 Numbers used (documented choices, not measurements):
 - Model states per parameter: fp32 4 (weights) + 4 (gradients) + 12 (Adam); fp16/bf16 2 + 2 + 12,
