@@ -55,8 +55,8 @@ SEPARATION_Z = 2.0
 #: launches, the profile run included (issue 32's goal for a kept batch: at most 14 launches).
 KEPT_BATCH_LAUNCHES = 14
 #: With a kept global batch, a config read once is chased as a rival while its reading is at least
-#: this share of the leader's (`doubtful`): a straggler's reading is 0.5-0.67x its config's, so
-#: one low reading cannot rule out a config as good as the leader.
+#: this share of the leader's (`doubtful`): a straggler's reading (0.5-0.67x its config's on
+#: bench/surfaces.py's heavy-tailed scripts) cannot rule out a config as good as the leader.
 STRAGGLER_SHARE = 0.5
 #: Relative noise assumed before any config was measured twice.
 PRIOR_NOISE = 0.03
@@ -157,7 +157,7 @@ def repeat_budget(launched: int, kept_batch: bool) -> int:
 
 def doubtful(leader: Readings, group: Readings, maximize: bool = True) -> bool:
     """Whether `group`'s one reading may be a straggler's hiding a config as good as `leader`: read
-    once, at least STRAGGLER_SHARE of the leader's value (a straggler reads 0.5-0.67x its config)."""
+    once, at least STRAGGLER_SHARE of the leader's value."""
     if group.count != 1:
         return False
     return group.value >= STRAGGLER_SHARE * leader.value if maximize else group.value * STRAGGLER_SHARE <= leader.value

@@ -7,11 +7,12 @@ A config measured more than once (the sampled search confirms its winner with re
 one or two readings, the median of three or more), and the winner named is its first experiment, so
 the optimal config is always one that ran under its own name.
 
-Why the median from three readings on: readings of real training runs have rare outliers (a
-straggler's window reads 0.5-0.67x, a window after a co-runner left 1.3-1.8x), and one such reading
-moves a mean of three by 15-25 %, far more than the gaps confirmation has to decide; the median of
-three ignores one. With two readings the median is the mean. On bench/fixed_batch.py's heavy-tailed
-surfaces it took the share of picks within 3 % of the best config from 89 to 92 % (bench/README.md).
+Why the median from three readings on: readings of real training runs have rare outliers (one
+config of the GPT trace read 17.7-42.4; bench/surfaces.py's heavy-tailed scripts read a straggler's
+0.5-0.67x and a lucky 1.3-1.8x), and one such reading moves a mean of three by 15-25 %, far more
+than the gaps confirmation has to decide; the median of three ignores one. With two readings the median is the mean. On bench/fixed_batch.py's heavy-tailed
+surfaces, with a kept batch's larger confirmation budget, it took the share of picks within 3 % of
+the best config from 90 to 92 % (seeds 0-59, bench/README.md).
 """
 from __future__ import annotations
 
