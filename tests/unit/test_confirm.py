@@ -1,4 +1,5 @@
-"""Naming a winner under noise (`scheduler.search.confirm`): expected values worked out by hand."""
+"""Naming a winner under noise (`scheduler.search.confirm`, and the pooled value `scheduler.search.ranking`
+ranks configs on): expected values worked out by hand."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,7 @@ from scheduler.search.confirm import (
     KEPT_BATCH_LAUNCHES, MIN_NOISE, PRIOR_NOISE, REPEAT_BUDGET, Readings, doubtful, group_readings, next_repeat,
     noise_of, ordered, pooled_noise, repeat_budget, separated, step_noise, verdict,
 )
+from scheduler.search.ranking import pooled_best, pooled_value, pooled_word
 
 
 def r(key: str, *values: float) -> Readings[str]:
@@ -135,3 +137,18 @@ def test_a_bimodal_run_cannot_win_on_its_window_mean_alone() -> None:
 def test_group_readings_carries_each_keys_step_noise() -> None:
     groups = group_readings({"a": [1.0], "b": [2.0]}, {"a": [[1.0, 2.0, 1.0]]})
     assert groups[0].step_noise == pytest.approx(0.25) and groups[1].step_noise is None
+
+
+def _measured(name: str, config: dict[str, int], value: float) -> dict[str, object]:
+    return {"name": name, "status": "ok", "metrics": {"throughput": value}, "ds_config": config}
+
+
+def test_from_three_readings_a_config_is_judged_on_its_median() -> None:
+    """One outlier among three readings cannot carry a config (issue 32): a lucky 1.5x reading."""
+    a, b = {"k": 1}, {"k": 2}
+    records = [_measured("a", a, 150.0), _measured("b", b, 100.0), _measured("a_r2", a, 90.0),
+               _measured("b_r2", b, 98.0), _measured("a_r3", a, 91.0)]
+    # a: median of 150, 90, 91 = 91 (its mean, 110.3, would win); b: mean of 100, 98 = 99
+    assert pooled_best(records, "throughput", True) == (records[1], 99.0, 2)
+    assert (pooled_value([150.0, 90.0, 91.0]), pooled_value([150.0, 90.0])) == (91.0, 120.0)
+    assert (pooled_word(2), pooled_word(3)) == ("mean", "median")

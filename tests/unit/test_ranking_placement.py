@@ -415,7 +415,7 @@ def test_pinned_placement_refuses_a_slot_with_no_worker() -> None:
 
 # ---------------------------------------------------------------- ranking: re-measured configs are judged on their mean
 
-from scheduler.search.ranking import pooled_best, pooled_value, pooled_word  # noqa: E402
+from scheduler.search.ranking import pooled_best  # noqa: E402
 
 
 def measured(name: str, config: dict[str, Any] | None, value: float, status: str = "ok") -> dict[str, Any]:
@@ -490,14 +490,3 @@ def test_pinned_placement_names_every_slot_with_no_worker() -> None:
         pinned_placement([slot("a", 0)], set(), [["a.gpu0", "a.gpu1"], ["c.gpu0"]])
     assert str(caught.value) == ("no live slot worker for a.gpu1, c.gpu0: start `celery -A tasks worker -Q gpu<i> "
                                  "-n gpu<i>@<host>` there, or change the selection")
-
-
-def test_from_three_readings_a_config_is_judged_on_its_median() -> None:
-    """One outlier among three readings cannot carry a config (issue 32): a lucky 1.5x reading."""
-    a, b = {"k": 1}, {"k": 2}
-    records = [measured("a", a, 150.0), measured("b", b, 100.0), measured("a_r2", a, 90.0),
-               measured("b_r2", b, 98.0), measured("a_r3", a, 91.0)]
-    # a: median of 150, 90, 91 = 91 (its mean, 110.3, would win); b: mean of 100, 98 = 99
-    assert pooled_best(records, "throughput", True) == (records[1], 99.0, 2)
-    assert (pooled_value([150.0, 90.0, 91.0]), pooled_value([150.0, 90.0])) == (91.0, 120.0)
-    assert (pooled_word(2), pooled_word(3)) == ("mean", "median")
