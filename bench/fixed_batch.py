@@ -12,7 +12,10 @@ kept the batch (must be 100 %), the median and 90th percentile of launches (prof
 included) and of failed probes, and the share of surfaces where DeepSpeed 0.19's replay (which
 overwrites the batch) named a config that keeps it.
 
-    .venv/bin/python bench/fixed_batch.py [--surfaces 60] [--seed 0] [--family mid-peak]
+`--misses` lists every search whose pick fell below GOOD of the best config keeping the batch: the
+pick and the best, then each launch with its config's noise-free fraction and what it read.
+
+    .venv/bin/python bench/fixed_batch.py [--surfaces 60] [--seed 0] [--family mid-peak] [--misses]
 """
 from __future__ import annotations
 
@@ -32,6 +35,10 @@ from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  #
 from scheduler.search.global_batch import GlobalBatch, kept_sizes  # noqa: E402
 from scheduler.search.phases import Phase, drive  # noqa: E402
 from scheduler.search.ranking import best  # noqa: E402
+
+
+#: A pick at this fraction of the best config keeping the batch or above meets issue 32's goal.
+GOOD = 0.97
 
 
 def kept_batch(surface: Surface, seed: int) -> int:
@@ -78,7 +85,28 @@ def ours(surface: Surface, batch: int) -> dict[str, Any]:
     value = surface.throughput(int(config["zero_optimization"]["stage"]), config["train_micro_batch_size_per_gpu"],
                                config["gradient_accumulation_steps"], config["zero_optimization"]) if config else 0.0
     return {"value": value, "launches": len(launches), "failed": sum(r.get("status") != "ok" for r in launches),
-            "kept": all(r["ds_config"]["train_batch_size"] == batch for r in tuned), "refused": refused}
+            "kept": all(r["ds_config"]["train_batch_size"] == batch for r in tuned), "refused": refused,
+            "tuned": tuned, "winner": winner}
+
+
+def _point(config: dict[str, Any]) -> tuple[int, int, int]:
+    return int(config["zero_optimization"]["stage"]), config["train_micro_batch_size_per_gpu"], \
+        config["gradient_accumulation_steps"]
+
+
+def print_miss(surface: Surface, share: int, optimum: float, outcome: dict[str, Any]) -> None:
+    """One search below GOOD: what it named, the best config keeping the batch, and every launch."""
+    best_value, stage, mbs = max((surface.throughput(z, m, share // m), z, m) for z in range(4)
+                                 for m in kept_sizes(share, 1, share) if surface.fits(z, m))
+    picked = _point(outcome["winner"]["ds_config"]) if outcome["winner"] else None
+    print(f"  {surface.family} seed {surface.seed}: {outcome['fraction']:.3f}, named {picked}, best (z{stage}, "
+          f"mbs {mbs}) at {best_value / optimum:.3f}; share {share}, largest fitting size per stage "
+          f"{[surface.max_fit(z) for z in range(4)]}")
+    for record in outcome["tuned"]:
+        true = surface.throughput(*_point(record["ds_config"])) / optimum
+        read = (record.get("metrics") or {}).get("throughput")
+        print(f"    {record['name']:<24}{record['status']:<7}true {true:.3f}"
+              + (f"  read {read / optimum:.3f}" if read else ""))
 
 
 def deepspeed_keeps(surface: Surface, batch: int) -> bool:
@@ -99,12 +127,14 @@ def main() -> None:
     parser.add_argument("--surfaces", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=FAMILIES, action="append")
+    parser.add_argument("--misses", action="store_true", help=f"list the searches below {GOOD} and their launches")
     args = parser.parse_args()
     print(f"FIXED GLOBAL BATCH REPLAY: {args.surfaces} surfaces per family (seeds {args.seed}.."
           f"{args.seed + args.surfaces - 1}), train_batch_size set, fast mode, stage all, 2 ranks")
     print(f"{'family':<13}{'frac med':>9}{'frac p10':>9}{'>=0.97':>8}{'kept':>7}{'launch med':>11}{'launch p90':>11}"
           f"{'failed med':>11}{'failed p90':>11}{'refused':>8}{'DS keeps':>9}")
     everything: list[dict[str, Any]] = []
+    misses: list[tuple[Surface, int, float, dict[str, Any]]] = []
     for family in args.family or FAMILIES:
         rows = []
         for seed in range(args.seed, args.seed + args.surfaces):
@@ -117,9 +147,15 @@ def main() -> None:
             outcome["fraction"] = outcome["value"] / optimum
             outcome["ds_keeps"] = deepspeed_keeps(surface, batch)
             rows.append(outcome)
+            if args.misses and outcome["fraction"] < GOOD:
+                misses.append((surface, batch // surface.world, optimum, outcome))
         everything.extend(rows)
         _row(family, rows)
     _row("all", everything)
+    if misses:
+        print(f"below {GOOD} of the best config keeping the batch (launch: status, its config's fraction, the reading's):")
+    for miss in misses:
+        print_miss(*miss)
 
 
 def _row(label: str, rows: list[dict[str, Any]]) -> None:
@@ -127,7 +163,7 @@ def _row(label: str, rows: list[dict[str, Any]]) -> None:
     launches = [r["launches"] for r in rows]
     failed = [r["failed"] for r in rows]
     print(f"{label:<13}{statistics.median(fractions):>9.3f}{_quantile(fractions, 0.1):>9.3f}"
-          f"{sum(f >= 0.97 for f in fractions) / len(rows):>8.0%}{sum(r['kept'] for r in rows) / len(rows):>7.0%}"
+          f"{sum(f >= GOOD for f in fractions) / len(rows):>8.0%}{sum(r['kept'] for r in rows) / len(rows):>7.0%}"
           f"{statistics.median(launches):>11.1f}{_quantile(launches, 0.9):>11.0f}"
           f"{statistics.median(failed):>11.1f}{_quantile(failed, 0.9):>11.0f}"
           f"{sum(bool(r['refused']) for r in rows):>8}{sum(r['ds_keeps'] for r in rows) / len(rows):>9.0%}")

@@ -11,8 +11,11 @@ its own): ours reads the window's mean step time as throughput and its step time
 the trace lacks ends that replay as "untraced" (counted, never guessed).
 
 A config's true value is the mean throughput over all its recorded windows; the optimum the best
-such mean. Printed per search: the share of replays naming a config within 3 % of the optimum, the
-median and 10th percentile of the fraction of the optimum, the median launches (profile run and
+such mean. A replay's pick is right (issue 32's answer 3: judged against the trace as it is, with its
+own uncertainty) when its mean is within 3 % of the best's mean or inside the best config's 95 %
+interval (`Trace.interval`: its mean +- 1.96 standard errors over its windows; `right`). Printed
+per search: the share of replays whose pick is right, the share within 3 % alone, the median and
+10th percentile of the fraction of the optimum, the median launches (profile run and
 re-measurements included), and the configs named most often.
 
     .venv/bin/python bench/trace_replay.py [bench/traces/train_gpt.json] [--replays 200] [--seed 0]
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -41,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 #: A named config within this fraction of the optimum counts as a good pick (issue 20's goal).
 GOOD = 0.97
+#: A pick inside the best config's interval of this many standard errors of its mean (95 %) is right too.
+INTERVAL_Z = 1.96
 
 
 class Untraced(Exception):
@@ -74,6 +80,14 @@ class Trace:
 
     def true_value(self, key: Key) -> float:
         return statistics.fmean(w["throughput"] for w in self.windows(key))
+
+    def interval(self, key: Key) -> tuple[float, float]:
+        """The 95 % interval of the config's mean throughput: its mean +- INTERVAL_Z standard errors,
+        from the spread of its windows (one window: no width)."""
+        values = [w["throughput"] for w in self.windows(key)]
+        mean = statistics.fmean(values)
+        error = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+        return mean - INTERVAL_Z * error, mean + INTERVAL_Z * error
 
     def optimum(self) -> tuple[float, Key]:
         keys = [(c["stage"], c["mbs"], c["gas"]) for c in self.data["configs"]]
@@ -110,6 +124,15 @@ class Trace:
         return record
 
 
+def right(trace: Trace, key: Key) -> bool:
+    """Whether naming `key` is right: its mean within 3 % of the trace best's mean (GOOD), or inside
+    the best config's 95 % interval (`Trace.interval`): the trace cannot tell the two apart."""
+    optimum, best_key = trace.optimum()
+    value = trace.true_value(key)
+    low, high = trace.interval(best_key)
+    return value >= GOOD * optimum or low <= value <= high
+
+
 @dataclass(frozen=True)
 class Outcome:
     """One replay of one search."""
@@ -118,6 +141,7 @@ class Outcome:
     launches: int
     named: str
     untraced: bool = False
+    right: bool = False  #: the pick is right by `right` (False: none named or untraced)
 
 
 def _key(config: Mapping[str, Any]) -> Key:
@@ -130,7 +154,8 @@ def _outcome(trace: Trace, launches: int, config: Mapping[str, Any] | None) -> O
     if not config:
         return Outcome(0.0, launches, "none")
     key = _key(config)
-    return Outcome(trace.true_value(key) / trace.optimum()[0], launches, f"z{key[0]} mbs {key[1]} gas {key[2]}")
+    return Outcome(trace.true_value(key) / trace.optimum()[0], launches, f"z{key[0]} mbs {key[1]} gas {key[2]}",
+                   right=right(trace, key))
 
 
 def ours(trace: Trace, seed: int, capacity: int) -> Outcome:
@@ -191,16 +216,19 @@ def main() -> int:
         return 2
     capacity = int(args.capacity_gib * GiB)
     optimum, where = trace.optimum()
+    low, high = trace.interval(where)
     print(f"{trace.data['script']} trace of {trace.data['collected']} ({trace.data['machine']}): "
           f"{len(trace.data['configs'])} configs; optimum z{where[0]} mbs {where[1]} gas {where[2]}, "
-          f"{optimum:.1f} samples/s (mean of its windows)")
+          f"{optimum:.1f} samples/s (mean of its windows, 95 % interval {low:.1f}-{high:.1f}: "
+          f"{100 * (1 - low / optimum):.1f} % below)")
     seeds = range(args.seed, args.seed + args.replays)
     for label, search in (("celery-autotune", ours), ("deepspeed", deepspeed)):
         outcomes = [search(trace, seed, capacity) for seed in seeds]
         fractions = [o.fraction for o in outcomes]
         named = Counter(o.named for o in outcomes).most_common(4)
-        print(f"{label:>16}: within {100 * (1 - GOOD):.0f} % of the optimum in "
-              f"{100 * sum(f >= GOOD for f in fractions) / len(fractions):.1f} % of {len(fractions)} replays; "
+        print(f"{label:>16}: right (within {100 * (1 - GOOD):.0f} % of the best's mean or inside its 95 % interval) "
+              f"in {100 * sum(o.right for o in outcomes) / len(outcomes):.1f} % of {len(outcomes)} replays; within "
+              f"{100 * (1 - GOOD):.0f} % alone {100 * sum(f >= GOOD for f in fractions) / len(fractions):.1f} %; "
               f"fraction median {statistics.median(fractions):.3f}, p10 {_quantile(fractions, 0.1):.3f}; "
               f"launches median {statistics.median(o.launches for o in outcomes):.0f}; "
               f"untraced {sum(o.untraced for o in outcomes)}")

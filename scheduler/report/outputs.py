@@ -44,7 +44,7 @@ from scheduler.search.confirm import (
     ALONE, MIN_NOISE, PRIOR_NOISE, READ_ONCE, SEPARATED, SEPARATION_Z, Readings, Verdict, step_noise, verdict,
 )
 from scheduler.search.global_batch import KEPT_NOTE
-from scheduler.search.ranking import best, config_key, metric_value, pooled_best, status_counts
+from scheduler.search.ranking import best, config_key, metric_value, pooled_best, pooled_word, status_counts
 from scheduler.report.startup import startup_text
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
@@ -72,7 +72,8 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
                  maximize: bool, elapsed_s: float, cancelled: list[str] | None = None,
                  notes: Sequence[str] = ()) -> str:
     """DeepSpeed's summary table (one row per ZeRO stage, then global) and our extra columns. The best
-    value is the mean the winner was picked on (a re-measured config: "(mean of 2)" after its name).
+    value is the pooled value the winner was picked on (a re-measured config: "(mean of 2)" or "(median
+    of 3)" after its name: `scheduler.search.ranking.pooled_value`).
     With `cancelled` (an interrupted search) the closing line says so and names what was cut off.
     `notes` (`scheduler.search.fast_search.search_notes`: the global batch kept or not, how the
     winner is named) follow the table."""
@@ -83,10 +84,11 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     tuned = [r for space_records in spaces.values() for r in space_records]
     rows = []
     for space, space_records in [*spaces.items(), ("global", tuned)]:
-        winner, mean, measured = pooled_best(space_records, metric, maximize)
+        winner, pooled, measured = pooled_best(space_records, metric, maximize)
         counts = status_counts(space_records)
-        rows.append([space, len(space_records),
-                     mean, f"{winner['name']} (mean of {measured})" if measured > 1 else winner["name"] if winner else None,
+        rows.append([space, len(space_records), pooled,
+                     f"{winner['name']} ({pooled_word(measured)} of {measured})" if measured > 1
+                     else winner["name"] if winner else None,
                      round(sum(r.get("wall_s", 0.0) or 0.0 for r in space_records), 1),
                      ", ".join(f"{k}={counts[k]}" for k in FAILURE_CLASSES if counts[k]) or "-"])
     table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val",
@@ -136,8 +138,9 @@ def space_text(experiments: list[Experiment], kept: bool = False) -> str:
 
 
 def winner_text(records: list[dict[str, Any]], metric: str, maximize: bool) -> str:
-    """The winner and the runner-up as mean, spread and number of readings, and whether the gap
-    between them is more than the measured noise (scheduler.search.confirm)."""
+    """The winner and the runner-up as pooled value (the mean, the median from three readings), spread and
+    number of readings, and whether the gap between them is more than the measured noise
+    (scheduler.search.confirm)."""
     groups: dict[str, tuple[str, list[float], list[Any]]] = {}
     for record in records:
         value = metric_value(record, metric)
@@ -154,7 +157,7 @@ def winner_text(records: list[dict[str, Any]], metric: str, maximize: bool) -> s
         low, high = min(readings.values), max(readings.values)
         within = ("" if readings.step_noise is None else
                   f", {100 * readings.step_noise:.1f} % error of one reading from its step times")
-        return (f"{readings.key}: {readings.mean:.6g} {metric}, mean of {readings.count} "
+        return (f"{readings.key}: {readings.value:.6g} {metric}, {pooled_word(readings.count)} of {readings.count} "
                 f"reading{'s' if readings.count > 1 else ''} (range {low:.6g}-{high:.6g}{within})")
 
     lines = [f"Winner: {described(decided.winner)}"]
@@ -182,7 +185,8 @@ def separation_sentence(decided: Verdict) -> str:
                 f"no gap separates it; {figures}.")
     if reason == SEPARATED:
         return f"Separated: {figures}, more than {SEPARATION_Z:g}."
-    return f"Not separated: {figures}, within {SEPARATION_Z:g}; both are sound choices, the winner by its mean."
+    return (f"Not separated: {figures}, within {SEPARATION_Z:g}; both are sound choices, the winner by its "
+            f"{pooled_word(decided.winner.count)}.")
 
 
 def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, record: dict[str, Any] | None = None,

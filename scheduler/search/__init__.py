@@ -3,13 +3,16 @@ Celery, no files, no clock; a search is a generator of phases (`phases`), fed th
 leaves, so it runs the same on a cluster, in a replay after a crash and in bench/'s replays.
 
 - `space`: an experiment (stage, micro-batch, accumulation) and its DeepSpeed config;
-- `memory`: the memory model, calibrated by the profile run and by every probe;
+- `memory`: the memory model, calibrated by the profile run and by every probe; `memory_facts`: what
+  the probes so far predict about each stage's largest micro-batch (a misleading profile found out
+  by its first failure);
 - `session`: the state both searches share (what was measured, what memory it proves);
 - `global_batch`: the user's train_batch_size kept by every experiment, or freed;
-- `fast_search`: DeepSpeed's fast/full mode with its defects fixed; `sampled_search` (the default);
+- `fast_search`: DeepSpeed's fast/full mode with its defects fixed; `sampled_search` (the default),
+  with `sampling` (its pure decisions: the next size, the stage order, the saw-tooth neighbour);
   `repeats` (one policy for every search of ours: a crash launched once more, the winner confirmed)
   with `confirm` (re-measuring the leaders until they are told apart); `full_space` and `tuners`
-  (full mode's knob points: grid, random, model-based); `ranking` (the best config from records);
+  (full mode's knob points: grid, random, model-based); `ranking` (the best config from records: the mean of its readings, the median from three);
   `live_search` (what the live view shows of a running search).
 
 Imports: `scheduler.inputs`, `scheduler.errors`. Imported by: report, cluster and the commands.

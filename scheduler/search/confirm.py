@@ -19,9 +19,16 @@ than the runner-up. So a winner is confirmed before it is named
   measured in turn, fewest readings first (interleaved: A B A B, so drift of shared machines hits
   both alike), until every rival is separated or `REPEAT_BUDGET` launches are spent (a leader still
   read once then gets up to `READ_ONCE_GRACE` more);
-- the choice is the best mean over every reading (`scheduler.search.ranking.best`), and the summary says
-  whether the winner was separated from the runner-up, and why (`verdict`: read once, within the
-  noise, or separated, with the gap and its standard error it was judged on).
+- with a kept global batch (`scheduler.search.global_batch`) the budget is what is left of
+  `KEPT_BATCH_LAUNCHES` when that is more (`repeat_budget`), and a config read once whose reading
+  is at least half the leader's is a rival until read twice (`doubtful`): the divisors of the batch
+  are searched in 6-8 launches, and on heavy-tailed readings the picks missed were near-equal
+  divisors only more readings tell apart, or a config whose one reading was a straggler's
+  (bench/README.md, issue 32);
+- the choice is the best pooled value over every reading (`scheduler.search.ranking.pooled_value`:
+  the mean, or the median from three readings on, which one outlier cannot move), and the summary
+  says whether the winner was separated from the runner-up, and why (`verdict`: read once, within
+  the noise, or separated, with the gap and its standard error it was judged on).
 
 Pure decision logic; `scheduler.search.repeats.confirm` turns it into phases.
 """
@@ -33,6 +40,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from scheduler.search.ranking import pooled_value
+
 K = TypeVar("K")
 
 #: Re-measurement launches a job spends on confirming its winner.
@@ -42,6 +51,13 @@ REPEAT_BUDGET = 2
 READ_ONCE_GRACE = 2
 #: A gap within this many standard errors of the difference of two means is not a separation.
 SEPARATION_Z = 2.0
+#: With a kept global batch, confirmation may go on past REPEAT_BUDGET until the job made this many
+#: launches, the profile run included (issue 32's goal for a kept batch: at most 14 launches).
+KEPT_BATCH_LAUNCHES = 14
+#: With a kept global batch, a config read once is chased as a rival while its reading is at least
+#: this share of the leader's (`doubtful`): a straggler's reading (0.5-0.67x its config's on
+#: bench/surfaces.py's heavy-tailed scripts) cannot rule out a config as good as the leader.
+STRAGGLER_SHARE = 0.5
 #: Relative noise assumed before any config was measured twice.
 PRIOR_NOISE = 0.03
 #: Relative noise never taken below this (two equal readings do not prove a noiseless machine).
@@ -61,6 +77,11 @@ class Readings(Generic[K]):
     @property
     def mean(self) -> float:
         return statistics.fmean(self.values)
+
+    @property
+    def value(self) -> float:
+        """What the readings say together, the figure configs are ranked on (`ranking.pooled_value`)."""
+        return pooled_value(self.values)
 
     @property
     def count(self) -> int:
@@ -107,29 +128,44 @@ def noise_of(group: Readings, pooled: float | None) -> float:
 
 def separation(leader: Readings, rival: Readings, pooled: float | None,
                maximize: bool = True) -> tuple[float, float]:
-    """(the gap by which `leader`'s mean beats `rival`'s, relative to the leader's mean; the relative
+    """(the gap by which `leader`'s pooled value beats `rival`'s, relative to the leader's; the relative
     standard error of that difference at the noise `noise_of` gives each)."""
-    gap = (leader.mean - rival.mean) if maximize else (rival.mean - leader.mean)
-    scale = abs(leader.mean) or 1.0
+    gap = (leader.value - rival.value) if maximize else (rival.value - leader.value)
+    scale = abs(leader.value) or 1.0
     error = math.sqrt(noise_of(leader, pooled) ** 2 / leader.count + noise_of(rival, pooled) ** 2 / rival.count)
     return gap / scale, error
 
 
 def separated(leader: Readings, rival: Readings, pooled: float | None, maximize: bool = True) -> bool:
-    """Whether `leader`'s mean beats `rival`'s by more than SEPARATION_Z standard errors."""
+    """Whether `leader`'s pooled value beats `rival`'s by more than SEPARATION_Z standard errors."""
     gap, error = separation(leader, rival, pooled, maximize)
     return gap > SEPARATION_Z * error
 
 
 def ordered(groups: Sequence[Readings[K]], maximize: bool = True) -> list[Readings[K]]:
-    """Best mean first; equal means keep the given order (the earlier measured config leads)."""
+    """Best pooled value first; equal values keep the given order (the earlier measured config leads)."""
     indexed = list(enumerate(groups))
-    indexed.sort(key=lambda pair: (-pair[1].mean if maximize else pair[1].mean, pair[0]))
+    indexed.sort(key=lambda pair: (-pair[1].value if maximize else pair[1].value, pair[0]))
     return [group for _, group in indexed]
 
 
-def next_repeat(groups: Sequence[Readings[K]], maximize: bool = True) -> K | None:
-    """The config to measure once more, or None when the leader is confirmed (see the module)."""
+def repeat_budget(launched: int, kept_batch: bool) -> int:
+    """The launches confirmation may spend after `launched`: REPEAT_BUDGET, or with a kept global
+    batch what is left of KEPT_BATCH_LAUNCHES when that is more."""
+    return max(REPEAT_BUDGET, KEPT_BATCH_LAUNCHES - launched) if kept_batch else REPEAT_BUDGET
+
+
+def doubtful(leader: Readings, group: Readings, maximize: bool = True) -> bool:
+    """Whether `group`'s one reading may be a straggler's hiding a config as good as `leader`: read
+    once, at least STRAGGLER_SHARE of the leader's value."""
+    if group.count != 1:
+        return False
+    return group.value >= STRAGGLER_SHARE * leader.value if maximize else group.value * STRAGGLER_SHARE <= leader.value
+
+
+def next_repeat(groups: Sequence[Readings[K]], maximize: bool = True, doubt_once: bool = False) -> K | None:
+    """The config to measure once more, or None when the leader is confirmed (see the module).
+    `doubt_once`: every `doubtful` config is a rival too, until it is read twice."""
     if not groups:
         return None
     leader, *others = ordered(groups, maximize)
@@ -137,6 +173,8 @@ def next_repeat(groups: Sequence[Readings[K]], maximize: bool = True) -> K | Non
         return leader.key
     pooled = pooled_noise(groups)
     rivals = [g for g in others if not separated(leader, g, pooled, maximize)][:MAX_RIVALS]
+    if doubt_once:
+        rivals += [g for g in others if doubtful(leader, g, maximize) and g not in rivals]
     if not rivals:
         return None
     return min([leader, *rivals], key=lambda g: g.count).key

@@ -31,7 +31,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET
+from scheduler.search.confirm import KEPT_BATCH_LAUNCHES, READ_ONCE_GRACE, REPEAT_BUDGET
 from scheduler.search.full_space import full_experiments
 from scheduler.search.global_batch import batch_notes, no_fit_message
 from scheduler.search.memory import SAFETY, GiB, MemoryModel, ModelInfo, overhead_from_profile, prior_overhead_bytes
@@ -158,9 +158,13 @@ def search_notes(settings: SearchSettings) -> list[str]:
     """What the command prints first and summary.txt repeats about the search's own rules: the global
     batch kept, freed or overwritten (`global_batch.batch_notes`), and how a winner is named."""
     if settings.search == "sampled":
+        budget = (f"up to {REPEAT_BUDGET} launches, or with the global batch kept as many as keep the job "
+                  f"within {KEPT_BATCH_LAUNCHES} launches, a config read once at half the leader's reading "
+                  "or more counting as a close rival," if settings.kept_per_gpu else f"up to {REPEAT_BUDGET} launches")
         rule = ("Search: no config is named on one reading (the leader and its close rivals are measured "
-                f"again, <name>_r<n>, up to {REPEAT_BUDGET} launches and {READ_ONCE_GRACE} more while the "
-                "leader was read once); a crash, timeout or failed rendezvous is launched once more (<name>_r2)")
+                f"again, <name>_r<n>, {budget} and {READ_ONCE_GRACE} more while the leader was read once; "
+                "a config read three times or more is judged on the median of its readings, else their mean); "
+                "a crash, timeout or failed rendezvous is launched once more (<name>_r2)")
     else:
         rule = ('Search: "search": "deepspeed" keeps DeepSpeed\'s behaviour: every config is read once and the '
                 "best single reading wins (no confirmation); a crash is that config's result (no relaunch)")

@@ -11,9 +11,11 @@ the best single reading wins), and the summary says so (`policy_notes`).
   counts as failed;
 - `confirm`: no config is named on one reading. The leader is measured again, then the rivals it is
   not separated from at the measured noise (`scheduler.search.confirm.next_repeat`), one launch per
-  phase, each with its nodes otherwise idle (`Experiment.exclusive`), within `REPEAT_BUDGET`, and a
-  leader still read once gets up to `READ_ONCE_GRACE` launches more; the winner is the best mean of
-  every reading (`scheduler.search.ranking.best` pools repeats).
+  phase, each with its nodes otherwise idle (`Experiment.exclusive`), within `REPEAT_BUDGET` (with a
+  kept global batch, up to `KEPT_BATCH_LAUNCHES` launches in all: `confirm.repeat_budget`, and a
+  config read once at half the leader's reading or more is a rival too: `confirm.doubtful`), and a
+  leader still read once gets up to `READ_ONCE_GRACE` launches more; the winner is the best pooled
+  value of every reading (`scheduler.search.ranking.best` pools repeats: a mean, a median from three).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET, group_readings, next_repeat, ordered
+from scheduler.search.confirm import READ_ONCE_GRACE, group_readings, next_repeat, ordered, repeat_budget
 from scheduler.search.ranking import metric_value
 from scheduler.search.session import Session, Step, under_foreign_memory
 from scheduler.search.space import PROFILE, Experiment
@@ -75,11 +77,12 @@ def relaunch(session: Session, label: str, experiments: Sequence[Experiment]) ->
 
 def confirm(session: Session) -> Step:
     """Measure the leader and the rivals it is not yet separated from, one launch per phase, until
-    `scheduler.search.confirm.next_repeat` is satisfied or REPEAT_BUDGET launches are spent; past the
-    budget, only a leader read once is measured again (up to READ_ONCE_GRACE launches more). One at a
-    time: the originals ran alone, so must the repeats."""
+    `scheduler.search.confirm.next_repeat` is satisfied or the budget (`confirm.repeat_budget`) is
+    spent; past it, only a leader read once is measured again (up to READ_ONCE_GRACE launches more).
+    One at a time: the originals ran alone, so must the repeats."""
     st = session.settings
-    for spent in range(1, REPEAT_BUDGET + READ_ONCE_GRACE + 1):
+    budget = repeat_budget(len(session.measured), bool(st.kept_per_gpu))
+    for spent in range(1, budget + READ_ONCE_GRACE + 1):
         originals: dict[str, Experiment] = {}
         readings: dict[str, list[float]] = {}
         steps: dict[str, list[list[float] | None]] = {}
@@ -96,8 +99,8 @@ def confirm(session: Session) -> Step:
                 readings.setdefault(original, []).append(value)
                 steps.setdefault(original, []).append(record.get("step_seconds"))
         groups = group_readings(readings, steps)
-        key = next_repeat(groups, st.maximize)
-        if key is None or (spent > REPEAT_BUDGET and ordered(groups, st.maximize)[0].count >= 2):
+        key = next_repeat(groups, st.maximize, doubt_once=bool(st.kept_per_gpu))
+        if key is None or (spent > budget and ordered(groups, st.maximize)[0].count >= 2):
             return
         exp = originals[key]
         repeat = Experiment(f"{exp.name}_r{launched[key] + 1}", exp.stage, exp.micro_batch_size,

@@ -19,9 +19,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   that ran), then the smallest size, with the most accumulation (`_sample_smallest`: on CPU slots
   the real GPT example's optimum lay there, below a plateau a quarter of the top would have sat
   on). Then golden-section-like refinement on log(mbs) around the best
-  measured size until its neighbours are within `REFINE_RATIO` of it, splitting the gaps between
+  measured size until its neighbours are within `sampling.REFINE_RATIO` of it, splitting the gaps between
   measured sizes before going below the smallest; a top that the memory line later moves up is
-  probed again only when it is `TOP_GAIN` larger;
+  probed again only when it is `sampling.TOP_GAIN` larger;
 - another stage is first measured at the incumbent's size (without max_train_batch_size, after its
   own top), which tells how it compares. It is explored further only if the incumbent was the
   largest size its own stage could hold and this stage holds more (the curve was still rising at
@@ -34,12 +34,15 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   a timeout, a rendezvous that failed, an out-of-memory beside others' memory) is launched once
   more at once (`_measure`), and so is an out-of-memory at a size the stage already ran at or above
   (`_contradicted`: memory does not shrink as the size grows); a size failing twice is left out of its stage, and is no memory fact;
-- the memory side follows `scheduler.search.memory`: predictions stay between the largest ok and the
-  smallest size out of memory, and every stage's probes bound the others (`memory.shared_facts`: a failure
+- the memory side follows `scheduler.search.memory_facts`: predictions stay between the largest ok and the
+  smallest size out of memory, and every stage's probes bound the others (`memory_facts.shared_facts`: a failure
   bounds the stages holding more, a success the stages holding less, a bracket moves the others'
-  predicted tops, with or without measured peaks); after a failure the next upward probe is the
-  geometric midpoint, and a stage stops probing upward after `MAX_FAILURES` failures above a
-  success (`MAX_BLIND_FAILURES` halvings when nothing in the job ran yet);
+  predicted tops, with or without measured peaks); once the model was caught over-predicting (an
+  out-of-memory at a size it said fits), a stage's first probe (`_anchor`, a followed size) is the
+  cautious prediction, halfway from what the others' brackets say it surely holds; after a failure
+  the next upward probe is the geometric midpoint, and a stage stops probing upward after
+  `MAX_FAILURES` failures above a success (`MAX_BLIND_FAILURES` halvings when nothing in the job
+  ran yet);
 - `scheduler.search.repeats.confirm` (run after this search by `fast_search`): no config is named
   on one reading; the leader and the rivals it is not separated from are measured again.
 
@@ -49,13 +52,12 @@ bench/trace_replay.py (replays on real traces of the GPT example, whose optimum 
 the smallest micro-batch with the most accumulation) and
 bench/vs_deepspeed.py (the real GPT example, end to end); see bench/README.md.
 
-Pure decision logic (`next_size`, `geometric_mid`, `scheduler.search.confirm`) is separate from the
-generator so it is tested directly; the generators only turn decisions into phases (one experiment
+Pure decision logic (`scheduler.search.sampling`: `next_size`, `geometric_mid`, ...;
+`scheduler.search.confirm`) is separate from the generator so it is tested directly; the generators only turn decisions into phases (one experiment
 each unless the slots allow more) and are replayed from records like every search here.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -63,22 +65,17 @@ from typing import Any
 from scheduler.search.global_batch import kept_sizes, largest_kept
 from scheduler.search.ranking import metric_value
 from scheduler.search.repeats import is_repeat, original_name, says_nothing
+from scheduler.search.sampling import full_step_sizes, geometric_mid, lead_first, next_size, sawtooth_neighbour, snap
 from scheduler.search.session import Session, Step
 from scheduler.search.space import PROFILE
 
 
-#: Refinement stops when the best size's measured neighbours are within this ratio of it.
-REFINE_RATIO = 1.45
 #: A stage stops probing upward after this many failed probes (the issue's target: at most 2).
 MAX_FAILURES = 2
 #: Before any size of the job ran, the top is halved after each failure up to this many times: a
 #: profile that understates the activations can over-predict the top by 2-4x. Once a stage ran
 #: something, another stage's top is predicted from it, and gets MAX_FAILURES.
 MAX_BLIND_FAILURES = 3
-#: A larger top (the memory line moved up after a probe) is probed only if it is at least this much
-#: larger than the largest size measured: a few percent more samples per micro-step change the
-#: throughput by less than the measurement noise.
-TOP_GAIN = 1.1
 #: At most this many sizes are measured per stage (a guard; refinement normally stops earlier).
 MAX_POINTS = 7
 #: Full mode explores the knobs of every stage whose fast-mode best is within this of the leader.
@@ -95,69 +92,6 @@ TOP_SAFETY = 0.98
 #: rule), so a margin below the budget costs throughput on every step of the real run, while a
 #: failed probe costs one launch: the whole budget.
 TOP_SAFETY_UNBOUNDED = 1.0
-#: The leader's neighbour along the accumulation saw-tooth (one step more, the largest size that
-#: fills it) is measured when it trains at least this many times the leader's samples per step.
-SAWTOOTH_GAIN = 1.05
-
-
-def geometric_mid(low: int, high: int) -> int | None:
-    """The integer nearest sqrt(low * high), strictly between them, or None if there is none."""
-    if high - low < 2:
-        return None
-    mid = round(math.sqrt(low * high))
-    return min(max(mid, low + 1), high - 1)
-
-
-def full_step_sizes(samples_per_step: int | None, top: int) -> list[int]:
-    """The sizes worth measuring up to `top`: with a samples-per-step limit L, the largest size for
-    each accumulation g (L // g), since any smaller size with the same g only wastes part of the
-    step; without a limit every size. `top` itself is always one (the largest that fits)."""
-    if top < 1:
-        return []
-    if not samples_per_step:
-        return list(range(1, top + 1))
-    return sorted({samples_per_step // g for g in range(1, samples_per_step + 1)
-                   if 1 <= samples_per_step // g <= top} | {min(top, samples_per_step)})
-
-
-def snap(target: float, sizes: Sequence[int]) -> int:
-    """The size in `sizes` nearest `target` on a log scale."""
-    return min(sizes, key=lambda m: (abs(math.log(m / target)), m))
-
-
-def next_size(values: Mapping[int, float | None], sizes: Sequence[int], maximize: bool = True) -> int | None:
-    """The next micro-batch size to measure in one stage, or None when the stage is done.
-
-    `values`: size -> metric (None: failed). `sizes`: the sizes allowed now (`full_step_sizes` up to
-    the largest size memory allows, below every failure). The largest is always seen; then the
-    larger log-gap next to the best size is split at the allowed size nearest its geometric middle,
-    going four times lower when the best is the smallest size measured; a gap narrower than
-    REFINE_RATIO, or with no allowed size inside, is not split.
-    """
-    if not sizes:
-        return None
-    top = sizes[-1]
-    ok = sorted(m for m, v in values.items() if v is not None and m <= top)
-    if not ok or (top >= ok[-1] * TOP_GAIN and top not in values):
-        return top if top not in values else None
-    best = max(ok, key=lambda m: (values[m] if maximize else -values[m], -m))
-    index = ok.index(best)
-    options: list[tuple[float, int]] = []
-
-    gaps = ([(ok[index - 1], best)] if index else []) + ([(best, ok[index + 1])] if index + 1 < len(ok) else [])
-    for low, high in gaps:
-        inside = [m for m in sizes if low < m < high and m not in values]
-        if inside and high / low > REFINE_RATIO:
-            options.append((math.log(high / low), snap(math.sqrt(low * high), inside)))
-    if index == 0 and not options:
-        below = [m for m in sizes if m < best and m not in values]
-        if below:
-            options.append((math.log(4), snap(max(1.0, best / 4), below)))
-    if not options:
-        return None
-    return max(options)[1]
-
-
 # ---------------------------------------------------------------- the generators
 
 
@@ -180,7 +114,7 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             upside = True  # so much more memory free that it can win on memory pressure: explore it
         if not (yield from _anchor(session, stage)):
             continue
-        size = min(inc_mbs, _top(session, stage))
+        size = min(inc_mbs, _top(session, stage, cautious=True))
         value = yield from _measure(session, stage, size, f"z{stage}_follow_{size}")
         explored.append(stage)
         if value is not None and (upside or _wins(session, stage, size, value)):
@@ -196,17 +130,6 @@ def _wins(session: Session, stage: int, size: int, value: float) -> bool:
     measured = {exp.stage for exp, _ in session.measured.values() if exp.space != PROFILE} - {stage}
     best = [v for s in measured for v in _values(session, s).values() if v is not None]
     return bool(best) and (value > max(best) if st.maximize else value < min(best))
-
-
-def lead_first(stages: Sequence[int], dp_size: int) -> list[int]:
-    """The order stages are searched in: ZeRO-1 first when data parallelism shards anything (it holds
-    at least what ZeRO-0 holds, moves the same data and runs 1/dp of the optimizer step, so it is
-    the stage most likely to win and its curve is the one worth sampling), then the rest in order."""
-    ordered = list(stages)
-    if dp_size > 1 and 1 in ordered:
-        ordered.remove(1)
-        ordered.insert(0, 1)
-    return ordered
 
 
 def _explore(session: Session, stage: int, floor: int = 0) -> Step:
@@ -294,7 +217,7 @@ def _anchor(session: Session, stage: int) -> Step:
     if session.settings.samples_per_step:
         return True
     while not _known_feasible(session, stage):
-        top = _top(session, stage)
+        top = _top(session, stage, cautious=True)
         if top < 1:
             return False
         yield from _measure(session, stage, top, f"z{stage}_top_{top}")
@@ -330,16 +253,18 @@ def _contradicted(session: Session, stage: int, mbs: int, record: Mapping[str, A
     return record.get("status") == "oom" and any(ran and size >= mbs for size, ran in _sizes(session, stage).items())
 
 
-def _top(session: Session, stage: int) -> int:
+def _top(session: Session, stage: int, cautious: bool = False) -> int:
     """The largest size worth probing now: the calibrated prediction, capped, kept below failures;
     after a failure above a success, the geometric midpoint between them; after MAX_FAILURES
     failures, the largest success. A size that ran at any gas counts (memory does not depend on
-    the accumulation), and so does a size a stage holding more ran (`memory.shared_facts`)."""
+    the accumulation), and so does a size a stage holding more ran (`memory_facts.shared_facts`).
+    `cautious`: the size is the stage's first probe (`memory_facts.predict_max_micro_batch_size`)."""
     sizes = _sizes(session, stage)
     failed = [m for m, ok in sizes.items() if not ok]
     borrowed = session.shared_facts(stage).success  # the stage's own failure outranks another stage's success
     largest_ok = max([m for m, ok in sizes.items() if ok] + [borrowed if not failed or borrowed < min(failed) else 0])
-    predicted = session.predicted_max(stage, TOP_SAFETY if session.settings.samples_per_step else TOP_SAFETY_UNBOUNDED)
+    predicted = session.predicted_max(stage, TOP_SAFETY if session.settings.samples_per_step else TOP_SAFETY_UNBOUNDED,
+                                      cautious)
     if failed:
         smallest_failed = min(failed)
         if largest_ok and _failures_since_a_success(session, stage) >= MAX_FAILURES:
@@ -431,22 +356,9 @@ def _relative(value: float, reference: float, maximize: bool) -> float:
     return change / abs(reference) if reference else 0.0
 
 
-def sawtooth_neighbour(mbs: int, gas: int, samples_per_step: int | None) -> int | None:
-    """The size one accumulation step further along the saw-tooth from (mbs, gas): the largest that
-    fills samples_per_step // (gas + 1) per micro-step, when it is smaller than `mbs` and fills at
-    least SAWTOOTH_GAIN times the samples per step (mbs 26 x gas 5 = 130 beside 27 x 4 = 108 when
-    the step allows 130: the top of a stage rarely fills it); None when there is none."""
-    if not samples_per_step:
-        return None
-    size = samples_per_step // (gas + 1)
-    if not 1 <= size < mbs or size * (samples_per_step // size) < SAWTOOTH_GAIN * mbs * gas:
-        return None
-    return size
-
-
 def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
     """Before the winner is confirmed, measure the leader's saw-tooth neighbour (`sawtooth_neighbour`)
-    once: refinement stops at sizes within REFINE_RATIO, which a size one smaller always is, though
+    once: refinement stops at sizes within sampling.REFINE_RATIO, which a size one smaller always is, though
     its extra accumulation step may train more samples per step for the same fixed costs. Only with
     max_train_batch_size: without it every sampled size fills the step, and a kept global batch is
     filled exactly by every size it allows."""

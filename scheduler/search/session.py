@@ -20,9 +20,9 @@ from scheduler.inputs.config import TUNER_TYPES, TuningConfig, non_negative_int
 from scheduler.search.global_batch import GlobalBatch, global_batch, kept_sizes
 from scheduler.search.deepspeed_memory import deepspeed_fp16, deepspeed_max_micro_batch_size, deepspeed_stage_fits
 from scheduler.search.memory import (
-    SAFETY, MemoryModel, ModelInfo, Observation, SharedFacts, StageFit, TrainingSetup, predict_max_micro_batch_size,
-    shared_facts, untracked_reserve_bytes,
+    SAFETY, MemoryModel, ModelInfo, Observation, StageFit, TrainingSetup, untracked_reserve_bytes,
 )
+from scheduler.search.memory_facts import SharedFacts, predict_max_micro_batch_size, shared_facts
 from scheduler.search.phases import Phase
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.space import PROFILE, Experiment, experiment_config, experiment_name
@@ -285,13 +285,16 @@ class Session:
                                         st.mp_size, st.capacity_bytes)
         return self.model.gate(stage, st.budget_bytes)
 
-    def predicted_max(self, stage: int, safety: float = SAFETY) -> int:
+    def predicted_max(self, stage: int, safety: float = SAFETY, cautious: bool = False) -> int:
+        """The largest micro-batch the stage is expected to hold (`memory_facts.predict_max_micro_batch_size`;
+        `cautious`: for the stage's first probe), within the micro-batch cap."""
         st = self.settings
         if st.estimator == "deepspeed":
             predicted = deepspeed_max_micro_batch_size(self.model.info, stage, deepspeed_fp16(st.ds_config),
                                                        st.world_size, st.mp_size, st.capacity_bytes)
         else:
-            predicted = predict_max_micro_batch_size(self.model, stage, st.budget_bytes, self.observations(), safety)
+            predicted = predict_max_micro_batch_size(self.model, stage, st.budget_bytes, self.observations(), safety,
+                                                    cautious)
         return min(predicted, st.micro_batch_cap)
 
     def shared_facts(self, stage: int) -> SharedFacts:

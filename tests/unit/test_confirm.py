@@ -1,4 +1,5 @@
-"""Naming a winner under noise (`scheduler.search.confirm`): expected values worked out by hand."""
+"""Naming a winner under noise (`scheduler.search.confirm`, and the pooled value `scheduler.search.ranking`
+ranks configs on): expected values worked out by hand."""
 from __future__ import annotations
 
 import math
@@ -6,9 +7,10 @@ import math
 import pytest
 
 from scheduler.search.confirm import (
-    MIN_NOISE, PRIOR_NOISE, Readings, group_readings, next_repeat, noise_of, pooled_noise, separated, step_noise,
-    verdict,
+    KEPT_BATCH_LAUNCHES, MIN_NOISE, PRIOR_NOISE, REPEAT_BUDGET, Readings, doubtful, group_readings, next_repeat,
+    noise_of, ordered, pooled_noise, repeat_budget, separated, step_noise, verdict,
 )
+from scheduler.search.ranking import pooled_best, pooled_value, pooled_word
 
 
 def r(key: str, *values: float) -> Readings[str]:
@@ -65,6 +67,32 @@ def test_rivals_are_the_closest_two_and_the_one_with_fewest_readings_goes_first(
     assert next_repeat([r("lead", 100, 100), r("b", 99.9, 99.9)]) == "lead"  # equal counts: the leader
 
 
+def test_a_config_read_once_at_half_the_leaders_reading_is_a_rival_while_readings_are_doubted() -> None:
+    """With a kept batch (`doubt_once`): b's one reading, 55 % of the leader's, may be a straggler's
+    (0.5-0.67x its config), so b is measured again; c at 45 % is not; nor is b once it has two readings."""
+    leader = r("lead", 100, 100)
+    assert doubtful(leader, r("b", 55)) and not doubtful(leader, r("c", 45)) and not doubtful(leader, r("b", 55, 56))
+    assert doubtful(leader, r("b", 190), maximize=False) and not doubtful(leader, r("b", 210), maximize=False)
+    groups = [leader, r("b", 55), r("c", 45)]
+    assert next_repeat(groups) is None  # far apart on one reading each: separated
+    assert next_repeat(groups, doubt_once=True) == "b"
+    assert next_repeat([leader, r("b", 55, 56), r("c", 45)], doubt_once=True) is None
+
+
+def test_with_a_kept_batch_confirmation_may_spend_what_the_launch_goal_leaves() -> None:
+    assert repeat_budget(6, kept_batch=False) == REPEAT_BUDGET
+    assert repeat_budget(6, kept_batch=True) == KEPT_BATCH_LAUNCHES - 6 == 8
+    assert repeat_budget(KEPT_BATCH_LAUNCHES, kept_batch=True) == REPEAT_BUDGET
+
+
+def test_from_three_readings_the_median_ranks_a_config() -> None:
+    """A lucky reading (150) among three cannot keep a config ahead: its median (91) ranks it."""
+    lucky, steady = r("lucky", 150, 90, 91), r("steady", 100, 98)
+    assert (lucky.value, lucky.mean) == (91, pytest.approx(110.333, abs=1e-3))
+    assert [g.key for g in ordered([lucky, steady])] == ["steady", "lucky"]
+    assert verdict([lucky, steady]).winner.key == "steady"
+
+
 def test_a_verdict_names_the_runner_up_and_whether_they_are_apart() -> None:
     close = verdict([r("a", 100, 101), r("b", 100.2)])
     assert (close.winner.key, close.runner_up.key, close.is_separated) == ("a", "b", False)
@@ -109,3 +137,18 @@ def test_a_bimodal_run_cannot_win_on_its_window_mean_alone() -> None:
 def test_group_readings_carries_each_keys_step_noise() -> None:
     groups = group_readings({"a": [1.0], "b": [2.0]}, {"a": [[1.0, 2.0, 1.0]]})
     assert groups[0].step_noise == pytest.approx(0.25) and groups[1].step_noise is None
+
+
+def _measured(name: str, config: dict[str, int], value: float) -> dict[str, object]:
+    return {"name": name, "status": "ok", "metrics": {"throughput": value}, "ds_config": config}
+
+
+def test_from_three_readings_a_config_is_judged_on_its_median() -> None:
+    """One outlier among three readings cannot carry a config (issue 32): a lucky 1.5x reading."""
+    a, b = {"k": 1}, {"k": 2}
+    records = [_measured("a", a, 150.0), _measured("b", b, 100.0), _measured("a_r2", a, 90.0),
+               _measured("b_r2", b, 98.0), _measured("a_r3", a, 91.0)]
+    # a: median of 150, 90, 91 = 91 (its mean, 110.3, would win); b: mean of 100, 98 = 99
+    assert pooled_best(records, "throughput", True) == (records[1], 99.0, 2)
+    assert (pooled_value([150.0, 90.0, 91.0]), pooled_value([150.0, 90.0])) == (91.0, 120.0)
+    assert (pooled_word(2), pooled_word(3)) == ("mean", "median")

@@ -14,6 +14,7 @@ from bench.surfaces import FAMILIES, make_surface, user_config
 from scheduler.errors import ConfigError
 from scheduler.inputs.config import load_config
 from scheduler.report.outputs import summary_text
+from scheduler.search.confirm import KEPT_BATCH_LAUNCHES, READ_ONCE_GRACE
 from scheduler.search.fast_search import PROFILE, fast_search, search_notes
 from scheduler.search.global_batch import GlobalBatch, cli_batch, global_batch, kept_sizes, largest_kept
 from scheduler.search.memory import ModelInfo
@@ -221,3 +222,33 @@ def test_an_hf_config_keeps_its_command_lines_batch_when_asked(tmp_path: Path) -
         search_notes(settings)[0]
     unasked = {**config, "autotuning": {k: v for k, v in config["autotuning"].items() if k != "keep_train_batch_size"}}
     assert settings_of(spec(unasked)).global_batch.size is None
+
+
+class Straggled(Runner):
+    """The law, but the first reading of `slow` is a straggler's: 0.55x (a window with a stalled rank)."""
+
+    def __init__(self, slow: str) -> None:
+        super().__init__()
+        self.slow = slow
+
+    def __call__(self, phase):
+        out = super().__call__(phase)
+        if self.slow in out and out[self.slow]["status"] == "ok":
+            metrics = out[self.slow]["metrics"]
+            out[self.slow] = self.records[self.slow] = {**out[self.slow], "metrics": {
+                **metrics, "throughput": 0.55 * metrics["throughput"]}}
+        return out
+
+
+def test_a_kept_batch_reads_again_a_config_a_straggler_read_low_and_stays_within_the_launch_goal() -> None:
+    """Issue 32: with the batch kept, the best config read once at 0.55x is measured again (a
+    straggler's reading is 0.5-0.67x; at the noise measured elsewhere, 1 %, one such reading is
+    otherwise taken as separated from the leader), and the job stays within KEPT_BATCH_LAUNCHES."""
+    clean = Runner()
+    drive(fast_search(kept(96)), clean)
+    best_name = best([r for n, r in clean.records.items() if n != PROFILE], "throughput", True)["name"]
+    runner = Straggled(best_name)
+    drive(fast_search(kept(96)), runner)
+    keeps_it(runner, 96)
+    assert f"{best_name}_r2" in runner.records
+    assert KEPT_BATCH_LAUNCHES - 1 <= len(runner.records) <= KEPT_BATCH_LAUNCHES + READ_ONCE_GRACE

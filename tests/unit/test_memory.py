@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from scheduler.search.memory import (
-    SharedFacts, shared_facts,
     GPU_UNTRACKED_FLOOR, NO_LIMIT, overhead_from_profile, peak_grows, prior_overhead_bytes, untracked_reserve_bytes, Calibration, MemoryModel, ModelInfo, Observation, StageFit, StateBytes, TrainingSetup, bounds,
-    calibrate, mixed_precision, model_state_bytes, predict_max_micro_batch_size, stage_gate,
+    calibrate, mixed_precision, model_state_bytes, stage_gate,
 )
+from scheduler.search.memory_facts import SharedFacts, predict_max_micro_batch_size, shared_facts
 from scheduler.search.deepspeed_memory import (
     deepspeed_fp16, deepspeed_instantiation_bytes, deepspeed_max_micro_batch_size, deepspeed_stage_fits,
 )
@@ -529,6 +529,10 @@ def test_without_any_peak_the_other_stages_brackets_steer_the_prediction() -> No
 def test_brackets_that_contradict_the_analytical_difference_are_not_moved() -> None:
     # ZeRO-1 ran 50 (at most 380 bytes per sample), ZeRO-2 (holding less) failed at 40 (at least
     # 20500 / 40 = 512.5): moved to ZeRO-3, a success at floor(50 + 3000 / 380) = 57 above a failure
-    # at ceil(40 + 1500 / 512.5) = 43. Only the proven success (50, from a stage holding more) stays.
+    # at ceil(40 + 1500 / 512.5) = 43. ZeRO-2 ran nothing: its failure moves least surely (its bytes
+    # per sample rest on the model's room for it alone) and is dropped; the moved success stays.
     observations = {1: [Observation(50)], 2: [Observation(40, oom=True)]}
+    assert shared_facts(FOUR, 3, 26000, observations) == SharedFacts(50, None, 57, None)
+    # with a success of its own at 30, ZeRO-2's bracket is kept and the contradiction drops both
+    observations[2].append(Observation(30))
     assert shared_facts(FOUR, 3, 26000, observations) == SharedFacts(50, None, 0, None)

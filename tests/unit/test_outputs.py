@@ -450,6 +450,8 @@ SEPARATION_CASES = [
     ([0.40, 0.41], [0.60], "latency", "separated"),  # minimised: the lower mean wins
     ([0.40], [0.401, 0.402], "latency", "read once"),
     ([5.0], [], "throughput", "alone"),
+    ([100.0, 101.0, 150.0], [99.0, 99.5], "throughput", "within"),  # three readings: the median, 101
+    ([100.0, 101.0, 102.0, 101.5], [90.0, 90.5, 91.0], "throughput", "separated"),
 ]
 
 
@@ -495,6 +497,15 @@ def test_the_separation_sentence_gives_its_reason_and_agrees_with_its_figures(
         assert sentence.startswith("Separated: ") and sentence.endswith("more than 2.") and z > 2
     else:
         assert sentence.startswith("Not separated: ") and ", within 2; " in sentence and z <= 2
+
+
+def test_a_config_read_three_times_is_given_and_judged_by_its_median() -> None:
+    """Issue 32: a lucky 150 among the winner's readings; the summary gives the median it was ranked on."""
+    lines = _summary_of([100.0, 150.0, 101.0], [99.0, 99.5], "throughput")
+    assert "Winner: z1_gas1_tmbspg4: 101 throughput, median of 3 readings (range 100-150)" in lines
+    assert "Runner-up: z0_gas1_tmbspg4: 99.25 throughput, mean of 2 readings (range 99-99.5)" in lines
+    assert next(line for line in lines if line.startswith("Not separated")).endswith("the winner by its median.")
+    assert any(line.startswith("| global") and "z1_gas1_tmbspg4 (median of 3)" in line for line in lines)
 
 
 def test_summary_gives_the_error_of_one_reading_from_its_step_times() -> None:

@@ -10,16 +10,15 @@ import pytest
 
 from bench.surfaces import classic, make_surface, user_config
 from scheduler.search.confirm import REPEAT_BUDGET
-from scheduler.search.memory import SharedFacts
+from scheduler.search.memory_facts import SharedFacts
 from scheduler.search.fast_search import PROFILE, fast_search
 from scheduler.search.session import SearchSettings, Session, too_large
 from scheduler.search.phases import Phase, drive, replay
 from scheduler.search import sampled_search
 from scheduler.search.ranking import best
 from scheduler.search.repeats import REPEAT_NAME, confirm
-from scheduler.search.sampled_search import (
-    full_step_sizes, geometric_mid, lead_first, next_size, sampled_stages, snap, stages_near_leader,
-)
+from scheduler.search.sampled_search import sampled_stages, stages_near_leader
+from scheduler.search.sampling import full_step_sizes, geometric_mid, lead_first, next_size, snap
 from scheduler.search.space import Experiment
 from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner, layout
 
@@ -272,7 +271,7 @@ class Scripted(Session):
         super().__init__(settings)
         self.predicted = predicted
 
-    def predicted_max(self, stage: int, safety: float = 0.9) -> int:
+    def predicted_max(self, stage: int, safety: float = 0.9, cautious: bool = False) -> int:
         return min(self.predicted[stage], self.settings.micro_batch_cap)
 
     def shared_facts(self, stage: int) -> SharedFacts:
@@ -539,7 +538,7 @@ def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
     (TOP_SAFETY_UNBOUNDED): 100 first (gas 1), then the other end of the range, 1 (gas 100)."""
 
     class Budget(Scripted):
-        def predicted_max(self, stage: int, safety: float = 0.9) -> int:
+        def predicted_max(self, stage: int, safety: float = 0.9, cautious: bool = False) -> int:
             return int(100 * safety)
 
     for limit, first, then in ((512, "z1_gas10_tmbspg25", "z1_gas2_tmbspg98"), (None, "z1_gas1_tmbspg100", "z1_gas100_tmbspg1")):

@@ -11,7 +11,7 @@ from scheduler.search.fast_search import PROFILE, fast_search
 from scheduler.search.global_batch import GlobalBatch
 from scheduler.search.phases import drive
 from scheduler.search.ranking import best
-from scheduler.search.sampled_search import sawtooth_neighbour
+from scheduler.search.sampling import sawtooth_neighbour
 from scheduler.search.session import SearchSettings
 from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner
 

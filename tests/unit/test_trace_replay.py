@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from bench.collect_traces import space
-from bench.trace_replay import Trace, Untraced, deepspeed, ours
+from bench.trace_replay import Trace, Untraced, deepspeed, ours, right
 
 GiB = 1 << 30
 
@@ -52,3 +52,22 @@ def test_a_replay_is_judged_by_the_mean_of_the_named_configs_windows() -> None:
     assert (found.named, found.fraction, found.untraced) == ("z1 mbs 2 gas 4", 1.0, False)
     missed = deepspeed(trace, 0, 24 * GiB)
     assert missed.fraction == pytest.approx(0.5) and missed.launches == 6
+
+
+def _two_configs(best: list[float], other: list[float]) -> Trace:
+    """A trace of two configs, each window read as the throughput given (issue 32's answer 3)."""
+    def config(mbs: int, values: list[float]) -> dict[str, Any]:
+        windows = [{"throughput": v, "engine_throughput": v, "step_seconds": [1.0]} for v in values]
+        return {"stage": 1, "mbs": mbs, "gas": 1, "launches": [{"status": "ok", "peak_rss_bytes": GiB, "readings": windows}]}
+    return Trace({"world": 2, "configs": [config(1, best), config(2, other)]})
+
+
+def test_a_pick_is_right_within_3_percent_of_the_best_or_inside_its_95_percent_interval() -> None:
+    """The best reads 100 on average. Its windows 90 and 110 (standard deviation 14.1, standard error
+    14.1 / sqrt(2) = 10): the 95 % interval 100 +- 19.6 holds a pick at 95, right though 5 % behind. With
+    steady windows (100, 100) the interval is 100 itself: 95 is wrong, 97 right (within 3 %)."""
+    wide = _two_configs([90.0, 110.0], [95.0, 95.0])
+    assert wide.interval((1, 1, 1)) == pytest.approx((100 - 1.96 * 10, 100 + 1.96 * 10))
+    assert right(wide, (1, 2, 1)) and right(wide, (1, 1, 1))
+    assert not right(_two_configs([100.0, 100.0], [95.0, 95.0]), (1, 2, 1))
+    assert right(_two_configs([100.0, 100.0], [97.0, 97.0]), (1, 2, 1))
