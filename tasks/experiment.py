@@ -52,7 +52,8 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 @app.task(name="autotune.finish_experiment")
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
-    from scheduler.cluster.dispatch import cluster_lock, co_runners_of, dispatch, record_finished, requeue_for_busy_gpu
+    from scheduler.cluster.co_runners import co_runners_of
+    from scheduler.cluster.dispatch import cluster_lock, dispatch, record_finished, requeue_for_busy_gpu
     from scheduler.cluster.launches import FinishSpec
     from scheduler.cluster.progress import advance
 

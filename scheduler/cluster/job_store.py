@@ -31,6 +31,12 @@ def active_jobs(client: redis.Redis) -> list[str]:
     return [job.decode() for job in client.zrange(keys.JOBS, 0, -1)]
 
 
+def active_spec_jsons(client: redis.Redis) -> list[bytes]:
+    """The active jobs' specs (JSON), in submission order: two round trips, whatever the jobs."""
+    jobs = active_jobs(client)
+    return [raw for raw in (client.mget([keys.job_spec(job) for job in jobs]) if jobs else []) if raw]
+
+
 def any_active(client: redis.Redis) -> bool:
     return bool(client.zcard(keys.JOBS))
 
@@ -73,6 +79,45 @@ def heads(client: redis.Redis, jobs: list[str], free_slots: int) -> dict[str, li
         if names:
             found[job] += [QueuedLaunch.from_json(json.loads(raw)) for raw in next(fetched) if raw is not None]
     return {job: sorted(launches, key=lambda launch: launch.seq) for job, launches in found.items()}
+
+
+def running_by_job(client: redis.Redis, jobs: list[str]) -> dict[str, list[RunningLaunch]]:
+    """Each job's running launches, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for job in jobs:
+        pipe.hvals(keys.job_running(job))
+    return {job: [RunningLaunch.from_json(json.loads(raw)) for raw in raws] for job, raws in zip(jobs, pipe.execute())}
+
+
+def walls_by_job(client: redis.Redis, shapes: dict[str, list[str]]) -> dict[str, dict[str, list[float]]]:
+    """job -> shape -> wall times of its finished launches, for the shapes asked, in one round trip."""
+    asked = {job: wanted for job, wanted in shapes.items() if wanted}
+    pipe = client.pipeline(transaction=False)
+    for job, wanted in asked.items():
+        pipe.hmget(keys.job_walls(job), wanted)
+    found = pipe.execute() if asked else []
+    return {job: {shape: json.loads(raw) for shape, raw in zip(wanted, raws) if raw is not None}
+            for (job, wanted), raws in zip(asked.items(), found)}
+
+
+def running_names_and_depths(client: redis.Redis, jobs: list[str]) -> dict[str, tuple[set[str], int]]:
+    """job -> (its running launches' names, its queue depth), in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for job in jobs:
+        pipe.hkeys(keys.job_running(job))
+        pipe.hlen(keys.job_queue(job))
+    read = pipe.execute() if jobs else []
+    return {job: ({name.decode() for name in read[2 * i]}, int(read[2 * i + 1])) for i, job in enumerate(jobs)}
+
+
+def show_all(client: redis.Redis, shown: dict[str, dict[str, Any]], misfits_cleared: Iterable[str] = ()) -> None:
+    """`JobStore.show` for several jobs and `clear_misfit` for `misfits_cleared`, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for job in misfits_cleared:
+        pipe.hdel(keys.job_state(job), "misfit_since")
+    for job, fields in shown.items():
+        pipe.hset(keys.job_state(job), mapping=fields)
+    pipe.execute()
 
 
 class JobStore:
@@ -171,19 +216,26 @@ class JobStore:
         return {name.decode(): RunningLaunch.from_json(json.loads(raw))
                 for name, raw in self.client.hgetall(keys.job_running(self.job)).items()}
 
+    def running_of(self, names: list[str]) -> dict[str, RunningLaunch]:
+        """The running launches among `names`, read by name (one round trip whatever runs besides)."""
+        raws = self.client.hmget(keys.job_running(self.job), names) if names else []
+        return {name: RunningLaunch.from_json(json.loads(raw)) for name, raw in zip(names, raws) if raw is not None}
+
     def running_names(self) -> set[str]:
         return {name.decode() for name in self.client.hkeys(keys.job_running(self.job))}
 
-    def update_running(self, launch: RunningLaunch) -> None:
-        self.client.hset(keys.job_running(self.job), launch.name, json.dumps(launch.to_json()))
+    def update_running(self, launch: RunningLaunch, pipe: redis.client.Pipeline | None = None) -> None:
+        """Rewrite a running launch (in `pipe` when given, run with it)."""
+        (pipe or self.client).hset(keys.job_running(self.job), launch.name, json.dumps(launch.to_json()))
 
     def next_exp_id(self) -> int:
         """DeepSpeed's exp_id: numbered in launch order within the job."""
         return int(self.client.hincrby(keys.job_state(self.job), "exp_ids", 1))
 
-    def start(self, queued: QueuedLaunch, launch: RunningLaunch) -> None:
-        """Move a launch from the queue to running, its attempt counted first, in one transaction."""
-        pipe = self.client.pipeline(transaction=True)
+    def start(self, queued: QueuedLaunch, launch: RunningLaunch, pipe: redis.client.Pipeline | None = None) -> None:
+        """Move a launch from the queue to running, its attempt counted first, in one transaction
+        (`pipe`'s, with whatever the caller put in it before)."""
+        pipe = self.client.pipeline(transaction=True) if pipe is None else pipe
         pipe.hincrby(keys.job_attempts(self.job), launch.name, 1)
         pipe.expire(keys.job_attempts(self.job), ATTEMPTS_TTL_S)
         self._unqueue(pipe, queued)

@@ -39,6 +39,15 @@ def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
     experiment is to be measured with its nodes otherwise idle). `allowed`: only these slot queues
     (the job's resource pool, `scheduler.launch.pool`; None = every slot).
     """
+    nodes = _fitting_nodes(slots, busy, num_nodes, num_gpus, min_memory, kind, exclusive, allowed)
+    return None if nodes is None else [_compact(free, num_gpus) for free in nodes]
+
+
+def _fitting_nodes(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int, min_memory: int, kind: str,
+                   exclusive: bool, allowed: frozenset[str] | None) -> list[list[Slot]] | None:
+    """The free usable slots of the first `num_nodes` nodes (name order) with `num_gpus` of them, or
+    None. Only the nodes taken are compacted by `place`: choosing GPUs by their links costs up to
+    C(16, k) subsets a node, which over every fitting node of a large cluster was most of a pass."""
     ordered = sorted(slots, key=lambda s: (s.node, s.device))
     occupied = {s.node for s in slots if s.queue in busy} if exclusive else set()
     for candidate in ((kind,) if kind else KINDS):
@@ -48,9 +57,9 @@ def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
             free_by_node: dict[str, list[Slot]] = defaultdict(list)
             for slot in pool:
                 free_by_node[slot.node].append(slot)
-            chosen = [_compact(free, num_gpus) for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus]
-            if len(chosen) >= num_nodes:
-                return chosen[:num_nodes]
+            chosen = [free for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus][:num_nodes]
+            if len(chosen) == num_nodes:
+                return chosen
     return None
 
 
@@ -74,7 +83,8 @@ def best_linked(candidates: list[Slot], count: int) -> list[Slot]:
     """The first `count` candidates (device order) whose slowest pairwise link (`Slot.links`,
     workers.topology) is fastest: on a node whose GPUs are NVLinked in pairs or islands, a gang of two
     takes a linked pair rather than two GPUs that only meet over PCIe. Unknown links: the first `count`."""
-    if count < 2 or len(candidates) <= count or len(candidates) > MAX_LINK_CANDIDATES:
+    if count < 2 or len(candidates) <= count or len(candidates) > MAX_LINK_CANDIDATES \
+            or not any(slot.links for slot in candidates):  # no links known: every set ties
         return candidates[:count]
     best, best_rank = candidates[:count], _slowest(candidates[:count])
     for subset in combinations(candidates, count):
@@ -141,4 +151,4 @@ def largest_shape(slots: list[Slot]) -> tuple[int, int]:
 def fits_ever(slots: list[Slot], num_nodes: int, num_gpus: int, min_memory: int = 0, kind: str = "",
               allowed: frozenset[str] | None = None) -> bool:
     """Whether the shape could run on this cluster (within `allowed`) at all, once every slot is free."""
-    return place(slots, set(), num_nodes, num_gpus, min_memory, kind, allowed=allowed) is not None
+    return _fitting_nodes(slots, set(), num_nodes, num_gpus, min_memory, kind, False, allowed) is not None

@@ -99,9 +99,13 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
         if launch.name in progress.found or lookup(Experiment.from_json(launch.exp)) is not None:
             store.unqueue(launch)
             queued.discard(launch.name)
-    waiting = queued | store.running_names() | launches_holding_slots(client, spec.job)
     missing = [e for e in current.experiments if e.name not in progress.found]
-    todo = [e for e in missing if e.name not in waiting]
+    todo = [e for e in missing if e.name not in queued]
+    if todo:
+        todo = [e for e in todo if e.name not in store.running_names()]
+    if todo:  # the gang owners of every live slot: read only when something would be queued
+        holding = launches_holding_slots(client, spec.job)
+        todo = [e for e in todo if e.name not in holding]
     _announce(client, spec, current, todo=len(missing), reused=len(current.experiments) - len(missing))
     store.set_phase(current.name)
     if not todo:

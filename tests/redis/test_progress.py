@@ -18,6 +18,7 @@ from scheduler.search.live_search import LiveSearches
 from scheduler.cluster.progress import advance, record_lookup
 from scheduler.search.space import Experiment
 from workers import keys
+from workers.registry import announce_slot
 from workers.slot import Slot
 
 CONFIGS = {"a": {"train_micro_batch_size_per_gpu": 1}, "b": {"train_micro_batch_size_per_gpu": 2}}
@@ -153,7 +154,7 @@ def test_an_experiment_whose_ranks_still_hold_slots_is_not_queued_again(client, 
     on: its ranks took their slot back (the gang key, owner j/a). Queueing `a` would run it twice at
     once: only `b` is queued; once the slot is free (the launch ended), `a` is queued too."""
     slot = Slot("n0", 0, "cpu", 2**30, "127.0.0.1", 1, (0,), worker="gpu0@n0", instance="i")
-    client.set(keys.slot(slot.queue), json.dumps(slot.to_redis()))
+    announce_slot(client, slot)
     client.set(keys.gang(slot.queue), "j/a#0123abcd")
     client.set(keys.gang("n9.gpu7"), "j/b#0123abcd")  # no live slot: no launch of this job holds it
     spec = fixed_job(tmp_path)
