@@ -22,7 +22,7 @@ from celery import signals
 
 from tasks.app import app
 from tasks.work import CeleryWork
-from tasks.worker_hooks import redis_client
+from tasks.worker_hooks import task_client
 from workers import layout
 from workers.failure import Status
 from workers.layout import experiment_file
@@ -45,7 +45,7 @@ def prewarm(**_: object) -> None:
 @app.task(name="autotune.run_rank", bind=True, acks_late=True)
 def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
     """Run one rank of an experiment on this worker's slot; returns the rank's record."""
-    return run_rank_body(RankSpec.from_json(spec), slot_from_env(), redis_client(app.conf),
+    return run_rank_body(RankSpec.from_json(spec), slot_from_env(), task_client(app.conf),
                          task_id=self.request.id or "")
 
 
@@ -60,7 +60,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     finish = FinishSpec.from_json(finish_json)
     if rank_records and all(r.get("stale") for r in rank_records):
         return {"name": finish.name, "status": "lost", "stale": True}  # a newer launch owns the folder
-    client = redis_client(app.conf)
+    client = task_client(app.conf)
     busy = [r for r in rank_records if r.get("status") == Status.GPU_BUSY.value]
     if busy:  # not started beside others' memory: no record, queued again (workers.slot_health)
         with cluster_lock(client):
@@ -88,7 +88,7 @@ def advance_job(job: str) -> None:
     from scheduler.cluster.dispatch import cluster_lock, dispatch
     from scheduler.cluster.progress import advance
 
-    client = redis_client(app.conf)
+    client = task_client(app.conf)
     with cluster_lock(client):
         advance(client, job)
         dispatch(client, WORK)
