@@ -44,8 +44,7 @@ import redis
 from scheduler.cluster.backfill import POLICIES, Policy, Waiting, estimate_run_s
 from scheduler.errors import ClusterError
 from scheduler.cluster.co_runners import beside
-from scheduler.cluster.job_store import (JobStore, heads, running_by_job, running_names_and_depths, show_all,
-                                         walls_by_job)
+from scheduler.cluster.job_store import Heads, JobStore, job_heads, running_by_job, show_all, walls_by_job
 from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec, stop_launch
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.report.outputs import write_experiment_descriptions
@@ -98,19 +97,21 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
         return
     view = read_view(client)  # free slots, slots marked out of tuning (others' memory: no known end)
     slots, sick = view.slots, view.sick
-    queued = heads(client, [spec.job for spec in specs], len(view.free))  # only what could matter now
+    read = job_heads(client, [spec.job for spec in specs], len(view.free))  # only what could matter now
+    queued = {job: found.launches for job, found in read.items()}
     waiting = sorted(((launch.seq, spec, launch) for spec in specs for launch in queued[spec.job]),
                      key=lambda item: item[0])
     placing = bool(waiting) and len(view.free) >= min(_gang_size(spec, launch) for _, spec, launch in waiting)
     busy = view.busy() if placing else None
     free_waiting: list[tuple[JobSpec, QueuedLaunch]] = []
+    started: set[tuple[str, str]] = set()  #: (job, experiment) started in this pass
     refused: set[str] = set()
     cleared: dict[str, bool] = {}
     for _, spec, launch in waiting:
         if spec.job in refused:
             continue
         if spec.pinned is not None:
-            if not _start_pinned(client, work, spec, launch, slots, busy):
+            if not _start_pinned(client, work, spec, launch, slots, busy, started):
                 refused.add(spec.job)
         elif _fits_or_refused(client, spec, launch, slots, view.memo, cleared, sick):
             free_waiting.append((spec, launch))
@@ -119,8 +120,8 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
     jobs = {spec.job: spec for spec in specs if spec.job not in refused}
     if placing and free_waiting:
         assert busy is not None
-        _place_and_start(client, work, policies, specs, jobs, free_waiting, slots, busy, sick)
-    _publish_states(client, jobs, queued, sick, [job for job, pending in cleared.items() if pending])
+        _place_and_start(client, work, policies, specs, jobs, free_waiting, slots, busy, sick, started)
+    _publish_states(client, jobs, read, started, sick, [job for job, pending in cleared.items() if pending])
 
 
 def _gang_size(spec: JobSpec, launch: QueuedLaunch) -> int:
@@ -132,8 +133,8 @@ def _gang_size(spec: JobSpec, launch: QueuedLaunch) -> int:
 
 def _place_and_start(client: redis.Redis, work: Work, policies: Mapping[str, Policy], specs: list[JobSpec],
                      jobs: dict[str, JobSpec], free_waiting: list[tuple[JobSpec, QueuedLaunch]], slots: list[Slot],
-                     busy: set[str], sick: Mapping[str, dict]) -> None:
-    """Ask the policy where the waiting launches start now, reserve and start them."""
+                     busy: set[str], sick: Mapping[str, dict], started: set[tuple[str, str]]) -> None:
+    """Ask the policy where the waiting launches start now, reserve and start them (into `started`)."""
     # Strict FIFO only while every active job asks for it: one backfilling job makes the pass backfill.
     asked = {spec.policy for spec in specs}
     policy = policies[asked.pop()] if len(asked) == 1 else policies["backfill"]
@@ -152,17 +153,19 @@ def _place_and_start(client: redis.Redis, work: Work, policies: Mapping[str, Pol
             break  # taken between our read and now (cannot happen under the lock; be safe)
         _start(client, work, spec, launch, placement, token, slots, busy)
         busy.update(queues)
+        started.add((spec.job, launch.name))
 
 
-def _publish_states(client: redis.Redis, jobs: dict[str, JobSpec], queued: Mapping[str, list[QueuedLaunch]],
-                    sick: Mapping[str, dict], misfits_cleared: list[str]) -> None:
-    """What `python -m scheduler.autotune --status` shows for each active job, with the misfits this
-    pass cleared: one round trip to read, one to write."""
-    read = running_names_and_depths(client, list(jobs))
+def _publish_states(client: redis.Redis, jobs: dict[str, JobSpec], read: Mapping[str, Heads],
+                    started: set[tuple[str, str]], sick: Mapping[str, dict], misfits_cleared: list[str]) -> None:
+    """What `python -m scheduler.autotune --status` shows for each active job (its queue and running
+    launches as the pass read them, with those it started), and the misfits this pass cleared: one
+    round trip."""
     shown = {}
     for job, spec in jobs.items():
-        running, depth = read[job]
-        head = next((launch.exp for launch in queued[job] if launch.name not in running), None)
+        running = read[job].running | {name for started_job, name in started if started_job == job}
+        depth = read[job].depth - sum(1 for started_job, _ in started if started_job == job)
+        head = next((launch.exp for launch in read[job].launches if launch.name not in running), None)
         waits = (f"needs {head['num_nodes']} node(s) x {head['num_gpus']} free slot(s) at once; "
                  "the slots that fit are reserved" if head else "-")
         if head and sick:
@@ -174,7 +177,7 @@ def _publish_states(client: redis.Redis, jobs: dict[str, JobSpec], queued: Mappi
 
 
 def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
-                  busy: set[str] | None) -> bool:
+                  busy: set[str] | None, started: set[tuple[str, str]]) -> bool:
     """Every experiment of a pinned job wants the same named slots: they run one after another.
     False when the job was refused (a named slot has no live worker). `busy` None: too few slots
     are free for anything (only the refusal is checked)."""
@@ -192,6 +195,7 @@ def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: Queued
         assert busy is not None  # a pass that places nothing has no placement here
         _start(client, work, spec, launch, placement, token, slots, busy)
         busy.update(queues)
+        started.add((spec.job, launch.name))
     return True
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -31,10 +31,22 @@ def active_jobs(client: redis.Redis) -> list[str]:
     return [job.decode() for job in client.zrange(keys.JOBS, 0, -1)]
 
 
+_SPECS = """
+-- KEYS[1] the active jobs (zset); ARGV[1], ARGV[2] a job's spec key before and after its name
+-- returns the specs (JSON) of the active jobs that have one, in submission order
+local specs = {}
+for _, job in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local spec = redis.call('GET', ARGV[1] .. job .. ARGV[2])
+  if spec then specs[#specs + 1] = spec end
+end
+return specs
+"""
+
+
 def active_spec_jsons(client: redis.Redis) -> list[bytes]:
-    """The active jobs' specs (JSON), in submission order: two round trips, whatever the jobs."""
-    jobs = active_jobs(client)
-    return [raw for raw in (client.mget([keys.job_spec(job) for job in jobs]) if jobs else []) if raw]
+    """The active jobs' specs (JSON), in submission order: one round trip, whatever the jobs."""
+    before, _, after = keys.job_spec("\0").partition("\0")
+    return list(client.register_script(_SPECS)(keys=[keys.JOBS], args=[before, after]))
 
 
 def any_active(client: redis.Redis) -> bool:
@@ -56,29 +68,54 @@ def reserve_seqs(client: redis.Redis, count: int) -> int:
     return int(client.incrby(keys.SEQUENCE, count)) - count + 1
 
 
+_HEADS = """
+-- ARGV[1]   free slots; then per job: ARGV[i] its shapes set, ARGV[i+1] its queue hash, ARGV[i+2] the
+--           key of its queue of one shape without the shape, ARGV[i+3] its running launches
+-- returns per job {queue depth, {the queued launches (JSON) that can matter, any order}, running names}
+local free, found = tonumber(ARGV[1]), {}
+for i = 2, #ARGV, 4 do
+  local launches = {}
+  for _, shape in ipairs(redis.call('SMEMBERS', ARGV[i])) do
+    local nodes, per_node = string.match(shape, '^(%d+)x(%d+)')
+    local per_launch = math.max(1, tonumber(nodes) * tonumber(per_node))
+    local names = redis.call('ZRANGE', ARGV[i + 2] .. shape, 0, math.floor(free / per_launch))
+    if #names > 0 then
+      for _, raw in ipairs(redis.call('HMGET', ARGV[i + 1], unpack(names))) do
+        if raw then launches[#launches + 1] = raw end
+      end
+    end
+  end
+  found[#found + 1] = {redis.call('HLEN', ARGV[i + 1]), launches, redis.call('HKEYS', ARGV[i + 3])}
+end
+return found
+"""
+
+
+class Heads(NamedTuple):
+    """What a dispatch pass reads of one job's queue (`job_heads`)."""
+
+    launches: list[QueuedLaunch]  #: the waiting launches that can matter, in submission order
+    depth: int  #: how many wait in all
+    running: set[str]  #: the names of its running launches
+
+
 def heads(client: redis.Redis, jobs: list[str], free_slots: int) -> dict[str, list[QueuedLaunch]]:
     """Per job, the waiting launches that can matter to a pass with `free_slots` free slots (module
-    docstring), in submission order. Three round trips, whatever the depth of the queues."""
-    pipe = client.pipeline(transaction=False)
+    docstring), in submission order. One round trip, whatever the depth of the queues."""
+    return {job: found.launches for job, found in job_heads(client, jobs, free_slots).items()}
+
+
+def job_heads(client: redis.Redis, jobs: list[str], free_slots: int) -> dict[str, Heads]:
+    """`heads`, with each job's queue depth and running names, read in the same script."""
+    if not jobs:
+        return {}
+    args: list[Any] = [free_slots]
     for job in jobs:
-        pipe.smembers(keys.job_shapes(job))
-    wanted: list[tuple[str, str]] = []
-    for job, shapes in zip(jobs, pipe.execute()):
-        for shape in sorted(raw.decode() for raw in shapes):
-            nodes, _, rest = shape.partition("x")
-            per_launch = max(1, int(nodes) * int(rest.partition(":")[0]))
-            pipe.zrange(keys.job_queue_shape(job, shape), 0, free_slots // per_launch)
-            wanted.append((job, shape))
-    names_by_shape = pipe.execute() if wanted else []
-    for (job, _), names in zip(wanted, names_by_shape):
-        if names:
-            pipe.hmget(keys.job_queue(job), names)
-    fetched = iter(pipe.execute() if any(names_by_shape) else [])
-    found: dict[str, list[QueuedLaunch]] = {job: [] for job in jobs}
-    for (job, _), names in zip(wanted, names_by_shape):
-        if names:
-            found[job] += [QueuedLaunch.from_json(json.loads(raw)) for raw in next(fetched) if raw is not None]
-    return {job: sorted(launches, key=lambda launch: launch.seq) for job, launches in found.items()}
+        args += [keys.job_shapes(job), keys.job_queue(job), keys.job_queue_shape(job, ""), keys.job_running(job)]
+    found = client.register_script(_HEADS)(args=args)
+    return {job: Heads(sorted((QueuedLaunch.from_json(json.loads(raw)) for raw in raws), key=lambda launch: launch.seq),
+                       int(depth), {name.decode() for name in running})
+            for job, (depth, raws, running) in zip(jobs, found)}
 
 
 def running_by_job(client: redis.Redis, jobs: list[str]) -> dict[str, list[RunningLaunch]]:
@@ -98,16 +135,6 @@ def walls_by_job(client: redis.Redis, shapes: dict[str, list[str]]) -> dict[str,
     found = pipe.execute() if asked else []
     return {job: {shape: json.loads(raw) for shape, raw in zip(wanted, raws) if raw is not None}
             for (job, wanted), raws in zip(asked.items(), found)}
-
-
-def running_names_and_depths(client: redis.Redis, jobs: list[str]) -> dict[str, tuple[set[str], int]]:
-    """job -> (its running launches' names, its queue depth), in one round trip."""
-    pipe = client.pipeline(transaction=False)
-    for job in jobs:
-        pipe.hkeys(keys.job_running(job))
-        pipe.hlen(keys.job_queue(job))
-    read = pipe.execute() if jobs else []
-    return {job: ({name.decode() for name in read[2 * i]}, int(read[2 * i + 1])) for i, job in enumerate(jobs)}
 
 
 def show_all(client: redis.Redis, shown: dict[str, dict[str, Any]], misfits_cleared: Iterable[str] = ()) -> None:
