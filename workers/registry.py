@@ -34,14 +34,20 @@ TTL_S = 10.0
 log = logging.getLogger(__name__)
 
 _ANNOUNCE = """
--- KEYS[1] the slot's registration, KEYS[2] the slot index, KEYS[3] the index's epoch
+-- KEYS[1] the slot's registration, KEYS[2] the slot index, KEYS[3] the index's epoch, KEYS[4..] claims
 -- ARGV[1] the registration (JSON), ARGV[2] its TTL in ms (0: none), ARGV[3] the slot's queue,
--- ARGV[4] a fresh epoch token, set when the registration is new or changed
+-- ARGV[4] a fresh epoch token, set when the registration is new or changed; ARGV[5..] the claims'
+-- values, written with the same TTL
 local old = redis.call('GET', KEYS[1])
-if tonumber(ARGV[2]) > 0 then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-else
-  redis.call('SET', KEYS[1], ARGV[1])
+for i = 1, #KEYS do
+  if i == 1 or i > 3 then
+    local value = i == 1 and ARGV[1] or ARGV[i + 1]
+    if tonumber(ARGV[2]) > 0 then
+      redis.call('SET', KEYS[i], value, 'PX', ARGV[2])
+    else
+      redis.call('SET', KEYS[i], value)
+    end
+  end
 end
 if redis.call('SADD', KEYS[2], ARGV[3]) == 1 or old ~= ARGV[1] then
   redis.call('SET', KEYS[3], ARGV[4])
@@ -68,12 +74,14 @@ def connect(url: str) -> redis.Redis:
 
 
 def announce(client: redis.Redis | redis.client.Pipeline, queue: str, registration: str,
-             ttl_s: float | None = None) -> None:
-    """Write slot `queue`'s registration (JSON) with its index entry, setting a fresh epoch when it is
-    new or changed; `ttl_s` None: no TTL (tests). On a pipeline, it runs when the pipeline does."""
+             ttl_s: float | None = None, claims: dict[str, str] | None = None) -> None:
+    """Write slot `queue`'s registration (JSON) and its `claims` (key -> value) with its index entry,
+    in one script, setting a fresh epoch when the registration is new or changed; `ttl_s` None: no
+    TTL (tests). On a pipeline, it runs when the pipeline does."""
+    claims = claims or {}
     script = client.register_script(_ANNOUNCE)
-    script(keys=[keys.slot(queue), keys.SLOT_INDEX, keys.SLOT_EPOCH],
-           args=[registration, int((ttl_s or 0) * 1000), queue, uuid.uuid4().hex], client=client)
+    script(keys=[keys.slot(queue), keys.SLOT_INDEX, keys.SLOT_EPOCH, *claims],
+           args=[registration, int((ttl_s or 0) * 1000), queue, uuid.uuid4().hex, *claims.values()], client=client)
 
 
 def announce_slot(client: redis.Redis | redis.client.Pipeline, slot: Slot, ttl_s: float | None = None) -> None:
@@ -111,12 +119,13 @@ class Heartbeat:
             log.warning("could not unregister %s: %s", self._key, exc)
 
     def _beat(self) -> None:
+        if self._slot_queue:
+            announce(self._client, self._slot_queue, self._values[self._key], TTL_S,
+                     {key: value for key, value in self._values.items() if key != self._key})
+            return
         with self._client.pipeline(transaction=False) as pipe:
             for key, value in self._values.items():
-                if key == self._key and self._slot_queue:
-                    announce(pipe, self._slot_queue, value, TTL_S)
-                else:
-                    pipe.set(key, value, px=int(TTL_S * 1000))
+                pipe.set(key, value, px=int(TTL_S * 1000))
             pipe.execute()
 
     def _run(self) -> None:

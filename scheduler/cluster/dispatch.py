@@ -367,9 +367,8 @@ def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, A
     launch = store.finish(finish.name, finish.attempt)
     if launch is None:
         return _adopted(client, store, finish, record)
-    if record.get("status") == "ok" and record.get("wall_s"):
-        store.add_wall(_shape(launch.exp), record["wall_s"])
-    store.publish({"kind": "record", "record": record})
+    wall = (_shape(launch.exp), record["wall_s"]) if record.get("status") == "ok" and record.get("wall_s") else None
+    store.recorded_event({"kind": "record", "record": record}, wall)
     return True
 
 

@@ -43,6 +43,35 @@ return specs
 """
 
 
+_FINISH = """
+-- KEYS[1] the job's running launches, KEYS[2] its recorded names; ARGV[1] the name, ARGV[2] the attempt
+-- returns the running launch (JSON) it closed, or false when that attempt is not the running one
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw or cjson.decode(raw)['attempt'] ~= ARGV[2] then return false end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[1])
+return raw
+"""
+_RECORDED = """
+-- KEYS[1] the job's wall times, KEYS[2] its events; ARGV[1] a shape ('': no wall time) and ARGV[2]
+-- one more wall time of it (a JSON number), ARGV[3] an event (JSON, '': none), ARGV[4] the events' TTL
+if ARGV[1] ~= '' then
+  local walls = redis.call('HGET', KEYS[1], ARGV[1])
+  if not walls or walls == '[]' then
+    walls = '[' .. ARGV[2] .. ']'
+  else
+    walls = string.sub(walls, 1, -2) .. ', ' .. ARGV[2] .. ']'
+  end
+  redis.call('HSET', KEYS[1], ARGV[1], walls)
+end
+if ARGV[3] ~= '' then
+  redis.call('RPUSH', KEYS[2], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
+return 1
+"""
+
+
 def active_spec_jsons(client: redis.Redis) -> list[bytes]:
     """The active jobs' specs (JSON), in submission order: one round trip, whatever the jobs."""
     before, _, after = keys.job_spec("\0").partition("\0")
@@ -271,29 +300,28 @@ class JobStore:
         pipe.execute()
 
     def finish(self, name: str, attempt: str) -> RunningLaunch | None:
-        """Close the running launch `attempt` of `name` and mark the name recorded, in one transaction.
+        """Close the running launch `attempt` of `name` and mark the name recorded, in one script.
         None (and nothing changed) when that launch is not the running one any more (retried or
         given up meanwhile, or Redis lost the job)."""
-        raw = self.client.hget(keys.job_running(self.job), name)
-        if raw is None:
-            return None
-        launch = RunningLaunch.from_json(json.loads(raw))
-        if launch.attempt != attempt:
-            return None
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hdel(keys.job_running(self.job), name)
-        pipe.sadd(keys.job_recorded(self.job), name)
-        pipe.execute()
-        return launch
+        raw = self.client.register_script(_FINISH)(keys=[keys.job_running(self.job), keys.job_recorded(self.job)],
+                                                   args=[name, attempt])
+        return None if raw is None else RunningLaunch.from_json(json.loads(raw))
 
     def mark_recorded(self, name: str) -> None:
         """`name` has its record on disk (a launch adopted after Redis lost the job: dispatch)."""
         self.client.sadd(keys.job_recorded(self.job), name)
 
     def add_wall(self, shape: str, seconds: float) -> None:
-        """One more finished launch's wall time for `shape` (dispatch's estimates; under the lock)."""
-        walls = json.loads(self.client.hget(keys.job_walls(self.job), shape) or "[]")
-        self.client.hset(keys.job_walls(self.job), shape, json.dumps([*walls, seconds]))
+        """One more finished launch's wall time for `shape` (dispatch's estimates), appended in Redis."""
+        self.recorded_event(None, (shape, seconds))
+
+    def recorded_event(self, event: dict[str, Any] | None, wall: tuple[str, float] | None = None) -> None:
+        """`publish` the event of a recorded launch (None: none), with its wall time (shape, seconds)
+        added first (`add_wall`), in one script."""
+        shape, seconds = wall if wall is not None else ("", 0.0)
+        self.client.register_script(_RECORDED)(
+            keys=[keys.job_walls(self.job), keys.job_events(self.job)],
+            args=[shape, json.dumps(float(seconds)), json.dumps(event) if event is not None else "", EVENTS_TTL_S])
 
     def requeue(self, launch: RunningLaunch, counted: bool = True) -> None:
         """A launch waits again at its old place, in one transaction; `counted=False` takes its
@@ -311,6 +339,27 @@ class JobStore:
         pipe.hdel(keys.job_running(self.job), launch.name)
         pipe.sadd(keys.job_recorded(self.job), launch.name)
         pipe.execute()
+
+    def step_reads(self) -> tuple[set[str], dict[str, int], float | None, set[str]]:
+        """What a job step reads before its search, in one round trip: the names recorded
+        (`recorded`), the attempts (`attempts`), the job's place (`order`), the names queued."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.smembers(keys.job_recorded(self.job))
+        pipe.hgetall(keys.job_attempts(self.job))
+        pipe.zscore(keys.JOBS, self.job)
+        pipe.hkeys(keys.job_queue(self.job))
+        recorded, attempts, order, queued = pipe.execute()
+        return ({name.decode() for name in recorded}, {name.decode(): int(n) for name, n in attempts.items()}, order,
+                {name.decode() for name in queued})
+
+    def announce_phases(self, phases: list[str], current: str | None = None) -> list[bool]:
+        """`announce` of each of `phases`, and `set_phase(current)` when given, in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for phase in phases:
+            pipe.hsetnx(keys.job_state(self.job), f"phase:{phase}", 1)
+        if current is not None:
+            pipe.hset(keys.job_state(self.job), "phase", current)
+        return [bool(first) for first in pipe.execute()[:len(phases)]]
 
     def attempts(self) -> dict[str, int]:
         return {name.decode(): int(n) for name, n in self.client.hgetall(keys.job_attempts(self.job)).items()}

@@ -70,8 +70,8 @@ LIVE_SEARCHES = LiveSearches()
 
 def _step(client: redis.Redis, spec: JobSpec) -> None:
     store = JobStore(client, spec.job)
-    recorded_here = store.recorded()
-    lookup = record_lookup(client, spec, recorded_here)
+    recorded_here, attempts, order, queued = store.step_reads()  # one round trip
+    lookup = record_lookup(client, spec, recorded_here, attempts)
 
     def new_record(exp: Experiment) -> dict[str, Any] | None:
         """Since a live search's last step, only experiments recorded in this job can have a record:
@@ -79,13 +79,13 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
         return lookup(exp) if exp.name in recorded_here else None
 
     # The job's place in the active jobs changes when it is submitted again (Redis lost it): rebuild then.
-    key = (spec.job, store.order(), spec.to_json())
+    key = (spec.job, order, spec.to_json())
     progress = LIVE_SEARCHES.advance(key, lambda: search_of(spec), lookup, new_record)
     answered, current = progress.answered, progress.current
     if spec.tune is not None:
         _check_metric_key(spec, progress.newly_answered, lookup)
-    for phase in progress.newly_answered:
-        _announce(client, spec, phase, todo=0, reused=sum(e.name not in recorded_here for e in phase.experiments))
+    _announce(client, spec, [(phase, 0, sum(e.name not in recorded_here for e in phase.experiments))
+                             for phase in progress.newly_answered])
     if current is None:
         winner = write_outputs(spec, *tuned(answered, lookup)) if spec.tune is not None else None
         end(client, spec.job, {"kind": "done", "winner": winner})
@@ -93,7 +93,6 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
     # A queued experiment may have been answered meanwhile by an older launch's record (after Redis
     # lost the job): a rebuilt search checks every queued entry, a live one those recorded since.
     # Those of the current phase the search found answered need no second look.
-    queued = store.queued_names()
     suspects = queued if progress.rebuilt else queued & recorded_here
     for launch in store.queued(sorted(suspects)):
         if launch.name in progress.found or lookup(Experiment.from_json(launch.exp)) is not None:
@@ -106,8 +105,7 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
     if todo:  # the gang owners of every live slot: read only when something would be queued
         holding = launches_holding_slots(client, spec.job)
         todo = [e for e in todo if e.name not in holding]
-    _announce(client, spec, current, todo=len(missing), reused=len(current.experiments) - len(missing))
-    store.set_phase(current.name)
+    _announce(client, spec, [(current, len(missing), len(current.experiments) - len(missing))], current=current)
     if not todo:
         return
     first_seq = reserve_seqs(client, len(todo))
@@ -115,10 +113,17 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
                              argv_of(spec, exp)) for i, exp in enumerate(todo))
 
 
-def _announce(client: redis.Redis, spec: JobSpec, phase: Phase, todo: int, reused: int) -> None:
-    """One `phase` event per phase and job, when the job first reaches it."""
-    if JobStore(client, spec.job).announce(phase.name):
-        publish(client, spec.job, {"kind": "phase", "name": phase.name, "todo": todo, "reused": reused})
+def _announce(client: redis.Redis, spec: JobSpec, phases: list[tuple[Phase, int, int]],
+              current: Phase | None = None) -> None:
+    """One `phase` event per phase and job, when the job first reaches it: for each (phase, to do,
+    reused). `current`: the phase the job is in now, for `--status` (written with the announcements)."""
+    if not phases and current is None:
+        return
+    store = JobStore(client, spec.job)
+    first = store.announce_phases([phase.name for phase, _, _ in phases], current.name if current else None)
+    for (phase, todo, reused), new in zip(phases, first):
+        if new:
+            publish(client, spec.job, {"kind": "phase", "name": phase.name, "todo": todo, "reused": reused})
 
 
 def search_of(spec: JobSpec) -> Search:
@@ -161,11 +166,13 @@ def launches_holding_slots(client: redis.Redis, job: str) -> set[str]:
     return {name for owner in owners.values() for owning_job, _, name in [owner.rpartition("/")] if owning_job == job}
 
 
-def record_lookup(client: redis.Redis, spec: JobSpec, recorded: set[str] | None = None) -> Lookup:
+def record_lookup(client: redis.Redis, spec: JobSpec, recorded: set[str] | None = None,
+                  attempts: dict[str, int] | None = None) -> Lookup:
     """exp -> the record on disk that answers it, or None (module docstring). Use one per step:
-    it remembers what it read. `recorded`: the job's recorded names, when the caller has them."""
+    it remembers what it read. `recorded`, `attempts`: the job's recorded names and attempts, when
+    the caller has them."""
     store = JobStore(client, spec.job)
-    attempts = store.attempts()
+    attempts = store.attempts() if attempts is None else attempts
     recorded = store.recorded() if recorded is None else recorded
 
     read: dict[str, dict[str, Any] | None] = {}  #: one step reads each folder once (names fix configs)

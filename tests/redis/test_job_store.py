@@ -353,7 +353,11 @@ def test_every_multi_key_change_is_one_transaction(client: redis.Redis) -> None:
         "MULTI", "HINCRBY", "EXPIRE", "HDEL", "ZREM", "HSET", "HSET", "EXEC"]
     assert sent(client, lambda: store.requeue(launch)) == ["MULTI", "HDEL", "HSET", "SADD", "ZADD", "EXEC"]
     store.start(a, launch)
-    assert sent(client, lambda: store.finish("a", "a1")) == ["HGET", "MULTI", "HDEL", "SADD", "EXEC"]
+    store.finish("a", "stale")  # its script loaded: a script runs whole, like a transaction
+    assert sent(client, lambda: store.finish("a", "a1")) == ["EVALSHA", "HGET", "HDEL", "SADD"]
+    store.recorded_event(None)
+    assert sent(client, lambda: store.recorded_event({}, ("0/1", 2.0))) == [
+        "EVALSHA", "HGET", "HSET", "RPUSH", "EXPIRE"]
     assert sent(client, lambda: store.give_up(launch)) == ["MULTI", "HDEL", "SADD", "EXEC"]
     assert sent(client, lambda: store.misfit_since(1.0)) == ["MULTI", "HSETNX", "HGET", "HEXISTS", "EXEC"]
     assert sent(client, lambda: store.publish({})) == ["MULTI", "RPUSH", "EXPIRE", "EXEC"]
