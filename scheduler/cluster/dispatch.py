@@ -312,15 +312,27 @@ def _shape(exp: dict[str, Any]) -> str:
 
 def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch, placement: list[list[Slot]],
            token: str, slots: list[Slot], busy: set[str]) -> None:
-    """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first, in
-    one transaction with the launches beside it that now name it as a co-runner."""
+    """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first (its
+    exp_id taken there), in one transaction with the launches beside it that now name it as a co-runner."""
     exp = Experiment.from_json(queued.exp)
     if spec.tune is not None:  # DeepSpeed's autotuning_exps/<name>.json, for each experiment launched
         write_experiment_descriptions(Path(spec.tune.exps_dir), [exp])
     store = JobStore(client, spec.job)
     queues = [slot.queue for node in placement for slot in node]
     attempt = uuid.uuid4().hex
-    exp_id = store.next_exp_id()
+    task_ids = {queue: uuid.uuid4().hex for queue in queues}
+    now = time.time()
+    build_s = PREBUILD_TIMEOUT_S if needed_op_builders(exp.ds_config) else 0.0  # before the script: workers.op_prebuild
+    if any(slot.kind == "cuda" for node in placement for slot in node):  # a wait for a free GPU before and after
+        build_s += 2 * gpu_wait_s(os.environ.get("AUTOTUNE_GPU_WAIT_S"))  # the script (workers.device_idle)
+    co_runners, beside_updates = beside(client, f"{spec.job}/{exp.name}", placement, slots, busy)
+    pipe = client.pipeline(transaction=True)
+    for job, other in beside_updates:
+        JobStore(client, job).update_running(other, pipe)
+    exp_id = store.start(queued, RunningLaunch(
+        seq=queued.seq, exp=queued.exp, argv=queued.argv, attempt=attempt, queues=queues, token=token,
+        rank_tasks=task_ids, started=now, deadline=now + spec.timeout_s + spec.lost_grace_s + build_s,
+        instances={slot.queue: slot.instance for node in placement for slot in node}, co_runners=co_runners), pipe)
     description = {"name": exp.name, "exp_id": exp_id, "ds_config": exp.ds_config, "num_gpus": exp.num_gpus,
                    "num_nodes": exp.num_nodes, "result_dir": str(safe_child(spec.results_root, exp.name)),
                    "slots": queues, "user_script": queued.argv[0], "user_args": queued.argv[1:]}
@@ -340,21 +352,8 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
                 num_nodes=len(placement), timeout_s=spec.timeout_s, cwd=spec.cwd, metric_file=exp.metric_file, exp=description,
                 gang_token=token, lease_s=spec.lease_s, cuda_devices=cuda_devices,
                 local_rank_arg=spec.local_rank_arg)
-            ranks.append(RankLaunch(slot.queue, rank_spec, uuid.uuid4().hex,
+            ranks.append(RankLaunch(slot.queue, rank_spec, task_ids[slot.queue],
                                     f"(experiment={exp.name!r}, rank={rank_spec.rank}, slot={slot.queue!r})"))
-    now = time.time()
-    build_s = PREBUILD_TIMEOUT_S if needed_op_builders(exp.ds_config) else 0.0  # before the script: workers.op_prebuild
-    if any(slot.kind == "cuda" for node in placement for slot in node):  # a wait for a free GPU before and after
-        build_s += 2 * gpu_wait_s(os.environ.get("AUTOTUNE_GPU_WAIT_S"))  # the script (workers.device_idle)
-    co_runners, beside_updates = beside(client, f"{spec.job}/{exp.name}", placement, slots, busy)
-    pipe = client.pipeline(transaction=True)
-    for job, other in beside_updates:
-        JobStore(client, job).update_running(other, pipe)
-    store.start(queued, RunningLaunch(
-        seq=queued.seq, exp=queued.exp, argv=queued.argv, attempt=attempt, queues=queues, token=token,
-        rank_tasks={rank.queue: rank.task_id for rank in ranks}, started=now,
-        deadline=now + spec.timeout_s + spec.lost_grace_s + build_s,
-        instances={slot.queue: slot.instance for node in placement for slot in node}, co_runners=co_runners), pipe)
     work.launch(ranks, finish, int(spec.timeout_s + build_s) + TIME_LIMIT_GRACE_S,
                 f"(experiment={exp.name!r}, job={spec.job!r}, slots={queues!r})")
 

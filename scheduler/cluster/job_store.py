@@ -120,6 +120,17 @@ return found
 """
 
 
+class StepReads(NamedTuple):
+    """What a job step reads before its search (`JobStore.step_reads`)."""
+
+    spec: bytes | None  #: the job's spec (JSON); None: the job is not active
+    recorded: set[str]  #: `JobStore.recorded`
+    attempts: dict[str, int]  #: `JobStore.attempts`
+    order: float | None  #: `JobStore.order`
+    queued: set[str]  #: `JobStore.queued_names`
+    running: set[str]  #: `JobStore.running_names`
+
+
 class Heads(NamedTuple):
     """What a dispatch pass reads of one job's queue (`job_heads`)."""
 
@@ -288,16 +299,18 @@ class JobStore:
         """DeepSpeed's exp_id: numbered in launch order within the job."""
         return int(self.client.hincrby(keys.job_state(self.job), "exp_ids", 1))
 
-    def start(self, queued: QueuedLaunch, launch: RunningLaunch, pipe: redis.client.Pipeline | None = None) -> None:
+    def start(self, queued: QueuedLaunch, launch: RunningLaunch, pipe: redis.client.Pipeline | None = None) -> int:
         """Move a launch from the queue to running, its attempt counted first, in one transaction
-        (`pipe`'s, with whatever the caller put in it before)."""
+        (`pipe`'s, with whatever the caller put in it before); returns its DeepSpeed exp_id
+        (`next_exp_id`, taken in the same transaction)."""
         pipe = self.client.pipeline(transaction=True) if pipe is None else pipe
         pipe.hincrby(keys.job_attempts(self.job), launch.name, 1)
         pipe.expire(keys.job_attempts(self.job), ATTEMPTS_TTL_S)
         self._unqueue(pipe, queued)
         pipe.hset(keys.job_running(self.job), launch.name, json.dumps(launch.to_json()))
         pipe.hset(keys.job_state(self.job), "dispatched", 1)
-        pipe.execute()
+        pipe.hincrby(keys.job_state(self.job), "exp_ids", 1)
+        return int(pipe.execute()[-1])
 
     def finish(self, name: str, attempt: str) -> RunningLaunch | None:
         """Close the running launch `attempt` of `name` and mark the name recorded, in one script.
@@ -340,17 +353,19 @@ class JobStore:
         pipe.sadd(keys.job_recorded(self.job), launch.name)
         pipe.execute()
 
-    def step_reads(self) -> tuple[set[str], dict[str, int], float | None, set[str]]:
-        """What a job step reads before its search, in one round trip: the names recorded
-        (`recorded`), the attempts (`attempts`), the job's place (`order`), the names queued."""
+    def step_reads(self) -> StepReads:
+        """What a job step reads before its search, in one round trip."""
         pipe = self.client.pipeline(transaction=False)
+        pipe.get(keys.job_spec(self.job))
         pipe.smembers(keys.job_recorded(self.job))
         pipe.hgetall(keys.job_attempts(self.job))
         pipe.zscore(keys.JOBS, self.job)
         pipe.hkeys(keys.job_queue(self.job))
-        recorded, attempts, order, queued = pipe.execute()
-        return ({name.decode() for name in recorded}, {name.decode(): int(n) for name, n in attempts.items()}, order,
-                {name.decode() for name in queued})
+        pipe.hkeys(keys.job_running(self.job))
+        spec, recorded, attempts, order, queued, running = pipe.execute()
+        names = lambda raw: {name.decode() for name in raw}  # noqa: E731
+        return StepReads(spec, names(recorded), {name.decode(): int(n) for name, n in attempts.items()}, order,
+                         names(queued), names(running))
 
     def announce_phases(self, phases: list[str], current: str | None = None) -> list[bool]:
         """`announce` of each of `phases`, and `set_phase(current)` when given, in one round trip."""

@@ -32,8 +32,8 @@ from scheduler.inputs.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
 from scheduler.search.fast_search import SearchSettings, fast_search, search_notes
 from scheduler.search.global_batch import cli_batch
-from scheduler.cluster.job_store import JobStore, reserve_seqs
-from scheduler.cluster.jobs import JobSpec, end, load_spec, publish
+from scheduler.cluster.job_store import JobStore, StepReads, reserve_seqs
+from scheduler.cluster.jobs import JobSpec, end, publish
 from scheduler.cluster.launches import QueuedLaunch
 from scheduler.search.live_search import LiveSearches
 from scheduler.report.outputs import write_results
@@ -51,11 +51,12 @@ Lookup = Callable[[Experiment], "dict[str, Any] | None"]
 
 def advance(client: redis.Redis, job: str) -> None:
     """Take the job's next step (module docstring). Errors end the job with a `failed` event."""
-    spec = load_spec(client, job)
-    if spec is None:
+    read = JobStore(client, job).step_reads()  # the spec and what the step needs, in one round trip
+    if not read.spec:
         return
+    spec = JobSpec.from_json(read.spec)
     try:
-        _step(client, spec)
+        _step(client, spec, read)
     except UsageError as exc:
         end(client, job, {"kind": "failed", "error": str(exc), "usage": True})
     except Exception as exc:
@@ -68,10 +69,10 @@ def advance(client: redis.Redis, job: str) -> None:
 LIVE_SEARCHES = LiveSearches()
 
 
-def _step(client: redis.Redis, spec: JobSpec) -> None:
+def _step(client: redis.Redis, spec: JobSpec, read: StepReads) -> None:
     store = JobStore(client, spec.job)
-    recorded_here, attempts, order, queued = store.step_reads()  # one round trip
-    lookup = record_lookup(client, spec, recorded_here, attempts)
+    recorded_here, queued = read.recorded, set(read.queued)
+    lookup = record_lookup(client, spec, recorded_here, read.attempts)
 
     def new_record(exp: Experiment) -> dict[str, Any] | None:
         """Since a live search's last step, only experiments recorded in this job can have a record:
@@ -79,7 +80,7 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
         return lookup(exp) if exp.name in recorded_here else None
 
     # The job's place in the active jobs changes when it is submitted again (Redis lost it): rebuild then.
-    key = (spec.job, order, spec.to_json())
+    key = (spec.job, read.order, spec.to_json())
     progress = LIVE_SEARCHES.advance(key, lambda: search_of(spec), lookup, new_record)
     answered, current = progress.answered, progress.current
     if spec.tune is not None:
@@ -100,8 +101,7 @@ def _step(client: redis.Redis, spec: JobSpec) -> None:
             queued.discard(launch.name)
     missing = [e for e in current.experiments if e.name not in progress.found]
     todo = [e for e in missing if e.name not in queued]
-    if todo:
-        todo = [e for e in todo if e.name not in store.running_names()]
+    todo = [e for e in todo if e.name not in read.running]
     if todo:  # the gang owners of every live slot: read only when something would be queued
         holding = launches_holding_slots(client, spec.job)
         todo = [e for e in todo if e.name not in holding]
