@@ -12,6 +12,12 @@ the cluster lock, closes the launch, advances the job (the next phase, or the jo
 dispatches whatever can start now. A launch a rank did not start because others' memory sat on its
 GPU (`gpu_busy`, workers.slot_health) is no experiment: nothing is written, it is queued again.
 `advance_job` is the same step for a job just submitted.
+
+Celery's own writes on that path are kept to what is read: a rank's result (the chord joins it, and
+`Work.finished` asks whether it is ready), but not its STARTED state, which nothing reads (Flower
+follows the workers' events); the callback's and the job step's results are never read at all, so
+they are not stored (`ignore_result`, which also skips their STARTED state). Each of those writes
+was a GET and a SET with a PUBLISH between a rank's end and the next experiment's start.
 """
 from __future__ import annotations
 
@@ -42,14 +48,14 @@ def prewarm(**_: object) -> None:
     import scheduler.cluster.progress  # noqa: F401
 
 
-@app.task(name="autotune.run_rank", bind=True, acks_late=True)
+@app.task(name="autotune.run_rank", bind=True, acks_late=True, track_started=False)
 def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
     """Run one rank of an experiment on this worker's slot; returns the rank's record."""
     return run_rank_body(RankSpec.from_json(spec), slot_from_env(), task_client(app.conf),
                          task_id=self.request.id or "")
 
 
-@app.task(name="autotune.finish_experiment")
+@app.task(name="autotune.finish_experiment", ignore_result=True)
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
     from scheduler.cluster.co_runners import co_runners_of
@@ -82,7 +88,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     return record
 
 
-@app.task(name="autotune.advance_job")
+@app.task(name="autotune.advance_job", ignore_result=True)
 def advance_job(job: str) -> None:
     """A job's first step after submission (or after its submitter re-attached)."""
     from scheduler.cluster.dispatch import cluster_lock, dispatch
