@@ -67,8 +67,9 @@ from workers.topology import worst_link
 SWEEP_S = 2.0
 LOCK_TIMEOUT_S = 120.0
 #: How often a waiting control process retries the lock: redis-py's default (100 ms) added up to
-#: half a second to a step waiting behind another; a step holds it for a few ms.
-LOCK_POLL_S = 0.005
+#: half a second to a step waiting behind another; a step holds it for a few ms, and two slots
+#: finishing together make one chord callback wait for the other's (5 ms polls added 2.5 ms on average).
+LOCK_POLL_S = 0.001
 REFUSE_GRACE_S = 60.0  #: after a job's first launch, how long the cluster may lack a fitting shape
 #: How long a job waits when only slots out of tuning (workers.slot_health) could run its experiments.
 HELD_GRACE_S = 600.0
@@ -315,8 +316,6 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
     """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first (its
     exp_id taken there), in one transaction with the launches beside it that now name it as a co-runner."""
     exp = Experiment.from_json(queued.exp)
-    if spec.tune is not None:  # DeepSpeed's autotuning_exps/<name>.json, for each experiment launched
-        write_experiment_descriptions(Path(spec.tune.exps_dir), [exp])
     store = JobStore(client, spec.job)
     queues = [slot.queue for node in placement for slot in node]
     attempt = uuid.uuid4().hex
@@ -356,6 +355,8 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
                                     f"(experiment={exp.name!r}, rank={rank_spec.rank}, slot={slot.queue!r})"))
     work.launch(ranks, finish, int(spec.timeout_s + build_s) + TIME_LIMIT_GRACE_S,
                 f"(experiment={exp.name!r}, job={spec.job!r}, slots={queues!r})")
+    if spec.tune is not None:  # DeepSpeed's autotuning_exps/<name>.json, for each experiment launched
+        write_experiment_descriptions(Path(spec.tune.exps_dir), [exp])  # after the chord: not on its way
 
 
 def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, Any]) -> bool:

@@ -399,7 +399,7 @@ def test_estimated_frees_at(client: redis.Redis, tmp_path: Path) -> None:
 
 def test_the_cluster_lock(client: redis.Redis) -> None:
     lock = cluster_lock(client)
-    assert (lock.name, lock.timeout, lock.blocking_timeout, lock.sleep) == ("autotune:lock:dispatch", 120.0, 240.0, 0.005)
+    assert (lock.name, lock.timeout, lock.blocking_timeout, lock.sleep) == ("autotune:lock:dispatch", 120.0, 240.0, 0.001)
     with lock:
         assert 110_000 < client.pttl("autotune:lock:dispatch") <= 120_000
         assert not cluster_lock(client).acquire(blocking=False)
