@@ -79,8 +79,9 @@ def _step(client: redis.Redis, spec: JobSpec, read: StepReads) -> None:
         every record a job makes is marked recorded in its store (finish or sweep) before its step."""
         return lookup(exp) if exp.name in recorded_here else None
 
-    # The job's place in the active jobs changes when it is submitted again (Redis lost it): rebuild then.
-    key = (spec.job, read.order, spec.to_json())
+    # The job's place in the active jobs changes when it is submitted again (Redis lost it): rebuild
+    # then. The spec as stored (`JobSpec.to_json`'s text) stands for itself.
+    key = (spec.job, read.order, read.spec)
     progress = LIVE_SEARCHES.advance(key, lambda: search_of(spec), lookup, new_record)
     answered, current = progress.answered, progress.current
     if spec.tune is not None:
