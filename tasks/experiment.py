@@ -9,7 +9,8 @@ An experiment is a chord sent by `scheduler.cluster.dispatch`:
 raises makes Celery skip the chord body, and the experiment would never be recorded.
 `finish_experiment` writes the record to the results folder first (the durable record), then, under
 the cluster lock, closes the launch, advances the job (the next phase, or the job's end) and
-dispatches whatever can start now. A launch a rank did not start because others' memory sat on its
+dispatches whatever can start now (before the step when the step cannot change that:
+`scheduler.cluster.progress.advance`). A launch a rank did not start because others' memory sat on its
 GPU (`gpu_busy`, workers.slot_health) is no experiment: nothing is written, it is queued again.
 `advance_job` is the same step for a job just submitted.
 
@@ -83,8 +84,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     write_json(experiment_file(result_dir, layout.RESULT), record)
     with cluster_lock(client):
         record_finished(client, finish, record)
-        advance(client, finish.job)
-        dispatch(client, WORK)
+        advance(client, finish.job, lambda: dispatch(client, WORK))  # the pass before the step when it can
     return record
 
 

@@ -49,19 +49,41 @@ log = logging.getLogger(__name__)
 Lookup = Callable[[Experiment], "dict[str, Any] | None"]
 
 
-def advance(client: redis.Redis, job: str) -> None:
-    """Take the job's next step (module docstring). Errors end the job with a `failed` event."""
+def advance(client: redis.Redis, job: str, dispatch: Callable[[], None] | None = None) -> None:
+    """Take the job's next step (module docstring), and dispatch after it (`dispatch`, when given).
+    Errors end the job with a `failed` event.
+
+    When the step cannot change what a pass would start now, the pass runs before it: the job's
+    search is live in this process (no rebuild) and no queued experiment of the job has a record
+    (the only ones a step takes off the queue), so the step can only add experiments or end the
+    job; it is then followed by a second pass only if it did. A chord callback thus sends the next
+    experiment before the search has seen the record (bench/dispatch_overhead.py)."""
     read = JobStore(client, job).step_reads()  # the spec and what the step needs, in one round trip
     if not read.spec:
+        if dispatch is not None:
+            dispatch()
         return
     spec = JobSpec.from_json(read.spec)
+    first = dispatch is not None and not (read.queued & read.recorded) and LIVE_SEARCHES.holds(_key(spec, read))
+    if first:
+        dispatch()
     try:
-        _step(client, spec, read)
+        changed = _step(client, spec, read)
     except UsageError as exc:
         end(client, job, {"kind": "failed", "error": str(exc), "usage": True})
+        changed = True
     except Exception as exc:
         log.exception("advancing job %s failed", job)
         end(client, job, {"kind": "failed", "error": f"{type(exc).__name__}: {exc}", "usage": False})
+        changed = True
+    if dispatch is not None and (changed or not first):
+        dispatch()
+
+
+def _key(spec: JobSpec, read: StepReads) -> tuple:
+    """The job's live search's key. The job's place in the active jobs changes when it is submitted
+    again (Redis lost it): rebuild then. The spec as stored (`JobSpec.to_json`'s text) stands for itself."""
+    return spec.job, read.order, read.spec
 
 
 #: This process's live searches (`scheduler.search.live_search`): a step feeds the new records to the
@@ -69,7 +91,8 @@ def advance(client: redis.Redis, job: str) -> None:
 LIVE_SEARCHES = LiveSearches()
 
 
-def _step(client: redis.Redis, spec: JobSpec, read: StepReads) -> None:
+def _step(client: redis.Redis, spec: JobSpec, read: StepReads) -> bool:
+    """The step; True when it changed the job's queue or ended the job."""
     store = JobStore(client, spec.job)
     recorded_here, queued = read.recorded, set(read.queued)
     lookup = record_lookup(client, spec, recorded_here, read.attempts)
@@ -79,10 +102,7 @@ def _step(client: redis.Redis, spec: JobSpec, read: StepReads) -> None:
         every record a job makes is marked recorded in its store (finish or sweep) before its step."""
         return lookup(exp) if exp.name in recorded_here else None
 
-    # The job's place in the active jobs changes when it is submitted again (Redis lost it): rebuild
-    # then. The spec as stored (`JobSpec.to_json`'s text) stands for itself.
-    key = (spec.job, read.order, read.spec)
-    progress = LIVE_SEARCHES.advance(key, lambda: search_of(spec), lookup, new_record)
+    progress = LIVE_SEARCHES.advance(_key(spec, read), lambda: search_of(spec), lookup, new_record)
     answered, current = progress.answered, progress.current
     if spec.tune is not None:
         _check_metric_key(spec, progress.newly_answered, lookup)
@@ -91,15 +111,17 @@ def _step(client: redis.Redis, spec: JobSpec, read: StepReads) -> None:
     if current is None:
         winner = write_outputs(spec, *tuned(answered, lookup)) if spec.tune is not None else None
         end(client, spec.job, {"kind": "done", "winner": winner})
-        return
+        return True
     # A queued experiment may have been answered meanwhile by an older launch's record (after Redis
     # lost the job): a rebuilt search checks every queued entry, a live one those recorded since.
     # Those of the current phase the search found answered need no second look.
     suspects = queued if progress.rebuilt else queued & recorded_here
+    changed = False
     for launch in store.queued(sorted(suspects)):
         if launch.name in progress.found or lookup(Experiment.from_json(launch.exp)) is not None:
             store.unqueue(launch)
             queued.discard(launch.name)
+            changed = True
     missing = [e for e in current.experiments if e.name not in progress.found]
     todo = [e for e in missing if e.name not in queued]
     todo = [e for e in todo if e.name not in read.running]
@@ -108,10 +130,11 @@ def _step(client: redis.Redis, spec: JobSpec, read: StepReads) -> None:
         todo = [e for e in todo if e.name not in holding]
     _announce(client, spec, [(current, len(missing), len(current.experiments) - len(missing))], current=current)
     if not todo:
-        return
+        return changed
     first_seq = reserve_seqs(client, len(todo))
     store.queue(QueuedLaunch(first_seq + i, {**exp.to_json(), "min_memory": max(exp.min_memory, spec.min_memory)},
                              argv_of(spec, exp)) for i, exp in enumerate(todo))
+    return True
 
 
 def _announce(client: redis.Redis, spec: JobSpec, phases: list[tuple[Phase, int, int]],

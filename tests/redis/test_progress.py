@@ -84,6 +84,34 @@ def test_a_fixed_job_queues_its_phase_once_and_ends_when_every_record_is_in(clie
     assert load_spec(client, "j") is None and not client.exists(keys.job_queue("j"))
 
 
+def test_the_pass_goes_before_the_step_only_when_the_step_cannot_change_what_it_starts(client, work, tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """A chord callback's dispatch pass runs before the job's step when the step can only add
+    experiments or end the job (its search is live here, no queued experiment has a record), and
+    again after it only if it did; otherwise the step goes first."""
+    spec = fixed_job(tmp_path)
+    submit(client, work, spec)
+    calls: list[str] = []
+    real_step = progress._step
+    monkeypatch.setattr(progress, "_step", lambda *args: calls.append("step") or real_step(*args))
+
+    def step() -> list[str]:
+        calls.clear()
+        advance(client, "j", lambda: calls.append("pass"))
+        return calls
+
+    assert step() == ["step", "pass"]  # the search is built here: the step queues the phase first
+    assert step() == ["pass", "step"]  # live, nothing queued has a record: nothing for a second pass
+    write_record(spec, "a")
+    client.sadd(keys.job_recorded("j"), "a")  # a queued experiment with a record: the step takes it off
+    assert step() == ["step", "pass"] and set(queue(client)) == {"b"}
+    store = JobStore(client, "j")
+    store.unqueue(store.queued(["b"])[0])
+    write_record(spec, "b")
+    client.sadd(keys.job_recorded("j"), "b")
+    assert step() == ["pass", "step", "pass"] and events(client)[-1] == {"kind": "done", "winner": None}
+
+
 def test_a_rebuilt_step_unqueues_what_an_older_launch_already_answered(client, work, tmp_path: Path,
                                                                         monkeypatch) -> None:
     """Redis lost track of a finished launch: its record is on disk and marked recorded, yet the name
