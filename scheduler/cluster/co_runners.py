@@ -13,7 +13,7 @@ own transaction (`scheduler.cluster.dispatch._start`). Reading each owner job's 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import redis
@@ -42,15 +42,23 @@ return found
 """
 
 
-def beside(client: redis.Redis, key: str, placement: Sequence[Sequence[Slot]], slots: Sequence[Slot],
+def queues_by_node(slots: Iterable[Slot]) -> dict[str, list[str]]:
+    """node -> the queues of its slots: what `beside` looks up (once per pass, not once per start)."""
+    found: dict[str, list[str]] = {}
+    for slot in slots:
+        found.setdefault(slot.node, []).append(slot.queue)
+    return found
+
+
+def beside(client: redis.Redis, key: str, placement: Sequence[Sequence[Slot]], by_node: Mapping[str, list[str]],
            busy: Collection[str]) -> tuple[list[str], list[tuple[str, RunningLaunch]]]:
     """For launch `key` ("job/experiment") starting on `placement`: its co-runners (the owners of
-    the busy slots on its nodes), and the running launches among them that do not name it yet, as
-    (job, launch with `key` added) for the caller to write with its start. No round trip when no
-    other slot of its nodes is busy."""
+    the busy slots on its nodes, `by_node`: `queues_by_node`), and the running launches among them
+    that do not name it yet, as (job, launch with `key` added) for the caller to write with its
+    start. No round trip when no other slot of its nodes is busy."""
     nodes = {slot.node for node in placement for slot in node}
     taken = {slot.queue for node in placement for slot in node}
-    mates = sorted(slot.queue for slot in slots if slot.node in nodes and slot.queue in busy and slot.queue not in taken)
+    mates = sorted(queue for node in nodes for queue in by_node.get(node, ()) if queue in busy and queue not in taken)
     if not mates:
         return [], []
     before, _, after = keys.job_running("\0").partition("\0")

@@ -43,7 +43,7 @@ import redis
 
 from scheduler.cluster.backfill import POLICIES, Policy, Waiting, estimate_run_s
 from scheduler.errors import ClusterError
-from scheduler.cluster.co_runners import beside
+from scheduler.cluster.co_runners import beside, queues_by_node
 from scheduler.cluster.job_store import Heads, JobStore, job_heads, running_by_job, show_all, walls_by_job
 from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec, stop_launch
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
@@ -146,13 +146,14 @@ def _place_and_start(client: redis.Redis, work: Work, policies: Mapping[str, Pol
              for key, (spec, launch) in by_key.items()]
     frees_at = {**_frees_at(client, jobs, busy, slots), **dict.fromkeys(sick, math.inf)}
     gangs = GangReservations(client)
+    by_node = queues_by_node(slots)
     for key, placement in policy(items, slots, frees_at, time.time()):
         spec, launch = by_key[key]
         queues = [slot.queue for node in placement for slot in node]
         token = gangs.reserve(queues, spec.lease_s, owner=key)
         if token is None:
             break  # taken between our read and now (cannot happen under the lock; be safe)
-        _start(client, work, spec, launch, placement, token, slots, busy)
+        _start(client, work, spec, launch, placement, token, by_node, busy)
         busy.update(queues)
         started.add((spec.job, launch.name))
 
@@ -194,7 +195,7 @@ def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: Queued
     token = GangReservations(client).reserve(queues, spec.lease_s, owner=f"{spec.job}/{launch.name}")
     if token is not None:
         assert busy is not None  # a pass that places nothing has no placement here
-        _start(client, work, spec, launch, placement, token, slots, busy)
+        _start(client, work, spec, launch, placement, token, queues_by_node(slots), busy)
         busy.update(queues)
         started.add((spec.job, launch.name))
     return True
@@ -312,7 +313,7 @@ def _shape(exp: dict[str, Any]) -> str:
 
 
 def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch, placement: list[list[Slot]],
-           token: str, slots: list[Slot], busy: set[str]) -> None:
+           token: str, by_node: Mapping[str, list[str]], busy: set[str]) -> None:
     """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first (its
     exp_id taken there), in one transaction with the launches beside it that now name it as a co-runner."""
     exp = Experiment.from_json(queued.exp)
@@ -324,7 +325,7 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
     build_s = PREBUILD_TIMEOUT_S if needed_op_builders(exp.ds_config) else 0.0  # before the script: workers.op_prebuild
     if any(slot.kind == "cuda" for node in placement for slot in node):  # a wait for a free GPU before and after
         build_s += 2 * gpu_wait_s(os.environ.get("AUTOTUNE_GPU_WAIT_S"))  # the script (workers.device_idle)
-    co_runners, beside_updates = beside(client, f"{spec.job}/{exp.name}", placement, slots, busy)
+    co_runners, beside_updates = beside(client, f"{spec.job}/{exp.name}", placement, by_node, busy)
     pipe = client.pipeline(transaction=True)
     for job, other in beside_updates:
         JobStore(client, job).update_running(other, pipe)
