@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import defaultdict
+from collections.abc import Iterable
 from itertools import combinations
 from operator import attrgetter
 
@@ -32,28 +33,29 @@ _NODE_DEVICE = attrgetter("node", "device")  #: the order slots are taken in (C,
 
 def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
           min_memory: int = 0, kind: str = "", exclusive: bool = False,
-          allowed: frozenset[str] | None = None) -> list[list[Slot]] | None:
+          allowed: frozenset[str] | None = None, ordered: bool = False) -> list[list[Slot]] | None:
     """One list of `num_gpus` free slots per node for `num_nodes` nodes, or None if it does not fit now.
 
     All slots are of `kind` ("" = of any one kind, CUDA first). Nodes are taken in name order and
     devices in id order, so the same cluster state always gives the same placement (reproducible
     experiments, readable logs). `exclusive`: only nodes on which no slot at all is busy (the
     experiment is to be measured with its nodes otherwise idle). `allowed`: only these slot queues
-    (the job's resource pool, `scheduler.launch.pool`; None = every slot).
+    (the job's resource pool, `scheduler.launch.pool`; None = every slot). `ordered`: `slots` are
+    already in that order (`in_order`), as a policy placing many items sorts them once.
     """
-    nodes = _fitting_nodes(slots, busy, num_nodes, num_gpus, min_memory, kind, exclusive, allowed)
+    nodes = _fitting_nodes(slots, busy, num_nodes, num_gpus, min_memory, kind, exclusive, allowed, ordered)
     return None if nodes is None else [_compact(free, num_gpus) for free in nodes]
 
 
 def _fitting_nodes(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int, min_memory: int, kind: str,
-                   exclusive: bool, allowed: frozenset[str] | None) -> list[list[Slot]] | None:
+                   exclusive: bool, allowed: frozenset[str] | None, ordered: bool = False) -> list[list[Slot]] | None:
     """The free usable slots of the first `num_nodes` nodes (name order) with `num_gpus` of them, or
     None. Only the nodes taken are compacted by `place`: choosing GPUs by their links costs up to
     C(16, k) subsets a node, which over every fitting node of a large cluster was most of a pass."""
-    ordered = sorted(slots, key=_NODE_DEVICE)
+    in_turn = slots if ordered else in_order(slots)
     occupied = {s.node for s in slots if s.queue in busy} if exclusive else set()
     for candidate in ((kind,) if kind else KINDS):
-        usable = [s for s in ordered if s.queue not in busy and s.memory_bytes >= min_memory and s.kind == candidate
+        usable = [s for s in in_turn if s.queue not in busy and s.memory_bytes >= min_memory and s.kind == candidate
                   and s.node not in occupied and (allowed is None or s.queue in allowed)]
         for pool in _reachable_pools(usable, num_nodes):
             free_by_node: dict[str, list[Slot]] = defaultdict(list)
@@ -63,6 +65,11 @@ def _fitting_nodes(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: 
             if len(chosen) == num_nodes:
                 return chosen
     return None
+
+
+def in_order(slots: Iterable[Slot]) -> list[Slot]:
+    """`slots` by node name, then device id: the order `place` takes them in."""
+    return sorted(slots, key=_NODE_DEVICE)
 
 
 def _compact(free: list[Slot], count: int) -> list[Slot]:
