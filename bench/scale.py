@@ -54,16 +54,16 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
 
 
 def register_slots(client: redis.Redis, nodes: int, gpus: int) -> list[str]:
-    from workers import keys
+    from workers.registry import announce_slot
     from workers.slot import Slot
 
     queues = []
-    pipe = client.pipeline()
+    pipe = client.pipeline(transaction=False)
     for n in range(nodes):
         for d in range(gpus):
             slot = Slot(f"node{n:03d}", d, "cuda", 80 * GiB, f"10.0.{n // 250}.{n % 250 + 1}", 4, (), f"gpu{d}@node{n:03d}",
                         instance=secrets.token_hex(6), cuda_index=d)
-            pipe.set(keys.slot(slot.queue), json.dumps(slot.to_redis()), ex=3600)  # as a slot's heartbeat does
+            announce_slot(pipe, slot, ttl_s=3600)  # as a slot's heartbeat does (indexed)
             queues.append(slot.queue)
     pipe.execute()
     return queues

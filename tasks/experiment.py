@@ -9,9 +9,16 @@ An experiment is a chord sent by `scheduler.cluster.dispatch`:
 raises makes Celery skip the chord body, and the experiment would never be recorded.
 `finish_experiment` writes the record to the results folder first (the durable record), then, under
 the cluster lock, closes the launch, advances the job (the next phase, or the job's end) and
-dispatches whatever can start now. A launch a rank did not start because others' memory sat on its
+dispatches whatever can start now (before the step when the step cannot change that:
+`scheduler.cluster.progress.advance`). A launch a rank did not start because others' memory sat on its
 GPU (`gpu_busy`, workers.slot_health) is no experiment: nothing is written, it is queued again.
 `advance_job` is the same step for a job just submitted.
+
+Celery's own writes on that path are kept to what is read: a rank's result (the chord joins it, and
+`Work.finished` asks whether it is ready), but not its STARTED state, which nothing reads (Flower
+follows the workers' events); the callback's and the job step's results are never read at all, so
+they are not stored (`ignore_result`, which also skips their STARTED state). Each of those writes
+was a GET and a SET with a PUBLISH between a rank's end and the next experiment's start.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from celery import signals
 
 from tasks.app import app
 from tasks.work import CeleryWork
-from tasks.worker_hooks import redis_client
+from tasks.worker_hooks import task_client
 from workers import layout
 from workers.failure import Status
 from workers.layout import experiment_file
@@ -42,24 +49,25 @@ def prewarm(**_: object) -> None:
     import scheduler.cluster.progress  # noqa: F401
 
 
-@app.task(name="autotune.run_rank", bind=True, acks_late=True)
+@app.task(name="autotune.run_rank", bind=True, acks_late=True, track_started=False)
 def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
     """Run one rank of an experiment on this worker's slot; returns the rank's record."""
-    return run_rank_body(RankSpec.from_json(spec), slot_from_env(), redis_client(app.conf),
+    return run_rank_body(RankSpec.from_json(spec), slot_from_env(), task_client(app.conf),
                          task_id=self.request.id or "")
 
 
-@app.task(name="autotune.finish_experiment")
+@app.task(name="autotune.finish_experiment", ignore_result=True)
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
-    from scheduler.cluster.dispatch import cluster_lock, co_runners_of, dispatch, record_finished, requeue_for_busy_gpu
+    from scheduler.cluster.co_runners import co_runners_of
+    from scheduler.cluster.dispatch import cluster_lock, dispatch, record_finished, requeue_for_busy_gpu
     from scheduler.cluster.launches import FinishSpec
     from scheduler.cluster.progress import advance
 
     finish = FinishSpec.from_json(finish_json)
     if rank_records and all(r.get("stale") for r in rank_records):
         return {"name": finish.name, "status": "lost", "stale": True}  # a newer launch owns the folder
-    client = redis_client(app.conf)
+    client = task_client(app.conf)
     busy = [r for r in rank_records if r.get("status") == Status.GPU_BUSY.value]
     if busy:  # not started beside others' memory: no record, queued again (workers.slot_health)
         with cluster_lock(client):
@@ -76,18 +84,17 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     write_json(experiment_file(result_dir, layout.RESULT), record)
     with cluster_lock(client):
         record_finished(client, finish, record)
-        advance(client, finish.job)
-        dispatch(client, WORK)
+        advance(client, finish.job, lambda: dispatch(client, WORK))  # the pass before the step when it can
     return record
 
 
-@app.task(name="autotune.advance_job")
+@app.task(name="autotune.advance_job", ignore_result=True)
 def advance_job(job: str) -> None:
     """A job's first step after submission (or after its submitter re-attached)."""
     from scheduler.cluster.dispatch import cluster_lock, dispatch
     from scheduler.cluster.progress import advance
 
-    client = redis_client(app.conf)
+    client = task_client(app.conf)
     with cluster_lock(client):
         advance(client, job)
         dispatch(client, WORK)

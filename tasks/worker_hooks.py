@@ -44,6 +44,21 @@ def redis_client(conf) -> redis.Redis:
     return connect(conf.broker_url)
 
 
+_task_clients: dict[tuple[int, str], redis.Redis] = {}
+
+
+def task_client(conf) -> redis.Redis:
+    """The Redis client of this process's tasks, one per process (its pool reconnects after a Redis
+    restart). A client per task opened a connection per task (connect, AUTH, HELLO and redis-py's
+    CLIENT SETINFO, which reads the package's metadata from disk): milliseconds at both ends of
+    every experiment, between its slot's previous run and its start (bench/dispatch_overhead.py)."""
+    key = (os.getpid(), conf.broker_url)  # a forked pool child opens its own
+    client = _task_clients.get(key)
+    if client is None:
+        client = _task_clients[key] = connect(conf.broker_url)
+    return client
+
+
 @signals.celeryd_init.connect
 def refuse_without_redis(sender: str | None = None, **_: object) -> None:
     """A worker without AUTOTUNE_REDIS_URL would silently serve a Redis on 127.0.0.1:6379, and one

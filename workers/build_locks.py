@@ -17,7 +17,12 @@ compiler's gigabyte counts against the slot's memory cap: on this project's CPU 
 GPT example's profile run an `oom` and the whole job abort. So before the script starts, the rank asks
 ninja whether each op folder is up to date (`ninja -n`, milliseconds) and rebuilds one that is not
 itself, outside the experiment's limits, under torch's own lock (`rebuild_stale_ops`): the ranks'
-scripts then load it, or wait for the lock as torch makes them.
+scripts then load it, or wait for the lock as torch makes them. ninja's answer "no work to do" is
+kept with a stamp of what it depends on (the folder's files, their sizes and times, and the sources
+build.ninja names outside it); while the stamp holds, the folder is not asked again: a `ninja -n`
+per folder per rank cost every experiment 5-15 ms between its slot's previous run and its start
+(bench/dispatch_overhead.py). Headers the sources include are not stamped: a DeepSpeed reinstall
+rewrites the sources beside them.
 
 Both decisions read this machine's processes, so the folder must be this machine's alone
 (`node_extensions_dir`): on a shared filesystem (a venv in an NFS home, as on many clusters) a lock
@@ -148,10 +153,15 @@ def rebuild_stale_ops(extensions_dir: str | os.PathLike[str], path: str | None,
     rebuilt = []
     for build_file in sorted(Path(extensions_dir).glob("*/build.ninja")):
         folder = build_file.parent
+        stamp = _stamp(folder, ninja)
+        if stamp is not None and _UP_TO_DATE.get(folder) == stamp:
+            continue
         try:
             dry = subprocess.run([ninja, "-C", str(folder), "-n"], capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.SubprocessError):
             continue
+        if dry.returncode == 0 and "no work to do" in dry.stdout and stamp is not None:
+            _UP_TO_DATE[folder] = stamp
         if dry.returncode != 0 or "no work to do" in dry.stdout:
             continue
         lock = folder / "lock"
@@ -199,3 +209,40 @@ def run_to_end(argv: list[str], log_path: Path, keep_alive: Callable[[], bool] |
                 # they inherited, and once they are gone no process works in the op's folder
                 kill_marked(BUILD_ENV, token, started)
                 return None
+
+
+#: op folder -> the stamp (`_stamp`) it had when ninja last found nothing to do there (this process).
+_UP_TO_DATE: dict[Path, tuple] = {}
+_ESCAPED = re.compile(r"\$(.)")
+
+
+def _stamp(folder: Path, ninja: str) -> tuple | None:
+    """What ninja's verdict on `folder` depends on: the ninja used, the folder's entries (name, size,
+    mtime) and the absolute inputs its build.ninja names (path, size, mtime). None when unreadable."""
+    try:
+        entries = []
+        for entry in os.scandir(folder):
+            info = entry.stat(follow_symlinks=False)
+            entries.append((entry.name, info.st_size, info.st_mtime_ns))
+        inputs = []
+        for source in _absolute_inputs((folder / "build.ninja").read_text()):
+            info = os.stat(source)
+            inputs.append((source, info.st_size, info.st_mtime_ns))
+    except OSError:
+        return None
+    return ninja, tuple(sorted(entries)), tuple(inputs)
+
+
+def _absolute_inputs(build_text: str) -> list[str]:
+    """The absolute paths among the inputs of build.ninja's `build` statements (ninja's `$ `, `$:`
+    and `$$` escapes undone)."""
+    found = []
+    for line in build_text.splitlines():
+        if not line.startswith("build "):
+            continue
+        rest = re.split(r"(?<!\$):", line, maxsplit=1)[-1]  # after the outputs
+        for token in re.split(r"(?<!\$) +", rest.strip())[1:]:  # the rule's name first
+            path = _ESCAPED.sub(r"\1", token)
+            if path.startswith("/"):
+                found.append(path)
+    return found

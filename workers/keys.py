@@ -4,6 +4,10 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
 
     autotune:slot:<node>.gpu<i>         str   a live slot (JSON): node, device, kind, memory, address, ...
                                               (expires unless its worker's heartbeat renews it)
+    autotune:slots                      set   the queues of the registered slots (what dispatch walks
+                                              instead of scanning the keyspace; a lapsed one is pruned)
+    autotune:slots:epoch                str   a fresh token each time a registration appears, changes or
+                                              goes: parsed slots are cached until it changes
     autotune:control:<node>             str   a live control worker (heartbeat, like slots)
     autotune:gang:<node>.gpu<i>         str   owner token of a gang reservation of that slot (PX lease)
     autotune:gpu:<host>:<uuid>          str   the slot serving that GPU of that machine (JSON: queue,
@@ -40,7 +44,8 @@ rendezvous or abort flag of an earlier launch. Celery's own broker and result ke
 from __future__ import annotations
 
 PREFIX = "autotune:"
-SLOT_PATTERN = PREFIX + "slot:*"
+SLOT_INDEX = PREFIX + "slots"
+SLOT_EPOCH = PREFIX + "slots:epoch"
 
 
 def slot(queue: str) -> str:

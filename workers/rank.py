@@ -23,7 +23,7 @@ import shlex
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,8 @@ class RankSpec:
         return cls(**data)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a dict, their values the same objects (`asdict` would deep-copy the config)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def result_dir(self) -> Path:

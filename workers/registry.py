@@ -1,16 +1,23 @@
 """Slots announce themselves in Redis and keep announcing while they live.
 
 A registration is one JSON string with a short TTL that a heartbeat thread renews (one string, not a
-hash: dispatch reads every slot on every pass, and one MGET of 1,024 small strings costs a few ms
-where 1,024 HGETALLs cost a hundred). A worker that dies
-(SIGKILL, node lost) simply stops renewing and its slot disappears from the cluster view within one
-TTL; a clean shutdown deletes it at once. Nobody has to notice the death for the view to be right.
+hash: 1,024 HGETALLs cost a hundred ms). A worker that dies (SIGKILL, node lost) simply stops
+renewing and its slot disappears from the cluster view within one TTL; a clean shutdown deletes it
+at once. Nobody has to notice the death for the view to be right.
+
+Each registration also puts its queue in the slot index (`keys.SLOT_INDEX`, one script with the
+write: `announce`), and sets a fresh epoch (`keys.SLOT_EPOCH`) when it is new or changed. Readers
+walk the index instead of scanning the whole keyspace (which grows with queued work and running
+ranks), and a dispatch pass keeps its parsed slots until the epoch changes
+(`workers.slot_view`); whoever finds an indexed registration lapsed prunes it and sets the epoch.
+Every writer of a registration goes through `announce` (tests and benches too).
 """
 from __future__ import annotations
 
 import json
 import logging
 import threading
+import uuid
 
 import redis
 
@@ -26,6 +33,38 @@ TTL_S = 10.0
 
 log = logging.getLogger(__name__)
 
+_ANNOUNCE = """
+-- KEYS[1] the slot's registration, KEYS[2] the slot index, KEYS[3] the index's epoch, KEYS[4..] claims
+-- ARGV[1] the registration (JSON), ARGV[2] its TTL in ms (0: none), ARGV[3] the slot's queue,
+-- ARGV[4] a fresh epoch token, set when the registration is new or changed; ARGV[5..] the claims'
+-- values, written with the same TTL
+local old = redis.call('GET', KEYS[1])
+for i = 1, #KEYS do
+  if i == 1 or i > 3 then
+    local value = i == 1 and ARGV[1] or ARGV[i + 1]
+    if tonumber(ARGV[2]) > 0 then
+      redis.call('SET', KEYS[i], value, 'PX', ARGV[2])
+    else
+      redis.call('SET', KEYS[i], value)
+    end
+  end
+end
+if redis.call('SADD', KEYS[2], ARGV[3]) == 1 or old ~= ARGV[1] then
+  redis.call('SET', KEYS[3], ARGV[4])
+end
+return 1
+"""
+_REGISTRATIONS = """
+-- KEYS[1] the slot index; ARGV[1] the registrations' key prefix
+-- returns the registrations of the indexed slots that are still there
+local found = {}
+for _, queue in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local raw = redis.call('GET', ARGV[1] .. queue)
+  if raw then found[#found + 1] = raw end
+end
+return found
+"""
+
 
 def connect(url: str) -> redis.Redis:
     """The one way this project opens Redis: bounded connect, reads that outlast BLPOP waits, and for
@@ -34,13 +73,30 @@ def connect(url: str) -> redis.Redis:
                                 health_check_interval=30, **redis_options(url))
 
 
+def announce(client: redis.Redis | redis.client.Pipeline, queue: str, registration: str,
+             ttl_s: float | None = None, claims: dict[str, str] | None = None) -> None:
+    """Write slot `queue`'s registration (JSON) and its `claims` (key -> value) with its index entry,
+    in one script, setting a fresh epoch when the registration is new or changed; `ttl_s` None: no
+    TTL (tests). On a pipeline, it runs when the pipeline does."""
+    claims = claims or {}
+    script = client.register_script(_ANNOUNCE)
+    script(keys=[keys.slot(queue), keys.SLOT_INDEX, keys.SLOT_EPOCH, *claims],
+           args=[registration, int((ttl_s or 0) * 1000), queue, uuid.uuid4().hex, *claims.values()], client=client)
+
+
+def announce_slot(client: redis.Redis | redis.client.Pipeline, slot: Slot, ttl_s: float | None = None) -> None:
+    """`announce` of `slot` as its worker's heartbeat writes it."""
+    announce(client, slot.queue, json.dumps(slot.to_redis()), ttl_s)
+
+
 class Heartbeat:
     """Keeps string keys alive in Redis until stopped: a registration (JSON of `fields`) and any
-    `claims` beside it (key -> value), renewed together and deleted together."""
+    `claims` beside it (key -> value), renewed together and deleted together. `slot_queue`: the
+    registration is that slot's, indexed (`announce`)."""
 
     def __init__(self, client: redis.Redis, key: str, fields: dict[str, str],
-                 claims: dict[str, str] | None = None) -> None:
-        self._client, self._key = client, key
+                 claims: dict[str, str] | None = None, slot_queue: str = "") -> None:
+        self._client, self._key, self._slot_queue = client, key, slot_queue
         self._values = {key: json.dumps(fields), **(claims or {})}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat {key}", daemon=True)
@@ -53,11 +109,20 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=HEARTBEAT_S + 1)
         try:
-            self._client.delete(*self._values)
+            with self._client.pipeline(transaction=True) as pipe:
+                pipe.delete(*self._values)
+                if self._slot_queue:
+                    pipe.srem(keys.SLOT_INDEX, self._slot_queue)
+                    pipe.set(keys.SLOT_EPOCH, uuid.uuid4().hex)
+                pipe.execute()
         except redis.RedisError as exc:
             log.warning("could not unregister %s: %s", self._key, exc)
 
     def _beat(self) -> None:
+        if self._slot_queue:
+            announce(self._client, self._slot_queue, self._values[self._key], TTL_S,
+                     {key: value for key, value in self._values.items() if key != self._key})
+            return
         with self._client.pipeline(transaction=False) as pipe:
             for key, value in self._values.items():
                 pipe.set(key, value, px=int(TTL_S * 1000))
@@ -102,7 +167,7 @@ def claim_gpu(client: redis.Redis, slot: Slot) -> dict[str, str] | None:
 
 def register_slot(client: redis.Redis, slot: Slot) -> Heartbeat:
     """Announce `slot` (after `claim_gpu`), keeping its GPU's claim alive with it."""
-    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis(), _gpu_claim(slot))
+    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis(), _gpu_claim(slot), slot_queue=slot.queue)
     beat.start()
     return beat
 
@@ -114,10 +179,25 @@ def register_control(client: redis.Redis, node: str, worker: str) -> Heartbeat:
 
 
 def live_slots(client: redis.Redis) -> list[Slot]:
-    """Every slot whose heartbeat is current, sorted by node then device."""
-    found = list(client.scan_iter(match=keys.SLOT_PATTERN, count=1000))
-    slots = [Slot.from_redis(json.loads(raw)) for raw in (client.mget(found) if found else []) if raw]
-    return sorted(slots, key=lambda s: (s.node, s.device))
+    """Every slot whose heartbeat is current, sorted by node then device (one round trip; each
+    registration parsed once per process while it stays the same)."""
+    raws = client.register_script(_REGISTRATIONS)(keys=[keys.SLOT_INDEX], args=[keys.slot("")])
+    return sorted((parsed(raw) for raw in raws), key=lambda s: (s.node, s.device))
+
+
+#: registration JSON -> its Slot: parsing 1,024 registrations took ~10 ms a dispatch pass.
+_PARSED: dict[bytes, Slot] = {}
+_PARSED_MAX = 65536
+
+
+def parsed(raw: bytes) -> Slot:
+    """The Slot of a registration's JSON, parsed once while this process keeps seeing it."""
+    slot = _PARSED.get(raw)
+    if slot is None:
+        if len(_PARSED) >= _PARSED_MAX:  # restarted workers leave old registrations behind
+            _PARSED.clear()
+        slot = _PARSED[raw] = Slot.from_redis(json.loads(raw))
+    return slot
 
 
 def control_alive(client: redis.Redis) -> bool:

@@ -147,7 +147,11 @@ class Slot:
 
     def link_to(self, other: Slot) -> str:
         """The link class between this slot's GPU and `other`'s ("" when unknown)."""
-        return dict(self.links).get(other.cuda_index, "")
+        return self._link_by_index.get(other.cuda_index, "")
+
+    @cached_property
+    def _link_by_index(self) -> dict[int, str]:
+        return dict(self.links)
 
     def child_env(self, cuda_devices: list[str] | None = None) -> dict[str, str]:
         """Variables that bind a training process to this slot. A rank of a multi-GPU experiment sees

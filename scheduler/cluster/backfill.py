@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from scheduler.cluster.placement import place
+from scheduler.cluster.placement import in_order, place
 from workers.slot import Slot
 
 
@@ -95,6 +95,7 @@ def estimate_run_s(time_limit_s: float, finished_wall_s: Sequence[float] = ()) -
 def strict_fifo(queue: Sequence[Waiting], slots: Sequence[Slot], frees_at: Mapping[str, float],
                 now: float) -> list[Start]:
     """DeepSpeed's rule: start items in order until the first that does not fit; nothing passes it."""
+    slots = in_order(slots)  # once: every placement below takes them in this order
     busy = set(frees_at)
     starts: list[Start] = []
     for item in queue:
@@ -116,6 +117,7 @@ def backfill(queue: Sequence[Waiting], slots: Sequence[Slot], frees_at: Mapping[
     blocked = list(queue[len(starts):])
     if not blocked:
         return starts
+    slots = in_order(slots)
     ends = dict(frees_at)
     for start, item in zip(starts, queue):
         ends.update(dict.fromkeys(_taken(item, start, slots), now + item.estimate_s))
@@ -156,6 +158,7 @@ def reservation(head: Waiting, slots: Sequence[Slot], frees_at: Mapping[str, flo
 
     Tries each estimated end time in order, as if every slot ending by then were free.
     """
+    slots = in_order(slots)
     ends = {queue: max(end, now) for queue, end in frees_at.items()}
     moments = sorted({now, *ends.values()})
 
@@ -187,9 +190,10 @@ def _backfill_placement(item: Waiting, slots: Sequence[Slot], busy: set[str], he
     return _place(slots, busy | head.queues, item)
 
 
-def _place(slots: Sequence[Slot], busy: set[str], item: Waiting) -> list[list[Slot]] | None:
-    return place(list(slots), busy, item.num_nodes, item.num_gpus, item.min_memory, item.kind, item.exclusive,
-                 item.allowed)
+def _place(slots: list[Slot], busy: set[str], item: Waiting) -> list[list[Slot]] | None:
+    """`place` for `item` over `slots` already `in_order`."""
+    return place(slots, busy, item.num_nodes, item.num_gpus, item.min_memory, item.kind, item.exclusive,
+                 item.allowed, ordered=True)
 
 
 #: The policies a job may ask for (`JobSpec.policy`), by name.

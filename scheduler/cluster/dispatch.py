@@ -10,7 +10,7 @@ An experiment marked `exclusive` (a finalist's re-measurement, `scheduler.search
 starts only on nodes where no slot is busy, and while it runs every slot of its nodes counts as
 busy for everyone else: the finalists are compared with their nodes otherwise idle. Each launch
 keeps its co-runners (the launches of any job holding a slot on its nodes when it starts, and those
-starting beside it later), which its record shows (`co_runners_of`).
+starting beside it later), which its record shows (`scheduler.cluster.co_runners`).
 
 Order: every queued experiment of every active job, by its submission sequence number (FIFO across
 jobs), with EASY backfill (`scheduler.cluster.backfill`): a later experiment starts in free slots only when
@@ -35,7 +35,6 @@ import math
 import os
 import time
 import uuid
-from dataclasses import replace
 from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,7 +43,8 @@ import redis
 
 from scheduler.cluster.backfill import POLICIES, Policy, Waiting, estimate_run_s
 from scheduler.errors import ClusterError
-from scheduler.cluster.job_store import JobStore, heads
+from scheduler.cluster.co_runners import beside, queues_by_node
+from scheduler.cluster.job_store import Heads, JobStore, job_heads, running_by_job, show_all, walls_by_job
 from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec, stop_launch
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.report.outputs import write_experiment_descriptions
@@ -60,14 +60,16 @@ from workers.paths import safe_child, write_json
 from workers.rank import RankSpec
 from workers.registry import HEARTBEAT_S, TTL_S, live_slots
 from workers.slot import Slot
-from workers.slot_health import describe, unhealthy
+from workers.slot_health import describe
+from workers.slot_view import read_view
 from workers.topology import worst_link
 
 SWEEP_S = 2.0
 LOCK_TIMEOUT_S = 120.0
 #: How often a waiting control process retries the lock: redis-py's default (100 ms) added up to
-#: half a second to a step waiting behind another; a step holds it for a few ms.
-LOCK_POLL_S = 0.005
+#: half a second to a step waiting behind another; a step holds it for a few ms, and two slots
+#: finishing together make one chord callback wait for the other's (5 ms polls added 2.5 ms on average).
+LOCK_POLL_S = 0.001
 REFUSE_GRACE_S = 60.0  #: after a job's first launch, how long the cluster may lack a fitting shape
 #: How long a job waits when only slots out of tuning (workers.slot_health) could run its experiments.
 HELD_GRACE_S = 600.0
@@ -86,63 +88,104 @@ def cluster_lock(client: redis.Redis):
 
 def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = POLICIES) -> None:
     """Start every queued experiment the policy allows now (module docstring). `policies` are the
-    placement policies by the name a job asks for (bench/scale.py passes timed ones)."""
+    placement policies by the name a job asks for (bench/scale.py passes timed ones).
+
+    A pass that finds fewer free slots than the smallest waiting gang needs decides nothing: it only
+    checks that each waiting shape could run on the cluster at all (memoised per registration epoch,
+    workers.slot_view) and publishes the jobs' states, so its cost does not grow with the slots."""
     specs = active_specs(client)
     if not specs:
         return
-    slots = live_slots(client)
-    gangs = GangReservations(client)
-    sick = unhealthy(client, [s.queue for s in slots])  # others' memory on the GPU: no known end
-    busy = gangs.held([s.queue for s in slots]) | set(sick)
-    free = sum(1 for s in slots if s.queue not in busy)
-    queued = heads(client, [spec.job for spec in specs], free)  # only what could matter now
+    view = read_view(client)  # free slots, slots marked out of tuning (others' memory: no known end)
+    slots, sick = view.slots, view.sick
+    read = job_heads(client, [spec.job for spec in specs], len(view.free))  # only what could matter now
+    queued = {job: found.launches for job, found in read.items()}
     waiting = sorted(((launch.seq, spec, launch) for spec in specs for launch in queued[spec.job]),
                      key=lambda item: item[0])
+    placing = bool(waiting) and len(view.free) >= min(_gang_size(spec, launch) for _, spec, launch in waiting)
+    busy = view.busy() if placing else None
     free_waiting: list[tuple[JobSpec, QueuedLaunch]] = []
+    started: set[tuple[str, str]] = set()  #: (job, experiment) started in this pass
     refused: set[str] = set()
-    fits: dict[tuple, bool] = {}
-    cleared: set[str] = set()
+    cleared: dict[str, bool] = {}
     for _, spec, launch in waiting:
         if spec.job in refused:
             continue
         if spec.pinned is not None:
-            if not _start_pinned(client, work, spec, launch, slots, busy):
+            if not _start_pinned(client, work, spec, launch, slots, busy, started):
                 refused.add(spec.job)
-        elif _fits_or_refused(client, spec, launch, slots, fits, cleared, sick):
+        elif _fits_or_refused(client, spec, launch, slots, view.memo, cleared, sick):
             free_waiting.append((spec, launch))
         elif load_spec(client, spec.job) is None:
             refused.add(spec.job)
     jobs = {spec.job: spec for spec in specs if spec.job not in refused}
+    if placing and free_waiting:
+        assert busy is not None
+        _place_and_start(client, work, policies, specs, jobs, free_waiting, slots, busy, sick, started)
+    _publish_states(client, jobs, read, started, sick, [job for job, pending in cleared.items() if pending])
+
+
+def _gang_size(spec: JobSpec, launch: QueuedLaunch) -> int:
+    """The free slots a launch needs at the least (a pinned job's named slots, else nodes x slots)."""
+    if spec.pinned is not None:
+        return sum(len(node) for node in spec.pinned)
+    return launch.exp["num_nodes"] * launch.exp["num_gpus"]
+
+
+def _place_and_start(client: redis.Redis, work: Work, policies: Mapping[str, Policy], specs: list[JobSpec],
+                     jobs: dict[str, JobSpec], free_waiting: list[tuple[JobSpec, QueuedLaunch]], slots: list[Slot],
+                     busy: set[str], sick: Mapping[str, dict], started: set[tuple[str, str]]) -> None:
+    """Ask the policy where the waiting launches start now, reserve and start them (into `started`)."""
     # Strict FIFO only while every active job asks for it: one backfilling job makes the pass backfill.
     asked = {spec.policy for spec in specs}
     policy = policies[asked.pop()] if len(asked) == 1 else policies["backfill"]
-    by_key = {f"{spec.job}/{launch.name}": (spec, launch) for spec, launch in free_waiting if spec.job not in refused}
+    by_key = {f"{spec.job}/{launch.name}": (spec, launch) for spec, launch in free_waiting if spec.job in jobs}
     items = [Waiting(key, launch.exp["num_nodes"], launch.exp["num_gpus"], spec.timeout_s,
                      launch.exp.get("min_memory", 0), spec.slot_kind, bool(launch.exp.get("exclusive")),
                      pool_of(spec))
              for key, (spec, launch) in by_key.items()]
     frees_at = {**_frees_at(client, jobs, busy, slots), **dict.fromkeys(sick, math.inf)}
+    gangs = GangReservations(client)
+    by_node = queues_by_node(slots)
     for key, placement in policy(items, slots, frees_at, time.time()):
         spec, launch = by_key[key]
         queues = [slot.queue for node in placement for slot in node]
         token = gangs.reserve(queues, spec.lease_s, owner=key)
         if token is None:
             break  # taken between our read and now (cannot happen under the lock; be safe)
-        _start(client, work, spec, launch, placement, token, slots)
+        _start(client, work, spec, launch, placement, token, by_node, busy)
         busy.update(queues)
-    for spec in jobs.values():
-        store = JobStore(client, spec.job)
-        running = store.running_names()
-        head = next((launch for launch in queued[spec.job] if launch.name not in running), None)
-        _publish_state(store, spec, head, running, sick)
+        started.add((spec.job, launch.name))
+
+
+def _publish_states(client: redis.Redis, jobs: dict[str, JobSpec], read: Mapping[str, Heads],
+                    started: set[tuple[str, str]], sick: Mapping[str, dict], misfits_cleared: list[str]) -> None:
+    """What `python -m scheduler.autotune --status` shows for each active job (its queue and running
+    launches as the pass read them, with those it started), and the misfits this pass cleared: one
+    round trip."""
+    shown = {}
+    for job, spec in jobs.items():
+        running = read[job].running | {name for started_job, name in started if started_job == job}
+        depth = read[job].depth - sum(1 for started_job, _ in started if started_job == job)
+        head = next((launch.exp for launch in read[job].launches if launch.name not in running), None)
+        waits = (f"needs {head['num_nodes']} node(s) x {head['num_gpus']} free slot(s) at once; "
+                 "the slots that fit are reserved" if head else "-")
+        if head and sick:
+            waits += "; out of tuning until their GPU's memory frees: " + ", ".join(
+                describe(queue, mark) for queue, mark in sorted(sick.items()))
+        shown[job] = {"results_dir": spec.results_root, "pending": depth, "running": ",".join(sorted(running)) or "-",
+                      "head": head["name"] if head else "-", "head_waits": waits, "updated": round(time.time(), 1)}
+    show_all(client, shown, misfits_cleared)
 
 
 def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
-                  busy: set[str]) -> bool:
+                  busy: set[str] | None, started: set[tuple[str, str]]) -> bool:
     """Every experiment of a pinned job wants the same named slots: they run one after another.
-    False when the job was refused (a named slot has no live worker)."""
+    False when the job was refused (a named slot has no live worker). `busy` None: too few slots
+    are free for anything (only the refusal is checked)."""
+    named = spec.pinned or []
     try:
-        placement = pinned_placement(slots, busy, spec.pinned or [])
+        placement = pinned_placement(slots, {q for node in named for q in node} if busy is None else busy, named)
     except ClusterError as exc:
         end(client, spec.job, {"kind": "failed", "error": str(exc), "usage": True})
         return False
@@ -151,33 +194,37 @@ def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: Queued
     queues = [slot.queue for node in placement for slot in node]
     token = GangReservations(client).reserve(queues, spec.lease_s, owner=f"{spec.job}/{launch.name}")
     if token is not None:
-        _start(client, work, spec, launch, placement, token, slots)
+        assert busy is not None  # a pass that places nothing has no placement here
+        _start(client, work, spec, launch, placement, token, queues_by_node(slots), busy)
         busy.update(queues)
+        started.add((spec.job, launch.name))
     return True
 
 
 def _fits_or_refused(client: redis.Redis, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
-                     fits: dict[tuple, bool], cleared: set[str], sick: Mapping[str, dict]) -> bool:
+                     fits: dict[tuple, bool], cleared: dict[str, bool], sick: Mapping[str, dict]) -> bool:
     """Whether the experiment's shape fits the live cluster at all. A job is refused at once when it
     has launched nothing yet; later, slots may only be re-registering (a worker or Redis restarting),
     so the cluster gets REFUSE_GRACE_S to come back first. A shape that fits only with slots out of
     tuning (others' memory on their GPUs, workers.slot_health) waits for them, and the job is
     stopped, saying which, once none of its experiments could run for HELD_GRACE_S and none runs.
-    `fits` remembers each shape's answers and `cleared` the jobs whose misfit was cleared, for the
-    rest of the pass."""
+    `fits` remembers each shape's answers for these slots (`SlotView.memo`: until a registration
+    changes), `cleared` the jobs whose misfit was cleared in this pass (True: not written yet)."""
     exp = launch.exp
     pool = pool_of(spec)
     shape = (exp["num_nodes"], exp["num_gpus"], exp.get("min_memory", 0), spec.slot_kind, pool)
     if shape not in fits:
         fits[shape] = fits_ever(slots, *shape)
-    if fits[shape] and sick and (shape, "healthy") not in fits:
-        fits[shape, "healthy"] = fits_ever([s for s in slots if s.queue not in sick], *shape)
+    healthy = (shape, frozenset(sick))  # whether it fits without the slots marked now
+    if fits[shape] and sick and healthy not in fits:
+        fits[healthy] = fits_ever([s for s in slots if s.queue not in sick], *shape)
     store = JobStore(client, spec.job)
-    if fits[shape] and fits.get((shape, "healthy"), True):
-        if spec.job not in cleared:
-            cleared.add(spec.job)
-            store.clear_misfit()
+    if fits[shape] and (not sick or fits[healthy]):
+        cleared.setdefault(spec.job, True)  # its misfit cleared with the states, at the pass's end
         return True
+    if cleared.get(spec.job):  # cleared by an earlier launch of this pass: before this one's misfit
+        store.clear_misfit()
+        cleared[spec.job] = False
     now = time.time()
     since, dispatched = store.misfit_since(now)
     if fits[shape]:  # only with slots out of tuning
@@ -243,12 +290,12 @@ def _frees_at(client: redis.Redis, jobs: dict[str, JobSpec], busy: set[str],
     While an exclusive experiment runs (a finalist re-measured with its nodes otherwise idle), every
     slot of its nodes counts as busy until it ends, so nothing is placed beside it."""
     frees_at = dict.fromkeys(busy, math.inf)
+    running = running_by_job(client, list(jobs))
+    walls = walls_by_job(client, {job: sorted({_shape(launch.exp) for launch in launches})
+                                  for job, launches in running.items()})
     for job, spec in jobs.items():
-        store = JobStore(client, job)
-        launches = list(store.running().values())
-        walls = store.walls(sorted({_shape(launch.exp) for launch in launches}))
-        for launch in launches:
-            end_at = launch.started + estimate_run_s(spec.timeout_s, walls.get(_shape(launch.exp), ()))
+        for launch in running[job]:
+            end_at = launch.started + estimate_run_s(spec.timeout_s, walls.get(job, {}).get(_shape(launch.exp), ()))
             frees_at.update({q: end_at for q in launch.queues if q in frees_at})
             if launch.exp.get("exclusive"):
                 nodes = _nodes_of(launch.queues, slots)
@@ -261,46 +308,31 @@ def _nodes_of(queues: list[str], slots: Sequence[Slot]) -> set[str]:
     return {slot.node for slot in slots if slot.queue in wanted}
 
 
-def _record_co_runners(client: redis.Redis, key: str, queues: list[str], slots: list[Slot]) -> list[str]:
-    """The launches ("job/experiment", from the gang keys' owners) holding a slot on the nodes of
-    `queues`, each told that `key` now runs beside it; returns them, `key`'s own co-runners so far."""
-    nodes = _nodes_of(queues, slots)
-    mates = [slot.queue for slot in slots if slot.node in nodes and slot.queue not in queues]
-    owners = sorted(set(GangReservations(client).owners(mates).values()) - {key})
-    for owner in owners:
-        job, _, name = owner.rpartition("/")
-        store = JobStore(client, job)
-        other = store.running().get(name)
-        if other is not None and key not in other.co_runners:
-            store.update_running(replace(other, co_runners=[*other.co_runners, key]))
-    return owners
-
-
-def co_runners_of(client: redis.Redis, finish: FinishSpec) -> list[str]:
-    """The launches that ran beside this one (`RunningLaunch.co_runners`), for its record; [] for a
-    launch no longer running under this attempt, or while Redis cannot be read: the record is
-    written first whatever Redis does."""
-    try:
-        launch = JobStore(client, finish.job).running().get(finish.name)
-    except redis.RedisError:
-        return []
-    return list(launch.co_runners) if launch is not None and launch.attempt == finish.attempt else []
-
-
 def _shape(exp: dict[str, Any]) -> str:
     return f"{exp['stage']}/{exp['micro_batch_size']}"
 
 
 def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch, placement: list[list[Slot]],
-           token: str, slots: list[Slot]) -> None:
-    """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first."""
+           token: str, by_node: Mapping[str, list[str]], busy: set[str]) -> None:
+    """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first (its
+    exp_id taken there), in one transaction with the launches beside it that now name it as a co-runner."""
     exp = Experiment.from_json(queued.exp)
-    if spec.tune is not None:  # DeepSpeed's autotuning_exps/<name>.json, for each experiment launched
-        write_experiment_descriptions(Path(spec.tune.exps_dir), [exp])
     store = JobStore(client, spec.job)
     queues = [slot.queue for node in placement for slot in node]
     attempt = uuid.uuid4().hex
-    exp_id = store.next_exp_id()
+    task_ids = {queue: uuid.uuid4().hex for queue in queues}
+    now = time.time()
+    build_s = PREBUILD_TIMEOUT_S if needed_op_builders(exp.ds_config) else 0.0  # before the script: workers.op_prebuild
+    if any(slot.kind == "cuda" for node in placement for slot in node):  # a wait for a free GPU before and after
+        build_s += 2 * gpu_wait_s(os.environ.get("AUTOTUNE_GPU_WAIT_S"))  # the script (workers.device_idle)
+    co_runners, beside_updates = beside(client, f"{spec.job}/{exp.name}", placement, by_node, busy)
+    pipe = client.pipeline(transaction=True)
+    for job, other in beside_updates:
+        JobStore(client, job).update_running(other, pipe)
+    exp_id = store.start(queued, RunningLaunch(
+        seq=queued.seq, exp=queued.exp, argv=queued.argv, attempt=attempt, queues=queues, token=token,
+        rank_tasks=task_ids, started=now, deadline=now + spec.timeout_s + spec.lost_grace_s + build_s,
+        instances={slot.queue: slot.instance for node in placement for slot in node}, co_runners=co_runners), pipe)
     description = {"name": exp.name, "exp_id": exp_id, "ds_config": exp.ds_config, "num_gpus": exp.num_gpus,
                    "num_nodes": exp.num_nodes, "result_dir": str(safe_child(spec.results_root, exp.name)),
                    "slots": queues, "user_script": queued.argv[0], "user_args": queued.argv[1:]}
@@ -320,20 +352,12 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
                 num_nodes=len(placement), timeout_s=spec.timeout_s, cwd=spec.cwd, metric_file=exp.metric_file, exp=description,
                 gang_token=token, lease_s=spec.lease_s, cuda_devices=cuda_devices,
                 local_rank_arg=spec.local_rank_arg)
-            ranks.append(RankLaunch(slot.queue, rank_spec, uuid.uuid4().hex,
+            ranks.append(RankLaunch(slot.queue, rank_spec, task_ids[slot.queue],
                                     f"(experiment={exp.name!r}, rank={rank_spec.rank}, slot={slot.queue!r})"))
-    now = time.time()
-    build_s = PREBUILD_TIMEOUT_S if needed_op_builders(exp.ds_config) else 0.0  # before the script: workers.op_prebuild
-    if any(slot.kind == "cuda" for node in placement for slot in node):  # a wait for a free GPU before and after
-        build_s += 2 * gpu_wait_s(os.environ.get("AUTOTUNE_GPU_WAIT_S"))  # the script (workers.device_idle)
-    co_runners = _record_co_runners(client, f"{spec.job}/{exp.name}", queues, slots)
-    store.start(queued, RunningLaunch(
-        seq=queued.seq, exp=queued.exp, argv=queued.argv, attempt=attempt, queues=queues, token=token,
-        rank_tasks={rank.queue: rank.task_id for rank in ranks}, started=now,
-        deadline=now + spec.timeout_s + spec.lost_grace_s + build_s,
-        instances={slot.queue: slot.instance for node in placement for slot in node}, co_runners=co_runners))
     work.launch(ranks, finish, int(spec.timeout_s + build_s) + TIME_LIMIT_GRACE_S,
                 f"(experiment={exp.name!r}, job={spec.job!r}, slots={queues!r})")
+    if spec.tune is not None:  # DeepSpeed's autotuning_exps/<name>.json, for each experiment launched
+        write_experiment_descriptions(Path(spec.tune.exps_dir), [exp])  # after the chord: not on its way
 
 
 def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, Any]) -> bool:
@@ -344,9 +368,8 @@ def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, A
     launch = store.finish(finish.name, finish.attempt)
     if launch is None:
         return _adopted(client, store, finish, record)
-    if record.get("status") == "ok" and record.get("wall_s"):
-        store.add_wall(_shape(launch.exp), record["wall_s"])
-    store.publish({"kind": "record", "record": record})
+    wall = (_shape(launch.exp), record["wall_s"]) if record.get("status") == "ok" and record.get("wall_s") else None
+    store.recorded_event({"kind": "record", "record": record}, wall)
     return True
 
 
@@ -357,7 +380,7 @@ def requeue_for_busy_gpu(client: redis.Redis, finish: FinishSpec, busy_ranks: li
     tuning. False for a stale launch."""
     GangReservations(client).release(finish.slots, finish.gang_token)
     store = JobStore(client, finish.job)
-    launch = store.running().get(finish.name)
+    launch = store.running_of([finish.name]).get(finish.name)
     if launch is None or launch.attempt != finish.attempt:
         return False
     store.requeue(launch, counted=False)
@@ -434,17 +457,3 @@ def _lose(client: redis.Redis, work: Work, spec: JobSpec, launch: RunningLaunch,
     store.give_up(launch)
     store.publish({"kind": "record", "record": record})
     return True
-
-
-def _publish_state(store: JobStore, spec: JobSpec, head_launch: QueuedLaunch | None, running: set[str],
-                   sick: Mapping[str, dict]) -> None:
-    """What `python -m scheduler.autotune --status` shows for the job (an active one)."""
-    head = head_launch.exp if head_launch else None
-    waits = (f"needs {head['num_nodes']} node(s) x {head['num_gpus']} free slot(s) at once; "
-             "the slots that fit are reserved" if head else "-")
-    if head and sick:
-        waits += "; out of tuning until their GPU's memory frees: " + ", ".join(
-            describe(queue, mark) for queue, mark in sorted(sick.items()))
-    store.show({"results_dir": spec.results_root, "pending": store.depth(),
-                "running": ",".join(sorted(running)) or "-", "head": head["name"] if head else "-",
-                "head_waits": waits, "updated": round(time.time(), 1)})

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -29,6 +29,53 @@ EVENTS_TTL_S = ATTEMPTS_TTL_S = 7 * 24 * 3600
 def active_jobs(client: redis.Redis) -> list[str]:
     """Active jobs in submission order."""
     return [job.decode() for job in client.zrange(keys.JOBS, 0, -1)]
+
+
+_SPECS = """
+-- KEYS[1] the active jobs (zset); ARGV[1], ARGV[2] a job's spec key before and after its name
+-- returns the specs (JSON) of the active jobs that have one, in submission order
+local specs = {}
+for _, job in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local spec = redis.call('GET', ARGV[1] .. job .. ARGV[2])
+  if spec then specs[#specs + 1] = spec end
+end
+return specs
+"""
+
+
+_FINISH = """
+-- KEYS[1] the job's running launches, KEYS[2] its recorded names; ARGV[1] the name, ARGV[2] the attempt
+-- returns the running launch (JSON) it closed, or false when that attempt is not the running one
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw or cjson.decode(raw)['attempt'] ~= ARGV[2] then return false end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[1])
+return raw
+"""
+_RECORDED = """
+-- KEYS[1] the job's wall times, KEYS[2] its events; ARGV[1] a shape ('': no wall time) and ARGV[2]
+-- one more wall time of it (a JSON number), ARGV[3] an event (JSON, '': none), ARGV[4] the events' TTL
+if ARGV[1] ~= '' then
+  local walls = redis.call('HGET', KEYS[1], ARGV[1])
+  if not walls or walls == '[]' then
+    walls = '[' .. ARGV[2] .. ']'
+  else
+    walls = string.sub(walls, 1, -2) .. ', ' .. ARGV[2] .. ']'
+  end
+  redis.call('HSET', KEYS[1], ARGV[1], walls)
+end
+if ARGV[3] ~= '' then
+  redis.call('RPUSH', KEYS[2], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
+return 1
+"""
+
+
+def active_spec_jsons(client: redis.Redis) -> list[bytes]:
+    """The active jobs' specs (JSON), in submission order: one round trip, whatever the jobs."""
+    before, _, after = keys.job_spec("\0").partition("\0")
+    return list(client.register_script(_SPECS)(keys=[keys.JOBS], args=[before, after]))
 
 
 def any_active(client: redis.Redis) -> bool:
@@ -50,29 +97,94 @@ def reserve_seqs(client: redis.Redis, count: int) -> int:
     return int(client.incrby(keys.SEQUENCE, count)) - count + 1
 
 
+_HEADS = """
+-- ARGV[1]   free slots; then per job: ARGV[i] its shapes set, ARGV[i+1] its queue hash, ARGV[i+2] the
+--           key of its queue of one shape without the shape, ARGV[i+3] its running launches
+-- returns per job {queue depth, {the queued launches (JSON) that can matter, any order}, running names}
+local free, found = tonumber(ARGV[1]), {}
+for i = 2, #ARGV, 4 do
+  local launches = {}
+  for _, shape in ipairs(redis.call('SMEMBERS', ARGV[i])) do
+    local nodes, per_node = string.match(shape, '^(%d+)x(%d+)')
+    local per_launch = math.max(1, tonumber(nodes) * tonumber(per_node))
+    local names = redis.call('ZRANGE', ARGV[i + 2] .. shape, 0, math.floor(free / per_launch))
+    if #names > 0 then
+      for _, raw in ipairs(redis.call('HMGET', ARGV[i + 1], unpack(names))) do
+        if raw then launches[#launches + 1] = raw end
+      end
+    end
+  end
+  found[#found + 1] = {redis.call('HLEN', ARGV[i + 1]), launches, redis.call('HKEYS', ARGV[i + 3])}
+end
+return found
+"""
+
+
+class StepReads(NamedTuple):
+    """What a job step reads before its search (`JobStore.step_reads`)."""
+
+    spec: bytes | None  #: the job's spec (JSON); None: the job is not active
+    recorded: set[str]  #: `JobStore.recorded`
+    attempts: dict[str, int]  #: `JobStore.attempts`
+    order: float | None  #: `JobStore.order`
+    queued: set[str]  #: `JobStore.queued_names`
+    running: set[str]  #: `JobStore.running_names`
+
+
+class Heads(NamedTuple):
+    """What a dispatch pass reads of one job's queue (`job_heads`)."""
+
+    launches: list[QueuedLaunch]  #: the waiting launches that can matter, in submission order
+    depth: int  #: how many wait in all
+    running: set[str]  #: the names of its running launches
+
+
 def heads(client: redis.Redis, jobs: list[str], free_slots: int) -> dict[str, list[QueuedLaunch]]:
     """Per job, the waiting launches that can matter to a pass with `free_slots` free slots (module
-    docstring), in submission order. Three round trips, whatever the depth of the queues."""
+    docstring), in submission order. One round trip, whatever the depth of the queues."""
+    return {job: found.launches for job, found in job_heads(client, jobs, free_slots).items()}
+
+
+def job_heads(client: redis.Redis, jobs: list[str], free_slots: int) -> dict[str, Heads]:
+    """`heads`, with each job's queue depth and running names, read in the same script."""
+    if not jobs:
+        return {}
+    args: list[Any] = [free_slots]
+    for job in jobs:
+        args += [keys.job_shapes(job), keys.job_queue(job), keys.job_queue_shape(job, ""), keys.job_running(job)]
+    found = client.register_script(_HEADS)(args=args)
+    return {job: Heads(sorted((QueuedLaunch.from_json(json.loads(raw)) for raw in raws), key=lambda launch: launch.seq),
+                       int(depth), {name.decode() for name in running})
+            for job, (depth, raws, running) in zip(jobs, found)}
+
+
+def running_by_job(client: redis.Redis, jobs: list[str]) -> dict[str, list[RunningLaunch]]:
+    """Each job's running launches, in one round trip."""
     pipe = client.pipeline(transaction=False)
     for job in jobs:
-        pipe.smembers(keys.job_shapes(job))
-    wanted: list[tuple[str, str]] = []
-    for job, shapes in zip(jobs, pipe.execute()):
-        for shape in sorted(raw.decode() for raw in shapes):
-            nodes, _, rest = shape.partition("x")
-            per_launch = max(1, int(nodes) * int(rest.partition(":")[0]))
-            pipe.zrange(keys.job_queue_shape(job, shape), 0, free_slots // per_launch)
-            wanted.append((job, shape))
-    names_by_shape = pipe.execute() if wanted else []
-    for (job, _), names in zip(wanted, names_by_shape):
-        if names:
-            pipe.hmget(keys.job_queue(job), names)
-    fetched = iter(pipe.execute() if any(names_by_shape) else [])
-    found: dict[str, list[QueuedLaunch]] = {job: [] for job in jobs}
-    for (job, _), names in zip(wanted, names_by_shape):
-        if names:
-            found[job] += [QueuedLaunch.from_json(json.loads(raw)) for raw in next(fetched) if raw is not None]
-    return {job: sorted(launches, key=lambda launch: launch.seq) for job, launches in found.items()}
+        pipe.hvals(keys.job_running(job))
+    return {job: [RunningLaunch.from_json(json.loads(raw)) for raw in raws] for job, raws in zip(jobs, pipe.execute())}
+
+
+def walls_by_job(client: redis.Redis, shapes: dict[str, list[str]]) -> dict[str, dict[str, list[float]]]:
+    """job -> shape -> wall times of its finished launches, for the shapes asked, in one round trip."""
+    asked = {job: wanted for job, wanted in shapes.items() if wanted}
+    pipe = client.pipeline(transaction=False)
+    for job, wanted in asked.items():
+        pipe.hmget(keys.job_walls(job), wanted)
+    found = pipe.execute() if asked else []
+    return {job: {shape: json.loads(raw) for shape, raw in zip(wanted, raws) if raw is not None}
+            for (job, wanted), raws in zip(asked.items(), found)}
+
+
+def show_all(client: redis.Redis, shown: dict[str, dict[str, Any]], misfits_cleared: Iterable[str] = ()) -> None:
+    """`JobStore.show` for several jobs and `clear_misfit` for `misfits_cleared`, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for job in misfits_cleared:
+        pipe.hdel(keys.job_state(job), "misfit_since")
+    for job, fields in shown.items():
+        pipe.hset(keys.job_state(job), mapping=fields)
+    pipe.execute()
 
 
 class JobStore:
@@ -171,50 +283,58 @@ class JobStore:
         return {name.decode(): RunningLaunch.from_json(json.loads(raw))
                 for name, raw in self.client.hgetall(keys.job_running(self.job)).items()}
 
+    def running_of(self, names: list[str]) -> dict[str, RunningLaunch]:
+        """The running launches among `names`, read by name (one round trip whatever runs besides)."""
+        raws = self.client.hmget(keys.job_running(self.job), names) if names else []
+        return {name: RunningLaunch.from_json(json.loads(raw)) for name, raw in zip(names, raws) if raw is not None}
+
     def running_names(self) -> set[str]:
         return {name.decode() for name in self.client.hkeys(keys.job_running(self.job))}
 
-    def update_running(self, launch: RunningLaunch) -> None:
-        self.client.hset(keys.job_running(self.job), launch.name, json.dumps(launch.to_json()))
+    def update_running(self, launch: RunningLaunch, pipe: redis.client.Pipeline | None = None) -> None:
+        """Rewrite a running launch (in `pipe` when given, run with it)."""
+        (pipe or self.client).hset(keys.job_running(self.job), launch.name, json.dumps(launch.to_json()))
 
     def next_exp_id(self) -> int:
         """DeepSpeed's exp_id: numbered in launch order within the job."""
         return int(self.client.hincrby(keys.job_state(self.job), "exp_ids", 1))
 
-    def start(self, queued: QueuedLaunch, launch: RunningLaunch) -> None:
-        """Move a launch from the queue to running, its attempt counted first, in one transaction."""
-        pipe = self.client.pipeline(transaction=True)
+    def start(self, queued: QueuedLaunch, launch: RunningLaunch, pipe: redis.client.Pipeline | None = None) -> int:
+        """Move a launch from the queue to running, its attempt counted first, in one transaction
+        (`pipe`'s, with whatever the caller put in it before); returns its DeepSpeed exp_id
+        (`next_exp_id`, taken in the same transaction)."""
+        pipe = self.client.pipeline(transaction=True) if pipe is None else pipe
         pipe.hincrby(keys.job_attempts(self.job), launch.name, 1)
         pipe.expire(keys.job_attempts(self.job), ATTEMPTS_TTL_S)
         self._unqueue(pipe, queued)
         pipe.hset(keys.job_running(self.job), launch.name, json.dumps(launch.to_json()))
         pipe.hset(keys.job_state(self.job), "dispatched", 1)
-        pipe.execute()
+        pipe.hincrby(keys.job_state(self.job), "exp_ids", 1)
+        return int(pipe.execute()[-1])
 
     def finish(self, name: str, attempt: str) -> RunningLaunch | None:
-        """Close the running launch `attempt` of `name` and mark the name recorded, in one transaction.
+        """Close the running launch `attempt` of `name` and mark the name recorded, in one script.
         None (and nothing changed) when that launch is not the running one any more (retried or
         given up meanwhile, or Redis lost the job)."""
-        raw = self.client.hget(keys.job_running(self.job), name)
-        if raw is None:
-            return None
-        launch = RunningLaunch.from_json(json.loads(raw))
-        if launch.attempt != attempt:
-            return None
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hdel(keys.job_running(self.job), name)
-        pipe.sadd(keys.job_recorded(self.job), name)
-        pipe.execute()
-        return launch
+        raw = self.client.register_script(_FINISH)(keys=[keys.job_running(self.job), keys.job_recorded(self.job)],
+                                                   args=[name, attempt])
+        return None if raw is None else RunningLaunch.from_json(json.loads(raw))
 
     def mark_recorded(self, name: str) -> None:
         """`name` has its record on disk (a launch adopted after Redis lost the job: dispatch)."""
         self.client.sadd(keys.job_recorded(self.job), name)
 
     def add_wall(self, shape: str, seconds: float) -> None:
-        """One more finished launch's wall time for `shape` (dispatch's estimates; under the lock)."""
-        walls = json.loads(self.client.hget(keys.job_walls(self.job), shape) or "[]")
-        self.client.hset(keys.job_walls(self.job), shape, json.dumps([*walls, seconds]))
+        """One more finished launch's wall time for `shape` (dispatch's estimates), appended in Redis."""
+        self.recorded_event(None, (shape, seconds))
+
+    def recorded_event(self, event: dict[str, Any] | None, wall: tuple[str, float] | None = None) -> None:
+        """`publish` the event of a recorded launch (None: none), with its wall time (shape, seconds)
+        added first (`add_wall`), in one script."""
+        shape, seconds = wall if wall is not None else ("", 0.0)
+        self.client.register_script(_RECORDED)(
+            keys=[keys.job_walls(self.job), keys.job_events(self.job)],
+            args=[shape, json.dumps(float(seconds)), json.dumps(event) if event is not None else "", EVENTS_TTL_S])
 
     def requeue(self, launch: RunningLaunch, counted: bool = True) -> None:
         """A launch waits again at its old place, in one transaction; `counted=False` takes its
@@ -232,6 +352,29 @@ class JobStore:
         pipe.hdel(keys.job_running(self.job), launch.name)
         pipe.sadd(keys.job_recorded(self.job), launch.name)
         pipe.execute()
+
+    def step_reads(self) -> StepReads:
+        """What a job step reads before its search, in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(keys.job_spec(self.job))
+        pipe.smembers(keys.job_recorded(self.job))
+        pipe.hgetall(keys.job_attempts(self.job))
+        pipe.zscore(keys.JOBS, self.job)
+        pipe.hkeys(keys.job_queue(self.job))
+        pipe.hkeys(keys.job_running(self.job))
+        spec, recorded, attempts, order, queued, running = pipe.execute()
+        names = lambda raw: {name.decode() for name in raw}  # noqa: E731
+        return StepReads(spec, names(recorded), {name.decode(): int(n) for name, n in attempts.items()}, order,
+                         names(queued), names(running))
+
+    def announce_phases(self, phases: list[str], current: str | None = None) -> list[bool]:
+        """`announce` of each of `phases`, and `set_phase(current)` when given, in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for phase in phases:
+            pipe.hsetnx(keys.job_state(self.job), f"phase:{phase}", 1)
+        if current is not None:
+            pipe.hset(keys.job_state(self.job), "phase", current)
+        return [bool(first) for first in pipe.execute()[:len(phases)]]
 
     def attempts(self) -> dict[str, int]:
         return {name.decode(): int(n) for name, n in self.client.hgetall(keys.job_attempts(self.job)).items()}

@@ -12,7 +12,7 @@ fields once, and `from_json(x.to_json()) == x`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from workers.layout import METRICS
@@ -22,7 +22,9 @@ class _Json:
     """JSON round trip for flat frozen dataclasses of JSON values."""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)  # type: ignore[call-overload]
+        """The fields as a dict, their values the same objects: `asdict` deep-copied every nested
+        config, a few ms of each dispatch pass that starts experiments (bench/scale.py)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
 
     @classmethod
     def from_json(cls, data: dict[str, Any]):  # noqa: ANN206 - returns cls

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import ipaddress
 from collections import defaultdict
+from collections.abc import Iterable
 from itertools import combinations
+from operator import attrgetter
 
 from scheduler.errors import ClusterError
 from workers.slot import Slot
@@ -26,32 +28,48 @@ from workers.topology import link_rank, worst_link
 
 #: Slot kinds in the order an experiment that does not name one tries them.
 KINDS = ("cuda", "cpu")
+_NODE_DEVICE = attrgetter("node", "device")  #: the order slots are taken in (C, not a lambda: a pass sorts often)
 
 
 def place(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int,
           min_memory: int = 0, kind: str = "", exclusive: bool = False,
-          allowed: frozenset[str] | None = None) -> list[list[Slot]] | None:
+          allowed: frozenset[str] | None = None, ordered: bool = False) -> list[list[Slot]] | None:
     """One list of `num_gpus` free slots per node for `num_nodes` nodes, or None if it does not fit now.
 
     All slots are of `kind` ("" = of any one kind, CUDA first). Nodes are taken in name order and
     devices in id order, so the same cluster state always gives the same placement (reproducible
     experiments, readable logs). `exclusive`: only nodes on which no slot at all is busy (the
     experiment is to be measured with its nodes otherwise idle). `allowed`: only these slot queues
-    (the job's resource pool, `scheduler.launch.pool`; None = every slot).
+    (the job's resource pool, `scheduler.launch.pool`; None = every slot). `ordered`: `slots` are
+    already in that order (`in_order`), as a policy placing many items sorts them once.
     """
-    ordered = sorted(slots, key=lambda s: (s.node, s.device))
+    nodes = _fitting_nodes(slots, busy, num_nodes, num_gpus, min_memory, kind, exclusive, allowed, ordered)
+    return None if nodes is None else [_compact(free, num_gpus) for free in nodes]
+
+
+def _fitting_nodes(slots: list[Slot], busy: set[str], num_nodes: int, num_gpus: int, min_memory: int, kind: str,
+                   exclusive: bool, allowed: frozenset[str] | None, ordered: bool = False) -> list[list[Slot]] | None:
+    """The free usable slots of the first `num_nodes` nodes (name order) with `num_gpus` of them, or
+    None. Only the nodes taken are compacted by `place`: choosing GPUs by their links costs up to
+    C(16, k) subsets a node, which over every fitting node of a large cluster was most of a pass."""
+    in_turn = slots if ordered else in_order(slots)
     occupied = {s.node for s in slots if s.queue in busy} if exclusive else set()
     for candidate in ((kind,) if kind else KINDS):
-        usable = [s for s in ordered if s.queue not in busy and s.memory_bytes >= min_memory and s.kind == candidate
+        usable = [s for s in in_turn if s.queue not in busy and s.memory_bytes >= min_memory and s.kind == candidate
                   and s.node not in occupied and (allowed is None or s.queue in allowed)]
         for pool in _reachable_pools(usable, num_nodes):
             free_by_node: dict[str, list[Slot]] = defaultdict(list)
             for slot in pool:
                 free_by_node[slot.node].append(slot)
-            chosen = [_compact(free, num_gpus) for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus]
-            if len(chosen) >= num_nodes:
-                return chosen[:num_nodes]
+            chosen = [free for _, free in sorted(free_by_node.items()) if len(free) >= num_gpus][:num_nodes]
+            if len(chosen) == num_nodes:
+                return chosen
     return None
+
+
+def in_order(slots: Iterable[Slot]) -> list[Slot]:
+    """`slots` by node name, then device id: the order `place` takes them in."""
+    return sorted(slots, key=_NODE_DEVICE)
 
 
 def _compact(free: list[Slot], count: int) -> list[Slot]:
@@ -74,7 +92,8 @@ def best_linked(candidates: list[Slot], count: int) -> list[Slot]:
     """The first `count` candidates (device order) whose slowest pairwise link (`Slot.links`,
     workers.topology) is fastest: on a node whose GPUs are NVLinked in pairs or islands, a gang of two
     takes a linked pair rather than two GPUs that only meet over PCIe. Unknown links: the first `count`."""
-    if count < 2 or len(candidates) <= count or len(candidates) > MAX_LINK_CANDIDATES:
+    if count < 2 or len(candidates) <= count or len(candidates) > MAX_LINK_CANDIDATES \
+            or not any(slot.links for slot in candidates):  # no links known: every set ties
         return candidates[:count]
     best, best_rank = candidates[:count], _slowest(candidates[:count])
     for subset in combinations(candidates, count):
@@ -141,4 +160,4 @@ def largest_shape(slots: list[Slot]) -> tuple[int, int]:
 def fits_ever(slots: list[Slot], num_nodes: int, num_gpus: int, min_memory: int = 0, kind: str = "",
               allowed: frozenset[str] | None = None) -> bool:
     """Whether the shape could run on this cluster (within `allowed`) at all, once every slot is free."""
-    return place(slots, set(), num_nodes, num_gpus, min_memory, kind, allowed=allowed) is not None
+    return _fitting_nodes(slots, set(), num_nodes, num_gpus, min_memory, kind, False, allowed) is not None

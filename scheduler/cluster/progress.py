@@ -32,8 +32,8 @@ from scheduler.inputs.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
 from scheduler.search.fast_search import SearchSettings, fast_search, search_notes
 from scheduler.search.global_batch import cli_batch
-from scheduler.cluster.job_store import JobStore, reserve_seqs
-from scheduler.cluster.jobs import JobSpec, end, load_spec, publish
+from scheduler.cluster.job_store import JobStore, StepReads, reserve_seqs
+from scheduler.cluster.jobs import JobSpec, end, publish
 from scheduler.cluster.launches import QueuedLaunch
 from scheduler.search.live_search import LiveSearches
 from scheduler.report.outputs import write_results
@@ -49,18 +49,41 @@ log = logging.getLogger(__name__)
 Lookup = Callable[[Experiment], "dict[str, Any] | None"]
 
 
-def advance(client: redis.Redis, job: str) -> None:
-    """Take the job's next step (module docstring). Errors end the job with a `failed` event."""
-    spec = load_spec(client, job)
-    if spec is None:
+def advance(client: redis.Redis, job: str, dispatch: Callable[[], None] | None = None) -> None:
+    """Take the job's next step (module docstring), and dispatch after it (`dispatch`, when given).
+    Errors end the job with a `failed` event.
+
+    When the step cannot change what a pass would start now, the pass runs before it: the job's
+    search is live in this process (no rebuild) and no queued experiment of the job has a record
+    (the only ones a step takes off the queue), so the step can only add experiments or end the
+    job; it is then followed by a second pass only if it did. A chord callback thus sends the next
+    experiment before the search has seen the record (bench/dispatch_overhead.py)."""
+    read = JobStore(client, job).step_reads()  # the spec and what the step needs, in one round trip
+    if not read.spec:
+        if dispatch is not None:
+            dispatch()
         return
+    spec = JobSpec.from_json(read.spec)
+    first = dispatch is not None and not (read.queued & read.recorded) and LIVE_SEARCHES.holds(_key(spec, read))
+    if first:
+        dispatch()
     try:
-        _step(client, spec)
+        changed = _step(client, spec, read)
     except UsageError as exc:
         end(client, job, {"kind": "failed", "error": str(exc), "usage": True})
+        changed = True
     except Exception as exc:
         log.exception("advancing job %s failed", job)
         end(client, job, {"kind": "failed", "error": f"{type(exc).__name__}: {exc}", "usage": False})
+        changed = True
+    if dispatch is not None and (changed or not first):
+        dispatch()
+
+
+def _key(spec: JobSpec, read: StepReads) -> tuple:
+    """The job's live search's key. The job's place in the active jobs changes when it is submitted
+    again (Redis lost it): rebuild then. The spec as stored (`JobSpec.to_json`'s text) stands for itself."""
+    return spec.job, read.order, read.spec
 
 
 #: This process's live searches (`scheduler.search.live_search`): a step feeds the new records to the
@@ -68,53 +91,63 @@ def advance(client: redis.Redis, job: str) -> None:
 LIVE_SEARCHES = LiveSearches()
 
 
-def _step(client: redis.Redis, spec: JobSpec) -> None:
+def _step(client: redis.Redis, spec: JobSpec, read: StepReads) -> bool:
+    """The step; True when it changed the job's queue or ended the job."""
     store = JobStore(client, spec.job)
-    recorded_here = store.recorded()
-    lookup = record_lookup(client, spec, recorded_here)
+    recorded_here, queued = read.recorded, set(read.queued)
+    lookup = record_lookup(client, spec, recorded_here, read.attempts)
 
     def new_record(exp: Experiment) -> dict[str, Any] | None:
         """Since a live search's last step, only experiments recorded in this job can have a record:
         every record a job makes is marked recorded in its store (finish or sweep) before its step."""
         return lookup(exp) if exp.name in recorded_here else None
 
-    # The job's place in the active jobs changes when it is submitted again (Redis lost it): rebuild then.
-    key = (spec.job, store.order(), spec.to_json())
-    progress = LIVE_SEARCHES.advance(key, lambda: search_of(spec), lookup, new_record)
+    progress = LIVE_SEARCHES.advance(_key(spec, read), lambda: search_of(spec), lookup, new_record)
     answered, current = progress.answered, progress.current
     if spec.tune is not None:
         _check_metric_key(spec, progress.newly_answered, lookup)
-    for phase in progress.newly_answered:
-        _announce(client, spec, phase, todo=0, reused=sum(e.name not in recorded_here for e in phase.experiments))
+    _announce(client, spec, [(phase, 0, sum(e.name not in recorded_here for e in phase.experiments))
+                             for phase in progress.newly_answered])
     if current is None:
         winner = write_outputs(spec, *tuned(answered, lookup)) if spec.tune is not None else None
         end(client, spec.job, {"kind": "done", "winner": winner})
-        return
+        return True
     # A queued experiment may have been answered meanwhile by an older launch's record (after Redis
     # lost the job): a rebuilt search checks every queued entry, a live one those recorded since.
     # Those of the current phase the search found answered need no second look.
-    queued = store.queued_names()
     suspects = queued if progress.rebuilt else queued & recorded_here
+    changed = False
     for launch in store.queued(sorted(suspects)):
         if launch.name in progress.found or lookup(Experiment.from_json(launch.exp)) is not None:
             store.unqueue(launch)
             queued.discard(launch.name)
-    waiting = queued | store.running_names() | launches_holding_slots(client, spec.job)
+            changed = True
     missing = [e for e in current.experiments if e.name not in progress.found]
-    todo = [e for e in missing if e.name not in waiting]
-    _announce(client, spec, current, todo=len(missing), reused=len(current.experiments) - len(missing))
-    store.set_phase(current.name)
+    todo = [e for e in missing if e.name not in queued]
+    todo = [e for e in todo if e.name not in read.running]
+    if todo:  # the gang owners of every live slot: read only when something would be queued
+        holding = launches_holding_slots(client, spec.job)
+        todo = [e for e in todo if e.name not in holding]
+    _announce(client, spec, [(current, len(missing), len(current.experiments) - len(missing))], current=current)
     if not todo:
-        return
+        return changed
     first_seq = reserve_seqs(client, len(todo))
     store.queue(QueuedLaunch(first_seq + i, {**exp.to_json(), "min_memory": max(exp.min_memory, spec.min_memory)},
                              argv_of(spec, exp)) for i, exp in enumerate(todo))
+    return True
 
 
-def _announce(client: redis.Redis, spec: JobSpec, phase: Phase, todo: int, reused: int) -> None:
-    """One `phase` event per phase and job, when the job first reaches it."""
-    if JobStore(client, spec.job).announce(phase.name):
-        publish(client, spec.job, {"kind": "phase", "name": phase.name, "todo": todo, "reused": reused})
+def _announce(client: redis.Redis, spec: JobSpec, phases: list[tuple[Phase, int, int]],
+              current: Phase | None = None) -> None:
+    """One `phase` event per phase and job, when the job first reaches it: for each (phase, to do,
+    reused). `current`: the phase the job is in now, for `--status` (written with the announcements)."""
+    if not phases and current is None:
+        return
+    store = JobStore(client, spec.job)
+    first = store.announce_phases([phase.name for phase, _, _ in phases], current.name if current else None)
+    for (phase, todo, reused), new in zip(phases, first):
+        if new:
+            publish(client, spec.job, {"kind": "phase", "name": phase.name, "todo": todo, "reused": reused})
 
 
 def search_of(spec: JobSpec) -> Search:
@@ -157,11 +190,13 @@ def launches_holding_slots(client: redis.Redis, job: str) -> set[str]:
     return {name for owner in owners.values() for owning_job, _, name in [owner.rpartition("/")] if owning_job == job}
 
 
-def record_lookup(client: redis.Redis, spec: JobSpec, recorded: set[str] | None = None) -> Lookup:
+def record_lookup(client: redis.Redis, spec: JobSpec, recorded: set[str] | None = None,
+                  attempts: dict[str, int] | None = None) -> Lookup:
     """exp -> the record on disk that answers it, or None (module docstring). Use one per step:
-    it remembers what it read. `recorded`: the job's recorded names, when the caller has them."""
+    it remembers what it read. `recorded`, `attempts`: the job's recorded names and attempts, when
+    the caller has them."""
     store = JobStore(client, spec.job)
-    attempts = store.attempts()
+    attempts = store.attempts() if attempts is None else attempts
     recorded = store.recorded() if recorded is None else recorded
 
     read: dict[str, dict[str, Any] | None] = {}  #: one step reads each folder once (names fix configs)

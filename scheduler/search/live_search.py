@@ -53,6 +53,10 @@ class LiveSearches:
         self._capacity = capacity
         self._live: OrderedDict[Hashable, _Live] = OrderedDict()
 
+    def holds(self, key: Hashable) -> bool:
+        """Whether this process has the live search of `key` (its next step is no rebuild)."""
+        return key in self._live
+
     def advance(self, key: Hashable, build: Callable[[], Search], lookup: Lookup,
                 new_records: Lookup | None = None) -> Progress:
         """Feed the search of `key` every record it can get, and say where it stands. A search this

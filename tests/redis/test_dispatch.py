@@ -19,7 +19,8 @@ import pytest
 import redis
 
 from scheduler.cluster import dispatch as dispatch_module
-from scheduler.cluster.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock, co_runners_of,
+from scheduler.cluster.co_runners import co_runners_of
+from scheduler.cluster.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock,
                                 dispatch, record_finished, refusal, requeue_for_busy_gpu, sweep)
 from scheduler.cluster.job_store import JobStore, reserve_seqs
 from scheduler.cluster.jobs import JobSpec, TuneSpec, run_fixed, submit
@@ -29,6 +30,7 @@ from workers import keys
 from workers.gang import GangReservations
 from workers.op_prebuild import PREBUILD_TIMEOUT_S
 from workers.rank import RankSpec
+from workers.registry import announce_slot
 from workers.slot import Slot
 from workers.slot_health import mark_unhealthy
 
@@ -45,7 +47,7 @@ def make_slot(node: str, device: int, kind: str = "cpu", memory: int = GiB, addr
 
 def register(client: redis.Redis, *slots: Slot) -> list[Slot]:
     for slot in slots:
-        client.set(keys.slot(slot.queue), json.dumps(slot.to_redis()))
+        announce_slot(client, slot)  # as a slot's heartbeat writes it (indexed)
     return list(slots)
 
 
@@ -128,8 +130,9 @@ def test_a_launch_on_gpus_gets_its_waits_for_a_free_gpu_on_its_limits(client: re
 
 def test_without_active_jobs_nothing_happens(client: redis.Redis, work) -> None:
     register(client, make_slot("n0", 0))
+    registered = {key: client.dump(key) for key in client.keys("*")}  # the slot, its index entry and epoch
     dispatch(client, work)
-    assert work.launched == [] and sorted(client.keys("*")) == [keys.slot("n0.gpu0").encode()]
+    assert work.launched == [] and {key: client.dump(key) for key in client.keys("*")} == registered
 
 
 def test_a_launch_is_recorded_in_redis_before_it_is_sent(client: redis.Redis, work, tmp_path: Path) -> None:
@@ -313,6 +316,7 @@ from scheduler.cluster.jobs import JobSpec, submit
 from scheduler.cluster.launches import QueuedLaunch
 from scheduler.search.space import Experiment
 from workers import keys
+from workers.registry import announce_slot
 from workers.slot import Slot
 
 class Work:
@@ -323,7 +327,7 @@ class Work:
 client, root = redis.Redis(unix_socket_path=sys.argv[1]), sys.argv[2]
 for device in (0, 1):
     slot = Slot("n0", device, "cpu", 2**30, "10.0.0.1", 1, (device,))
-    client.set(keys.slot(slot.queue), json.dumps(slot.to_redis()))
+    announce_slot(client, slot)
 client.set(keys.gang("n0.gpu1"), "other/x#1")
 for job, policy, wide in (("j1", "strict_fifo", 2), ("j2", "backfill", 1)):
     spec = JobSpec(job=job, results_root=root + "/" + job, cwd=root, timeout_s=100.0, experiments=[], policy=policy)
@@ -395,7 +399,7 @@ def test_estimated_frees_at(client: redis.Redis, tmp_path: Path) -> None:
 
 def test_the_cluster_lock(client: redis.Redis) -> None:
     lock = cluster_lock(client)
-    assert (lock.name, lock.timeout, lock.blocking_timeout, lock.sleep) == ("autotune:lock:dispatch", 120.0, 240.0, 0.005)
+    assert (lock.name, lock.timeout, lock.blocking_timeout, lock.sleep) == ("autotune:lock:dispatch", 120.0, 240.0, 0.001)
     with lock:
         assert 110_000 < client.pttl("autotune:lock:dispatch") <= 120_000
         assert not cluster_lock(client).acquire(blocking=False)

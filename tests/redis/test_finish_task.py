@@ -15,7 +15,7 @@ from tasks import experiment as experiment_tasks
 
 @pytest.fixture
 def callback(client: redis.Redis, work, monkeypatch):
-    monkeypatch.setattr(experiment_tasks, "redis_client", lambda conf: client)
+    monkeypatch.setattr(experiment_tasks, "task_client", lambda conf: client)
     monkeypatch.setattr(experiment_tasks, "WORK", work)
     return experiment_tasks.finish_experiment.run
 

@@ -18,6 +18,7 @@ from scheduler.search.live_search import LiveSearches
 from scheduler.cluster.progress import advance, record_lookup
 from scheduler.search.space import Experiment
 from workers import keys
+from workers.registry import announce_slot
 from workers.slot import Slot
 
 CONFIGS = {"a": {"train_micro_batch_size_per_gpu": 1}, "b": {"train_micro_batch_size_per_gpu": 2}}
@@ -81,6 +82,34 @@ def test_a_fixed_job_queues_its_phase_once_and_ends_when_every_record_is_in(clie
     advance(client, "j")
     assert events(client)[-1] == {"kind": "done", "winner": None}
     assert load_spec(client, "j") is None and not client.exists(keys.job_queue("j"))
+
+
+def test_the_pass_goes_before_the_step_only_when_the_step_cannot_change_what_it_starts(client, work, tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """A chord callback's dispatch pass runs before the job's step when the step can only add
+    experiments or end the job (its search is live here, no queued experiment has a record), and
+    again after it only if it did; otherwise the step goes first."""
+    spec = fixed_job(tmp_path)
+    submit(client, work, spec)
+    calls: list[str] = []
+    real_step = progress._step
+    monkeypatch.setattr(progress, "_step", lambda *args: calls.append("step") or real_step(*args))
+
+    def step() -> list[str]:
+        calls.clear()
+        advance(client, "j", lambda: calls.append("pass"))
+        return calls
+
+    assert step() == ["step", "pass"]  # the search is built here: the step queues the phase first
+    assert step() == ["pass", "step"]  # live, nothing queued has a record: nothing for a second pass
+    write_record(spec, "a")
+    client.sadd(keys.job_recorded("j"), "a")  # a queued experiment with a record: the step takes it off
+    assert step() == ["step", "pass"] and set(queue(client)) == {"b"}
+    store = JobStore(client, "j")
+    store.unqueue(store.queued(["b"])[0])
+    write_record(spec, "b")
+    client.sadd(keys.job_recorded("j"), "b")
+    assert step() == ["pass", "step", "pass"] and events(client)[-1] == {"kind": "done", "winner": None}
 
 
 def test_a_rebuilt_step_unqueues_what_an_older_launch_already_answered(client, work, tmp_path: Path,
@@ -153,7 +182,7 @@ def test_an_experiment_whose_ranks_still_hold_slots_is_not_queued_again(client, 
     on: its ranks took their slot back (the gang key, owner j/a). Queueing `a` would run it twice at
     once: only `b` is queued; once the slot is free (the launch ended), `a` is queued too."""
     slot = Slot("n0", 0, "cpu", 2**30, "127.0.0.1", 1, (0,), worker="gpu0@n0", instance="i")
-    client.set(keys.slot(slot.queue), json.dumps(slot.to_redis()))
+    announce_slot(client, slot)
     client.set(keys.gang(slot.queue), "j/a#0123abcd")
     client.set(keys.gang("n9.gpu7"), "j/b#0123abcd")  # no live slot: no launch of this job holds it
     spec = fixed_job(tmp_path)

@@ -14,6 +14,7 @@ from scheduler.status import collect, render
 
 from workers import keys
 from workers.device_idle import FREE_BYTES
+from workers.registry import announce_slot
 from workers.slot import Slot
 from workers import slot_health
 from workers.slot_health import FREE_BEATS, MARK_TTL_S, HealthWatch, describe, mark_unhealthy, unhealthy
@@ -121,7 +122,7 @@ def test_status_shows_a_slot_out_of_tuning_and_why(client: redis.Redis) -> None:
     """`python -m scheduler.autotune --status`: the marked slot, the memory held; the others free."""
     other = Slot("n0", 0, "cuda", 80 * GiB, "10.0.0.9", 8, (), "gpu0@n0", cuda_index=0, host="m1", gpu_uuid="GPU-0")
     for slot in (SLOT, other):
-        client.set(keys.slot(slot.queue), json.dumps(slot.to_redis()))
+        announce_slot(client, slot)
     mark_unhealthy(client, SLOT.queue, 20 * GiB, "before a launch")
     shown = {slot["queue"]: slot["unhealthy"] for slot in collect(client)["slots"]}
     assert shown == {"n0.gpu0": "", "n0.gpu1": "n0.gpu1 (20.0 GiB used by other processes)"}

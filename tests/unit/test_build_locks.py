@@ -78,6 +78,32 @@ def test_an_op_whose_build_went_out_of_date_is_rebuilt_before_the_experiment(tmp
 
 
 
+def test_ninja_is_asked_again_only_when_what_its_answer_depends_on_changed(tmp_path: Path) -> None:
+    """An op ninja found up to date is not asked about again (a `ninja -n` per rank cost every
+    experiment milliseconds) until a file of its folder or a source its build.ninja names outside
+    it changes; then it is, and rebuilt when out of date."""
+    ops, bin_dir = tmp_path / "ops", tmp_path / "bin"
+    folder = _op(ops, "op")
+    source = tmp_path / "src.txt"
+    source.write_text("outside")
+    (folder / "build.ninja").write_text(BUILD + f"build copy.txt: copy {source}\n")
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    real = os.path.join(os.path.dirname(sys.executable), "ninja")
+    (bin_dir / "ninja").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexec {real} \"$@\"\n")
+    (bin_dir / "ninja").chmod(0o755)
+    asked = lambda: len(calls.read_text().splitlines()) if calls.exists() else 0  # noqa: E731
+    assert rebuild_stale_ops(ops, str(bin_dir)) == [folder]
+    assert rebuild_stale_ops(ops, str(bin_dir)) == [] and asked() == 3  # dry run, build, dry run: up to date
+    assert rebuild_stale_ops(ops, str(bin_dir)) == [] and asked() == 3  # not asked again
+    (folder / "out.txt").unlink()  # a build killed half-way
+    assert rebuild_stale_ops(ops, str(bin_dir)) == [folder] and asked() == 5
+    assert rebuild_stale_ops(ops, str(bin_dir)) == [] and asked() == 6
+    time.sleep(0.01)
+    source.write_text("changed")  # a source outside the folder (DeepSpeed's csrc)
+    assert rebuild_stale_ops(ops, str(bin_dir)) == [folder] and (folder / "copy.txt").read_text() == "changed"
+
+
 def test_an_aborted_launch_stops_the_rebuild_and_releases_the_lock(tmp_path: Path) -> None:
     """The rank renews its lease at every second of a rebuild (`keep_alive`); when that says stop
     (the launch was aborted) ninja is stopped at once, nothing counts as rebuilt, the lock goes."""
