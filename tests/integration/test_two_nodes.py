@@ -260,7 +260,20 @@ def _result(results: Path, name: str) -> dict:
 
 
 def _only_workers_remain(cluster: Cluster) -> bool:
-    return all(any("celery" in part for part in _cmdline(p)) for p in processes_with_marker(cluster.marker))
+    """No rank, nor anything a rank started, is left: every process with the marker is in a session a
+    Celery worker leads (its pool process and, with warm start, its warm interpreter and
+    multiprocessing's resource tracker live as long as it does); every rank, warm or cold, leads a
+    session of its own."""
+    found = processes_with_marker(cluster.marker)
+    workers = {proc.pid for proc in found if any("celery" in part for part in _cmdline(proc))}
+    return all(_session(proc.pid) in workers for proc in found)
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def test_two_node_experiments_meet_across_the_link(cluster, tmp_path):
