@@ -27,7 +27,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from integration_helpers import ROOT, SCRIPTS, processes_with_marker, stop_group, wait_for, write_config
+from integration_helpers import (ROOT, SCRIPTS, outside_workers, processes_with_marker, stop_group, wait_for,
+                                 write_config)
 from netns import Host, NamespacesUnavailable, create_two_hosts, delete_hosts, inside, namespace_exists
 
 pytestmark = pytest.mark.integration
@@ -260,20 +261,9 @@ def _result(results: Path, name: str) -> dict:
 
 
 def _only_workers_remain(cluster: Cluster) -> bool:
-    """No rank, nor anything a rank started, is left: every process with the marker is in a session a
-    Celery worker leads (its pool process and, with warm start, its warm interpreter and
-    multiprocessing's resource tracker live as long as it does); every rank, warm or cold, leads a
-    session of its own."""
-    found = processes_with_marker(cluster.marker)
-    workers = {proc.pid for proc in found if any("celery" in part for part in _cmdline(proc))}
-    return all(_session(proc.pid) in workers for proc in found)
-
-
-def _session(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except ProcessLookupError:
-        return None
+    """No rank, nor anything a rank started, is left: only the workers and what is their own (their
+    pool processes, their warm interpreters)."""
+    return not outside_workers(processes_with_marker(cluster.marker))
 
 
 def test_two_node_experiments_meet_across_the_link(cluster, tmp_path):
