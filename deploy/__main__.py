@@ -40,6 +40,7 @@ from scheduler.launch.hostfile import read_hostfile
 from scheduler.launch.resources import ResourceRequest, resolve_resources
 from workers import keys
 from workers.redis_tls import TLS_ENV
+from workers.warm_start import SWITCH_ENV as WARM_SWITCH_ENV
 from workers.registry import live_slots
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -96,9 +97,10 @@ def up(args: argparse.Namespace, url: str) -> int:
         print("deploy: warning: the user in AUTOTUNE_REDIS_URL may run CONFIG, MODULE and FLUSHALL: one compromised "
               "node could take over the Redis host or wipe every job; create the cluster's own user with "
               "`python -m deploy redis-user` (docs/cluster.md, \"The cluster's Redis\")", file=sys.stderr)
-    # TLS: the certificate files' paths (each host has its own copy there), never their contents
+    # TLS: the certificate files' paths (each host has its own copy there), never their contents;
+    # the warm-start switch as the deployer has it (AUTOTUNE_WARM_START=0 python -m deploy up: all cold)
     env = {"AUTOTUNE_REDIS_URL": url, **_ssh_config_env(args),
-           **{name: os.environ[name] for name in TLS_ENV if os.environ.get(name)}}
+           **{name: os.environ[name] for name in (*TLS_ENV, WARM_SWITCH_ENV) if os.environ.get(name)}}
     flower_password = secrets.token_urlsafe(12) if args.flower is not None else ""
     grouped = by_host(plans)
     answers = _hosts(args).run_many({

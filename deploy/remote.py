@@ -33,7 +33,8 @@ ENV_FILE = "env.json"
 #: wait covers both, plus room for a loaded machine.
 COLD_GRACE_S = worker_soft_shutdown_timeout + KILL_GRACE_S + 15.0
 ALLOWED_ENV = frozenset({"AUTOTUNE_REDIS_URL", "FLOWER_BASIC_AUTH", "AUTOTUNE_SLOT_MEMORY",
-                         "AUTOTUNE_DEVICE_KIND", "AUTOTUNE_ADDRESS", "AUTOTUNE_SSH_CONFIG", *TLS_ENV})
+                         "AUTOTUNE_DEVICE_KIND", "AUTOTUNE_ADDRESS", "AUTOTUNE_SSH_CONFIG", "AUTOTUNE_WARM_START",
+                         *TLS_ENV})
 
 
 def _say(payload: object) -> None:

@@ -6,6 +6,7 @@ memory cap and thread budget) and registered in Redis with a heartbeat. This hap
 process before the pool forks, so pool children inherit the binding through the environment and
 the worker itself never initialises CUDA. A worker on `-Q control` registers as a control worker
 and, once its pool is up, runs the sweep thread (`scheduler.cluster.control_loop.sweep_forever`).
+A pool process that shuts down ends its slot's warm interpreter first (`workers.warm_start`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from workers.redis_tls import describe_tls_failure
 from workers.registry import Heartbeat, claim_gpu, connect, register_control, register_slot
 from workers.slot_health import HealthWatch
 from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
+from workers.warm_start import WARM
 
 log = logging.getLogger(__name__)
 _heartbeats: list[Heartbeat | HealthWatch] = []
@@ -191,6 +193,14 @@ def unregister(**_: object) -> None:
     _stop_sweeping.set()
     while _heartbeats:
         _heartbeats.pop().stop()
+
+
+@signals.worker_process_shutdown.connect
+def stop_warm_interpreter(**_: object) -> None:
+    """In a pool process on its way out (warm or cold shutdown, or recycled): its warm interpreter
+    ends now, not after billiard's exit pause and a teardown of torch, so it never outlives the
+    worker (`deploy down` and the tests' checks for leftovers look right after it)."""
+    WARM.stop()
 
 
 @signals.task_revoked.connect

@@ -8,15 +8,26 @@ worker starts a warm process again without it and says so in its log. A module t
 import is reported too (that script's ranks then run cold). Before every fork, the same check
 runs again (`os.register_at_fork`): its answer is inherited by the forked rank, which refuses to
 run with CUDA initialised in its parent (`cuda_before_fork`).
+
+It ends with the slot worker's process that started it, at once: first thing, it asks Linux for
+SIGKILL when that process's starting thread ends (PR_SET_PDEATHSIG, when AUTOTUNE_WARM_PARENT names
+the parent), so neither a worker's warm or cold shutdown nor its death leaves it tearing torch down
+for seconds after the worker has gone (multiprocessing's own signal, its "alive" pipe closing,
+comes only after billiard's exit pause). The ranks it forks do not inherit that signal (Linux clears
+it on fork): a rank's lifetime is its launch's.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 
+PARENT_ENV = "AUTOTUNE_WARM_PARENT"  #: the pid of the process that started this one, to die with
+PR_SET_PDEATHSIG = 1
 _state = {"cuda_at_fork": ""}
 
 
@@ -73,7 +84,20 @@ def _without_the_workers_main() -> None:
     spawn.prepare = prepare_without_main
 
 
+def die_with_parent(parent: int) -> bool:
+    """Have Linux SIGKILL this process when `parent` (the thread of it that started this one) ends;
+    whether `parent` is still this process's parent (False: it already ended, and nothing would
+    signal). Elsewhere than Linux, nothing is asked and True is returned."""
+    if not sys.platform.startswith("linux"):
+        return True
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    return os.getppid() == parent
+
+
 def _main() -> None:
+    parent = os.environ.get(PARENT_ENV, "")
+    if parent.isdigit() and not die_with_parent(int(parent)):
+        os._exit(0)  # started by a process that is already gone: nobody will fork from here
     _without_the_workers_main()
     names = [name for name in os.environ.get("AUTOTUNE_WARM_PRELOAD", "").split(",") if name]
     report = preload(names)

@@ -35,11 +35,16 @@ What stays true, and why:
   the user's to edit between jobs, and may read RANK when imported.
 - A launch the warm path cannot serve runs cold (`python -m workers.entry`, as before), and the
   record says which path ran (`start_path`, and `cold_because`): not a `.py` script (a wrapper),
-  AUTOTUNE_WARM_START unset or 0 (warm start is opt-in: `switched_off`), a preload that fails or hangs,
-  a rank that refused.
+  AUTOTUNE_WARM_START=0 (`switched_off`), a preload that fails or hangs, a rank that refused.
 - Its costs: the warm process's memory on each slot while the worker lives (not under the slot's
   cap), one start per script and import-time setting (multiprocessing has one forkserver per
   process: jobs with different scripts on one slot take turns restarting it).
+- It never outlives its worker: the pool process ends it when it shuts down (`WarmStarts.stop`,
+  from `tasks.worker_hooks` on Celery's worker_process_shutdown, warm or cold), and Linux kills it
+  when that process dies any other way (`workers.warm_preload.die_with_parent`); `workers.warm_server`
+  drives multiprocessing's forkserver. Otherwise it would notice only after billiard's exit pause,
+  then spend seconds tearing torch down: `deploy down` and the tests' checks for leftovers found
+  it still running after its worker had gone.
 """
 from __future__ import annotations
 
@@ -47,12 +52,9 @@ import ast
 import importlib.machinery
 import json
 import logging
-import multiprocessing
-import multiprocessing.forkserver
 import multiprocessing.process
-import multiprocessing.resource_tracker
 import os
-import signal
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -60,19 +62,19 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import psutil
 
+from workers import warm_server
 from workers.warm_rank import probe_fork, rank_sys_path, run_forked_rank
 
 log = logging.getLogger(__name__)
 
-SWITCH_ENV = "AUTOTUNE_WARM_START"  #: "1" forks ranks from the warm process; unset or "0": every rank cold
+SWITCH_ENV = "AUTOTUNE_WARM_START"  #: "0" starts every rank cold; unset or "1": ranks forked from the warm process
 PRELOAD_ENV = "AUTOTUNE_WARM_PRELOAD"  #: the modules `workers.warm_preload` imports, comma-separated
 REPORT_ENV = "AUTOTUNE_WARM_REPORT"  #: where it writes what it imported, and what failed
 #: Read once, when a library is loaded or first asked, so the warm process must already have the rank's.
@@ -85,13 +87,11 @@ ALWAYS_PRELOADED = ("torch", "deepspeed", "torch._dynamo")
 PRELOAD_TIMEOUT_S = 600.0
 READY_TIMEOUT_S = 60.0
 MAX_LEARNED = 300  #: learned preloads kept per script
-_CONTEXT = multiprocessing.get_context("forkserver")
 
 
 def switched_off(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    """Off unless asked for (`AUTOTUNE_WARM_START=1`): a slot worker holding a warm process does not
-    yet end with a warm shutdown, and its forkserver outlives what the clean-up checks expect."""
-    return environ.get(SWITCH_ENV, "0").strip().lower() not in ("1", "true", "yes", "on")
+    """On unless switched off (`AUTOTUNE_WARM_START=0`, or false/no/off)."""
+    return environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def why_cold(script_argv: list[str], environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
@@ -280,12 +280,12 @@ class WarmStarts:
             raise WarmUnavailable(self._failed[key])
         if key != self._key or not self._alive():
             self._start_server(key, preload, env, slot_kind, learned, keep_alive)
-        receive, send = _CONTEXT.Pipe(duplex=False)
+        receive, send = warm_server.CONTEXT.Pipe(duplex=False)
         request = {"script_argv": script_argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr,
                    "cpus": list(cpus)}
-        with _may_have_children():  # the Process takes a copy of this process's config when made
-            process = _CONTEXT.Process(target=run_forked_rank, args=(request, send), name="autotune-rank",
-                                       daemon=True)
+        with warm_server.may_have_children():  # the Process takes a copy of this process's config when made
+            process = warm_server.CONTEXT.Process(target=run_forked_rank, args=(request, send),
+                                                  name="autotune-rank", daemon=True)
             process.start()
         send.close()
         try:
@@ -295,7 +295,7 @@ class WarmStarts:
             answer = ("lost", "it ended before it was ready")
         receive.close()
         if answer[0] != "ok":
-            _stop(process)
+            warm_server.stop_child(process)
             self._stop_server()
             raise WarmUnavailable(f"the forked rank did not start ({answer[0]}: {answer[1]})")
         start.path, start.why_cold = "warm", ""
@@ -359,13 +359,10 @@ class WarmStarts:
         for _ in range(len(preload) + 1):
             report = Path(tempfile.mkdtemp(prefix="autotune-warm.")) / "preload.json"
             token = uuid.uuid4().hex
-            _CONTEXT.set_forkserver_preload(["workers.warm_preload"])
-            multiprocessing.resource_tracker.ensure_running()  # this worker's: not marked as the ranks are
-            with _environment(server_env(rank_env, slot_kind, preload, token, report)):
-                multiprocessing.forkserver.ensure_running()
-            self._pid, self._token = multiprocessing.forkserver._forkserver._forkserver_pid or 0, token
-            with _may_have_children():
-                probe = _CONTEXT.Process(target=probe_fork, name="autotune-warm-probe", daemon=True)
+            self._pid = warm_server.start(server_env(rank_env, slot_kind, preload, token, report))
+            self._token = token
+            with warm_server.may_have_children():
+                probe = warm_server.CONTEXT.Process(target=probe_fork, name="autotune-warm-probe", daemon=True)
                 # start() waits for the preload (the forkserver forks only after it): in a thread,
                 # so that the lease is kept meanwhile
                 starter = threading.Thread(target=_quietly, args=(probe.start,), daemon=True)
@@ -374,9 +371,10 @@ class WarmStarts:
             if started and probe.pid is not None:
                 _wait(lambda: probe.join(1.0) or probe.exitcode is not None, 60.0, keep_alive)
             outcome = _read_report(report)
+            shutil.rmtree(report.parent, ignore_errors=True)
             if not started or probe.pid is None or probe.exitcode is None:
                 if probe.pid is not None:
-                    _stop(probe)
+                    warm_server.stop_child(probe)
                 self._stop_server()
                 self._failed[key] = f"the warm process's preload took over {PRELOAD_TIMEOUT_S:.0f} s"
                 raise WarmUnavailable(self._failed[key])
@@ -406,17 +404,23 @@ class WarmStarts:
             return
         raise WarmUnavailable("every preload initialised CUDA")
 
+    def stop(self) -> None:
+        """End the warm process now, reaped, its socket's folder removed: this process is ending
+        (Celery's worker_process_shutdown). Safe from a signal handler that interrupted a launch:
+        without the launch's lock, the warm process is only killed."""
+        if not self._lock.acquire(blocking=False):
+            server_pid = warm_server.running_pid()
+            if server_pid is not None:
+                warm_server.kill(server_pid)
+            return
+        try:
+            warm_server.end_for_exit()
+            self._key, self._pid, self._token = None, 0, ""
+        finally:
+            self._lock.release()
+
     def _stop_server(self) -> None:
-        server = multiprocessing.forkserver._forkserver
-        if server._forkserver_pid is not None:
-            try:
-                os.kill(server._forkserver_pid, signal.SIGKILL)  # a preload may hang: no polite stop
-            except ProcessLookupError:
-                pass
-            try:
-                server._stop()
-            except ChildProcessError:
-                server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+        warm_server.stop()
         self._key, self._pid, self._token = None, 0, ""
 
 
@@ -449,46 +453,6 @@ def _read_report(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _stop(process: multiprocessing.process.BaseProcess) -> None:
-    if process.exitcode is None:
-        process.kill()
-    process.join(5)
-
-
-@contextmanager
-def _may_have_children() -> Iterator[None]:
-    """A Celery pool process is a daemon to multiprocessing, which refuses it children lest they be
-    orphaned when it is terminated. Ours are not: each rank is its own process group that the
-    launch kills, and the forkserver ends with this process. The flag is lifted for the start. Its
-    authentication key is billiard's (Celery's fork of multiprocessing), which refuses to be sent to
-    a child that billiard did not start: the same bytes as the standard library's, for the start."""
-    config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
-    daemon, authkey = config.pop("daemon", None), config.get("authkey")
-    if authkey is not None:
-        config["authkey"] = multiprocessing.process.AuthenticationString(bytes(authkey))
-    try:
-        yield
-    finally:
-        if daemon is not None:
-            config["daemon"] = daemon
-        if authkey is not None:
-            config["authkey"] = authkey
-
-
-@contextmanager
-def _environment(env: dict[str, str]) -> Iterator[None]:
-    """This process's environment replaced by `env` for the block: the forkserver takes the
-    environment of the process that starts it, and it is started from this worker's pool process."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 WARM = WarmStarts()

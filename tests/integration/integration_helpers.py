@@ -61,6 +61,28 @@ def processes_with_marker(marker: str) -> list[psutil.Process]:
     return found
 
 
+def outside_workers(found: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of `found` (a test's processes) that are not a Celery worker's own: each worker leads a
+    session (the tests start it so), where its pool process, its warm interpreter and
+    multiprocessing's resource tracker stay while it lives (workers.warm_start); every rank, warm or
+    cold, leads a session of its own. A process gone meanwhile counts as outside (callers wait)."""
+    workers = set()
+    for proc in found:
+        try:
+            if any("celery" in part for part in proc.cmdline()):
+                workers.add(proc.pid)
+        except psutil.Error:
+            continue
+    outside = []
+    for proc in found:
+        try:
+            if os.getsid(proc.pid) not in workers:
+                outside.append(proc)
+        except ProcessLookupError:
+            outside.append(proc)
+    return outside
+
+
 def write_config(path: Path, **overrides) -> Path:
     config = {
         "train_micro_batch_size_per_gpu": [1],

@@ -44,6 +44,7 @@ from netns import (Host, NamespacesUnavailable, create_two_hosts, delete_hosts, 
                    on_host, own_processes, processes_of)
 from sshd import TestSshd, start_sshd
 from workers import keys
+from workers.warm_start import SWITCH_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -122,7 +123,7 @@ class TwoHosts:
         return on_host(self.inits[node], argv, str(cwd))
 
     def env(self, **extra: str) -> dict[str, str]:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+        base = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_") or k == SWITCH_ENV}
         return {**base, "AUTOTUNE_REDIS_URL": self.url, **extra}
 
     def deploy(self, *args: str) -> subprocess.CompletedProcess:

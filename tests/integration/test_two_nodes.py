@@ -27,7 +27,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from integration_helpers import ROOT, SCRIPTS, processes_with_marker, stop_group, wait_for, write_config
+from integration_helpers import (ROOT, SCRIPTS, outside_workers, processes_with_marker, stop_group, wait_for,
+                                 write_config)
 from netns import Host, NamespacesUnavailable, create_two_hosts, delete_hosts, inside, namespace_exists
 
 pytestmark = pytest.mark.integration
@@ -260,7 +261,9 @@ def _result(results: Path, name: str) -> dict:
 
 
 def _only_workers_remain(cluster: Cluster) -> bool:
-    return all(any("celery" in part for part in _cmdline(p)) for p in processes_with_marker(cluster.marker))
+    """No rank, nor anything a rank started, is left: only the workers and what is their own (their
+    pool processes, their warm interpreters)."""
+    return not outside_workers(processes_with_marker(cluster.marker))
 
 
 def test_two_node_experiments_meet_across_the_link(cluster, tmp_path):
