@@ -35,7 +35,8 @@ What stays true, and why:
   the user's to edit between jobs, and may read RANK when imported.
 - A launch the warm path cannot serve runs cold (`python -m workers.entry`, as before), and the
   record says which path ran (`start_path`, and `cold_because`): not a `.py` script (a wrapper),
-  AUTOTUNE_WARM_START=0 (`switched_off`), a preload that fails or hangs, a rank that refused.
+  AUTOTUNE_WARM_START unset or 0 (warm start is opt-in: `switched_off`), a preload that fails or hangs,
+  a rank that refused.
 - Its costs: the warm process's memory on each slot while the worker lives (not under the slot's
   cap), one start per script and import-time setting (multiprocessing has one forkserver per
   process: jobs with different scripts on one slot take turns restarting it).
@@ -74,7 +75,7 @@ from workers.warm_rank import probe_fork, rank_sys_path, run_forked_rank
 
 log = logging.getLogger(__name__)
 
-SWITCH_ENV = "AUTOTUNE_WARM_START"  #: "0" starts every rank cold; unset or "1": ranks forked from the warm process
+SWITCH_ENV = "AUTOTUNE_WARM_START"  #: "1" forks ranks from the warm process; unset or "0": every rank cold
 PRELOAD_ENV = "AUTOTUNE_WARM_PRELOAD"  #: the modules `workers.warm_preload` imports, comma-separated
 REPORT_ENV = "AUTOTUNE_WARM_REPORT"  #: where it writes what it imported, and what failed
 #: Read once, when a library is loaded or first asked, so the warm process must already have the rank's.
@@ -90,8 +91,9 @@ MAX_LEARNED = 300  #: learned preloads kept per script
 
 
 def switched_off(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    """On unless switched off (`AUTOTUNE_WARM_START=0`, or false/no/off)."""
-    return environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+    """Off unless asked for (`AUTOTUNE_WARM_START=1`): a slot worker holding a warm process does not
+    yet end with a warm shutdown, and its forkserver outlives what the clean-up checks expect."""
+    return environ.get(SWITCH_ENV, "0").strip().lower() not in ("1", "true", "yes", "on")
 
 
 def why_cold(script_argv: list[str], environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:

@@ -42,7 +42,7 @@ def _alive(proc: psutil.Process) -> bool:
 
 @pytest.mark.parametrize("how", ["warm shutdown", "cold shutdown", "pool process killed"])
 def test_the_warm_interpreter_ends_with_its_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    monkeypatch.delenv(SWITCH_ENV, raising=False)  # on by default, for the workers LocalCluster starts
+    monkeypatch.setenv(SWITCH_ENV, "1")  # the workers LocalCluster starts inherit it
     cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1])
     with LocalCluster(1, tmp_path / "cluster", slot_memory="1GiB") as cluster:
         done = run_autotune([str(cfg), "--num_gpus", "1"], tmp_path, {"AUTOTUNE_REDIS_URL": cluster.url})

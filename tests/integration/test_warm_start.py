@@ -305,12 +305,11 @@ def test_the_slots_lease_is_kept_while_the_warm_process_starts(warm: WarmStarts,
     assert len(calls) >= 3  # the preload's 3 s (and torch's import) at one call a second
 
 
-def test_every_rank_of_a_real_job_runs_warm_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under Celery's pool (billiard's authkey once made every rank silently cold), the switch left
-    unset for the embedded cluster: every rank forked warm, and the summary counts them."""
-    monkeypatch.delenv(SWITCH_ENV, raising=False)
+def test_every_rank_of_a_real_job_runs_warm_when_asked(tmp_path: Path) -> None:
+    """Under Celery's pool (billiard's authkey once made every rank silently cold), with the switch on
+    for the embedded cluster: every rank forked warm, and the summary counts them."""
     cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2])
-    proc = run_autotune([str(cfg), "--slots", "2", "--num_gpus", "1"], tmp_path)
+    proc = run_autotune([str(cfg), "--slots", "2", "--num_gpus", "1"], tmp_path, {SWITCH_ENV: "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = tmp_path / "autotuning_results"
     names = [json.loads(line)["name"] for line in (results / "results.jsonl").read_text().splitlines()]

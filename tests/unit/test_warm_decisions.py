@@ -41,8 +41,7 @@ def test_what_the_warm_path_cannot_serve(tmp_path: Path) -> None:
     assert why_cold([str(good)], on) is None
     assert "not a Python script" in why_cold([str(tmp_path / "run.sh")], on)
     assert "switched off" in why_cold([str(good)], {SWITCH_ENV: "0"})
-    assert why_cold([str(good)], {}) is None  # on by default
-    assert "switched off" in why_cold([str(good)], {SWITCH_ENV: "off"})
+    assert "switched off" in why_cold([str(good)], {})  # opt-in: unset is off
     assert "cannot be read as Python" in why_cold([str(broken)], on)
 
 
