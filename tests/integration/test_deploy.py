@@ -64,8 +64,8 @@ def hosts(tmp_path_factory, redis_url):
     sshd.stop()
 
 
-def deploy(hosts, *args: str, url: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "AUTOTUNE_REDIS_URL": url or hosts["url"]}
+def deploy(hosts, *args: str, url: str | None = None, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "AUTOTUNE_REDIS_URL": url or hosts["url"], **env_extra}
     argv = [sys.executable, "-m", "deploy", *args, "--hostfile", str(hosts["hostfile"]),
             "--ssh-config", str(hosts["config"]), "--run-dir", str(hosts["run_dir"])]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
@@ -99,7 +99,9 @@ def test_unknown_host_keys_are_refused(hosts):
 def test_up_status_cleanup_down(hosts):
     client = redis.Redis.from_url(hosts["url"])
     password = urlparse(hosts["url"]).password
-    done = deploy(hosts, "up", "--control", "nodeA", "--accept-new-host-keys", "--timeout", "90")
+    # the warm-start switch as the deployer has it reaches the workers (here: every rank cold)
+    done = deploy(hosts, "up", "--control", "nodeA", "--accept-new-host-keys", "--timeout", "90",
+                  AUTOTUNE_WARM_START="0")
     assert "warning" not in done.stderr, done.stderr  # the cluster's own user cannot reconfigure Redis
     shown = lines_of(done.stdout)
     assert done.returncode == 1, "nodeC cannot come up"
@@ -113,6 +115,7 @@ def test_up_status_cleanup_down(hosts):
     assert {"nodeA.gpu0", "nodeA.gpu1", "nodeB.gpu0"} <= live
     pids = [json.loads(p.read_text())["pid"] for p in hosts["run_dir"].glob("*.pid")]
     assert len(pids) == 4 and all(psutil.Process(pid).ppid() == 1 for pid in pids)
+    assert {psutil.Process(pid).environ().get("AUTOTUNE_WARM_START") for pid in pids} == {"0"}
     assert oct((hosts["run_dir"] / "env.json").stat().st_mode & 0o777) == "0o600"
     for proc in psutil.process_iter(["cmdline"]):
         assert password not in " ".join(proc.info["cmdline"] or []), f"password on a command line: {proc.pid}"
