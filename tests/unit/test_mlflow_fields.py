@@ -150,6 +150,7 @@ def test_on_without_the_client_is_one_warning_naming_the_extra(tmp_path: Path, m
 
 def test_a_uri_mlflow_cannot_use_is_one_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mlflow = pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path.parent)  # MLflow's default store (./mlflow.db) must not land in the checkout
     previous = mlflow.get_tracking_uri()
     for name in HTTP_DEFAULTS:
         monkeypatch.delenv(name, raising=False)
