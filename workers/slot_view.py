@@ -5,13 +5,14 @@ gang key and every slot's health mark (three MGETs of 1,024 keys at 1,024 slots)
 registration, on every pass: at 1,024 slots that was most of a pass in which nothing could start
 (bench/scale.py). Here one script walks the slot index (`keys.SLOT_INDEX`, workers.registry) inside
 Redis and returns only what a pass needs that changes between passes: the free slots (registered,
-not reserved, not marked out of tuning: workers.gang, workers.slot_health), the marked ones, and the
-index's epoch. The parsed registrations (and whatever the caller memoises about them, `memo`) are
+not reserved, not marked out of tuning: workers.gang, workers.slot_health), the unreserved marked
+ones, and the index's epoch. The parsed registrations (and whatever the caller memoises about them, `memo`) are
 kept by this process until the epoch changes: a slot appeared, changed or went.
 
 So a pass that finds fewer free slots than anything waiting needs does no work in this process that
-grows with the cluster; Redis walks the index (three lookups a slot, in one script). A registration
-found lapsed is pruned from the index and the epoch set afresh, so a dead slot leaves every cache.
+grows with the cluster; Redis walks the index in one script (one lookup a reserved slot, three a
+free one). An unreserved registration found lapsed is pruned from the index and the epoch set
+afresh, so a dead slot leaves every cache (a reserved one once its lease goes).
 """
 from __future__ import annotations
 
@@ -31,19 +32,22 @@ _VIEW = """
 -- KEYS[1] the slot index, KEYS[2] its epoch
 -- ARGV[1], ARGV[2], ARGV[3] the key prefixes of registrations, gang reservations and health marks;
 -- ARGV[4] a fresh epoch token, set when an indexed registration is found lapsed (or none is set)
--- returns {epoch, the free queues, {queue, mark, ...} of the marked ones}
+-- returns {epoch, the free queues, {queue, mark, ...} of the unreserved marked ones}; a reserved
+-- slot costs one lookup (a saturated cluster's every slot), a lapsed unreserved one leaves the index
 local free, sick, gone = {}, {}, 0
 for _, queue in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if redis.call('EXISTS', ARGV[1] .. queue) == 0 then
-    redis.call('SREM', KEYS[1], queue)
-    gone = gone + 1
-  else
-    local mark = redis.call('GET', ARGV[3] .. queue)
-    if mark then
-      sick[#sick + 1] = queue
-      sick[#sick + 1] = mark
-    elseif redis.call('EXISTS', ARGV[2] .. queue) == 0 then
-      free[#free + 1] = queue
+  if redis.call('EXISTS', ARGV[2] .. queue) == 0 then
+    if redis.call('EXISTS', ARGV[1] .. queue) == 0 then
+      redis.call('SREM', KEYS[1], queue)
+      gone = gone + 1
+    else
+      local mark = redis.call('GET', ARGV[3] .. queue)
+      if mark then
+        sick[#sick + 1] = queue
+        sick[#sick + 1] = mark
+      else
+        free[#free + 1] = queue
+      end
     end
   end
 end
@@ -75,7 +79,10 @@ class SlotView:
 
     epoch: bytes
     free: frozenset[str]  #: registered, not reserved, not marked
-    sick: dict[str, dict]  #: marked out of tuning: queue -> the mark (workers.slot_health)
+    #: not reserved but marked out of tuning: queue -> the mark (workers.slot_health). A reserved
+    #: slot is busy whether marked or not; its mark shows once its launch lets it go (a rank that
+    #: finds others' memory marks its slot and gives it back at once).
+    sick: dict[str, dict]
     slots: list[Slot]  #: every registered slot, by node then device (parsed at most once an epoch)
     memo: dict[Any, Any]  #: the caller's memo for this epoch's slots (e.g. which shapes fit at all)
 
