@@ -192,14 +192,17 @@ class LocalCluster:
         (billiard's pool process sleeps 1 s on its way out). Otherwise (Ctrl-C, an error, a rank
         still running) each worker's cold shutdown kills its running rank's group first."""
         client = redis.Redis.from_url(self.url, socket_timeout=2) if self.url else None
-        if settled and client is not None and not _ranks_recorded(client):
+        recorded = _recorded_groups(client) if client is not None else None
+        if settled and recorded == []:
             kill_groups([worker.pid for worker in self._workers], grace_s=0.0, wait_s=LOCAL_STOP_GRACE_S)
             for worker in self._workers:
                 worker.wait()
         else:
             cold_stop(self._workers, grace_s=LOCAL_STOP_GRACE_S)
-        if client is not None:
-            _kill_recorded_groups(client)
+            if client is not None:  # read again: a worker that died before cleaning up left its group
+                recorded = _recorded_groups(client)
+        if recorded:  # all at once: one grace for every group, not one each
+            kill_groups(recorded, grace_s=2.0, wait_s=LOCAL_STOP_GRACE_S)
         if self._workers:  # training processes that left their group (setsid) still carry our pid
             kill_marked("AUTOTUNE_EXIT_WITH_PARENT", str(os.getpid()), grace_s=2.0)
         if self._redis is not None and self._redis.poll() is None:
@@ -292,21 +295,12 @@ def _pings(client: redis.Redis) -> bool:
     return bool(client.ping())
 
 
-def _ranks_recorded(client: redis.Redis) -> bool:
-    """Whether a rank's process group is recorded as running (run_rank records it while it runs);
-    true when Redis cannot say, so the caller takes the careful way."""
-    try:
-        return next(client.scan_iter(match=keys.pgid_pattern()), None) is not None
-    except redis.RedisError:
-        return True
-
-
-def _kill_recorded_groups(client: redis.Redis) -> None:
-    """Training groups whose worker died before cleaning up (recorded by run_rank); this Redis is
-    ours. All at once: one grace for every group, not one each."""
+def _recorded_groups(client: redis.Redis) -> list[int] | None:
+    """Training groups recorded as running (run_rank records its group while it runs, and a worker
+    that died before cleaning up leaves the record); this Redis is ours. None when Redis cannot say,
+    so the caller takes the careful way."""
     try:
         names = list(client.scan_iter(match=keys.pgid_pattern()))
-        pgids = [int(pgid) for pgid in client.mget(names) if pgid] if names else []
+        return [int(pgid) for pgid in client.mget(names) if pgid] if names else []
     except redis.RedisError:
-        return
-    kill_groups(pgids, grace_s=2.0, wait_s=LOCAL_STOP_GRACE_S)
+        return None
