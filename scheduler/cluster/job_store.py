@@ -203,12 +203,15 @@ class JobStore:
         """The job's place in keys.JOBS; it changes when the job is submitted again."""
         return self.client.zscore(keys.JOBS, self.job)
 
-    def activate(self, spec_json: str) -> None:
-        """Forget any earlier life of the job, store its spec, append it to the active jobs."""
+    def activate(self, spec_json: str, launched_before: bool = False) -> None:
+        """Forget any earlier life of the job, store its spec, append it to the active jobs;
+        `launched_before`: counted as a job that has launched (`misfit_since`)."""
         seq = self.client.incr(keys.SEQUENCE)
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(*self._keys(), keys.job_attempts(self.job), keys.job_events(self.job))
         pipe.set(keys.job_spec(self.job), spec_json)
+        if launched_before:
+            pipe.hset(keys.job_state(self.job), "dispatched", 1)
         pipe.zadd(keys.JOBS, {self.job: seq})
         pipe.execute()
 

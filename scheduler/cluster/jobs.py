@@ -135,9 +135,11 @@ def stop_launch(client: redis.Redis, work: Work, launch: RunningLaunch) -> None:
     work.clean_up(client, launch.name, launch.to_json())
 
 
-def submit(client: redis.Redis, work: Work, spec: JobSpec) -> bool:
+def submit(client: redis.Redis, work: Work, spec: JobSpec, launched_before: bool = False) -> bool:
     """Make `spec` an active job and ask a control worker to start it. Returns True when an identical
-    job was already active (its submitter died): the caller then just watches it."""
+    job was already active (its submitter died): the caller then just watches it. `launched_before`:
+    submitted again after Redis lost it, so its slots may only be re-registering, and it gets the
+    grace a job that launched gets before a shape is refused (`dispatch.REFUSE_GRACE_S`)."""
     current = load_spec(client, spec.job)
     if current is not None and current == spec:
         work.advance(spec.job)
@@ -145,7 +147,7 @@ def submit(client: redis.Redis, work: Work, spec: JobSpec) -> bool:
     if current is not None:
         cancel(client, work, spec.job)  # the same folder with another config: the newer one wins
     spec = replace(spec, submitted_at=spec.submitted_at or time.time())
-    JobStore(client, spec.job).activate(spec.to_json())
+    JobStore(client, spec.job).activate(spec.to_json(), launched_before)
     work.advance(spec.job)
     return False
 
@@ -180,7 +182,7 @@ def watch(client: redis.Redis, work: Work, spec: JobSpec, on_event: Callable[[di
             if event is None and store.vanished():
                 log.warning("job %s vanished from Redis (restarted without its data); submitting it again",
                             spec.job)
-                submit(client, work, spec)
+                submit(client, work, spec, launched_before=True)
             if event is None:
                 control_down = not control_alive(client)
                 if control_down and not warned_no_control:

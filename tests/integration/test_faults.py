@@ -130,6 +130,11 @@ def test_redis_restarted_mid_job(cluster, tmp_path):
         cluster.start_redis()
         restarted_at = time.monotonic()
         out, err = job.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        out, err = job.communicate()
+        logs = "".join(f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}" for log in tmp_path.glob("*.log"))
+        pytest.fail(f"the job had not ended 180 s after the restart\n{out}\n{err}\n{logs}")
     finally:
         if job.poll() is None:
             job.kill()

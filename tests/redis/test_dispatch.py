@@ -546,6 +546,19 @@ def test_a_job_that_launched_gets_a_grace_period(client: redis.Redis, work, tmp_
     assert events(client, "j")[0]["error"].startswith("wide needs 1 node(s) x 2 slot(s)")
 
 
+def test_a_job_submitted_again_after_redis_lost_it_waits_for_its_slots_to_register(
+        client: redis.Redis, work, tmp_path: Path) -> None:
+    """Redis restarted without its data: the submitter submits the job again before the workers'
+    next heartbeat registers their slots; refusing it then ended a job that was running fine."""
+    submit(client, work, make_spec(tmp_path), launched_before=True)
+    enqueue(client, make_spec(tmp_path), exp("a"))
+    dispatch(client, work)
+    assert events(client, "j") == [] and client.exists(keys.job_spec("j"))
+    register(client, make_slot("n0", 0))
+    dispatch(client, work)
+    assert started(work) == [("a", ["n0.gpu0"])]
+
+
 def test_a_shape_that_fits_again_clears_the_misfit(client: redis.Redis, work, tmp_path: Path) -> None:
     register(client, make_slot("n0", 0))
     client.set(keys.gang("n0.gpu0"), "other/x#1")
