@@ -186,14 +186,30 @@ class MlflowLog:
         children[name] = {"run_id": run.info.run_id, "ended_at": record.get("ended_at")}
         self._save()
 
+    def _settle_cut_off(self, child: Any, records: Mapping[str, Mapping[str, Any]]) -> None:
+        """A child whose logging was cut off (Ctrl-C, a killed command) before the state kept it:
+        still RUNNING, it goes (its record is logged again); already ended, it is the record's run
+        and is kept as logged, not logged twice. Every child this module ended is in the state."""
+        info, name = child.info, child.info.run_name
+        if info.status == "RUNNING":
+            self.client.delete_run(info.run_id)
+            return
+        record, logged = records.get(name), self.state["children"].get(name)
+        if record is None or info.end_time != _ms(record.get("ended_at")) or fields.SUPERSEDED in child.data.tags:
+            return
+        if logged is not None and (logged["run_id"] == info.run_id or logged.get("ended_at") == record.get("ended_at")):
+            return
+        if logged is not None:  # the cut-off run was a newer reading than the one kept
+            self.client.set_tag(logged["run_id"], fields.SUPERSEDED, "true")
+        self.state["children"][name] = {"run_id": info.run_id, "ended_at": record.get("ended_at")}
+        self._save()
+
     def _finish(self, records: Mapping[str, Mapping[str, Any]], winner: str | None, metric: str, maximize: bool,
                 elapsed_s: float, interrupted: bool) -> None:
         client, parent = self.client, self.state["parent_run_id"]
-        # A child still RUNNING was cut off while it was being logged (Ctrl-C, a killed command): every
-        # child this module finished is FINISHED or FAILED. It goes; its record is logged again below.
-        for orphan in client.search_runs([self.state["experiment_id"]], max_results=1000, filter_string=(
-                f"tags.`{PARENT_TAG}` = '{parent}' and attributes.status = 'RUNNING'")):
-            client.delete_run(orphan.info.run_id)
+        for child in client.search_runs([self.state["experiment_id"]], max_results=1000,
+                                        filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"):
+            self._settle_cut_off(child, records)
         for record in records.values():
             self._log_child(record)
         children = self.state["children"]

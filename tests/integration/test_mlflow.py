@@ -52,7 +52,8 @@ def mlflow_server(tmp_path_factory):
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
              "--backend-store-uri", f"sqlite:///{work / 'mlflow.db'}", "--artifacts-destination", str(work / "artifacts")],
-            cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no huey job consumers: unused here
     try:
         wait_for(lambda: proc.poll() is not None or _healthy(url), 180, "mlflow server's /health")
         assert proc.poll() is None, (work / "server.log").read_text()[-3000:]
@@ -193,3 +194,29 @@ def test_a_server_that_is_down_is_one_warning_and_the_next_run_logs_every_record
     _check_children(children, records, parent.info.run_id)  # nothing measured while it was down is lost
     assert sum(run.data.tags.get("autotune.winner") == "true" for run in children) == 1
 
+
+
+def test_a_child_cut_off_while_it_was_logged_is_neither_lost_nor_logged_twice(mlflow_server, tmp_path):
+    """Ctrl-C lands while a record's child run is being sent: the run may exist on the server, ended or
+    not, before the results folder's state names it. Finishing the job keeps one child per record."""
+    from scheduler.report.mlflow_log import PARENT_TAG, JobRun, MlflowLog
+
+    def record(name: str, ended_at: float) -> dict:
+        return {"name": name, "status": "ok", "slots": ["n.gpu0"], "wall_s": 5.0, "peak_rss_bytes": 2**20,
+                "started_at": ended_at - 5, "ended_at": ended_at, "metrics": {"throughput": 10.0},
+                "ds_config": {"zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": 1,
+                              "gradient_accumulation_steps": 1}}
+
+    records = {name: record(name, 1_800_000_000.0 + i) for i, name in enumerate(("kept", "ended", "running"))}
+    log = MlflowLog.start(None, tmp_path, JobRun(name="cut off", config_key="k", params={}), pytest.fail,
+                          environ={"MLFLOW_TRACKING_URI": mlflow_server, "MLFLOW_EXPERIMENT_NAME": tmp_path.name})
+    log.record(records["kept"])
+    log.record(records["ended"])
+    del log.state["children"]["ended"]  # ended on the server, cut off before the state kept it
+    parent = log.parent_run_id
+    log.client.create_run(log.state["experiment_id"], run_name="running",  # cut off before it was ended
+                          tags={PARENT_TAG: parent})
+    log.finish(records, "kept", "throughput", True, 10.0, interrupted=True)
+    assert not log.off
+    [_], children = _runs(mlflow_server, tmp_path.name)
+    _check_children(children, records, parent)
