@@ -11,12 +11,18 @@ none of them.
   tests in different processes sharing the venv's folder met each other's locks (and a test that
   kills ranks mid-load leaves one). Each test process gets its own copy of the prebuilt folder
   (`deploy/setup.sh` builds it once), so nothing compiles twice and no lock is shared.
+- **Ctrl-C reaches the commands the tests interrupt.** A shell starts a background job (`bash .ci/run &`)
+  with SIGINT ignored, every process it starts inherits that, and a Python started with SIGINT
+  ignored never raises KeyboardInterrupt: each test that sends SIGINT then waited out its limit. Every
+  pytest process takes Python's own handler back, so what the tests start takes Ctrl-C as from a
+  terminal.
 """
 from __future__ import annotations
 
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +33,8 @@ WATCHDOG = Path(__file__).with_name("run_watchdog.py")
 
 
 def pytest_configure(config) -> None:
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not hasattr(config, "workerinput"):  # xdist's controller, or a run in one process
         _start_watchdog(config)
     _own_extensions_dir(config)

@@ -57,3 +57,17 @@ def test_a_pytest_run_killed_with_sigkill_leaves_no_process(tmp_path: Path) -> N
         if inner.poll() is None:
             inner.kill()
             inner.wait()
+
+
+def test_a_run_started_with_sigint_ignored_still_gives_its_commands_ctrl_c(tmp_path: Path) -> None:
+    """A shell starts a background job (`bash .ci/run &`, `(pytest ...) &`) with SIGINT ignored, and a
+    Python started so never raises KeyboardInterrupt: every test that interrupts a command with
+    SIGINT waited out its limit (issue 35's three interrupt failures). tests/conftest.py gives the run
+    Python's own handler back, so the commands the tests start take Ctrl-C as from a terminal."""
+    out = tmp_path / "sigign"
+    env = {**os.environ, "SIGINT_INNER_OUT": str(out)}
+    inner = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                            str(SCRIPTS / "sigint_inner.py")], cwd=ROOT, env=env, capture_output=True, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN), timeout=120)
+    assert inner.returncode == 0, inner.stdout + inner.stderr
+    assert not int(out.read_text(), 16) & (1 << (signal.SIGINT - 1)), out.read_text()
