@@ -32,13 +32,13 @@ from typing import IO, Any
 import psutil
 
 from workers.failure import KillReason
+from workers.tree_memory import TreeMemory
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.1  #: how often the tree's memory is read against a memory cap (a CPU slot's)
-#: Without a cap (a GPU slot: its device memory is the allocator's business) the tree's resident set
-#: is only recorded, and reading every process's smaps_rollup ten times a second costs a training
-#: process with a large address space more than the figure is worth.
+POLL_S = 0.1  #: how often the tree's memory is checked against a memory cap (a CPU slot's): `TreeMemory`
+#: Without a cap (a GPU slot: its device memory is the allocator's business) the tree's memory is
+#: only recorded, once a second.
 UNCAPPED_POLL_S = 1.0
 ABORT_CHECK_S = 0.5  #: how often the peer-abort flag (a Redis GET) is checked, at most
 KILL_GRACE_S = 3.0
@@ -173,29 +173,6 @@ def group_runs_slot(pgid: int, queue: str) -> bool:
     return False
 
 
-def tree_rss(root: psutil.Process) -> int:
-    """Memory of a process and all its descendants, in bytes, each page counted once.
-
-    Proportional set size (PSS), not RSS: a child forked but not yet exec'd (DeepSpeed spawns
-    numactl and compilers) shares all its parent's pages, and summing RSS would count them twice,
-    turning a healthy run into a false OOM. RSS is the fallback where PSS cannot be read.
-    """
-    total = 0
-    try:
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    for proc in procs:
-        try:
-            total += proc.memory_full_info().pss
-        except (psutil.Error, AttributeError):
-            try:
-                total += proc.memory_info().rss
-            except psutil.Error:
-                continue
-    return total
-
-
 def run_watched(
     argv: list[str],
     *,
@@ -260,14 +237,13 @@ def _watch(
     measured: Callable[[], bool] = lambda: False,
     measured_grace_s: float = MEASURED_GRACE_S,
 ) -> tuple[KillReason | None, int]:
-    root = psutil.Process(proc.pid)
-    inherited = getattr(proc, "inherited_bytes", lambda: 0)
+    memory = TreeMemory(psutil.Process(proc.pid), getattr(proc, "inherited_bytes", lambda: 0))
     peak = 0
     interval = POLL_S if memory_cap_bytes is not None else UNCAPPED_POLL_S
     next_abort_check = 0.0
     measured_at: float | None = None
     while proc.poll() is None:
-        peak = max(peak, tree_rss(root) + inherited())
+        peak = max(peak, memory.read(memory_cap_bytes))
         reason = None
         now = time.time()
         checks_due = now >= next_abort_check or now > deadline

@@ -1,6 +1,7 @@
 """How often `workers.launch` reads a rank's memory: ten times a second against a memory cap (a CPU
 slot's), once a second where there is none (a GPU slot's: only the record's figure), and the peer
-abort flag at most twice a second either way (issue 21 item 18)."""
+abort flag at most twice a second either way (issue 21 item 18); the costly PSS reading only when
+the cheap RSS one could change the answer (`workers.tree_memory`), without missing a peak."""
 from __future__ import annotations
 
 import sys
@@ -8,30 +9,84 @@ from pathlib import Path
 
 import pytest
 
-from workers import launch
+from workers import launch, tree_memory
 
 
-@pytest.mark.parametrize(("cap", "reads"), [(1 << 40, range(8, 40)), (None, range(2, 5))])
+@pytest.mark.parametrize(("cap", "cheap", "full"), [(1 << 40, range(8, 40), range(1, 9)),
+                                                   (None, range(2, 5), range(1, 5))])
 def test_memory_is_polled_fast_only_against_a_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  cap: int | None, reads: range) -> None:
-    calls = {"rss": 0, "abort": 0}
-    real_tree_rss = launch.tree_rss
+                                                  cap: int | None, cheap: range, full: range) -> None:
+    """Against a cap, RSS ten times a second and PSS (the kernel walks every page) about once a
+    second while RSS stays put; without a cap, both once a second."""
+    calls = {"rss": 0, "pss": 0, "abort": 0}
+    real_rss, real_pss = tree_memory.tree_rss, tree_memory.tree_pss
 
-    def counted(root):
-        calls["rss"] += 1
-        return real_tree_rss(root)
+    def counted(kind, real):
+        def read(processes):
+            calls[kind] += 1
+            return real(processes)
+        return read
 
     def should_abort() -> bool:
         calls["abort"] += 1
         return False
 
-    monkeypatch.setattr(launch, "tree_rss", counted)
+    monkeypatch.setattr(tree_memory, "tree_rss", counted("rss", real_rss))
+    monkeypatch.setattr(tree_memory, "tree_pss", counted("pss", real_pss))
     result = launch.run_watched([sys.executable, "-c", "import time; time.sleep(2.5)"], env={"PATH": "/usr/bin:/bin"},
                                 cwd=str(tmp_path), stdout_path=tmp_path / "out", stderr_path=tmp_path / "err",
                                 timeout_s=30, memory_cap_bytes=cap, should_abort=should_abort)
     assert result.exit_code == 0 and result.killed_for is None and result.peak_rss_bytes > 0
-    assert calls["rss"] in reads, calls
+    assert calls["rss"] in cheap and calls["pss"] in full, calls
     assert 2 <= calls["abort"] <= 7, calls
+
+
+#: Holds `sys.argv[1]` MiB for 0.6 s after 1.2 s, then frees it and runs on: a peak between two of
+#: the once-a-second PSS readings.
+SPIKE = ("import sys, time; time.sleep(1.2); block = bytearray(int(sys.argv[1]) << 20); time.sleep(0.6); "
+         "del block; time.sleep(1.5)")
+
+
+def test_a_peak_between_the_slow_readings_is_in_the_figure(tmp_path: Path) -> None:
+    result = launch.run_watched([sys.executable, "-c", SPIKE, "200"], env={"PATH": "/usr/bin:/bin"},
+                                cwd=str(tmp_path), stdout_path=tmp_path / "out", stderr_path=tmp_path / "err",
+                                timeout_s=30, memory_cap_bytes=1 << 40)
+    assert result.exit_code == 0 and result.peak_rss_bytes > 200 << 20, result
+
+
+#: 300 MiB touched, then a forked child that shares them all (RSS counts them twice, PSS once); on
+#: the file `sys.argv[1]` appearing, 250 MiB more.
+SHARED_THEN_MORE = ("import os, pathlib, sys, time\nblock = bytearray(300 << 20)\nif os.fork() == 0:\n"
+                    "    time.sleep(60)\n    os._exit(0)\nflag = pathlib.Path(sys.argv[1])\n"
+                    "pathlib.Path(sys.argv[1] + '.forked').touch()\n"
+                    "while not flag.exists():\n    time.sleep(0.05)\nmore = bytearray(250 << 20)\ntime.sleep(60)\n")
+
+
+def test_the_cap_is_held_against_pss_read_whenever_rss_is_over_it(tmp_path: Path) -> None:
+    """RSS over the cap only proves nothing: the tree is killed when its PSS is over it."""
+    import threading
+
+    flag, forked = tmp_path / "more", tmp_path / "more.forked"
+    cap = 450 << 20
+    stop = threading.Event()
+
+    def release() -> None:  # a second of polls (ten) with an RSS sum of 600 MiB, then more
+        while not forked.exists() and not stop.wait(0.05):
+            pass
+        if not stop.wait(1.0):
+            flag.touch()
+
+    releaser = threading.Thread(target=release, daemon=True)
+    releaser.start()
+    try:
+        result = launch.run_watched([sys.executable, "-c", SHARED_THEN_MORE, str(flag)], env={"PATH": "/usr/bin:/bin"},
+                                    cwd=str(tmp_path), stdout_path=tmp_path / "out", stderr_path=tmp_path / "err",
+                                    timeout_s=60, memory_cap_bytes=cap)
+    finally:
+        stop.set()
+        releaser.join()
+    assert flag.exists(), "killed before it grew: its RSS sum, not its PSS, was held against the cap"
+    assert result.killed_for is launch.KillReason.MEMORY and result.peak_rss_bytes > cap, result
 
 
 def test_a_timeout_is_not_overshot_by_the_slow_poll(tmp_path: Path) -> None:
