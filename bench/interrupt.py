@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=3, help="busy processes beside the command")
     parser.add_argument("--baseline", type=Path, help="another checkout, alternated with this one")
     args = parser.parse_args()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started as a shell's background job: the
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # command gets Ctrl-C as from a terminal
     trees = {"this tree": ROOT, **({f"baseline {args.baseline}": args.baseline.resolve()} if args.baseline else {})}
     burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(args.load)]
     for burner in burners:
