@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import redis
 
-from deploy.fabric_hosts import Hosts
 from scheduler.cluster.job_store import JobStore, active_jobs
 from deploy.plan import RecordedGroup, kill_options, launches_matching, pgid_keys, recorded_groups
+
+if TYPE_CHECKING:  # fabric and paramiko: imported where hosts are reached, not by every worker and command
+    from deploy.fabric_hosts import Hosts
 
 log = logging.getLogger(__name__)
 DEFAULT_GRACE_S = 5.0
@@ -62,6 +65,8 @@ def clean_launch_in_background(client: redis.Redis, name: str, launch: dict) -> 
     def work() -> None:
         import sys
         from pathlib import Path
+
+        from deploy.fabric_hosts import Hosts
 
         hosts = Hosts(repo=str(Path(__file__).resolve().parents[1]), python=sys.executable)
         for node, report in kill_recorded(hosts, groups).items():
