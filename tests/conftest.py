@@ -16,6 +16,10 @@ none of them.
   ignored never raises KeyboardInterrupt: each test that sends SIGINT then waited out its limit. Every
   pytest process takes Python's own handler back, so what the tests start takes Ctrl-C as from a
   terminal.
+- **No test hands its environment to the next.** Every command a test starts inherits this
+  process's environment, so a test that changed it (MLflow's `set_tracking_uri` writes
+  MLFLOW_TRACKING_URI) made every later command in the same process log its job to MLflow, in a
+  SQLite file created wherever it ran. The environment is put back after each test.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import pytest
 
 RUN_TOKEN = "AUTOTUNE_TEST_RUN"
 WATCHDOG = Path(__file__).with_name("run_watchdog.py")
@@ -70,3 +76,17 @@ def pytest_unconfigure(config) -> None:
     own = getattr(config, "_autotune_extensions", None)
     if own is not None:
         shutil.rmtree(own, ignore_errors=True)
+
+
+PYTEST_OWN = "PYTEST_CURRENT_TEST"  #: pytest's own, changed at every phase of every test
+
+
+@pytest.fixture(autouse=True)
+def _environment_put_back():
+    saved = {key: value for key, value in os.environ.items() if key != PYTEST_OWN}
+    yield
+    now = {key: value for key, value in os.environ.items() if key != PYTEST_OWN}
+    if now != saved:
+        for key in now.keys() - saved.keys():
+            del os.environ[key]
+        os.environ.update(saved)
