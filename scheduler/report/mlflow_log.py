@@ -201,6 +201,9 @@ class MlflowLog:
             return
         if logged is not None:  # the cut-off run was a newer reading than the one kept
             self.client.set_tag(logged["run_id"], fields.SUPERSEDED, "true")
+            if self.state.get("winner") == name:
+                self.client.delete_tag(logged["run_id"], fields.WINNER)
+                self.state["winner"] = None
         self.state["children"][name] = {"run_id": info.run_id, "ended_at": record.get("ended_at")}
         self._save()
 
