@@ -12,6 +12,7 @@ the last PSS reading (so a peak is not missed), and at least once a second.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,32 +23,37 @@ FULL_EVERY_S = 1.0  #: PSS is read at least this often, whatever RSS says
 GROWTH_BYTES = 4 << 20  #: RSS grown this much since the last PSS reading: read PSS again
 
 
+#: Whether this kernel lists each task's children (CONFIG_PROC_CHILDREN); without it, psutil's scan.
+CHILDREN_LISTED = Path(f"/proc/self/task/{os.getpid()}/children").exists()
+
+
 def tree_processes(root: psutil.Process) -> list[psutil.Process]:
     """The root and its descendants, found from each process's own list of children
-    (/proc/<pid>/task/<tid>/children) rather than a scan of every process on the machine."""
-    found, todo = [root], [root.pid]
-    try:
-        while todo:
-            pid = todo.pop()
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                try:
-                    children = (task / "children").read_text().split()
-                except OSError:
-                    continue
-                for child in children:
-                    try:
-                        process = psutil.Process(int(child))
-                    except psutil.Error:
-                        continue
-                    found.append(process)
-                    todo.append(process.pid)
-    except FileNotFoundError:  # the root (or a child) ended meanwhile: what was found so far
-        pass
-    except OSError:  # no /proc children lists (an old kernel): psutil's scan
+    (/proc/<pid>/task/<tid>/children) rather than a scan of every process on the machine. A process
+    that ended meanwhile is left out; the rest of the tree is still walked."""
+    if not CHILDREN_LISTED:
         try:
             return [root, *root.children(recursive=True)]
         except psutil.Error:
             return [root]
+    found, todo = [root], [root.pid]
+    while todo:
+        try:
+            tasks = list(Path(f"/proc/{todo.pop()}/task").iterdir())
+        except OSError:  # ended meanwhile
+            continue
+        for task in tasks:
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in children:
+                try:
+                    process = psutil.Process(int(child))
+                except psutil.Error:
+                    continue
+                found.append(process)
+                todo.append(process.pid)
     return found
 
 
