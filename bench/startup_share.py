@@ -13,7 +13,7 @@ DeepSpeed imported, engine ready, first step, measured window, exit. The figures
 records alone, so the same script reads a results folder written by older code (`--results DIR`).
 
     .venv/bin/python bench/startup_share.py                  # run the job, then report
-    AUTOTUNE_WARM_START=1 .venv/bin/python bench/startup_share.py   # the same, ranks forked warm (opt-in)
+    AUTOTUNE_WARM_START=0 .venv/bin/python bench/startup_share.py   # the same, every rank cold (before warm start)
     .venv/bin/python bench/startup_share.py --results DIR    # report on an existing results folder
 """
 from __future__ import annotations

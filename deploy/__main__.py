@@ -98,7 +98,7 @@ def up(args: argparse.Namespace, url: str) -> int:
               "node could take over the Redis host or wipe every job; create the cluster's own user with "
               "`python -m deploy redis-user` (docs/cluster.md, \"The cluster's Redis\")", file=sys.stderr)
     # TLS: the certificate files' paths (each host has its own copy there), never their contents;
-    # the warm-start switch as the deployer has it (AUTOTUNE_WARM_START=1 python -m deploy up: ranks forked warm)
+    # the warm-start switch as the deployer has it (AUTOTUNE_WARM_START=0 python -m deploy up: every rank cold)
     env = {"AUTOTUNE_REDIS_URL": url, **_ssh_config_env(args),
            **{name: os.environ[name] for name in (*TLS_ENV, WARM_SWITCH_ENV) if os.environ.get(name)}}
     flower_password = secrets.token_urlsafe(12) if args.flower is not None else ""

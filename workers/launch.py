@@ -14,7 +14,9 @@ per experiment would not, but needs a delegated cgroup tree that slot workers ra
 The process is a `subprocess.Popen` unless the caller passes `spawn` (`workers.warm_start` forks
 ranks from a warm interpreter): anything with `pid`, `poll()` and `wait(timeout)`, and optionally
 `inherited_bytes()` (memory to count as the process's own) and `after_kill(since)` (what else to
-stop after the group).
+stop after the group). The time limit starts when `spawn` returns: the wait for a warm process (its
+preload, tens of seconds on a loaded machine or a shared filesystem) is start-up, in the wall, but
+not the experiment's to spend.
 """
 from __future__ import annotations
 
@@ -202,6 +204,7 @@ def run_watched(
                 argv, env=env, cwd=cwd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             return LaunchResult(None, None, 0, started, time.time(), start_error=str(exc))
+    running_since = time.time()  # the time limit is the process's: a `spawn` waiting for a warm process is not
     if cpus:
         try:
             os.sched_setaffinity(proc.pid, cpus)
@@ -209,7 +212,7 @@ def run_watched(
             pass
     on_start(proc.pid)
     try:
-        killed_for, peak = _watch(proc, started + timeout_s, memory_cap_bytes, should_abort, measured,
+        killed_for, peak = _watch(proc, running_since + timeout_s, memory_cap_bytes, should_abort, measured,
                                   measured_grace_s)
     except BaseException:
         kill_group(proc.pid)

@@ -35,8 +35,12 @@ What stays true, and why:
   the user's to edit between jobs, and may read RANK when imported.
 - A launch the warm path cannot serve runs cold (`python -m workers.entry`, as before), and the
   record says which path ran (`start_path`, and `cold_because`): not a `.py` script (a wrapper),
-  AUTOTUNE_WARM_START unset or 0 (warm start is opt-in: `switched_off`), a preload that fails or hangs,
-  a rank that refused.
+  AUTOTUNE_WARM_START=0 (`switched_off`), a script that imports only the standard library (nothing
+  to preload: such a rank starts in tens of milliseconds cold), a preload that fails or hangs, a
+  rank that refused.
+- The wait for the warm process is not the experiment's: `workers.launch.run_watched` starts the
+  time limit when the rank exists, so a preload slowed by a loaded machine or a shared filesystem
+  cannot turn a good config into a timeout (the record's wall still counts it: it is start-up).
 - Its costs: the warm process's memory on each slot while the worker lives (not under the slot's
   cap), one start per script and import-time setting (multiprocessing has one forkserver per
   process: jobs with different scripts on one slot take turns restarting it).
@@ -75,7 +79,7 @@ from workers.warm_rank import probe_fork, rank_sys_path, run_forked_rank
 
 log = logging.getLogger(__name__)
 
-SWITCH_ENV = "AUTOTUNE_WARM_START"  #: "1" forks ranks from the warm process; unset or "0": every rank cold
+SWITCH_ENV = "AUTOTUNE_WARM_START"  #: unset or "1" forks ranks from the warm process; "0": every rank cold
 PRELOAD_ENV = "AUTOTUNE_WARM_PRELOAD"  #: the modules `workers.warm_preload` imports, comma-separated
 REPORT_ENV = "AUTOTUNE_WARM_REPORT"  #: where it writes what it imported, and what failed
 #: Read once, when a library is loaded or first asked, so the warm process must already have the rank's.
@@ -83,17 +87,19 @@ IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "DS_ACCELERATOR", "PYTH
 #: torch._dynamo: every torch optimizer's constructor imports it (`torch._disable_dynamo`), so
 #: `deepspeed.initialize` paid 2.5-8 s of imports on the 2-core machine after the script's own.
 ALWAYS_PRELOADED = ("torch", "deepspeed", "torch._dynamo")
+TRAINING_ROOTS = ("torch", "deepspeed")  #: a script importing one of these gets ALWAYS_PRELOADED
 #: How long the preload may take (a cold import of torch, DeepSpeed and transformers from a shared
 #: filesystem is tens of seconds), and how long a forked rank may take to say it is ready.
 PRELOAD_TIMEOUT_S = 600.0
 READY_TIMEOUT_S = 60.0
 MAX_LEARNED = 300  #: learned preloads kept per script
+NOTHING_TO_PRELOAD = "nothing to preload: the script imports only the standard library"
 
 
 def switched_off(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    """Off unless asked for (`AUTOTUNE_WARM_START=1`): a slot worker holding a warm process does not
-    yet end with a warm shutdown, and its forkserver outlives what the clean-up checks expect."""
-    return environ.get(SWITCH_ENV, "0").strip().lower() not in ("1", "true", "yes", "on")
+    """On unless turned off (`AUTOTUNE_WARM_START=0`): the switch is for a script the warm path
+    serves wrongly, and for measuring what warm start changes (bench/warm_vs_cold.py)."""
+    return environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def why_cold(script_argv: list[str], environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
@@ -143,11 +149,21 @@ def installed_roots() -> list[Path]:
 
 
 def preload_modules(script: Path, installed: list[Path], search_path: list[str]) -> list[str]:
-    """torch, DeepSpeed and the script's top-level imports that are installed packages (found on
-    the rank's `search_path` under `installed`), never a module next to the script or one that
-    shadows a package there."""
-    names = [*ALWAYS_PRELOADED, *top_level_imports(script.read_text(errors="replace"))]
+    """The script's top-level imports that are installed packages (found on the rank's
+    `search_path` under `installed`), never a module next to the script or one that shadows a
+    package there; with torch, DeepSpeed and torch._dynamo when the script imports torch or
+    DeepSpeed (what `deepspeed.initialize` imports anyway)."""
+    names = top_level_imports(script.read_text(errors="replace"))
+    if any(name.partition(".")[0] in TRAINING_ROOTS for name in names):
+        names = [*ALWAYS_PRELOADED, *names]
     return installed_only(list(dict.fromkeys(names)), installed, search_path)
+
+
+def beyond_the_standard_library(names: list[str]) -> list[str]:
+    """The names a warm process would save a rank the import of: a script that imports only the
+    standard library starts in tens of milliseconds cold, and a warm process for it would cost
+    the slot a process and its start for nothing."""
+    return [name for name in names if name.partition(".")[0] not in sys.stdlib_module_names]
 
 
 def installed_only(names: list[str], installed: list[Path], search_path: list[str]) -> list[str]:
@@ -280,6 +296,8 @@ class WarmStarts:
         self._last = (script_argv[0], env, cwd, slot_kind)
         if key in self._failed:
             raise WarmUnavailable(self._failed[key])
+        if not beyond_the_standard_library(preload):
+            raise WarmUnavailable(NOTHING_TO_PRELOAD)
         if key != self._key or not self._alive():
             self._start_server(key, preload, env, slot_kind, learned, keep_alive)
         receive, send = warm_server.CONTEXT.Pipe(duplex=False)
@@ -338,7 +356,7 @@ class WarmStarts:
                 return
             known.extend(fresh[:MAX_LEARNED - len(known)])
             key, preload, learned = self._plan(script, env, cwd, slot_kind)
-            if key in self._failed or key == self._key:
+            if key in self._failed or key == self._key or not beyond_the_standard_library(preload):
                 return
             try:
                 self._start_server(key, preload, env, slot_kind, learned, keep_alive)

@@ -15,6 +15,7 @@ import pytest
 from integration_helpers import SCRIPTS, run_autotune, wait_for, write_config
 from scheduler.search.repeats import REPEAT_NAME
 from workers import keys
+from workers.warm_start import NOTHING_TO_PRELOAD
 
 pytestmark = pytest.mark.integration
 LAW_ARGS = ["--law"]
@@ -66,10 +67,12 @@ def test_fast_mode_all_stages(hand_cluster, tmp_path):
                            for name, original in repeats.items()), repeats
     configs = [json.dumps(records[name]["ds_config"], sort_keys=True) for name in names if name not in repeats]
     assert len(set(configs)) == len(configs), names
-    # warm start is opt-in (test_warm_start runs a job with it): every rank started cold, and says why
+    # every rank says how it started: this script imports the standard library alone at its top
+    # level, so cold, and why, until a 2-rank run of it on the shared cluster's slot taught that
+    # slot's warm path torch (test_warm_start runs a torch job warm)
     ranks = [rank for name in records for rank in json.loads((results / name / "result.json").read_text())["ranks"]]
-    assert {rank.get("start_path") for rank in ranks} == {"cold"}
-    assert {rank.get("cold_because", "").split(" (")[0] for rank in ranks} == {"switched off"}
+    assert {rank.get("start_path") for rank in ranks} <= {"cold", "warm"}
+    assert {rank.get("cold_because") for rank in ranks if rank["start_path"] == "cold"} <= {NOTHING_TO_PRELOAD}
 
 
 @pytest.mark.parametrize("tuner", ["gridsearch", "random", "model_based"])

@@ -18,7 +18,7 @@ import pytest
 from integration_helpers import run_autotune, write_config
 from workers.failure import KillReason
 from workers.launch import LaunchResult, group_alive, run_watched
-from workers.warm_start import SWITCH_ENV, Start, WarmStarts, installed_roots
+from workers.warm_start import NOTHING_TO_PRELOAD, SWITCH_ENV, Start, WarmStarts, installed_roots
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +60,7 @@ def _launch(warm: WarmStarts, tmp_path: Path, script: Path, *args: str, env: dic
 @pytest.fixture
 def warm(tmp_path: Path):
     (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "installed_lib.py").write_text("")  # a script of the standard library alone runs cold
     starts = WarmStarts(roots=[*installed_roots(), (tmp_path / "site").resolve()])
     yield starts
     starts._stop_server()
@@ -150,7 +151,7 @@ def test_cuda_initialised_in_the_warm_process_after_its_preload_stops_the_fork(w
     assert result.exit_code == 0 and out == "ran\n"
 
 
-@pytest.mark.parametrize("case", ["wrapper", "switched off", "failing preload"])
+@pytest.mark.parametrize("case", ["wrapper", "switched off", "failing preload", "standard library only"])
 def test_what_the_warm_path_cannot_serve_runs_cold_and_says_why(warm: WarmStarts, tmp_path: Path, case: str) -> None:
     env = _env(tmp_path)
     if case == "wrapper":
@@ -165,14 +166,17 @@ def test_what_the_warm_path_cannot_serve_runs_cold_and_says_why(warm: WarmStarts
                                                          "    raise RuntimeError('needs RANK')\n")
         if case == "switched off":
             env[SWITCH_ENV] = "0"
-        expected = "a preload failed" if case == "failing preload" else "switched off"
+        expected = {"failing preload": "a preload failed", "switched off": "switched off",
+                    "standard library only": NOTHING_TO_PRELOAD}[case]
     result, start, out, err = _launch(warm, tmp_path, script, env=env)
     assert result.exit_code == 0 and out == "ran\n", err
     assert start.path == "cold" and expected in start.why_cold
+    if case == "standard library only":
+        assert warm._pid == 0, "a warm process was started for a script that needs none"
 
 
 ESCAPER = '''
-import os, sys, time
+import os, sys, time, installed_lib
 pid_file = sys.argv[1]
 if os.fork() == 0:
     os.setsid()
@@ -246,7 +250,7 @@ def test_the_memory_cap_and_the_figure_are_a_cold_ranks(warm: WarmStarts, tmp_pa
 def test_a_stopped_warm_rank_is_killed_with_its_group(warm: WarmStarts, tmp_path: Path) -> None:
     """A peer's failure (or Ctrl-C's teardown) stops a warm rank as it stops a cold one."""
     script = tmp_path / "sleep.py"
-    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    script.write_text("import time, installed_lib\nprint('up', flush=True)\ntime.sleep(300)\n")
     groups: list[int] = []
     started = []  # from the rank's start: the first launch also starts the warm process
     result, start, out, _ = _launch(warm, tmp_path, script,
@@ -260,7 +264,7 @@ def test_a_stopped_warm_rank_is_killed_with_its_group(warm: WarmStarts, tmp_path
 def test_an_interrupted_script_ends_as_pythons_does(warm: WarmStarts, tmp_path: Path) -> None:
     """An uncaught KeyboardInterrupt: traceback on stderr, killed by SIGINT, as `python script.py`."""
     script = tmp_path / "interrupted.py"
-    script.write_text("raise KeyboardInterrupt\n")
+    script.write_text("import installed_lib\nraise KeyboardInterrupt\n")
     cold, _, _, cold_err = _launch(warm, tmp_path, script, env=_env(tmp_path, **{SWITCH_ENV: "0"}))
     result, start, _, err = _launch(warm, tmp_path, script)
     assert start.path == "warm" and result.exit_code == cold.exit_code == -2
@@ -275,7 +279,7 @@ def test_what_a_rank_imported_itself_is_preloaded_for_the_next(warm: WarmStarts,
 
     (tmp_path / "site" / "lazy_lib.py").write_text("import time\ntime.sleep(1.0)\n")
     script = tmp_path / "lazy.py"
-    script.write_text("import sys\ndef main():\n    print('preloaded' if 'lazy_lib' in sys.modules else 'not yet')\n"
+    script.write_text("import sys, installed_lib\ndef main():\n    print('preloaded' if 'lazy_lib' in sys.modules else 'not yet')\n"
                       "    import lazy_lib\nmain()\n")
     env = _env(tmp_path, AUTOTUNE_EXIT_REPORT=str(tmp_path / "exit.json"))
     first, start, out, err = _launch(warm, tmp_path, script, env=env)
@@ -305,11 +309,12 @@ def test_the_slots_lease_is_kept_while_the_warm_process_starts(warm: WarmStarts,
     assert len(calls) >= 3  # the preload's 3 s (and torch's import) at one call a second
 
 
-def test_every_rank_of_a_real_job_runs_warm_when_asked(tmp_path: Path) -> None:
-    """Under Celery's pool (billiard's authkey once made every rank silently cold), with the switch on
-    for the embedded cluster: every rank forked warm, and the summary counts them."""
+def test_every_rank_of_a_real_job_runs_warm_by_default(tmp_path: Path) -> None:
+    """Under Celery's pool (billiard's authkey once made every rank silently cold), the switch left
+    unset on the embedded cluster: every rank forked warm, and the summary counts them."""
     cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2])
-    proc = run_autotune([str(cfg), "--slots", "2", "--num_gpus", "1"], tmp_path, {SWITCH_ENV: "1"})
+    assert SWITCH_ENV not in os.environ  # the default, not a switch the test run was given
+    proc = run_autotune([str(cfg), "--slots", "2", "--num_gpus", "1"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = tmp_path / "autotuning_results"
     names = [json.loads(line)["name"] for line in (results / "results.jsonl").read_text().splitlines()]

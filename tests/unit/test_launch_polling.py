@@ -150,3 +150,21 @@ def test_without_a_measurement_the_time_limit_is_a_timeout(tmp_path: Path) -> No
                                 cwd=str(tmp_path), stdout_path=tmp_path / "out", stderr_path=tmp_path / "err",
                                 timeout_s=1.0, memory_cap_bytes=None, measured=lambda: False, measured_grace_s=0.1)
     assert result.killed_for is launch.KillReason.TIMEOUT
+
+
+def test_the_time_limit_starts_when_the_process_exists_not_while_it_is_spawned(tmp_path: Path) -> None:
+    """A warm start's wait for the warm process (its preload, slowed by a loaded machine) is not the
+    experiment's to spend: a spawn that takes longer than the limit, of a process well within it,
+    runs to its end; the wall still counts the wait."""
+    import subprocess
+    import time
+
+    def slow_spawn(argv, env, cwd, out, err):
+        time.sleep(2.0)
+        return subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=err, start_new_session=True)
+
+    result = launch.run_watched([sys.executable, "-c", "import time; time.sleep(0.3)"], env={"PATH": "/usr/bin:/bin"},
+                                cwd=str(tmp_path), stdout_path=tmp_path / "out", stderr_path=tmp_path / "err",
+                                timeout_s=1.5, memory_cap_bytes=None, spawn=slow_spawn)
+    assert result.killed_for is None and result.exit_code == 0, result
+    assert result.wall_s >= 2.0

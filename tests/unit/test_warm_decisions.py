@@ -6,8 +6,9 @@ from pathlib import Path
 
 from workers.launch import CONTAINER_ENV
 from workers.warm_rank import rank_sys_path
-from workers.warm_start import (PRELOAD_ENV, SWITCH_ENV, import_time_env, preload_modules,
-                                server_env, top_level_imports, why_cold)
+from workers.warm_start import (ALWAYS_PRELOADED, PRELOAD_ENV, SWITCH_ENV, beyond_the_standard_library,
+                                import_time_env, installed_roots, preload_modules, server_env, top_level_imports,
+                                why_cold)
 
 
 def test_top_level_imports_in_order_including_guarded_ones_but_not_inside_functions() -> None:
@@ -32,6 +33,19 @@ def test_only_installed_packages_are_preloaded_never_the_scripts_own_modules(tmp
     assert chosen == ["pkg.sub", "lonely"]  # torch and DeepSpeed are not under this stand-in's root
 
 
+def test_torch_and_deepspeed_are_preloaded_for_a_script_that_imports_them_and_only_for_one(tmp_path: Path) -> None:
+    """A warm process for a script of the standard library alone would import torch for nothing:
+    such a script runs cold (`beyond_the_standard_library` empty)."""
+    roots, path = installed_roots(), [str(tmp_path), *__import__("sys").path[1:]]
+    trainer, plain = tmp_path / "train.py", tmp_path / "plain.py"
+    trainer.write_text("import argparse\nimport deepspeed\n")
+    plain.write_text("import argparse, json\nfrom pathlib import Path\n")
+    assert preload_modules(trainer, roots, path) == [*ALWAYS_PRELOADED, "argparse"]
+    assert preload_modules(plain, roots, path) == ["argparse", "json", "pathlib"]
+    assert beyond_the_standard_library(preload_modules(plain, roots, path)) == []
+    assert beyond_the_standard_library(["json", "torch._dynamo", "os.path", "numpy"]) == ["torch._dynamo", "numpy"]
+
+
 def test_what_the_warm_path_cannot_serve(tmp_path: Path) -> None:
     good = tmp_path / "train.py"
     good.write_text("print(1)\n")
@@ -41,7 +55,7 @@ def test_what_the_warm_path_cannot_serve(tmp_path: Path) -> None:
     assert why_cold([str(good)], on) is None
     assert "not a Python script" in why_cold([str(tmp_path / "run.sh")], on)
     assert "switched off" in why_cold([str(good)], {SWITCH_ENV: "0"})
-    assert "switched off" in why_cold([str(good)], {})  # opt-in: unset is off
+    assert why_cold([str(good)], {}) is None  # on unless turned off
     assert "cannot be read as Python" in why_cold([str(broken)], on)
 
 
