@@ -188,7 +188,10 @@ def read_exit_report(path: Path) -> dict[str, Any]:
         kept["step_ends"] = ends
     imported = data.get("imported")
     if isinstance(imported, list) and all(isinstance(name, str) for name in imported):
-        kept["imported"] = imported[:300]  # workers.entry.installed_imports
+        kept["imported"] = imported[:300]  # workers.entry.imports_since
+    count = data.get("imported_count")
+    if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+        kept["imported_count"] = count  # all the modules it imported: whether to start the warm process again
     moments = data.get("moments")
     if isinstance(moments, dict):  # workers.step_clock.moments: wall-clock seconds by name
         kept["moments"] = {str(name): float(at) for name, at in moments.items()

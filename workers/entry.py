@@ -109,7 +109,8 @@ def run_script(script: str) -> None:
     ends = step_ends()
     write_exit_report({**peaks, "profiling_exit": is_profiling_exit(error), **({"oom": oom} if oom else {}),
                        **({"op_build_failed": op_build} if op_build else {}), **({"step_ends": ends} if ends else {}),
-                       "moments": moments(), "imported": imports_since(loaded)})
+                       "moments": moments(), "imported": imports_since(loaded),
+                       "imported_count": sum(1 for name in list(sys.modules) if name not in loaded)})
     if op_build is not None:
         print(f"workers.entry: an op could not be built or loaded: {op_build}", file=sys.stderr)
     if oom is not None:

@@ -238,7 +238,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     finally:
         client.delete(pgid_key)
         remove_rank_segment(master[0], master[1], spec.rank)  # DeepSpeed's CPU all-reduce never does
-    WARM.learn(script_argv, read_exit_report(exit_report).get("imported"), stop_check.slot_taken)  # for the next rank
+    taught = read_exit_report(exit_report)
+    WARM.learn(script_argv, taught.get("imported"), stop_check.slot_taken, taught.get("imported_count"))  # the next rank's
     # The slot is freed only with its GPU back to idle: a context torn down slowly is waited for;
     # memory still held after the wait is someone else's, and the slot leaves tuning until it goes.
     device_after = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check.slot_taken) if on_gpu else None
@@ -272,6 +273,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     }
     step_ends = record.pop("step_ends", None)
     record.pop("imported", None)  # the warm process's business (workers.warm_start), not the record's
+    record.pop("imported_count", None)
     record["timeline"] = launch_timeline(launch.started_at, launch.ended_at, record.pop("moments", None), step_ends,
                                          spec.ds_config)
     if slot.kind == "cuda":

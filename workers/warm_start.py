@@ -93,6 +93,11 @@ TRAINING_ROOTS = ("torch", "deepspeed")  #: a script importing one of these gets
 PRELOAD_TIMEOUT_S = 600.0
 READY_TIMEOUT_S = 60.0
 MAX_LEARNED = 300  #: learned preloads kept per script
+#: A rank that imported fewer modules than this itself (ZeRO-1's optimizer after ZeRO-0 taught the
+#: rest: 3-20 modules) does not start the warm process again: a start costs the slot 4-6 s of a core
+#: here (torch's import again), more than those imports cost each rank. They wait in `_deferred` and
+#: are preloaded with the next start. The first rank of a DeepSpeed script imports hundreds.
+RESTART_AT_IMPORTS = 50
 NOTHING_TO_PRELOAD = "nothing to preload: the script imports only the standard library"
 
 
@@ -259,6 +264,7 @@ class WarmStarts:
         self._token = ""
         self._dropped: set[str] = set()  #: preloads that initialised CUDA, or learned ones that failed
         self._learned: dict[str, list[str]] = {}  #: per script: what its ranks imported themselves
+        self._deferred: dict[str, list[str]] = {}  #: per script: learned, preloaded from the next start on
         self._last: tuple[str, dict[str, str], str, str] | None = None  #: the latest warm launch's script, env, cwd, kind
         self._failed: dict[tuple[Any, ...], str] = {}  #: keys whose preload failed, and how
         self._lock = threading.Lock()
@@ -299,6 +305,8 @@ class WarmStarts:
         if not beyond_the_standard_library(preload):
             raise WarmUnavailable(NOTHING_TO_PRELOAD)
         if key != self._key or not self._alive():
+            if self._adopt_deferred(script_argv[0]):  # a start anyway: with what smaller lessons taught
+                key, preload, learned = self._plan(script_argv[0], env, cwd, slot_kind)
             self._start_server(key, preload, env, slot_kind, learned, keep_alive)
         receive, send = warm_server.CONTEXT.Pipe(duplex=False)
         request = {"script_argv": script_argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr,
@@ -338,23 +346,28 @@ class WarmStarts:
         return [entry for entry in search if entry]
 
     def learn(self, script_argv: list[str], imported: list[str] | None,
-              keep_alive: Callable[[], object] = lambda: None) -> None:
+              keep_alive: Callable[[], object] = lambda: None, imported_count: int | None = None) -> None:
         """After a rank of the script ended: the installed modules it imported itself
-        (`workers.entry.installed_imports`; torch and DeepSpeed import much lazily, inside
+        (`workers.entry.imports_since`; torch and DeepSpeed import much lazily, inside
         `deepspeed.initialize`) are preloaded from now on, and the warm process is started again
-        with them at once, between experiments rather than inside the next one's wall."""
+        with them at once, between experiments rather than inside the next one's wall, when the
+        rank imported `RESTART_AT_IMPORTS` modules or more (`imported_count`, all of them, None:
+        unknown); fewer wait for the next start."""
         if not imported or not script_argv:
             return
         with self._lock:
             if self._last is None or self._last[0] != script_argv[0] or why_cold(script_argv, self._last[1]):
                 return
             script, env, cwd, slot_kind = self._last
-            known = self._learned.setdefault(script, [])
+            known = [*self._learned.get(script, []), *self._deferred.get(script, [])]
             fresh = [name for name in imported if name not in known and name not in self._dropped]
-            fresh = installed_only(fresh, self._roots, self._search_path(script, env, cwd))
+            fresh = installed_only(fresh, self._roots, self._search_path(script, env, cwd))[:MAX_LEARNED - len(known)]
             if not fresh:
                 return
-            known.extend(fresh[:MAX_LEARNED - len(known)])
+            self._deferred.setdefault(script, []).extend(fresh)
+            if imported_count is not None and imported_count < RESTART_AT_IMPORTS and self._alive():
+                return
+            self._adopt_deferred(script)
             key, preload, learned = self._plan(script, env, cwd, slot_kind)
             if key in self._failed or key == self._key or not beyond_the_standard_library(preload):
                 return
@@ -362,6 +375,12 @@ class WarmStarts:
                 self._start_server(key, preload, env, slot_kind, learned, keep_alive)
             except Exception as exc:  # noqa: BLE001 - the next launch tries again, or runs cold
                 log.warning("warm start: starting the warm process with the learned preloads failed: %s", exc)
+
+    def _adopt_deferred(self, script: str) -> bool:
+        """Move what ranks of `script` taught into its preload; whether there was anything."""
+        deferred = self._deferred.pop(script, [])
+        self._learned.setdefault(script, []).extend(deferred)
+        return bool(deferred)
 
     def _alive(self) -> bool:
         try:

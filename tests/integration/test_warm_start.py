@@ -293,6 +293,32 @@ def test_what_a_rank_imported_itself_is_preloaded_for_the_next(warm: WarmStarts,
     assert second.exit_code == 0 and start.path == "warm" and out == "preloaded\n", err
 
 
+def test_a_rank_that_imported_a_few_modules_itself_does_not_restart_the_warm_process(warm: WarmStarts,
+                                                                                      tmp_path: Path) -> None:
+    """A start of the warm process costs the slot seconds of a core (torch's import again): a lesson
+    of a few modules waits for the next start, and is preloaded from then on."""
+    from workers.device_memory import read_exit_report
+    from workers.warm_start import RESTART_AT_IMPORTS
+
+    (tmp_path / "site" / "lazy_lib.py").write_text("")
+    script = tmp_path / "lazy.py"
+    script.write_text("import sys, installed_lib\nprint('preloaded' if 'lazy_lib' in sys.modules else 'not yet')\n"
+                      "def main():\n    import lazy_lib\nmain()\n")
+    env = _env(tmp_path, AUTOTUNE_EXIT_REPORT=str(tmp_path / "exit.json"))
+    _, start, out, err = _launch(warm, tmp_path, script, env=env)
+    assert start.path == "warm" and out == "not yet\n", err
+    report = read_exit_report(tmp_path / "exit.json")
+    assert "lazy_lib" in report["imported"] and report["imported_count"] < RESTART_AT_IMPORTS
+    server = warm._pid
+    warm.learn([str(script)], report["imported"], imported_count=report["imported_count"])
+    assert warm._pid == server  # not started again for one module
+    _, start, out, _ = _launch(warm, tmp_path, script, env=env)
+    assert warm._pid == server and start.path == "warm" and out == "not yet\n", (warm._pid, server, warm._key)
+    warm._stop_server()  # the next launch starts it anyway: with the lesson
+    _, start, out, _ = _launch(warm, tmp_path, script, env=env)
+    assert start.path == "warm" and out == "preloaded\n"
+
+
 def test_the_slots_lease_is_kept_while_the_warm_process_starts(warm: WarmStarts, tmp_path: Path) -> None:
     """A preload from a shared filesystem takes tens of seconds: the launch's keep-alive (the lease
     renewal, workers.rank) is called every second meanwhile, or the slot would be taken as lost."""
