@@ -124,6 +124,7 @@ def test_a_plain_crash_stays_a_crash_with_its_report(tmp_path: Path) -> None:
     assert code == 1 and "RuntimeError: invalid device ordinal" in stderr
     assert "up" in report.pop("moments")  # workers.timeline's start of the rank's own clock
     assert isinstance(report.pop("imported"), list)  # for the warm interpreter (workers.warm_start)
+    assert isinstance(report.pop("imported_count"), int)  # all it imported: whether to restart the warm process
     assert report == {"peak_device_bytes": 3 * 2**30, "peak_device_allocated_bytes": 2 * 2**30,
                       "profiling_exit": False}
 
@@ -135,6 +136,7 @@ def test_a_clean_run_reports_its_peak(tmp_path: Path) -> None:
     """)
     assert "up" in report.pop("moments")
     assert isinstance(report.pop("imported"), list)
+    assert isinstance(report.pop("imported_count"), int)
     assert code == 0 and report == {"peak_device_bytes": 5 * 2**30, "peak_device_allocated_bytes": 5 * 2**30,
                                      "profiling_exit": False}
 
