@@ -80,6 +80,17 @@ def environment() -> dict[str, str]:
     return env
 
 
+def without_mlflow(work: Path) -> Path:
+    """A folder whose `mlflow` cannot be imported, for the front of DeepSpeed's PYTHONPATH. DeepSpeed
+    0.19's autotuner logs to MLflow whenever `import mlflow` succeeds, and then reads
+    os.environ['MLFLOW_RUN_ID'] unguarded (autotuner.py `tune`): with MLflow installed (our
+    `[mlflow]` extra, in the test venv) and no run id, it dies at once with a KeyError."""
+    shim = work / "no_mlflow" / "mlflow"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text("raise ImportError('hidden from DeepSpeed by bench/vs_deepspeed.py')\n")
+    return shim.parent
+
+
 def run_deepspeed(work: Path, config: dict[str, Any], port: int, script_args: list[str]) -> dict[str, Any]:
     """One `deepspeed --autotuning tune` run; what it launched is read from its results folder."""
     results, exps = work / "results", work / "exps"
@@ -88,9 +99,11 @@ def run_deepspeed(work: Path, config: dict[str, Any], port: int, script_args: li
     argv = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(WORLD["ranks"]), "--master_port", str(port),
             "--autotuning", "tune",
             str(SCRIPT), "--deepspeed_config", str(work / "ds_config.json"), *script_args]
+    env = environment()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(without_mlflow(work)), env.get("PYTHONPATH", "")]))
     started = time.monotonic()
     since = time.time()
-    proc = subprocess.run(argv, cwd=work, env=environment(), stdout=(work / "stdout.log").open("w"),
+    proc = subprocess.run(argv, cwd=work, env=env, stdout=(work / "stdout.log").open("w"),
                           stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
     remove_leaked_segments(since)

@@ -12,7 +12,9 @@ affinity, sets torch's thread count, and runs the script through `workers.entry.
 `python script.py` would (runpy, `__main__`), then ends as the interpreter would. What a rank
 imported itself (torch and DeepSpeed import much lazily inside `deepspeed.initialize`) is learned
 and preloaded from then on (`WarmStarts.learn`); the warm process is started again with it between
-experiments, keeping the slot's lease meanwhile.
+experiments, keeping the slot's lease meanwhile, when the lesson is worth a start (`RESTART_AT_IMPORTS`).
+The warm process freezes what it imported out of the garbage collector's sight before it forks
+(`workers.warm_preload`), so a rank's collections do not copy the pages it shares with it.
 
 What stays true, and why:
 - CUDA is never initialised in the warm process: it is started with PYTORCH_NVML_BASED_CUDA_CHECK=1
