@@ -238,8 +238,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     finally:
         client.delete(pgid_key)
         remove_rank_segment(master[0], master[1], spec.rank)  # DeepSpeed's CPU all-reduce never does
-    taught = read_exit_report(exit_report)
-    WARM.learn(script_argv, taught.get("imported"), stop_check.slot_taken, taught.get("imported_count"))  # the next rank's
+    report = read_exit_report(exit_report)  # final: the rank's whole group has ended
+    WARM.learn(script_argv, report.get("imported"), stop_check.slot_taken, report.get("imported_count"))  # the next rank's
     # The slot is freed only with its GPU back to idle: a context torn down slowly is waited for;
     # memory still held after the wait is someone else's, and the slot leaves tuning until it goes.
     device_after = FREE_MEMORY.wait(slot.nvidia_smi_id, stop_check.slot_taken) if on_gpu else None
@@ -250,7 +250,6 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     metrics = read_json(metric_path) if expects_metrics else None
     has_metrics = isinstance(metrics, dict)
     status = classify(launch.exit_code, launch.killed_for, expects_metrics, has_metrics)
-    report = read_exit_report(exit_report)
     oom_in_stderr = stderr_out_of_memory(tail(stderr_path, STDERR_OOM_BYTES)) if status is Status.CRASHED else None
     oom_in_counts, probable_oom = aborted_out_of_memory(launch.exit_code, report) \
         if status is Status.CRASHED and not oom_in_stderr else (None, None)

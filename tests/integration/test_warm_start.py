@@ -271,17 +271,23 @@ def test_an_interrupted_script_ends_as_pythons_does(warm: WarmStarts, tmp_path: 
     assert "KeyboardInterrupt" in err and "KeyboardInterrupt" in cold_err
 
 
+def _imports_lazily(tmp_path: Path, lib_source: str) -> tuple[Path, dict[str, str]]:
+    """A script that says whether `lazy_lib` (installed, `lib_source`) was preloaded, then imports it
+    inside a function (not at its top level), and an environment that collects its exit report."""
+    (tmp_path / "site" / "lazy_lib.py").write_text(lib_source)
+    script = tmp_path / "lazy.py"
+    script.write_text("import sys, installed_lib\ndef main():\n    print('preloaded' if 'lazy_lib' in sys.modules else 'not yet')\n"
+                      "    import lazy_lib\nmain()\n")
+    return script, _env(tmp_path, AUTOTUNE_EXIT_REPORT=str(tmp_path / "exit.json"))
+
+
 def test_what_a_rank_imported_itself_is_preloaded_for_the_next(warm: WarmStarts, tmp_path: Path) -> None:
     """torch and DeepSpeed import much lazily, inside deepspeed.initialize: an installed module the
     script's run imported (not at its top level) is in the warm process for the next rank, and
     the warm process was started again with it right after the rank that taught it."""
     from workers.device_memory import read_exit_report
 
-    (tmp_path / "site" / "lazy_lib.py").write_text("import time\ntime.sleep(1.0)\n")
-    script = tmp_path / "lazy.py"
-    script.write_text("import sys, installed_lib\ndef main():\n    print('preloaded' if 'lazy_lib' in sys.modules else 'not yet')\n"
-                      "    import lazy_lib\nmain()\n")
-    env = _env(tmp_path, AUTOTUNE_EXIT_REPORT=str(tmp_path / "exit.json"))
+    script, env = _imports_lazily(tmp_path, "import time\ntime.sleep(1.0)\n")
     first, start, out, err = _launch(warm, tmp_path, script, env=env)
     assert first.exit_code == 0 and start.path == "warm" and out == "not yet\n", err
     imported = read_exit_report(tmp_path / "exit.json").get("imported")
@@ -300,11 +306,7 @@ def test_a_rank_that_imported_a_few_modules_itself_does_not_restart_the_warm_pro
     from workers.device_memory import read_exit_report
     from workers.warm_start import RESTART_AT_IMPORTS
 
-    (tmp_path / "site" / "lazy_lib.py").write_text("")
-    script = tmp_path / "lazy.py"
-    script.write_text("import sys, installed_lib\nprint('preloaded' if 'lazy_lib' in sys.modules else 'not yet')\n"
-                      "def main():\n    import lazy_lib\nmain()\n")
-    env = _env(tmp_path, AUTOTUNE_EXIT_REPORT=str(tmp_path / "exit.json"))
+    script, env = _imports_lazily(tmp_path, "")
     _, start, out, err = _launch(warm, tmp_path, script, env=env)
     assert start.path == "warm" and out == "not yet\n", err
     report = read_exit_report(tmp_path / "exit.json")
