@@ -41,7 +41,7 @@ from scheduler.launch.resources import ResourceRequest, resolve_resources
 from workers import keys
 from workers.redis_tls import TLS_ENV
 from workers.registry import live_slots
-from workers.warm_start import SWITCH_ENV as WARM_SWITCH_ENV
+from workers.warm_plan import SWITCH_ENV as WARM_SWITCH_ENV
 
 REPO = str(Path(__file__).resolve().parents[1])
 RUN_DIR = "~/.celery-autotune/run"

@@ -13,8 +13,9 @@ per experiment would not, but needs a delegated cgroup tree that slot workers ra
 
 The process is a `subprocess.Popen` unless the caller passes `spawn` (`workers.warm_start` forks
 ranks from a warm interpreter): anything with `pid`, `poll()` and `wait(timeout)`, and optionally
-`inherited_bytes()` (memory to count as the process's own) and `after_kill(since)` (what else to
-stop after the group). The time limit starts when `spawn` returns: the wait for a warm process (its
+`forked_from_warm` (true: the memory it shares with the process it was forked from counts as its own,
+`workers.tree_memory.inherited`) and `leftover_marks()` (more tokens
+whose processes to stop after the group, and pids to spare: one pass over the process table for all). The time limit starts when `spawn` returns: the wait for a warm process (its
 preload, tens of seconds on a loaded machine or a shared filesystem) is start-up, in the wall, but
 not the experiment's to spend.
 """
@@ -132,22 +133,24 @@ def _still_alive(pgids: set[int], within_s: float) -> set[int]:
     return pgids
 
 
-def marked_processes(variable: str, token: str, since: float = 0.0,
+def marked_processes(variable: str, token: str | Collection[str], since: float = 0.0,
                      exclude: Collection[int] = ()) -> list[psutil.Process]:
-    """Live processes started at or after `since` whose environment has `variable`=`token`."""
+    """Live processes started at or after `since` whose environment has `variable`=`token` (or one
+    of the tokens given)."""
+    tokens = {token} if isinstance(token, str) else set(token)
     found = []
     for proc in psutil.process_iter(["create_time", "status"]):
         try:
             if proc.pid == os.getpid() or proc.pid in exclude or proc.info["create_time"] < since - 1.0:
                 continue
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.environ().get(variable) == token:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.environ().get(variable) in tokens:
                 found.append(proc)
         except psutil.Error:
             continue
     return found
 
 
-def kill_marked(variable: str, token: str, since: float = 0.0, grace_s: float = KILL_GRACE_S,
+def kill_marked(variable: str, token: str | Collection[str], since: float = 0.0, grace_s: float = KILL_GRACE_S,
                 exclude: Collection[int] = ()) -> None:
     """SIGTERM every process `marked_processes` finds, then SIGKILL what is left after `grace_s`."""
     procs = marked_processes(variable, token, since, exclude)
@@ -226,10 +229,9 @@ def run_watched(
 
 
 def _kill_leftovers(proc: Any, token: str, started: float) -> None:
-    kill_marked(CONTAINER_ENV, token, started)
-    after_kill = getattr(proc, "after_kill", None)
-    if after_kill is not None:
-        after_kill(started)
+    leftover_marks = getattr(proc, "leftover_marks", None)
+    tokens, spare = leftover_marks() if leftover_marks is not None else ((), ())
+    kill_marked(CONTAINER_ENV, {token, *tokens}, started, exclude=spare)
 
 
 def _watch(
@@ -240,7 +242,7 @@ def _watch(
     measured: Callable[[], bool] = lambda: False,
     measured_grace_s: float = MEASURED_GRACE_S,
 ) -> tuple[KillReason | None, int]:
-    memory = TreeMemory(psutil.Process(proc.pid), getattr(proc, "inherited_bytes", lambda: 0))
+    memory = TreeMemory(psutil.Process(proc.pid), bool(getattr(proc, "forked_from_warm", False)))
     peak = 0
     interval = POLL_S if memory_cap_bytes is not None else UNCAPPED_POLL_S
     next_abort_check = 0.0

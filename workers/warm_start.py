@@ -27,19 +27,19 @@ What stays true, and why:
   process's original environment in /proc/<pid>/environ, so the warm process carries AUTOTUNE_SLOT
   (`workers.launch.group_runs_slot`) and a token of its own (`server_token`): after a launch every
   process holding it, started since the launch, except the warm process, is stopped too, as the
-  launch token stops the ones that exec'd (`WarmProcess.after_kill`). The memory a forked rank
-  shares with the warm process is counted as its own, as a cold rank's would be (`inherited_bytes`).
-- Environment read at import time is the rank's: the warm process is started with the slot's
-  OMP/MKL threads, DeepSpeed's accelerator and PYTHONUNBUFFERED, and a rank whose values differ gets
-  a warm process started with its own (`import_time_env`); torch's thread count is set in the rank
-  (`torch.set_num_threads`); CUDA_VISIBLE_DEVICES and TORCH_EXTENSIONS_DIR are read when CUDA and an
-  op build start, in the rank. The script's own modules (next to it) are never preloaded: they are
-  the user's to edit between jobs, and may read RANK when imported.
+  launch token stops the ones that exec'd (`WarmProcess.leftover_marks`). The memory a forked rank
+  shares with the warm process is counted as its own, as a cold rank's would be (`forked_from_warm`).
+- Environment read at import time is the rank's: the warm process is started with the slot's OMP/MKL
+  threads, DeepSpeed's accelerator and PYTHONUNBUFFERED, and a rank whose values differ gets a warm
+  process started with its own (`workers.warm_plan.import_time_env`); torch's thread count is set in
+  the rank (`torch.set_num_threads`); CUDA_VISIBLE_DEVICES and TORCH_EXTENSIONS_DIR are read when
+  CUDA and an op build start, in the rank. The script's own modules (next to it) are never
+  preloaded: they are the user's to edit between jobs, and may read RANK when imported.
 - A launch the warm path cannot serve runs cold (`python -m workers.entry`, as before), and the
   record says which path ran (`start_path`, and `cold_because`): not a `.py` script (a wrapper),
-  AUTOTUNE_WARM_START=0 (`switched_off`), a script that imports only the standard library (nothing
-  to preload: such a rank starts in tens of milliseconds cold), a preload that fails or hangs, a
-  rank that refused.
+  AUTOTUNE_WARM_START=0 (`workers.warm_plan`, which decides what runs cold and what is preloaded), a
+  script that imports only the standard library (nothing to preload: such a rank starts in tens of
+  milliseconds cold), a preload that fails or hangs, a rank that refused.
 - The wait for the warm process is not the experiment's: `workers.launch.run_watched` starts the
   time limit when the rank exists, so a preload slowed by a loaded machine or a shared filesystem
   cannot turn a good config into a timeout (the record's wall still counts it: it is start-up).
@@ -55,8 +55,6 @@ What stays true, and why:
 """
 from __future__ import annotations
 
-import ast
-import importlib.machinery
 import json
 import logging
 import multiprocessing.process
@@ -64,7 +62,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -77,19 +74,14 @@ from typing import IO, Any
 import psutil
 
 from workers import warm_server
+from workers.warm_plan import (SWITCH_ENV, beyond_the_standard_library, import_time_env, installed_only,
+                               installed_roots, preload_modules, why_cold)
 from workers.warm_rank import probe_fork, rank_sys_path, run_forked_rank
 
 log = logging.getLogger(__name__)
 
-SWITCH_ENV = "AUTOTUNE_WARM_START"  #: unset or "1" forks ranks from the warm process; "0": every rank cold
 PRELOAD_ENV = "AUTOTUNE_WARM_PRELOAD"  #: the modules `workers.warm_preload` imports, comma-separated
 REPORT_ENV = "AUTOTUNE_WARM_REPORT"  #: where it writes what it imported, and what failed
-#: Read once, when a library is loaded or first asked, so the warm process must already have the rank's.
-IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "DS_ACCELERATOR", "PYTHONPATH", "PYTHONHASHSEED")
-#: torch._dynamo: every torch optimizer's constructor imports it (`torch._disable_dynamo`), so
-#: `deepspeed.initialize` paid 2.5-8 s of imports on the 2-core machine after the script's own.
-ALWAYS_PRELOADED = ("torch", "deepspeed", "torch._dynamo")
-TRAINING_ROOTS = ("torch", "deepspeed")  #: a script importing one of these gets ALWAYS_PRELOADED
 #: How long the preload may take (a cold import of torch, DeepSpeed and transformers from a shared
 #: filesystem is tens of seconds), and how long a forked rank may take to say it is ready.
 PRELOAD_TIMEOUT_S = 600.0
@@ -101,95 +93,6 @@ MAX_LEARNED = 300  #: learned preloads kept per script
 #: are preloaded with the next start. The first rank of a DeepSpeed script imports hundreds.
 RESTART_AT_IMPORTS = 50
 NOTHING_TO_PRELOAD = "nothing to preload: the script imports only the standard library"
-
-
-def switched_off(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    """On unless turned off (`AUTOTUNE_WARM_START=0`): the switch is for a script the warm path
-    serves wrongly, and for measuring what warm start changes (bench/warm_vs_cold.py)."""
-    return environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off")
-
-
-def why_cold(script_argv: list[str], environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
-    """Why the warm path cannot run this script (None: it can)."""
-    if switched_off(environ):
-        return f"switched off ({SWITCH_ENV}={environ.get(SWITCH_ENV)})"
-    script = script_argv[0] if script_argv else ""
-    if not script.endswith(".py"):
-        return f"not a Python script: {script}"
-    try:
-        ast.parse(Path(script).read_bytes(), filename=script)
-    except (OSError, SyntaxError, ValueError) as exc:
-        return f"cannot be read as Python ({type(exc).__name__}): the cold run reports it"
-    return None
-
-
-def top_level_imports(source: str) -> list[str]:
-    """The absolute modules a script imports at its top level (in order, without duplicates), also
-    inside top-level `try`/`if` blocks; `from a.b import c` gives `a.b`. Pure."""
-    found: list[str] = []
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Try):
-                for block in (node.body, *(handler.body for handler in node.handlers), node.orelse, node.finalbody):
-                    visit(block)
-            elif isinstance(node, ast.If):
-                visit(node.body)
-                visit(node.orelse)
-            for name in names:
-                if name != "__future__" and name not in found:
-                    found.append(name)
-
-    visit(ast.parse(source).body)
-    return found
-
-
-def installed_roots() -> list[Path]:
-    """Where installed packages live: the standard library and site-packages."""
-    return [Path(p).resolve() for p in {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib",
-                                                                               "platlib")}]
-
-
-def preload_modules(script: Path, installed: list[Path], search_path: list[str]) -> list[str]:
-    """The script's top-level imports that are installed packages (found on the rank's
-    `search_path` under `installed`), never a module next to the script or one that shadows a
-    package there; with torch, DeepSpeed and torch._dynamo when the script imports torch or
-    DeepSpeed (what `deepspeed.initialize` imports anyway)."""
-    names = top_level_imports(script.read_text(errors="replace"))
-    if any(name.partition(".")[0] in TRAINING_ROOTS for name in names):
-        names = [*ALWAYS_PRELOADED, *names]
-    return installed_only(list(dict.fromkeys(names)), installed, search_path)
-
-
-def beyond_the_standard_library(names: list[str]) -> list[str]:
-    """The names a warm process would save a rank the import of: a script that imports only the
-    standard library starts in tens of milliseconds cold, and a warm process for it would cost
-    the slot a process and its start for nothing."""
-    return [name for name in names if name.partition(".")[0] not in sys.stdlib_module_names]
-
-
-def installed_only(names: list[str], installed: list[Path], search_path: list[str]) -> list[str]:
-    """The names whose top-level package the rank would find (on `search_path`) under `installed`."""
-    chosen = []
-    for name in names:
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(name.partition(".")[0], search_path)
-        except (ImportError, ValueError):
-            continue
-        places = ([spec.origin] if spec.origin else list(spec.submodule_search_locations or [])) if spec else []
-        if places and all(any(Path(place).resolve().is_relative_to(root) for root in installed) for place in places):
-            chosen.append(name)
-    return chosen
-
-
-def import_time_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    """The rank's values of what libraries read once: a warm process started with others is not its."""
-    return tuple((name, env.get(name, "")) for name in IMPORT_TIME_ENV)
 
 
 def server_env(rank_env: dict[str, str], slot_kind: str, preload: list[str], token: str,
@@ -219,6 +122,10 @@ class Start:
 class WarmProcess:
     """A rank forked by the warm process, as `workers.launch.run_watched` watches a Popen."""
 
+    #: The memory it shares with the warm process counts as its own, as a cold rank would own it
+    #: (`workers.tree_memory.inherited`).
+    forked_from_warm = True
+
     def __init__(self, process: multiprocessing.process.BaseProcess, server_pid: int, server_token: str) -> None:
         self._process, self.pid = process, int(process.pid or 0)
         self._server_pid, self._server_token = server_pid, server_token
@@ -232,27 +139,10 @@ class WarmProcess:
             raise subprocess.TimeoutExpired(f"warm rank {self.pid}", timeout or 0.0)
         return self._process.exitcode
 
-    def inherited_bytes(self) -> int:
-        """The memory the rank still shares with the warm process: counted half in its PSS, but a
-        cold rank would own it (its anonymous memory in full, less its proportional share). A
-        script that never imports a preloaded module (torch._dynamo, which every torch optimizer
-        imports) is charged for it all the same: its figure is that much above a cold run's."""
-        try:
-            fields = {}
-            for line in Path(f"/proc/{self.pid}/smaps_rollup").read_text().splitlines():
-                name, _, value = line.partition(":")
-                if name.replace("_", "").isalpha():
-                    fields[name] = int(value.split()[0]) * 1024
-            anonymous, proportional = fields["Anonymous"], fields["Pss_Anon"]
-        except (OSError, KeyError, ValueError, IndexError):
-            return 0
-        return max(0, anonymous - proportional)
-
-    def after_kill(self, since: float) -> None:
-        """Stop what the rank forked without exec (its /proc environ is the warm process's)."""
-        from workers.launch import CONTAINER_ENV, kill_marked
-
-        kill_marked(CONTAINER_ENV, self._server_token, since, exclude=(self._server_pid,))
+    def leftover_marks(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """What the rank forked without exec carries (its /proc environ is the warm process's): the
+        warm process's token, to stop after the launch as the launch's own, sparing the warm process."""
+        return (self._server_token,), (self._server_pid,)
 
 
 class WarmStarts:

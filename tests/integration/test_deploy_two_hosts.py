@@ -44,7 +44,7 @@ from netns import (Host, NamespacesUnavailable, create_two_hosts, delete_hosts, 
                    on_host, own_processes, processes_of)
 from sshd import TestSshd, start_sshd
 from workers import keys
-from workers.warm_start import SWITCH_ENV
+from workers.warm_plan import SWITCH_ENV
 
 pytestmark = pytest.mark.integration
 

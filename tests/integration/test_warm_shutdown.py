@@ -19,7 +19,7 @@ import pytest
 
 from integration_helpers import run_autotune, wait_for, write_config
 from workers.local_cluster import LocalCluster
-from workers.warm_start import SWITCH_ENV
+from workers.warm_plan import SWITCH_ENV
 
 pytestmark = pytest.mark.integration
 

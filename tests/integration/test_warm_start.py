@@ -18,7 +18,8 @@ import pytest
 from integration_helpers import run_autotune, write_config
 from workers.failure import KillReason
 from workers.launch import LaunchResult, group_alive, run_watched
-from workers.warm_start import NOTHING_TO_PRELOAD, SWITCH_ENV, Start, WarmStarts, installed_roots
+from workers.warm_plan import SWITCH_ENV, installed_roots
+from workers.warm_start import NOTHING_TO_PRELOAD, Start, WarmStarts
 
 ROOT = Path(__file__).resolve().parents[2]
 

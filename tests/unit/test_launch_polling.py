@@ -4,6 +4,7 @@ abort flag at most twice a second either way (issue 21 item 18); the costly PSS 
 the cheap RSS one could change the answer (`workers.tree_memory`), without missing a peak."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -22,9 +23,9 @@ def test_memory_is_polled_fast_only_against_a_cap(tmp_path: Path, monkeypatch: p
     real_rss, real_pss = tree_memory.tree_rss, tree_memory.tree_pss
 
     def counted(kind, real):
-        def read(processes):
+        def read(processes, *rest):
             calls[kind] += 1
-            return real(processes)
+            return real(processes, *rest)
         return read
 
     def should_abort() -> bool:
@@ -168,3 +169,14 @@ def test_the_time_limit_starts_when_the_process_exists_not_while_it_is_spawned(t
                                 timeout_s=1.5, memory_cap_bytes=None, spawn=slow_spawn)
     assert result.killed_for is None and result.exit_code == 0, result
     assert result.wall_s >= 2.0
+
+
+def test_a_forked_ranks_inherited_memory_is_its_anonymous_memory_less_its_share() -> None:
+    """What a warm-forked rank still shares with the warm process counts in full, as a cold rank
+    would own it: all of its anonymous memory, less the proportional part PSS already counts."""
+    fields = {"Rss": 900 << 20, "Pss": 500 << 20, "Pss_Anon": 300 << 20, "Anonymous": 700 << 20}
+    assert tree_memory.inherited(fields) == 400 << 20
+    assert tree_memory.inherited({"Pss": 1}) == 0  # a kernel without the fields: nothing added
+    me = tree_memory.smaps_rollup(os.getpid())
+    assert me["Pss"] > 0 and me["Anonymous"] >= me["Pss_Anon"] >= 0
+    assert tree_memory.smaps_rollup(2**22 + 1) == {}

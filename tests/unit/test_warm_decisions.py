@@ -1,14 +1,15 @@
-"""The warm path's decisions (workers.warm_start): what is preloaded, what runs cold, what the warm
-process's environment holds. The forking itself: tests/integration/test_warm_start.py."""
+"""The warm path's decisions (workers.warm_plan; workers.warm_start.server_env): what is preloaded,
+what runs cold, what the warm process's environment holds. The forking itself: tests/integration/test_warm_start.py."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from workers.launch import CONTAINER_ENV
 from workers.warm_rank import rank_sys_path
-from workers.warm_start import (ALWAYS_PRELOADED, PRELOAD_ENV, SWITCH_ENV, beyond_the_standard_library,
-                                import_time_env, installed_roots, preload_modules, server_env, top_level_imports,
-                                why_cold)
+from workers.warm_plan import (ALWAYS_PRELOADED, SWITCH_ENV, beyond_the_standard_library, import_time_env,
+                               installed_roots, preload_modules, top_level_imports, why_cold)
+from workers.warm_start import PRELOAD_ENV, server_env
 
 
 def test_top_level_imports_in_order_including_guarded_ones_but_not_inside_functions() -> None:
@@ -44,6 +45,30 @@ def test_torch_and_deepspeed_are_preloaded_for_a_script_that_imports_them_and_on
     assert preload_modules(plain, roots, path) == ["argparse", "json", "pathlib"]
     assert beyond_the_standard_library(preload_modules(plain, roots, path)) == []
     assert beyond_the_standard_library(["json", "torch._dynamo", "os.path", "numpy"]) == ["torch._dynamo", "numpy"]
+
+
+def test_a_script_edited_or_a_package_installed_between_launches_is_seen_at_the_next(tmp_path: Path) -> None:
+    """The script's imports and where they are found are worked out once per version of the file
+    and of the search path's folders (every rank asks): an edit of the script, or a package
+    installed next to the others, changes the next launch's answer."""
+    site, here = tmp_path / "site", tmp_path / "job"
+    site.mkdir()
+    here.mkdir()
+    (site / "first.py").write_text("")
+    script = here / "train.py"
+    script.write_text("import first\nimport later\n")
+    stamp = os.stat(script).st_mtime_ns
+    path = [str(here), str(site)]
+    assert preload_modules(script, [site.resolve()], path) == ["first"]
+    (site / "later.py").write_text("")  # installed: the folder's mtime moves
+    assert preload_modules(script, [site.resolve()], path) == ["first", "later"]
+    script.write_text("import later\n")  # edited
+    os.utime(script, ns=(stamp + 10**9, stamp + 10**9))
+    assert preload_modules(script, [site.resolve()], path) == ["later"]
+    assert why_cold([str(script)], {SWITCH_ENV: "1"}) is None
+    script.write_text("import later\ndef (:\n")
+    os.utime(script, ns=(stamp + 2 * 10**9, stamp + 2 * 10**9))
+    assert "cannot be read as Python" in why_cold([str(script)], {SWITCH_ENV: "1"})
 
 
 def test_what_the_warm_path_cannot_serve(tmp_path: Path) -> None:
