@@ -1,11 +1,13 @@
 """Worker start-up and shutdown: bind a slot worker to its device and register it.
 
 `celery -A tasks worker -Q gpu0 -n gpu0@%h`: when the worker starts, the bare `gpu0` becomes this
-node's `<node>.gpu0` queue, the slot is described (GPU via nvidia-smi, else a CPU slot with a
-memory cap and thread budget) and registered in Redis with a heartbeat. This happens in the main
-process before the pool forks, so pool children inherit the binding through the environment and
-the worker itself never initialises CUDA. A worker on `-Q control` registers as a control worker
-and, once its pool is up, runs the sweep thread (`scheduler.cluster.control_loop.sweep_forever`).
+node's `<node>.gpu0` queue, the slot is described (GPU via nvidia-smi, else a CPU slot with a memory
+cap and thread budget) and registered in Redis with a heartbeat, which withdraws the slot while the
+worker's consumer has stopped taking its queue's messages (`workers.consumer_watch`). This happens
+in the main process before the pool forks, so pool children inherit the binding through the
+environment and the worker itself never initialises CUDA. A worker on `-Q control` registers as a
+control worker and, once its pool is up, runs the sweep thread
+(`scheduler.cluster.control_loop.sweep_forever`).
 A pool process that shuts down ends its slot's warm interpreter first (`workers.warm_start`).
 """
 from __future__ import annotations
@@ -26,9 +28,12 @@ import psutil
 import redis
 from celery import signals
 from celery.exceptions import TimeLimitExceeded
+from celery.worker import state as worker_state
 
 from workers import keys
+from workers.consumer_watch import STUCK_ENV, STUCK_S, ConsumerWatch
 from workers.cuda_binding import binding_problem, should_check, uuid_seen_by_cuda
+from workers.device_idle import seconds_setting
 from workers.gpus import GpuListingError, memory_used
 from workers.launch import group_runs_slot, kill_group
 from workers.redis_tls import describe_tls_failure
@@ -136,7 +141,9 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
             _refuse(f"slot worker {sender}: GPU {slot.cuda_index} ({slot.gpu_uuid}) is already served by slot "
                     f"{twin.get('queue')} (worker {twin.get('worker')}) on this machine; one slot worker per GPU: "
                     "stop one, or give each worker its own GPU (gpu<i>, CUDA_VISIBLE_DEVICES)")
-        _heartbeats.append(register_slot(client, slot))
+        watch = ConsumerWatch(waiting=lambda queue=slot.queue: client.llen(queue), busy=_holds_a_task,
+                              stuck_s=seconds_setting(os.environ.get(STUCK_ENV), STUCK_S))
+        _heartbeats.append(register_slot(client, slot, withheld=watch))
         if slot.kind == "cuda" and slot.cuda_index >= 0:  # lifts the slot's mark when its GPU is free
             _heartbeats.append(HealthWatch(client, slot.queue, slot.nvidia_smi_id, memory_used).start())
         log.info("slot %s registered: %s", slot.queue, slot)
@@ -149,6 +156,12 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
     if parent:
         threading.Thread(target=exit_with_parent, args=(int(parent),), daemon=True,
                          name="exit with parent").start()
+
+
+def _holds_a_task() -> bool:
+    """Whether this worker has a task in hand (received and not yet done): its queue may then hold
+    the next one without anything being wrong (`workers.consumer_watch`)."""
+    return bool(worker_state.active_requests or worker_state.reserved_requests)
 
 
 def _refuse(message: str) -> NoReturn:

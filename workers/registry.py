@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 
 import redis
 
@@ -92,12 +93,16 @@ def announce_slot(client: redis.Redis | redis.client.Pipeline, slot: Slot, ttl_s
 class Heartbeat:
     """Keeps string keys alive in Redis until stopped: a registration (JSON of `fields`) and any
     `claims` beside it (key -> value), renewed together and deleted together. `slot_queue`: the
-    registration is that slot's, indexed (`announce`)."""
+    registration is that slot's, indexed (`announce`). `withheld` is asked before each beat: a
+    reason (the worker's consumer is stuck, `workers.consumer_watch`) deletes the registration
+    until it answers None again."""
 
     def __init__(self, client: redis.Redis, key: str, fields: dict[str, str],
-                 claims: dict[str, str] | None = None, slot_queue: str = "") -> None:
+                 claims: dict[str, str] | None = None, slot_queue: str = "",
+                 withheld: Callable[[], str | None] = lambda: None) -> None:
         self._client, self._key, self._slot_queue = client, key, slot_queue
         self._values = {key: json.dumps(fields), **(claims or {})}
+        self._withheld, self._withholding = withheld, False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat {key}", daemon=True)
 
@@ -109,14 +114,17 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=HEARTBEAT_S + 1)
         try:
-            with self._client.pipeline(transaction=True) as pipe:
-                pipe.delete(*self._values)
-                if self._slot_queue:
-                    pipe.srem(keys.SLOT_INDEX, self._slot_queue)
-                    pipe.set(keys.SLOT_EPOCH, uuid.uuid4().hex)
-                pipe.execute()
+            self._unregister()
         except redis.RedisError as exc:
             log.warning("could not unregister %s: %s", self._key, exc)
+
+    def _unregister(self) -> None:
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.delete(*self._values)
+            if self._slot_queue:
+                pipe.srem(keys.SLOT_INDEX, self._slot_queue)
+                pipe.set(keys.SLOT_EPOCH, uuid.uuid4().hex)
+            pipe.execute()
 
     def _beat(self) -> None:
         if self._slot_queue:
@@ -131,6 +139,16 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
+                why = self._withheld()
+                if why is not None:
+                    if not self._withholding:
+                        log.error("%s withdrawn: %s", self._key, why)
+                    self._withholding = True
+                    self._unregister()
+                    continue
+                if self._withholding:
+                    log.warning("%s announced again: its worker takes its queue's messages again", self._key)
+                    self._withholding = False
                 self._beat()
             except redis.RedisError as exc:  # Redis restarting: keep trying, re-register after
                 log.warning("heartbeat for %s failed: %s", self._key, exc)
@@ -165,9 +183,11 @@ def claim_gpu(client: redis.Redis, slot: Slot) -> dict[str, str] | None:
     return None
 
 
-def register_slot(client: redis.Redis, slot: Slot) -> Heartbeat:
-    """Announce `slot` (after `claim_gpu`), keeping its GPU's claim alive with it."""
-    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis(), _gpu_claim(slot), slot_queue=slot.queue)
+def register_slot(client: redis.Redis, slot: Slot, withheld: Callable[[], str | None] = lambda: None) -> Heartbeat:
+    """Announce `slot` (after `claim_gpu`), keeping its GPU's claim alive with it, while `withheld`
+    gives no reason not to (`Heartbeat`)."""
+    beat = Heartbeat(client, keys.slot(slot.queue), slot.to_redis(), _gpu_claim(slot), slot_queue=slot.queue,
+                     withheld=withheld)
     beat.start()
     return beat
 

@@ -168,6 +168,7 @@ NUMERIC_VARIABLES: Mapping[str, tuple[float, float, bool]] = {
     "AUTOTUNE_GPU_WAIT_S": (0.0, 3600.0, False),
     "AUTOTUNE_MEASURED_GRACE_S": (0.0, 3600.0, False),
     "AUTOTUNE_CLUSTER_WAIT_S": (0.0, 3600.0, False),
+    "AUTOTUNE_CONSUMER_STUCK_S": (1.0, 3600.0, False),
 }
 
 

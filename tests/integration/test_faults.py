@@ -1,5 +1,5 @@
-"""Faults during a tuning job on a cluster of its own: a slot worker killed with SIGKILL mid-experiment
-and Redis restarted mid-job. The job still completes, the lost experiment is launched again (attempts
+"""Faults during a tuning job on a cluster of its own: a slot worker killed with SIGKILL mid-experiment,
+Redis restarted mid-job, and a slot worker whose consumer stopped taking its queue's messages. The job still completes, the lost experiment is launched again (attempts
 counted in Redis), no training process is left behind and no slot stays reserved. Each test prints
 the time from the fault to the recovery it waits for."""
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Cluster:
     def start_worker(self, queue: str, concurrency: int = 1) -> None:
         env = {**os.environ, "AUTOTUNE_REDIS_URL": self.url, "AUTOTUNE_NODE": "faultnode",
                "AUTOTUNE_SLOT_MEMORY": "1GiB", "AUTOTUNE_SLOTS_PER_NODE": "2",
-               "AUTOTUNE_TEST_MARKER": self.marker}
+               "AUTOTUNE_TEST_MARKER": self.marker, "AUTOTUNE_CONSUMER_STUCK_S": "4"}
         with open(self.tmp / f"{queue}.log", "ab") as log:
             self.workers[queue] = subprocess.Popen(
                 worker_argv(queue, f"{queue}@faultnode", concurrency),
@@ -147,6 +147,39 @@ def test_redis_restarted_mid_job(cluster, tmp_path):
     assert sorted(statuses) == ["z0_gas1_tmbspg2", "z0_gas1_tmbspg3", "z0_gas1_tmbspg3_r2", "z0_gas3_tmbspg1"], statuses
     wait_for(lambda: len(live_slots(cluster.client)) == 2, 15, "slots to re-register after the restart")
     print(f"\nRedis restart -> job complete: {time.monotonic() - restarted_at:.1f}s")
+
+
+def test_a_slot_whose_worker_stopped_consuming_is_withdrawn_and_its_experiment_runs_elsewhere(cluster, tmp_path):
+    """The state a worker can be left in by a Redis restart mid-task (celery#8030), made on purpose:
+    gpu0's worker stops consuming its queue but keeps running (and, before the fix, announcing its
+    slot). The experiment sent there is taken back and run on gpu1, and nothing more is sent to
+    gpu0 until its worker consumes again; then the slot is announced again."""
+    results = tmp_path / "autotuning_results"
+    control = [sys.executable, "-m", "celery", "-A", "tasks", "control", "--timeout", "10",
+               "-d", "gpu0@faultnode"]
+    env = {**os.environ, "AUTOTUNE_REDIS_URL": cluster.url}
+    stop = subprocess.run([*control, "cancel_consumer", "faultnode.gpu0"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0 and "no longer consuming" in stop.stdout, stop.stdout + stop.stderr
+    job = _start_job(cluster, tmp_path, "1=slow2,2=slow2", [1, 2])
+    try:
+        out, err = job.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        out, err = job.communicate()
+        logs = "".join(f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}" for log in tmp_path.glob("*.log"))
+        pytest.fail(f"the job had not ended in 150 s\n{out}\n{err}\n{logs}")
+    assert job.returncode == 0, out + err
+    records = [json.loads(p.read_text()) for p in results.glob("*/result.json")]
+    assert records and {r["status"] for r in records} == {"ok"}, records
+    assert {slot for r in records for slot in r["slots"]} == {"faultnode.gpu1"}, records
+    assert "faultnode.gpu0 withdrawn" in (tmp_path / "gpu0.log").read_text()
+    assert [s.queue for s in live_slots(cluster.client)] == ["faultnode.gpu1"]
+    back = subprocess.run([*control, "add_consumer", "faultnode.gpu0"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert back.returncode == 0, back.stdout + back.stderr
+    wait_for(lambda: len(live_slots(cluster.client)) == 2, 30, "gpu0 to be announced again")
+    assert list(cluster.client.scan_iter(match=keys.gang("*"))) == []
 
 
 def _alive(pid: int) -> bool:
