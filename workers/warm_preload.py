@@ -65,6 +65,8 @@ def preload(names: list[str]) -> dict[str, object]:
             report["cuda_initialised_by"] = name
             break
         report["imported"].append(name)  # type: ignore[union-attr]
+    if "deepspeed" in report["imported"] and not report["cuda_initialised_by"]:  # type: ignore[operator]
+        report["deepspeed_ops"] = prepare_deepspeed_ops()
     report["seconds"] = round(time.monotonic() - began, 3)
     # What was imported lives as long as every rank: out of the collector's sight, so a forked rank's
     # collections neither walk it nor write its pages (each write copies a page shared with this
@@ -72,6 +74,37 @@ def preload(names: list[str]) -> dict[str, object]:
     gc.collect()
     gc.freeze()
     return report
+
+
+def prepare_deepspeed_ops() -> str:
+    """Work out once, here, what DeepSpeed works out once per process and every rank asked again in
+    `deepspeed.initialize`: which ops this machine can build (`deepspeed.ops.__compatible_ops__`; its
+    async-io probe runs the C compiler, 70 ms of every rank on the 2-core machine) and, on CPU, its
+    shared-memory communication op (a ninja check and a load, 20 ms), which DeepSpeed keeps loaded
+    per process (`OpBuilder._loaded_ops`), when it is built (a build belongs to the slot worker,
+    `workers.op_prebuild`, not here). A forked rank finds both done. On CUDA nothing is done:
+    a probe there may ask the driver, and CUDA must stay uninitialised in this process. What
+    happened, for the report."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            return "not on CPU: left to each rank"
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__  # noqa: B018 - the probe is the point
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            return "probed"
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        if not os.path.exists(os.path.join(root, builder.name, f"{builder.name}.so")):
+            return "probed; the communication op is not built yet: its first rank builds it"
+        builder.load()
+        return "probed, communication op loaded"
+    except Exception as exc:  # noqa: BLE001 - each rank then does it itself, as a cold one does
+        return f"left to each rank ({type(exc).__name__}: {exc})"[:300]
 
 
 def _without_the_workers_main() -> None:

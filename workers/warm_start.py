@@ -14,7 +14,11 @@ imported itself (torch and DeepSpeed import much lazily inside `deepspeed.initia
 and preloaded from then on (`WarmStarts.learn`); the warm process is started again with it between
 experiments, keeping the slot's lease meanwhile, when the lesson is worth a start (`RESTART_AT_IMPORTS`).
 The warm process freezes what it imported out of the garbage collector's sight before it forks
-(`workers.warm_preload`), so a rank's collections do not copy the pages it shares with it.
+(`workers.warm_preload`), so a rank's collections do not copy the pages it shares with it, and on
+CPU it has already probed which DeepSpeed ops the machine can build and loaded DeepSpeed's
+communication op, which each rank otherwise did again in `deepspeed.initialize` (a C compiler run
+and a ninja check; an op rebuilt meanwhile by `workers.build_locks` is the same source, so the loaded
+copy stays right).
 
 What stays true, and why:
 - CUDA is never initialised in the warm process: it is started with PYTORCH_NVML_BASED_CUDA_CHECK=1
@@ -330,8 +334,9 @@ class WarmStarts:
                 log.warning("warm start: %s; this script's ranks run cold", self._failed[key])
                 raise WarmUnavailable(self._failed[key])
             self._key = (tuple(preload), *key[1:])  # without what was dropped: what the next launch asks for
-            log.info("warm start: warm process %d ready (%s), preloaded %s in %.1f s", self._pid, slot_kind,
-                     ", ".join(preload), outcome.get("seconds", 0.0))
+            log.info("warm start: warm process %d ready (%s), preloaded %s in %.1f s%s", self._pid, slot_kind,
+                     ", ".join(preload), outcome.get("seconds", 0.0),
+                     f"; DeepSpeed's ops: {outcome['deepspeed_ops']}" if outcome.get("deepspeed_ops") else "")
             return
         raise WarmUnavailable("every preload initialised CUDA")
 

@@ -102,6 +102,30 @@ def test_the_second_warm_launch_skips_the_imports(warm: WarmStarts, tmp_path: Pa
     assert warm_s < cold_s / 2, (warm_s, cold_s)
 
 
+#: What a rank of a DeepSpeed script on CPU finds at its start: DeepSpeed's probe of the ops the
+#: machine can build (a C compiler run) and its communication op already done in the warm process.
+DEEPSPEED_PREPARED = ("import deepspeed.ops\nfrom deepspeed.ops.op_builder.builder import OpBuilder\n"
+                      "print('probed' if '__compatible_ops__' in vars(deepspeed.ops) else 'not probed')\n"
+                      "print('loaded' if 'deepspeed_shm_comm' in OpBuilder._loaded_ops else 'not loaded')\n")
+
+
+def test_a_deepspeed_rank_on_cpu_finds_the_ops_probed_and_the_communication_op_loaded(
+        warm: WarmStarts, tmp_path: Path) -> None:
+    """`deepspeed.initialize` probed every op builder (70 ms) and loaded the shared-memory
+    communication op (a ninja check, 20 ms) in every rank; the warm process does both once. A cold
+    rank still does them itself."""
+    from workers.build_locks import default_extensions_dir
+
+    script = tmp_path / "prepared.py"
+    script.write_text(DEEPSPEED_PREPARED)
+    env = _env(tmp_path, TORCH_EXTENSIONS_DIR=default_extensions_dir())
+    result, start, out, err = _launch(warm, tmp_path, script, env=env)
+    assert result.exit_code == 0 and start.path == "warm", (start.why_cold, err)
+    assert out.split() == ["probed", "loaded"], err
+    result, start, out, err = _launch(warm, tmp_path, script, env={**env, SWITCH_ENV: "0"})
+    assert result.exit_code == 0 and start.path == "cold" and out.split() == ["not", "probed", "not", "loaded"], err
+
+
 def test_torch_takes_its_thread_count_from_the_rank(tmp_path: Path) -> None:
     """OMP_NUM_THREADS is read when torch loads: a rank forked from a process that loaded it with
     another value sets torch's own count (workers.warm_start._as_a_fresh_process)."""
