@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -79,12 +80,15 @@ def preload(names: list[str]) -> dict[str, object]:
 def prepare_deepspeed_ops() -> str:
     """Work out once, here, what DeepSpeed works out once per process and every rank asked again in
     `deepspeed.initialize`: which ops this machine can build (`deepspeed.ops.__compatible_ops__`; its
-    async-io probe runs the C compiler, 70 ms of every rank on the 2-core machine) and, on CPU, its
-    shared-memory communication op (a ninja check and a load, 20 ms), which DeepSpeed keeps loaded
-    per process (`OpBuilder._loaded_ops`), when it is built (a build belongs to the slot worker,
-    `workers.op_prebuild`, not here). A forked rank finds both done. On CUDA nothing is done:
-    a probe there may ask the driver, and CUDA must stay uninitialised in this process. What
-    happened, for the report."""
+    async-io probe runs the C compiler: 70 ms of every rank on the 2-core machine) and, on CPU, its
+    shared-memory communication op, which DeepSpeed keeps per process (`OpBuilder._loaded_ops`) and
+    otherwise loads in each rank through torch's JIT path (two subprocesses: ninja's version and
+    its up-to-date check). A forked rank finds both done. The op is imported from the library the
+    slot worker built (`workers.op_prebuild`) and keeps up to date before every launch
+    (`workers.build_locks.rebuild_stale_ops`), never built here, and never while a build holds its
+    folder's lock: torch's JIT path waits on that lock, and one left by a killed build held this
+    process's start for its whole time limit. On CUDA nothing is done: a probe there may ask the
+    driver, and CUDA must stay uninitialised in this process. What happened, for the report."""
     try:
         from deepspeed.accelerator import get_accelerator
 
@@ -92,16 +96,22 @@ def prepare_deepspeed_ops() -> str:
             return "not on CPU: left to each rank"
         import deepspeed.ops
 
-        deepspeed.ops.__compatible_ops__  # noqa: B018 - the probe is the point
+        compatible = deepspeed.ops.__compatible_ops__
         builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        if builder is None or not compatible.get(builder.NAME, False):
             return "probed"
         from torch.utils.cpp_extension import get_default_build_root
 
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-        if not os.path.exists(os.path.join(root, builder.name, f"{builder.name}.so")):
-            return "probed; the communication op is not built yet: its first rank builds it"
-        builder.load()
+        folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), builder.name)
+        library = os.path.join(folder, f"{builder.name}.so")
+        if not os.path.exists(library) or os.path.exists(os.path.join(folder, "lock")):
+            return "probed; the communication op is left to each rank (not built, or its build is running)"
+        spec = importlib.util.spec_from_file_location(builder.name, library)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        from deepspeed.ops.op_builder.builder import OpBuilder
+
+        OpBuilder._loaded_ops[builder.name] = module
         return "probed, communication op loaded"
     except Exception as exc:  # noqa: BLE001 - each rank then does it itself, as a cold one does
         return f"left to each rank ({type(exc).__name__}: {exc})"[:300]

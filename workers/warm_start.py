@@ -16,9 +16,8 @@ experiments, keeping the slot's lease meanwhile, when the lesson is worth a star
 The warm process freezes what it imported out of the garbage collector's sight before it forks
 (`workers.warm_preload`), so a rank's collections do not copy the pages it shares with it, and on
 CPU it has already probed which DeepSpeed ops the machine can build and loaded DeepSpeed's
-communication op, which each rank otherwise did again in `deepspeed.initialize` (a C compiler run
-and a ninja check; an op rebuilt meanwhile by `workers.build_locks` is the same source, so the loaded
-copy stays right).
+communication op, which each rank otherwise did again in `deepspeed.initialize` (a C compiler run,
+two subprocesses).
 
 What stays true, and why:
 - CUDA is never initialised in the warm process: it is started with PYTORCH_NVML_BASED_CUDA_CHECK=1

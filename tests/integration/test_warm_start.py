@@ -103,17 +103,21 @@ def test_the_second_warm_launch_skips_the_imports(warm: WarmStarts, tmp_path: Pa
 
 
 #: What a rank of a DeepSpeed script on CPU finds at its start: DeepSpeed's probe of the ops the
-#: machine can build (a C compiler run) and its communication op already done in the warm process.
+#: machine can build (a C compiler run) and its communication op already done in the warm process,
+#: and whether the op works (DeepSpeed's own load, then a call into it).
 DEEPSPEED_PREPARED = ("import deepspeed.ops\nfrom deepspeed.ops.op_builder.builder import OpBuilder\n"
                       "print('probed' if '__compatible_ops__' in vars(deepspeed.ops) else 'not probed')\n"
-                      "print('loaded' if 'deepspeed_shm_comm' in OpBuilder._loaded_ops else 'not loaded')\n")
+                      "print('loaded' if 'deepspeed_shm_comm' in OpBuilder._loaded_ops else 'not loaded')\n"
+                      "from deepspeed.comm.torch import build_shm_op\nop = build_shm_op()\n"
+                      "print('works' if op.vector_kernel_level() is not None else 'broken')\n")
 
 
 def test_a_deepspeed_rank_on_cpu_finds_the_ops_probed_and_the_communication_op_loaded(
         warm: WarmStarts, tmp_path: Path) -> None:
     """`deepspeed.initialize` probed every op builder (70 ms) and loaded the shared-memory
-    communication op (a ninja check, 20 ms) in every rank; the warm process does both once. A cold
-    rank still does them itself."""
+    communication op (two subprocesses) in every rank; the warm process does both once, the op
+    imported from what the slot worker built. A cold rank still does them itself. A lock in the
+    op's folder (a build running, or killed) leaves the op to the rank: torch would wait on it."""
     from workers.build_locks import default_extensions_dir
 
     script = tmp_path / "prepared.py"
@@ -121,9 +125,30 @@ def test_a_deepspeed_rank_on_cpu_finds_the_ops_probed_and_the_communication_op_l
     env = _env(tmp_path, TORCH_EXTENSIONS_DIR=default_extensions_dir())
     result, start, out, err = _launch(warm, tmp_path, script, env=env)
     assert result.exit_code == 0 and start.path == "warm", (start.why_cold, err)
-    assert out.split() == ["probed", "loaded"], err
+    assert out.split()[:2] == ["probed", "loaded"] and "works" in out, err
     result, start, out, err = _launch(warm, tmp_path, script, env={**env, SWITCH_ENV: "0"})
-    assert result.exit_code == 0 and start.path == "cold" and out.split() == ["not", "probed", "not", "loaded"], err
+    assert result.exit_code == 0 and start.path == "cold", err
+    assert out.split()[:4] == ["not", "probed", "not", "loaded"] and "works" in out, err
+
+
+def test_a_lock_in_the_ops_folder_leaves_the_op_to_the_rank(tmp_path: Path) -> None:
+    """A build running, or one killed that left its lock: torch's JIT path would wait on it, and
+    the warm process's start with it; the warm process leaves the op alone."""
+    import shutil
+    import subprocess
+
+    from workers.build_locks import default_extensions_dir
+
+    copy = tmp_path / "extensions"
+    shutil.copytree(default_extensions_dir(), copy)
+    code = "from workers.warm_preload import prepare_deepspeed_ops; print(prepare_deepspeed_ops())"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("AUTOTUNE_")}
+    env.update(PYTHONPATH=str(ROOT), TORCH_EXTENSIONS_DIR=str(copy), DS_ACCELERATOR="cpu")
+    free = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    (copy / "deepspeed_shm_comm" / "lock").touch()
+    locked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert free.stdout.strip().endswith("probed, communication op loaded"), free.stdout + free.stderr
+    assert "left to each rank" in locked.stdout.strip().splitlines()[-1], locked.stdout + locked.stderr
 
 
 def test_torch_takes_its_thread_count_from_the_rank(tmp_path: Path) -> None:
