@@ -129,12 +129,7 @@ def test_redis_restarted_mid_job(cluster, tmp_path):
         time.sleep(2)
         cluster.start_redis()
         restarted_at = time.monotonic()
-        out, err = job.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        job.kill()
-        out, err = job.communicate()
-        logs = "".join(f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}" for log in tmp_path.glob("*.log"))
-        pytest.fail(f"the job had not ended 180 s after the restart\n{out}\n{err}\n{logs}")
+        out, err = _ended(job, tmp_path, 180, "after the restart")
     finally:
         if job.poll() is None:
             job.kill()
@@ -162,13 +157,7 @@ def test_a_slot_whose_worker_stopped_consuming_is_withdrawn_and_its_experiment_r
                           capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0 and "no longer consuming" in stop.stdout, stop.stdout + stop.stderr
     job = _start_job(cluster, tmp_path, "1=slow2,2=slow2", [1, 2])
-    try:
-        out, err = job.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        job.kill()
-        out, err = job.communicate()
-        logs = "".join(f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}" for log in tmp_path.glob("*.log"))
-        pytest.fail(f"the job had not ended in 150 s\n{out}\n{err}\n{logs}")
+    out, err = _ended(job, tmp_path, 150, "after its start")
     assert job.returncode == 0, out + err
     records = [json.loads(p.read_text()) for p in results.glob("*/result.json")]
     assert records and {r["status"] for r in records} == {"ok"}, records
@@ -180,6 +169,18 @@ def test_a_slot_whose_worker_stopped_consuming_is_withdrawn_and_its_experiment_r
     assert back.returncode == 0, back.stdout + back.stderr
     wait_for(lambda: len(live_slots(cluster.client)) == 2, 30, "gpu0 to be announced again")
     assert list(cluster.client.scan_iter(match=keys.gang("*"))) == []
+
+
+def _ended(job: subprocess.Popen, tmp_path, timeout_s: float, since: str) -> tuple[str, str]:
+    """The job's stdout and stderr once it ended; a failure with them and the workers' logs if it
+    had not within `timeout_s`."""
+    try:
+        return job.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        out, err = job.communicate()
+        logs = "".join(f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}" for log in tmp_path.glob("*.log"))
+        pytest.fail(f"the job had not ended {timeout_s:.0f} s {since}\n{out}\n{err}\n{logs}")
 
 
 def _alive(pid: int) -> bool:
