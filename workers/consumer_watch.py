@@ -8,8 +8,8 @@ again, and may land on the same slot, so a job stalled for minutes (issue 35's f
 test). A reserved slot is idle by construction, so a message waiting in its queue while its worker
 runs nothing is taken within milliseconds by a worker that consumes; one still waiting `STUCK_S`
 later means the consumer is stuck. The slot is then withdrawn (`workers.registry.Heartbeat` stops
-announcing it and deletes its registration): the sweep finds its launch lost and queues it again,
-and dispatch places nothing more there. It is announced again as soon as the queue is taken from
+announcing it, deletes its registration and says why in `keys.withdrawn`): the sweep finds its
+launch lost at its next pass and queues it again, and dispatch places nothing more there. It is announced again as soon as the queue is taken from
 again (the consumer recovered, or was restarted by `celery control add_consumer`); the worker's
 log says what happened and that restarting the worker is the fix.
 

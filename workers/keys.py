@@ -64,6 +64,11 @@ def gpu_claim(host: str, gpu_uuid: str) -> str:
     return f"{PREFIX}gpu:{host}:{gpu_uuid}"
 
 
+def withdrawn(queue: str) -> str:
+    """Why a slot's worker withdrew it (`workers.consumer_watch`), while it stays withdrawn."""
+    return f"{PREFIX}withdrawn:{queue}"
+
+
 def unhealthy(queue: str) -> str:
     return f"{PREFIX}unhealthy:{queue}"
 

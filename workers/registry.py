@@ -118,12 +118,18 @@ class Heartbeat:
         except redis.RedisError as exc:
             log.warning("could not unregister %s: %s", self._key, exc)
 
-    def _unregister(self) -> None:
+    def _unregister(self, why: str | None = None) -> None:
+        """Delete the registration; `why`: the slot is withdrawn, and the sweep reads why
+        (`withdrawn`) to take its launch back at once rather than after `SLOT_GONE_S`."""
         with self._client.pipeline(transaction=True) as pipe:
             pipe.delete(*self._values)
             if self._slot_queue:
                 pipe.srem(keys.SLOT_INDEX, self._slot_queue)
                 pipe.set(keys.SLOT_EPOCH, uuid.uuid4().hex)
+                if why is None:
+                    pipe.delete(keys.withdrawn(self._slot_queue))
+                else:
+                    pipe.set(keys.withdrawn(self._slot_queue), why, px=int(TTL_S * 1000))
             pipe.execute()
 
     def _beat(self) -> None:
@@ -144,10 +150,11 @@ class Heartbeat:
                     if not self._withholding:
                         log.error("%s withdrawn: %s", self._key, why)
                     self._withholding = True
-                    self._unregister()
+                    self._unregister(why)
                     continue
                 if self._withholding:
                     log.warning("%s announced again: its worker takes its queue's messages again", self._key)
+                    self._client.delete(keys.withdrawn(self._slot_queue))
                     self._withholding = False
                 self._beat()
             except redis.RedisError as exc:  # Redis restarting: keep trying, re-register after
@@ -196,6 +203,14 @@ def register_control(client: redis.Redis, node: str, worker: str) -> Heartbeat:
     beat = Heartbeat(client, keys.control(node), {"node": node, "worker": worker})
     beat.start()
     return beat
+
+
+def withdrawn(client: redis.Redis, queues: list[str]) -> dict[str, str]:
+    """Of `queues`, those whose worker withdrew its slot (`Heartbeat`'s `withheld`), with why."""
+    if not queues:
+        return {}
+    reasons = client.mget([keys.withdrawn(queue) for queue in queues])
+    return {queue: reason.decode() for queue, reason in zip(queues, reasons) if reason is not None}
 
 
 def live_slots(client: redis.Redis) -> list[Slot]:

@@ -21,12 +21,14 @@ those. Estimates: a waiting experiment's time limit; a running one ends at its s
 wall time of finished experiments of the same (stage, micro batch) in its job, or its time limit.
 
 A launch is `lost` when no record came within its time limit plus a grace, when a worker of its
-slots restarted or stopped sending heartbeats, or when its lease lapsed on a slot whose rank has not
-reported (the ranks renew their own slots' leases, so a lapse means that rank's worker or node is
-gone). A lost launch is revoked and queued again at its old place while attempts remain (counted in
-Redis before each launch), then recorded `lost`. After Redis lost its data, a launch whose ranks ran
-on (they take their slots back) is not launched a second time by its resubmitted job
-(`progress.launches_holding_slots`); its record, when it comes, is adopted (`_adopted`).
+slots restarted, stopped sending heartbeats or withdrew its slot (its consumer stopped taking
+messages, `workers.consumer_watch`: at once, without waiting out a blip), or when its lease lapsed
+on a slot whose rank has not reported (the ranks renew their own slots' leases, so a lapse means
+that rank's worker or node is gone). A lost launch is revoked and queued again at its old place
+while attempts remain (counted in Redis before each launch), then recorded `lost`. After Redis lost
+its data, a launch whose ranks ran on (they take their slots back) is not launched a second time by
+its resubmitted job (`progress.launches_holding_slots`); its record, when it comes, is adopted
+(`_adopted`).
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ from workers.layout import RESULT, experiment_file
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders
 from workers.paths import safe_child, write_json
 from workers.rank import RankSpec
-from workers.registry import HEARTBEAT_S, TTL_S, live_slots
+from workers.registry import HEARTBEAT_S, TTL_S, live_slots, withdrawn
 from workers.slot import Slot
 from workers.slot_health import describe
 from workers.slot_view import read_view
@@ -413,16 +415,21 @@ def sweep(client: redis.Redis, work: Work) -> set[str]:
     ended: set[str] = set()
     for spec in active_specs(client):
         store = JobStore(client, spec.job)
-        for launch in store.running().values():
-            why = _why_lost(store, work, gangs, spec, launch, live, now)
+        running = store.running().values()
+        taken_back = withdrawn(client, sorted({q for launch in running for q in launch.queues if q not in live}))
+        for launch in running:
+            why = _why_lost(store, work, gangs, spec, launch, live, now, taken_back)
             if why is not None and _lose(client, work, spec, launch, why):
                 ended.add(spec.job)
     return ended
 
 
 def _why_lost(store: JobStore, work: Work, gangs: GangReservations, spec: JobSpec, launch: RunningLaunch,
-              live: dict[str, str], now: float) -> str | None:
+              live: dict[str, str], now: float, taken_back: Mapping[str, str] | None = None) -> str | None:
     gone = [q for q in launch.queues if q not in live]
+    withdrawn_here = [q for q in gone if q in (taken_back or {})]
+    if withdrawn_here:  # its worker said why it left: no need to wait out a blip
+        return f"the worker of {withdrawn_here[0]} withdrew its slot ({(taken_back or {})[withdrawn_here[0]]})"
     restarted = [q for q in launch.queues if q in live and live[q] != launch.instances.get(q)]
     if gone and launch.missing_since is None:
         launch = launch.missing_from(now)

@@ -163,6 +163,7 @@ def test_a_slot_whose_worker_stopped_consuming_is_withdrawn_and_its_experiment_r
     assert records and {r["status"] for r in records} == {"ok"}, records
     assert {slot for r in records for slot in r["slots"]} == {"faultnode.gpu1"}, records
     assert "faultnode.gpu0 withdrawn" in (tmp_path / "gpu0.log").read_text()
+    assert "the worker of faultnode.gpu0 withdrew its slot" in (tmp_path / "control.log").read_text()
     assert [s.queue for s in live_slots(cluster.client)] == ["faultnode.gpu1"]
     back = subprocess.run([*control, "add_consumer", "faultnode.gpu0"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
