@@ -1,17 +1,17 @@
 """A slot worker whose consumer stopped taking messages from its queue withdraws its slot.
 
 Why: after a broker reconnect (Redis restarted while a rank ran), a Celery worker can come back
-"Connected" and never take another message from its queue (celery#8030, #9054, #10205;
-kombu#2007), while its heartbeat thread keeps its slot registered as live. Dispatch then sends
-experiment after experiment to a slot that never starts them: each waits out its lease, is queued
-again, and may land on the same slot, so a job stalled for minutes (issue 35's flaky Redis-restart
-test). A reserved slot is idle by construction, so a message waiting in its queue while its worker
-runs nothing is taken within milliseconds by a worker that consumes; one still waiting `STUCK_S`
-later means the consumer is stuck. The slot is then withdrawn (`workers.registry.Heartbeat` stops
-announcing it, deletes its registration and says why in `keys.withdrawn`): the sweep finds its
-launch lost at its next pass and queues it again, and dispatch places nothing more there. It is announced again as soon as the queue is taken from
-again (the consumer recovered, or was restarted by `celery control add_consumer`); the worker's
-log says what happened and that restarting the worker is the fix.
+"Connected" and never take another message from its queue (celery#8030, #9054, #10205; kombu#2007),
+while its heartbeat thread keeps its slot registered as live. Dispatch then sends experiment after
+experiment to a slot that never starts them: each waits out its lease, is queued again, and may land
+on the same slot, so a job stalled for minutes (issue 35's flaky Redis-restart test). A reserved
+slot is idle by construction, so a message waiting in its queue while its worker runs nothing is
+taken within milliseconds by a worker that consumes; one still waiting `STUCK_S` later means the
+consumer is stuck. The slot is then withdrawn (`workers.registry.Heartbeat` stops announcing it,
+deletes its registration and says why in `keys.withdrawn`): the sweep finds its launch lost at its
+next pass and queues it again, and dispatch places nothing more there. It is announced again as soon
+as the queue is taken from again (the consumer recovered, or was restarted by `celery control
+add_consumer`); the worker's log says what happened and that restarting the worker is the fix.
 
 `ConsumerWatch` is the decision, pure apart from the two readings it is given (the queue's length
 in Redis, whether the worker holds a task); `tasks.worker_hooks` gives it Celery's view.

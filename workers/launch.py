@@ -13,11 +13,11 @@ per experiment would not, but needs a delegated cgroup tree that slot workers ra
 
 The process is a `subprocess.Popen` unless the caller passes `spawn` (`workers.warm_start` forks
 ranks from a warm interpreter): anything with `pid`, `poll()` and `wait(timeout)`, and optionally
-`forked_from_warm` (true: the memory it shares with the process it was forked from counts as its own,
-`workers.tree_memory.inherited`) and `leftover_marks()` (more tokens
-whose processes to stop after the group, and pids to spare: one pass over the process table for all). The time limit starts when `spawn` returns: the wait for a warm process (its
-preload, tens of seconds on a loaded machine or a shared filesystem) is start-up, in the wall, but
-not the experiment's to spend.
+`forked_from_warm` (true: the memory it shares with the process it was forked from counts as its
+own, `workers.tree_memory.inherited`) and `leftover_marks()` (more tokens whose processes to stop
+after the group, and pids to spare: one pass over the process table for all). The time limit starts
+when `spawn` returns: the wait for a warm process (its preload, tens of seconds on a loaded machine
+or a shared filesystem) is start-up, in the wall, but not the experiment's to spend.
 """
 from __future__ import annotations
 

@@ -427,9 +427,10 @@ def sweep(client: redis.Redis, work: Work) -> set[str]:
 def _why_lost(store: JobStore, work: Work, gangs: GangReservations, spec: JobSpec, launch: RunningLaunch,
               live: dict[str, str], now: float, taken_back: Mapping[str, str] | None = None) -> str | None:
     gone = [q for q in launch.queues if q not in live]
-    withdrawn_here = [q for q in gone if q in (taken_back or {})]
+    taken_back = taken_back or {}
+    withdrawn_here = [q for q in gone if q in taken_back]
     if withdrawn_here:  # its worker said why it left: no need to wait out a blip
-        return f"the worker of {withdrawn_here[0]} withdrew its slot ({(taken_back or {})[withdrawn_here[0]]})"
+        return f"the worker of {withdrawn_here[0]} withdrew its slot ({taken_back[withdrawn_here[0]]})"
     restarted = [q for q in launch.queues if q in live and live[q] != launch.instances.get(q)]
     if gone and launch.missing_since is None:
         launch = launch.missing_from(now)
