@@ -27,9 +27,10 @@
 #      script: FusedAdam (no torch_adam: DeepSpeed JIT-builds it), ZeRO-2 with the optimizer offloaded
 #      to the CPU (CPUAdam), and a micro-batch far beyond any GPU's memory. Each either runs, or stops
 #      with the one-line op refusal (exit 2, workers/op_build.py) when an op cannot be built there;
-#      none hangs, no probe is `crashed` but the one a refusal names, and the huge size is `oom`; and no experiment compiled an op
-#      inside itself (no "Emitting ninja build file" in a rank's stderr): the slot worker built the
-#      ops the config needs before the script (workers/op_prebuild.py; its log is op_prebuild.log).
+#      none hangs, no probe is `crashed` but the one a refusal names, and the huge size is `oom`;
+#      and no experiment compiled an op inside itself (no "Emitting ninja build file" in a rank's
+#      stderr): the slot worker built the ops the config needs before the script
+#      (workers/op_prebuild.py; its log is op_prebuild.log).
 #      On one H200 (bench/README.md): FusedAdam refused in one line; the other two not yet run.
 # GPU_SMOKE_EXTRAS names which of the three to run (default all).
 # GPU_SMOKE_CONFIG and GPU_SMOKE_ARGS override the config and the autotuner's extra flags;
