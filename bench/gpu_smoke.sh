@@ -36,7 +36,8 @@
 # GPU_SMOKE_CONFIG and GPU_SMOKE_ARGS override the config and the autotuner's extra flags;
 # GPU_SMOKE_SKIP_FINAL=1 skips step 6 (for a dry run of the checks with tests/fake_gpu on PATH and
 # FAKE_NVIDIA_SMI_USED_FILE naming a "index, MiB" listing of used memory);
-# GPU_SMOKE_SKIP_SETUP=1 uses the .venv already there (a machine that cannot reach PyPI or apt).
+# GPU_SMOKE_SKIP_SETUP=1 uses the .venv already there (a machine that cannot reach PyPI or apt:
+# bench/gpu_offline.sh makes one there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -57,6 +58,7 @@ if ! [[ "$ranks" =~ ^[1-9][0-9]*$ ]] || [ "$ranks" -gt "$gpus" ]; then
     exit 2
 fi
 [ "${GPU_SMOKE_SKIP_SETUP:-0}" = 1 ] || bash deploy/setup.sh
+export PATH="$root/.venv/bin:$PATH"  # its redis-server too, where bench/gpu_offline.sh put one there
 work=$(mktemp -d /tmp/gpu_smoke.XXXXXX)
 echo "gpu_smoke: tuning $config on $gpus GPUs, $ranks ranks per experiment, in $work"
 cd "$work"

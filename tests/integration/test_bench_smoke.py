@@ -76,3 +76,20 @@ def test_gpu_smoke_parses_and_refuses_a_machine_or_rank_count_it_cannot_check(tm
         done = subprocess.run(["bash", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
+
+
+def test_gpu_offline_refuses_a_step_it_cannot_take_in_one_line(tmp_path) -> None:
+    """bench/gpu_offline.sh carries our packages to a GPU machine without PyPI; its `install` runs
+    only there. Here: its bash parses, and an unknown step, and `install` with nothing bundled,
+    are refused in one line (exit 2) before anything is made."""
+    script = ROOT / "bench" / "gpu_offline.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    (tmp_path / "bench").mkdir()
+    copy = tmp_path / "bench" / "gpu_offline.sh"
+    copy.write_text(script.read_text())
+    for step, says in (([], "usage: bash bench/gpu_offline.sh bundle|install"),
+                       (["install"], "no .gpu/whl; run 'bash bench/gpu_offline.sh bundle' first")):
+        done = subprocess.run(["bash", str(copy), *step], capture_output=True, text=True, timeout=60)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["bench"]  # no .venv, no .gpu
