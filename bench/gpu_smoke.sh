@@ -133,7 +133,7 @@ EOF
 
 if [ "${GPU_SMOKE_SKIP_FINAL:-0}" != 1 ]; then
     echo "gpu_smoke: running cmd_optimal.txt with DeepSpeed's launcher"
-    PATH="$root/.venv/bin:$PATH" bash -c "$(cat autotuning_results/cmd_optimal.txt)" > final.log 2>&1 \
+    bash -c "$(cat autotuning_results/cmd_optimal.txt)" > final.log 2>&1 \
         || { tail -40 final.log; echo "gpu_smoke: FAILED: cmd_optimal.txt did not train"; exit 1; }
     grep "final loss" final.log || { echo "gpu_smoke: FAILED: no final loss in final.log"; exit 1; }
 fi
