@@ -9,7 +9,7 @@
 #
 # `bundle` downloads, for the target Python (GPU_PYTHON, default 3.12), the wheels of what we need
 # beyond torch and the image's packages, at the versions this .venv holds (Celery and its needs,
-# redis-py, hjson, pydantic; tzlocal is one Celery imports at start), builds DeepSpeed's wheel
+# redis-py with hiredis, hjson, pydantic; tzlocal is one Celery imports at start), builds DeepSpeed's wheel
 # (pure Python: its ops are built on the GPU machine, by the slot worker), and copies this
 # machine's redis-server with the libraries it links beyond the C library, behind a wrapper that
 # sets LD_LIBRARY_PATH for it alone. About 15 MB.
@@ -23,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=.gpu
 packages=(celery kombu billiard amqp vine click-didyoumean click-plugins click-repl prompt_toolkit wcwidth
-          redis hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions tzlocal)
+          redis hiredis hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions tzlocal)
 
 case "${1:-}" in
 bundle)

@@ -60,7 +60,7 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
     from scheduler.cluster.co_runners import co_runners_of
-    from scheduler.cluster.dispatch import cluster_lock, dispatch, record_finished, requeue_for_busy_gpu
+    from scheduler.cluster.dispatch import cluster_lock, dispatch, record_and_read, requeue_for_busy_gpu
     from scheduler.cluster.launches import FinishSpec
     from scheduler.cluster.progress import advance
 
@@ -83,8 +83,8 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
         write_json(experiment_file(result_dir, layout.METRICS), record["metrics"], indent=None)
     write_json(experiment_file(result_dir, layout.RESULT), record)
     with cluster_lock(client):
-        record_finished(client, finish, record)
-        advance(client, finish.job, lambda: dispatch(client, WORK))  # the pass before the step when it can
+        _, read = record_and_read(client, finish, record)  # with the step's reads: one round trip
+        advance(client, finish.job, lambda: dispatch(client, WORK), read)  # the pass before the step when it can
     return record
 
 

@@ -101,6 +101,13 @@ class GangReservations:
         """Free the queues this token holds; returns how many it still held."""
         return int(self._release(keys=self._keys(queues), args=[token]))
 
+    def release_in(self, pipe: redis.client.Pipeline, queues: list[str], token: str) -> None:
+        """`release`, queued in `pipe` (its answer in the pipeline's results), so a caller frees the
+        slots in the round trip of what it does next. EVAL, not EVALSHA: a pipeline holding a script
+        object asks Redis first whether the script is loaded, which is the round trip saved."""
+        found = self._keys(queues)
+        pipe.eval(_RELEASE, len(found), *found, token)
+
     def holders(self, queues: list[str]) -> dict[str, str]:
         """queue -> owner of its reservation, for the reserved ones among `queues`."""
         ordered = sorted(set(queues))

@@ -181,10 +181,9 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     ds_config = _with_metric_path(spec.ds_config, metric_path)
     write_json(experiment_file(result_dir, layout.DS_CONFIG), ds_config)
     command = script_command(spec.script_argv, spec.local_rank if spec.local_rank_arg else None)
+    describe = _Description(result_dir, spec, ds_config, command)
     if spec.rank == 0:
         metric_path.unlink(missing_ok=True)
-        write_json(experiment_file(result_dir, layout.EXP_JSON), {**spec.exp, "ds_config": ds_config})
-        write_atomic(experiment_file(result_dir, layout.CMD), shlex.join(command) + "\n")
 
     stop_check = _StopCheck(client, keys.abort(spec.attempt), slot.queue, spec.gang_token, spec.lease_s)
     on_gpu = slot.kind == "cuda" and slot.cuda_index >= 0
@@ -192,6 +191,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     if device_wait is not None and device_wait.busy:  # not started beside others: workers.slot_health
         _take_out_of_tuning(client, slot, device_wait.used_bytes or 0, "before a launch")
         _signal_abort(client, spec.attempt)
+        describe()
         now = time.time()
         return {"status": Status.GPU_BUSY.value, "exit": "not started", "started_at": now, "ended_at": now,
                 "wall_s": 0.0, "peak_rss_bytes": 0, "device_foreign_bytes": device_wait.used_bytes,
@@ -200,6 +200,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
                          f"{slot.cuda_index} after a {device_wait.waited_s:.0f}s wait"}
     master = _meet(spec, slot, client, stop_check)
     if master is None:
+        describe()
         now = time.time()
         return {"status": Status.RENDEZVOUS_FAILED.value, "exit": "not started",
                 "error": f"no address from rank 0 within {spec.rendezvous_timeout_s:.0f}s",
@@ -219,6 +220,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
                                    stop_check, on_start=lambda pgid: client.set(pgid_key, pgid, ex=PGID_TTL_S))
     if builders and not _ops_ready_everywhere(spec, client, stop_check):
         client.delete(pgid_key)
+        describe()
         now = time.time()
         return {"status": Status.ABORTED.value, "exit": "not started", "started_at": now, "ended_at": now,
                 "wall_s": 0.0, "peak_rss_bytes": 0, "error": "stopped while the ops DeepSpeed needs were built"}
@@ -230,7 +232,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
             stdout_path=experiment_file(result_dir, rank_log(spec.rank, "stdout")), stderr_path=stderr_path,
             timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
-            on_start=lambda pgid: client.set(pgid_key, pgid, ex=PGID_TTL_S),
+            on_start=lambda pgid: (client.set(pgid_key, pgid, ex=PGID_TTL_S), describe()),
             measured=_Measured(client, keys.measured(spec.attempt),
                                metric_path if spec.rank == 0 and spec.metric_file else None),
             measured_grace_s=seconds_setting(os.environ.get(MEASURED_GRACE_ENV), MEASURED_GRACE_S),
@@ -238,6 +240,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     finally:
         client.delete(pgid_key)
         remove_rank_segment(master[0], master[1], spec.rank)  # DeepSpeed's CPU all-reduce never does
+        describe()  # where the script did not start
     report = read_exit_report(exit_report)  # final: the rank's whole group has ended
     WARM.learn(script_argv, report.get("imported"), stop_check.slot_taken, report.get("imported_count"))  # the next rank's
     # The slot is freed only with its GPU back to idle: a context torn down slowly is waited for;
@@ -319,6 +322,23 @@ def timed_metrics(metrics: dict[str, Any], step_ends: list[list[float]] | None,
         return {"metrics": metrics}
     return {"metrics": wall_clock_metrics(metrics, durations), "engine_metrics": metrics,
             "step_seconds": [round(duration, 4) for duration in durations]}
+
+
+class _Description:
+    """Rank 0 writes the experiment's exp.json and cmd.txt once its script has started (or failed to):
+    nothing the script reads, so not on the way between one experiment's end and the next's start
+    (bench/dispatch_overhead.py); every other rank writes nothing. Called again, it does nothing."""
+
+    def __init__(self, result_dir: Path, spec: RankSpec, ds_config: dict[str, Any], command: list[str]) -> None:
+        self._result_dir, self._spec, self._ds_config, self._command = result_dir, spec, ds_config, command
+        self._done = spec.rank != 0
+
+    def __call__(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        write_json(experiment_file(self._result_dir, layout.EXP_JSON), {**self._spec.exp, "ds_config": self._ds_config})
+        write_atomic(experiment_file(self._result_dir, layout.CMD), shlex.join(self._command) + "\n")
 
 
 class _Measured:

@@ -46,7 +46,8 @@ import redis
 from scheduler.cluster.backfill import POLICIES, Policy, Waiting, estimate_run_s
 from scheduler.errors import ClusterError
 from scheduler.cluster.co_runners import beside, queues_by_node
-from scheduler.cluster.job_store import Heads, JobStore, job_heads, running_by_job, show_all, walls_by_job
+from scheduler.cluster.job_store import (Heads, JobStore, StepReads, job_heads, running_by_job, show_all,
+                                         step_reads_from, walls_by_job)
 from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec, stop_launch
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.report.outputs import write_experiment_descriptions
@@ -341,7 +342,8 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
     finish = FinishSpec(job=spec.job, name=exp.name, exp_id=exp_id, attempt=attempt, slots=queues,
                         gang_token=token, results_root=spec.results_root, world_size=len(queues),
                         ds_config=exp.ds_config, timeout_s=spec.timeout_s, metric_file=exp.metric_file,
-                        gpu_link=worst_link(link for node in placement if (link := gang_link(node))))
+                        gpu_link=worst_link(link for node in placement if (link := gang_link(node))),
+                        shape=_shape(queued.exp))
     ranks = []
     for node_rank, node_slots in enumerate(placement):
         cuda_devices = [str(slot.cuda_index) for slot in node_slots if slot.kind == "cuda"]
@@ -365,14 +367,25 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
 def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, Any]) -> bool:
     """The chord callback's bookkeeping: free the launch's slots, close it, tell the job's submitter.
     False for a stale launch (retried or given up meanwhile, or Redis lost the job)."""
-    GangReservations(client).release(finish.slots, finish.gang_token)
+    return record_and_read(client, finish, record)[0]
+
+
+def record_and_read(client: redis.Redis, finish: FinishSpec, record: dict[str, Any]) -> tuple[bool, StepReads | None]:
+    """`record_finished`, and the job step's reads after it (`JobStore.step_reads`), in one round
+    trip: each was a round trip of its own between a rank's end and the next experiment's start
+    (bench/dispatch_overhead.py). The reads are None where the launch was stale (adopting a record
+    writes more, so the step reads again)."""
     store = JobStore(client, finish.job)
-    launch = store.finish(finish.name, finish.attempt)
-    if launch is None:
-        return _adopted(client, store, finish, record)
-    wall = (_shape(launch.exp), record["wall_s"]) if record.get("status") == "ok" and record.get("wall_s") else None
-    store.recorded_event({"kind": "record", "record": record}, wall)
-    return True
+    ok = record.get("status") == "ok" and record.get("wall_s")
+    wall = (finish.shape, record["wall_s"]) if ok and finish.shape else None
+    pipe = client.pipeline(transaction=False)
+    GangReservations(client).release_in(pipe, finish.slots, finish.gang_token)
+    store.finish_recorded_in(pipe, finish.name, finish.attempt, {"kind": "record", "record": record}, wall)
+    store.step_reads_in(pipe)
+    results = pipe.execute()
+    if results[1] is None:
+        return _adopted(client, store, finish, record), None
+    return True, step_reads_from(results)
 
 
 def requeue_for_busy_gpu(client: redis.Redis, finish: FinishSpec, busy_ranks: list[dict[str, Any]]) -> bool:

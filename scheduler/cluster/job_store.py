@@ -52,6 +52,27 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[1])
 return raw
 """
+_FINISH_RECORDED = """
+-- KEYS[1] running, KEYS[2] recorded, KEYS[3] wall times, KEYS[4] events; ARGV[1] the name, ARGV[2]
+-- the attempt, ARGV[3] a shape ('': no wall time), ARGV[4] its wall time, ARGV[5] an event, ARGV[6] TTL
+-- `_FINISH`, then `_RECORDED` when it closed the launch: returns the closed launch (JSON) or false
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw or cjson.decode(raw)['attempt'] ~= ARGV[2] then return false end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[1])
+if ARGV[3] ~= '' then
+  local walls = redis.call('HGET', KEYS[3], ARGV[3])
+  if not walls or walls == '[]' then
+    walls = '[' .. ARGV[4] .. ']'
+  else
+    walls = string.sub(walls, 1, -2) .. ', ' .. ARGV[4] .. ']'
+  end
+  redis.call('HSET', KEYS[3], ARGV[3], walls)
+end
+redis.call('RPUSH', KEYS[4], ARGV[5])
+redis.call('EXPIRE', KEYS[4], ARGV[6])
+return raw
+"""
 _RECORDED = """
 -- KEYS[1] the job's wall times, KEYS[2] its events; ARGV[1] a shape ('': no wall time) and ARGV[2]
 -- one more wall time of it (a JSON number), ARGV[3] an event (JSON, '': none), ARGV[4] the events' TTL
@@ -185,6 +206,18 @@ def show_all(client: redis.Redis, shown: dict[str, dict[str, Any]], misfits_clea
     for job, fields in shown.items():
         pipe.hset(keys.job_state(job), mapping=fields)
     pipe.execute()
+
+
+#: How many results `JobStore.step_reads_in` adds to a pipeline.
+STEP_READS = 6
+
+
+def step_reads_from(results: list[Any]) -> StepReads:
+    """`StepReads` from the last STEP_READS results of a pipeline that ran `JobStore.step_reads_in`."""
+    spec, recorded, attempts, order, queued, running = results[-STEP_READS:]
+    names = lambda raw: {name.decode() for name in raw}  # noqa: E731
+    return StepReads(spec, names(recorded), {name.decode(): int(n) for name, n in attempts.items()}, order,
+                     names(queued), names(running))
 
 
 class JobStore:
@@ -323,6 +356,16 @@ class JobStore:
                                                    args=[name, attempt])
         return None if raw is None else RunningLaunch.from_json(json.loads(raw))
 
+    def finish_recorded_in(self, pipe: redis.client.Pipeline, name: str, attempt: str, event: dict[str, Any],
+                           wall: tuple[str, float] | None) -> None:
+        """`finish`, then, only when it closed the launch, `recorded_event(event, wall)`: one script
+        queued in `pipe`, whose result is the closed launch's JSON or None (`GangReservations.release_in`
+        says why EVAL)."""
+        shape, seconds = wall if wall is not None else ("", 0.0)
+        pipe.eval(_FINISH_RECORDED, 4, keys.job_running(self.job), keys.job_recorded(self.job),
+                  keys.job_walls(self.job), keys.job_events(self.job), name, attempt, shape,
+                  json.dumps(float(seconds)), json.dumps(event), EVENTS_TTL_S)
+
     def mark_recorded(self, name: str) -> None:
         """`name` has its record on disk (a launch adopted after Redis lost the job: dispatch)."""
         self.client.sadd(keys.job_recorded(self.job), name)
@@ -359,16 +402,17 @@ class JobStore:
     def step_reads(self) -> StepReads:
         """What a job step reads before its search, in one round trip."""
         pipe = self.client.pipeline(transaction=False)
+        self.step_reads_in(pipe)
+        return step_reads_from(pipe.execute())
+
+    def step_reads_in(self, pipe: redis.client.Pipeline) -> None:
+        """`step_reads`'s commands queued in `pipe`: its last STEP_READS results are `step_reads_from`'s."""
         pipe.get(keys.job_spec(self.job))
         pipe.smembers(keys.job_recorded(self.job))
         pipe.hgetall(keys.job_attempts(self.job))
         pipe.zscore(keys.JOBS, self.job)
         pipe.hkeys(keys.job_queue(self.job))
         pipe.hkeys(keys.job_running(self.job))
-        spec, recorded, attempts, order, queued, running = pipe.execute()
-        names = lambda raw: {name.decode() for name in raw}  # noqa: E731
-        return StepReads(spec, names(recorded), {name.decode(): int(n) for name, n in attempts.items()}, order,
-                         names(queued), names(running))
 
     def announce_phases(self, phases: list[str], current: str | None = None) -> list[bool]:
         """`announce` of each of `phases`, and `set_phase(current)` when given, in one round trip."""

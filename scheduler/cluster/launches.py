@@ -96,3 +96,4 @@ class FinishSpec(_Json):
     timeout_s: float
     metric_file: str = METRICS
     gpu_link: str = ""  #: the slowest link between the GPUs of one node of its gang (workers.topology)
+    shape: str = ""  #: "stage/micro-batch" of its experiment, whose wall times estimate the next (dispatch)

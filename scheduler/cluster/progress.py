@@ -49,16 +49,19 @@ log = logging.getLogger(__name__)
 Lookup = Callable[[Experiment], "dict[str, Any] | None"]
 
 
-def advance(client: redis.Redis, job: str, dispatch: Callable[[], None] | None = None) -> None:
+def advance(client: redis.Redis, job: str, dispatch: Callable[[], None] | None = None,
+            read: StepReads | None = None) -> None:
     """Take the job's next step (module docstring), and dispatch after it (`dispatch`, when given).
-    Errors end the job with a `failed` event.
+    Errors end the job with a `failed` event. `read`: the step's reads, where the caller made them in
+    a round trip of its own (`dispatch.record_and_read`).
 
     When the step cannot change what a pass would start now, the pass runs before it: the job's
     search is live in this process (no rebuild) and no queued experiment of the job has a record
     (the only ones a step takes off the queue), so the step can only add experiments or end the
     job; it is then followed by a second pass only if it did. A chord callback thus sends the next
     experiment before the search has seen the record (bench/dispatch_overhead.py)."""
-    read = JobStore(client, job).step_reads()  # the spec and what the step needs, in one round trip
+    if read is None:
+        read = JobStore(client, job).step_reads()  # the spec and what the step needs, in one round trip
     if not read.spec:
         if dispatch is not None:
             dispatch()

@@ -21,7 +21,7 @@ import redis
 from scheduler.cluster import dispatch as dispatch_module
 from scheduler.cluster.co_runners import co_runners_of
 from scheduler.cluster.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock,
-                                dispatch, record_finished, refusal, requeue_for_busy_gpu, sweep)
+                                dispatch, record_and_read, record_finished, refusal, requeue_for_busy_gpu, sweep)
 from scheduler.cluster.job_store import JobStore, reserve_seqs
 from scheduler.cluster.jobs import JobSpec, TuneSpec, run_fixed, submit
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
@@ -151,7 +151,8 @@ def test_a_launch_is_recorded_in_redis_before_it_is_sent(client: redis.Redis, wo
         "(experiment='a', job='j', slots=['n0.gpu0'])"
     assert finish == FinishSpec(job="j", name="a", exp_id=1, attempt=finish.attempt, slots=["n0.gpu0"],
                                 gang_token=token, results_root=spec.results_root, world_size=1,
-                                ds_config=a.exp["ds_config"], timeout_s=100.0, metric_file="metrics.json")
+                                ds_config=a.exp["ds_config"], timeout_s=100.0, metric_file="metrics.json",
+                                shape=f"{a.exp['stage']}/{a.exp['micro_batch_size']}")
     assert work.launched[1][1].exp_id == 2 and work.launched[1][1].attempt != finish.attempt
     [rank] = ranks
     assert rank.queue == "n0.gpu0" and HEX32.fullmatch(rank.task_id)
@@ -627,6 +628,24 @@ def test_record_finished_frees_closes_and_tells_once(client: redis.Redis, work, 
     assert record_finished(client, finish, record) is False  # stale: closed already
     assert events(client, "j") == [{"kind": "record", "record": record}]
     assert client.hgetall(keys.job_walls("j")) == {b"2/8": b"[12.5]"}
+
+
+def test_recording_and_the_steps_reads_are_one_round_trip(client: redis.Redis, work, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chord callback frees, closes, tells and reads what the job's step needs in one round
+    trip (each was one of its own on the way to the next experiment), and the reads see the close."""
+    finish = _dispatched(client, work, tmp_path)
+    sends = []
+    original = redis.connection.AbstractConnection.send_packed_command
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command",
+                        lambda self, command, *args, **kwargs: (sends.append(1), original(self, command, *args, **kwargs)))
+    recorded, read = record_and_read(client, finish, {"name": "a", "status": "ok", "wall_s": 2.0})
+    monkeypatch.undo()
+    assert recorded and len(sends) == 1
+    assert read is not None and read.spec is not None and "a" in read.recorded and "a" not in read.running
+    assert read == JobStore(client, "j").step_reads()
+    assert not client.exists(keys.gang("n0.gpu0")) and client.hgetall(keys.job_walls("j")) == {b"2/8": b"[2.0]"}
+    assert record_and_read(client, finish, {"name": "a", "status": "ok", "wall_s": 2.0}) == (False, None)
 
 
 @pytest.mark.parametrize("record", [{"status": "oom", "wall_s": 3.0}, {"status": "ok", "wall_s": 0},
