@@ -4,7 +4,8 @@ Dispatch and the job steps are driven by events (a submission, an experiment's c
 nothing polls while work flows. But some changes announce themselves to nobody: a launch lost with
 its worker or node, a lease that lapsed, a slot worker that came back. Every SWEEP_S the control
 worker finds lost launches (`scheduler.cluster.dispatch.sweep`), takes the step of each job that recorded
-one, and dispatches again, all under the cluster lock.
+one or has nothing running or queued (it waits only for launches Redis forgot, whose record may never
+come), and dispatches again, all under the cluster lock.
 """
 from __future__ import annotations
 

@@ -421,11 +421,14 @@ def _adopted(client: redis.Redis, store: JobStore, finish: FinishSpec, record: d
 
 
 def sweep(client: redis.Redis, work: Work) -> set[str]:
-    """Find lost launches (module docstring); returns the jobs that recorded one as `lost`."""
+    """Find lost launches (module docstring); returns the jobs whose step is due: those that recorded
+    one as `lost`, and those with nothing running or queued. Such a job waits only for launches Redis
+    forgot (`progress.launches_holding_slots`), whose record may never come (their chord went with
+    Redis's data): no event would step it when their leases lapse, so the sweep does."""
     now = time.time()
     live = {slot.queue: slot.instance for slot in live_slots(client)}
     gangs = GangReservations(client)
-    ended: set[str] = set()
+    due: set[str] = set()
     for spec in active_specs(client):
         store = JobStore(client, spec.job)
         running = store.running().values()
@@ -433,8 +436,10 @@ def sweep(client: redis.Redis, work: Work) -> set[str]:
         for launch in running:
             why = _why_lost(store, work, gangs, spec, launch, live, now, taken_back)
             if why is not None and _lose(client, work, spec, launch, why):
-                ended.add(spec.job)
-    return ended
+                due.add(spec.job)
+        if not running and not store.depth():
+            due.add(spec.job)
+    return due
 
 
 def _why_lost(store: JobStore, work: Work, gangs: GangReservations, spec: JobSpec, launch: RunningLaunch,

@@ -833,7 +833,8 @@ def test_the_attempt_cap_ends_in_lost(client: redis.Redis, work, tmp_path: Path)
         "no record from the slot workers within the time limit plus 20s (a worker or node died, or Redis lost "
         "the task); gave up after 3 attempts")
     assert client.smembers(keys.job_recorded("capped")) == {launch.name.encode()}
-    assert sweep(client, work) == set() and len(events(client, "capped")) == 1  # recorded once
+    # recorded once; with nothing running or queued its step is due at every sweep (and would end it)
+    assert sweep(client, work) == {"capped"} and len(events(client, "capped")) == 1
 
 
 def test_sweep_checks_every_running_launch_of_every_job(client: redis.Redis, work, tmp_path: Path) -> None:
@@ -857,7 +858,7 @@ def test_sweep_checks_every_running_launch_of_every_job(client: redis.Redis, wor
     client.delete(keys.gang("n0.gpu1"))
     JobStore(client, "j2").update_running(replace(running(client, "j2")["e1"], started=now - 200))
     client.hset(keys.job_attempts("j2"), "e1", 1)
-    assert sweep(client, work) == {"j2"} and work.revoked[-1] == "t1"
+    assert sweep(client, work) == {"j2", "j3"} and work.revoked[-1] == "t1"  # j3: nothing running or queued
     assert json.loads((tmp_path / "j2" / "e1" / "result.json").read_text())["cause"]["error"] == (
         "the lease of n0.gpu1 expired: its rank stopped renewing it (worker or node gone); gave up after 1 attempts")
     JobStore(client, "j2").update_running(RunningLaunch(1, exp("e1"), ["t.py"], "att2", ["n0.gpu1"], "x",
@@ -865,7 +866,7 @@ def test_sweep_checks_every_running_launch_of_every_job(client: redis.Redis, wor
                                                         {"n0.gpu1": "inst-n0-1"}))
     # a slot whose worker vanished is noted in the running launch by the sweep itself
     client.delete(keys.slot("n0.gpu1"))
-    assert sweep(client, work) == set()
+    assert sweep(client, work) == {"j3"}  # not j2: its launch is not lost yet
     assert running(client, "j2")["e1"].missing_since is not None
 
 
@@ -923,6 +924,24 @@ def test_the_record_of_a_launch_redis_forgot_answers_its_experiment(client: redi
     enqueue(client, spec, exp("b", 2, 8))
     other = FinishSpec.from_json({**finish.to_json(), "name": "b"})
     assert record_finished(client, other, {"name": "b", "status": "ok"}) is False  # queued: a newer launch will run
+
+
+def test_a_job_waiting_only_for_a_launch_redis_forgot_is_stepped_by_the_sweep(client: redis.Redis, work,
+                                                                              tmp_path: Path) -> None:
+    """The job, submitted again after Redis lost its data, waits for a launch whose ranks ran on; if
+    its record never comes (its chord went with the data), no callback steps the job when the leases
+    lapse: with nothing running or queued, its step is due at every sweep. A job with work in flight
+    is stepped by that work's events, not by the sweep."""
+    register(client, make_slot("n0", 0))
+    spec = make_spec(tmp_path)
+    [a] = active(client, work, spec, exp("a", 2, 8))
+    assert sweep(client, work) == set()  # queued: a dispatch starts it, its callback steps the job
+    dispatch(client, work)
+    assert list(running(client, "j")) == ["a"] and sweep(client, work) == set()  # running, not lost
+    client.delete(keys.job_running("j"))  # what Redis lost: the job knows no launch of its own now
+    assert sweep(client, work) == {"j"}
+    JobStore(client, "j").queue([a])
+    assert sweep(client, work) == set()
 
 
 def test_a_fixed_run_says_when_its_launch_waits_for_a_busy_gpu(client: redis.Redis, work, tmp_path: Path,
