@@ -52,7 +52,26 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[1])
 return raw
 """
-_FINISH_RECORDED = """
+#: Lua: append one wall time (a JSON number) to a shape's list ('' shape: none), then push an event
+#: ('' : none) onto the job's events with their TTL; shared by `_RECORDED` and `_FINISH_RECORDED`.
+_RECORD_FUNCTION = """
+local function record(walls_key, events_key, shape, wall, event, ttl)
+  if shape ~= '' then
+    local walls = redis.call('HGET', walls_key, shape)
+    if not walls or walls == '[]' then
+      walls = '[' .. wall .. ']'
+    else
+      walls = string.sub(walls, 1, -2) .. ', ' .. wall .. ']'
+    end
+    redis.call('HSET', walls_key, shape, walls)
+  end
+  if event ~= '' then
+    redis.call('RPUSH', events_key, event)
+    redis.call('EXPIRE', events_key, ttl)
+  end
+end
+"""
+_FINISH_RECORDED = _RECORD_FUNCTION + """
 -- KEYS[1] running, KEYS[2] recorded, KEYS[3] wall times, KEYS[4] events; ARGV[1] the name, ARGV[2]
 -- the attempt, ARGV[3] a shape ('': no wall time), ARGV[4] its wall time, ARGV[5] an event, ARGV[6] TTL
 -- `_FINISH`, then `_RECORDED` when it closed the launch: returns the closed launch (JSON) or false
@@ -60,35 +79,13 @@ local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw or cjson.decode(raw)['attempt'] ~= ARGV[2] then return false end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[1])
-if ARGV[3] ~= '' then
-  local walls = redis.call('HGET', KEYS[3], ARGV[3])
-  if not walls or walls == '[]' then
-    walls = '[' .. ARGV[4] .. ']'
-  else
-    walls = string.sub(walls, 1, -2) .. ', ' .. ARGV[4] .. ']'
-  end
-  redis.call('HSET', KEYS[3], ARGV[3], walls)
-end
-redis.call('RPUSH', KEYS[4], ARGV[5])
-redis.call('EXPIRE', KEYS[4], ARGV[6])
+record(KEYS[3], KEYS[4], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 return raw
 """
-_RECORDED = """
+_RECORDED = _RECORD_FUNCTION + """
 -- KEYS[1] the job's wall times, KEYS[2] its events; ARGV[1] a shape ('': no wall time) and ARGV[2]
 -- one more wall time of it (a JSON number), ARGV[3] an event (JSON, '': none), ARGV[4] the events' TTL
-if ARGV[1] ~= '' then
-  local walls = redis.call('HGET', KEYS[1], ARGV[1])
-  if not walls or walls == '[]' then
-    walls = '[' .. ARGV[2] .. ']'
-  else
-    walls = string.sub(walls, 1, -2) .. ', ' .. ARGV[2] .. ']'
-  end
-  redis.call('HSET', KEYS[1], ARGV[1], walls)
-end
-if ARGV[3] ~= '' then
-  redis.call('RPUSH', KEYS[2], ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
-end
+record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 return 1
 """
 
