@@ -9,10 +9,10 @@
 #
 # `bundle` downloads, for the target Python (GPU_PYTHON, default 3.12), the wheels of what we need
 # beyond torch and the image's packages, at the versions this .venv holds (Celery and its needs,
-# redis-py with hiredis, hjson, pydantic; tzlocal is one Celery imports at start), builds DeepSpeed's wheel
-# (pure Python: its ops are built on the GPU machine, by the slot worker), and copies this
-# machine's redis-server with the libraries it links beyond the C library, behind a wrapper that
-# sets LD_LIBRARY_PATH for it alone. About 15 MB.
+# redis-py with hiredis, hjson, pydantic; tzlocal is one Celery imports at start), builds
+# DeepSpeed's wheel (pure Python: its ops are built on the GPU machine, by the slot worker), and
+# copies this machine's redis-server with the libraries it links beyond the C library, behind a
+# wrapper that sets LD_LIBRARY_PATH for it alone. About 15 MB.
 # `install` makes .venv a venv over the image's own (a .pth naming the image venv's site-packages:
 # `--system-site-packages` reaches only the base interpreter's), installs the wheels without
 # touching the network, makes this checkout importable (a .pth, as `pip install -e .` would, with no

@@ -383,7 +383,7 @@ def record_and_read(client: redis.Redis, finish: FinishSpec, record: dict[str, A
     store.finish_recorded_in(pipe, finish.name, finish.attempt, {"kind": "record", "record": record}, wall)
     store.step_reads_in(pipe)
     results = pipe.execute()
-    if results[1] is None:
+    if results[1] is None:  # the finish script's answer: that attempt is not the running launch
         return _adopted(client, store, finish, record), None
     return True, step_reads_from(results)
 

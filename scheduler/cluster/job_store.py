@@ -43,15 +43,6 @@ return specs
 """
 
 
-_FINISH = """
--- KEYS[1] the job's running launches, KEYS[2] its recorded names; ARGV[1] the name, ARGV[2] the attempt
--- returns the running launch (JSON) it closed, or false when that attempt is not the running one
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw or cjson.decode(raw)['attempt'] ~= ARGV[2] then return false end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('SADD', KEYS[2], ARGV[1])
-return raw
-"""
 #: Lua: append one wall time (a JSON number) to a shape's list ('' shape: none), then push an event
 #: ('' : none) onto the job's events with their TTL; shared by `_RECORDED` and `_FINISH_RECORDED`.
 _RECORD_FUNCTION = """
@@ -74,7 +65,8 @@ end
 _FINISH_RECORDED = _RECORD_FUNCTION + """
 -- KEYS[1] running, KEYS[2] recorded, KEYS[3] wall times, KEYS[4] events; ARGV[1] the name, ARGV[2]
 -- the attempt, ARGV[3] a shape ('': no wall time), ARGV[4] its wall time, ARGV[5] an event, ARGV[6] TTL
--- `_FINISH`, then `_RECORDED` when it closed the launch: returns the closed launch (JSON) or false
+-- closes the running launch ARGV[2] of ARGV[1] and marks the name recorded, then `record`s; returns
+-- the launch (JSON) it closed, or false (nothing changed) when that attempt is not the running one
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw or cjson.decode(raw)['attempt'] ~= ARGV[2] then return false end
 redis.call('HDEL', KEYS[1], ARGV[1])
@@ -346,11 +338,11 @@ class JobStore:
         return int(pipe.execute()[-1])
 
     def finish(self, name: str, attempt: str) -> RunningLaunch | None:
-        """Close the running launch `attempt` of `name` and mark the name recorded, in one script.
-        None (and nothing changed) when that launch is not the running one any more (retried or
-        given up meanwhile, or Redis lost the job)."""
-        raw = self.client.register_script(_FINISH)(keys=[keys.job_running(self.job), keys.job_recorded(self.job)],
-                                                   args=[name, attempt])
+        """Close the running launch `attempt` of `name` and mark the name recorded, in one script,
+        telling no one. None (and nothing changed) when that launch is not the running one any more
+        (retried or given up meanwhile, or Redis lost the job)."""
+        found, args = self._finish_keys_args(name, attempt, None, None)
+        raw = self.client.register_script(_FINISH_RECORDED)(keys=found, args=args)
         return None if raw is None else RunningLaunch.from_json(json.loads(raw))
 
     def finish_recorded_in(self, pipe: redis.client.Pipeline, name: str, attempt: str, event: dict[str, Any],
@@ -358,10 +350,17 @@ class JobStore:
         """`finish`, then, only when it closed the launch, `recorded_event(event, wall)`: one script
         queued in `pipe`, whose result is the closed launch's JSON or None (`GangReservations.release_in`
         says why EVAL)."""
+        found, args = self._finish_keys_args(name, attempt, event, wall)
+        pipe.eval(_FINISH_RECORDED, len(found), *found, *args)
+
+    def _finish_keys_args(self, name: str, attempt: str, event: dict[str, Any] | None,
+                          wall: tuple[str, float] | None) -> tuple[list[str], list[Any]]:
+        """`_FINISH_RECORDED`'s keys and arguments (no event, no wall time: '')."""
         shape, seconds = wall if wall is not None else ("", 0.0)
-        pipe.eval(_FINISH_RECORDED, 4, keys.job_running(self.job), keys.job_recorded(self.job),
-                  keys.job_walls(self.job), keys.job_events(self.job), name, attempt, shape,
-                  json.dumps(float(seconds)), json.dumps(event), EVENTS_TTL_S)
+        return ([keys.job_running(self.job), keys.job_recorded(self.job), keys.job_walls(self.job),
+                 keys.job_events(self.job)],
+                [name, attempt, shape, json.dumps(float(seconds)), json.dumps(event) if event is not None else "",
+                 EVENTS_TTL_S])
 
     def mark_recorded(self, name: str) -> None:
         """`name` has its record on disk (a launch adopted after Redis lost the job: dispatch)."""
