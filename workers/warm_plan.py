@@ -21,10 +21,16 @@ from pathlib import Path
 SWITCH_ENV = "AUTOTUNE_WARM_START"  #: unset or "1" forks ranks from the warm process; "0": every rank cold
 #: Read once, when a library is loaded or first asked, so the warm process must already have the rank's.
 IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "DS_ACCELERATOR", "PYTHONPATH", "PYTHONHASHSEED")
-#: torch._dynamo: every torch optimizer's constructor imports it (`torch._disable_dynamo`), so
-#: `deepspeed.initialize` paid 2.5-8 s of imports on the 2-core machine after the script's own.
-ALWAYS_PRELOADED = ("torch", "deepspeed", "torch._dynamo")
-TRAINING_ROOTS = ("torch", "deepspeed")  #: a script importing one of these gets ALWAYS_PRELOADED
+#: What `deepspeed.initialize` imports whatever the script imported itself. torch._dynamo: every
+#: torch optimizer's constructor imports it (`torch._disable_dynamo`), so `deepspeed.initialize`
+#: paid 2.5-8 s of imports on the 2-core machine after the script's own.
+DEEPSPEED_PRELOAD = ("torch", "deepspeed", "torch._dynamo")
+#: A script importing one of these calls `deepspeed.initialize` (itself, or through Hugging Face's
+#: Trainer or Accelerate given the DeepSpeed config): it gets DEEPSPEED_PRELOAD. A script that
+#: imports torch without them (a plain torch script) gets what it imports and what its first rank
+#: teaches (`workers.warm_start.WarmStarts.learn`): DeepSpeed and torch._dynamo in its warm process
+#: cost 2.3 s of a core at every start here, and their memory for as long as the worker lives.
+DEEPSPEED_USERS = ("deepspeed", "transformers", "accelerate")
 
 
 def switched_off(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
@@ -97,11 +103,11 @@ def installed_roots() -> list[Path]:
 def preload_modules(script: Path, installed: list[Path], search_path: list[str]) -> list[str]:
     """The script's top-level imports that are installed packages (found on the rank's
     `search_path` under `installed`), never a module next to the script or one that shadows a
-    package there; with torch, DeepSpeed and torch._dynamo when the script imports torch or
-    DeepSpeed (what `deepspeed.initialize` imports anyway)."""
+    package there; with torch, DeepSpeed and torch._dynamo when the script uses DeepSpeed
+    (`DEEPSPEED_USERS`: what `deepspeed.initialize` imports anyway)."""
     names = list(_read_script(script))
-    if any(name.partition(".")[0] in TRAINING_ROOTS for name in names):
-        names = [*ALWAYS_PRELOADED, *names]
+    if any(name.partition(".")[0] in DEEPSPEED_USERS for name in names):
+        names = [*DEEPSPEED_PRELOAD, *names]
     return installed_only(list(dict.fromkeys(names)), installed, search_path)
 
 
