@@ -112,14 +112,15 @@ def test_missing_slot_worker_is_one_line(hand_cluster, job):
     assert proc.stderr.startswith("error: no live slot worker for testnode.gpu3")
 
 
-def _interrupt_when_ranks_started(proc: subprocess.Popen, job: Path, ranks: int, sig: int) -> float:
+def _interrupt_when_ranks_started(proc: subprocess.Popen, job: Path, ranks: int, sig: int) -> tuple[float, str]:
+    """How long the command took to end after `sig`, and its stderr."""
     wait_for(lambda: all((job / "out" / f"pid.rank{r}").exists() for r in range(ranks)) or proc.poll() is not None,
              90, "the ranks to start")
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(sig)
     started = time.monotonic()
-    proc.communicate(timeout=30)
-    return time.monotonic() - started
+    _, stderr = proc.communicate(timeout=30)
+    return time.monotonic() - started, stderr
 
 
 def _rank_pids(job: Path, ranks: int) -> list[int]:
@@ -136,8 +137,8 @@ def _gone(pid: int) -> bool:
 def test_ctrl_c_stops_the_embedded_cluster_and_every_rank(job):
     marker = f"run-{os.getpid()}-{time.monotonic_ns()}"
     proc = start_run(job, ["--slots", "2", "train.py", "sleep", "out"], {"AUTOTUNE_TEST_MARKER": marker})
-    took = _interrupt_when_ranks_started(proc, job, 2, signal.SIGINT)
-    assert proc.returncode == 130 and took < 30, proc.stderr
+    took, stderr = _interrupt_when_ranks_started(proc, job, 2, signal.SIGINT)
+    assert proc.returncode == 130 and took < 30, stderr
     assert processes_with_marker(marker) == []  # ranks, slot and control workers, redis-server
     assert all(_gone(pid) for pid in _rank_pids(job, 2))
 
@@ -145,7 +146,7 @@ def test_ctrl_c_stops_the_embedded_cluster_and_every_rank(job):
 def test_sigterm_stops_ranks_on_running_workers(hand_cluster, job):
     proc = start_run(job, ["--hostfile", "hostfile", "train.py", "sleep", "out"],
                      {"AUTOTUNE_REDIS_URL": hand_cluster["url"]})
-    took = _interrupt_when_ranks_started(proc, job, 2, signal.SIGTERM)
-    assert proc.returncode == 130 and took < 30, proc.stderr
+    took, stderr = _interrupt_when_ranks_started(proc, job, 2, signal.SIGTERM)
+    assert proc.returncode == 130 and took < 30, stderr
     wait_for(lambda: all(_gone(pid) for pid in _rank_pids(job, 2)), 15, "the revoked ranks to be killed")
     assert list(hand_cluster["client"].scan_iter(match=keys.gang("*"))) == []
