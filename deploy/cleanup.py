@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import redis
@@ -24,6 +25,8 @@ if TYPE_CHECKING:  # fabric and paramiko: imported where hosts are reached, not 
 
 log = logging.getLogger(__name__)
 DEFAULT_GRACE_S = 5.0
+_BACKGROUND: list[threading.Thread] = []  #: clean-ups this process started and may still be running
+_BACKGROUND_LOCK = threading.Lock()
 
 
 def running_launches(client: redis.Redis) -> dict[str, dict[str, dict]]:
@@ -72,4 +75,21 @@ def clean_launch_in_background(client: redis.Redis, name: str, launch: dict) -> 
         for node, report in kill_recorded(hosts, groups).items():
             log.warning("cleanup of %s on %s: %s", name, node, report)
 
-    threading.Thread(target=work, daemon=True, name=f"cleanup {name}").start()
+    thread = threading.Thread(target=work, daemon=True, name=f"cleanup {name}")
+    with _BACKGROUND_LOCK:
+        _BACKGROUND[:] = [running for running in _BACKGROUND if running.is_alive()]
+        _BACKGROUND.append(thread)
+    thread.start()
+
+
+def wait_for_background_cleanups(timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for the clean-ups this process started; whether all ended. A command
+    that ends after Ctrl-C waits for them: the interpreter's exit stops a daemon thread wherever it
+    is, and one stopped inside a compiled extension (the SSH stack's Rust cryptography) aborts the
+    whole process (SIGABRT, glibc's "exception not rethrown"), its groups maybe not yet killed."""
+    deadline = time.monotonic() + timeout_s
+    with _BACKGROUND_LOCK:
+        started = list(_BACKGROUND)
+    for thread in started:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in started)

@@ -7,7 +7,7 @@ from typing import Any
 import redis
 from celery import Celery, chord
 
-from deploy.cleanup import clean_launch_in_background
+from deploy.cleanup import clean_launch_in_background, wait_for_background_cleanups
 
 from scheduler.cluster.launches import FinishSpec
 from scheduler.cluster.work import RankLaunch
@@ -34,6 +34,9 @@ class CeleryWork:
 
     def clean_up(self, client: redis.Redis, name: str, launch: dict[str, Any]) -> None:
         clean_launch_in_background(client, name, launch)
+
+    def wait_for_clean_ups(self, timeout_s: float) -> bool:
+        return wait_for_background_cleanups(timeout_s)
 
     def advance(self, job: str) -> None:
         self.app.send_task("autotune.advance_job", args=[job], queue="control")

@@ -49,6 +49,9 @@ LOST_GRACE_S = env_number("AUTOTUNE_LOST_GRACE_S", 120.0)
 MAX_ATTEMPTS = int(env_number("AUTOTUNE_MAX_ATTEMPTS", 3))  #: launches of one experiment, counted in Redis
 REDIS_OUTAGE_S = 300.0  #: how long a submitter waits for a restarting Redis before giving up
 WATCH_BLOCK_S = 2
+#: How long a cancel waits for the group kills it started (TERM, a 5 s grace, KILL): Ctrl-C ends
+#: within 15 s (issue 35).
+CANCEL_CLEAN_UP_WAIT_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +166,15 @@ def end(client: redis.Redis, job: str, event: dict[str, Any]) -> None:
 
 
 def cancel(client: redis.Redis, work: Work, job: str) -> None:
-    """Stop every running experiment of the job (revoke + group kill), free its slots, forget it."""
+    """Stop every running experiment of the job (revoke + group kill), free its slots, forget it;
+    then wait (at most `CANCEL_CLEAN_UP_WAIT_S`) for the group kills, which run in the background:
+    the command that cancels (Ctrl-C) exits next, and its exit would stop them halfway."""
     for launch in JobStore(client, job).running().values():
         stop_launch(client, work, launch)
     end(client, job, {"kind": "failed", "error": "cancelled", "usage": True})
+    if not work.wait_for_clean_ups(CANCEL_CLEAN_UP_WAIT_S):
+        log.warning("the clean-up of job %s's training groups is still running after %.0f s; the slot "
+                    "workers kill their own ranks' groups", job, CANCEL_CLEAN_UP_WAIT_S)
 
 
 def watch(client: redis.Redis, work: Work, spec: JobSpec, on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:

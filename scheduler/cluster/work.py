@@ -44,6 +44,10 @@ class Work(Protocol):
         """Kill, on their hosts and without blocking, the training groups a stopped launch's ranks
         recorded: a worker that died for good kills nothing itself."""
 
+    def wait_for_clean_ups(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the clean-ups this process started; whether all ended (a
+        command ending after Ctrl-C must not leave one half done)."""
+
     def advance(self, job: str) -> None:
         """Ask a control worker to take the job's next step."""
 

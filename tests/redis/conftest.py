@@ -69,6 +69,7 @@ class RecordedWork:
         self.launched: list[tuple[list[Any], Any, int, str]] = []
         self.revoked: list[str] = []
         self.cleaned: list[str] = []
+        self.waited_for_clean_ups: list[list[str]] = []  #: what had been cleaned up at each wait
         self.advanced: list[str] = []
         self.reported = set(finished or ())
 
@@ -80,6 +81,10 @@ class RecordedWork:
 
     def clean_up(self, client: Any, name: str, launch: dict[str, Any]) -> None:
         self.cleaned.append(name)
+
+    def wait_for_clean_ups(self, timeout_s: float) -> bool:
+        self.waited_for_clean_ups.append(list(self.cleaned))
+        return True
 
     def advance(self, job: str) -> None:
         self.advanced.append(job)

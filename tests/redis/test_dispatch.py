@@ -23,7 +23,7 @@ from scheduler.cluster.co_runners import co_runners_of
 from scheduler.cluster.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock,
                                 dispatch, record_and_read, record_finished, refusal, requeue_for_busy_gpu, sweep)
 from scheduler.cluster.job_store import JobStore, reserve_seqs
-from scheduler.cluster.jobs import JobSpec, TuneSpec, run_fixed, submit
+from scheduler.cluster.jobs import JobSpec, TuneSpec, cancel, load_spec, run_fixed, submit
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.search.space import Experiment
 from workers import keys
@@ -374,6 +374,23 @@ def test_a_lost_race_for_the_slots_ends_the_pass(client: redis.Redis, work, tmp_
     assert work.launched == [] and client.hlen(keys.job_running("j")) == 0
     assert client.get(keys.gang("n0.gpu0")) == b"racer#1" and not client.exists(keys.gang("n0.gpu1"))
     assert sorted(client.hkeys(keys.job_queue("j"))) == [b"a", b"b"] and state(client, "j")["head"] == "a"
+
+
+def test_cancel_stops_every_running_launch_and_then_waits_for_their_clean_ups(client: redis.Redis, work,
+                                                                             tmp_path: Path) -> None:
+    """Ctrl-C's cancel: each running launch revoked, its slots freed, the kill of its recorded
+    groups started; the job ended; then the wait for those kills (the command exits next, and its
+    exit stopped one halfway: SIGABRT)."""
+    spec = make_spec(tmp_path)
+    submit(client, work, spec)
+    gangs = GangReservations(client)
+    token = gangs.reserve(["n0.gpu0"], 30.0, "j/a")
+    JobStore(client, "j").update_running(RunningLaunch(1, exp("a"), ["t.py"], "att", ["n0.gpu0"], token,
+                                                       {"n0.gpu0": "task-a"}, 1.0, 2.0))
+    cancel(client, work, "j")
+    assert work.revoked == ["task-a"] and work.cleaned == ["a"] and gangs.held(["n0.gpu0"]) == set()
+    assert work.waited_for_clean_ups == [["a"]]  # once, after every clean-up had started
+    assert load_spec(client, "j") is None
 
 
 def test_estimated_frees_at(client: redis.Redis, tmp_path: Path) -> None:
