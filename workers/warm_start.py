@@ -1,5 +1,6 @@
-"""A warm interpreter per slot: ranks forked from a process that has already imported torch,
-DeepSpeed and the script's own top-level imports, instead of a fresh `python` that imports them.
+"""A warm interpreter per slot: ranks forked from a process that has already imported the script's
+own top-level imports (and torch, DeepSpeed and torch._dynamo for a script that uses DeepSpeed,
+`workers.warm_plan`), instead of a fresh `python` that imports them.
 
 Why: on the 2-core machine `import torch, deepspeed` alone is 3 s of every rank, and most of an
 experiment was start-up (issue 33); on a cluster whose Python lives on a shared filesystem the
