@@ -16,12 +16,6 @@ none of them.
   ignored never raises KeyboardInterrupt: each test that sends SIGINT then waited out its limit. Every
   pytest process takes Python's own handler back, so what the tests start takes Ctrl-C as from a
   terminal.
-- **No long test starts last.** xdist's worksteal hands each process an equal slice of the
-  collection in order, and an idle process takes the back half of the longest queue. Collected in
-  file order, every integration test sat in the first process's slice, and whichever long one
-  started last kept the run going alone (the HF Trainer example, 50-70 s, on one core while the
-  other idled). Each slice now starts with its share of the integration tests, so the run ends
-  on short unit tests that any idle process can take (`pytest_collection_modifyitems`).
 - **No test hands its environment to the next.** Every command a test starts inherits this
   process's environment, so a test that changed it (MLflow's `set_tracking_uri` writes
   MLFLOW_TRACKING_URI) made every later command in the same process log its job to MLflow, in a
@@ -96,23 +90,3 @@ def _environment_put_back():
         for key in now.keys() - saved.keys():
             del os.environ[key]
         os.environ.update(saved)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The order of the run: each xdist process's first slice begins with its share of the
-    integration tests (dealt in turn), then its share of the others; in one process, unchanged.
-    The same on every process (xdist checks that they collected alike)."""
-    processes = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    if processes < 2:
-        return
-    heavy = [item for item in items if "integration" in item.path.parts]
-    light = [item for item in items if "integration" not in item.path.parts]
-    ordered, left = [], len(items)
-    for turn in range(processes):
-        size = left // (processes - turn)  # what worksteal sends each idle process at the start
-        share = heavy[turn::processes]
-        rest = max(0, size - len(share))
-        ordered += share + light[:rest]
-        light = light[rest:]
-        left -= size
-    items[:] = ordered + light
