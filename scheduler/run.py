@@ -308,10 +308,21 @@ def check_ssh(hosts: list[str]) -> None:
 
 
 def run_command(argv: list[str], env: dict[str, str], timeout_s: float) -> int:
-    """Run `argv` in its own process group; Ctrl-C/SIGTERM and the timeout stop the whole group."""
+    """Run `argv` in its own process group; Ctrl-C/SIGTERM and the timeout stop the whole group.
+    A signal that comes while Popen is still starting it waits until the group can be stopped:
+    raised inside Popen, it left the group running (its children holding the command's output) and
+    the command saying every rank was stopped."""
     print(f"launching: {json.dumps(argv)}", flush=True)
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    _DEFERRED.update(deferring=True, pending=False)
     try:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    except BaseException:
+        _DEFERRED["deferring"] = False
+        raise
+    try:
+        _DEFERRED["deferring"] = False
+        if _DEFERRED["pending"]:
+            raise KeyboardInterrupt
         return shell_status(proc.wait(timeout=timeout_s))
     except subprocess.TimeoutExpired:
         _stop_group(proc)
@@ -333,10 +344,17 @@ def _stop_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+#: While `run_command` starts the backend: a signal is noted (`pending`) rather than raised.
+_DEFERRED = {"deferring": False, "pending": False}
+
+
 def _interrupted(signum: int, frame: object) -> None:
     """Ctrl-C or SIGTERM: stop the run; later signals are ignored so that the cleanup runs to its end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if _DEFERRED["deferring"]:
+        _DEFERRED["pending"] = True
+        return
     raise KeyboardInterrupt
 
 

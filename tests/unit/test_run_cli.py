@@ -261,3 +261,33 @@ def test_sigterm_is_forwarded_and_the_backends_process_group_is_stopped(tmp_path
     assert proc.returncode == 130, err
     assert not psutil.pid_exists(int(child_pid.read_text())) or \
         psutil.Process(int(child_pid.read_text())).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_signal_while_the_backend_is_being_started_still_stops_its_group(tmp_path, monkeypatch):
+    """SIGTERM that lands while Popen is still starting the backend (here: after the child is up,
+    before Popen returns) is acted on once the group can be stopped. Raised inside Popen, it left
+    the group running and the command exiting 130 (a CI run: the fake pdsh's child outlived it)."""
+    child_pid, real_popen, started = tmp_path / "child.pid", subprocess.Popen, []
+
+    def popen_interrupted_inside(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        deadline = time.monotonic() + 30
+        while not (child_pid.exists() and child_pid.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # the handler runs here, still inside "Popen"
+        return proc
+
+    monkeypatch.setattr(run_cli.subprocess, "Popen", popen_interrupted_inside)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, run_cli._interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_cli.run_command(["sh", "-c", f"sleep 1000 & echo $! > {child_pid}; wait"], dict(os.environ), 60)
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert started and started[0].poll() is not None
+    sleeper = int(child_pid.read_text())
+    assert not psutil.pid_exists(sleeper) or psutil.Process(sleeper).status() == psutil.STATUS_ZOMBIE
