@@ -17,8 +17,10 @@ than the runner-up. So a winner is confirmed before it is named
 - a rival is not separated from the leader while their gap is within `SEPARATION_Z` standard errors
   of the difference of their means; the leader and the `MAX_RIVALS` best such rivals are then
   measured in turn, fewest readings first (interleaved: A B A B, so drift of shared machines hits
-  both alike), until every rival is separated or `REPEAT_BUDGET` launches are spent (a leader still
-  read once then gets up to `READ_ONCE_GRACE` more);
+  both alike), until every rival is separated or `REPEAT_BUDGET` launches are spent; up to
+  `READ_ONCE_GRACE` launches more go to a leader still read once, or to a config whose two readings
+  are `torn` (one a straggler's or a lucky one: their mean says neither, a third reading's median
+  does) while its better reading beats the leader;
 - with a kept global batch (`scheduler.search.global_batch`) the budget is what is left of
   `KEPT_BATCH_LAUNCHES` when that is more (`repeat_budget`), and a config read once whose reading
   is at least half the leader's is a rival until read twice (`doubtful`): the divisors of the batch
@@ -58,6 +60,13 @@ KEPT_BATCH_LAUNCHES = 14
 #: this share of the leader's (`doubtful`): a straggler's reading (0.5-0.67x its config's on
 #: bench/surfaces.py's heavy-tailed scripts) cannot rule out a config as good as the leader.
 STRAGGLER_SHARE = 0.5
+#: Two readings of one config further apart than this ratio are `torn`: one of them is an outlier (a
+#: straggler's step 1.5-2x slower, a lucky window), so their mean is no estimate and a third reading,
+#: ranked on the median, is worth a launch. 1.4, not less: two readings of one config in the real
+#: CPU traces (bench/traces) differ by 1.10-1.17x at the median and 1.3-1.5x at the 90th percentile,
+#: and at 1.15 the third readings there went to that noise and moved picks for the worse
+#: (bench/README.md, issue 32, eighth session).
+TORN_RATIO = 1.4
 #: Relative noise assumed before any config was measured twice.
 PRIOR_NOISE = 0.03
 #: Relative noise never taken below this (two equal readings do not prove a noiseless machine).
@@ -161,6 +170,18 @@ def doubtful(leader: Readings, group: Readings, maximize: bool = True) -> bool:
     if group.count != 1:
         return False
     return group.value >= STRAGGLER_SHARE * leader.value if maximize else group.value * STRAGGLER_SHARE <= leader.value
+
+
+def torn(group: Readings, leader: Readings, maximize: bool = True) -> bool:
+    """Whether `group` was read exactly twice, the readings more than TORN_RATIO apart, and the better
+    one beats `leader`'s pooled value: whether one more reading could change the winner although
+    the pair's mean says it loses (bench/README.md, issue 32: a straggler's reading of the best
+    config, or of its repeat, had lost it to a config read twice without one)."""
+    if group.count != 2 or min(group.values) <= 0:
+        return False
+    better = max(group.values) if maximize else min(group.values)
+    beats = better > leader.value if maximize else better < leader.value
+    return max(group.values) / min(group.values) > TORN_RATIO and beats
 
 
 def next_repeat(groups: Sequence[Readings[K]], maximize: bool = True, doubt_once: bool = False) -> K | None:

@@ -31,7 +31,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from scheduler.search.confirm import KEPT_BATCH_LAUNCHES, READ_ONCE_GRACE, REPEAT_BUDGET
+from scheduler.search.confirm import KEPT_BATCH_LAUNCHES, READ_ONCE_GRACE, REPEAT_BUDGET, TORN_RATIO
 from scheduler.search.full_space import full_experiments
 from scheduler.search.global_batch import batch_notes, no_fit_message
 from scheduler.search.memory import SAFETY, GiB, MemoryModel, ModelInfo, overhead_from_profile, prior_overhead_bytes
@@ -162,7 +162,10 @@ def search_notes(settings: SearchSettings) -> list[str]:
                   f"within {KEPT_BATCH_LAUNCHES} launches, a config read once at half the leader's reading "
                   "or more counting as a close rival," if settings.kept_per_gpu else f"up to {REPEAT_BUDGET} launches")
         rule = ("Search: no config is named on one reading (the leader and its close rivals are measured "
-                f"again, <name>_r<n>, {budget} and {READ_ONCE_GRACE} more while the leader was read once; "
+                f"again, <name>_r<n>, {budget} and {READ_ONCE_GRACE} more while the leader was read once"
+                + ("" if settings.kept_per_gpu else
+                   f" or a contender's two readings are over {TORN_RATIO:g}x apart (a straggler's or a lucky one)")
+                + "; "
                 "a config read three times or more is judged on the median of its readings, else their mean); "
                 "a crash, timeout or failed rendezvous is launched once more (<name>_r2)")
     else:

@@ -8,7 +8,7 @@ import pytest
 
 from scheduler.search.confirm import (
     KEPT_BATCH_LAUNCHES, MIN_NOISE, PRIOR_NOISE, REPEAT_BUDGET, Readings, doubtful, group_readings, next_repeat,
-    noise_of, ordered, pooled_noise, repeat_budget, separated, step_noise, verdict,
+    noise_of, ordered, pooled_noise, repeat_budget, separated, step_noise, torn, verdict,
 )
 from scheduler.search.ranking import pooled_best, pooled_value, pooled_word
 
@@ -77,6 +77,18 @@ def test_a_config_read_once_at_half_the_leaders_reading_is_a_rival_while_reading
     assert next_repeat(groups) is None  # far apart on one reading each: separated
     assert next_repeat(groups, doubt_once=True) == "b"
     assert next_repeat([leader, r("b", 55, 56), r("c", 45)], doubt_once=True) is None
+
+
+def test_two_readings_further_apart_than_noise_allows_are_torn_while_the_better_one_beats_the_leader() -> None:
+    """TORN_RATIO is 1.4: 100 and 50 are torn (one of them an outlier), 100 and 80 are noise; a pair
+    whose better reading does not beat the leader decides nothing; two or three readings only."""
+    leader = r("lead", 90, 90)
+    assert torn(r("b", 100, 50), leader) and torn(r("b", 50, 100), leader)
+    assert not torn(r("b", 100, 80), leader)
+    assert not torn(r("b", 85, 40), leader)
+    assert not torn(r("b", 100), leader) and not torn(r("b", 100, 50, 100), leader)
+    assert torn(r("b", 60, 120), r("lead", 90, 90), maximize=False)  # seconds: 60 beats 90
+    assert not torn(r("b", 95, 200), r("lead", 90, 90), maximize=False)
 
 
 def test_with_a_kept_batch_confirmation_may_spend_what_the_launch_goal_leaves() -> None:

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET
+from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET, group_readings
 from scheduler.search.fast_search import fast_search
 from scheduler.search.memory import ModelInfo
 from scheduler.search.phases import Phase, drive
 from scheduler.search.ranking import best, pooled_best
-from scheduler.search.repeats import REPEAT_NAME, original_name, says_nothing
+from scheduler.search.repeats import REPEAT_NAME, original_name, past_budget, says_nothing
 from tests.unit.test_fast_search import ACT, LAW, N, KnobLaw, Runner, full_settings, layout, settings
 
 
@@ -119,12 +119,54 @@ class Lucky(Runner):
 
 def test_no_winner_on_one_reading_when_each_repeat_dethrones_the_leader() -> None:
     """After the budget's two repeats (mbs 8 then 4, each read low), mbs 2 leads on one reading: it is
-    measured once more (READ_ONCE_GRACE), and the winner then has two readings."""
+    measured once more (READ_ONCE_GRACE), and the winner then has two readings. The grace's last
+    launch goes to the leader's torn pair (100 then 50): a third reading, 50, and the winner is
+    still read at least twice."""
     runner = Lucky()
     phases = drive(fast_search(listed(stages=(0,))), runner)
-    assert [p.name for p in phases if p.name.startswith("confirm_")] == ["confirm_1", "confirm_2", "confirm_3"]
+    assert [p.name for p in phases if p.name.startswith("confirm_")] == [f"confirm_{i}" for i in range(1, 5)]
+    assert [e.name for e in phases[-1].experiments] == ["z0_gas1_tmbspg8_r3"]
     winner, _, count = pooled_best([r for r in runner.records.values()], "throughput", True)
-    assert count == 2, winner["name"]
+    assert count >= 2, winner["name"]
+
+
+class Straggler(Runner):
+    """mbs 8 is the best config (100) but its first repeat is a straggler's reading (50); mbs 4
+    reads 90 and mbs 2 80 every time."""
+
+    def __call__(self, phase: Phase) -> dict[str, dict[str, Any]]:
+        out = super().__call__(phase)
+        for name, record in out.items():
+            if record["status"] == "ok" and record.get("metrics"):
+                mbs = record["ds_config"]["train_micro_batch_size_per_gpu"]
+                value = {8: 100.0, 4: 90.0, 2: 80.0}[mbs]
+                if mbs == 8 and name.endswith("_r2"):
+                    value = 50.0
+                record["metrics"] = {**record["metrics"], "throughput": value}
+        return out
+
+
+def test_a_straggler_reading_of_the_best_config_is_outvoted_by_a_third_reading() -> None:
+    """The budget's two repeats: mbs 8 (read 50: its pair, 100 and 50, is torn, mean 75) and mbs 4,
+    the new leader at 90 twice. A pair 2x apart whose better reading beats the leader gets a third
+    reading past the budget; its median (100) names mbs 8. Without it mbs 4 won on the straggler
+    (issue 32: the best config lost to one slow reading)."""
+    runner = Straggler()
+    phases = drive(fast_search(listed(stages=(0,))), runner)
+    assert [e.name for p in phases if p.name.startswith("confirm_") for e in p.experiments] == [
+        "z0_gas1_tmbspg8_r2", "z0_gas2_tmbspg4_r2", "z0_gas1_tmbspg8_r3"]
+    winner, value, count = pooled_best([r for r in runner.records.values()], "throughput", True)
+    assert (winner["name"], value, count) == ("z0_gas1_tmbspg8", 100.0, 3)
+
+
+def test_past_the_budget_a_torn_pair_is_read_again_but_not_with_a_kept_batch() -> None:
+    """A kept global batch's budget already runs to KEPT_BATCH_LAUNCHES, its goal's cap: past it only
+    a leader read once is measured. Otherwise the torn pair with the best reading is."""
+    groups = group_readings({"a": [90.0, 90.0], "b": [100.0, 50.0], "c": [95.0, 60.0]})
+    assert past_budget(groups, True, kept_batch=False) == "b"
+    assert past_budget(groups, True, kept_batch=True) is None
+    assert past_budget(group_readings({"a": [90.0, 90.0], "b": [100.0, 80.0]}), True, False) is None  # 1.25x
+    assert past_budget(group_readings({"a": [90.0], "b": [100.0, 50.0]}), True, True) == "a"  # read once
 
 
 def test_says_nothing_is_the_relaunch_rule() -> None:
