@@ -43,7 +43,6 @@ from scheduler.search.session import (
     NoStageFits, SearchAborted, SearchSettings, Session, measured_capacity, measured_reserve, peak_of, succeeded,
 )
 from scheduler.search.space import PROFILE, experiment_name
-from scheduler.search.tuners import StopRule, Trial, make_tuner, plan
 
 #: DeepSpeed's METRIC_PERCENT_DIFF_CONST: a larger batch must improve the metric by more than this.
 PLATEAU = 0.05
@@ -330,6 +329,8 @@ def tune_full_space(session: Session, stage: int, sizes: Sequence[int], mtbpg: i
     by the configured tuner in batches as wide as the slots allow, until its trial cap or early stop.
     A knob point whose failure says nothing about it is launched once more (`repeats.relaunch`; not
     under `"search": "deepspeed"`) and the tuner sees the retry's result."""
+    from scheduler.search.tuners import StopRule, Trial, make_tuner, plan  # numpy: full mode's alone, not every start's
+
     st = session.settings
     cfg = st.tuning_config
     if cfg is None:
