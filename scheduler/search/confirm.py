@@ -20,7 +20,8 @@ than the runner-up. So a winner is confirmed before it is named
   both alike), until every rival is separated or `REPEAT_BUDGET` launches are spent; up to
   `READ_ONCE_GRACE` launches more go to a leader still read once, or to a config whose two readings
   are `torn` (one a straggler's or a lucky one: their mean says neither, a third reading's median
-  does) while its better reading beats the leader;
+  does) while its better reading beats the leader, the leader's own pair included (not with a kept
+  global batch, whose budget already runs to the job's launch cap);
 - with a kept global batch (`scheduler.search.global_batch`) the budget is what is left of
   `KEPT_BATCH_LAUNCHES` when that is more (`repeat_budget`), and a config read once whose reading
   is at least half the leader's is a rival until read twice (`doubtful`): the divisors of the batch
@@ -48,8 +49,9 @@ K = TypeVar("K")
 
 #: Re-measurement launches a job spends on confirming its winner.
 REPEAT_BUDGET = 2
-#: Launches past REPEAT_BUDGET spent only while the leader was read once (its repeat exposed the
-#: previous leader's lucky reading, and the new one has a single reading of its own).
+#: Launches past REPEAT_BUDGET, spent only while the leader was read once (its repeat exposed the
+#: previous leader's lucky reading, and the new one has a single reading of its own) or a config's
+#: two readings are `torn`.
 READ_ONCE_GRACE = 2
 #: A gap within this many standard errors of the difference of two means is not a separation.
 SEPARATION_Z = 2.0
@@ -174,9 +176,10 @@ def doubtful(leader: Readings, group: Readings, maximize: bool = True) -> bool:
 
 def torn(group: Readings, leader: Readings, maximize: bool = True) -> bool:
     """Whether `group` was read exactly twice, the readings more than TORN_RATIO apart, and the better
-    one beats `leader`'s pooled value: whether one more reading could change the winner although
-    the pair's mean says it loses (bench/README.md, issue 32: a straggler's reading of the best
-    config, or of its repeat, had lost it to a config read twice without one)."""
+    one beats `leader`'s pooled value: whether one more reading could change the winner, which the
+    pair's mean cannot tell (bench/README.md, issue 32: a straggler's reading of the best config, or
+    of its repeat, had lost it to a config read twice without one). The leader's own pair may be
+    torn too: its lead then rests on a reading that may be the lucky one."""
     if group.count != 2 or min(group.values) <= 0:
         return False
     better = max(group.values) if maximize else min(group.values)

@@ -14,8 +14,8 @@ the best single reading wins), and the summary says so (`policy_notes`).
   phase, each with its nodes otherwise idle (`Experiment.exclusive`), within `REPEAT_BUDGET` (with a
   kept global batch, up to `KEPT_BATCH_LAUNCHES` launches in all: `confirm.repeat_budget`, and a
   config read once at half the leader's reading or more is a rival too: `confirm.doubtful`), and a
-  leader still read once, or a config whose two readings are `confirm.torn`, gets up to
-  `READ_ONCE_GRACE` launches more; the winner is the best pooled value of every reading
+  leader still read once, or a config whose two readings are `confirm.torn` (not with a kept batch),
+  gets up to `READ_ONCE_GRACE` launches more; the winner is the best pooled value of every reading
   (`scheduler.search.ranking.best` pools repeats: a mean, a median from three).
 """
 from __future__ import annotations
@@ -95,7 +95,8 @@ def confirm(session: Session) -> Step:
     """Measure the leader and the rivals it is not yet separated from, one launch per phase, until
     `scheduler.search.confirm.next_repeat` is satisfied or the budget (`confirm.repeat_budget`) is
     spent; past it, only a leader read once or a `torn` config is measured again (`past_budget`, up
-    to READ_ONCE_GRACE launches more).
+    to READ_ONCE_GRACE launches more; a torn pair is looked for even where `next_repeat` is
+    satisfied: on a lower-is-better metric a straggler's reading can make its config look separated).
     One at a time: the originals ran alone, so must the repeats."""
     st = session.settings
     budget = repeat_budget(len(session.measured), bool(st.kept_per_gpu))
@@ -117,7 +118,7 @@ def confirm(session: Session) -> Step:
                 steps.setdefault(original, []).append(record.get("step_seconds"))
         groups = group_readings(readings, steps)
         key = next_repeat(groups, st.maximize, doubt_once=bool(st.kept_per_gpu))
-        if key is not None and spent > budget:
+        if spent > budget and groups:
             key = past_budget(groups, st.maximize, bool(st.kept_per_gpu))
         if key is None:
             return

@@ -85,6 +85,7 @@ def test_two_readings_further_apart_than_noise_allows_are_torn_while_the_better_
     leader = r("lead", 90, 90)
     assert torn(r("b", 100, 50), leader) and torn(r("b", 50, 100), leader)
     assert not torn(r("b", 100, 80), leader)
+    assert torn(r("b", 100, 71), leader) and not torn(r("b", 100, 72), leader)  # 1.41x and 1.39x
     assert not torn(r("b", 85, 40), leader)
     assert not torn(r("b", 100), leader) and not torn(r("b", 100, 50, 100), leader)
     assert torn(r("b", 60, 120), r("lead", 90, 90), maximize=False)  # seconds: 60 beats 90
