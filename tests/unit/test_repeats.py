@@ -131,18 +131,21 @@ def test_no_winner_on_one_reading_when_each_repeat_dethrones_the_leader() -> Non
 
 
 class Straggler(Runner):
-    """mbs 8 is the best config (100) but its first repeat is a straggler's reading (50); mbs 4
-    reads 90 and mbs 2 80 every time."""
+    """mbs 8, 4 and 2 read `values` every time, except mbs 8's first repeat: a straggler's `slow`.
+    By default throughput: mbs 8 is the best (100) and its repeat reads 50."""
+
+    def __init__(self, metric: str = "throughput", values: tuple[float, float, float] = (100.0, 90.0, 80.0),
+                 slow: float = 50.0) -> None:
+        super().__init__()
+        self.metric, self.values, self.slow = metric, dict(zip((8, 4, 2), values)), slow
 
     def __call__(self, phase: Phase) -> dict[str, dict[str, Any]]:
         out = super().__call__(phase)
         for name, record in out.items():
             if record["status"] == "ok" and record.get("metrics"):
                 mbs = record["ds_config"]["train_micro_batch_size_per_gpu"]
-                value = {8: 100.0, 4: 90.0, 2: 80.0}[mbs]
-                if mbs == 8 and name.endswith("_r2"):
-                    value = 50.0
-                record["metrics"] = {**record["metrics"], "throughput": value}
+                value = self.slow if mbs == 8 and name.endswith("_r2") else self.values[mbs]
+                record["metrics"] = {**record["metrics"], self.metric: value}
         return out
 
 
@@ -181,27 +184,11 @@ def test_says_nothing_is_the_relaunch_rule() -> None:
     assert says_nothing({"status": "oom", "device_foreign_bytes": 1})
 
 
-class SlowStraggler(Runner):
-    """Seconds per step (lower is better): mbs 8 takes 60 but its first repeat is a straggler's 300
-    (a mean of 180); mbs 4 takes 70, mbs 2 80."""
-
-    def __call__(self, phase: Phase) -> dict[str, dict[str, Any]]:
-        out = super().__call__(phase)
-        for name, record in out.items():
-            if record["status"] == "ok" and record.get("metrics"):
-                mbs = record["ds_config"]["train_micro_batch_size_per_gpu"]
-                value = {8: 60.0, 4: 70.0, 2: 80.0}[mbs]
-                if mbs == 8 and name.endswith("_r2"):
-                    value = 300.0
-                record["metrics"] = {**record["metrics"], "latency": value}
-        return out
-
-
 def test_on_a_lower_is_better_metric_a_straggler_is_outvoted_too() -> None:
     """A straggler's 300 s makes mbs 8's mean 180 against mbs 4's 70 twice; past the budget the pair
     is torn and its better reading (60) beats the leader, so the grace reads it once more and its
     median (60) wins."""
-    runner = SlowStraggler()
+    runner = Straggler("latency", (60.0, 70.0, 80.0), slow=300.0)  # seconds: lower is better
     phases = drive(fast_search(listed(stages=(0,), metric="latency", maximize=False)), runner)
     assert [e.name for p in phases if p.name.startswith("confirm_") for e in p.experiments][-1] == "z0_gas1_tmbspg8_r3"
     winner, value, count = pooled_best([r for r in runner.records.values()], "latency", False)
