@@ -204,6 +204,20 @@ def next_repeat(groups: Sequence[Readings[K]], maximize: bool = True, doubt_once
     return min([leader, *rivals], key=lambda g: g.count).key
 
 
+def past_budget(groups: Sequence[Readings[K]], maximize: bool, kept_batch: bool) -> K | None:
+    """What the READ_ONCE_GRACE launches past the budget measure: a leader still read once, else the
+    `torn` config whose better reading is best, else nothing (the winner stands). With a kept global
+    batch the budget already runs to KEPT_BATCH_LAUNCHES, the launches its goal allows: no torn
+    config goes past it."""
+    leader = ordered(groups, maximize)[0]
+    if leader.count < 2:
+        return leader.key
+    split = [] if kept_batch else [group for group in groups if torn(group, leader, maximize)]
+    if not split:
+        return None
+    return (max if maximize else min)(split, key=lambda group: (max if maximize else min)(group.values)).key
+
+
 #: Why a winner is or is not separated from its runner-up (`Verdict.reason`).
 ALONE, READ_ONCE, WITHIN_NOISE, SEPARATED = "alone", "read once", "within the noise", "separated"
 

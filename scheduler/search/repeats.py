@@ -14,8 +14,8 @@ the best single reading wins), and the summary says so (`policy_notes`).
   phase, each with its nodes otherwise idle (`Experiment.exclusive`), within `REPEAT_BUDGET` (with a
   kept global batch, up to `KEPT_BATCH_LAUNCHES` launches in all: `confirm.repeat_budget`, and a
   config read once at half the leader's reading or more is a rival too: `confirm.doubtful`), and a
-  leader still read once, or a config whose two readings are `confirm.torn` (not with a kept batch),
-  gets up to `READ_ONCE_GRACE` launches more; the winner is the best pooled value of every reading
+  leader still read once, or a config whose two readings are `confirm.torn` (not with a kept batch:
+  `confirm.past_budget`), gets up to `READ_ONCE_GRACE` launches more; the winner is the best pooled value of every reading
   (`scheduler.search.ranking.best` pools repeats: a mean, a median from three).
 """
 from __future__ import annotations
@@ -25,8 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from scheduler.search.confirm import (READ_ONCE_GRACE, Readings, group_readings, next_repeat, ordered, repeat_budget,
-                                      torn)
+from scheduler.search.confirm import READ_ONCE_GRACE, group_readings, next_repeat, past_budget, repeat_budget
 from scheduler.search.ranking import metric_value
 from scheduler.search.session import Session, Step, under_foreign_memory
 from scheduler.search.space import PROFILE, Experiment
@@ -77,24 +76,10 @@ def relaunch(session: Session, label: str, experiments: Sequence[Experiment]) ->
     return out
 
 
-def past_budget(groups: Sequence[Readings[str]], maximize: bool, kept_batch: bool) -> str | None:
-    """What the READ_ONCE_GRACE launches past the budget measure: a leader still read once, else the
-    `torn` config whose better reading is best, else nothing (the winner stands). With a kept global
-    batch the budget already runs to KEPT_BATCH_LAUNCHES, the launches its goal allows: no torn
-    config goes past it."""
-    leader = ordered(groups, maximize)[0]
-    if leader.count < 2:
-        return leader.key
-    split = [] if kept_batch else [group for group in groups if torn(group, leader, maximize)]
-    if not split:
-        return None
-    return (max if maximize else min)(split, key=lambda group: (max if maximize else min)(group.values)).key
-
-
 def confirm(session: Session) -> Step:
     """Measure the leader and the rivals it is not yet separated from, one launch per phase, until
     `scheduler.search.confirm.next_repeat` is satisfied or the budget (`confirm.repeat_budget`) is
-    spent; past it, only a leader read once or a `torn` config is measured again (`past_budget`, up
+    spent; past it, only a leader read once or a `torn` config is measured again (`confirm.past_budget`, up
     to READ_ONCE_GRACE launches more; a torn pair is looked for even where `next_repeat` is
     satisfied: on a lower-is-better metric a straggler's reading can make its config look separated).
     One at a time: the originals ran alone, so must the repeats."""

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET, group_readings, next_repeat
+from scheduler.search.confirm import READ_ONCE_GRACE, REPEAT_BUDGET
 from scheduler.search.fast_search import fast_search
 from scheduler.search.memory import ModelInfo
 from scheduler.search.phases import Phase, drive
 from scheduler.search.ranking import best, pooled_best
-from scheduler.search.repeats import REPEAT_NAME, original_name, past_budget, says_nothing
+from scheduler.search.repeats import REPEAT_NAME, original_name, says_nothing
 from tests.unit.test_fast_search import ACT, LAW, N, KnobLaw, Runner, full_settings, layout, settings
 
 
@@ -160,22 +160,6 @@ def test_a_straggler_reading_of_the_best_config_is_outvoted_by_a_third_reading()
         "z0_gas1_tmbspg8_r2", "z0_gas2_tmbspg4_r2", "z0_gas1_tmbspg8_r3"]
     winner, value, count = pooled_best([r for r in runner.records.values()], "throughput", True)
     assert (winner["name"], value, count) == ("z0_gas1_tmbspg8", 100.0, 3)
-
-
-def test_past_the_budget_a_torn_pair_is_read_again_but_not_with_a_kept_batch() -> None:
-    """A kept global batch's budget already runs to KEPT_BATCH_LAUNCHES, its goal's cap: past it only
-    a leader read once is measured. Otherwise the torn pair with the best reading is."""
-    groups = group_readings({"a": [90.0, 90.0], "c": [95.0, 60.0], "b": [100.0, 50.0]})
-    assert past_budget(groups, True, kept_batch=False) == "b"  # the best better reading, not the first torn
-    assert past_budget(groups, True, kept_batch=True) is None
-    seconds = group_readings({"a": [70.0, 70.0], "c": [65.0, 300.0], "b": [60.0, 300.0]})  # lower is better
-    assert past_budget(seconds, False, kept_batch=False) == "b"
-    # why `confirm` asks past_budget even when next_repeat is satisfied: on a lower-is-better metric
-    # the straggler's 300 puts b's mean far behind, where the noise of the others calls it separated
-    steady = group_readings({"a": [70.0, 70.0], "b": [60.0, 300.0], "c": [200.0, 200.0], "d": [210.0, 210.0]})
-    assert next_repeat(steady, maximize=False) is None and past_budget(steady, False, kept_batch=False) == "b"
-    assert past_budget(group_readings({"a": [90.0, 90.0], "b": [100.0, 80.0]}), True, False) is None  # 1.25x
-    assert past_budget(group_readings({"a": [90.0], "b": [100.0, 50.0]}), True, True) == "a"  # read once
 
 
 def test_says_nothing_is_the_relaunch_rule() -> None:
