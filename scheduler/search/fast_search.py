@@ -38,7 +38,7 @@ from scheduler.search.memory import SAFETY, GiB, MemoryModel, ModelInfo, overhea
 from scheduler.search.phases import Phase, Search
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.repeats import confirm, relaunch
-from scheduler.search.sampled_search import sampled_stages, stages_near_leader, try_sawtooth
+from scheduler.search.sampled_search import sampled_stages, stages_near_leader, try_sawtooth, widen_step
 from scheduler.search.session import (
     NoStageFits, SearchAborted, SearchSettings, Session, measured_capacity, measured_reserve, peak_of, succeeded,
 )
@@ -135,6 +135,7 @@ def fast_search(settings: SearchSettings) -> Search:
     if settings.search == "sampled":
         yield from sampled_stages(session, stages)
         yield from try_sawtooth(session, stages)
+        yield from widen_step(session, stages)
         if not settings.fast:
             for stage, mbs, gas in stages_near_leader(session, stages):
                 yield from tune_full_space(session, stage, [mbs], mbs * gas)

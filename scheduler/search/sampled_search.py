@@ -43,6 +43,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   the next upward probe is the geometric midpoint, and a stage stops probing upward after
   `MAX_FAILURES` failures above a success (`MAX_BLIND_FAILURES` halvings when nothing in the job
   ran yet);
+- before confirming, the leader's saw-tooth neighbour with max_train_batch_size (`try_sawtooth`);
+  without it, a leader that accumulates widens its stage's step to the predicted top
+  (`widen_step`): one probe of the top, then the leader's gas at the largest size filling it;
 - `scheduler.search.repeats.confirm` (run after this search by `fast_search`): no config is named
   on one reading; the leader and the rivals it is not separated from are measured again.
 
@@ -377,6 +380,42 @@ def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
     size = sawtooth_neighbour(mbs, gas_for(session, stage, mbs), st.samples_per_step)
     if size is not None and size not in _values(session, stage):
         yield from _measure(session, stage, size, f"z{stage}_sawtooth_{size}")
+
+
+def widen_step(session: Session, stages: Sequence[int]) -> Step:
+    """Without max_train_batch_size, before the winner is confirmed: when the leader accumulates
+    (gas >= 2) and its stage's top is predicted above the largest size known to run, probe that top
+    once, and if it runs measure the leader's accumulation at the largest size that fills the wider
+    step. The step every size fills is the largest size that ran (DeepSpeed's rule), and the stage's
+    first probes bracket the top only to a halving: a leader at gas 2 then runs at half a step that
+    is short of the top, where the optimum is half the top (bench/README.md, the cliff family)."""
+    st = session.settings
+    if st.samples_per_step or st.kept_per_gpu:
+        return
+    leader = _leader(session, stages)
+    if leader is None:
+        return
+    stage, mbs = leader
+    gas = gas_for(session, stage, mbs)
+    top, known = _top(session, stage), _known_feasible(session, stage)
+    if gas < 2 or top <= known:
+        return
+    if (yield from _measure(session, stage, top, f"z{stage}_widen_{top}")) is None:
+        return
+    size = samples_per_step(session, stage) // gas
+    if size > mbs and size not in _values(session, stage):
+        yield from _measure(session, stage, size, f"z{stage}_widened_{size}")
+
+
+def _leader(session: Session, stages: Sequence[int]) -> tuple[int, int] | None:
+    """(stage, mbs) of the best config measured in `stages` at its gas in the space."""
+    leader: tuple[float, int, int] | None = None
+    sign = 1 if session.settings.maximize else -1
+    for stage in stages:
+        for mbs, value in _values(session, stage).items():
+            if value is not None and (leader is None or sign * value > sign * leader[0]):
+                leader = (value, stage, mbs)
+    return None if leader is None else leader[1:]
 
 
 def stages_near_leader(session: Session, stages: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from bench.surfaces import classic, make_surface, user_config
 from scheduler.search.fast_search import PROFILE, fast_search
 from scheduler.search.global_batch import GlobalBatch
 from scheduler.search.phases import drive
@@ -67,3 +68,65 @@ def test_a_kept_global_batch_has_no_sawtooth_to_try() -> None:
                               stages=(1,), num_gpus=4, host_memory=True, global_batch=GlobalBatch(96, "t"))
     phases = drive(fast_search(settings), Runner(Steps()))
     assert not [p for p in phases if "_sawtooth_" in p.name]
+
+
+def _search_on(surface) -> tuple[list[Any], list[dict[str, Any]]]:
+    """fast_search on a bench surface as bench/search_quality.py drives it: (phases, records)."""
+    settings = SearchSettings(ds_config=user_config(surface), capacity_bytes=surface.capacity, stages=(0, 1, 2, 3),
+                              num_gpus=surface.world, max_train_batch_size=surface.max_train_batch_size,
+                              peak_memory_key="peak_device_bytes", host_memory=False, concurrency=1)
+    records: list[dict[str, Any]] = []
+
+    def run_phase(phase):
+        out = {exp.name: surface.run(exp.name, exp.ds_config, profile=exp.name == PROFILE) for exp in phase.experiments}
+        records.extend(out.values())
+        return out
+
+    return drive(fast_search(settings), run_phase), records
+
+
+def _config_of(record: dict[str, Any]) -> tuple[int, int, int]:
+    config = record["ds_config"]
+    return (int(config["zero_optimization"]["stage"]), int(config["train_micro_batch_size_per_gpu"]),
+            int(config["gradient_accumulation_steps"]))
+
+
+def test_without_a_limit_a_leader_at_gas_2_widens_its_step_to_the_stages_top() -> None:
+    """The cliff surface of bench seed 16 (no max_train_batch_size): ZeRO-1 holds micro-batch 302,
+    its probes found 274 (326 failed), so every size filled a step of 274 and the leader was 137 x 2,
+    0.957 of the optimum, 151 x 2. The top predicted between them is probed once; it runs, the step
+    widens, and the leader's accumulation at the largest size filling it wins."""
+    surface = make_surface("cliff", 16)
+    assert surface.max_train_batch_size is None and surface.max_fit(1) == 302
+    phases, records = _search_on(surface)
+    names = [phase.name for phase in phases]
+    widen = next(i for i, name in enumerate(names) if name.startswith("z1_widen_"))
+    widened = names.index(next(name for name in names if name.startswith("z1_widened_")))
+    assert widen < widened < names.index(next(name for name in names if name.startswith("confirm")))
+    top = phases[widen].experiments[0].micro_batch_size
+    assert 274 < top <= 302 and phases[widen].experiments[0].gradient_accumulation_steps == 1
+    assert [(e.micro_batch_size, e.gradient_accumulation_steps) for e in phases[widened].experiments] == [(top // 2, 2)]
+    winner = best([r for r in records if r["name"] != PROFILE], "throughput", True)
+    stage, mbs, gas = _config_of(winner)
+    assert (stage, mbs, gas) == (1, top // 2, 2)
+    assert surface.throughput(stage, mbs, gas) / surface.optimum()[0] >= 0.99
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_with_max_train_batch_size_no_step_is_widened(seed: int) -> None:
+    """max_train_batch_size fixes the step whatever the top: nothing to widen (classic surfaces all
+    have one)."""
+    phases, _ = _search_on(classic(make_surface("cliff", seed)))
+    assert not [phase for phase in phases if "_widen" in phase.name]
+
+
+def test_a_leader_at_gas_1_widens_nothing() -> None:
+    """The law's throughput grows with the size: the leader is the top at the user's gas, which
+    already fills the step."""
+    settings = SearchSettings(ds_config=USER_CONFIG, capacity_bytes=LAW.capacity, stages=(1,), num_gpus=4,
+                              host_memory=True)
+    runner = Runner(LAW)
+    phases = drive(fast_search(settings), runner)
+    winner = best([r for n, r in runner.records.items() if n != PROFILE], "throughput", True)
+    assert winner["ds_config"]["gradient_accumulation_steps"] == 1
+    assert not [phase for phase in phases if "_widen" in phase.name]
