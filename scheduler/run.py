@@ -33,6 +33,8 @@ Deliberate differences from DeepSpeed's runner, and why:
 - the embedded cluster starts a worker for exactly each selected device id, no
   RAM cap per CPU rank (training, not a probe), AUTOTUNE_VISIBILITY_TIMEOUT = --timeout + 1 h;
   external workers need theirs above the run's length too, or Redis redelivers a rank.
+- `kill -USR1 <pid>` prints every thread's Python stack to stderr and the run goes on (Celery's
+  workers answer USR1 alike): a run that seems hung can be read without stopping it.
 - not offered: --module --no_python --no_local_rank --no_ssh --node_rank --force_multi --save_pid
   --enable_each_rank_log --bind_cores_to_rank --bind_core_list --venv_script --ssh_port --quiet.
 """
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import math
 import os
@@ -359,4 +362,5 @@ def _interrupted(signum: int, frame: object) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung run can be read: module docstring
     sys.exit(main())
