@@ -242,21 +242,29 @@ def test_user_ds_config_is_read_from_either_flag(tmp_path):
     assert run_cli.user_ds_config(["--deepspeed_config", "absent.json"]) == {}
 
 
+def _run_with_fake_pdsh(tmp_path: Path, hostfile: Path, pdsh_body: str, pid_file: Path,
+                        stdout: int = subprocess.PIPE) -> subprocess.Popen:
+    """`python -m scheduler.run --launcher pdsh` with `pdsh_body` as the pdsh script, once the
+    script has written a pid into `pid_file` (or after 30 s)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pdsh").write_text(f"#!/bin/sh\n{pdsh_body}")
+    (bin_dir / "pdsh").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(Path(run_cli.__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "scheduler.run", "--hostfile", str(hostfile), "--launcher",
+                             "pdsh", "--no_ssh_check", "train.py"], cwd=tmp_path, env=env,
+                            stdout=stdout, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
 def test_sigterm_is_forwarded_and_the_backends_process_group_is_stopped(tmp_path, two_hosts):
     """The fake pdsh leaves a background child (which ignores SIGINT, as in any script): only a
     group kill after the forwarded SIGINT stops it."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "pdsh").write_text(f"#!/bin/sh\nsleep 1000 &\necho $! > {tmp_path}/child.pid\nwait\n")
-    (bin_dir / "pdsh").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(Path(run_cli.__file__).parents[1])}
-    proc = subprocess.Popen([sys.executable, "-m", "scheduler.run", "--hostfile", str(two_hosts), "--launcher",
-                             "pdsh", "--no_ssh_check", "train.py"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     child_pid = tmp_path / "child.pid"
-    deadline = time.monotonic() + 30
-    while not (child_pid.exists() and child_pid.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    proc = _run_with_fake_pdsh(tmp_path, two_hosts, f"sleep 1000 &\necho $! > {child_pid}\nwait\n", child_pid)
     proc.send_signal(signal.SIGTERM)
     try:
         _, err = proc.communicate(timeout=30)
@@ -268,33 +276,27 @@ def test_sigterm_is_forwarded_and_the_backends_process_group_is_stopped(tmp_path
 
 
 def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(tmp_path, two_hosts):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    # the backend holds neither of the command's pipes: its output ends when the command does
-    (bin_dir / "pdsh").write_text(f"#!/bin/sh\necho $$ > {tmp_path}/backend.pid\nexec sleep 1000 >/dev/null 2>&1\n")
-    (bin_dir / "pdsh").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(Path(run_cli.__file__).parents[1])}
-    proc = subprocess.Popen([sys.executable, "-m", "scheduler.run", "--hostfile", str(two_hosts), "--launcher",
-                             "pdsh", "--no_ssh_check", "train.py"], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     backend = tmp_path / "backend.pid"
-    deadline = time.monotonic() + 30
-    while not (backend.exists() and backend.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # the backend holds neither of the command's pipes: its output ends when the command does
+    proc = _run_with_fake_pdsh(tmp_path, two_hosts, f"echo $$ > {backend}\nexec sleep 1000 >/dev/null 2>&1\n",
+                               backend, stdout=subprocess.DEVNULL)
     try:
         proc.send_signal(signal.SIGUSR1)
-        stack = proc.stderr.readline()
-        assert stack.startswith(("Current thread", "Thread")), stack
+        stack = [proc.stderr.readline()]
+        assert stack[0].startswith(("Current thread", "Thread")), stack
+        while stack[-1] and "_run_module_as_main" not in stack[-1]:  # the dump's outermost frame
+            stack.append(proc.stderr.readline())
         time.sleep(0.5)
         assert proc.poll() is None  # still running its backend
         proc.send_signal(signal.SIGTERM)
-        err = proc.communicate(timeout=30)[1]
+        err = proc.stderr.read()
+        proc.wait(timeout=30)
     finally:
         proc.kill()
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.killpg(int(backend.read_text()), signal.SIGKILL)
     assert proc.returncode == 130, err
-    assert "in run_command" in stack + err, stack + err  # the stack names where the main thread waited
+    assert "in run_command" in "".join(stack), stack  # the stack names where the main thread waited
 
 
 def _hung(proc: subprocess.Popen, child: int) -> str:
