@@ -368,15 +368,10 @@ def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
     st = session.settings
     if not st.samples_per_step or st.kept_per_gpu:
         return
-    leader: tuple[float, int, int] | None = None
-    sign = 1 if st.maximize else -1
-    for stage in stages:
-        for mbs, value in _values(session, stage).items():
-            if value is not None and (leader is None or sign * value > sign * leader[0]):
-                leader = (value, stage, mbs)
+    leader = _leader(session, stages)
     if leader is None:
         return
-    _, stage, mbs = leader
+    stage, mbs = leader
     size = sawtooth_neighbour(mbs, gas_for(session, stage, mbs), st.samples_per_step)
     if size is not None and size not in _values(session, stage):
         yield from _measure(session, stage, size, f"z{stage}_sawtooth_{size}")
