@@ -104,11 +104,12 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
     for stage in lead_first(stages, session.settings.dp_size):
         if _top(session, stage) < 1:
             continue
-        inc_mbs = _incumbent_size(session, explored)
-        if inc_mbs is None:
+        incumbent = _leader(session, explored)
+        if incumbent is None:
             yield from _explore(session, stage)
             explored.append(stage)
             continue
+        inc_mbs = incumbent[1]
         upside = _at_cap(session, explored, inc_mbs) and _top(session, stage) > inc_mbs
         if stage == 3 and not upside and any(s in (1, 2) for s in explored):
             lighter = max(_top(session, s) for s in explored if s in (1, 2))
@@ -336,15 +337,16 @@ def _sizes(session: Session, stage: int) -> dict[int, bool]:
     return out
 
 
-def _incumbent_size(session: Session, stages: Sequence[int]) -> int | None:
-    """The micro-batch size of the best config measured so far in `stages` (None: none succeeded)."""
-    best: tuple[float, int] | None = None
+def _leader(session: Session, stages: Sequence[int]) -> tuple[int, int] | None:
+    """(stage, mbs) of the best config measured so far in `stages` at its gas in the space (None:
+    none succeeded): the incumbent another stage is followed from, the leader before confirming."""
+    leader: tuple[float, int, int] | None = None
     sign = 1 if session.settings.maximize else -1
     for stage in stages:
         for mbs, value in _values(session, stage).items():
-            if value is not None and (best is None or sign * value > sign * best[0]):
-                best = (value, mbs)
-    return None if best is None else best[1]
+            if value is not None and (leader is None or sign * value > sign * leader[0]):
+                leader = (value, stage, mbs)
+    return None if leader is None else leader[1:]
 
 
 def _at_cap(session: Session, stages: Sequence[int], mbs: int) -> bool:
@@ -400,17 +402,6 @@ def widen_step(session: Session, stages: Sequence[int]) -> Step:
     size = samples_per_step(session, stage) // gas
     if size > mbs and size not in _values(session, stage):
         yield from _measure(session, stage, size, f"z{stage}_widened_{size}")
-
-
-def _leader(session: Session, stages: Sequence[int]) -> tuple[int, int] | None:
-    """(stage, mbs) of the best config measured in `stages` at its gas in the space."""
-    leader: tuple[float, int, int] | None = None
-    sign = 1 if session.settings.maximize else -1
-    for stage in stages:
-        for mbs, value in _values(session, stage).items():
-            if value is not None and (leader is None or sign * value > sign * leader[0]):
-                leader = (value, stage, mbs)
-    return None if leader is None else leader[1:]
 
 
 def stages_near_leader(session: Session, stages: Sequence[int]) -> list[tuple[int, int, int]]:
