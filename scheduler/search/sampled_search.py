@@ -21,12 +21,17 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   on). Then golden-section-like refinement on log(mbs) around the best
   measured size until its neighbours are within `sampling.REFINE_RATIO` of it, splitting the gaps between
   measured sizes before going below the smallest; a top that the memory line later moves up is
-  probed again only when it is `sampling.TOP_GAIN` larger;
+  probed again only when it is `sampling.TOP_GAIN` larger. A reading a larger size's contradicts
+  (`sampling.implausible_reading`: a smaller size's throughput is at least m_s / m_l of a larger
+  one's) is a straggler's: that config is measured once more (`_recheck`) and the refinement reads
+  its better reading, so one slow run does not hide the region around the optimum;
 - another stage is first measured at the incumbent's size (without max_train_batch_size, after its
   own top), which tells how it compares. It is explored further only if the incumbent was the
   largest size its own stage could hold and this stage holds more (the curve was still rising at
-  the cap), or, without max_train_batch_size, if it beat the incumbent there (its own top may give
-  it a larger step); otherwise the measurement rules it out. ZeRO-3 moves strictly more data than
+  the cap), or, with max_train_batch_size, if the incumbent accumulates because its stage cannot
+  hold the size filling the step with one accumulation step less and this stage can
+  (`_short_of_step`), or, without max_train_batch_size, if it beat the incumbent there (its own top
+  may give it a larger step); otherwise the measurement rules it out. ZeRO-3 moves strictly more data than
   ZeRO-1/2 at equal size, so it is not measured at all unless it can hold larger sizes that matter
   (the curve was still rising at the cap, or ZeRO-3 holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so
   memory pressure may have turned it), or no ZeRO-1/2 stage was measured;
@@ -68,7 +73,9 @@ from typing import Any
 from scheduler.search.global_batch import kept_sizes, largest_kept
 from scheduler.search.ranking import metric_value
 from scheduler.search.repeats import is_repeat, original_name, says_nothing
-from scheduler.search.sampling import full_step_sizes, geometric_mid, lead_first, next_size, sawtooth_neighbour, snap
+from scheduler.search.sampling import (
+    full_step_sizes, geometric_mid, implausible_reading, lead_first, next_size, sawtooth_neighbour, snap,
+)
 from scheduler.search.session import Session, Step
 from scheduler.search.space import PROFILE
 
@@ -110,7 +117,8 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             explored.append(stage)
             continue
         inc_mbs = incumbent[1]
-        upside = _at_cap(session, explored, inc_mbs) and _top(session, stage) > inc_mbs
+        upside = _at_cap(session, explored, inc_mbs) and _top(session, stage) > inc_mbs \
+            or _short_of_step(session, incumbent, _top(session, stage))
         if stage == 3 and not upside and any(s in (1, 2) for s in explored):
             lighter = max(_top(session, s) for s in explored if s in (1, 2))
             if _top(session, stage) < ZERO3_ROOM * lighter:
@@ -153,11 +161,25 @@ def _explore(session: Session, stage: int, floor: int = 0) -> Step:
         values = _values(session, stage)
         if sum(v is not None for v in values.values()) >= MAX_POINTS:
             return
+        suspect = implausible_reading(values, st.maximize)
+        if suspect is not None and (yield from _recheck(session, stage, suspect)):
+            continue
         sizes = [m for m in _candidates(session, stage) if m >= floor]
         size = next_size({m: v for m, v in values.items() if m >= floor}, sizes, st.maximize)
         if size is None:
             return
         yield from _measure(session, stage, size, f"z{stage}_sample_{size}")
+
+
+def _recheck(session: Session, stage: int, mbs: int) -> Step:
+    """Measure once more a config whose one reading a larger size's contradicts
+    (`sampling.implausible_reading`); False when it was read more than once already (then the
+    refinement goes on with what it has). The search reads it at its better reading (`_values`)."""
+    exp = session.experiment(stage, mbs, gas_for(session, stage, mbs))
+    if f"{exp.name}_r2" in session.measured or exp.name not in session.measured:
+        return False
+    yield from session.measure(f"z{stage}_recheck_{mbs}", [replace(exp, name=f"{exp.name}_r2")])
+    return True
 
 
 def _sample_smallest(session: Session, stage: int) -> Step:
@@ -313,12 +335,23 @@ def _values(session: Session, stage: int) -> dict[int, float | None]:
     for exp, record in session.stage_records(stage):
         if exp.tuning_space or (is_repeat(exp.name, session.measured) and not _retry_of_failure(session, exp.name)):
             continue
-        value = metric_value(record, st.metric)
+        value = _better_reading(session, exp.name, metric_value(record, st.metric))
         if filling is not None and value is not None and exp.micro_batch_size not in filling:
             continue
         if exp.gradient_accumulation_steps == gas_for(session, stage, exp.micro_batch_size):
             out[exp.micro_batch_size] = value
     return out
+
+
+def _better_reading(session: Session, name: str, value: float | None) -> float | None:
+    """`value`, or the better reading of its `_recheck` (a straggler only slows a run)."""
+    again = session.measured.get(f"{name}_r2")
+    if value is None or again is None:
+        return value
+    other = metric_value(again[1], session.settings.metric)
+    if other is None:
+        return value
+    return max(value, other) if session.settings.maximize else min(value, other)
 
 
 def _retry_of_failure(session: Session, name: str) -> bool:
@@ -354,6 +387,19 @@ def _at_cap(session: Session, stages: Sequence[int], mbs: int) -> bool:
     rising where memory stopped it, so a stage holding larger sizes may do better."""
     largest = max((m for stage in stages for m, v in _values(session, stage).items() if v is not None), default=0)
     return mbs >= largest
+
+
+def _short_of_step(session: Session, incumbent: tuple[int, int], top: int) -> bool:
+    """With a samples-per-step limit: whether the incumbent accumulates because its stage cannot hold
+    the next larger size that fills the step (the size at one accumulation step less), while a stage
+    whose top is `top` can: the curve along the full-step sizes was cut by memory, not turned."""
+    st = session.settings
+    stage, mbs = incumbent
+    gas = gas_for(session, stage, mbs)
+    if not st.samples_per_step or gas < 2:
+        return False
+    larger = st.samples_per_step // (gas - 1)
+    return _top(session, stage) < larger <= top
 
 
 def _relative(value: float, reference: float, maximize: bool) -> float:

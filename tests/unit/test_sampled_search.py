@@ -18,7 +18,7 @@ from scheduler.search import sampled_search
 from scheduler.search.ranking import best
 from scheduler.search.repeats import REPEAT_NAME, confirm
 from scheduler.search.sampled_search import sampled_stages, stages_near_leader
-from scheduler.search.sampling import full_step_sizes, geometric_mid, lead_first, next_size, snap
+from scheduler.search.sampling import full_step_sizes, geometric_mid, implausible_reading, lead_first, next_size, snap
 from scheduler.search.space import Experiment
 from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner, layout
 
@@ -287,12 +287,13 @@ def scripted_settings(**changes: Any) -> SearchSettings:
 def play(search, speed: dict[tuple[int, int], float], fits: dict[int, int], settings: SearchSettings,
          predicted: dict[int, int] | None = None, crashes: dict[str, int] | None = None,
          foreign_ooms: dict[str, int] | None = None, spurious_ooms: dict[str, int] | None = None,
-         ) -> tuple[list[tuple[int, int, int]], list[Phase], Scripted]:
+         stragglers: dict[str, float] | None = None) -> tuple[list[tuple[int, int, int]], list[Phase], Scripted]:
     """Drive `search(session)`; (stage, mbs) above fits[stage] runs out of memory, the first
     crashes[name] launches of experiment `name` (its repeats `name_rN` counted) crash, the first
     foreign_ooms[name] run out of memory while 20 GiB of others' memory sat on the GPU, the first
     spurious_ooms[name] run out of memory with nothing else to show (a GPU's passing state), others report
-    speed[(stage, mbs)] as throughput and its inverse as latency. Returns (stage, mbs, gas) launched."""
+    speed[(stage, mbs)] as throughput and its inverse as latency, the first launch of experiment `name`
+    speed times stragglers[name]. Returns (stage, mbs, gas) launched."""
     session = Scripted(settings, predicted or fits)
     launched: list[tuple[int, int, int]] = []
     crashes_left = dict(crashes or {})
@@ -316,7 +317,7 @@ def play(search, speed: dict[tuple[int, int], float], fits: dict[int, int], sett
                 crashes_left[original] -= 1
                 out[exp.name] = {"name": exp.name, "status": "crashed"}
             else:
-                value = speed[(exp.stage, exp.micro_batch_size)]
+                value = speed[(exp.stage, exp.micro_batch_size)] * (stragglers or {}).get(exp.name, 1.0)
                 out[exp.name] = {"name": exp.name, "status": "ok",
                                  "metrics": {"throughput": value, "latency": 1e6 / value}}
         return out
@@ -560,10 +561,28 @@ def test_zero_3_is_not_measured_after_zero_1_or_zero_2_alone() -> None:
 def test_a_follow_stage_that_wins_becomes_the_incumbent() -> None:
     """ZeRO-1 fits 16, best 16 (its largest). ZeRO-0 fits 12: measured at 12 (the incumbent's size
     capped to what it holds) and faster, so it is the incumbent: ZeRO-2 is then compared at 12, and
-    since 12 is below the largest size measured (16), not explored above it."""
+    since 12 is below the largest size measured (16) and ZeRO-2 cannot hold 32 (the size filling
+    the step at gas 1), not explored above it."""
     speed = {(1, 4): 40.0, (1, 8): 60.0, (1, 10): 65.0, (1, 16): 75.0, (0, 12): 80.0, (2, 12): 70.0}
-    launched, _, _ = play(stages_of((0, 1, 2)), speed, {0: 12, 1: 16, 2: 32}, scripted_settings(stages=(0, 1, 2)))
+    launched, _, _ = play(stages_of((0, 1, 2)), speed, {0: 12, 1: 16, 2: 24}, scripted_settings(stages=(0, 1, 2)))
     assert launched == [(1, 4, 8), (1, 16, 2), (1, 8, 4), (1, 10, 3), (0, 12, 2), (2, 12, 2)]
+
+
+def test_a_stage_holding_the_step_the_incumbent_could_not_is_explored() -> None:
+    """Step 32 (max_train_batch_size 64, 2 ranks). ZeRO-1 holds 20: its top, 20 x 1, leaves part of
+    the step empty and reads less than 16 x 2, the leader; 32 x 1 would fill the step with one
+    accumulation step less, and ZeRO-1 cannot hold it. ZeRO-2 can: although 16 is below the
+    largest size measured (20), ZeRO-2 is explored above the incumbent's size (the large-model
+    family's seed 1054 had lost 16 % there), and wins at 32. Where ZeRO-1 holds 32 itself and
+    measured it slower, ZeRO-2 is only compared at 16."""
+    speed = {(1, 4): 40.0, (1, 5): 45.0, (1, 6): 50.0, (1, 8): 60.0, (1, 10): 65.0, (1, 16): 75.0,
+             (1, 20): 60.0, (2, 16): 74.0, (2, 32): 90.0}
+    settings = scripted_settings(stages=(1, 2))
+    launched, _, _ = play(stages_of((1, 2)), speed, {1: 20, 2: 32}, settings)
+    assert (1, 20, 1) in launched and (1, 32, 1) not in launched
+    assert launched[-2:] == [(2, 16, 2), (2, 32, 1)]
+    launched, _, _ = play(stages_of((1, 2)), {**speed, (1, 32): 50.0}, {1: 32, 2: 32}, settings)
+    assert (1, 32, 1) in launched and launched[-1] == (2, 16, 2)
 
 
 @pytest.mark.parametrize(("zero_2", "expected"), [(86.0, [(1, 16, 2), (2, 16, 2)]), (81.0, [(1, 16, 2), (2, 16, 2)]),
@@ -658,3 +677,34 @@ def test_blind_failures_end_a_stage_sooner_once_the_job_ran_something() -> None:
     launched, _, _ = play(stages_of((1, 0)), speed, {1: 16, 0: 0},
                           scripted_settings(stages=(1, 0), max_train_batch_size=None), predicted={1: 16, 0: 40})
     assert [(s, m) for s, m, _ in launched if s == 0] == [(0, 40), (0, 20)]
+
+
+@pytest.mark.parametrize(("values", "suspect"), [
+    ({8: 45.0, 10: 85.0, 16: 80.0, 32: 70.0}, 8),  # 8 must read >= 8/10 of 85 (68): 45 is a straggler's
+    ({8: 60.0, 10: 85.0, 16: 80.0, 32: 70.0}, None),  # 60 is within 0.85 of 68: noise, not contradicted
+    ({8: 45.0, 32: 70.0}, None),  # 8/32 of 70 is 17.5: a far larger size bounds nothing useful
+    ({4: 10.0, 10: 85.0, 16: 80.0}, None),  # 4/10 of 85 (34) is below 0.7 of the best: not a rival, not chased
+    ({8: 45.0, 10: None, 16: 80.0}, None),  # a failure is no reading: 16 alone bounds 8 at 40, and 45 > 0.85 x 40
+    ({8: 45.0, 10: 85.0, 12: 40.0, 16: 80.0}, 8),  # the smallest suspect first (12 is one too)
+])
+def test_a_reading_a_larger_size_contradicts_is_a_suspect(values, suspect) -> None:
+    """A smaller size of one stage's space runs at least m_s / m_l of a larger one's throughput;
+    a reading below IMPLAUSIBLE_SHARE of that, where the bound could make it a rival, is suspect."""
+    assert implausible_reading(values) == suspect
+    assert implausible_reading(values, maximize=False) is None  # a latency has no such bound
+
+
+def test_a_straggler_s_reading_is_measured_again_and_the_refinement_follows_the_better_one() -> None:
+    """Step 32, ZeRO-1 holds 32, the curve peaks at 8 (90). Its first reading is a straggler's (45):
+    8, 32 and 16 bound it at 40, 17.5 and 40, nothing to doubt; once 10 reads 85 the bound is 68 and
+    45 is below 0.85 of it: 8 is measured again (z1_recheck_8), reads 90, leads, and the refinement
+    goes below it. Without the recheck the search ends at 10."""
+    speed = {(1, 2): 50.0, (1, 4): 85.0, (1, 5): 87.0, (1, 6): 88.0, (1, 8): 90.0, (1, 10): 85.0,
+             (1, 16): 80.0, (1, 32): 70.0}
+    settings = scripted_settings(stages=(1,))
+    launched, phases, session = play(stages_of((1,)), speed, {1: 32}, settings,
+                                     stragglers={"z1_gas4_tmbspg8": 0.5})
+    names = [p.name for p in phases]
+    assert names[:5] == ["z1_sample_8", "z1_sample_32", "z1_sample_16", "z1_sample_10", "z1_recheck_8"]
+    assert session.measured["z1_gas4_tmbspg8_r2"][1]["metrics"]["throughput"] == 90.0
+    assert any(mbs < 8 for _, mbs, _ in launched[5:])
