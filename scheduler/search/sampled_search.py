@@ -30,8 +30,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   largest size its own stage could hold and this stage holds more (the curve was still rising at
   the cap), or, with max_train_batch_size, if the incumbent accumulates because its stage cannot
   hold the size filling the step with one accumulation step less and this stage can
-  (`_short_of_step`), or, without max_train_batch_size, if it beat the incumbent there (its own top
-  may give it a larger step); otherwise the measurement rules it out. ZeRO-3 moves strictly more data than
+  (`_fuller_step`: that size is measured once, and wins or rules the stage out), or, without
+  max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step);
+  otherwise the measurement rules it out. ZeRO-3 moves strictly more data than
   ZeRO-1/2 at equal size, so it is not measured at all unless it can hold larger sizes that matter
   (the curve was still rising at the cap, or ZeRO-3 holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so
   memory pressure may have turned it), or no ZeRO-1/2 stage was measured;
@@ -117,8 +118,8 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             explored.append(stage)
             continue
         inc_mbs = incumbent[1]
-        upside = _at_cap(session, explored, inc_mbs) and _top(session, stage) > inc_mbs \
-            or _short_of_step(session, incumbent, _top(session, stage))
+        upside = _at_cap(session, explored, inc_mbs) and _top(session, stage) > inc_mbs
+        fuller = _fuller_step(session, incumbent, _top(session, stage))
         if stage == 3 and not upside and any(s in (1, 2) for s in explored):
             lighter = max(_top(session, s) for s in explored if s in (1, 2))
             if _top(session, stage) < ZERO3_ROOM * lighter:
@@ -129,15 +130,20 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         size = min(inc_mbs, _top(session, stage, cautious=True))
         value = yield from _measure(session, stage, size, f"z{stage}_follow_{size}")
         explored.append(stage)
+        if value is not None and fuller and not upside:
+            value = yield from _measure(session, stage, fuller, f"z{stage}_step_{fuller}")
+            upside = value is not None and _wins(session, stage, fuller, value, bounded=True)
         if value is not None and (upside or _wins(session, stage, size, value)):
             yield from _explore(session, stage, floor=size)
 
 
-def _wins(session: Session, stage: int, size: int, value: float) -> bool:
-    """Without max_train_batch_size, whether the followed stage beat the incumbent at its size: its
-    space fills a step of its own top, so at equal size it may accumulate more and lead."""
+def _wins(session: Session, stage: int, size: int, value: float, bounded: bool = False) -> bool:
+    """Whether the followed stage's reading at `size` beats every other stage's: without
+    max_train_batch_size its space fills a step of its own top, so at equal size it may accumulate
+    more and lead; with it (`bounded`), at the size filling the step the incumbent's stage could
+    not hold (`_fuller_step`)."""
     st = session.settings
-    if st.samples_per_step:
+    if st.samples_per_step and not bounded:
         return False
     measured = {exp.stage for exp, _ in session.measured.values() if exp.space != PROFILE} - {stage}
     best = [v for s in measured for v in _values(session, s).values() if v is not None]
@@ -389,17 +395,17 @@ def _at_cap(session: Session, stages: Sequence[int], mbs: int) -> bool:
     return mbs >= largest
 
 
-def _short_of_step(session: Session, incumbent: tuple[int, int], top: int) -> bool:
-    """With a samples-per-step limit: whether the incumbent accumulates because its stage cannot hold
-    the next larger size that fills the step (the size at one accumulation step less), while a stage
-    whose top is `top` can: the curve along the full-step sizes was cut by memory, not turned."""
+def _fuller_step(session: Session, incumbent: tuple[int, int], top: int) -> int | None:
+    """With a samples-per-step limit: the size filling the step with one accumulation step less than
+    the incumbent's, when the incumbent's stage cannot hold it and a stage whose top is `top` can
+    (the curve along the full-step sizes was cut by memory, not turned); else None."""
     st = session.settings
     stage, mbs = incumbent
     gas = gas_for(session, stage, mbs)
     if not st.samples_per_step or gas < 2:
-        return False
+        return None
     larger = st.samples_per_step // (gas - 1)
-    return _top(session, stage) < larger <= top
+    return larger if _top(session, stage) < larger <= top else None
 
 
 def _relative(value: float, reference: float, maximize: bool) -> float:

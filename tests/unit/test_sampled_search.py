@@ -572,15 +572,17 @@ def test_a_stage_holding_the_step_the_incumbent_could_not_is_explored() -> None:
     """Step 32 (max_train_batch_size 64, 2 ranks). ZeRO-1 holds 20: its top, 20 x 1, leaves part of
     the step empty and reads less than 16 x 2, the leader; 32 x 1 would fill the step with one
     accumulation step less, and ZeRO-1 cannot hold it. ZeRO-2 can: although 16 is below the
-    largest size measured (20), ZeRO-2 is explored above the incumbent's size (the large-model
-    family's seed 1054 had lost 16 % there), and wins at 32. Where ZeRO-1 holds 32 itself and
-    measured it slower, ZeRO-2 is only compared at 16."""
+    largest size measured (20), ZeRO-2 is measured at 32 after the incumbent's size (the large-model
+    family's seed 1054 had lost 16 % there), and wins. Where ZeRO-1 holds 32 itself and measured it
+    slower, ZeRO-2 is only compared at 16; where ZeRO-2's 32 is slower, it is not explored."""
     speed = {(1, 4): 40.0, (1, 5): 45.0, (1, 6): 50.0, (1, 8): 60.0, (1, 10): 65.0, (1, 16): 75.0,
              (1, 20): 60.0, (2, 16): 74.0, (2, 32): 90.0}
     settings = scripted_settings(stages=(1, 2))
     launched, _, _ = play(stages_of((1, 2)), speed, {1: 20, 2: 32}, settings)
     assert (1, 20, 1) in launched and (1, 32, 1) not in launched
     assert launched[-2:] == [(2, 16, 2), (2, 32, 1)]
+    launched, phases, _ = play(stages_of((1, 2)), {**speed, (2, 32): 70.0, (2, 20): 72.0}, {1: 20, 2: 32}, settings)
+    assert launched[-2:] == [(2, 16, 2), (2, 32, 1)] and phases[-1].name == "z2_step_32"
     launched, _, _ = play(stages_of((1, 2)), {**speed, (1, 32): 50.0}, {1: 32, 2: 32}, settings)
     assert (1, 32, 1) in launched and launched[-1] == (2, 16, 2)
 
