@@ -710,3 +710,17 @@ def test_a_straggler_s_reading_is_measured_again_and_the_refinement_follows_the_
     assert names[:5] == ["z1_sample_8", "z1_sample_32", "z1_sample_16", "z1_sample_10", "z1_recheck_8"]
     assert session.measured["z1_gas4_tmbspg8_r2"][1]["metrics"]["throughput"] == 90.0
     assert any(mbs < 8 for _, mbs, _ in launched[5:])
+
+
+@pytest.mark.parametrize(("zero_0_fits", "measured"), [(15, False), (16, True), (40, True)])
+def test_a_stage_filling_under_half_the_incumbents_step_is_not_measured(zero_0_fits: int, measured: bool) -> None:
+    """No step limit. ZeRO-1 runs its top, 32, first: every size of its space fills a step of 32.
+    ZeRO-0 holding 15 would fill steps of at most 15, under half of 32, carrying the optimizer step and
+    the gradients' communication over under half the samples: it is not launched at all. Holding
+    16 (exactly half) it is measured at its top and the incumbent's size, as before."""
+    speed = {(1, m): 90.0 - 20 * abs(math.log2(m / 10)) for m in range(1, 33)}
+    speed |= {(0, m): 95.0 for m in range(1, 41)}
+    launched, _, _ = play(stages_of((0, 1)), speed, {0: zero_0_fits, 1: 32},
+                          scripted_settings(stages=(0, 1), max_train_batch_size=None))
+    assert launched[0] == (1, 32, 1)
+    assert any(stage == 0 for stage, _, _ in launched) == measured
