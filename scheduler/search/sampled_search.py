@@ -112,7 +112,8 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
     """Every allowed stage, in order: sampled, followed from the incumbent, or ruled out."""
     explored: list[int] = []
     for stage in lead_first(stages, session.settings.dp_size):
-        if _top(session, stage) < 1:
+        top = _top(session, stage)  # what the earlier stages' probes predict; the stage ran nothing yet
+        if top < 1:
             continue
         incumbent = _leader(session, explored)
         if incumbent is None:
@@ -120,11 +121,11 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             explored.append(stage)
             continue
         inc_mbs = incumbent[1]
-        upside = _at_cap(session, explored, inc_mbs) and _top(session, stage) > inc_mbs
-        fuller = _fuller_step(session, incumbent, _top(session, stage))
+        upside = _at_cap(session, explored, inc_mbs) and top > inc_mbs
+        fuller = _fuller_step(session, incumbent, top)
         if stage == 3 and not upside and any(s in (1, 2) for s in explored):
             lighter = max(_top(session, s) for s in explored if s in (1, 2))
-            if _top(session, stage) < ZERO3_ROOM * lighter:
+            if top < ZERO3_ROOM * lighter:
                 continue  # ZeRO-3 moves more data than ZeRO-1/2 at equal size: it can only win on memory
             upside = True  # so much more memory free that it can win on memory pressure: explore it
         if not upside and _half_step(session, stage, incumbent[0]):
@@ -136,8 +137,8 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         explored.append(stage)
         if value is not None and fuller and not upside:
             value = yield from _measure(session, stage, fuller, f"z{stage}_step_{fuller}")
-            upside = value is not None and _wins(session, stage, fuller, value, bounded=True)
-        if value is not None and (upside or _wins(session, stage, size, value)):
+            upside = value is not None and _wins(session, stage, value, bounded=True)
+        if value is not None and (upside or _wins(session, stage, value)):
             yield from _explore(session, stage, floor=size)
 
 
@@ -153,11 +154,11 @@ def _half_step(session: Session, stage: int, incumbent_stage: int) -> bool:
     return 2 * samples_per_step(session, stage) < samples_per_step(session, incumbent_stage)
 
 
-def _wins(session: Session, stage: int, size: int, value: float, bounded: bool = False) -> bool:
-    """Whether the followed stage's reading at `size` beats every other stage's: without
-    max_train_batch_size its space fills a step of its own top, so at equal size it may accumulate
-    more and lead; with it (`bounded`), at the size filling the step the incumbent's stage could
-    not hold (`_fuller_step`)."""
+def _wins(session: Session, stage: int, value: float, bounded: bool = False) -> bool:
+    """Whether the followed stage's reading `value` beats every other stage's: without
+    max_train_batch_size, its reading at the incumbent's size (its space fills a step of its own
+    top, so at equal size it may accumulate more and lead); with it (`bounded`), its reading at the
+    size filling the step the incumbent's stage could not hold (`_fuller_step`)."""
     st = session.settings
     if st.samples_per_step and not bounded:
         return False
