@@ -21,7 +21,8 @@ from workers.redis_tls import TlsError, celery_options
 broker_url = os.environ.get("AUTOTUNE_REDIS_URL", "redis://127.0.0.1:6379/0")
 # Chords need a result backend; Redis gives native chord joins (no chord_unlock polling task).
 result_backend = broker_url
-# TLS (rediss://): the same verified certificates for the broker and the result backend. Settings
+# TLS (rediss://): the same verified certificates for the broker and the result backend, and the
+# server's name checked against the URL's host as our own clients check it (redis_tls.celery_options). Settings
 # that cannot work leave these unset here; the worker's start check and every command refuse them
 # with one line (workers.redis_tls), never a traceback at import.
 try:

@@ -84,11 +84,14 @@ def redis_options(url: str, environ: Mapping[str, str] | None = None) -> dict[st
 
 def celery_options(url: str, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """`broker_use_ssl` / `redis_backend_use_ssl` for Celery and kombu (the same keys, with the
-    `ssl` module's constant); None without TLS."""
+    `ssl` module's constant); None without TLS. kombu's transport and Celery's backend hand the dict
+    to redis-py's SSLConnection as it is, and redis-py 5 checks the server's name only when asked
+    (`ssl_check_hostname`): without it a certificate the CA signed for any other host is accepted."""
     files = tls_files(url, environ)
     if files is None:
         return None
-    options: dict[str, Any] = {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": files["ca"]}
+    options: dict[str, Any] = {"ssl_cert_reqs": ssl.CERT_REQUIRED, "ssl_ca_certs": files["ca"],
+                               "ssl_check_hostname": True}
     if "cert" in files:
         options.update(ssl_certfile=files["cert"], ssl_keyfile=files["key"])
     return options

@@ -128,3 +128,18 @@ def test_tls_that_cannot_work_is_one_line_and_exit_2(tls_redis, tmp_path: Path, 
                             timeout=60)
     assert worker.returncode == 2 and needle in worker.stderr, worker.stdout[-2000:] + worker.stderr[-2000:]
     assert tls_redis["password"] not in worker.stdout + worker.stderr
+
+
+def test_celery_itself_refuses_a_certificate_for_another_host(tls_redis) -> None:
+    """Celery's own broker and result-backend connections check the server's name as our clients do:
+    the server's certificate, signed by the trusted CA, names `localhost`, and the URL says 127.0.0.1."""
+    url = f"rediss://autotune:{tls_redis['password']}@127.0.0.1:{tls_redis['port']}/0"
+    probe = subprocess.run([sys.executable, str(SCRIPTS / "celery_tls_probe.py")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "AUTOTUNE_REDIS_URL": url, **tls_redis["env"],
+                                                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    seen = json.loads(probe.stdout.strip().splitlines()[-1])
+    for side in ("broker", "backend"):
+        assert seen[f"{side}_options"].get("ssl_check_hostname") == "True", seen  # what redis-py 5 needs asked
+        assert seen[side] != "connected" and ("hostname" in seen[side] or "IP address mismatch" in seen[side]), seen
+    assert tls_redis["password"] not in probe.stdout + probe.stderr
