@@ -3,7 +3,9 @@
 One Lua script takes every slot of an experiment with one owner token and a PX lease, or takes
 none, in a single atomic step: two schedulers can never each hold half of what both need (the
 deadlock of taking locks one by one), and a scheduler that dies holds its slots for at most one
-lease. Renew and release check the token, so a stale owner can never free someone else's slots.
+lease. Renew and release check the token, so a stale owner can never free someone else's slots,
+and a renewal recreates a key only when the Redis server lost it (a restart without its data), never
+one that `stop_launch` released or whose lease lapsed: a given-up launch cannot hold a slot again.
 
 It lives in `workers/` because both ends use it: dispatch (on the control worker) reserves, each
 running rank keeps its own slot's lease alive (`keep`), and the chord callback releases as soon as
@@ -12,7 +14,9 @@ dies: a lost node stops renewing and its slots free themselves.
 """
 from __future__ import annotations
 
+import time
 import uuid
+from dataclasses import dataclass
 
 import redis
 
@@ -35,18 +39,22 @@ _KEEP = """
 -- KEYS[1]  autotune:gang:<slot queue> of the one slot a running rank renews
 -- ARGV[1]  the launch's owner token
 -- ARGV[2]  the lease in milliseconds
--- returns 1 when ARGV[1] held it (lease extended), 2 when the key was gone (taken back: Redis
--- lost its data), 0 when another token holds it (this launch was given up)
+-- ARGV[3]  the run id of the Redis server the rank last renewed on ('': none yet)
+-- returns {answer, this server's run id}: answer 1 when ARGV[1] held it (lease extended); 2 when the
+-- key was gone and the server is another one than ARGV[3] (restarted without its data: taken
+-- back); 0 when another token holds it, or the key was freed on this same server (released by
+-- stop_launch, or its lease lapsed): this launch was given up
+local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
+  return {1, run_id}
 end
-if not holder then
+if not holder and ARGV[3] ~= '' and ARGV[3] ~= run_id then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 2
+  return {2, run_id}
 end
-return 0
+return {0, run_id}
 """
 _RELEASE = """
 -- KEYS[1..n]  autotune:gang:<slot queue> of the slots to free
@@ -61,6 +69,15 @@ for i = 1, #KEYS do
 end
 return released
 """
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """A lease renewal's answer: whether this launch still holds the slot, and the run id of the
+    Redis server that answered (the rank passes it to its next renewal)."""
+
+    held: bool
+    server: str
 
 
 class GangReservations:
@@ -86,10 +103,13 @@ class GangReservations:
         taken = self._reserve(keys=self._keys(queues), args=[token, int(lease_s * 1000)])
         return token if taken == 1 else None
 
-    def keep(self, queue: str, token: str, lease_s: float) -> bool:
-        """A running rank's renewal of its own slot: extend the lease, or take the slot back if the
-        key vanished (Redis restarted without its data); False only if someone else holds it now."""
-        return int(self._keep(keys=[keys.gang(queue)], args=[token, int(lease_s * 1000)])) > 0
+    def keep(self, queue: str, token: str, lease_s: float, server: str = "") -> Renewal:
+        """A running rank's renewal of its own slot: extend the lease while the token holds it; take
+        the slot back only where the key vanished with the server's data (`server`, the run id of
+        the Redis server the rank last renewed on, differs from this one's). A key freed on the same
+        server (the launch was stopped, or its lease lapsed) stays free: the launch was given up."""
+        answer, run_id = self._keep(keys=[keys.gang(queue)], args=[token, int(lease_s * 1000), server])
+        return Renewal(int(answer) > 0, run_id.decode() if isinstance(run_id, bytes) else str(run_id))
 
     def holds(self, queues: list[str], token: str) -> bool:
         """Whether `token` still holds every one of `queues` (its lease has not lapsed)."""
@@ -125,3 +145,34 @@ class GangReservations:
         ordered = sorted(set(queues))
         values = self._client.mget([keys.gang(q) for q in ordered]) if ordered else []
         return {q for q, v in zip(ordered, values) if v is not None}
+
+
+class SlotLease:
+    """A running rank's hold on its own slot, renewed from its polls (`renew`), every lease/3.
+
+    A renewal that fails (Redis away) is tried again at the next poll after `RETRY_S`, not a third
+    of a lease later: when Redis comes back without its data, the rank takes its slot back within a
+    poll or two, before the resubmitted job could queue its experiment elsewhere
+    (`scheduler.cluster.progress`). Once another launch owns the slot, or the slot was freed on the
+    same server, the answer stays "taken": a given-up launch never holds the slot again.
+    """
+
+    RETRY_S = 1.0
+
+    def __init__(self, client: redis.Redis, queue: str, token: str, lease_s: float) -> None:
+        self._gangs, self._queue, self._token, self._lease_s = GangReservations(client), queue, token, lease_s
+        self._renew_at = 0.0
+        self._server = ""
+        self._taken = False
+
+    def renew(self) -> bool:
+        """Renew when due; True when this launch no longer holds its slot. Raises redis.RedisError
+        when Redis did not answer (the next poll after RETRY_S tries again)."""
+        if self._taken or time.monotonic() < self._renew_at:
+            return self._taken
+        self._renew_at = time.monotonic() + self.RETRY_S
+        renewal = self._gangs.keep(self._queue, self._token, self._lease_s, self._server)
+        self._server = renewal.server
+        self._renew_at = time.monotonic() + self._lease_s / 3
+        self._taken = not renewal.held
+        return self._taken

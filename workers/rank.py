@@ -34,7 +34,7 @@ from workers import keys, layout, rendezvous
 from workers.build_locks import clear_stale_locks, default_extensions_dir, rebuild_stale_ops
 from workers.device_idle import FreeMemoryWaiter, gpu_wait_s, seconds_setting
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
-from workers.gang import GangReservations
+from workers.gang import SlotLease
 from workers.gpus import memory_used
 from workers.failure import KillReason, Status, classify, describe_exit
 from workers.metric_check import asked_metric, metrics_problem
@@ -374,10 +374,8 @@ class _StopCheck:
     """
 
     def __init__(self, client: redis.Redis, abort_key: str, queue: str, token: str, lease_s: float) -> None:
-        self._client, self._abort_key, self._queue, self._token = client, abort_key, queue, token
-        self._lease_s = lease_s
-        self._gangs = GangReservations(client) if token else None
-        self._renew_at = 0.0
+        self._client, self._abort_key = client, abort_key
+        self._lease = SlotLease(client, queue, token, lease_s) if token else None
 
     def __call__(self) -> bool:
         try:
@@ -389,12 +387,9 @@ class _StopCheck:
         """Renew the lease when due; True when another launch owns the slot now (this one was given
         up). The check for after the run, when a failed peer no longer matters."""
         try:
-            if self._gangs is not None and time.monotonic() >= self._renew_at:
-                self._renew_at = time.monotonic() + self._lease_s / 3
-                return not self._gangs.keep(self._queue, self._token, self._lease_s)
-        except redis.RedisError:
-            pass
-        return False
+            return self._lease is not None and self._lease.renew()
+        except redis.RedisError:  # tried again at a later poll (workers.gang.SlotLease)
+            return False
 
 
 def _with_metric_path(ds_config: dict[str, Any], metric_path: Path) -> dict[str, Any]:

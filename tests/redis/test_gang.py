@@ -4,12 +4,18 @@ stale-rank check stay in tests/integration/test_leases.py."""
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import redis
 
-from workers import keys
-from workers.gang import GangReservations
+from workers import gang, keys
+from workers.gang import GangReservations, SlotLease
+from workers.local_cluster import die_with_parent
 
 LEASE_MS = 30_000
 
@@ -67,7 +73,7 @@ def test_a_stale_token_cannot_release_or_keep(client: redis.Redis) -> None:
     fresh = gangs.reserve(["n.gpu0", "n.gpu1"], 20)  # ... and another launch takes them
     assert fresh is not None
     assert gangs.release(["n.gpu0", "n.gpu1"], stale) == 0
-    assert gangs.keep("n.gpu0", stale, 90) is False
+    assert gangs.keep("n.gpu0", stale, 90).held is False
     assert gangs.holds(["n.gpu0", "n.gpu1"], fresh) and not gangs.holds(["n.gpu0"], stale)
     assert client.get(keys.gang("n.gpu0")) == fresh.encode()
     assert _ttl_is_lease(client, "n.gpu0", 20_000)  # the stale renewal did not touch the new owner's lease
@@ -77,18 +83,88 @@ def test_keep_extends_only_its_own_slots_lease(client: redis.Redis) -> None:
     gangs = GangReservations(client)
     token = gangs.reserve(["n.gpu0", "n.gpu1"], 20)
     assert token is not None
-    assert gangs.keep("n.gpu0", token, 120) is True
+    assert gangs.keep("n.gpu0", token, 120).held is True
     assert 110_000 < client.pttl(keys.gang("n.gpu0")) <= 120_000
     assert _ttl_is_lease(client, "n.gpu1", 20_000) and client.get(keys.gang("n.gpu0")) == token.encode()
 
 
-def test_keep_retakes_a_slot_whose_key_redis_lost(client: redis.Redis) -> None:
+def test_keep_retakes_a_slot_only_on_another_server(client: redis.Redis) -> None:
     gangs = GangReservations(client)
     token = gangs.reserve(["n.gpu0"], 30)
     assert token is not None
-    client.delete(keys.gang("n.gpu0"))  # Redis restarted without its data
-    assert gangs.keep("n.gpu0", token, 45) is True
+    server = gangs.keep("n.gpu0", token, 30).server
+    assert re.fullmatch(r"[0-9a-f]{40}", server)
+    client.delete(keys.gang("n.gpu0"))  # gone, as after a restart without the data ...
+    assert gangs.keep("n.gpu0", token, 45, "0" * 40).held is True  # ... renewed last on another server
     assert gangs.holds(["n.gpu0"], token) and _ttl_is_lease(client, "n.gpu0", 45_000)
+    client.delete(keys.gang("n.gpu0"))  # freed on the server the rank renewed on: lapsed or released
+    assert gangs.keep("n.gpu0", token, 45, server).held is False
+    assert gangs.keep("n.gpu0", token, 45).held is False  # never renewed before: nothing to take back
+    assert not client.exists(keys.gang("n.gpu0"))
+
+
+def test_a_renewal_after_stop_launch_released_the_slot_leaves_it_free(client: redis.Redis) -> None:
+    gangs = GangReservations(client)
+    token = gangs.reserve(["n.gpu0", "n.gpu1"], 30, owner="job/exp")
+    assert token is not None
+    lease = SlotLease(client, "n.gpu0", token, 0.03)
+    assert lease.renew() is False and gangs.holds(["n.gpu0"], token)
+    assert gangs.release(["n.gpu0", "n.gpu1"], token) == 2  # stop_launch gave the launch up
+    time.sleep(0.02)  # the next renewal is due
+    assert lease.renew() is True
+    assert client.keys("*") == []  # the dead launch holds nothing
+    assert lease.renew() is True and client.keys("*") == []
+
+
+class _RestartableRedis:
+    """A redis-server of this test's own on a unix socket, restarted without its data on demand."""
+
+    def __init__(self, folder: Path) -> None:
+        self.socket, self._folder, self._proc = str(folder / "r.sock"), folder, None
+
+    def start(self) -> redis.Redis:
+        self._proc = subprocess.Popen(
+            ["redis-server", "--port", "0", "--unixsocket", self.socket, "--save", "", "--appendonly", "no",
+             "--dir", str(self._folder)], stdout=subprocess.DEVNULL, preexec_fn=die_with_parent(signal.SIGTERM))
+        probe = redis.Redis(unix_socket_path=self.socket)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                probe.ping()
+                return probe
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and self._proc.poll() is None, "redis-server did not start"
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+
+def test_a_rank_takes_its_slot_back_at_the_first_poll_after_redis_lost_its_data(tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    clock = [1000.0]  # the lease's own clock, moved by hand: a third of a 30 s lease is not waited out
+    monkeypatch.setattr(gang, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    server = _RestartableRedis(tmp_path)
+    try:
+        client = server.start()
+        token = GangReservations(client).reserve(["n.gpu0"], 30)
+        assert token is not None
+        lease = SlotLease(client, "n.gpu0", token, 30)  # renewed every 10 s
+        assert lease.renew() is False
+        clock[0] += 10.5
+        server.stop()
+        with pytest.raises(redis.ConnectionError):
+            lease.renew()  # due, and Redis is away
+        fresh = server.start()  # back without its data
+        assert fresh.keys("*") == []
+        clock[0] += SlotLease.RETRY_S + 0.1  # the next poll after the retry pause, not 10 s later
+        assert lease.renew() is False
+        assert fresh.get(keys.gang("n.gpu0")) == token.encode() and 20_000 < fresh.pttl(keys.gang("n.gpu0")) <= 30_000
+    finally:
+        server.stop()
 
 
 def test_a_lapsed_lease_frees_the_slot(client: redis.Redis) -> None:
