@@ -8,13 +8,14 @@ our runs carry that is not a param or a metric starts with `autotune.`, so a use
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from scheduler.search.ranking import pooled_best
 from scheduler.search.repeats import REPEAT_NAME
@@ -29,6 +30,13 @@ RECORD_METRICS = ("wall_s", "peak_rss_bytes", "peak_device_bytes", "peak_device_
 MAX_VALUE_CHARS = 500  #: MLflow 2.10's limit for a param value (later versions allow more)
 MAX_CAUSE_CHARS = 250
 OS_ERROR = re.compile(r"\[Errno -?\d+\] [^'\"()\]\[]+")
+#: `scheme://user:password@` anywhere in a message: the client's errors quote the URL they requested
+#: (`API request to https://user:pass@host/api/... failed`), credentials and all.
+URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\"<>]+@")
+#: MLflow's own variables that hold a credential: their values never reach a message.
+SECRET_ENV = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+MIN_SECRET_CHARS = 4  #: shorter values are masked only where they sit in a URL's user info
+MASK = "***"
 
 STATUS, SLOTS, WINNER, EXPERIMENT, REPEAT_OF, CAUSE = (
     "autotune.status", "autotune.slots", "autotune.winner", "autotune.experiment", "autotune.repeat_of",
@@ -59,10 +67,33 @@ def shown_uri(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
 
 
-def failure_text(exc: BaseException, limit: int = 300) -> str:
+def credentials(uri: str, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """What a message about this server may quote that is a secret: the URI's password (as written
+    and decoded), MLflow's password and token variables, and the basic-auth header made of them."""
+    parts = urlsplit(uri)
+    user, password = unquote(parts.username or ""), parts.password
+    found = [password, unquote(password)] if password else []
+    found += [value for name in SECRET_ENV if (value := environ.get(name))]
+    pairs = [(user, unquote(password))] if password else []
+    if environ.get("MLFLOW_TRACKING_PASSWORD"):
+        pairs.append((environ.get("MLFLOW_TRACKING_USERNAME", ""), environ["MLFLOW_TRACKING_PASSWORD"]))
+    found += [base64.b64encode(f"{name}:{secret}".encode()).decode() for name, secret in pairs]
+    return tuple(sorted({value for value in found if len(value) >= MIN_SECRET_CHARS}, key=len, reverse=True))
+
+
+def masked(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """`text` with every URL's user info and each of `secrets` replaced by ***."""
+    text = URL_USERINFO.sub(rf"\g<scheme>{MASK}@", text)
+    for secret in secrets:
+        text = text.replace(secret, MASK)
+    return text
+
+
+def failure_text(exc: BaseException, limit: int = 300, secrets: tuple[str, ...] = ()) -> str:
     """What went wrong, short enough for one warning line: the operating system's error when there is
-    one (`[Errno 111] Connection refused`, buried at the end of MLflow's message), else the message."""
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    one (`[Errno 111] Connection refused`, buried at the end of MLflow's message), else the message;
+    credentials masked (`masked`) wherever the message quotes them."""
+    text = masked(" ".join(masked(f"{type(exc).__name__}: {exc}", secrets).split()), secrets)
     errno = OS_ERROR.search(text)
     if errno is not None:
         return f"{type(exc).__name__}: {errno.group(0).strip()}"

@@ -65,10 +65,12 @@ def _ms(seconds: Any) -> int | None:
 class MlflowLog:
     """One tuning job's runs in MLflow: `start` it, hand it each `record`, `finish` it."""
 
-    def __init__(self, client: Any, uri: str, results_dir: Path, warn: Callable[[str], None]) -> None:
+    def __init__(self, client: Any, uri: str, results_dir: Path, warn: Callable[[str], None],
+                 secrets: tuple[str, ...] = ()) -> None:
         self.client: Any = client
         self.off = False  #: a failure switched logging off for this run
         self.uri = uri
+        self.secrets = secrets  #: masked in every warning (`mlflow_fields.credentials`)
         self.results_dir = results_dir
         self.warn = warn
         self.state: dict[str, Any] = {}
@@ -93,7 +95,7 @@ class MlflowLog:
             return None
         # urllib3 says each retry on stderr; the one line that matters is ours
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
-        log = cls(None, uri, results_dir, warn)
+        log = cls(None, uri, results_dir, warn, fields.credentials(uri, {**os.environ, **environ}))
 
         def connect() -> None:
             # MLflow's artifact upload through a server (mlflow-artifacts:/) reads the process's tracking
@@ -126,7 +128,7 @@ class MlflowLog:
             step(*args)
         except Exception as exc:  # the server, the network, the client: never a reason to stop tuning
             self.off = True
-            self.warn(f"MLflow at {fields.shown_uri(self.uri)} failed ({fields.failure_text(exc)}); tuning goes "
+            self.warn(f"MLflow at {fields.shown_uri(self.uri)} failed ({fields.failure_text(exc, secrets=self.secrets)}); tuning goes "
                       f"on without it: every record stays in {self.results_dir}, and the same command run again "
                       "logs what is missing")
 

@@ -3,6 +3,7 @@ on (`scheduler.report.mlflow_log.MlflowLog.start`), without a server: the integr
 (tests/integration/test_mlflow.py) sends the same through a real `mlflow server`."""
 from __future__ import annotations
 
+import base64
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,33 @@ def test_a_failure_is_its_operating_system_error_or_its_message_cut_to_one_line(
     assert fields.failure_text(refused) == "RuntimeError: [Errno 111] Connection refused"
     long = fields.failure_text(ValueError("403 Forbidden\n" + "x" * 1000))
     assert long.startswith("ValueError: 403 Forbidden x") and len(long) == 300 and "\n" not in long
+
+
+@pytest.mark.parametrize("message", [
+    # a read timeout and a TLS failure: MLflow quotes the whole URL it requested, then urllib3's error
+    "API request to https://alice:pw%40Q9zr@mlflow.example:8443/api/2.0/mlflow/runs/create failed with exception "
+    "HTTPSConnectionPool(host='mlflow.example', port=8443): Read timed out. (read timeout=10)",
+    "API request to https://alice:pw%40Q9zr@mlflow.example:8443/api/2.0/mlflow/runs/create failed with exception "
+    "HTTPSConnectionPool(host='mlflow.example', port=8443): Max retries exceeded (Caused by SSLError("
+    "SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed')))",
+    # the decoded password, the token and the basic-auth header quoted as such
+    "401 for alice:pw@Q9zr, Authorization: Basic YWxpY2U6cHdAUTl6cg==, Bearer tok-7f3e9a1c",
+])
+def test_no_failure_message_shows_a_credential(message: str) -> None:
+    uri = "https://alice:pw%40Q9zr@mlflow.example:8443"
+    secrets = fields.credentials(uri, {"MLFLOW_TRACKING_TOKEN": "tok-7f3e9a1c"})
+    text = fields.failure_text(RuntimeError(message), secrets=secrets)
+    assert not any(secret in text for secret in ("pw%40Q9zr", "pw@Q9zr", "tok-7f3e9a1c", "YWxpY2U6cHdAUTl6cg")), text
+    assert text.startswith("RuntimeError: ") and "***" in text
+    if "timed out" in message:  # what went wrong still shows
+        assert "https://***@mlflow.example:8443/api/2.0/mlflow/runs/create" in text and "Read timed out" in text
+
+
+def test_mlflows_password_variable_is_masked_with_its_user() -> None:
+    environ = {"MLFLOW_TRACKING_USERNAME": "bob", "MLFLOW_TRACKING_PASSWORD": "hunter22"}
+    secrets = fields.credentials("http://mlflow:5000", environ)
+    assert "hunter22" in secrets and base64.b64encode(b"bob:hunter22").decode() in secrets
+    assert fields.masked("password hunter22 rejected", secrets) == "password *** rejected"
 
 
 def test_the_config_key_ignores_where_it_logs_and_nothing_else() -> None:
@@ -161,3 +189,29 @@ def test_a_uri_mlflow_cannot_use_is_one_warning(tmp_path: Path, monkeypatch: pyt
         mlflow.set_tracking_uri(previous)  # start sets this process's URI (2.x uploads read it)
     assert len(warned) == 1 and warned[0].startswith("MLflow at nosuchscheme://host failed (")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failing_server_is_one_warning_without_its_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow's errors quote the URL with its user info, and may quote the token: the warning shows neither."""
+    mlflow = pytest.importorskip("mlflow")
+    import mlflow.tracking
+
+    uri, token = "https://alice:pw%40Q9zr@mlflow.example:8443", "tok-7f3e9a1c"
+
+    class TimedOut:
+        def __init__(self, tracking_uri: str) -> None:
+            self.uri = tracking_uri
+
+        def get_experiment_by_name(self, name: str) -> None:
+            raise RuntimeError(f"API request to {self.uri}/api/2.0/mlflow/experiments/get-by-name failed with "
+                               f"exception Read timed out (headers: Bearer {token})")
+
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", TimedOut)
+    previous = mlflow.get_tracking_uri()
+    warned: list[str] = []
+    try:
+        assert MlflowLog.start(uri, tmp_path, JOB, warned.append, environ={"MLFLOW_TRACKING_TOKEN": token}) is None
+    finally:
+        mlflow.set_tracking_uri(previous)
+    assert len(warned) == 1 and "Read timed out" in warned[0], warned
+    assert "pw%40Q9zr" not in warned[0] and "alice" not in warned[0] and token not in warned[0], warned[0]
