@@ -230,7 +230,8 @@ def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: red
     autotuning section, so nothing exits after the profiled steps. Ranks run on the slot workers."""
     optimal = replace(best, name="run_optimal", ds_config=optimal_config(best.ds_config),
                       tuning_space="run_optimal", metric_file="", min_memory=tuned_spec.min_memory)
-    argv = optimal_argv(tuned_spec)(optimal, safe_child(cfg.results_dir, optimal.name) / DS_CONFIG)
+    # the argv from the tuned experiment's config: it says which mapped flags (checkpointing's) it ran with
+    argv = optimal_argv(tuned_spec)(best, safe_child(cfg.results_dir, optimal.name) / DS_CONFIG)
     spec = JobSpec(job=uuid.uuid4().hex, results_root=tuned_spec.results_root, cwd=os.getcwd(),
                    timeout_s=preflight.RUN_TIMEOUT_S, experiments=[{**optimal.to_json(), "argv": argv}],
                    min_memory=tuned_spec.min_memory, slot_kind=tuned_spec.slot_kind,

@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from scheduler.inputs.arguments import with_config, with_mapped_args
+from scheduler.inputs.arguments import checkpointing_given, with_config, with_mapped_args
 from scheduler.inputs.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
 from scheduler.search.fast_search import SearchSettings, fast_search, search_notes
@@ -169,7 +169,8 @@ def settings_of(spec: JobSpec) -> SearchSettings:
     return SearchSettings.from_config(tuning_config(spec), capacity_bytes=tune.capacity_bytes,
                                       num_nodes=tune.num_nodes, num_gpus=tune.num_gpus,
                                       device_kind=tune.device_kind, concurrency=tune.concurrency,
-                                      command_line=cli_batch(tune.base_args, tune.mappings))
+                                      command_line=cli_batch(tune.base_args, tune.mappings),
+                                      checkpointing_fixed=checkpointing_given(tune.base_args, tune.mappings))
 
 
 def tuning_config(spec: JobSpec) -> TuningConfig:

@@ -8,7 +8,10 @@ plain `--deepspeed` is DeepSpeed's on/off switch); otherwise `--deepspeed_config
 
 `autotuning.arg_mappings` serves scripts that take the batch settings as their own flags (Hugging
 Face Trainer: `--per_device_train_batch_size`, `--gradient_accumulation_steps`): each mapped flag
-is set to the experiment's value, again on a fresh copy of the base arguments.
+is set to the experiment's value, again on a fresh copy of the base arguments. Its key
+`activation_checkpointing` names a switch instead (`--gradient_checkpointing`): appended for an
+experiment the search runs with activation checkpointing (`STRATEGY_KEY` in its config's autotuning
+section lists its memory strategies), left as the user wrote it otherwise.
 """
 from __future__ import annotations
 
@@ -17,6 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.errors import ConfigError
+from scheduler.inputs.config import CHECKPOINTING_FLAG_KEY
+
+#: The autotuning key of an experiment's config that lists the memory strategies it runs with
+#: (`scheduler.search.space.experiment_config` writes it; DeepSpeed ignores autotuning keys it does not know).
+STRATEGY_KEY = "memory_strategy"
 
 
 def with_config(script: str, base_args: tuple[str, ...], config_path: Path) -> list[str]:
@@ -71,8 +79,10 @@ def parse_arg_mappings(mappings: object, source: str) -> dict[str, str]:
 
 
 def check_arg_mappings(mappings: dict[str, str], base_args: tuple[str, ...], source: str) -> None:
-    """Every mapped flag must be among the script's arguments: its value is what gets replaced."""
-    missing = [flag for flag in mappings.values() if _flag_index(list(base_args), flag) is None]
+    """Every mapped flag must be among the script's arguments: its value is what gets replaced (not
+    the checkpointing switch, which is appended where an experiment checkpoints)."""
+    missing = [flag for key, flag in mappings.items()
+               if key != CHECKPOINTING_FLAG_KEY and _flag_index(list(base_args), flag) is None]
     if missing:
         raise ConfigError(f"{source}: autotuning.arg_mappings names {', '.join(missing)} but the script "
                           f"arguments {list(base_args)} do not contain {'them' if len(missing) > 1 else 'it'}; "
@@ -81,9 +91,14 @@ def check_arg_mappings(mappings: dict[str, str], base_args: tuple[str, ...], sou
 
 def with_mapped_args(base_args: tuple[str, ...], mappings: dict[str, str],
                      ds_config: dict[str, Any]) -> tuple[str, ...]:
-    """The script arguments with each mapped flag set to the experiment's config value (a new tuple)."""
+    """The script arguments with each mapped flag set to the experiment's config value (a new tuple),
+    and the checkpointing switch appended when the experiment checkpoints and the user did not give it."""
     args = list(base_args)
     for key, flag in mappings.items():
+        if key == CHECKPOINTING_FLAG_KEY:
+            if checkpoints(ds_config) and not checkpointing_given(base_args, mappings):
+                args.append(flag)
+            continue
         value = _lookup(ds_config, key)
         index = _flag_index(args, flag)
         if value is None or index is None:
@@ -93,6 +108,20 @@ def with_mapped_args(base_args: tuple[str, ...], mappings: dict[str, str],
         else:
             args[index] = f"{flag}={value}"
     return tuple(args)
+
+
+def checkpoints(ds_config: dict[str, Any]) -> bool:
+    """Whether an experiment's config says it runs with activation checkpointing (`STRATEGY_KEY`)."""
+    section = ds_config.get("autotuning")
+    strategy = section.get(STRATEGY_KEY) if isinstance(section, dict) else None
+    return isinstance(strategy, list) and "activation_checkpointing" in strategy
+
+
+def checkpointing_given(base_args: Sequence[str], mappings: dict[str, str]) -> bool:
+    """Whether the user's own script arguments already turn checkpointing on (the mapped switch is
+    among them, alone or as `flag=value`): then every experiment checkpoints, and the search keeps it fixed."""
+    flag = mappings.get(CHECKPOINTING_FLAG_KEY)
+    return bool(flag) and any(arg == flag or arg.startswith(flag + "=") for arg in base_args)
 
 
 def _flag_index(args: list[str], flag: str) -> int | None:

@@ -30,8 +30,10 @@ TUNER_TYPES = ("gridsearch", "random", "model_based")  #: DeepSpeed's autotuning
 #: DeepSpeed's autotuning keys (deepspeed/autotuning/constants.py), plus ours: user_script,
 #: user_args (the script, when not given after `--`), tuner_seed (random/model-based tuners),
 #: search ("sampled", ours, or "deepspeed", DeepSpeed's algorithm; checked by scheduler.search.session)
-#: keep_train_batch_size (keep or free the user's global batch: scheduler.search.global_batch) and
-#: mlflow (a tracking URI to log the job to, or false: scheduler.report.mlflow_log).
+#: keep_train_batch_size (keep or free the user's global batch: scheduler.search.global_batch),
+#: mlflow (a tracking URI to log the job to, or false: scheduler.report.mlflow_log), memory_strategies
+#: and nvme_path (the memory strategies the search may use, and where offload goes when not to the CPU:
+#: scheduler.search.strategies).
 KNOWN_AUTOTUNING_KEYS = frozenset({
     "enabled", "fast", "results_dir", "exps_dir", "overwrite", "start_profile_step",
     "end_profile_step", "metric", "metric_path", "tuner_type", "tuner_early_stopping",
@@ -39,7 +41,12 @@ KNOWN_AUTOTUNING_KEYS = frozenset({
     "min_train_micro_batch_size_per_gpu", "max_train_micro_batch_size_per_gpu",
     "num_tuning_micro_batch_sizes", "mp_size", "model_info", "model_info_path",
     "user_script", "user_args", "tuner_seed", "search", "keep_train_batch_size", "mlflow",
+    "memory_strategies", "nvme_path",
 })
+#: The memory strategies `autotuning.memory_strategies` may allow (docs/config.md, "Memory strategies").
+MEMORY_STRATEGIES = ("offload_optimizer", "offload_param", "activation_checkpointing")
+#: The arg_mappings key naming the script's flag that turns activation checkpointing on.
+CHECKPOINTING_FLAG_KEY = "activation_checkpointing"
 #: Metric name -> whether bigger is better. `flops` is accepted for FLOPS_per_gpu (DeepSpeed crashes).
 METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}
 METRIC_ALIASES = {"flops": "FLOPS_per_gpu", "FLOPS": "FLOPS_per_gpu"}
@@ -76,7 +83,7 @@ INTEGER_RANGES: dict[str, tuple[int, int]] = {
     "mp_size": (1, MAX_MP_SIZE),
 }
 NULLABLE = frozenset({"max_train_batch_size", "min_train_batch_size", "model_info"})
-PATH_KEYS = ("results_dir", "exps_dir", "metric_path", "model_info_path", "user_script")
+PATH_KEYS = ("results_dir", "exps_dir", "metric_path", "model_info_path", "user_script", "nvme_path")
 #: autotuning.model_info field -> (smallest, largest); "profile" is a boolean.
 MODEL_INFO_RANGES: dict[str, tuple[int, int]] = {
     "num_params": (1, MAX_NUM_PARAMS), "trainable_num_params": (0, MAX_NUM_PARAMS),
@@ -135,6 +142,8 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
                                                   for a in user_args):
         raise ConfigError(f"{path}: autotuning.user_args must be a list of strings, e.g. "
                           '["--steps", "50"]')
+    stages = _stages(path, raw.get("zero_optimization", {}))
+    _check_memory_strategies(path, autotuning, stages)
     start = non_negative_int(path, autotuning, "start_profile_step", 3)
     end = non_negative_int(path, autotuning, "end_profile_step", 5)
     if start > end:
@@ -145,7 +154,7 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
         ds_config=raw,
         metric=_metric(path, autotuning.get("metric", "throughput")),
         micro_batch_sizes=_micro_batch_sizes(path, raw.get("train_micro_batch_size_per_gpu", 1)),
-        stages=_stages(path, raw.get("zero_optimization", {})),
+        stages=stages,
         gradient_accumulation_steps=_positive_int(
             path, "gradient_accumulation_steps", raw.get("gradient_accumulation_steps", 1)),
         results_dir=cwd / _directory(path, autotuning, "results_dir", "autotuning_results"),
@@ -367,3 +376,33 @@ def _check_model_info(path: Path, info: Any) -> None:
     for key, (low, high) in MODEL_INFO_RANGES.items():
         if key in info:
             _integer_in(path, f"autotuning.model_info.{key}", info[key], low, high)
+
+
+def _check_memory_strategies(path: Path, autotuning: Mapping[str, Any], stages: tuple[int, ...]) -> None:
+    """autotuning.memory_strategies: a list of distinct names from MEMORY_STRATEGIES; parameter
+    offload needs ZeRO-3 among the stages, activation checkpointing the script's flag in arg_mappings."""
+    if "memory_strategies" not in autotuning:
+        return
+    value = autotuning["memory_strategies"]
+    example = json.dumps(list(MEMORY_STRATEGIES[:1]))
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise ConfigError(f"{path}: autotuning.memory_strategies must be a list of strategy names such as "
+                          f"{example} (any of {', '.join(MEMORY_STRATEGIES)}), got {shown(value)}")
+    for name in value:
+        if name not in MEMORY_STRATEGIES:
+            close = difflib.get_close_matches(name, MEMORY_STRATEGIES, n=1)
+            hint = f' (did you mean "{close[0]}"?)' if close else ""
+            raise ConfigError(f"{path}: autotuning.memory_strategies names {shown(name)}{hint}, which is not one "
+                              f"of {', '.join(MEMORY_STRATEGIES)}; remove or rename it")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{path}: autotuning.memory_strategies {shown(value)} names a strategy twice; keep one")
+    if "offload_param" in value and 3 not in stages:
+        raise ConfigError(f"{path}: autotuning.memory_strategies allows offload_param, which needs ZeRO-3, but "
+                          f"zero_optimization.stage allows {list(stages)}; add 3 to the stages or remove offload_param")
+    mappings = autotuning.get("arg_mappings")
+    flag = mappings.get(CHECKPOINTING_FLAG_KEY) if isinstance(mappings, dict) else None
+    if "activation_checkpointing" in value and not (isinstance(flag, str) and flag.strip()):
+        raise ConfigError(f"{path}: autotuning.memory_strategies allows activation_checkpointing but "
+                          f'autotuning.arg_mappings names no flag for it; add "{CHECKPOINTING_FLAG_KEY}": '
+                          '"--gradient_checkpointing" (the flag your script turns checkpointing on with) to '
+                          "autotuning.arg_mappings")

@@ -110,5 +110,5 @@ def confirm(session: Session) -> Step:
         exp = originals[key]
         repeat = Experiment(f"{exp.name}_r{launched[key] + 1}", exp.stage, exp.micro_batch_size,
                             exp.gradient_accumulation_steps, exp.ds_config, exp.num_nodes, exp.num_gpus,
-                            exp.tuning_space, exclusive=True)
+                            exp.tuning_space, exclusive=True, strategy=exp.strategy)
         yield from session.measure(f"confirm_{spent}", [repeat])

@@ -25,7 +25,7 @@ from scheduler.search.memory import (
 from scheduler.search.memory_facts import SharedFacts, predict_max_micro_batch_size, shared_facts
 from scheduler.search.phases import Phase
 from scheduler.search.ranking import best, metric_value
-from scheduler.search.space import PROFILE, Experiment, experiment_config, experiment_name
+from scheduler.search.space import PROFILE, Experiment, experiment_config, experiment_name, strategy_of
 from workers.layout import MODEL_INFO
 
 Step = Generator[Phase, dict[str, dict], Any]
@@ -88,6 +88,11 @@ class SearchSettings:
     tuning_config: TuningConfig | None = field(default=None, compare=False, repr=False)
     #: the user's global batch, kept by every experiment when `size` is set (`global_batch`)
     global_batch: GlobalBatch = GlobalBatch()
+    #: the memory strategies every experiment of the search runs with (`scheduler.search.strategies`:
+    #: chosen when nothing fits without one); an experiment with others is a strategy probe
+    strategy: tuple[str, ...] = ()
+    #: the script's own arguments turn activation checkpointing on: fixed, not a strategy to search
+    checkpointing_fixed: bool = False
 
     @property
     def world_size(self) -> int:
@@ -145,7 +150,8 @@ class SearchSettings:
     @classmethod
     def from_config(cls, cfg: TuningConfig, *, capacity_bytes: int, num_nodes: int, num_gpus: int,
                     device_kind: str = "gpu", estimator: str = "calibrated",
-                    concurrency: int = 1, command_line: tuple[int, int] | None = None) -> SearchSettings:
+                    concurrency: int = 1, command_line: tuple[int, int] | None = None,
+                    checkpointing_fixed: bool = False) -> SearchSettings:
         """The fields a TuningConfig does not carry come from `autotuning`, with DeepSpeed's defaults.
         `command_line`: (per-device size, accumulation) the script's flags give through arg_mappings
         (`global_batch.cli_batch`), the batch a Hugging Face config keeps when asked to."""
@@ -189,7 +195,7 @@ class SearchSettings:
             tuner_num_trials=_positive(cfg, section, "tuner_num_trials", 50),
             tuner_early_stopping=non_negative_int(cfg.path, section, "tuner_early_stopping", 5),
             tuner_seed=non_negative_int(cfg.path, section, "tuner_seed", 0), concurrency=max(1, concurrency),
-            tuning_config=cfg, global_batch=batch,
+            tuning_config=cfg, global_batch=batch, checkpointing_fixed=checkpointing_fixed,
         )
 
 
@@ -240,11 +246,14 @@ class Session:
                 refuse_unbuildable_op(exp, self.measured[name][1])
         return [self.measured[exp.name][1] for exp in experiments]
 
-    def experiment(self, stage: int, mbs: int, gas: int) -> Experiment:
+    def experiment(self, stage: int, mbs: int, gas: int, strategy: tuple[str, ...] | None = None) -> Experiment:
+        """One config of the search, with the search's memory strategies unless `strategy` says others."""
         st = self.settings
+        strategy = st.strategy if strategy is None else strategy
         config = experiment_config(st.ds_config, stage, mbs, gas, st.dp_size, st.start_profile_step,
-                                   st.end_profile_step)
-        return Experiment(experiment_name(stage, gas, mbs), stage, mbs, gas, config, st.num_nodes, st.num_gpus)
+                                   st.end_profile_step, strategy)
+        return Experiment(experiment_name(stage, gas, mbs, strategy), stage, mbs, gas, config, st.num_nodes,
+                          st.num_gpus, strategy=strategy_of(strategy))
 
     def profile_experiment(self) -> Experiment:
         st = self.settings
@@ -255,7 +264,10 @@ class Session:
                           metric_file=MODEL_INFO)
 
     def stage_records(self, stage: int) -> list[tuple[Experiment, dict[str, Any]]]:
-        return [(exp, rec) for exp, rec in self.measured.values() if exp.stage == stage and exp.name != PROFILE]
+        """The stage's experiments with the search's own strategies: a strategy probe's memory and speed
+        are another config's (`scheduler.search.strategy_search` reads those)."""
+        return [(exp, rec) for exp, rec in self.measured.values()
+                if exp.stage == stage and exp.name != PROFILE and exp.strategy == self.settings.strategy]
 
     def observations(self) -> dict[int, list[Observation]]:
         """Per stage: measured peaks of successes, and upper bounds: every `oom` (`too_large`) at a

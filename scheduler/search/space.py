@@ -1,7 +1,10 @@
 """The experiments of a search, each a complete DeepSpeed config with a DeepSpeed-style name.
 
 Experiments are named as DeepSpeed names them (`z{stage}_gas{gas}_tmbspg{mbs}` in fast mode), so
-results folders read the same. Each experiment config is built from the user's config, never by
+results folders read the same; one run with memory strategies (`Experiment.strategy`) has a suffix per
+strategy in DeepSpeed's style (`_oo` offload_optimizer, `_op` offload_param, `_ac` activation
+checkpointing), its offload sections in zero_optimization and the strategies listed under
+`arguments.STRATEGY_KEY` in its autotuning section (the script's checkpointing switch is appended from it). Each experiment config is built from the user's config, never by
 mutating it. Which experiments to run is decided by the searches (`fast_search`, `full_space`).
 """
 from __future__ import annotations
@@ -10,11 +13,15 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from scheduler.inputs.arguments import STRATEGY_KEY
+from scheduler.inputs.config import MEMORY_STRATEGIES
 from workers.layout import METRICS
 
 
 #: Our own keys in the autotuning section; DeepSpeed's engine must not see them.
-_OURS = ("user_script", "user_args", "results_dir", "exps_dir", "mlflow")
+_OURS = ("user_script", "user_args", "results_dir", "exps_dir", "mlflow", "memory_strategies", "nvme_path")
+#: Each memory strategy's suffix in an experiment's name (DeepSpeed's own offload prefixes).
+STRATEGY_SUFFIX = {"offload_optimizer": "oo", "offload_param": "op", "activation_checkpointing": "ac"}
 #: The autotuning key under which an experiment keeps the user's settings it turned off while
 #: tuning, for `optimal_config` to restore (DeepSpeed reads only the autotuning keys it knows).
 RESTORE_KEY = "restore_after_tuning"
@@ -36,6 +43,12 @@ class Experiment:
     min_memory: int = 0  #: bytes every slot it runs on must offer (heterogeneous clusters)
     #: run with its nodes otherwise idle (the finalists' re-measurements: `scheduler.cluster.dispatch`)
     exclusive: bool = False
+    #: the memory strategies it runs with, in MEMORY_STRATEGIES' order (`strategy_of`; () in older records)
+    strategy: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, tuple):  # a JSON list from a stored record
+            object.__setattr__(self, "strategy", strategy_of(self.strategy))
 
     def to_json(self) -> dict[str, Any]:
         """The fields as a dict; `ds_config` is the same object (`asdict` would deep-copy it)."""
@@ -60,12 +73,25 @@ class Experiment:
 PROFILE = "profile_model_info"
 
 
-def experiment_name(stage: int, gas: int, mbs: int) -> str:
-    return f"z{stage}_gas{gas}_tmbspg{mbs}"
+def strategy_of(names: Any) -> tuple[str, ...]:
+    """Strategy names as an Experiment holds them: known ones, each once, in MEMORY_STRATEGIES' order."""
+    given = set(names or ())
+    return tuple(name for name in MEMORY_STRATEGIES if name in given)
+
+
+def experiment_name(stage: int, gas: int, mbs: int, strategy: tuple[str, ...] = ()) -> str:
+    return f"z{stage}_gas{gas}_tmbspg{mbs}" + "".join(f"_{STRATEGY_SUFFIX[name]}" for name in strategy_of(strategy))
+
+
+def offload_section(user_config: dict[str, Any]) -> dict[str, Any]:
+    """The offload section a strategy writes: to the CPU, or to NVMe under `autotuning.nvme_path`."""
+    path = (user_config.get("autotuning") or {}).get("nvme_path")
+    return {"device": "nvme", "nvme_path": path} if path else {"device": "cpu"}
 
 
 def experiment_config(user_config: dict[str, Any], stage: int, mbs: int, gas: int,
-                      dp_size: int, start_profile_step: int, end_profile_step: int) -> dict[str, Any]:
+                      dp_size: int, start_profile_step: int, end_profile_step: int,
+                      strategy: tuple[str, ...] = ()) -> dict[str, Any]:
     """The user's config pinned to one point of the search, with profiling switched on.
 
     `dp_size` is the data-parallel degree (ranks / mp_size): train_batch_size = mbs * gas * dp_size.
@@ -79,10 +105,16 @@ def experiment_config(user_config: dict[str, Any], stage: int, mbs: int, gas: in
     config["train_batch_size"] = mbs * gas * dp_size
     zero = dict(config.get("zero_optimization") or {})
     zero["stage"] = stage
+    strategy = strategy_of(strategy)
+    for name in ("offload_optimizer", "offload_param"):
+        if name in strategy:
+            zero[name] = offload_section(user_config)
     config["zero_optimization"] = zero
     autotuning = {k: v for k, v in config.get("autotuning", {}).items() if k not in _OURS}
     autotuning.update(enabled=True, start_profile_step=start_profile_step,
                       end_profile_step=end_profile_step)
+    if strategy:
+        autotuning[STRATEGY_KEY] = list(strategy)
     if config.get("memory_breakdown"):
         # DeepSpeed's memory_breakdown resets the allocator's peak counters around forward, backward
         # and step on rank 0 (and slows every step): the peak a rank reports would cover the optimizer
