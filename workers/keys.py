@@ -21,6 +21,8 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
                                               rank still running a grace period later is hung at exit
     autotune:pgid:<node>.gpu<i>:<task>  str   process group of a rank running on that slot (cleanup
                                               when its worker died without killing it)
+    autotune:claim:<node>.gpu<i>:<task> str   the pool process running that rank task (JSON: pid, start
+                                              time): a redelivered message finds it (workers.rank_claim)
     autotune:seq                        str   counter: submission order of jobs and of queued experiments
     autotune:jobs                       zset  active jobs, scored by submission order
     autotune:lock:dispatch              str   held while one control process plans and launches
@@ -91,6 +93,10 @@ def pgid(queue: str, task_id: str) -> str:
 
 def pgid_pattern(queue: str = "*") -> str:
     return f"{PREFIX}pgid:{queue}:*"
+
+
+def rank_claim(queue: str, task_id: str) -> str:
+    return f"{PREFIX}claim:{queue}:{task_id}"
 
 
 def job_events(job: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import redis
 
-from workers import keys, layout, rendezvous
+from workers import keys, layout, rank_claim, rendezvous
 from workers.build_locks import clear_stale_locks, default_extensions_dir, rebuild_stale_ops
 from workers.device_idle import FreeMemoryWaiter, gpu_wait_s, seconds_setting
 from workers.device_memory import EXIT_REPORT_ENV, read_exit_report
@@ -158,13 +158,41 @@ def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "")
     started = time.time()
     base = {"name": spec.name, "rank": spec.rank, "slot": slot.queue, "node": slot.node,
             "device": slot.device, "worker": slot.worker or socket.gethostname(), "threads": slot.threads}
+    refused = "running"  # until claimed: nothing of ours to release
     try:
+        refused = rank_claim.claim(client, slot.queue, task_id) if task_id else None
+        if refused is not None:  # a redelivered message (workers.rank_claim): never a second copy
+            return {**base, **_redelivered(client, spec, refused)}
         return {**base, **_run(spec, slot, client, task_id)}
     except Exception as exc:  # a bug or fault of ours: still a record, so the chord completes
         _signal_abort(client, spec.attempt)
         return {**base, "status": Status.CRASHED.value, "exit": "not started",
                 "error": f"{type(exc).__name__}: {exc}", "started_at": started,
                 "ended_at": time.time(), "wall_s": time.time() - started, "peak_rss_bytes": 0}
+    finally:
+        if task_id and refused != "running":
+            rank_claim.release(client, slot.queue, task_id)
+
+
+def _record_group(client: redis.Redis, pgid_key: str, queue: str, task_id: str, pgid: int) -> None:
+    """Where the slot's clean-ups (`keys.pgid`) and a redelivery of this task (its claim) find the group."""
+    client.set(pgid_key, pgid, ex=PGID_TTL_S)
+    if task_id:
+        rank_claim.note_group(client, queue, task_id, pgid)
+
+
+def _redelivered(client: redis.Redis, spec: RankSpec, why: str) -> dict[str, Any]:
+    """The record of a rank task that found an earlier delivery's claim: `lost` once the dead pool
+    process's training group is killed (its peers are stopped too), stale while the first copy runs."""
+    now = time.time()
+    if why == "running":
+        return {"status": Status.LOST.value, "stale": True, "exit": "not started", "started_at": now,
+                "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0,
+                "error": "delivered again while its first delivery still runs"}
+    _signal_abort(client, spec.attempt)
+    return {"status": Status.LOST.value, "exit": "not started", "started_at": now, "ended_at": now, "wall_s": 0.0,
+            "peak_rss_bytes": 0, "error": "the pool process running this rank died (the OOM killer, a signal): "
+                                          "its training group was killed, and the launch runs again"}
 
 
 def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[str, Any]:
@@ -217,7 +245,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     builders = needed_op_builders(ds_config)
     prebuild_log = experiment_file(result_dir, rank_log(spec.rank, "op_prebuild"))
     prebuild_failed = prebuild_ops(builders, _build_env(env, slot), prebuild_log,
-                                   stop_check, on_start=lambda pgid: client.set(pgid_key, pgid, ex=PGID_TTL_S))
+                                   stop_check, on_start=lambda pgid: _record_group(client, pgid_key, slot.queue, task_id, pgid))
     if builders and not _ops_ready_everywhere(spec, client, stop_check):
         client.delete(pgid_key)
         describe()
@@ -232,7 +260,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
             stdout_path=experiment_file(result_dir, rank_log(spec.rank, "stdout")), stderr_path=stderr_path,
             timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
-            on_start=lambda pgid: (client.set(pgid_key, pgid, ex=PGID_TTL_S), describe()),
+            on_start=lambda pgid: (_record_group(client, pgid_key, slot.queue, task_id, pgid), describe()),
             measured=_Measured(client, keys.measured(spec.attempt),
                                metric_path if spec.rank == 0 and spec.metric_file else None),
             measured_grace_s=seconds_setting(os.environ.get(MEASURED_GRACE_ENV), MEASURED_GRACE_S),

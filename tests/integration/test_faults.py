@@ -172,6 +172,48 @@ def test_a_slot_whose_worker_stopped_consuming_is_withdrawn_and_its_experiment_r
     assert list(cluster.client.scan_iter(match=keys.gang("*"))) == []
 
 
+def test_a_pool_process_killed_mid_rank_leaves_one_training_group_and_no_busy_slot(cluster, tmp_path):
+    """The OOM killer's way: the pool process running a rank dies with SIGKILL, its worker lives on.
+    Celery puts the message back without any failure signal; the redelivery kills the training group
+    left behind before anything else and answers `lost` (workers.rank_claim), so the launch runs again
+    with one training group at a time, and no slot stays reserved."""
+    import psutil
+
+    results = tmp_path / "autotuning_results"
+    job = _start_job(cluster, tmp_path, "1=slow10", [1])
+    try:
+        wait_for(lambda: list(results.glob("*/started.rank0")), 60, "the experiment to start")
+        started = next(results.glob("*/started.rank0"))
+        orphan = int(started.read_text())
+        slot = json.loads((started.parent / "exp.json").read_text())["slots"][0]
+        worker = psutil.Process(cluster.workers[slot.rsplit(".", 1)[1]].pid)
+        pool = [child for child in worker.children() if child.pid != orphan]
+        assert len(pool) == 1, pool  # concurrency 1: the one pool process
+        pool[0].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        overlaps = []
+        while job.poll() is None and time.monotonic() - killed_at < 150:
+            text = started.read_text() if started.exists() else ""
+            if text and int(text) != orphan and _alive(orphan):
+                overlaps.append(int(text))  # a second copy started while the first still ran
+            time.sleep(0.1)
+        orphan_alive = _alive(orphan)
+        out, err = _ended(job, tmp_path, 30, "after the pool process was killed")
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out + err
+    assert not overlaps and not orphan_alive, (overlaps, orphan_alive)
+    assert int(started.read_text()) != orphan  # the launch ran again
+    record = json.loads((started.parent / "result.json").read_text())
+    assert record["status"] == "ok", record
+    attempts = cluster.client.hgetall(next(iter(cluster.client.scan_iter(match=keys.job_attempts("*")))))
+    assert int(attempts[started.parent.name.encode()]) == 2
+    assert list(cluster.client.scan_iter(match=keys.gang("*"))) == []
+    assert "the pool process running this rank died" in (tmp_path / "control.log").read_text() + out + err
+    print(f"\npool process SIGKILL -> job complete with the rank run again: {time.monotonic() - killed_at:.1f}s")
+
+
 def _ended(job: subprocess.Popen, tmp_path, timeout_s: float, since: str) -> tuple[str, str]:
     """The job's stdout and stderr once it ended; a failure with them and the workers' logs if it
     had not within `timeout_s`."""
