@@ -43,6 +43,7 @@ from scheduler.search.session import (
     NoStageFits, SearchAborted, SearchSettings, Session, measured_capacity, measured_reserve, peak_of, succeeded,
 )
 from scheduler.search.space import PROFILE, experiment_name
+from scheduler.search.strategy_search import stages_that_fit, try_strategies
 
 #: DeepSpeed's METRIC_PERCENT_DIFF_CONST: a larger batch must improve the metric by more than this.
 PLATEAU = 0.05
@@ -124,7 +125,8 @@ def fast_search(settings: SearchSettings) -> Search:
         overhead = measured if measured is not None else \
             prior_overhead_bytes(settings.capacity_bytes, settings.host_memory) - settings.reserve_bytes
     session.model = MemoryModel(info, settings.setup, max(0, overhead))
-    stages = _feasible_stages(session)
+    stages = stages_that_fit(session, _feasible_stages)  # with a memory strategy when none fits without
+    settings = session.settings
     if settings.micro_batch_sizes:
         for stage in stages:
             yield from _run_list(session, stage)
@@ -136,6 +138,7 @@ def fast_search(settings: SearchSettings) -> Search:
         yield from sampled_stages(session, stages)
         yield from try_sawtooth(session, stages)
         yield from widen_step(session, stages)
+        yield from try_strategies(session)
         if not settings.fast:
             for stage, mbs, gas in stages_near_leader(session, stages):
                 yield from tune_full_space(session, stage, [mbs], mbs * gas)

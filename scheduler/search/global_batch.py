@@ -32,7 +32,9 @@ KEEP_KEY = "keep_train_batch_size"
 KEPT_NOTE = "Global batch kept"
 #: What would let a config that keeps the batch fit, in the order a user would try them.
 FIT_HELP = ("use more GPUs per experiment (--num_gpus / --num_nodes: a smaller share per GPU), a higher "
-            "zero_optimization.stage, offload (zero_optimization.offload_optimizer / offload_param), or "
+            "zero_optimization.stage, offload (zero_optimization.offload_optimizer / offload_param, or let the "
+            'search choose: "autotuning": {"memory_strategies": ["offload_optimizer", "activation_checkpointing"]}, '
+            "the latter with its flag in arg_mappings), or "
             f'free the global batch with "autotuning": {{"{KEEP_KEY}": false}}')
 
 

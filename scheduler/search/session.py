@@ -88,11 +88,8 @@ class SearchSettings:
     tuning_config: TuningConfig | None = field(default=None, compare=False, repr=False)
     #: the user's global batch, kept by every experiment when `size` is set (`global_batch`)
     global_batch: GlobalBatch = GlobalBatch()
-    #: the memory strategies every experiment of the search runs with (`scheduler.search.strategies`:
-    #: chosen when nothing fits without one); an experiment with others is a strategy probe
-    strategy: tuple[str, ...] = ()
-    #: the script's own arguments turn activation checkpointing on: fixed, not a strategy to search
-    checkpointing_fixed: bool = False
+    strategy: tuple[str, ...] = ()  #: every experiment's memory strategies (`strategy_search.stages_that_fit`)
+    checkpointing_fixed: bool = False  #: the script's own arguments turn activation checkpointing on
 
     @property
     def world_size(self) -> int:
@@ -247,7 +244,6 @@ class Session:
         return [self.measured[exp.name][1] for exp in experiments]
 
     def experiment(self, stage: int, mbs: int, gas: int, strategy: tuple[str, ...] | None = None) -> Experiment:
-        """One config of the search, with the search's memory strategies unless `strategy` says others."""
         st = self.settings
         strategy = st.strategy if strategy is None else strategy
         config = experiment_config(st.ds_config, stage, mbs, gas, st.dp_size, st.start_profile_step,
@@ -264,8 +260,7 @@ class Session:
                           metric_file=MODEL_INFO)
 
     def stage_records(self, stage: int) -> list[tuple[Experiment, dict[str, Any]]]:
-        """The stage's experiments with the search's own strategies: a strategy probe's memory and speed
-        are another config's (`scheduler.search.strategy_search` reads those)."""
+        """The stage's experiments with the search's own strategies (a strategy probe is another config)."""
         return [(exp, rec) for exp, rec in self.measured.values()
                 if exp.stage == stage and exp.name != PROFILE and exp.strategy == self.settings.strategy]
 

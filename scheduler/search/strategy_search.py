@@ -1,0 +1,219 @@
+"""Memory strategies in a search: the one a model needs to fit, and the larger micro-batch one allows.
+
+Why: DeepSpeed's autotuner tunes neither offload nor activation checkpointing (`scheduler.search.
+strategies` has what each frees and costs). Two decisions bring them into our search, each a rule
+of the memory model rather than a guess:
+
+1. **Nothing fits without one** (`stages_that_fit`). When no allowed ZeRO stage fits micro-batch 1,
+   the combinations of the allowed strategies are tried cheapest first (`strategies.ordered_combinations`)
+   and the first the memory model says fits micro-batch 1 at some allowed stage becomes the
+   search's own (`SearchSettings.strategy`): every experiment runs with it, its memory lines are
+   measured under it, and the search goes on as it would on a larger device. Without permission the
+   job ends with one line naming the cheapest combination the model says would fit and the config
+   line that allows it (a `NoStageFits`).
+2. **The leader sits at its stage's memory top** (`try_strategies`, after the sampled search and
+   before the winner is confirmed). When the leader is the largest size its stage was measured at
+   and the memory model says nothing larger fits there, the curve was still rising where memory
+   cut it. Each allowed strategy (one at a time, on top of the search's own) that the model says
+   lets the stage hold a larger size is measured once at the largest such size, keeping the
+   leader's samples per step (a larger micro-batch with less accumulation; the kept global batch's
+   share when one is kept), and the normal confirmation ranks it with the rest. A strategy whose
+   time prior (`strategies.step_cost_s`, with the leader's own step time as its compute) already
+   adds the leader's whole step is not measured: at the same samples per step a larger micro-batch
+   can save at most the step's per-micro-step costs, less than the step. A strategy run that ran
+   out of memory is measured once more halfway (geometrically) between the leader's size and its
+   own; a checkpointed run that ran measures the share of activations it keeps
+   (`strategies.measured_keep_share`), and when that share says a size at least `TOP_GAIN` larger
+   fits, that size is measured once too.
+
+The memory line of a stage under a strategy is the stage's own measured line (or the analytical
+model without measurements) less what the offload frees, with its slope times the keep share.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from scheduler.inputs.config import MEMORY_STRATEGIES
+from scheduler.search.global_batch import largest_kept
+from scheduler.search.memory import SAFETY, calibrate
+from scheduler.search.ranking import best, metric_value
+from scheduler.search.session import NoStageFits, Session, Step, peak_of, succeeded
+from scheduler.search.space import PROFILE, Experiment, strategy_of
+from scheduler.search.strategies import (
+    CHECKPOINT_KEEP_PRIOR, StepFacts, allow_line, applies, freed_bytes, measured_keep_share,
+    ordered_combinations, searchable, step_cost_s, strategy_model,
+)
+
+#: A checkpointed run's measured keep share is followed to a larger size only this much larger.
+TOP_GAIN = 1.1
+
+
+def stages_that_fit(session: Session, feasible: Callable[[Session], tuple[int, ...]]) -> tuple[int, ...]:
+    """`feasible(session)` (the stages fitting micro-batch 1), or, when it raises `NoStageFits`, the
+    stages that fit with the cheapest allowed strategy, which becomes the search's own (module
+    docstring, 1). Without one allowed, the refusal names the strategy that would fit."""
+    try:
+        return feasible(session)
+    except NoStageFits as refusal:
+        st = session.settings
+        if st.estimator != "calibrated":
+            raise
+        allowed = searchable(st.ds_config, st.host_memory, st.checkpointing_fixed)
+        possible = searchable(st.ds_config, st.host_memory, st.checkpointing_fixed, names=MEMORY_STRATEGIES)
+        base = session.model
+        for strategy in ordered_combinations(possible):
+            model = strategy_model(base, strategy)
+            stages = tuple(s for s in st.stages if applies(strategy, s) and model.gate(s, st.budget_bytes).feasible)
+            if not stages:
+                continue
+            if set(strategy) <= set(allowed):
+                session.settings = replace(st, strategy=strategy)
+                session.model = model
+                return stages
+            raise NoStageFits(f"{refusal}; the memory model says it fits with {' + '.join(strategy)} at ZeRO-"
+                              f"{stages[0]}: allow it with {allow_line(strategy)} in the config",
+                              refusal.shortfall_bytes) from None
+        raise
+
+
+def try_strategies(session: Session) -> Step:
+    """Measure the leader's stage with each allowed strategy at the larger size it lets the stage
+    hold (module docstring, 2)."""
+    st = session.settings
+    leader = _leader(session)
+    if leader is None or st.micro_batch_sizes:
+        return
+    exp, record = leader
+    top = _largest_ok(session, exp.stage)
+    if exp.micro_batch_size < top or _step_size(session, exp, session.predicted_max(exp.stage, SAFETY)) > \
+            exp.micro_batch_size:
+        return  # not at its stage's memory top: a larger size of its step still fits without a strategy
+    for name in searchable(st.ds_config, st.host_memory, st.checkpointing_fixed):
+        strategy = strategy_of((*st.strategy, name))
+        if name in st.strategy or not applies(strategy, exp.stage) or _too_slow(session, exp, record, name):
+            continue
+        yield from _measure_strategy(session, exp, strategy)
+
+
+def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str, ...]) -> Step:
+    """The strategy's largest size above the leader's, once; halfway after an out-of-memory; a larger
+    size once more when the keep share it measured says one fits."""
+    size = _size(session, leader, strategy)
+    if size <= leader.micro_batch_size:
+        return
+    record = yield from _run(session, leader, strategy, size)
+    if not succeeded(record):
+        mid = _step_size(session, leader, round(math.sqrt(leader.micro_batch_size * size)))
+        if record.get("status") == "oom" and leader.micro_batch_size < mid < size:
+            yield from _run(session, leader, strategy, mid)
+        return
+    larger = _size(session, leader, strategy)
+    if larger >= TOP_GAIN * size:
+        yield from _run(session, leader, strategy, larger)
+
+
+def _run(session: Session, leader: Experiment, strategy: tuple[str, ...], mbs: int) -> Step:
+    gas = _gas(session, leader, mbs)
+    exp = session.experiment(leader.stage, mbs, gas, strategy)
+    suffix = "_".join(name.split("_")[-1][:4] for name in strategy)
+    [record] = yield from session.measure(f"z{leader.stage}_strategy_{suffix}_{mbs}", [exp])
+    return record
+
+
+def _size(session: Session, leader: Experiment, strategy: tuple[str, ...]) -> int:
+    """The largest size the stage holds with `strategy` by its memory line (module docstring),
+    within the cap, below the strategy's own failures, filling the leader's step."""
+    st = session.settings
+    stage = leader.stage
+    intercept, slope = _line(session, stage)
+    intercept -= freed_bytes(session.model, [n for n in strategy if n not in st.strategy], stage)
+    if "activation_checkpointing" in strategy and "activation_checkpointing" not in st.strategy:
+        slope *= _keep_share(session, stage, strategy)
+    budget = st.budget_bytes * SAFETY
+    fits = int((budget - intercept) // slope) if slope > 0 else st.micro_batch_cap
+    failed = [exp.micro_batch_size for exp, record in _strategy_records(session, stage, strategy)
+              if record.get("status") == "oom"]
+    limit = min([st.micro_batch_cap, fits] + [m - 1 for m in failed])
+    return _step_size(session, leader, limit)
+
+
+def _step_size(session: Session, leader: Experiment, limit: int) -> int:
+    """The largest size up to `limit` that fills the leader's samples per step (a kept global batch:
+    a size dividing its share)."""
+    samples = session.settings.kept_per_gpu or leader.micro_batch_size * leader.gradient_accumulation_steps
+    if session.settings.kept_per_gpu or leader.gradient_accumulation_steps > 1:
+        return largest_kept(samples, limit) if limit >= 1 else 0
+    return max(0, limit)
+
+
+def _gas(session: Session, leader: Experiment, mbs: int) -> int:
+    st = session.settings
+    if st.samples_per_step:
+        return st.gas_for(mbs)
+    return max(1, leader.micro_batch_size * leader.gradient_accumulation_steps // mbs)
+
+
+def _line(session: Session, stage: int) -> tuple[float, float]:
+    """(intercept, slope) of the stage's memory under the search's own strategy: fitted to its
+    measured peaks, else the analytical model."""
+    model = session.model
+    fitted = calibrate(session.observations().get(stage, []), model.info.activation_mem_per_gpu)
+    if fitted is not None:
+        return fitted.intercept, fitted.slope
+    return float(model.fixed_bytes(stage)), float(model.info.activation_mem_per_gpu)
+
+
+def _keep_share(session: Session, stage: int, strategy: tuple[str, ...]) -> float:
+    """The prior share of activations checkpointing keeps, or the mean of what checkpointed runs of
+    the stage measured (their peak above the line's intercept less the offload they add)."""
+    st = session.settings
+    intercept, slope = _line(session, stage)
+    shares = []
+    for exp, record in session.measured.values():
+        if exp.stage != stage or "activation_checkpointing" not in exp.strategy or not succeeded(record):
+            continue
+        added = [n for n in exp.strategy if n not in st.strategy]
+        peak = peak_of(record, st.peak_memory_key)
+        share = measured_keep_share(peak or 0, intercept - freed_bytes(session.model, added, stage), slope,
+                                    exp.micro_batch_size)
+        if share is not None:
+            shares.append(share)
+    return sum(shares) / len(shares) if shares else CHECKPOINT_KEEP_PRIOR
+
+
+def _too_slow(session: Session, leader: Experiment, record: dict, name: str) -> bool:
+    """Whether the strategy's time prior alone adds the leader's whole step (module docstring)."""
+    st = session.settings
+    value = metric_value(record, st.metric)
+    if not value:
+        return False
+    samples = leader.micro_batch_size * leader.gradient_accumulation_steps * st.world_size
+    step_s = samples / value if st.metric == "throughput" else value / 1e6 if st.metric == "latency" else None
+    if step_s is None:
+        return False
+    info, setup = session.model.info, session.model.setup
+    shard = -(-info.trainable_num_params // (setup.dp_size * setup.mp_size))
+    rank = -(-info.num_params // (setup.mp_size * (setup.dp_size if leader.stage >= 3 else 1)))
+    facts = StepFacts(compute_s=step_s, micro_steps=leader.gradient_accumulation_steps, shard_params=shard,
+                      rank_params=rank, width=2 if setup.mixed_precision else 4)
+    return step_cost_s((name,), facts) >= step_s
+
+
+def _leader(session: Session) -> tuple[Experiment, dict] | None:
+    """The best experiment so far with the search's own strategy (repeats pooled), and its record."""
+    st = session.settings
+    pairs = [(exp, record) for exp, record in session.measured.values()
+             if exp.name != PROFILE and not exp.tuning_space and exp.strategy == st.strategy]
+    winner = best([record for _, record in pairs], st.metric, st.maximize)
+    return next(((exp, record) for exp, record in pairs if record is winner), None)
+
+
+def _largest_ok(session: Session, stage: int) -> int:
+    return max((exp.micro_batch_size for exp, record in session.stage_records(stage) if succeeded(record)), default=0)
+
+
+def _strategy_records(session: Session, stage: int, strategy: Sequence[str]) -> list[tuple[Experiment, dict]]:
+    return [(exp, record) for exp, record in session.measured.values()
+            if exp.stage == stage and exp.strategy == tuple(strategy)]

@@ -1,0 +1,152 @@
+"""Memory strategies in a search (`scheduler.search.strategy_search`), driven with a scripted fake
+runner: a model that fits only with a strategy, the refusal naming one when none is allowed, and
+the leader at its stage's memory top measured with checkpointing at a larger micro-batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from scheduler.search.fast_search import fast_search
+from scheduler.search.global_batch import GlobalBatch
+from scheduler.search.memory import GiB, MemoryModel, ModelInfo
+from scheduler.search.phases import drive
+from scheduler.search.ranking import best
+from scheduler.search.session import NoStageFits, SearchSettings, Session
+from scheduler.search.space import Experiment
+
+CAPACITY = 16 * GiB
+RESERVE = GiB  #: memory.untracked_reserve_bytes of a 16 GiB GPU
+
+
+@dataclass(frozen=True)
+class Law:
+    """Memory and speed of a model on 4 ranks, fp16, with offload and checkpointing honoured."""
+
+    num_params: int
+    activation: int  #: bytes per sample without checkpointing
+    keep: float = 0.25  #: the share of activations checkpointing really keeps (the prior says 0.3)
+    peak: int = 0  #: > 0: a sample costs more past this micro-batch (the curve turns below the memory top)
+
+    def memory(self, exp: Experiment) -> int:
+        n, s, dp = self.num_params, exp.stage, 4
+        params = 0 if "offload_param" in exp.strategy else 2 * n / (dp if s >= 3 else 1)
+        grads = 2 * n / (dp if s >= 2 else 1)
+        optimizer = 0 if "offload_optimizer" in exp.strategy else 12 * n / (dp if s >= 1 else 1)
+        share = self.keep if "activation_checkpointing" in exp.strategy else 1.0
+        return int(params + grads + optimizer + GiB + self.activation * share * exp.micro_batch_size)
+
+    def run(self, exp: Experiment) -> dict[str, Any]:
+        peak = self.memory(exp)
+        if peak > CAPACITY - RESERVE:
+            return {"name": exp.name, "status": "oom", "ds_config": exp.ds_config}
+        compute = 0.01 * exp.micro_batch_size * (4 / 3 if "activation_checkpointing" in exp.strategy else 1)
+        if self.peak and exp.micro_batch_size > self.peak:
+            compute *= exp.micro_batch_size / self.peak
+        micro = 0.05 + compute + 0.002 * exp.stage
+        step = micro * exp.gradient_accumulation_steps + (0.5 if "offload_optimizer" in exp.strategy else 0)
+        samples = exp.micro_batch_size * exp.gradient_accumulation_steps * 4
+        return {"name": exp.name, "status": "ok", "peak_device_bytes": peak, "ds_config": exp.ds_config,
+                "metrics": {"throughput": samples / step, "latency": step * 1e6}}
+
+
+def settings(law: Law, strategies: list[str], kept: int | None = None) -> SearchSettings:
+    autotuning: dict[str, Any] = {"enabled": True, "memory_strategies": strategies,
+                                  "arg_mappings": {"activation_checkpointing": "--gradient_checkpointing"}}
+    config = {"fp16": {"enabled": True}, "zero_optimization": {"stage": "all", "contiguous_gradients": False},
+              "autotuning": autotuning}
+    info = ModelInfo(law.num_params, law.num_params, law.activation)
+    return SearchSettings(ds_config=config, capacity_bytes=CAPACITY, stages=(0, 1, 2, 3), num_gpus=4,
+                          model_info=info, overhead_bytes=GiB, peak_memory_key="peak_device_bytes",
+                          global_batch=GlobalBatch(kept, f"train_batch_size {kept}") if kept else GlobalBatch())
+
+
+def run(law: Law, search_settings: SearchSettings) -> tuple[list[Experiment], dict[str, dict]]:
+    experiments: list[Experiment] = []
+    records: dict[str, dict] = {}
+
+    def run_phase(phase) -> dict[str, dict]:
+        experiments.extend(phase.experiments)
+        records.update({exp.name: law.run(exp) for exp in phase.experiments})
+        return {exp.name: records[exp.name] for exp in phase.experiments}
+
+    drive(fast_search(search_settings), run_phase)
+    return experiments, records
+
+
+#: 4e9 parameters: 16 bytes each on one rank at ZeRO-3 (4 ranks) fill more than the 15 GiB budget.
+BIG = Law(num_params=4_000_000_000, activation=200_000_000)
+#: 1e8 parameters with 20 GB of activations per sample: only checkpointing brings one sample in.
+WIDE = Law(num_params=100_000_000, activation=20_000_000_000)
+
+
+def test_a_model_that_fits_only_with_offload_is_tuned_with_it() -> None:
+    experiments, records = run(BIG, settings(BIG, ["offload_optimizer"]))
+    assert experiments and all(exp.strategy == ("offload_optimizer",) for exp in experiments)
+    assert all(exp.name.endswith(("_oo",)) or "_oo_r" in exp.name for exp in experiments)
+    assert {exp.stage for exp in experiments} <= {2, 3}  # ZeRO-1 holds 16 GB of parameters and gradients
+    assert all(exp.ds_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"} for exp in experiments)
+    winner = best(list(records.values()), "throughput", True)
+    assert winner is not None and winner["status"] == "ok"
+
+
+def test_without_permission_the_refusal_names_the_strategy_and_the_config_line() -> None:
+    with pytest.raises(NoStageFits) as caught:
+        run(BIG, settings(BIG, []))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "the memory model says it fits with offload_optimizer at ZeRO-2" in message
+    assert message.endswith('allow it with "autotuning": {"memory_strategies": ["offload_optimizer"]} in the config')
+
+
+def test_the_cheapest_allowed_strategy_that_fits_is_chosen() -> None:
+    experiments, _ = run(WIDE, settings(WIDE, ["offload_optimizer", "activation_checkpointing"]))
+    assert experiments and all(exp.strategy == ("activation_checkpointing",) for exp in experiments)
+    with pytest.raises(NoStageFits, match="fits with activation_checkpointing at ZeRO-0: allow it with "
+                       r'"autotuning": \{"memory_strategies": \["activation_checkpointing"\], "arg_mappings"'):
+        run(WIDE, settings(WIDE, ["offload_optimizer"]))
+
+
+#: 1e8 parameters, 1.5 GB of activations per sample: every stage tops out at micro-batch 8.
+TALL = Law(num_params=100_000_000, activation=1_500_000_000)
+
+
+def test_a_leader_at_its_memory_top_is_measured_with_checkpointing_at_a_larger_size() -> None:
+    experiments, records = run(TALL, settings(TALL, ["activation_checkpointing"], kept=256))
+    plain = [exp for exp in experiments if not exp.strategy]
+    checkpointed = [exp for exp in experiments if exp.strategy == ("activation_checkpointing",)]
+    assert max(exp.micro_batch_size for exp in plain if records[exp.name]["status"] == "ok") == 8
+    assert checkpointed, "the leader sat at its memory top and checkpointing was allowed"
+    leader_stage = checkpointed[0].stage
+    for exp in checkpointed:  # a larger micro-batch with less accumulation, the global batch kept
+        assert exp.stage == leader_stage and exp.micro_batch_size > 8
+        assert exp.micro_batch_size * exp.gradient_accumulation_steps == 64
+        assert exp.ds_config["autotuning"]["memory_strategy"] == ["activation_checkpointing"]
+    ran = [exp for exp in checkpointed if records[exp.name]["status"] == "ok"]
+    assert max(exp.micro_batch_size for exp in ran) == 32  # 16 by the prior share, 32 by the measured one
+    winner = best(list(records.values()), "throughput", True)
+    assert winner["name"].split("_r")[0].endswith("_ac"), winner["name"]  # recompute costs less than the gas saves
+
+
+def test_no_strategy_probe_when_the_leader_is_below_its_top_or_none_is_allowed() -> None:
+    experiments, _ = run(TALL, settings(TALL, []))
+    assert not any(exp.strategy for exp in experiments)
+    slow = Law(num_params=100_000_000, activation=50_000_000)  # tops far above the kept share of 64
+    experiments, _ = run(slow, settings(slow, ["activation_checkpointing"], kept=256))
+    assert not any(exp.strategy for exp in experiments)
+    turned = Law(num_params=100_000_000, activation=1_500_000_000, peak=2)  # best at 2 or 4, top 8
+    experiments, records = run(turned, settings(turned, ["activation_checkpointing"], kept=256))
+    assert max(exp.micro_batch_size for exp in experiments if records[exp.name]["status"] == "ok") == 8
+    assert best(list(records.values()), "throughput", True)["ds_config"]["train_micro_batch_size_per_gpu"] < 8
+    assert not any(exp.strategy for exp in experiments)
+
+
+def test_a_strategy_probe_is_no_memory_fact_of_its_stage() -> None:
+    search_settings = settings(TALL, ["activation_checkpointing"], kept=256)
+    session = Session(search_settings)
+    session.model = MemoryModel(search_settings.model_info, search_settings.setup, GiB)
+    for exp in (session.experiment(0, 8, 8), session.experiment(0, 32, 2, ("activation_checkpointing",))):
+        session.measured[exp.name] = (exp, TALL.run(exp))
+    assert [o.micro_batch_size for o in session.observations()[0]] == [8]
+    assert [exp.micro_batch_size for exp, _ in session.stage_records(0)] == [8]
