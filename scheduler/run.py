@@ -15,7 +15,8 @@ Exit 0 when every rank succeeded, else the root-cause rank's exit code (killed b
 Ctrl-C/SIGTERM revokes every rank, kills its process group, stops the embedded cluster, exits 130.
 `--launcher pdsh|openmpi|mpich|impi|mvapich|slurm` runs DeepSpeed's command (`scheduler.launch.launchers`) in
 its own process group, forwards Ctrl-C/SIGTERM to it and returns its exit code; one host runs
-DeepSpeed's per-node launcher locally, as DeepSpeed does. `--dry_run` prints the argv as JSON.
+DeepSpeed's per-node launcher locally, as DeepSpeed does. `--dry_run` prints the argv as JSON
+(secret variables by name only: `scheduler.launch.environment.is_secret`).
 
 Deliberate differences from DeepSpeed's runner, and why:
 - the default launcher is celery: no ssh or pdsh needed, ranks run on exactly the selected slots.
@@ -61,13 +62,13 @@ import psutil
 import redis
 
 from scheduler.launch import elastic
-from scheduler.launch.environment import check_numeric_variables, check_redis_url, collect_exports
+from scheduler.launch.environment import check_numeric_variables, check_redis_url, collect_exports, write_private_file
 from scheduler.errors import OneLineArgumentParser, UsageError, one_line
 from scheduler.preflight import wait_for_cluster
 from scheduler.cluster.jobs import JobCrashed, JobSpec, run_fixed
 from scheduler.launch.hostfile import LOCAL_HOSTNAME, SLOT_WORKER_BYTES, local_pool, max_local_slots, read_hostfile
 from scheduler.launch.launchers import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchSpec, MvapichLauncher, get_launcher,
-                                 local_command, needs_multinode, require_backend)
+                                 local_command, needs_multinode, private_file_exports, require_backend)
 from scheduler.launch.resources import ResourceRequest, Resources, resolve_resources
 from scheduler.resources import detect_local_devices
 from scheduler.search.space import Experiment
@@ -279,15 +280,17 @@ def run_backend(args: argparse.Namespace, resources: Resources, request: Resourc
         master_addr=args.master_addr or (resources.entries[0].host if multinode else "127.0.0.1"),
         master_port=DEFAULT_MASTER_PORT if args.master_port is None else args.master_port,
         launcher_args=args.launcher_args, hostfile=args.hostfile, request=request, elastic=settings,
-        exports=collect_exports(os.environ, home_dir=os.path.expanduser("~"), cwd=cwd) if multinode else {})
+        exports=collect_exports(os.environ, home_dir=os.path.expanduser("~"), cwd=cwd) if multinode else {},
+        secrets_file=os.path.join(cwd, f".autotune_secrets.{uuid.uuid4().hex}"))
     launcher = get_launcher(args.launcher)
+    secret = spec.split_exports()[1]  # on no command line: the backend takes them from its environment
     if multinode:
         argv, env = launcher.command(spec), launcher.launch_env(spec, os.environ)
     else:
         argv = local_command(spec)
         env = elastic.node_environment(elastic.shared_device_ids(resources)) if settings else {}
-    if args.dry_run:
-        print(json.dumps({"argv": argv, "env": env}, indent=2))
+    if args.dry_run:  # the secrets by name, never their values
+        print(json.dumps({"argv": argv, "env": env, "secret_variables": list(secret)}, indent=2))
         return 0
     if multinode:
         require_backend(launcher)
@@ -295,7 +298,15 @@ def run_backend(args: argparse.Namespace, resources: Resources, request: Resourc
             check_ssh(list(resources.hosts))
         if isinstance(launcher, MvapichLauncher):
             Path(launcher.hostfile_path).write_text(launcher.hostfile_text(spec))
-    return run_command(argv, {**os.environ, **env}, args.timeout)
+    private = private_file_exports(launcher, spec) if multinode else {}
+    if private:
+        write_private_file(spec.secrets_file, private)
+    try:
+        return run_command(argv, {**os.environ, **secret, **env}, args.timeout)
+    finally:
+        if private:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spec.secrets_file)
 
 
 def check_ssh(hosts: list[str]) -> None:

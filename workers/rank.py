@@ -44,6 +44,7 @@ from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders, prebuild
 from workers.launch import MEASURED_GRACE_ENV, MEASURED_GRACE_S, run_watched, tail
 from workers.layout import experiment_file, rank_log
 from workers.paths import read_json, safe_child, write_atomic, write_json
+from workers.redis_tls import TLS_ENV
 from workers.shared_memory import remove_rank_segment
 from workers.slot import Slot
 from workers.slot_health import mark_unhealthy
@@ -57,8 +58,11 @@ PGID_TTL_S = 7 * 24 * 3600
 #: How much of a crashed rank's stderr is read for an out-of-memory traceback: a deep model's
 #: traceback through DeepSpeed's hooks runs to a few kB, the allocator's message to 600 bytes.
 STDERR_OOM_BYTES = 32_000
-#: The worker's own secrets and bindings: a training script has no business with the cluster's Redis.
-PRIVATE_ENV = frozenset({"AUTOTUNE_REDIS_URL", "AUTOTUNE_SLOT_JSON", "AUTOTUNE_EXIT_WITH_PARENT"})
+#: The worker's own secrets and bindings: a training script has no business with the cluster's Redis
+#: (its URL with the password, its TLS client certificate and key) or Flower's settings, which an
+#: operator sets on the workers (FLOWER_BASIC_AUTH and any other FLOWER_* option: `PRIVATE_PREFIXES`).
+PRIVATE_ENV = frozenset({"AUTOTUNE_REDIS_URL", "AUTOTUNE_SLOT_JSON", "AUTOTUNE_EXIT_WITH_PARENT", *TLS_ENV})
+PRIVATE_PREFIXES = ("FLOWER_",)
 #: How long a rank waits for others' memory on its GPU to go (workers.device_idle.WAIT_S by default).
 GPU_WAIT_ENV = "AUTOTUNE_GPU_WAIT_S"
 #: This worker's waits for others' memory on its GPU to go (workers.device_idle), one per process.
@@ -120,7 +124,8 @@ def script_command(script_argv: list[str], local_rank: int | None = None) -> lis
 def rank_env(spec: RankSpec, slot: Slot, master: tuple[str, int], exit_report: Path | None = None) -> dict[str, str]:
     """The environment torchrun or DeepSpeed's launcher would give this rank, bound to the slot: on
     CUDA slots it sees its gang's GPUs on this node, so LOCAL_RANK names its own reserved device."""
-    env = {name: value for name, value in os.environ.items() if name not in PRIVATE_ENV}
+    env = {name: value for name, value in os.environ.items()
+           if name not in PRIVATE_ENV and not name.startswith(PRIVATE_PREFIXES)}
     env.update(slot.child_env(spec.cuda_devices or None))
     env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # this machine's own
     env.update({

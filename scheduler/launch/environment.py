@@ -30,6 +30,12 @@ Deliberate differences from DeepSpeed, and why:
 - environment variables whose names are not shell variable names are skipped: no shell can set them.
 - an empty PYTHONPATH is replaced by the working directory alone; DeepSpeed writes `cwd:`, whose
   trailing empty entry means "the current directory" to Python.
+- a secret (`is_secret`: a name that says password, token, secret, credential or key, or a URL with a
+  password as its value, such as MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN, HF_TOKEN or an
+  MLFLOW_TRACKING_URI with `user:pass@`) never goes onto a command line, where every user of the host
+  reads it in /proc/<pid>/cmdline and `--dry_run` prints it: the backends name it and take its value
+  from the launching process's environment (`scheduler.launch.launchers`), and pdsh, which forwards
+  no environment, has each node read it from a file only the user can read (`write_private_file`).
 """
 from __future__ import annotations
 
@@ -146,6 +152,45 @@ def export_statement(name: str, value: str) -> str:
 def render_exports(exports: Mapping[str, str]) -> str:
     """All exports as one shell fragment, `export A=1; export B='x y';`, in mapping order."""
     return " ".join(export_statement(name, value) for name, value in exports.items())
+
+
+#: Variable names that hold a credential, whatever their value.
+SECRET_NAME = re.compile(r"PASSWORD|PASSWD|TOKEN|SECRET|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE_KEY|AUTH",
+                         re.IGNORECASE)
+#: A value holding a URL with a password in its user info (`https://user:pass@host`).
+URL_WITH_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
+
+
+def is_secret(name: str, value: str) -> bool:
+    """True for a variable whose value must not be shown: a credential's name or a URL with a password."""
+    return SECRET_NAME.search(name) is not None or URL_WITH_PASSWORD.search(value) is not None
+
+
+def split_secrets(exports: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(the exports a command line may carry, the secret ones), each in mapping order."""
+    plain = {name: value for name, value in exports.items() if not is_secret(name, value)}
+    return plain, {name: value for name, value in exports.items() if name not in plain}
+
+
+def write_private_file(path: str, exports: Mapping[str, str]) -> None:
+    """`exports` as `export NAME=VALUE;` lines in a new file at `path` that only this user can read
+    (created so, never widened by the umask; an existing file is an error, never overwritten)."""
+    text = "".join(export_statement(name, value) + "\n" for name, value in exports.items())
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def source_private_file(path: str | None, names: list[str]) -> str:
+    """Shell words that export the variables `names` from the file at `path` (`write_private_file`),
+    or stop with status 2 and a line saying why when this host cannot read it."""
+    if path is None or not path.startswith("/"):
+        raise ValueError("secret exports need the absolute path of the file they are read from")
+    quoted = shlex.quote(path)
+    why = shlex.quote(f"error: {path} is not readable on this node: the secret variables {', '.join(names)} "
+                      "reach every node through this file, so the working directory must be on a file "
+                      "system every node shares")
+    return f"[ -r {quoted} ] || {{ echo {why} >&2; exit 2; }}; . {quoted};"
 
 
 def _excluded_names(environ: Mapping[str, str]) -> frozenset[str]:

@@ -31,6 +31,13 @@ element for element, except for these deliberate differences:
 - MPI backends count only hosts with devices, so a `slots=0` host no longer fails the equal
   devices-per-host check. Unknown launchers and missing backends are `UsageError`s naming the fix.
 - elastic launches run torchrun on each node (see scheduler/launch/elastic.py).
+- a secret export (`environment.is_secret`) is never on the command line, where every user of the
+  host reads it in /proc/<pid>/cmdline: MPI and Slurm name it and take its value from the launching
+  process's environment (the caller puts them there): Open MPI `-x NAME`, Hydra (MPICH,
+  Intel MPI, MVAPICH2) `-genvlist A,B`, srun `--export=ALL,...,NAME`. pdsh forwards no environment:
+  each node's shell reads the secrets from `spec.secrets_file`, which the caller writes (only the
+  user can read it; `private_file_exports`) in the working directory every node already shares, and
+  removes when the launch ends; a node that cannot read it stops with a line saying so.
 """
 from __future__ import annotations
 
@@ -46,7 +53,7 @@ from typing import ClassVar, Protocol
 
 from scheduler.launch import elastic
 from scheduler.launch.elastic import ElasticSettings
-from scheduler.launch.environment import render_exports
+from scheduler.launch.environment import render_exports, source_private_file, split_secrets
 from scheduler.errors import UsageError
 from scheduler.launch.resources import ResourceRequest, Resources
 
@@ -103,6 +110,8 @@ class LaunchSpec:
     log_level: str = "info"
     quiet: bool = False
     elastic: ElasticSettings | None = None
+    #: pdsh: the file each node reads the secret exports from (absolute, in the shared working directory)
+    secrets_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.module and self.no_python:
@@ -130,6 +139,10 @@ class LaunchSpec:
         if self.no_python:
             return []
         return [self.python, "-u", *(["-m"] if self.module else [])]
+
+    def split_exports(self) -> tuple[dict[str, str], dict[str, str]]:
+        """(the exports a command line may carry, the secret ones)."""
+        return split_secrets(self.exports)
 
     def launch_only_flags(self) -> list[str]:
         """The DeepSpeed-launcher flags in use, which an elastic launch cannot honour."""
@@ -243,11 +256,13 @@ class PdshLauncher(_ToolBackend):
     def remote_words(self, spec: LaunchSpec) -> list[str]:
         """The remote command as shell words; pdsh joins them with blanks for the remote shell."""
         words = [f"source {shlex.quote(spec.venv_script)};"] if spec.venv_script is not None else []
-        exports = dict(spec.exports)
+        exports, secret = spec.split_exports()
         if spec.elastic is not None:
             exports.update(elastic.node_environment(elastic.shared_device_ids(spec.resources)))
         if exports:
             words.append(render_exports(exports))
+        if secret:
+            words.append(source_private_file(spec.secrets_file, list(secret)))
         words.append(f"cd {shlex.quote(spec.cwd)};")
         return words + [shlex.quote(word) for word in per_node_command(spec, "%n", self.name)]
 
@@ -261,6 +276,13 @@ class PdshLauncher(_ToolBackend):
             existing = environ.get("PDSH_SSH_ARGS_APPEND", "")
             env["PDSH_SSH_ARGS_APPEND"] = f"{existing} -p {spec.ssh_port}".lstrip()
         return env
+
+
+def private_file_exports(launcher: Launcher, spec: LaunchSpec) -> dict[str, str]:
+    """What the caller writes to `spec.secrets_file` (`environment.write_private_file`) before
+    running `launcher.command(spec)`: the secret exports for pdsh, nothing for the others (they take
+    the secrets from the launching process's environment, which must hold `spec.split_exports()[1]`)."""
+    return spec.split_exports()[1] if launcher.name == PdshLauncher.name else {}
 
 
 def _devices_per_host(name: str, resources: Resources) -> int:
@@ -286,7 +308,9 @@ class OpenMpiLauncher(_ToolBackend):
         if not _sets_tcp_interface(extra):
             argv += ["--mca", "btl_tcp_if_include", "eth0"]
         argv += extra
-        argv += _export_flags("-x", {"UCX_TLS": "tcp", **spec.exports})
+        exports, secret = spec.split_exports()
+        argv += _export_flags("-x", {"UCX_TLS": "tcp", **exports})
+        argv += [word for name in secret for word in ("-x", name)]  # `-x NAME`: the value of mpirun's own
         return [*argv, *spec.python_prefix(), spec.user_script, *spec.user_args]
 
 
@@ -306,6 +330,11 @@ def _export_flags(flag: str, exports: Mapping[str, str]) -> list[str]:
     return [word for key, value in exports.items() for word in (flag, f"{key}={value}")]
 
 
+def _hydra_secret_flags(secret: Mapping[str, str]) -> list[str]:
+    """Hydra's `-genvlist A,B`: these variables with the values of mpirun's own environment."""
+    return ["-genvlist", ",".join(secret)] if secret else []
+
+
 @dataclass(frozen=True)
 class MpichLauncher(_ToolBackend):
     """MPICH's mpirun; DeepSpeed's helper turns PMI ranks into RANK/LOCAL_RANK on each process."""
@@ -318,7 +347,8 @@ class MpichLauncher(_ToolBackend):
         per_host = _devices_per_host(self.name, spec.resources)
         total = spec.resources.num_devices
         argv = ["mpirun", "-n", str(total), "-ppn", str(per_host), *spec.launcher_arg_list()]
-        argv += _export_flags("-genv", spec.exports)
+        exports, secret = spec.split_exports()
+        argv += _export_flags("-genv", exports) + _hydra_secret_flags(secret)
         argv += [*_rendezvous_genv(spec, total, per_host), "-hosts", ",".join(spec.resources.hosts)]
         helper = [spec.python, "-u", "-m", HELPER_MODULE, "--launcher", self.name]
         helper += ["--module"] if spec.module else ["--no_python"] if spec.no_python else []
@@ -339,8 +369,10 @@ class ImpiLauncher(_ToolBackend):
         per_host = _devices_per_host(self.name, spec.resources)
         total = spec.resources.num_devices
         argv = ["mpirun", "-ppn", str(per_host), *spec.launcher_arg_list()]
-        for key, value in spec.exports.items():
+        exports, secret = spec.split_exports()
+        for key, value in exports.items():
             argv += ["-genv", key, value]
+        argv += _hydra_secret_flags(secret)
         argv += [*_rendezvous_genv(spec, total, per_host), "-genv", "I_MPI_PIN", "0"]
         argv += ["-hosts", ",".join(spec.resources.hosts)]
         for rank in range(total):
@@ -380,7 +412,8 @@ class MvapichLauncher(_ToolBackend):
         argv = ["mpirun", "-np", str(spec.resources.num_devices), "-ppn", str(per_host)]
         argv += ["--hostfile", self.hostfile_path, *spec.launcher_arg_list()]
         defaults = {key: value for key, value in MVAPICH_DEFAULT_EXPORTS.items() if self.cuda or key != "MV2_USE_CUDA"}
-        argv += _export_flags("-env", {**defaults, **spec.exports})
+        exports, secret = spec.split_exports()
+        argv += _export_flags("-env", {**defaults, **exports}) + _hydra_secret_flags(secret)
         return [*argv, *spec.python_prefix(), spec.user_script, *spec.user_args]
 
 
@@ -418,10 +451,12 @@ def _check_slurm_selection(resources: Resources) -> None:
 
 
 def _slurm_export(exports: Mapping[str, str]) -> str:
-    for key, value in exports.items():
+    """`--export=ALL,K=V,...,NAME`: a secret by name only, its value from srun's own environment."""
+    plain, secret = split_secrets(exports)
+    for key, value in plain.items():
         if "," in value:
             raise UsageError(f"export {key}={value!r} contains ',' which srun's --export list cannot carry; remove it")
-    return ",".join(["--export=ALL", *(f"{key}={value}" for key, value in exports.items())])
+    return ",".join(["--export=ALL", *(f"{key}={value}" for key, value in plain.items()), *secret])
 
 
 LAUNCHERS: Mapping[str, type] = {

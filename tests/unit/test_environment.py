@@ -13,6 +13,7 @@ from scheduler.launch.environment import (
     env_file_paths,
     export_statement,
     exports_from_environ,
+    is_secret,
     launch_pythonpath,
     parse_env_file,
     read_env_file,
@@ -238,3 +239,20 @@ def test_render_format_and_order() -> None:
 def test_export_statement_rejects_bad_names() -> None:
     with pytest.raises(UsageError, match="not a shell variable name"):
         export_statement("A-B", "1")
+
+
+@pytest.mark.parametrize(("name", "value", "secret"), [
+    ("MLFLOW_TRACKING_PASSWORD", "x", True),
+    ("MLFLOW_TRACKING_TOKEN", "x", True),
+    ("HF_TOKEN", "x", True),
+    ("WANDB_API_KEY", "x", True),
+    ("AWS_SECRET_ACCESS_KEY", "x", True),
+    ("MLFLOW_TRACKING_URI", "https://user:pass@mlflow.example", True),  # a URL with a password
+    ("MLFLOW_TRACKING_URI", "https://mlflow.example:5000", False),
+    ("MLFLOW_TRACKING_URI", "https://user@mlflow.example", False),  # a user name alone
+    ("PYTHONPATH", "/work/job:/lib", False),
+    ("NCCL_SOCKET_IFNAME", "=eth0", False),
+    ("MLFLOW_EXPERIMENT_NAME", "gpt", False),
+])
+def test_secrets_are_credential_names_or_urls_with_a_password(name: str, value: str, secret: bool) -> None:
+    assert is_secret(name, value) is secret

@@ -23,8 +23,10 @@ from scheduler.launch.launchers import (
     get_launcher,
     local_command,
     needs_multinode,
+    private_file_exports,
     require_backend,
 )
+from scheduler.launch.environment import write_private_file
 from scheduler.launch.resources import ResourceRequest, Resources
 
 PY = "/usr/bin/python3"
@@ -392,3 +394,52 @@ def test_local_command_matches_deepspeed_single_node() -> None:
 ])
 def test_needs_multinode(hosts, force_multi: bool, no_ssh: bool, expected: bool) -> None:
     assert needs_multinode(Resources.from_mapping(hosts), force_multi=force_multi, no_ssh=no_ssh) is expected
+
+
+#: The user's exports with secrets among them: a password, a token, a URL with a password.
+SECRETS = {"MLFLOW_TRACKING_PASSWORD": "pw \"$x\";`y` z", "HF_TOKEN": "hf_tok3n",
+           "MLFLOW_TRACKING_URI": "https://bob:uripass@mlflow.example"}
+WITH_SECRETS = {**EXPORTS, **SECRETS, "MLFLOW_EXPERIMENT_NAME": "gpt"}
+SECRETS_FILE = "/work/job/.autotune_secrets.0123"
+
+
+@pytest.mark.parametrize("name", ["pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm"])
+def test_no_secret_value_is_on_a_command_line_and_each_is_named(name: str) -> None:
+    spec = fixture_spec(exports=WITH_SECRETS, secrets_file=SECRETS_FILE)
+    argv = get_launcher(name).command(spec)
+    text = "\0".join(argv)
+    assert not [value for value in ('pw "$x";`y` z', "hf_tok3n", "uripass") if value in text], argv
+    names = list(SECRETS)
+    named = {"pdsh": [f". {SECRETS_FILE};"], "openmpi": [word for key in names for word in ("-x", key)],
+             "mpich": ["-genvlist", ",".join(names)],
+             "slurm": ["--export=ALL,PYTHONPATH=/work/job,NCCL_DEBUG=INFO,MLFLOW_EXPERIMENT_NAME=gpt," + ",".join(names)]}
+    named["impi"] = named["mvapich"] = named["mpich"]
+    assert "\0".join(named[name]) in text, argv
+    assert "MLFLOW_EXPERIMENT_NAME" in text and "gpt" in text  # what is not a secret stays as DeepSpeed puts it
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs sh")
+def test_pdsh_nodes_read_the_secrets_from_the_private_file_or_stop_saying_so(tmp_path) -> None:
+    secrets_file = str(tmp_path / ".autotune_secrets.x")
+    spec = fixture_spec(exports=WITH_SECRETS, secrets_file=secrets_file, cwd=str(tmp_path))
+    launcher = PdshLauncher()
+    words = launcher.remote_words(spec)
+    setup = " ".join(words[:next(i for i, word in enumerate(words) if word.startswith("cd "))])
+    dump = f"{setup} {shlex.quote(sys.executable)} -c 'import json, os; print(json.dumps(dict(os.environ)))'"
+    clean = {"PATH": os.environ["PATH"]}
+    missing = subprocess.run(["sh", "-c", dump], capture_output=True, text=True, env=clean)
+    assert missing.returncode == 2 and f"{secrets_file} is not readable on this node" in missing.stderr
+    assert "HF_TOKEN" in missing.stderr and "hf_tok3n" not in missing.stderr
+    write_private_file(secrets_file, private_file_exports(launcher, spec))
+    assert stat.S_IMODE(os.stat(secrets_file).st_mode) == 0o600
+    seen = json.loads(subprocess.run(["sh", "-c", dump], capture_output=True, text=True, env=clean, check=True).stdout)
+    assert {name: seen.get(name) for name in WITH_SECRETS} == WITH_SECRETS  # every value, byte for byte
+    with pytest.raises(FileExistsError):
+        write_private_file(secrets_file, {"A": "1"})  # never overwritten (nor a planted link followed)
+
+
+def test_only_pdsh_writes_a_private_file() -> None:
+    spec = fixture_spec(exports=WITH_SECRETS, secrets_file=SECRETS_FILE)
+    assert private_file_exports(PdshLauncher(), spec) == SECRETS
+    assert private_file_exports(get_launcher("openmpi"), spec) == {}
+    assert private_file_exports(PdshLauncher(), fixture_spec()) == {}

@@ -76,3 +76,15 @@ def test_a_cpu_rank_sees_no_gpu() -> None:
 )
 def test_script_command(argv: list[str], local_rank: int | None, expected: list[str]) -> None:
     assert script_command(argv, local_rank) == expected
+
+
+def test_a_rank_gets_the_users_variables_and_none_of_the_clusters_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = {"AUTOTUNE_REDIS_URL": "redis://autotune:pw@10.0.0.1:6379/0", "FLOWER_BASIC_AUTH": "ops:flowerpw",
+               "FLOWER_OAUTH2_SECRET": "oauth", "AUTOTUNE_REDIS_CA": "/etc/autotune/ca.crt",
+               "AUTOTUNE_REDIS_CERT": "/etc/autotune/client.crt", "AUTOTUNE_REDIS_KEY": "/etc/autotune/client.key"}
+    users = {"MLFLOW_TRACKING_PASSWORD": "mine", "HF_TOKEN": "hf", "MY_SETTING": "1"}
+    for name, value in {**cluster, **users}.items():
+        monkeypatch.setenv(name, value)
+    env = rank_env(spec(), CPU, ("10.0.0.2", 29500))
+    assert not set(cluster) & set(env)
+    assert {name: env.get(name) for name in users} == users  # as deepspeed passes them on

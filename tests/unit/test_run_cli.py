@@ -344,3 +344,48 @@ def test_a_signal_while_the_backend_is_being_started_still_stops_its_group(tmp_p
     assert started and started[0].poll() is not None
     sleeper = int(child_pid.read_text())
     assert not psutil.pid_exists(sleeper) or psutil.Process(sleeper).status() == psutil.STATUS_ZOMBIE
+
+
+def test_secrets_reach_the_launch_by_name_and_never_show(capsys, monkeypatch, tmp_path, two_hosts):
+    """pdsh: the values in a file only the user reads while the launch runs, gone after; every backend:
+    no value on the command line or in --dry_run's output, the names shown."""
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "tok-5ecret")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://bob:uripa55@mlflow.example")
+    (tmp_path / ".deepspeed_env").write_text("HF_TOKEN=hf-5ecret\n")  # a secret only a file holds
+    plan = dry_run(capsys, "--hostfile", str(two_hosts), "--launcher", "pdsh")
+    shown = json.dumps(plan)
+    assert not [value for value in ("tok-5ecret", "uripa55", "hf-5ecret") if value in shown], shown
+    assert set(plan["secret_variables"]) == {"MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_URI", "HF_TOKEN"}
+
+    seen = tmp_path / "seen.json"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    program = bin_dir / "pdsh"
+    program.write_text(f"#!{sys.executable}\nimport glob, json, os, stat, sys\n"
+                       "files = {p: [stat.S_IMODE(os.stat(p).st_mode), open(p).read()] for p in glob.glob('.autotune_secrets.*')}\n"
+                       f"open({str(seen)!r}, 'w').write(json.dumps({{'argv': sys.argv, 'files': files}}))\n")
+    program.chmod(program.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    code, out, err = run_main(capsys, "--hostfile", str(two_hosts), "--launcher", "pdsh", "--no_ssh_check", "train.py")
+    assert code == 0, err
+    record = json.loads(seen.read_text())
+    assert not [value for value in ("tok-5ecret", "uripa55", "hf-5ecret") if value in json.dumps(record["argv"]) + out + err]
+    [(path, (mode, text))] = record["files"].items()
+    assert mode == 0o600 and "tok-5ecret" in text and "hf-5ecret" in text and path in " ".join(record["argv"])
+    assert not list(tmp_path.glob(".autotune_secrets.*")), "the file goes when the launch ends"
+
+
+def test_mpirun_takes_the_secrets_from_its_own_environment(capsys, monkeypatch, tmp_path, two_hosts):
+    (tmp_path / ".deepspeed_env").write_text("HF_TOKEN=hf-5ecret\n")  # not in the shell's environment
+    seen = tmp_path / "seen.json"
+    bin_dir = tmp_path / "bin"
+    fake_program(bin_dir, "ompi_info", 0)
+    program = bin_dir / "mpirun"
+    program.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                       f"open({str(seen)!r}, 'w').write(json.dumps([sys.argv, os.environ.get('HF_TOKEN')]))\n")
+    program.chmod(program.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    code, _, err = run_main(capsys, "--hostfile", str(two_hosts), "--launcher", "openmpi", "--no_ssh_check", "train.py")
+    assert code == 0, err
+    argv, value = json.loads(seen.read_text())
+    assert value == "hf-5ecret" and "hf-5ecret" not in " ".join(argv) and "-x\0HF_TOKEN" in "\0".join(argv)
