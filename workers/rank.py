@@ -259,11 +259,13 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
                 "wall_s": 0.0, "peak_rss_bytes": 0, "error": "stopped while the ops DeepSpeed needs were built"}
     start = Start()  # warm or cold, and why (workers.warm_start)
     script_argv = command[3:] if command[1:3] == ["-m", "workers.entry"] else command
+    # The wait for the warm process (its preload) is taken from the time limit, as a cold rank's imports are.
+    warm_wait_s = WARM.prepare(script_argv, env, cwd, slot.kind, spec.timeout_s, start, stop_check.slot_taken)
     try:
         launch = run_watched(
             command, env=env, cwd=cwd, spawn=WARM.spawn_for(script_argv, env, slot.kind, slot.cpus, start, stop_check.slot_taken),
             stdout_path=experiment_file(result_dir, rank_log(spec.rank, "stdout")), stderr_path=stderr_path,
-            timeout_s=spec.timeout_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
+            timeout_s=spec.timeout_s - warm_wait_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
             on_start=lambda pgid: (_record_group(client, pgid_key, slot.queue, task_id, pgid), describe()),
             measured=_Measured(client, keys.measured(spec.attempt),
@@ -285,7 +287,8 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
     expects_metrics = spec.rank == 0 and bool(spec.metric_file)
     metrics = read_json(metric_path) if expects_metrics else None
     has_metrics = isinstance(metrics, dict)
-    status = classify(launch.exit_code, launch.killed_for, expects_metrics, has_metrics)
+    # A warm rank whose warm process died under it ended unseen: the launch is lost, not the config's.
+    status = Status.LOST if start.lost else classify(launch.exit_code, launch.killed_for, expects_metrics, has_metrics)
     oom_in_stderr = stderr_out_of_memory(tail(stderr_path, STDERR_OOM_BYTES)) if status is Status.CRASHED else None
     oom_in_counts, probable_oom = aborted_out_of_memory(launch.exit_code, report) \
         if status is Status.CRASHED and not oom_in_stderr else (None, None)

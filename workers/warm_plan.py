@@ -17,6 +17,7 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 SWITCH_ENV = "AUTOTUNE_WARM_START"  #: unset or "1" forks ranks from the warm process; "0": every rank cold
 #: Read once, when a library is loaded or first asked, so the warm process must already have the rank's.
@@ -152,3 +153,20 @@ def import_time_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """The rank's values of what libraries read once: a warm process started with others is not its."""
     return tuple((name, env.get(name, "")) for name in IMPORT_TIME_ENV)
 
+
+
+def code_changed(stamp: dict[str, Any] | None) -> str:
+    """What changed on disk since the warm process imported its code ("" when nothing), from its
+    `workers.warm_preload.code_stamp`: a distribution's METADATA file gone or rewritten (an upgrade,
+    a downgrade, a reinstall), or one of its other modules' files (the user's own) modified. One
+    stat per distribution and per such file, for every rank; nothing is read."""
+    if not stamp:
+        return ""
+    for name, entry in (stamp.get("distributions") or {}).items():
+        version, metadata, mtime = entry
+        if _mtime_ns(metadata) != mtime:
+            return f"{name} {version} was upgraded, removed or reinstalled"
+    for path, (mtime,) in (stamp.get("files") or {}).items():
+        if _mtime_ns(path) != mtime:
+            return f"{path} was modified"
+    return ""

@@ -24,23 +24,65 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import sys
 import time
 
 PARENT_ENV = "AUTOTUNE_WARM_PARENT"  #: the pid of the process that started this one, to die with
 PR_SET_PDEATHSIG = 1
+UVM_DEVICE = "/dev/nvidia-uvm"  #: what the CUDA driver opens when initialised (`driver_initialised`)
+_GPU_NODE = re.compile(r"/dev/nvidia[0-9]+")
 _state = {"cuda_at_fork": ""}
 
 
 def cuda_initialised() -> bool:
-    """Whether torch has initialised CUDA in this process (False when torch is not imported)."""
+    """Whether CUDA is initialised in this process: by torch (its own flag), or by any other library
+    (pycuda.autoinit, CuPy, a driver call through ctypes), which torch's flag does not see: the
+    driver's state in /proc (`driver_initialised`)."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     try:
-        return bool(cuda is not None and cuda.is_initialized())
-    except Exception:  # noqa: BLE001 - a half-imported torch: not initialised by anyone
-        return False
+        if cuda is not None and cuda.is_initialized():
+            return True
+    except Exception:  # noqa: BLE001 - a half-imported torch: not initialised by torch
+        pass
+    return driver_initialised(*_proc_view())
+
+
+def driver_initialised(maps: str, fd_targets: list[str]) -> bool:
+    """Whether the CUDA driver was initialised (`cuInit`) in the process whose /proc/<pid>/maps text
+    and open file descriptors' targets these are. Pure. `cuInit` opens the unified-memory device,
+    /dev/nvidia-uvm, and keeps it open (without the nvidia_uvm module it fails: CUDA's 'unknown
+    error'); NVML, which torch's CUDA check uses here (PYTORCH_NVML_BASED_CUDA_CHECK) and
+    DeepSpeed's accelerator asks, opens /dev/nvidiactl and the GPUs' nodes but never that one, and
+    merely loading libcuda.so (torch and Triton may, lazily) initialises nothing. So: that device
+    open or mapped, or a GPU's node (/dev/nvidia<N>) mapped into memory beside libcuda.so, which a
+    context's set-up does and a query through NVML does not."""
+    if any(target == UVM_DEVICE for target in fd_targets):
+        return True
+    mapped = {line.split(maxsplit=5)[5].strip() for line in maps.splitlines() if len(line.split(maxsplit=5)) == 6}
+    if UVM_DEVICE in mapped:
+        return True
+    driver = any(os.path.basename(path).startswith("libcuda.so") for path in mapped)
+    return driver and any(_GPU_NODE.fullmatch(path) for path in mapped)
+
+
+def _proc_view() -> tuple[str, list[str]]:
+    """This process's memory map and its open descriptors' targets ("", [] where /proc is not)."""
+    try:
+        with open("/proc/self/maps") as handle:
+            maps = handle.read()
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return "", []
+    targets = []
+    for fd in fds:
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return maps, targets
 
 
 def cuda_before_fork() -> str:
@@ -68,6 +110,10 @@ def preload(names: list[str]) -> dict[str, object]:
         report["imported"].append(name)  # type: ignore[union-attr]
     if "deepspeed" in report["imported"] and not report["cuda_initialised_by"]:  # type: ignore[operator]
         report["deepspeed_ops"] = prepare_deepspeed_ops()
+    try:
+        report["code"] = code_stamp()
+    except Exception as exc:  # noqa: BLE001 - without it, only the preload's key tells a start from the next
+        report["code_error"] = f"{type(exc).__name__}: {exc}"[:300]
     report["seconds"] = round(time.monotonic() - began, 3)
     # What was imported lives as long as every rank: out of the collector's sight, so a forked rank's
     # collections neither walk it nor write its pages (each write copies a page shared with this
@@ -75,6 +121,50 @@ def preload(names: list[str]) -> dict[str, object]:
     gc.collect()
     gc.freeze()
     return report
+
+
+def code_stamp(site: tuple[str, ...] = (), stdlib: tuple[str, ...] = ()) -> dict[str, dict[str, list[object]]]:
+    """What this process's code is made of, for the slot worker to tell when it changed on disk
+    (`workers.warm_plan.code_changed`): a module imported from site-packages is its distribution's
+    (importlib.metadata: the version, and the path and mtime of the distribution's METADATA file,
+    which `pip install -U` and a reinstall replace); any other module outside the standard library
+    (the user's own package, an editable install, this project) is its file's mtime. A stat per
+    distribution and per such file is then enough per rank; the modules of site-packages alone
+    would be thousands of stats. `site` and `stdlib`: those folders, when not this interpreter's."""
+    import importlib.metadata
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    stdlib = tuple(os.path.join(os.path.realpath(path), "") for path in stdlib or (paths["stdlib"], paths["platstdlib"]))
+    site = tuple(os.path.join(os.path.realpath(path), "") for path in site or (paths["purelib"], paths["platlib"]))
+    owners = importlib.metadata.packages_distributions()
+    wanted: set[str] = set()
+    files: dict[str, list[object]] = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or not path:
+            continue
+        real = os.path.realpath(path)
+        top = name.partition(".")[0]
+        if real.startswith(site) and owners.get(top):
+            wanted.update(owners[top])
+        elif not real.startswith(stdlib) and real not in files:
+            files[real] = [_mtime_ns(real)]
+    distributions: dict[str, list[object]] = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        folder = getattr(dist, "_path", None)  # PathDistribution's folder: the only kind pip installs
+        if name in wanted and name not in distributions and folder is not None:
+            metadata = os.path.join(str(folder), "METADATA")
+            distributions[name] = [dist.version, metadata, _mtime_ns(metadata)]
+    return {"distributions": distributions, "files": files}
+
+
+def _mtime_ns(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def prepare_deepspeed_ops() -> str:

@@ -3,65 +3,49 @@ own top-level imports (and torch, DeepSpeed and torch._dynamo for a script that 
 `workers.warm_plan`), instead of a fresh `python` that imports them.
 
 Why: on the 2-core machine `import torch, deepspeed` alone is 3 s of every rank, and most of an
-experiment was start-up (issue 33); on a cluster whose Python lives on a shared filesystem the
-imports take tens of seconds. Each slot worker keeps one multiprocessing forkserver (the standard
-library's: `set_forkserver_preload`, nothing hand-rolled) whose preload is `workers.warm_preload`,
-and forks every rank from it. The forked rank is a fresh process for every experiment, so nothing
-leaks from one experiment to the next (Ray Tune's `reuse_actors` reuses a process; this does not):
-`workers.warm_rank` sets its environment, argv, cwd, sys.path, stdout/stderr, session and CPU
-affinity, sets torch's thread count, and runs the script through `workers.entry.run_script` as
-`python script.py` would (runpy, `__main__`), then ends as the interpreter would. What a rank
-imported itself (torch and DeepSpeed import much lazily inside `deepspeed.initialize`) is learned
-and preloaded from then on (`WarmStarts.learn`); the warm process is started again with it between
-experiments, keeping the slot's lease meanwhile, when the lesson is worth a start (`RESTART_AT_IMPORTS`).
-The warm process freezes what it imported out of the garbage collector's sight before it forks
-(`workers.warm_preload`), so a rank's collections do not copy the pages it shares with it, and on
-CPU it has already probed which DeepSpeed ops the machine can build and loaded DeepSpeed's
-communication op, which each rank otherwise did again in `deepspeed.initialize` (a C compiler run,
-two subprocesses).
+experiment was start-up; on a cluster whose Python lives on a shared filesystem the imports take
+tens of seconds. Each slot worker keeps one multiprocessing forkserver (`workers.warm_server`, the
+standard library's, nothing hand-rolled) whose preload is `workers.warm_preload`, and forks every
+rank from it. The forked rank is a fresh process for every experiment, so nothing leaks from one
+experiment to the next: `workers.warm_rank` makes it what a cold `python script.py` rank would be.
+What a rank imported itself (torch and DeepSpeed import much lazily inside `deepspeed.initialize`)
+is learned and preloaded from then on (`WarmStarts.learn`), the warm process started again with it
+between experiments when the lesson is worth a start (`RESTART_AT_IMPORTS`).
 
 What stays true, and why:
 - CUDA is never initialised in the warm process: it is started with PYTORCH_NVML_BASED_CUDA_CHECK=1
-  and DeepSpeed's accelerator named; `workers.warm_preload` checks `torch.cuda.is_initialized()`
-  after every preloaded module (one that initialises CUDA is dropped from the preload and the slot's
-  log says so) and before every fork; a rank forked from a process with CUDA refuses to run and the
-  launch goes cold.
+  and DeepSpeed's accelerator named; `workers.warm_preload` checks after every preloaded module and
+  before every fork, by torch's flag and by the driver's state in /proc (another library, pycuda or
+  CuPy, may initialise it); a module that initialised it is dropped from the preload and the slot's
+  log says so; a rank forked from a process with CUDA refuses to run and the launch goes cold.
+- It runs the code a fresh interpreter would: it is started again when the launch needs other
+  preloads or import-time settings (`workers.warm_plan.import_time_env`: what libraries read once),
+  and when the code it imported changed on disk (`workers.warm_plan.code_changed`: a distribution
+  upgraded or reinstalled under the running worker, a file of the user's own package edited).
+  The script's own modules (next to it) are never preloaded.
 - Finding, limiting and killing a rank: the rank makes its own process group (`setsid`), so group
-  kills, the memory cap and Ctrl-C work as for a cold rank. A forked process keeps the warm
-  process's original environment in /proc/<pid>/environ, so the warm process carries AUTOTUNE_SLOT
-  (`workers.launch.group_runs_slot`) and a token of its own (`server_token`): after a launch every
-  process holding it, started since the launch, except the warm process, is stopped too, as the
-  launch token stops the ones that exec'd (`WarmProcess.leftover_marks`). The memory a forked rank
-  shares with the warm process is counted as its own, as a cold rank's would be (`forked_from_warm`).
-- Environment read at import time is the rank's: the warm process is started with the slot's OMP/MKL
-  threads, DeepSpeed's accelerator and PYTHONUNBUFFERED, and a rank whose values differ gets a warm
-  process started with its own (`workers.warm_plan.import_time_env`); torch's thread count is set in
-  the rank (`torch.set_num_threads`); CUDA_VISIBLE_DEVICES and TORCH_EXTENSIONS_DIR are read when
-  CUDA and an op build start, in the rank. The script's own modules (next to it) are never
-  preloaded: they are the user's to edit between jobs, and may read RANK when imported.
-- A launch the warm path cannot serve runs cold (`python -m workers.entry`, as before), and the
-  record says which path ran (`start_path`, and `cold_because`): not a `.py` script (a wrapper),
-  AUTOTUNE_WARM_START=0 (`workers.warm_plan`, which decides what runs cold and what is preloaded), a
-  script that imports only the standard library (nothing to preload: such a rank starts in tens of
-  milliseconds cold), a preload that fails or hangs, a rank that refused.
-- The wait for the warm process is not the experiment's: `workers.launch.run_watched` starts the
-  time limit when the rank exists, so a preload slowed by a loaded machine or a shared filesystem
-  cannot turn a good config into a timeout (the record's wall still counts it: it is start-up).
+  kills and the memory cap work as for a cold rank; it carries the warm process's token in its
+  /proc environ, by which its leftovers are stopped (`WarmProcess.leftover_marks`), and the memory
+  it shares with the warm process counts as its own (`forked_from_warm`).
+- A rank's end is told by the warm process, its parent; if the warm process dies while the rank
+  runs, the rank is watched by its pid to its end and the launch is recorded lost (its exit status
+  is unknown), not as the config's crash (`workers.warm_server.WarmProcess`, `Start.lost`).
+- The preload never outlasts the launch's deadline: a launch waits for its warm process in
+  `prepare`, before its time limit starts, and that wait is taken from the limit, as a cold rank's
+  imports are in its own; a start after a rank (`learn`) is not waited for in that rank's task.
+- A launch the warm path cannot serve runs cold (`python -m workers.entry`) and the record says why
+  (`start_path`, `cold_because`): not a `.py` script, AUTOTUNE_WARM_START=0, a script of the
+  standard library alone, a preload that fails or is not done in time, a rank that refused.
 - Its costs: the warm process's memory on each slot while the worker lives (not under the slot's
   cap), one start per script and import-time setting (multiprocessing has one forkserver per
   process: jobs with different scripts on one slot take turns restarting it).
 - It never outlives its worker: the pool process ends it when it shuts down (`WarmStarts.stop`,
-  from `tasks.worker_hooks` on Celery's worker_process_shutdown, warm or cold), and Linux kills it
-  when that process dies any other way (`workers.warm_preload.die_with_parent`); `workers.warm_server`
-  drives multiprocessing's forkserver. Otherwise it would notice only after billiard's exit pause,
-  then spend seconds tearing torch down: `deploy down` and the tests' checks for leftovers found
-  it still running after its worker had gone.
+  from `tasks.worker_hooks`), and Linux kills it when that process dies any other way
+  (`workers.warm_preload.die_with_parent`).
 """
 from __future__ import annotations
 
-import json
 import logging
-import multiprocessing.process
 import os
 import shutil
 import subprocess
@@ -75,17 +59,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import psutil
-
 from workers import warm_server
-from workers.warm_plan import (SWITCH_ENV, beyond_the_standard_library, import_time_env, installed_only,
-                               installed_roots, preload_modules, why_cold)
-from workers.warm_rank import probe_fork, rank_sys_path, run_forked_rank
+from workers.warm_plan import (SWITCH_ENV, beyond_the_standard_library, code_changed, import_time_env,  # noqa: F401
+                               installed_only, installed_roots, preload_modules, why_cold)
+from workers.warm_rank import REFUSED_EXIT, probe_fork, rank_sys_path, run_forked_rank
+from workers.warm_server import PRELOAD_ENV, REPORT_ENV, WarmProcess, server_env, wait_until as _wait  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-PRELOAD_ENV = "AUTOTUNE_WARM_PRELOAD"  #: the modules `workers.warm_preload` imports, comma-separated
-REPORT_ENV = "AUTOTUNE_WARM_REPORT"  #: where it writes what it imported, and what failed
 #: How long the preload may take (a cold import of torch, DeepSpeed and transformers from a shared
 #: filesystem is tens of seconds), and how long a forked rank may take to say it is ready.
 PRELOAD_TIMEOUT_S = 600.0
@@ -99,87 +80,88 @@ RESTART_AT_IMPORTS = 50
 NOTHING_TO_PRELOAD = "nothing to preload: the script imports only the standard library"
 
 
-def server_env(rank_env: dict[str, str], slot_kind: str, preload: list[str], token: str,
-               report: Path) -> dict[str, str]:
-    """The warm process's environment: the rank's without what is the rank's alone (its rank, its
-    peers, its launch), CUDA's check through NVML, DeepSpeed's accelerator named."""
-    from workers.device_memory import EXIT_REPORT_ENV
-    from workers.launch import CONTAINER_ENV
-
-    per_rank = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK", "CROSS_RANK",
-                "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT", EXIT_REPORT_ENV, CONTAINER_ENV}
-    env = {name: value for name, value in rank_env.items() if name not in per_rank}
-    env.update({"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONUNBUFFERED": "1", CONTAINER_ENV: token,
-                PRELOAD_ENV: ",".join([*preload, "workers.warm_rank"]), REPORT_ENV: str(report)})  # the rank's start
-    env.setdefault("DS_ACCELERATOR", "cuda" if slot_kind == "cuda" else "cpu")
-    return env
-
-
 @dataclass
 class Start:
-    """How one launch was started: the record's `start_path` and, when cold, why."""
+    """How one launch was started: the record's `start_path` and, when cold, why; `lost` when its warm
+    process died while it ran (how the rank ended is unknown: the launch is lost, not the config's)."""
 
     path: str = "cold"
     why_cold: str = ""
+    lost: str = ""
 
 
-class WarmProcess:
-    """A rank forked by the warm process, as `workers.launch.run_watched` watches a Popen."""
+@dataclass(frozen=True)
+class _Pending:
+    """A warm process started, its preload unchecked (`WarmStarts.learn`, or not done in a launch's limit)."""
 
-    #: The memory it shares with the warm process counts as its own, as a cold rank would own it
-    #: (`workers.tree_memory.inherited`).
-    forked_from_warm = True
-
-    def __init__(self, process: multiprocessing.process.BaseProcess, server_pid: int, server_token: str) -> None:
-        self._process, self.pid = process, int(process.pid or 0)
-        self._server_pid, self._server_token = server_pid, server_token
-
-    def poll(self) -> int | None:
-        return self._process.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"warm rank {self.pid}", timeout or 0.0)
-        return self._process.exitcode
-
-    def leftover_marks(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """What the rank forked without exec carries (its /proc environ is the warm process's): the
-        warm process's token, to stop after the launch as the launch's own, sparing the warm process."""
-        return (self._server_token,), (self._server_pid,)
+    key: tuple[Any, ...]
+    preload: list[str]
+    learned: set[str]
+    report: Path
+    since: float  #: time.monotonic() when it was started
 
 
 class WarmStarts:
     """This slot worker's warm process, started on the first launch that can use it, started again
-    when a launch needs other preloads or import-time settings, or after it died."""
+    when a launch needs other preloads or import-time settings, when the code it imported changed on
+    disk (`workers.warm_plan.code_changed`), or after it died."""
 
     def __init__(self, roots: list[Path] | None = None) -> None:
         self._roots = roots if roots is not None else installed_roots()
         self._key: tuple[Any, ...] | None = None
         self._pid = 0
         self._token = ""
+        self._code: dict[str, Any] | None = None  #: what the running warm process's code is made of
+        self._pending: _Pending | None = None
         self._dropped: set[str] = set()  #: preloads that initialised CUDA, or learned ones that failed
         self._learned: dict[str, list[str]] = {}  #: per script: what its ranks imported themselves
         self._deferred: dict[str, list[str]] = {}  #: per script: learned, preloaded from the next start on
         self._last: tuple[str, dict[str, str], str, str] | None = None  #: the latest warm launch's script, env, cwd, kind
         self._failed: dict[tuple[Any, ...], str] = {}  #: keys whose preload failed, and how
+        self._closing = False
         self._lock = threading.Lock()
+
+    def prepare(self, script_argv: list[str], env: dict[str, str], cwd: str, slot_kind: str, limit_s: float,
+                start: Start, keep_alive: Callable[[], object] = lambda: None) -> float:
+        """Before the launch's time limit starts: the warm process its rank forks from made ready
+        (started, or its start between launches finished) within `limit_s`; the seconds that took,
+        which the caller takes from the rank's time limit, as a cold rank's imports are in its own.
+        So a preload, however slow, never makes a rank's task outlast the deadline the control
+        worker gives the launch. A launch it cannot serve is marked cold in `start` (`spawn_for`
+        then starts it cold at once). `keep_alive` is called every second meanwhile (the lease)."""
+        began = time.monotonic()
+        if why_cold(script_argv, env) is not None:
+            return 0.0
+        try:
+            if not warm_server.acquire(self._lock, limit_s, keep_alive):
+                start.why_cold = f"the warm process was still starting after {limit_s:.0f} s"
+                return time.monotonic() - began
+            try:
+                self._ready(script_argv[0], env, cwd, slot_kind, keep_alive, limit_s - (time.monotonic() - began))
+            finally:
+                self._lock.release()
+        except WarmUnavailable as exc:
+            start.why_cold = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a fault of the warm path costs the launch its speed only
+            log.exception("warm start failed; this rank runs cold")
+            start.why_cold = f"the warm path failed ({type(exc).__name__}: {exc})"
+        return time.monotonic() - began
 
     def spawn_for(self, script_argv: list[str], rank_env: dict[str, str], slot_kind: str,
                   cpus: tuple[int, ...], start: Start, keep_alive: Callable[[], object] = lambda: None):
         """The `spawn` for `workers.launch.run_watched`: a warm rank when it can, else a cold
-        `subprocess.Popen` of the same command; `start` says which ran. `keep_alive` is called
-        every second while a warm process starts (the slot's lease must not lapse meanwhile: a
-        preload from a shared filesystem takes tens of seconds)."""
-        reason = why_cold(script_argv, rank_env)
+        `subprocess.Popen` of the same command; `start` says which ran. Without `prepare` first, a
+        warm process is started here, outside the time limit; `keep_alive` is called every second
+        meanwhile (the slot's lease must not lapse)."""
+        reason = why_cold(script_argv, rank_env) or start.why_cold or None
 
         def spawn(argv: list[str], env: dict[str, str], cwd: str, out: IO[bytes], err: IO[bytes]):
             cold = reason
             if cold is None:
                 try:
                     with self._lock:
-                        return self._fork(script_argv, env, cwd, out.name, err.name, slot_kind, cpus, start,
-                                          keep_alive)
+                        self._ready(script_argv[0], env, cwd, slot_kind, keep_alive)
+                        return self._fork(script_argv, env, cwd, out.name, err.name, cpus, start, keep_alive)
                 except WarmUnavailable as exc:
                     cold = str(exc)
                 except Exception as exc:  # noqa: BLE001 - a fault of the warm path costs the launch its speed only
@@ -191,19 +173,39 @@ class WarmStarts:
 
         return spawn
 
-    def _fork(self, script_argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str,
-              slot_kind: str, cpus: tuple[int, ...], start: Start,
-              keep_alive: Callable[[], object] = lambda: None) -> WarmProcess:
-        key, preload, learned = self._plan(script_argv[0], env, cwd, slot_kind)
-        self._last = (script_argv[0], env, cwd, slot_kind)
+    def _ready(self, script: str, env: dict[str, str], cwd: str, slot_kind: str,
+               keep_alive: Callable[[], object], limit_s: float = PRELOAD_TIMEOUT_S) -> None:
+        """The warm process for this launch running, its preload done and checked (the lock held)."""
+        key, preload, learned = self._plan(script, env, cwd, slot_kind)
+        self._last = (script, env, cwd, slot_kind)
         if key in self._failed:
             raise WarmUnavailable(self._failed[key])
         if not beyond_the_standard_library(preload):
             raise WarmUnavailable(NOTHING_TO_PRELOAD)
+        deadline = time.monotonic() + min(limit_s, PRELOAD_TIMEOUT_S)
+        if self._serves(key, deadline, keep_alive):
+            return
+        self._adopt_deferred(script)  # a start anyway: with what smaller lessons taught
+        key, preload, learned = self._plan(script, env, cwd, slot_kind)  # less what a check dropped
+        self._start_server(key, preload, env, slot_kind, learned, keep_alive, deadline)
+
+    def _serves(self, key: tuple[Any, ...], deadline: float, keep_alive: Callable[[], object]) -> bool:
+        """Whether the warm process is this launch's: started for `key` (its preload done, or done
+        and checked by `deadline`), alive, and the code it imported unchanged on disk."""
+        pending = self._pending
+        if pending is not None and pending.key == key and self._alive():
+            self._pending = None
+            if self._settle(pending, deadline, keep_alive) is not None:
+                return False
         if key != self._key or not self._alive():
-            if self._adopt_deferred(script_argv[0]):  # a start anyway: with what smaller lessons taught
-                key, preload, learned = self._plan(script_argv[0], env, cwd, slot_kind)
-            self._start_server(key, preload, env, slot_kind, learned, keep_alive)
+            return False
+        changed = code_changed(self._code)
+        if changed:
+            log.warning("warm start: %s since the warm process imported it; starting it again", changed)
+        return not changed
+
+    def _fork(self, script_argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str,
+              cpus: tuple[int, ...], start: Start, keep_alive: Callable[[], object]) -> WarmProcess:
         receive, send = warm_server.CONTEXT.Pipe(duplex=False)
         request = {"script_argv": script_argv, "env": env, "cwd": cwd, "stdout": stdout, "stderr": stderr,
                    "cpus": list(cpus)}
@@ -223,7 +225,7 @@ class WarmStarts:
             self._stop_server()
             raise WarmUnavailable(f"the forked rank did not start ({answer[0]}: {answer[1]})")
         start.path, start.why_cold = "warm", ""
-        return WarmProcess(process, self._pid, self._token)
+        return WarmProcess(process, self._pid, self._token, lambda why: _untold(start, why, stderr))
 
     def _plan(self, script: str, env: dict[str, str], cwd: str, slot_kind: str
               ) -> tuple[tuple[Any, ...], list[str], set[str]]:
@@ -246,31 +248,36 @@ class WarmStarts:
         """After a rank of the script ended: the installed modules it imported itself
         (`workers.entry.imports_since`; torch and DeepSpeed import much lazily, inside
         `deepspeed.initialize`) are preloaded from now on, and the warm process is started again
-        with them at once, between experiments rather than inside the next one's wall, when the
-        rank imported `RESTART_AT_IMPORTS` modules or more (`imported_count`, all of them, None:
-        unknown); fewer wait for the next start."""
+        with them at once, when the rank imported `RESTART_AT_IMPORTS` modules or more
+        (`imported_count`, all of them, None: unknown); fewer wait for the next start. Nothing here
+        waits for its preload (`keep_alive` is not called): it runs between experiments, not in
+        this rank's task, and the next launch's `prepare` waits for it inside its time limit."""
         if not imported or not script_argv:
             return
         with self._lock:
-            if self._last is None or self._last[0] != script_argv[0] or why_cold(script_argv, self._last[1]):
-                return
-            script, env, cwd, slot_kind = self._last
-            known = [*self._learned.get(script, []), *self._deferred.get(script, [])]
-            fresh = [name for name in imported if name not in known and name not in self._dropped]
-            fresh = installed_only(fresh, self._roots, self._search_path(script, env, cwd))[:MAX_LEARNED - len(known)]
-            if not fresh:
-                return
-            self._deferred.setdefault(script, []).extend(fresh)
-            if imported_count is not None and imported_count < RESTART_AT_IMPORTS and self._alive():
-                return
-            self._adopt_deferred(script)
-            key, preload, learned = self._plan(script, env, cwd, slot_kind)
-            if key in self._failed or key == self._key or not beyond_the_standard_library(preload):
-                return
             try:
-                self._start_server(key, preload, env, slot_kind, learned, keep_alive)
+                self._relearn(script_argv[0], script_argv, imported, imported_count)
             except Exception as exc:  # noqa: BLE001 - the next launch tries again, or runs cold
                 log.warning("warm start: starting the warm process with the learned preloads failed: %s", exc)
+
+    def _relearn(self, script: str, script_argv: list[str], imported: list[str],
+                 imported_count: int | None) -> None:
+        """Note what a rank taught; the warm process started again with it when due, not waited for."""
+        if self._last is None or self._last[0] != script or why_cold(script_argv, self._last[1]):
+            return
+        _, env, cwd, slot_kind = self._last
+        known = [*self._learned.get(script, []), *self._deferred.get(script, [])]
+        fresh = [name for name in imported if name not in known and name not in self._dropped]
+        fresh = installed_only(fresh, self._roots, self._search_path(script, env, cwd))[:MAX_LEARNED - len(known)]
+        if not fresh:
+            return
+        self._deferred.setdefault(script, []).extend(fresh)
+        if imported_count is not None and imported_count < RESTART_AT_IMPORTS and self._alive():
+            return
+        self._adopt_deferred(script)
+        key, preload, learned = self._plan(script, env, cwd, slot_kind)
+        if key not in self._failed and key != self._key and beyond_the_standard_library(preload):
+            self._pending = self._launch(key, preload, learned, env, slot_kind)  # checked by the next launch
 
     def _adopt_deferred(self, script: str) -> bool:
         """Move what ranks of `script` taught into its preload; whether there was anything."""
@@ -279,71 +286,84 @@ class WarmStarts:
         return bool(deferred)
 
     def _alive(self) -> bool:
-        try:
-            return psutil.Process(self._pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return warm_server.pid_alive(self._pid)
+
+    def _launch(self, key: tuple[Any, ...], preload: list[str], learned: set[str], rank_env: dict[str, str],
+                slot_kind: str) -> _Pending:
+        """Start a warm process with `preload` (from this thread: its parent-death signal follows the
+        thread that started it). Returns before the preload is done."""
+        self._stop_server()
+        if self._closing:
+            raise WarmUnavailable("the worker is stopping")
+        report = Path(tempfile.mkdtemp(prefix="autotune-warm.")) / "preload.json"
+        token = uuid.uuid4().hex
+        self._pid = warm_server.start(server_env(rank_env, slot_kind, preload, token, report))
+        self._token = token
+        return _Pending(key, preload, learned, report, time.monotonic())
 
     def _start_server(self, key: tuple[Any, ...], preload: list[str], rank_env: dict[str, str],
-                      slot_kind: str, learned: set[str] = frozenset(),  # type: ignore[assignment]
-                      keep_alive: Callable[[], object] = lambda: None) -> None:
-        """Start the warm process for `key`, its preload done and checked: a module that initialised
-        CUDA, or a learned one that failed, is dropped (and the process started again without it);
-        one of the script's own imports that failed makes the key cold for this worker's life."""
-        self._stop_server()
+                      slot_kind: str, learned: set[str], keep_alive: Callable[[], object], deadline: float) -> None:
+        """Start the warm process for `key` and wait, up to `deadline`, for its preload, checked
+        (`_settle`): a module that initialised CUDA, or a learned one that failed, is dropped and
+        the process started again without it."""
         for _ in range(len(preload) + 1):
-            report = Path(tempfile.mkdtemp(prefix="autotune-warm.")) / "preload.json"
-            token = uuid.uuid4().hex
-            self._pid = warm_server.start(server_env(rank_env, slot_kind, preload, token, report))
-            self._token = token
-            with warm_server.may_have_children():
-                probe = warm_server.CONTEXT.Process(target=probe_fork, name="autotune-warm-probe", daemon=True)
-                # start() waits for the preload (the forkserver forks only after it): in a thread,
-                # so that the lease is kept meanwhile
-                starter = threading.Thread(target=_quietly, args=(probe.start,), daemon=True)
-                starter.start()
-                started = _wait(lambda: starter.join(1.0) or not starter.is_alive(), PRELOAD_TIMEOUT_S, keep_alive)
-            if started and probe.pid is not None:
-                _wait(lambda: probe.join(1.0) or probe.exitcode is not None, 60.0, keep_alive)
-            outcome = _read_report(report)
-            shutil.rmtree(report.parent, ignore_errors=True)
-            if not started or probe.pid is None or probe.exitcode is None:
-                if probe.pid is not None:
-                    warm_server.stop_child(probe)
-                self._stop_server()
-                self._failed[key] = f"the warm process's preload took over {PRELOAD_TIMEOUT_S:.0f} s"
-                raise WarmUnavailable(self._failed[key])
-            culprit = outcome.get("cuda_initialised_by")
-            failed = outcome.get("failed") or {}
-            if culprit or failed and set(failed) <= learned:
-                if culprit:
-                    log.warning("warm start: preloading %s initialised CUDA in the warm process; dropped from the "
-                                "preload (ranks import it themselves)", culprit)
-                else:
-                    log.warning("warm start: learned preloads failed, dropped: %s", failed)
-                self._stop_server()
-                dropped = {culprit} if culprit else set(failed)
-                self._dropped |= dropped
-                preload = [name for name in preload if name not in dropped]
-                continue
-            if outcome.get("failed") or probe.exitcode != 0:
-                self._stop_server()
-                failed = outcome.get("failed") or {"?": f"the probe exited {probe.exitcode}"}
-                self._failed[key] = "a preload failed in the warm process: " + "; ".join(
-                    f"{name}: {error}" for name, error in failed.items())
-                log.warning("warm start: %s; this script's ranks run cold", self._failed[key])
-                raise WarmUnavailable(self._failed[key])
-            self._key = (tuple(preload), *key[1:])  # without what was dropped: what the next launch asks for
-            log.info("warm start: warm process %d ready (%s), preloaded %s in %.1f s%s", self._pid, slot_kind,
-                     ", ".join(preload), outcome.get("seconds", 0.0),
-                     f"; DeepSpeed's ops: {outcome['deepspeed_ops']}" if outcome.get("deepspeed_ops") else "")
-            return
+            dropped = self._settle(self._launch(key, preload, learned, rank_env, slot_kind), deadline, keep_alive)
+            if dropped is None:
+                return
+            preload = [name for name in preload if name not in dropped]
         raise WarmUnavailable("every preload initialised CUDA")
+
+    def _settle(self, pending: _Pending, deadline: float, keep_alive: Callable[[], object]) -> set[str] | None:
+        """Wait until `deadline` for the started warm process's preload (its first fork goes through
+        only after it), then judge its report: None when it serves its key; the preloads to drop (one
+        that initialised CUDA, learned ones that failed) when it must start again without them. One of
+        the script's own imports that failed, or a preload over PRELOAD_TIMEOUT_S, makes the key cold
+        for this worker; one still running at `deadline` is left to finish for the next launch."""
+        key, preload, learned, report = pending.key, pending.preload, pending.learned, pending.report
+        began = time.monotonic()
+        exit_code = warm_server.probe(probe_fork, deadline - began, keep_alive)
+        outcome = warm_server.read_report(report)
+        if exit_code is None:
+            if self._alive() and time.monotonic() - pending.since < PRELOAD_TIMEOUT_S:
+                self._pending = pending  # still importing: checked again by the next launch (`_serves`)
+                raise WarmUnavailable(f"the warm process's preload was not done in {time.monotonic() - began:.0f} s")
+            shutil.rmtree(report.parent, ignore_errors=True)
+            self._stop_server()
+            self._failed[key] = f"the warm process's preload did not finish within {PRELOAD_TIMEOUT_S:.0f} s"
+            raise WarmUnavailable(self._failed[key])
+        shutil.rmtree(report.parent, ignore_errors=True)
+        culprit = outcome.get("cuda_initialised_by")
+        failed = outcome.get("failed") or {}
+        if culprit or failed and set(failed) <= learned:
+            if culprit:
+                log.warning("warm start: preloading %s initialised CUDA in the warm process; dropped from the "
+                            "preload (ranks import it themselves)", culprit)
+            else:
+                log.warning("warm start: learned preloads failed, dropped: %s", failed)
+            self._stop_server()
+            dropped = {culprit} if culprit else set(failed)
+            self._dropped |= dropped
+            return dropped
+        if failed or exit_code != 0:
+            self._stop_server()
+            failed = failed or {"?": "CUDA was initialised in the warm process after its preload" if exit_code == REFUSED_EXIT
+                                else f"the probe exited {exit_code}"}
+            self._failed[key] = "a preload failed in the warm process: " + "; ".join(
+                f"{name}: {error}" for name, error in failed.items())
+            log.warning("warm start: %s; this script's ranks run cold", self._failed[key])
+            raise WarmUnavailable(self._failed[key])
+        self._key = (tuple(preload), *key[1:])  # without what was dropped: what the next launch asks for
+        self._code = outcome.get("code")
+        log.info("warm start: warm process %d ready (%s), preloaded %s in %.1f s%s", self._pid, key[2],
+                 ", ".join(preload), outcome.get("seconds", 0.0),
+                 f"; DeepSpeed's ops: {outcome['deepspeed_ops']}" if outcome.get("deepspeed_ops") else "")
+        return None
 
     def stop(self) -> None:
         """End the warm process now, reaped, its socket's folder removed: this process is ending
-        (Celery's worker_process_shutdown). Safe from a signal handler that interrupted a launch:
-        without the launch's lock, the warm process is only killed."""
+        (Celery's worker_process_shutdown). Safe from a signal handler that interrupted a launch, or
+        while a start's preload is awaited: without the lock, the warm process is only killed."""
+        self._closing = True
         if not self._lock.acquire(blocking=False):
             server_pid = warm_server.running_pid()
             if server_pid is not None:
@@ -351,44 +371,30 @@ class WarmStarts:
             return
         try:
             warm_server.end_for_exit()
-            self._key, self._pid, self._token = None, 0, ""
+            self._key, self._pid, self._token, self._pending = None, 0, "", None
         finally:
             self._lock.release()
 
     def _stop_server(self) -> None:
         warm_server.stop()
-        self._key, self._pid, self._token = None, 0, ""
+        if self._pending is not None:
+            shutil.rmtree(self._pending.report.parent, ignore_errors=True)
+        self._key, self._pid, self._token, self._code, self._pending = None, 0, "", None, None
 
 
 class WarmUnavailable(Exception):
     """The warm path cannot serve this launch; the message says why (the record's `cold_because`)."""
 
 
-def _wait(done: Callable[[], bool], limit_s: float, keep_alive: Callable[[], object]) -> bool:
-    """Poll `done` (which waits up to a second itself) until it is true or `limit_s` passed,
-    calling `keep_alive` between polls; whether it came true."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if done():
-            return True
-        keep_alive()
-    return done()
-
-
-def _quietly(call: Callable[[], object]) -> None:
-    """For a thread: a failure shows as the call's missing effect (the probe has no pid)."""
+def _untold(start: Start, why: str, stderr: str) -> None:
+    """The launch is lost (`Start.lost`); the rank's stderr (the record's tail) and the log say why."""
+    start.lost = why
+    log.warning("warm start: a rank's %s; the launch is recorded lost", why)
     try:
-        call()
-    except Exception:  # noqa: BLE001
-        log.debug("warm start: the probe could not be started", exc_info=True)
-
-
-def _read_report(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        with open(stderr, "a") as handle:
+            handle.write(f"\nworkers.warm_start: {why}; the launch is recorded lost, not as this config's end\n")
+    except OSError:
+        pass
 
 
 WARM = WarmStarts()

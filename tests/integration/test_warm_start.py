@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from integration_helpers import run_autotune, write_config
 from workers.failure import KillReason
 from workers.launch import LaunchResult, group_alive, run_watched
 from workers.warm_plan import SWITCH_ENV, installed_roots
+from workers.warm_server import UNTOLD_EXIT
 from workers.warm_start import NOTHING_TO_PRELOAD, Start, WarmStarts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,6 +204,100 @@ def test_cuda_initialised_in_the_warm_process_after_its_preload_stops_the_fork(w
     assert result.exit_code == 0 and out == "ran\n"
 
 
+def test_a_preload_that_initialises_cuda_without_torch_is_dropped(warm: WarmStarts, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """pycuda.autoinit or CuPy initialise the driver without torch knowing: a stand-in leaves the
+    driver's state as /proc shows it after cuInit (the unified-memory device open), and is dropped
+    from the preload as one that set torch's flag is; the rank imports it itself."""
+    (tmp_path / "site" / "grabs_driver.py").write_text(
+        "import workers.warm_preload as preload\npreload._proc_view = lambda: ('', ['/dev/nvidia-uvm'])\n")
+    script = tmp_path / "uses.py"
+    script.write_text("import grabs_driver, installed_lib\nprint('ran')\n")
+    with caplog.at_level(logging.WARNING, logger="workers.warm_start"):
+        result, start, out, err = _launch(warm, tmp_path, script)
+    assert result.exit_code == 0 and out == "ran\n", err
+    assert start.path == "warm", start.why_cold
+    assert "preloading grabs_driver initialised CUDA" in caplog.text
+
+
+def test_the_warm_process_is_started_again_when_its_code_changed_on_disk(warm: WarmStarts, tmp_path: Path) -> None:
+    """A module the warm process imported, edited (or reinstalled) under the running worker: the next
+    rank gets a fresh warm process with the new code, not the old module from memory; unchanged,
+    the warm process is reused."""
+    lib = tmp_path / "site" / "installed_lib.py"
+    lib.write_text("VERSION = 1\n")
+    script = tmp_path / "uses.py"
+    script.write_text("import installed_lib\nprint(installed_lib.VERSION)\n")
+    outs, servers = [], []
+    for edit in (None, None, "VERSION = 2\n"):
+        if edit:
+            lib.write_text(edit)
+            later = os.stat(lib).st_mtime_ns + 10**9
+            os.utime(lib, ns=(later, later))
+        result, start, out, err = _launch(warm, tmp_path, script)
+        assert result.exit_code == 0 and start.path == "warm", (start.why_cold, err)
+        outs.append(out)
+        servers.append(warm._pid)
+    assert outs == ["1\n", "1\n", "2\n"]
+    assert servers[0] == servers[1] != servers[2]
+
+
+def test_a_warm_process_killed_mid_rank_leaves_the_rank_running_and_its_end_untold(warm: WarmStarts,
+                                                                                   tmp_path: Path) -> None:
+    """The warm process SIGKILLed (the OOM killer) while its rank runs: the rank is not taken as
+    exited 255 and killed; it is watched by its pid to its end, whose status nobody can tell, so
+    `Start.lost` says why (workers.rank records the launch lost, to be launched again)."""
+    done = tmp_path / "done"
+    script = tmp_path / "long.py"
+    script.write_text("import sys, time, installed_lib\nprint('up', flush=True)\ntime.sleep(4)\n"
+                      "open(sys.argv[1], 'w').write('done')\n")
+    killed: list[int] = []
+
+    def kill_the_warm_process(_pgid: int) -> None:
+        def later() -> None:
+            time.sleep(1.0)
+            killed.append(warm._pid)
+            os.kill(warm._pid, signal.SIGKILL)
+        threading.Thread(target=later, daemon=True).start()
+
+    result, start, out, err = _launch(warm, tmp_path, script, str(done), on_start=kill_the_warm_process)
+    assert killed and start.path == "warm", start.why_cold
+    assert done.read_text() == "done", "the rank was stopped with its warm process"
+    assert result.killed_for is None and result.exit_code == UNTOLD_EXIT
+    assert "died while it ran" in start.lost and "recorded lost" in err
+    assert result.wall_s >= 3.5
+
+
+def test_the_wait_for_the_warm_process_is_the_launchs_own(warm: WarmStarts, tmp_path: Path) -> None:
+    """`prepare` waits for the warm process before the rank's time limit starts and says how long,
+    for workers.rank to take it from the limit; a preload not done within the limit leaves the rank
+    cold at once and is finished for the next launch, which finds it ready."""
+    (tmp_path / "site" / "slow_lib.py").write_text("import time\ntime.sleep(3.0)\n")
+    script = tmp_path / "slow.py"
+    script.write_text("import slow_lib\nprint('ran')\n")
+    env = _env(tmp_path)
+
+    def prepared(limit_s: float) -> tuple[float, Start, LaunchResult, float]:
+        start = Start()
+        waited = warm.prepare([str(script)], env, str(tmp_path), "cpu", limit_s, start)
+        began = time.monotonic()
+        result = run_watched([sys.executable, "-m", "workers.entry", str(script)], env=env, cwd=str(tmp_path),
+                             stdout_path=tmp_path / "out.log", stderr_path=tmp_path / "err.log", timeout_s=60,
+                             memory_cap_bytes=None, spawn=warm.spawn_for([str(script)], env, "cpu", (), start))
+        return waited, start, result, time.monotonic() - began
+
+    waited, start, result, ran_s = prepared(180.0)
+    assert waited >= 3.0 and start.path == "warm" and result.exit_code == 0, start.why_cold
+    assert result.wall_s < 2.0, "the spawn waited for the preload after prepare had"
+    warm._stop_server()
+    waited, start, result, _ = prepared(1.0)
+    assert 1.0 <= waited < 2.5 and start.path == "cold" and "not done" in start.why_cold, (waited, start)
+    assert result.exit_code == 0
+    time.sleep(3.0)  # the preload finishes meanwhile
+    waited, start, result, _ = prepared(180.0)
+    assert waited < 2.0 and start.path == "warm" and result.exit_code == 0, (waited, start.why_cold)
+
+
 @pytest.mark.parametrize("case", ["wrapper", "switched off", "failing preload", "standard library only"])
 def test_what_the_warm_path_cannot_serve_runs_cold_and_says_why(warm: WarmStarts, tmp_path: Path, case: str) -> None:
     env = _env(tmp_path)
@@ -337,13 +434,14 @@ def test_what_a_rank_imported_itself_is_preloaded_for_the_next(warm: WarmStarts,
     the warm process was started again with it right after the rank that taught it."""
     from workers.device_memory import read_exit_report
 
-    script, env = _imports_lazily(tmp_path, "import time\ntime.sleep(1.0)\n")
+    script, env = _imports_lazily(tmp_path, "import time\ntime.sleep(3.0)\n")
     first, start, out, err = _launch(warm, tmp_path, script, env=env)
     assert first.exit_code == 0 and start.path == "warm" and out == "not yet\n", err
     imported = read_exit_report(tmp_path / "exit.json").get("imported")
     assert "lazy_lib" in imported and "lazy" not in imported  # the script's own module is never preloaded
-    server = warm._pid
+    server, began = warm._pid, time.monotonic()
     warm.learn([str(script)], imported)
+    assert time.monotonic() - began < 2.0, "the rank's task waited for the new warm process's 3 s preload"
     assert warm._pid != server and warm._alive()  # started again at once, between the launches
     second, start, out, err = _launch(warm, tmp_path, script, env=env)
     assert second.exit_code == 0 and start.path == "warm" and out == "preloaded\n", err
@@ -400,3 +498,41 @@ def test_every_rank_of_a_real_job_runs_warm_by_default(tmp_path: Path) -> None:
     assert ranks and {rank.get("start_path") for rank in ranks} == {"warm"}, [r.get("cold_because") for r in ranks]
     summary = (results / "summary.txt").read_text()
     assert "cold: 0." in summary and "ranks started warm: " in summary
+
+
+KILLS_ITS_WARM_PARENT = '''
+import argparse, json, os, sys, time
+from pathlib import Path
+import psutil
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--deepspeed_config", required=True)
+args, _ = parser.parse_known_args()
+autotuning = json.loads(Path(args.deepspeed_config).read_text()).get("autotuning", {})
+once = Path(__file__).with_name("killed_its_warm_parent")
+if "workers.warm_rank" in sys.modules and not once.exists():  # forked: its parent is the warm process
+    once.write_text(str(os.getppid()))
+    psutil.Process(os.getppid()).kill()  # as the OOM killer would
+    time.sleep(1.0)
+if int(os.environ["RANK"]) == 0:
+    out = autotuning.get("model_info_path") if autotuning.get("model_info", {}).get("profile") else autotuning["metric_path"]
+    Path(out).write_text(json.dumps({"throughput": 100.0, "latency": 10.0, "FLOPS_per_gpu": 1e9, "num_params": 1000,
+                                     "trainable_num_params": 1000, "activation_mem_per_gpu": 2**20}))
+'''
+
+
+def test_a_warm_process_killed_mid_rank_is_a_lost_launch_not_a_crashed_config(tmp_path: Path) -> None:
+    """On the embedded cluster: the first rank kills its warm process (its parent) and runs on. The
+    launch is recorded lost and launched again (warm, from a new warm process), so every record is
+    `ok`; read as the rank's exit 255, it was a crashed config."""
+    script = tmp_path / "kills_parent.py"
+    script.write_text(KILLS_ITS_WARM_PARENT)
+    cfg = write_config(tmp_path / "cfg.json", autotuning={"enabled": True, "metric": "throughput",
+                                                           "user_script": str(script)})
+    proc = run_autotune([str(cfg), "--slots", "1", "--num_gpus", "1"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "killed_its_warm_parent").exists(), "no rank ran warm"
+    records = [json.loads(path.read_text()) for path in (tmp_path / "autotuning_results").glob("*/result.json")]
+    assert records and {record["status"] for record in records} == {"ok"}, \
+        [(record["name"], record["status"], record.get("cause")) for record in records]
+

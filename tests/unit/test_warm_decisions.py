@@ -1,14 +1,21 @@
 """The warm path's decisions (workers.warm_plan; workers.warm_start.server_env): what is preloaded,
-what runs cold, what the warm process's environment holds. The forking itself: tests/integration/test_warm_start.py."""
+what runs cold, what the warm process's environment holds, when its code changed on disk, and when
+CUDA was initialised in it. The forking itself: tests/integration/test_warm_start.py."""
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import types
 from pathlib import Path
 
+import pytest
+
 from workers.launch import CONTAINER_ENV
+from workers.warm_preload import code_stamp, driver_initialised
 from workers.warm_rank import rank_sys_path
-from workers.warm_plan import (DEEPSPEED_PRELOAD, SWITCH_ENV, beyond_the_standard_library, import_time_env,
-                               installed_roots, preload_modules, top_level_imports, why_cold)
+from workers.warm_plan import (DEEPSPEED_PRELOAD, SWITCH_ENV, beyond_the_standard_library, code_changed,
+                               import_time_env, installed_roots, preload_modules, top_level_imports, why_cold)
 from workers.warm_start import PRELOAD_ENV, server_env
 
 
@@ -106,3 +113,75 @@ def test_the_warm_process_has_no_ranks_identity_but_checks_cuda_through_nvml(tmp
 def test_the_ranks_path_is_a_cold_ranks() -> None:
     assert rank_sys_path("/job/train.py", "/work", ["", "/pp", "/job", "/stdlib"]) == \
         ["/job", "/work", "/pp", "/stdlib"]
+
+
+#: /proc/self/maps lines as Linux writes them (address, perms, offset, dev, inode, path).
+LIBCUDA = "7f00a000-7f00b000 r-xp 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libcuda.so.560.35.03\n"
+GPU_NODE = "7f00c000-7f00d000 rw-s 00000000 00:05 88 /dev/nvidia0\n"
+UVM_MAP = "7f00e000-7f00f000 rw-s 00000000 00:05 90 /dev/nvidia-uvm\n"
+TORCH = "7f010000-7f011000 r-xp 00000000 08:01 99 /venv/lib/python3.11/site-packages/torch/lib/libtorch_cuda.so\n"
+
+
+@pytest.mark.parametrize("maps, fds, initialised", [
+    (TORCH, ["/dev/null", "pipe:[123]"], False),  # torch imported, CUDA untouched
+    (TORCH + LIBCUDA, ["/dev/nvidiactl", "/dev/nvidia0"], False),  # libcuda loaded, NVML asked: nothing initialised
+    (TORCH, ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia0"], True),  # cuInit (pycuda.autoinit, CuPy)
+    (UVM_MAP, [], True),  # the unified-memory device mapped, its descriptor closed
+    (LIBCUDA + GPU_NODE, ["/dev/nvidiactl"], True),  # a GPU's registers mapped beside the driver: a context
+    (GPU_NODE, [], False),  # without the driver library: not CUDA's
+    ("", [], False),  # no /proc (not Linux): nothing seen
+])
+def test_cuda_initialised_by_any_library_is_seen_in_the_drivers_state(maps: str, fds: list[str],
+                                                                       initialised: bool) -> None:
+    """torch's own flag misses pycuda.autoinit and CuPy; the driver's state in /proc does not, and
+    neither torch's import nor NVML's queries (DeepSpeed's accelerator asks them) count as an
+    initialisation, or the warm process would drop torch itself from its preload."""
+    assert driver_initialised(maps, fds) is initialised
+
+
+def _fake_distribution(site: Path, name: str, version: str) -> Path:
+    """A distribution as pip leaves it in site-packages: its package and its dist-info folder."""
+    for old in site.glob(f"{name}-*.dist-info"):
+        shutil.rmtree(old)
+    (site / name).mkdir(exist_ok=True)
+    (site / name / "__init__.py").write_text(f"VERSION = {version!r}\n")
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(f"{name}\n")
+    return site / name / "__init__.py"
+
+
+def test_the_warm_processs_code_changes_with_an_upgrade_a_reinstall_or_an_edit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the warm process imported is stamped once (`code_stamp`, in it) and checked with a stat
+    per distribution and per file of the user's own before every rank (`code_changed`): an upgrade
+    (`pip install -U`: a new dist-info), a reinstall of the same version, and an edit of a module
+    outside site-packages each say what changed; nothing changed says nothing."""
+    site, own = tmp_path / "site", tmp_path / "src"
+    site.mkdir()
+    own.mkdir()
+    package = _fake_distribution(site, "fakedist", "1.0")
+    mine = own / "mine.py"
+    mine.write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    for name, path in (("fakedist", package), ("mine", mine)):
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        monkeypatch.setitem(sys.modules, name, module)
+    stamp = code_stamp(site=(str(site),))
+    assert stamp["distributions"]["fakedist"][0] == "1.0" and str(package) not in stamp["files"]
+    assert str(mine.resolve()) in stamp["files"]
+    assert not any(path.startswith(os.path.dirname(os.__file__) + os.sep) for path in stamp["files"])  # the stdlib
+    assert code_changed(stamp) == ""
+    _fake_distribution(site, "fakedist", "2.0")  # pip install -U
+    assert "fakedist 1.0 was upgraded" in code_changed(stamp)
+    stamp = code_stamp(site=(str(site),))
+    metadata = site / "fakedist-2.0.dist-info" / "METADATA"
+    later = os.stat(metadata).st_mtime_ns + 10**9
+    os.utime(metadata, ns=(later, later))  # pip install --force-reinstall of the same version
+    assert "fakedist 2.0 was upgraded, removed or reinstalled" == code_changed(stamp)
+    stamp = code_stamp(site=(str(site),))
+    os.utime(mine, ns=(later, later))  # the user's own module edited
+    assert code_changed(stamp) == f"{mine.resolve()} was modified"
+    assert code_changed(None) == "" and code_changed({}) == ""
