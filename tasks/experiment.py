@@ -7,9 +7,10 @@ An experiment is a chord sent by `scheduler.cluster.dispatch`:
 
 `run_rank` never raises (it returns a record with a failure class), because a header task that
 raises makes Celery skip the chord body, and the experiment would never be recorded.
-`finish_experiment` writes the record to the results folder first (the durable record), then, under
-the cluster lock, closes the launch, advances the job (the next phase, or the job's end) and
-dispatches whatever can start now (before the step when the step cannot change that:
+`finish_experiment`, under the cluster lock, checks that its launch still holds the experiment
+(`scheduler.cluster.fencing`: a launch relaunched elsewhere meanwhile is not counted and writes
+nothing), writes the record to the results folder (the durable record), then closes the launch,
+advances the job (the next phase, or the job's end) and dispatches whatever can start now (before the step when the step cannot change that:
 `scheduler.cluster.progress.advance`). A launch a rank did not start because others' memory sat on its
 GPU (`gpu_busy`, workers.slot_health) is no experiment: nothing is written, it is queued again.
 `advance_job` is the same step for a job just submitted.
@@ -32,6 +33,7 @@ from tasks.work import CeleryWork
 from tasks.worker_hooks import task_client
 from workers import layout
 from workers.failure import Status
+from workers.gang import GangReservations
 from workers.layout import experiment_file
 from workers.paths import safe_child, write_json
 from workers.rank import RankSpec, run_rank as run_rank_body, slot_from_env
@@ -62,6 +64,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     from scheduler.cluster.co_runners import co_runners_of
     from scheduler.cluster.dispatch import cluster_lock, dispatch, record_and_read, requeue_for_busy_gpu
     from scheduler.cluster.launches import FinishSpec
+    from scheduler.cluster.fencing import holds_experiment
     from scheduler.cluster.progress import advance
 
     finish = FinishSpec.from_json(finish_json)
@@ -79,10 +82,15 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     if co_runners:  # launches of any job that held a slot on its nodes while it ran
         record["co_runners"] = co_runners
     result_dir = safe_child(finish.results_root, finish.name)
-    if record["status"] == "ok" and record["metrics"] is not None and finish.metric_file == layout.METRICS:
-        write_json(experiment_file(result_dir, layout.METRICS), record["metrics"], indent=None)
-    write_json(experiment_file(result_dir, layout.RESULT), record)
     with cluster_lock(client):
+        if not holds_experiment(client, finish):  # fenced: a newer launch holds it (scheduler.cluster.fencing)
+            GangReservations(client).release(finish.slots, finish.gang_token)
+            log.warning("%s: a record of launch %s, which no longer holds the experiment, is not counted",
+                        finish.name, finish.attempt)
+            return {"name": finish.name, "status": record["status"], "stale": True}
+        if record["status"] == "ok" and record["metrics"] is not None and finish.metric_file == layout.METRICS:
+            write_json(experiment_file(result_dir, layout.METRICS), record["metrics"], indent=None)
+        write_json(experiment_file(result_dir, layout.RESULT), record)  # the durable record, before Redis's
         _, read = record_and_read(client, finish, record)  # with the step's reads: one round trip
         advance(client, finish.job, lambda: dispatch(client, WORK), read)  # the pass before the step when it can
     return record

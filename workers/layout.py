@@ -14,7 +14,8 @@ The layout (DeepSpeed's, plus ours):
     <results_dir>/.celery-autotune           the marker: this folder was made by this tool
     <results_dir>/<RESULT_FILES>             summary, results.jsonl/.csv, plots, optimal or partial best,
                                              mlflow_run.json (what was logged to MLflow)
-    <results_dir>/<experiment>/<file>        per experiment: EXPERIMENT_FILES and the ranks' files
+    <results_dir>/<experiment>/<file>        per experiment: EXPERIMENT_FILES and the ranks' files; each
+                                             launch's own config, metrics and exit reports (LAUNCH_FILES)
     <results_dir>/cluster/<name>.log         the embedded cluster's logs, pids.json (CLUSTER_DIR)
     <exps_dir>/<experiment>.json             each experiment's description (DESCRIPTION_KEYS)
 
@@ -25,6 +26,7 @@ folder (a checkpoint, a file of its own) is not listed: overwrite refuses it, as
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -62,11 +64,21 @@ PIDS = "pids.json"
 #: `<exps_dir>/<name>.json`, DeepSpeed's experiment description: exactly these keys.
 DESCRIPTION_KEYS = frozenset({"name", "ds_config", "num_gpus", "num_nodes"})
 
+#: The files each launch of an experiment writes under its own name (`launch_file`): two launches of
+#: one experiment (a node cut off while its launch runs on, and the relaunch elsewhere) never read
+#: or write each other's config, metrics or exit reports. The adopted launch's metrics are copied
+#: to METRICS, its record to RESULT, by the control worker.
+LAUNCH_FILES = (DS_CONFIG, METRICS, MODEL_INFO)
+#: A launch's name in its files: the first LAUNCH_ID_CHARS hex digits of its attempt token.
+LAUNCH_ID_CHARS = 12
+_LAUNCH = rf"[0-9a-f]{{{LAUNCH_ID_CHARS}}}"
+
 _RANK = r"(?:rank\d+\.)?"
 _EXPERIMENT = re.compile(
     "|".join(re.escape(name) for name in sorted(EXPERIMENT_FILES))
-    + rf"|{_RANK}(?:{'|'.join(RANK_STREAMS)})\.log|{_RANK}op_prebuild\.json|rank\d+\.exit\.json")
-_EXPERIMENT_TEMP = re.compile(r"\.tmp-[^/]*\.json|rank\d+\.exit\.json\.\d+\.tmp")
+    + rf"|{_RANK}(?:{'|'.join(RANK_STREAMS)})\.log|{_RANK}op_prebuild\.json|rank\d+\.(?:{_LAUNCH}\.)?exit\.json"
+    + "|" + "|".join(rf"{re.escape(name.removesuffix('.json'))}\.{_LAUNCH}\.json" for name in LAUNCH_FILES))
+_EXPERIMENT_TEMP = re.compile(rf"\.tmp-[^/]*\.json|rank\d+\.(?:{_LAUNCH}\.)?exit\.json\.\d+\.tmp")
 _CLUSTER = re.compile(r"[A-Za-z0-9_.@-]+\.log|" + re.escape(PIDS) + r"|dump\.rdb")
 _ATOMIC_TEMP = re.compile(r"\.(?P<name>[^/]+)\.[A-Za-z0-9_]+")
 
@@ -78,9 +90,26 @@ def rank_log(rank: int, stream: str) -> str:
     return f"{'' if rank == 0 else f'rank{rank}.'}{stream}.log"
 
 
-def exit_report(rank: int) -> str:
-    """What `workers.device_memory` writes as the rank's process ends (every rank, rank 0 too)."""
-    return f"rank{rank}.exit.json"
+def exit_report(rank: int, launch: str = "") -> str:
+    """What `workers.device_memory` writes as the rank's process ends (every rank, rank 0 too);
+    `launch` (`launch_id`) names the launch it belongs to."""
+    return f"rank{rank}.{launch}.exit.json" if launch else f"rank{rank}.exit.json"
+
+
+def launch_id(attempt: str) -> str:
+    """The name a launch gives its files: its attempt token's first hex digits (dispatch makes a
+    fresh hex token per launch), or a digest of a token of another form."""
+    found = attempt[:LAUNCH_ID_CHARS]
+    if re.fullmatch(_LAUNCH, found):
+        return found
+    return hashlib.sha256(attempt.encode()).hexdigest()[:LAUNCH_ID_CHARS]
+
+
+def launch_file(name: str, launch: str) -> str:
+    """`name` (one of LAUNCH_FILES) as launch `launch` writes it: metrics.json -> metrics.<launch>.json."""
+    if name not in LAUNCH_FILES:
+        raise ValueError(f"{name!r} is not one of workers.layout.LAUNCH_FILES")
+    return f"{name.removesuffix('.json')}.{launch}.json"
 
 
 def is_result_file(name: str) -> bool:

@@ -210,11 +210,18 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
                 "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0}
     result_dir = spec.result_dir
     result_dir.mkdir(parents=True, exist_ok=True)
-    metric_path = experiment_file(result_dir, spec.metric_file or layout.METRICS)
-    ds_config = _with_metric_path(spec.ds_config, metric_path)
-    write_json(experiment_file(result_dir, layout.DS_CONFIG), ds_config)
-    command = script_command(spec.script_argv, spec.local_rank if spec.local_rank_arg else None)
-    describe = _Description(result_dir, spec, ds_config, command)
+    launch_id = layout.launch_id(spec.attempt)  # this launch's own files (workers.layout.LAUNCH_FILES)
+    metric_name = spec.metric_file or layout.METRICS
+    metric_path = experiment_file(result_dir, layout.launch_file(metric_name, launch_id))
+    shared_config = _with_metric_path(spec.ds_config, experiment_file(result_dir, metric_name), metric_name)
+    write_json(experiment_file(result_dir, layout.DS_CONFIG), shared_config)  # the same for every launch
+    ds_config = _with_metric_path(spec.ds_config, metric_path, metric_name)
+    config_path = experiment_file(result_dir, layout.launch_file(layout.DS_CONFIG, launch_id))
+    write_json(config_path, ds_config)
+    command = script_command(_launch_argv(spec.script_argv, result_dir / layout.DS_CONFIG, config_path),
+                             spec.local_rank if spec.local_rank_arg else None)
+    describe = _Description(result_dir, spec, shared_config,
+                            script_command(spec.script_argv, spec.local_rank if spec.local_rank_arg else None))
     if spec.rank == 0:
         metric_path.unlink(missing_ok=True)
 
@@ -240,7 +247,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
                 "started_at": now, "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0}
 
     stderr_path = experiment_file(result_dir, rank_log(spec.rank, "stderr"))
-    exit_report = experiment_file(result_dir, layout.exit_report(spec.rank))
+    exit_report = experiment_file(result_dir, layout.exit_report(spec.rank, launch_id))
     exit_report.unlink(missing_ok=True)
     pgid_key = keys.pgid(slot.queue, task_id or spec.attempt)
     cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
@@ -428,14 +435,29 @@ class _StopCheck:
             return False
 
 
-def _with_metric_path(ds_config: dict[str, Any], metric_path: Path) -> dict[str, Any]:
-    """The experiment's config with DeepSpeed's metric file pointed into its own folder."""
+def _with_metric_path(ds_config: dict[str, Any], metric_path: Path, metric_name: str) -> dict[str, Any]:
+    """The experiment's config with DeepSpeed's metric file (`metric_name`, model_info.json for the
+    profile run) pointed at `metric_path` in its own folder."""
     config = copy.deepcopy(ds_config)
     autotuning = config.get("autotuning")
     if isinstance(autotuning, dict):
-        key = "model_info_path" if metric_path.name == layout.MODEL_INFO else "metric_path"
+        key = "model_info_path" if metric_name == layout.MODEL_INFO else "metric_path"
         autotuning[key] = str(metric_path)
     return config
+
+
+def _launch_argv(script_argv: list[str], shared: Path, own: Path) -> list[str]:
+    """The script's argv with the experiment's config path (`--deepspeed_config X`, or an `=` form)
+    swapped for this launch's own copy, whose metric path is this launch's own file."""
+    swapped = []
+    for arg in script_argv:
+        head, sep, tail = arg.rpartition("=")
+        if arg == str(shared):
+            arg = str(own)
+        elif sep and head.startswith("--") and tail == str(shared):
+            arg = f"{head}={own}"
+        swapped.append(arg)
+    return swapped
 
 
 def _meet(spec: RankSpec, slot: Slot, client: redis.Redis, stop_check: _StopCheck) -> tuple[str, int] | None:

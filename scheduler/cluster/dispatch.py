@@ -28,7 +28,7 @@ that rank's worker or node is gone). A lost launch is revoked and queued again a
 while attempts remain (counted in Redis before each launch), then recorded `lost`. After Redis lost
 its data, a launch whose ranks ran on (they take their slots back) is not launched a second time by
 its resubmitted job (`progress.launches_holding_slots`); its record, when it comes, is adopted
-(`_adopted`).
+(`scheduler.cluster.fencing`), which also keeps a launch that lost its hold from being recorded.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ import redis
 from scheduler.cluster.backfill import POLICIES, Policy, Waiting, estimate_run_s
 from scheduler.errors import ClusterError
 from scheduler.cluster.co_runners import beside, queues_by_node
+from scheduler.cluster.fencing import adopted
 from scheduler.cluster.job_store import (Heads, JobStore, StepReads, job_heads, running_by_job, show_all,
                                          step_reads_from, walls_by_job)
 from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec, stop_launch
@@ -384,7 +385,7 @@ def record_and_read(client: redis.Redis, finish: FinishSpec, record: dict[str, A
     store.step_reads_in(pipe)
     results = pipe.execute()
     if results[1] is None:  # the finish script's answer: that attempt is not the running launch
-        return _adopted(client, store, finish, record), None
+        return adopted(client, store, finish, record), None
     return True, step_reads_from(results)
 
 
@@ -402,21 +403,6 @@ def requeue_for_busy_gpu(client: redis.Redis, finish: FinishSpec, busy_ranks: li
     shown = [describe(rank["slot"], {"used_bytes": rank.get("device_foreign_bytes") or 0}) for rank in busy_ranks]
     log.warning("%s not started: %s; queued again", finish.name, ", ".join(shown))
     store.publish({"kind": "gpu_busy", "name": finish.name, "slots": shown})
-    return True
-
-
-def _adopted(client: redis.Redis, store: JobStore, finish: FinishSpec, record: dict[str, Any]) -> bool:
-    """A record of a launch its job does not know: after Redis lost its data the job was submitted
-    again, and this launch ran on (its ranks took their leases back) while the job waited for it
-    (`progress.launches_holding_slots`). It answers its experiment when the job is active and has
-    the experiment neither running, queued nor recorded; a launch that was retried or given up meets
-    one of those and stays stale."""
-    name = finish.name
-    if load_spec(client, finish.job) is None or name in store.running_names() or name in store.queued_names() \
-            or name in store.recorded():
-        return False
-    store.mark_recorded(name)
-    store.publish({"kind": "record", "record": record})
     return True
 
 

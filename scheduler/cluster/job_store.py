@@ -227,13 +227,14 @@ class JobStore:
 
     def activate(self, spec_json: str, launched_before: bool = False) -> None:
         """Forget any earlier life of the job, store its spec, append it to the active jobs;
-        `launched_before`: counted as a job that has launched (`misfit_since`)."""
+        `launched_before`: counted as a job that has launched (`misfit_since`), resumed after
+        Redis lost its data (`settling`)."""
         seq = self.client.incr(keys.SEQUENCE)
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(*self._keys(), keys.job_attempts(self.job), keys.job_events(self.job))
         pipe.set(keys.job_spec(self.job), spec_json)
         if launched_before:
-            pipe.hset(keys.job_state(self.job), "dispatched", 1)
+            pipe.hset(keys.job_state(self.job), mapping={"dispatched": 1, "resumed": 1})
         pipe.zadd(keys.JOBS, {self.job: seq})
         pipe.execute()
 
@@ -454,6 +455,15 @@ class JobStore:
         pipe.hexists(state, "dispatched")
         _, since, dispatched = pipe.execute()
         return float(since or now), bool(dispatched)
+
+    def settling(self, settle_s: float) -> bool:
+        """Whether the job was submitted again after Redis lost its data (`activate`'s
+        `launched_before`) and the Redis server has been up for less than `settle_s`."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hexists(keys.job_state(self.job), "resumed")
+        pipe.info("server")
+        resumed, server = pipe.execute()
+        return bool(resumed) and float(server.get("uptime_in_seconds", 0)) < settle_s
 
     def clear_misfit(self) -> None:
         self.client.hdel(keys.job_state(self.job), "misfit_since")

@@ -1,6 +1,7 @@
 """The chord callback (`tasks.experiment.finish_experiment`) run in this process against a real
 redis-server: the record goes to disk before anything else, field by field as the ranks reported it,
-and a callback whose ranks were all stale (a newer launch owns the folder) writes nothing."""
+and a callback whose ranks were all stale, or whose launch no longer holds its experiment (a newer
+launch does, `scheduler.cluster.fencing`), writes nothing."""
 from __future__ import annotations
 
 import json
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from scheduler.cluster.launches import FinishSpec
+from scheduler.cluster.launches import FinishSpec, RunningLaunch
 from tasks import experiment as experiment_tasks
+from workers import keys
 
 
 @pytest.fixture
@@ -27,12 +29,25 @@ def finish(tmp_path: Path, metric_file: str = "metrics.json") -> dict:
                       metric_file=metric_file).to_json()
 
 
+def hold(client: redis.Redis, attempt: str = "att-1") -> None:
+    """The job's running launch of the experiment is `attempt` (the launch that holds it now)."""
+    launch = RunningLaunch(seq=1, exp={"name": "z1_gas1_tmbspg4"}, argv=[], attempt=attempt,
+                           queues=["n.gpu0", "n.gpu1"], token=f"tok-{attempt}", rank_tasks={}, started=0.0,
+                           deadline=1e12)
+    client.hset(keys.job_running("j"), launch.name, json.dumps(launch.to_json()))
+
+
+@pytest.fixture
+def held(client: redis.Redis) -> None:
+    hold(client)
+
+
 def rank(index: int, status: str = "ok", **fields) -> dict:
     return {"rank": index, "status": status, "slot": f"n.gpu{index}", "started_at": 100.0 + index,
             "ended_at": 110.0 + index, "peak_rss_bytes": (index + 1) * 2**20, **fields}
 
 
-def test_an_ok_experiment_is_written_as_its_ranks_reported_it(callback, tmp_path: Path) -> None:
+def test_an_ok_experiment_is_written_as_its_ranks_reported_it(callback, held, tmp_path: Path) -> None:
     returned = callback([rank(1), rank(0, metrics={"throughput": 12.5, "latency": 80.0})], finish(tmp_path))
     folder = tmp_path / "z1_gas1_tmbspg4"
     assert json.loads((folder / "metrics.json").read_text()) == {"throughput": 12.5, "latency": 80.0}
@@ -44,7 +59,7 @@ def test_an_ok_experiment_is_written_as_its_ranks_reported_it(callback, tmp_path
     assert record["peak_rss_bytes"] == 2 * 2**20
 
 
-def test_a_failed_rank_fails_the_experiment_and_leaves_no_metrics_file(callback, tmp_path: Path) -> None:
+def test_a_failed_rank_fails_the_experiment_and_leaves_no_metrics_file(callback, held, tmp_path: Path) -> None:
     callback([rank(0, metrics={"throughput": 12.5}), rank(1, "oom", exit=1)], finish(tmp_path))
     folder = tmp_path / "z1_gas1_tmbspg4"
     record = json.loads((folder / "result.json").read_text())
@@ -52,7 +67,7 @@ def test_a_failed_rank_fails_the_experiment_and_leaves_no_metrics_file(callback,
     assert not (folder / "metrics.json").exists()
 
 
-def test_the_profile_run_keeps_its_own_metrics_file(callback, tmp_path: Path) -> None:
+def test_the_profile_run_keeps_its_own_metrics_file(callback, held, tmp_path: Path) -> None:
     callback([rank(0, metrics={"num_params": 10}), rank(1)], finish(tmp_path, metric_file="model_info.json"))
     folder = tmp_path / "z1_gas1_tmbspg4"
     assert json.loads((folder / "result.json").read_text())["status"] == "ok"
@@ -74,3 +89,18 @@ def test_a_rank_that_found_its_gpu_busy_writes_no_record(callback, client: redis
     returned = callback([rank(0, "aborted"), rank(1, "gpu_busy", device_foreign_bytes=20 * 2**30)], finish(tmp_path))
     assert returned == {"name": "z1_gas1_tmbspg4", "status": "gpu_busy", "requeued": False}  # no such job here
     assert list(tmp_path.iterdir()) == [] and not client.keys("autotune:gang:*")
+
+
+@pytest.mark.parametrize("holder", ["att-2", None])
+def test_a_launch_that_no_longer_holds_its_experiment_is_not_counted(callback, client: redis.Redis, tmp_path: Path,
+                                                                      holder: str | None) -> None:
+    """Its node was cut off longer than its lease: the sweep launched the experiment again (att-2
+    runs now), or the relaunch was recorded and its job ended (no job at all). The old launch's
+    ranks finished and reported, and its record is neither written nor counted."""
+    if holder is not None:
+        hold(client, holder)
+    before = {key: client.dump(key) for key in client.keys("*")}
+    returned = callback([rank(1), rank(0, metrics={"throughput": 99.0})], finish(tmp_path))
+    assert returned == {"name": "z1_gas1_tmbspg4", "status": "ok", "stale": True}
+    assert list(tmp_path.iterdir()) == []  # no result.json, no metrics.json
+    assert {key: client.dump(key) for key in client.keys("*")} == before  # not recorded, nothing published

@@ -192,3 +192,27 @@ def test_an_experiment_whose_ranks_still_hold_slots_is_not_queued_again(client, 
     client.delete(keys.gang(slot.queue))
     advance(client, "j")
     assert sorted(queue(client)) == ["a", "b"]
+
+
+def test_a_job_submitted_again_after_redis_lost_its_data_queues_nothing_until_its_ranks_could_renew(
+        client, work, tmp_path: Path, monkeypatch) -> None:
+    """Redis restarted without its data: the command submits the job again within seconds, before a
+    launch that ran on has taken its slot back (its ranks retry every second, its workers announce
+    every HEARTBEAT_S). Its step queues nothing while the server is younger than RESUME_SETTLE_S;
+    after that, what no rank took back is queued. A job submitted afresh is never held."""
+    uptime = float(client.info("server")["uptime_in_seconds"])
+    spec = fixed_job(tmp_path)
+    monkeypatch.setattr(progress, "RESUME_SETTLE_S", uptime + 3600)  # the server counts as just restarted
+    submit(client, work, spec, launched_before=True)
+    advance(client, "j")
+    assert queue(client) == {} and load_spec(client, "j") is not None
+    monkeypatch.setattr(progress, "RESUME_SETTLE_S", 0.0)  # the server has been up long enough
+    advance(client, "j")
+    assert sorted(queue(client)) == ["a", "b"]
+
+
+def test_a_job_submitted_afresh_is_not_held_on_a_young_server(client, work, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(progress, "RESUME_SETTLE_S", float(client.info("server")["uptime_in_seconds"]) + 3600)
+    submit(client, work, fixed_job(tmp_path))
+    advance(client, "j")
+    assert sorted(queue(client)) == ["a", "b"]

@@ -1,0 +1,51 @@
+"""Which launch's result counts: only the launch that holds its experiment now (a fencing token).
+
+Each launch of an experiment carries its attempt token (with its gang reservation's owner token,
+`scheduler.cluster.launches.RunningLaunch`). A launch can outlive its hold: its node was cut off
+from Redis or froze for longer than its lease, or Redis lost its data, and the sweep launched the
+experiment again elsewhere. Its ranks may still finish (they run on through a Redis outage by
+design), and their chord callback still comes; `finish_experiment` asks `holds_experiment` under
+the cluster lock before it writes anything, so such a launch never writes the experiment's
+result.json or metrics.json and is never recorded. Its ranks wrote only files named after their
+own launch (`workers.layout.LAUNCH_FILES`), so neither launch read the other's metrics.
+
+A launch the job does not know at all is the one case adopted without being the running launch:
+after Redis lost its data the job was submitted again, and a launch that ran on through the restart
+(its ranks took their slots back, `workers.gang.SlotLease`) answers its experiment when the job
+has it neither running, queued nor recorded (`progress.launches_holding_slots` made it wait).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from scheduler.cluster.job_store import JobStore
+from scheduler.cluster.jobs import load_spec
+from scheduler.cluster.launches import FinishSpec
+
+
+def holds_experiment(client: redis.Redis, finish: FinishSpec) -> bool:
+    """Whether `finish`'s launch holds its experiment now: it is the job's running launch of it
+    (one read), or the job lost track of it and may adopt it (module docstring)."""
+    store = JobStore(client, finish.job)
+    launch = store.running_of([finish.name]).get(finish.name)
+    if launch is not None:
+        return launch.attempt == finish.attempt
+    return _adoptable(client, store, finish.name)
+
+
+def _adoptable(client: redis.Redis, store: JobStore, name: str) -> bool:
+    return load_spec(client, store.job) is not None and name not in store.queued_names() \
+        and name not in store.recorded()
+
+
+def adopted(client: redis.Redis, store: JobStore, finish: FinishSpec, record: dict[str, Any]) -> bool:
+    """Record a launch its job does not know, when it may adopt it (module docstring): a launch
+    that was retried or given up finds its experiment running, queued or recorded and stays stale."""
+    name = finish.name
+    if name in store.running_names() or not _adoptable(client, store, name):
+        return False
+    store.mark_recorded(name)
+    store.publish({"kind": "record", "record": record})
+    return True
