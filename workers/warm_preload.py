@@ -61,7 +61,10 @@ def driver_initialised(maps: str, fd_targets: list[str]) -> bool:
     context's set-up does and a query through NVML does not."""
     if any(target == UVM_DEVICE for target in fd_targets):
         return True
-    mapped = {line.split(maxsplit=5)[5].strip() for line in maps.splitlines() if len(line.split(maxsplit=5)) == 6}
+    if "/dev/nvidia" not in maps:  # before every fork: the common answer without parsing the map
+        return False
+    mapped = {fields[5].strip() for line in maps.splitlines() if ("/dev/nvidia" in line or "libcuda" in line)
+              and len(fields := line.split(maxsplit=5)) == 6}
     if UVM_DEVICE in mapped:
         return True
     driver = any(os.path.basename(path).startswith("libcuda.so") for path in mapped)
@@ -142,7 +145,7 @@ def code_stamp(site: tuple[str, ...] = (), stdlib: tuple[str, ...] = ()) -> dict
     files: dict[str, list[object]] = {}
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if not isinstance(path, str) or not path:
+        if not isinstance(path, str) or not os.path.isabs(path):  # torch.ops' "_ops.py", "<stdin>": no file
             continue
         real = os.path.realpath(path)
         top = name.partition(".")[0]
