@@ -86,7 +86,7 @@ class SharedFacts:
     DeepSpeed's buckets; offload aside, a stage holding more at equal size fails wherever one holding
     less failed, and one holding less runs wherever one holding more ran): `success` (a size taken to
     fit, 0: none) and `failure` (a size taken not to, None: none); a stage's own failure outranks a
-    borrowed success (`sampled_search._top`).
+    borrowed success (`stage_space.stage_top`).
     Predicted, from another stage's ok/failed bracket [a, b) moved by the analytical difference D of
     the two stages' fixed bytes (`predicted_success`, `predicted_failure`): the top moves by D / s,
     where s, the bytes per sample, lies between s_low = max(the profile's figure, R / b) and

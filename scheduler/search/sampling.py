@@ -1,6 +1,5 @@
 """The sampled search's pure decisions: which micro-batch size to measure next in a stage, the sizes
-worth measuring, the order of the stages, the saw-tooth neighbour of the leader, a reading the
-others contradict.
+worth measuring, the order of the stages, the saw-tooth neighbour of the leader.
 
 Why its own module: these take numbers and return numbers (no session, no records), so they are
 tested on their own (tests/unit/test_sampled_search.py, test_sawtooth.py) and read apart from
@@ -22,10 +21,8 @@ TOP_GAIN = 1.1
 SAWTOOTH_GAIN = 1.05
 
 
-#: A reading below this share of what a larger size's reading implies (`implausible_reading`) is
-#: taken for a straggler's and measured again; the share leaves room for two readings' noise.
-IMPLAUSIBLE_SHARE = 0.85
-#: ... and only where the bound makes that size a rival: at least this share of the best reading.
+#: A reading the cost model contradicts is measured again only where it could matter: the reading or
+#: its prediction at least this share of the stage's best reading.
 RIVAL_SHARE = 0.7
 
 
@@ -109,23 +106,3 @@ def sawtooth_neighbour(mbs: int, gas: int, samples_per_step: int | None) -> int 
     if not 1 <= size < mbs or size * (samples_per_step // size) < SAWTOOTH_GAIN * mbs * gas:
         return None
     return size
-
-
-def implausible_reading(values: Mapping[int, float | None], maximize: bool = True) -> int | None:
-    """The smallest size whose reading a larger size's contradicts, or None. In one stage's space a
-    smaller size fills at least the same share of its step with more accumulation, and one of its
-    micro-steps never takes longer than a larger size's, so its throughput is at least m_s / m_l of
-    the larger one's. A reading below IMPLAUSIBLE_SHARE of that bound is a straggler's (or the
-    larger one's is lucky, a third as often on heavy-tailed machines): refining around it follows
-    noise. Only where the bound is at least RIVAL_SHARE of the best reading (a size the bound
-    keeps far behind changes no decision). Throughput-like metrics only (`maximize`); a step's
-    latency has no such bound."""
-    if not maximize:
-        return None
-    ok = sorted((m, v) for m, v in values.items() if v is not None and v > 0)
-    best = max((v for _, v in ok), default=0.0)
-    for index, (small, low) in enumerate(ok):
-        implied = max((high * small / large for large, high in ok[index + 1:]), default=0.0)
-        if low < IMPLAUSIBLE_SHARE * implied and implied >= RIVAL_SHARE * best:
-            return small
-    return None

@@ -1,0 +1,118 @@
+"""What one stage's readings say: its measured sizes, the reading of each, the leader, a reading
+the cost model contradicts.
+
+Why its own module: the sampled search reads a stage through these, and the readings need the cost
+model (`scheduler.search.cost_model`) and the noise pooled over the job's repeats
+(`scheduler.search.confirm`), which the generators do not. Functions of a `Session`, no phases.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from scheduler.search.confirm import MIN_NOISE, PRIOR_NOISE, group_readings, pooled_noise
+from scheduler.search.cost_model import Reading, closest_reading, contradicted, fit
+from scheduler.search.ranking import metric_value
+from scheduler.search.repeats import is_repeat, original_name
+from scheduler.search.sampling import RIVAL_SHARE
+from scheduler.search.session import Session
+from scheduler.search.space import PROFILE
+from scheduler.search.stage_space import gas_for, stage_candidates
+
+
+def stage_values(session: Session, stage: int) -> dict[int, float | None]:
+    """size -> metric (None: failed) of the stage's measured sizes at their gas in the space. Without
+    max_train_batch_size only sizes that fill the step count (a size between the top probes, run at
+    the user's gas below a top that ran, leaves part of the step empty). A config whose first launch
+    failed (`says_nothing`) reads its retry's metric; a config measured again by `_recheck` reads
+    the reading the stage's other sizes agree with (`settled_reading`); other repeats are the confirm
+    phase's."""
+    st = session.settings
+    filling = None if st.samples_per_step else set(stage_candidates(session, stage))
+    out: dict[int, float | None] = {}
+    rechecked: dict[int, list[float]] = {}
+    for exp, record in session.stage_records(stage):
+        if exp.tuning_space or (is_repeat(exp.name, session.measured) and not retry_of_failure(session, exp.name)):
+            continue
+        value = metric_value(record, st.metric)
+        if filling is not None and value is not None and exp.micro_batch_size not in filling:
+            continue
+        if exp.gradient_accumulation_steps == gas_for(session, stage, exp.micro_batch_size):
+            out[exp.micro_batch_size] = value
+            again = recheck_reading(session, exp.name)
+            if value is not None and again is not None:
+                rechecked[exp.micro_batch_size] = [value, again]
+    for mbs, readings in rechecked.items():
+        out[mbs] = settled_reading(session, stage, out, mbs, readings)
+    return out
+
+
+def recheck_reading(session: Session, name: str) -> float | None:
+    again = session.measured.get(f"{name}_r2")
+    return None if again is None else metric_value(again[1], session.settings.metric)
+
+
+def settled_reading(session: Session, stage: int, values: Mapping[int, float | None], mbs: int,
+             readings: Sequence[float]) -> float:
+    """Which of a rechecked config's two readings the search reads: the one nearest what the fit of
+    the stage's other sizes predicts (`cost_model.closest_reading`: a straggler's reading is below
+    it, a lucky one above); with fewer than three other sizes to fit, the better one (a straggler
+    only slows a run)."""
+    st = session.settings
+    if not st.maximize:
+        return min(readings)
+    others = [Reading(m, gas_for(session, stage, m), v) for m, v in values.items()
+              if m != mbs and v is not None and v > 0]
+    model = fit(others) if len(others) >= 3 else None
+    if model is None:
+        return max(readings)
+    return closest_reading(readings, model.predict(mbs, gas_for(session, stage, mbs)))
+
+
+def suspect_size(session: Session, stage: int, values: Mapping[int, float | None]) -> int | None:
+    """The size whose reading the fit of the stage's other sizes contradicts
+    (`cost_model.contradicted`: a straggler's or a lucky reading), where it could steer the
+    refinement or lead (at least RIVAL_SHARE of the best reading); None when there is none.
+    Throughput-like metrics only (the model is of seconds per sample)."""
+    if not session.settings.maximize:
+        return None
+    ok = {m: v for m, v in values.items() if v is not None and v > 0}
+    readings = [Reading(m, gas_for(session, stage, m), v) for m, v in sorted(ok.items())]
+    found = contradicted(readings, reading_noise(session), RIVAL_SHARE * max(ok.values(), default=0.0))
+    return None if found is None else found.mbs
+
+
+def reading_noise(session: Session) -> float:
+    """The relative noise of one reading: pooled over the configs read more than once so far."""
+    readings: dict[str, list[float]] = {}
+    for name, (exp, record) in session.measured.items():
+        value = metric_value(record, session.settings.metric)
+        if exp.space != PROFILE and value is not None:
+            readings.setdefault(original_name(name, session.measured), []).append(value)
+    pooled = pooled_noise(group_readings(readings))
+    return max(MIN_NOISE, PRIOR_NOISE if pooled is None else pooled)
+
+
+def retry_of_failure(session: Session, name: str) -> bool:
+    """Whether `name` is the retry `_measure` launched after its original failed (confirm repeats
+    only configs that ran)."""
+    original = original_name(name, session.measured)
+    return name == f"{original}_r2" and session.measured[original][1].get("status") != "ok"
+
+
+def leader_of(session: Session, stages: Sequence[int]) -> tuple[int, int] | None:
+    """(stage, mbs) of the best config measured so far in `stages` at its gas in the space (None:
+    none succeeded): the incumbent another stage is followed from, the leader before confirming."""
+    leader: tuple[float, int, int] | None = None
+    sign = 1 if session.settings.maximize else -1
+    for stage in stages:
+        for mbs, value in stage_values(session, stage).items():
+            if value is not None and (leader is None or sign * value > sign * leader[0]):
+                leader = (value, stage, mbs)
+    return None if leader is None else leader[1:]
+
+
+def at_cap(session: Session, stages: Sequence[int], mbs: int) -> bool:
+    """Whether `mbs` is the largest size measured ok in any stage so far: the curve was still
+    rising where memory stopped it, so a stage holding larger sizes may do better."""
+    largest = max((m for stage in stages for m, v in stage_values(session, stage).items() if v is not None), default=0)
+    return mbs >= largest

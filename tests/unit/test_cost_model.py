@@ -1,0 +1,94 @@
+"""The fitted time model (scheduler.search.cost_model): what it recovers, what it calls an outlier."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scheduler.search.cost_model import Reading, closest_reading, contradicted, fit
+
+#: a, b, c, d of seconds per sample: micro-step overhead, per-sample, per-step, per-sample growth.
+TRUE = (0.004, 0.0004, 0.06, 0.000002)
+
+
+def speed(mbs: int, gas: int, coefficients: tuple[float, ...] = TRUE) -> float:
+    a, b, c, d = coefficients
+    return 1.0 / (a / mbs + b + c / (mbs * gas) + d * mbs)
+
+
+def full_step(sizes: list[int], step: int = 256) -> list[Reading]:
+    return [Reading(m, step // m, speed(m, step // m)) for m in sizes]
+
+
+def test_a_fit_of_the_models_own_readings_predicts_every_size_between_them() -> None:
+    """Readings at full steps and at gas 1 (which tells the per-step cost from the per-sample one):
+    the fit predicts sizes it never saw within 1 %."""
+    readings = full_step([1, 4, 16, 64, 256]) + [Reading(m, 1, speed(m, 1)) for m in (32, 128)]
+    model = fit(readings)
+    assert model is not None
+    for mbs, gas in [(2, 128), (8, 32), (24, 10), (100, 2), (200, 1), (48, 1)]:
+        assert model.predict(mbs, gas) == pytest.approx(speed(mbs, gas), rel=0.01)
+    assert model.misfit < 0.01  # the ridge's share only
+
+
+def test_coefficients_are_never_negative() -> None:
+    """Throughput falling with the size at first would need a negative per-micro-step cost: the fit
+    keeps every time >= 0 and says how badly it fits instead."""
+    readings = [Reading(m, 1, 100.0 / m ** 0.2) for m in (1, 2, 4, 8, 16)]
+    model = fit(readings)
+    assert model is not None and min(model.coefficients) >= 0
+    assert model.misfit > 0.01
+
+
+def test_the_uncertainty_grows_away_from_what_was_measured() -> None:
+    model = fit(full_step([4, 8, 16, 32]))
+    assert model is not None
+    inside = model.error(12, 21, noise=0.03)
+    outside = model.error(256, 1, noise=0.03)
+    assert outside > 3 * inside
+
+
+@pytest.mark.parametrize("factor", [0.55, 1.45])
+def test_a_stragglers_or_a_lucky_reading_is_contradicted(factor: float) -> None:
+    """Five sizes of one stage's space; one read 0.55x (a straggler's step) or 1.45x (a lucky
+    window) of its true speed: the fit of the other four contradicts it."""
+    readings = full_step([2, 8, 16, 64, 128])
+    readings[2] = Reading(16, 16, readings[2].value * factor)
+    assert contradicted(readings, noise=0.03) == readings[2]
+
+
+def test_noise_within_the_floor_is_not_contradicted() -> None:
+    readings = full_step([2, 8, 16, 64, 128])
+    readings[2] = Reading(16, 16, readings[2].value * 1.08)
+    assert contradicted(readings, noise=0.03) is None
+
+
+def test_a_noisier_job_tolerates_more() -> None:
+    """The same 25 % deviation: an outlier at 3 % noise, not at 10 % (3 standard errors)."""
+    readings = full_step([2, 8, 16, 64, 128])
+    readings[2] = Reading(16, 16, readings[2].value * 1.25)
+    assert contradicted(readings, noise=0.03) == readings[2]
+    assert contradicted(readings, noise=0.10) is None
+
+
+def test_a_reading_far_behind_the_best_or_without_three_others_is_not_chased() -> None:
+    """A straggler's reading at the smallest size is found where a neighbour supports the fit below
+    the others (with 8 the next size, the fit would blame 8 instead: both get read again in turn)."""
+    readings = full_step([2, 4, 8, 16, 64, 128])
+    slow = Reading(2, 128, readings[0].value * 0.5)
+    best = max(r.value for r in readings)
+    assert contradicted([slow] + readings[1:], noise=0.03) == slow
+    assert contradicted([slow] + readings[1:], noise=0.03, relevant=0.9 * best) is None
+    assert contradicted([slow] + readings[1:3], noise=0.03) is None
+
+
+def test_of_two_readings_the_one_the_fit_agrees_with_is_read() -> None:
+    assert closest_reading([50.0, 90.0], 85.0) == 90.0
+    assert closest_reading([130.0, 92.0], 90.0) == 92.0
+    assert closest_reading([130.0, 92.0], 0.0) == 130.0  # no prediction: the better reading
+
+
+def test_fit_needs_a_positive_reading() -> None:
+    assert fit([]) is None
+    assert fit([Reading(4, 2, 0.0)]) is None
+    assert math.isfinite(fit([Reading(4, 2, 10.0)]).predict(4, 2))
