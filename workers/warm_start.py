@@ -240,8 +240,7 @@ class WarmStarts:
     @staticmethod
     def _search_path(script: str, env: dict[str, str], cwd: str) -> list[str]:
         """Where the rank looks for modules: its sys.path (`rank_sys_path`)."""
-        search = rank_sys_path(script, cwd, ["", *env.get("PYTHONPATH", "").split(os.pathsep), *sys.path[1:]])
-        return [entry for entry in search if entry]
+        return [entry for entry in rank_sys_path(script, cwd, ["", *env.get("PYTHONPATH", "").split(os.pathsep), *sys.path[1:]]) if entry]
 
     def learn(self, script_argv: list[str], imported: list[str] | None,
               keep_alive: Callable[[], object] = lambda: None, imported_count: int | None = None) -> None:
