@@ -11,7 +11,7 @@ still reconfigure the server).
 
     python -m deploy up --hostfile F [--include S|--exclude S] [--control HOST] [--flower [PORT]]
     python -m deploy status|down --hostfile F [...]
-    python -m deploy cleanup JOB_OR_EXPERIMENT
+    python -m deploy cleanup JOB[:EXPERIMENT]   (JOB: a job id or a tuning job's results folder)
     python -m deploy redis-user       (AUTOTUNE_REDIS_ADMIN_URL set: deploy/redis_user.py)
 
 The Redis URL comes from AUTOTUNE_REDIS_URL (or --redis); it reaches each host on stdin and is kept
@@ -51,7 +51,7 @@ FLOWER_USER = "autotune"
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="python -m deploy", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["up", "down", "status", "cleanup", "redis-user"])
-    parser.add_argument("target", nargs="?", help="cleanup: a job id or an experiment name")
+    parser.add_argument("target", nargs="?", help="cleanup: JOB or JOB:EXPERIMENT (JOB: a job id or a tuning job's results folder)")
     parser.add_argument("-H", "--hostfile", help="MPI-style hostfile: 'HOSTNAME slots=N' per line")
     parser.add_argument("-i", "--include", default="", help="NODE[:ID[,ID...]][@NODE...]: only these")
     parser.add_argument("-e", "--exclude", default="", help="NODE[:ID[,ID...]][@NODE...]: all but these")
@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(create_cluster_user(url, os.environ.get(ADMIN_ENV)))
             return 0
         if not args.target:
-            raise UsageError("cleanup needs a job id or an experiment name: python -m deploy cleanup NAME")
+            raise UsageError("cleanup needs a job: python -m deploy cleanup JOB[:EXPERIMENT] (a job id or results folder)")
         result = cleanup(connected(url), _hosts(args), args.target, args.grace)
         if not result:
             print(f"{args.target}: no recorded process groups (not running, or already cleaned up)")

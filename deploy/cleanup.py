@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from scheduler.cluster.job_store import JobStore, active_jobs
-from deploy.plan import RecordedGroup, kill_options, launches_matching, pgid_keys, recorded_groups
+from deploy.plan import RecordedGroup, kill_options, launches_matching, record_keys, recorded_groups
 
 if TYPE_CHECKING:  # fabric and paramiko: imported where hosts are reached, not by every worker and command
     from deploy.fabric_hosts import Hosts
@@ -36,10 +36,9 @@ def running_launches(client: redis.Redis) -> dict[str, dict[str, dict]]:
 
 
 def groups_of(client: redis.Redis, launches: list[tuple[str, dict]]) -> list[RecordedGroup]:
-    names = pgid_keys(launches)
+    names = record_keys(launches)
     values = client.mget(names) if names else []
-    pgids = {name: int(value) for name, value in zip(names, values) if value}
-    return recorded_groups(launches, pgids)
+    return recorded_groups(launches, {name: value for name, value in zip(names, values) if value})
 
 
 def kill_recorded(hosts: Hosts, groups: list[RecordedGroup], grace_s: float = DEFAULT_GRACE_S) -> dict[str, object]:
@@ -53,7 +52,7 @@ def kill_recorded(hosts: Hosts, groups: list[RecordedGroup], grace_s: float = DE
 
 
 def cleanup(client: redis.Redis, hosts: Hosts, target: str, grace_s: float = DEFAULT_GRACE_S) -> dict[str, object]:
-    """Clean up the groups of a job id or an experiment name."""
+    """Clean up the groups of one job, or of one experiment of it (`deploy.plan.cleanup_scope`)."""
     launches = launches_matching(running_launches(client), target)
     return kill_recorded(hosts, groups_of(client, launches), grace_s)
 

@@ -8,12 +8,16 @@ layer (`deploy.fabric_hosts`) only carries their results over SSH.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
+from scheduler.cluster.jobs import job_id_for
 from scheduler.errors import UsageError
 from workers import keys
+from workers.process_identity import RankProcess
 from workers.redis_tls import TlsError, tls_files
 from workers.slot import parse_queue, slot_queue
 
@@ -130,41 +134,65 @@ class RecordedGroup:
     queue: str
     pgid: int
     experiment: str
+    started: int | None = None  #: its leader's start time (`workers.process_identity`); None: pgid only
+
+
+def cleanup_scope(target: str, running: Mapping[str, Mapping[str, dict]],
+                  job_of_folder: Callable[[str], str] = lambda folder: job_id_for(Path(folder))) -> tuple[str, str | None]:
+    """(job id, experiment or None for all of the job's) that a cleanup target names: `JOB` or
+    `JOB:EXPERIMENT`, JOB a job id or a tuning job's results folder (its id is made from the folder).
+    Never an experiment alone: names like z1_gas1_tmbspg4 repeat across jobs (other users' too),
+    so a bare name running in some job is refused with the jobs that run it."""
+    job, _, experiment = target.rpartition(":") if ":" in target else (target, "", "")
+    if job not in running and job and Path(job).is_dir():
+        job = job_of_folder(job)
+    if job in running:
+        return job, experiment or None
+    holders = sorted(name for name, launches in running.items() if target in launches)
+    if holders:
+        raise UsageError(f"{target} names an experiment, and experiment names repeat across jobs: name its job, "
+                         f"python -m deploy cleanup JOB:{target} (it runs in job(s) {', '.join(holders)})")
+    return job, experiment or None
 
 
 def launches_matching(running: Mapping[str, Mapping[str, dict]], target: str) -> list[tuple[str, dict]]:
-    """(experiment, launch) pairs of `running` ({job: {experiment: launch}}) that `target` names:
-    a job id (all its running experiments) or an experiment name."""
-    found = []
-    for job, launches in running.items():
-        for name, launch in launches.items():
-            if target in (job, name):
-                found.append((name, launch))
-    return found
+    """(experiment, launch) pairs of `running` ({job: {experiment: launch}}) that `target` names
+    (`cleanup_scope`): one job's running experiments, or one of them; never another job's."""
+    job, experiment = cleanup_scope(target, running)
+    return [(name, launch) for name, launch in running.get(job, {}).items() if experiment in (None, name)]
 
 
-def recorded_groups(launches: Iterable[tuple[str, dict]], pgids: Mapping[str, int]) -> list[RecordedGroup]:
-    """The groups of these launches whose pgid key is present (`pgids`: pgid key -> pgid)."""
+def recorded_groups(launches: Iterable[tuple[str, dict]], recorded: Mapping[str, Any]) -> list[RecordedGroup]:
+    """The groups of these launches that their slots recorded (`recorded`: key -> value, as
+    `record_keys` names them): a rank's record (`keys.rank_process`: its pgid and start time) where
+    there is one, else its bare pgid (`keys.pgid`: an op build before the script started)."""
     groups = []
     for name, launch in launches:
         for queue, task_id in sorted(launch.get("rank_tasks", {}).items()):
-            pgid = pgids.get(keys.pgid(queue, task_id))
             parsed = parse_queue(queue)
-            if pgid is None or parsed is None or parsed[0] is None:
+            if parsed is None or parsed[0] is None:
                 continue
-            groups.append(RecordedGroup(parsed[0], queue, int(pgid), name))
+            record = recorded.get(keys.rank_process(queue, task_id))
+            process = RankProcess.from_json(record) if record else None
+            if process is not None:
+                groups.append(RecordedGroup(parsed[0], queue, process.pgid, name, process.started or None))
+            elif recorded.get(keys.pgid(queue, task_id)):
+                groups.append(RecordedGroup(parsed[0], queue, int(recorded[keys.pgid(queue, task_id)]), name))
     return groups
 
 
-def pgid_keys(launches: Iterable[tuple[str, dict]]) -> list[str]:
-    return [keys.pgid(queue, task) for _, launch in launches
-            for queue, task in sorted(launch.get("rank_tasks", {}).items())]
+def record_keys(launches: Iterable[tuple[str, dict]]) -> list[str]:
+    """The keys `recorded_groups` reads: each rank's record and its pgid."""
+    return [key for _, launch in launches for queue, task in sorted(launch.get("rank_tasks", {}).items())
+            for key in (keys.rank_process(queue, task), keys.pgid(queue, task))]
 
 
 def kill_options(groups: Sequence[RecordedGroup], grace_s: float) -> list[str]:
-    """Options of `deploy.remote kill-groups`: each group as QUEUE=PGID, so the host checks the
-    group still runs that slot (a reused PID is never killed)."""
-    return ["--grace", f"{grace_s:g}", *[f"{g.queue}={g.pgid}" for g in groups]]
+    """Options of `deploy.remote kill-groups`: each group as QUEUE=PGID, with @STARTED where its
+    leader's start time is recorded, so the host checks the group is still that rank (a reused PID
+    is never killed)."""
+    return ["--grace", f"{grace_s:g}",
+            *[f"{g.queue}={g.pgid}" + (f"@{g.started}" if g.started else "") for g in groups]]
 
 
 def is_local(host: str, local_names: Iterable[str]) -> bool:

@@ -172,13 +172,17 @@ def stop(args: argparse.Namespace) -> dict[str, object]:
 
 
 def kill_groups(args: argparse.Namespace) -> dict[str, object]:
-    """TERM each recorded group still running its slot, give it `grace` seconds, then KILL."""
+    """TERM each recorded group still running its slot, give it `grace` seconds, then KILL. Each item
+    is QUEUE=PGID[@STARTED]: with the leader's recorded start time, the group is that rank only if its
+    leader started then; without, only if a process of it carries a rank title of QUEUE
+    (`workers.process_identity.owns_group`)."""
     report: dict[str, str] = {}
     targets = []
     for item in args.groups:
-        queue, _, pgid_text = item.rpartition("=")
+        queue, _, group = item.rpartition("=")
+        pgid_text, _, started_text = group.partition("@")
         pgid = int(pgid_text)
-        if not group_runs_slot(pgid, queue):
+        if not group_runs_slot(pgid, queue, int(started_text) if started_text else None):
             report[item] = "gone (no process of this group runs that slot)"
             continue
         os.killpg(pgid, signal.SIGTERM)

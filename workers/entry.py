@@ -23,6 +23,7 @@ import os
 import runpy
 import sys
 import traceback
+from collections.abc import Mapping
 
 from workers.device_memory import InterimReports, measured_peaks, write_exit_report
 from workers.failure import OOM_EXIT_CODE
@@ -37,6 +38,9 @@ _PROFILING_EXITS = {("deepspeed/runtime/engine.py", "_autotuning_exit"), ("deeps
 
 #: The same exit for a plain-torch script that measures itself with `workers.metrics`.
 _METRICS_EXIT = ("workers/metrics.py", "end_micro_step")
+#: The title the rank takes (`ps`, `top`), set by its slot (`workers.process_identity`): what it is,
+#: readable without its environment, which a rank forked from the warm process shows as that process's.
+TITLE_ENV = "AUTOTUNE_PROCESS_TITLE"
 
 
 def is_profiling_exit(exc: BaseException | None) -> bool:
@@ -82,6 +86,7 @@ def main() -> None:
 def run_script(script: str) -> None:
     """Run `script` as `__main__` (sys.argv and sys.path already set), then report how it ended and
     leave or re-raise as `main` describes; `workers.warm_start` calls it in a forked rank."""
+    take_title()
     pid = os.getpid()
     error: BaseException | None = None
     loaded = set(sys.modules)
@@ -120,6 +125,22 @@ def run_script(script: str) -> None:
         _leave_now(0)
     if error is not None:
         raise error
+
+
+def take_title(env: Mapping[str, str] | None = None) -> None:
+    """Take the title the slot gave this rank (TITLE_ENV in `env`, this process's environment by
+    default), through the setproctitle library; a process this one forks keeps it. A forked rank
+    takes it before it replaces its environment (`workers.warm_rank`): setproctitle finds the
+    memory it writes through the environment the process started with. Before `run_script` notes
+    what is loaded: not the script's import."""
+    title = (os.environ if env is None else env).get(TITLE_ENV)
+    if not title:
+        return
+    try:
+        import setproctitle
+    except ImportError:  # a dependency; without it the rank runs untitled
+        return
+    setproctitle.setproctitle(title)
 
 
 def imports_since(loaded: set[str], limit: int = 300) -> list[str]:

@@ -23,6 +23,9 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
                                               when its worker died without killing it)
     autotune:claim:<node>.gpu<i>:<task> str   the pool process running that rank task (JSON: pid, start
                                               time): a redelivered message finds it (workers.rank_claim)
+    autotune:rankproc:<node>.gpu<i>:<task> str the same rank's record (JSON): pid, pgid, start time, job,
+                                              experiment, rank, launch (workers.process_identity): what
+                                              a reader checks a live process against, not its environment
     autotune:seq                        str   counter: submission order of jobs and of queued experiments
     autotune:jobs                       zset  active jobs, scored by submission order
     autotune:lock:dispatch              str   held while one control process plans and launches
@@ -97,6 +100,14 @@ def pgid_pattern(queue: str = "*") -> str:
 
 def rank_claim(queue: str, task_id: str) -> str:
     return f"{PREFIX}claim:{queue}:{task_id}"
+
+
+def rank_process(queue: str, task_id: str) -> str:
+    return f"{PREFIX}rankproc:{queue}:{task_id}"
+
+
+def rank_process_pattern(queue: str = "*") -> str:
+    return f"{PREFIX}rankproc:{queue}:*"
 
 
 def job_events(job: str) -> str:

@@ -15,7 +15,10 @@ The process is a `subprocess.Popen` unless the caller passes `spawn` (`workers.w
 ranks from a warm interpreter): anything with `pid`, `poll()` and `wait(timeout)`, and optionally
 `forked_from_warm` (true: the memory it shares with the process it was forked from counts as its
 own, `workers.tree_memory.inherited`) and `leftover_marks()` (more tokens whose processes to stop
-after the group, and pids to spare: one pass over the process table for all). The time limit starts
+after the group, and pids to spare: one pass over the process table for all). A launch given a
+`title` hands it to the rank (`workers.entry.TITLE_ENV`), and a process still carrying that title
+after the group, wherever it went, is stopped too: a process forked without exec shows the title
+but not the launch's environment (`workers.process_identity`). The time limit starts
 when `spawn` returns: the wait for a warm process (its preload, tens of seconds on a loaded machine
 or a shared filesystem) is start-up, in the wall, but not the experiment's to spend.
 """
@@ -35,6 +38,7 @@ from typing import IO, Any
 import psutil
 
 from workers.failure import KillReason
+from workers.process_identity import TITLE_ENV, owns_group
 from workers.tree_memory import TreeMemory
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,8 @@ KILL_GRACE_S = 3.0
 #: next experiment on it meets a GPU still full and reads a false out-of-memory.
 KILL_WAIT_S = 30.0
 CONTAINER_ENV = "AUTOTUNE_CONTAINER"  #: per-launch token inherited by every descendant
+#: How much of a launch's title a process must show to be taken for the launch's: up to the launch token.
+TITLE_MIN = len("autotune rank 0/1 slot=n.gpu0 launch=0123456789ab")
 #: How long a rank may still run once its experiment has measured (rank 0's metrics written) before it
 #: is taken as hung in its teardown and stopped, its measurement kept: after DeepSpeed's profiling
 #: exit() the interpreter's teardown aborts live NCCL communicators, which can hang (pytorch#117291,
@@ -134,9 +140,9 @@ def _still_alive(pgids: set[int], within_s: float) -> set[int]:
 
 
 def marked_processes(variable: str, token: str | Collection[str], since: float = 0.0,
-                     exclude: Collection[int] = ()) -> list[psutil.Process]:
+                     exclude: Collection[int] = (), title: str = "") -> list[psutil.Process]:
     """Live processes started at or after `since` whose environment has `variable`=`token` (or one
-    of the tokens given)."""
+    of the tokens given), or whose command line as `ps` shows it is `title`."""
     tokens = {token} if isinstance(token, str) else set(token)
     found = []
     # Only the start time of every process (/proc/<pid>/stat): the status and the environment are
@@ -146,17 +152,25 @@ def marked_processes(variable: str, token: str | Collection[str], since: float =
         try:
             if proc.pid == os.getpid() or proc.pid in exclude or proc.info["create_time"] < since - 1.0:
                 continue
-            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(variable) in tokens:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(variable) in tokens or (title and _titled(proc, title)):
                 found.append(proc)
         except psutil.Error:
             continue
     return found
 
 
+def _titled(proc: psutil.Process, title: str) -> bool:
+    """Whether `proc` shows `title` in `ps`, or the start of it (a title is cut to the command line it replaces)."""
+    shown = " ".join(proc.cmdline()).strip()
+    return shown == title or (len(shown) >= TITLE_MIN and title.startswith(shown))
+
+
 def kill_marked(variable: str, token: str | Collection[str], since: float = 0.0, grace_s: float = KILL_GRACE_S,
-                exclude: Collection[int] = ()) -> None:
+                exclude: Collection[int] = (), title: str = "") -> None:
     """SIGTERM every process `marked_processes` finds, then SIGKILL what is left after `grace_s`."""
-    procs = marked_processes(variable, token, since, exclude)
+    procs = marked_processes(variable, token, since, exclude, title)
     for proc in procs:
         try:
             proc.terminate()
@@ -170,15 +184,12 @@ def kill_marked(variable: str, token: str | Collection[str], since: float = 0.0,
             pass
 
 
-def group_runs_slot(pgid: int, queue: str) -> bool:
-    """Whether a live process of group `pgid` was started for slot `queue` (guards against PID reuse)."""
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.environ().get("AUTOTUNE_SLOT") == queue:
-                return True
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return False
+def group_runs_slot(pgid: int, queue: str, started: int | None = None) -> bool:
+    """Whether group `pgid` is still a rank of slot `queue` (guards against PID reuse): its leader
+    started at `started` (the slot's record), or a process of it carries a rank title of `queue`
+    (`workers.process_identity.owns_group`). Never by the environment, which a forked rank shows
+    as the warm process's."""
+    return owns_group(pgid, queue, started)
 
 
 def run_watched(
@@ -196,6 +207,7 @@ def run_watched(
     measured: Callable[[], bool] = lambda: False,
     measured_grace_s: float = MEASURED_GRACE_S,
     spawn: Callable[[list[str], dict[str, str], str, IO[bytes], IO[bytes]], Any] | None = None,
+    title: str = "",
 ) -> LaunchResult:
     """Run `argv` (never a shell string) to completion or until a limit; see the module docstring.
     `measured` says whether the experiment has its measurement (polled with `should_abort`): from then
@@ -203,7 +215,7 @@ def run_watched(
     `KillReason.MEASURED`, not as a timeout."""
     started = time.time()
     token = uuid.uuid4().hex
-    env = {**env, CONTAINER_ENV: token}
+    env = {**env, CONTAINER_ENV: token, **({TITLE_ENV: title} if title else {})}
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         try:
             proc = spawn(argv, env, cwd, out, err) if spawn is not None else subprocess.Popen(
@@ -223,18 +235,18 @@ def run_watched(
     except BaseException:
         kill_group(proc.pid)
         proc.wait()
-        _kill_leftovers(proc, token, started)
+        _kill_leftovers(proc, token, started, title)
         raise
     kill_group(proc.pid)
     exit_code = proc.wait()
-    _kill_leftovers(proc, token, started)
+    _kill_leftovers(proc, token, started, title)
     return LaunchResult(exit_code, killed_for, peak, started, time.time())
 
 
-def _kill_leftovers(proc: Any, token: str, started: float) -> None:
+def _kill_leftovers(proc: Any, token: str, started: float, title: str = "") -> None:
     leftover_marks = getattr(proc, "leftover_marks", None)
     tokens, spare = leftover_marks() if leftover_marks is not None else ((), ())
-    kill_marked(CONTAINER_ENV, {token, *tokens}, started, exclude=spare)
+    kill_marked(CONTAINER_ENV, {token, *tokens}, started, exclude=spare, title=title)
 
 
 def _watch(

@@ -43,6 +43,7 @@ from workers.oom import aborted_out_of_memory, stderr_out_of_memory
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders, prebuild_ops
 from workers.launch import MEASURED_GRACE_ENV, MEASURED_GRACE_S, run_watched, tail
 from workers.layout import experiment_file, rank_log
+from workers.process_identity import RankIdentity, forget_rank, record_rank
 from workers.paths import read_json, safe_child, write_atomic, write_json
 from workers.redis_tls import TLS_ENV
 from workers.shared_memory import remove_rank_segment
@@ -265,6 +266,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
         return {"status": Status.ABORTED.value, "exit": "not started", "started_at": now, "ended_at": now,
                 "wall_s": 0.0, "peak_rss_bytes": 0, "error": "stopped while the ops DeepSpeed needs were built"}
     start = Start()  # warm or cold, and why (workers.warm_start)
+    identity = RankIdentity(slot.queue, spec.job, spec.name, spec.rank, spec.world_size, spec.attempt)
     script_argv = command[3:] if command[1:3] == ["-m", "workers.entry"] else command
     # The wait for the warm process (its preload) is taken from the time limit, as a cold rank's imports are.
     warm_wait_s = WARM.prepare(script_argv, env, cwd, slot.kind, spec.timeout_s, start, stop_check.slot_taken)
@@ -274,13 +276,15 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
             stdout_path=experiment_file(result_dir, rank_log(spec.rank, "stdout")), stderr_path=stderr_path,
             timeout_s=spec.timeout_s - warm_wait_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
             should_abort=stop_check,
-            on_start=lambda pgid: (_record_group(client, pgid_key, slot.queue, task_id, pgid), describe()),
+            on_start=lambda pgid: (_record_group(client, pgid_key, slot.queue, task_id, pgid),
+                                   record_rank(client, task_id or spec.attempt, identity, pgid, PGID_TTL_S), describe()),
+            title=identity.title(),  # what `ps` shows the rank as (workers.process_identity)
             measured=_Measured(client, keys.measured(spec.attempt),
                                metric_path if spec.rank == 0 and spec.metric_file else None),
             measured_grace_s=seconds_setting(os.environ.get(MEASURED_GRACE_ENV), MEASURED_GRACE_S),
         )
     finally:
-        client.delete(pgid_key)
+        forget_rank(client, slot.queue, task_id or spec.attempt)
         remove_rank_segment(master[0], master[1], spec.rank)  # DeepSpeed's CPU all-reduce never does
         describe()  # where the script did not start
     report = read_exit_report(exit_report)  # final: the rank's whole group has ended

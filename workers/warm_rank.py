@@ -54,6 +54,9 @@ def run_forked_rank(request: dict[str, Any], ready: Any) -> None:
         os.setsid()
         if request["cpus"] and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, request["cpus"])
+        from workers.entry import take_title
+
+        take_title(request["env"])  # before the environment changes: `ps` names the rank (workers.process_identity)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])

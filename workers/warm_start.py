@@ -26,7 +26,9 @@ What stays true, and why:
 - Finding, limiting and killing a rank: the rank makes its own process group (`setsid`), so group
   kills and the memory cap work as for a cold rank; it carries the warm process's token in its
   /proc environ, by which its leftovers are stopped (`WarmProcess.leftover_marks`), and the memory
-  it shares with the warm process counts as its own (`forked_from_warm`).
+  it shares with the warm process counts as its own (`forked_from_warm`). What it is (slot, job,
+  experiment, rank) is read from its title and its slot's record, never from that environ
+  (`workers.process_identity`).
 - A rank's end is told by the warm process, its parent; if the warm process dies while the rank
   runs, the rank is watched by its pid to its end and the launch is recorded lost (its exit status
   is unknown), not as the config's crash (`workers.warm_server.WarmProcess`, `Start.lost`).

@@ -6,10 +6,11 @@ import shlex
 
 import pytest
 
-from deploy.plan import (check_redis_url, launches_matching, masked, plan_workers, pgid_keys,
-                         recorded_groups, registration_report, remote_command, up_request)
+from deploy.plan import (check_redis_url, cleanup_scope, kill_options, launches_matching, masked, plan_workers,
+                         record_keys, recorded_groups, registration_report, remote_command, up_request)
 from scheduler.errors import UsageError
 from workers import keys
+from workers.process_identity import RankIdentity, RankProcess
 
 
 def test_one_slot_worker_per_device_and_control_with_flower():
@@ -50,15 +51,31 @@ def test_remote_command_quotes_every_word_and_carries_no_secret():
     assert "pw" not in line
 
 
-def test_cleanup_targets_exactly_the_named_job_or_experiment():
-    running = {"job1": {"e1": {"rank_tasks": {"n1.gpu0": "t1", "n2.gpu0": "t2"}}},
+def test_cleanup_targets_exactly_the_named_job_or_one_experiment_of_it():
+    running = {"job1": {"e1": {"rank_tasks": {"n1.gpu0": "t1", "n2.gpu0": "t2"}}, "e3": {"rank_tasks": {}}},
                "job2": {"e2": {"rank_tasks": {"n1.gpu1": "t3"}}}}
-    assert [name for name, _ in launches_matching(running, "job1")] == ["e1"]
-    assert [name for name, _ in launches_matching(running, "e2")] == ["e2"]
-    launches = launches_matching(running, "job1")
-    assert pgid_keys(launches) == [keys.pgid("n1.gpu0", "t1"), keys.pgid("n2.gpu0", "t2")]
-    groups = recorded_groups(launches, {keys.pgid("n2.gpu0", "t2"): 4242})
-    assert [(g.node, g.queue, g.pgid) for g in groups] == [("n2", "n2.gpu0", 4242)]
+    assert [name for name, _ in launches_matching(running, "job1")] == ["e1", "e3"]
+    assert [name for name, _ in launches_matching(running, "job2:e2")] == ["e2"]
+    assert launches_matching(running, "job1:e2") == [], "job1 runs no e2: job2's is not its"
+    launches = launches_matching(running, "job1:e1")
+    assert record_keys(launches) == [keys.rank_process("n1.gpu0", "t1"), keys.pgid("n1.gpu0", "t1"),
+                                     keys.rank_process("n2.gpu0", "t2"), keys.pgid("n2.gpu0", "t2")]
+    record = RankProcess(RankIdentity("n1.gpu0", "job1", "e1", 0, 2, "a" * 32), 4141, 4141, 123456).to_json()
+    groups = recorded_groups(launches, {keys.rank_process("n1.gpu0", "t1"): record, keys.pgid("n2.gpu0", "t2"): b"4242"})
+    assert [(g.node, g.queue, g.pgid, g.started) for g in groups] == [("n1", "n1.gpu0", 4141, 123456),
+                                                                     ("n2", "n2.gpu0", 4242, None)]
+    assert kill_options(groups, 2) == ["--grace", "2", "n1.gpu0=4141@123456", "n2.gpu0=4242"]
+
+
+def test_an_experiment_name_alone_is_refused_because_names_repeat_across_jobs(tmp_path):
+    running = {"jobA": {"z1_gas1": {}}, "jobB": {"z1_gas1": {}}}
+    with pytest.raises(UsageError, match=r"JOB:z1_gas1 \(it runs in job\(s\) jobA, jobB\)"):
+        cleanup_scope("z1_gas1", running)
+    assert cleanup_scope("jobB:z1_gas1", running) == ("jobB", "z1_gas1")
+    folder = tmp_path / "autotuning_results"
+    folder.mkdir()
+    assert cleanup_scope(f"{folder}:z1_gas1", running, job_of_folder=lambda path: "jobA") == ("jobA", "z1_gas1")
+    assert cleanup_scope(str(folder), running, job_of_folder=lambda path: "jobB") == ("jobB", None)
 
 
 def test_registration_report_names_each_host_and_why():

@@ -1,0 +1,167 @@
+"""What a training process is, read from its title and from its slot's record, never from its environment.
+
+Why: a rank forked from the slot's warm interpreter (`workers.warm_start`) keeps the warm process's
+command line and /proc/<pid>/environ, whatever it sets after the fork; so neither tells which slot,
+job, experiment, rank or launch it is, and a check that reads them mistakes one rank for another
+(or the warm process for a rank). Two things say it instead:
+
+- **The title.** Every rank that runs under `workers.entry` (cold or forked) takes the title its slot
+  hands it (`workers.entry.TITLE_ENV`, set by `workers.launch.run_watched`) through the setproctitle
+  library: `ps` and `top` show `autotune rank 0/2 slot=n1.gpu0 launch=... job=... exp=...`, and a
+  process it forks without exec (a DataLoader worker) shows the same. The title replaces the command
+  line in place, so a long experiment name may be cut at the end; the rest comes first.
+- **The record.** When a rank starts, its slot records the rank's PID, process group and start time
+  under `keys.rank_process` (beside `keys.pgid`), in the cluster's Redis, with the identity above.
+  Redis, not a file on the node: every reader already talks to it (`python -m deploy cleanup` runs
+  on the operator's machine, which cannot read a node's files; the control worker cleans up lost
+  launches from there too), and a record is scoped to its cluster, so two embedded clusters on one
+  machine, whose slots have the same names, never see each other's ranks. A record that outlives its
+  rank (its worker was killed) expires with the pgid key.
+
+A record is a hint until checked (`owns_group`): the group's leader must still be the process that
+was started then (a PID the kernel gave to another process has another start time); with the leader
+gone, a process of the group must carry a rank title of that slot. A group that left neither (an
+exec'd wrapper script's children after the wrapper died) is not recognised, and not killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import psutil
+import redis
+
+from workers import keys
+from workers.entry import TITLE_ENV
+
+__all__ = ["TITLE_ENV", "RankIdentity", "RankProcess", "forget_rank", "owns_group", "record_rank", "recorded_ranks",
+           "start_time", "title_of", "titled_ranks"]
+
+TITLE_WORD = "autotune rank"
+#: A title cut short (it replaces the command line in place) still names the rank, slot and launch.
+_TITLE = re.compile(r"^autotune rank (?P<rank>\d+)/(?P<world>\d+) slot=(?P<slot>\S+) launch=(?P<launch>\S+)"
+                    r"(?: job=(?P<job>\S*))?(?: exp=(?P<experiment>\S*))?")
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Which rank of which launch a training process is: what its title says."""
+
+    slot: str
+    job: str
+    experiment: str
+    rank: int
+    world_size: int
+    launch: str  #: the launch's attempt token (its first 12 characters in a title)
+
+    def title(self) -> str:
+        """The process title: the short fields first, the experiment (the one that may be cut) last."""
+        return (f"{TITLE_WORD} {self.rank}/{self.world_size} slot={self.slot} launch={self.launch[:12]} "
+                f"job={self.job} exp={self.experiment}")
+
+    @classmethod
+    def from_title(cls, text: str) -> RankIdentity | None:
+        """The identity a title (a command line as `ps` shows it) names; None for any other process."""
+        found = _TITLE.match(text.strip())
+        if found is None:
+            return None
+        return cls(found["slot"], found["job"] or "", found["experiment"] or "", int(found["rank"]),
+                   int(found["world"]), found["launch"])
+
+    def same_launch(self, other: RankIdentity) -> bool:
+        """Whether both name one launch (a title carries the token's first 12 characters only)."""
+        return self.slot == other.slot and self.launch[:12] == other.launch[:12]
+
+
+@dataclass(frozen=True)
+class RankProcess:
+    """A slot's record of one rank's process: who it is, and what proves a live process is still it."""
+
+    identity: RankIdentity
+    pid: int
+    pgid: int
+    started: int  #: when the process started, in clock ticks since boot (/proc/<pid>/stat); 0: unread
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self.identity), "pid": self.pid, "pgid": self.pgid, "started": self.started})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RankProcess | None:
+        """The record, or None for anything that is not one (a reader never fails on a bad record)."""
+        try:
+            data = json.loads(text)
+            identity = RankIdentity(str(data["slot"]), str(data["job"]), str(data["experiment"]),
+                                    int(data["rank"]), int(data["world_size"]), str(data["launch"]))
+            return cls(identity, int(data["pid"]), int(data["pgid"]), int(data["started"]))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+def start_time(pid: int) -> int:
+    """When the process started, in clock ticks since boot, as the kernel keeps it (0 when it is gone):
+    exact, unlike a wall-clock time made from it (psutil's create_time moves by hundredths of a second
+    between reads), so a record and a live process compare equal or not at all."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def record_rank(client: redis.Redis, task_id: str, identity: RankIdentity, pid: int, ttl_s: int) -> RankProcess:
+    """Record a rank that just started as the leader of its own group (`pid` is its group) under
+    `keys.rank_process`, beside its pgid under `keys.pgid` (which the slot's leftover scan reads)."""
+    record = RankProcess(identity, pid, pid, start_time(pid))
+    client.set(keys.rank_process(identity.slot, task_id), record.to_json(), ex=ttl_s)
+    return record
+
+
+def forget_rank(client: redis.Redis, slot: str, task_id: str) -> None:
+    """The rank's group has ended: drop its record and its pgid key."""
+    client.delete(keys.pgid(slot, task_id), keys.rank_process(slot, task_id))
+
+
+def recorded_ranks(client: redis.Redis, slot: str = "*") -> list[RankProcess]:
+    """Every rank record of `slot` (all slots by default), unchecked."""
+    names = list(client.scan_iter(match=keys.rank_process_pattern(slot)))
+    values = client.mget(names) if names else []
+    return [record for record in (RankProcess.from_json(value) for value in values if value) if record]
+
+
+def title_of(proc: psutil.Process) -> str:
+    """What `ps` shows as the process's command ('' when it cannot be read)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def owns_group(pgid: int, slot: str, started: int | None = None) -> bool:
+    """Whether process group `pgid` is still a rank of `slot` (module docstring): its leader started
+    at `started` when that is known, else (or with the leader gone) a live process of the group
+    carries a rank title of `slot`. Never reads an environment."""
+    members = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    leader = next((proc for proc in members if proc.pid == pgid), None)
+    if started and leader is not None:
+        return start_time(pgid) == started
+    return any(identity is not None and identity.slot == slot
+               for identity in (RankIdentity.from_title(title_of(proc)) for proc in members))
+
+
+def titled_ranks(procs: Iterable[psutil.Process] | None = None) -> dict[int, RankIdentity]:
+    """pid -> identity of every live process carrying a rank title (one pass over the process table)."""
+    found = {}
+    for proc in psutil.process_iter() if procs is None else procs:
+        identity = RankIdentity.from_title(title_of(proc))
+        if identity is not None:
+            found[proc.pid] = identity
+    return found
