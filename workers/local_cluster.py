@@ -10,7 +10,9 @@ If the autotuner itself is killed with SIGKILL, the kernel tells its children (L
 signal): workers get SIGQUIT and Redis SIGTERM; and each worker notices its parent is gone
 (AUTOTUNE_EXIT_WITH_PARENT) and kills its training groups and itself, since a cold shutdown can
 hang on the Redis that just died. So even then nothing is left running. Their PIDs
-are also in <log_dir>/pids.json.
+are also in <log_dir>/pids.json. The last sweep of a stop finds training processes by the slots'
+records of their ranks and by the title each rank carries (`workers.process_identity`), never by
+an environment variable: a rank forked from a warm process shows that process's environment.
 The Redis password is random and passed on stdin, so it never appears in a process list. No path
 reaches redis-server's configuration: it runs in the log folder (its working directory, where it
 would put a dump), and every value it is given is quoted by `redis_config`, so a results folder with
@@ -33,9 +35,10 @@ from pathlib import Path
 import redis
 
 from workers import keys
-from workers.launch import kill_groups, kill_marked
+from workers.launch import kill_groups
 from workers.layout import PIDS, cluster_file
 from workers.paths import write_json
+from workers.process_identity import RankProcess, kill_titled, recorded_ranks
 from workers.registry import connect, control_alive, live_slots
 from workers.slot import HOST_MEMORY_CAP_ENV
 
@@ -193,6 +196,7 @@ class LocalCluster:
         still running) each worker's cold shutdown kills its running rank's group first."""
         client = redis.Redis.from_url(self.url, socket_timeout=2) if self.url else None
         recorded = _recorded_groups(client) if client is not None else None
+        ranks = _recorded_ranks(client) if client is not None else []
         if settled and recorded == []:
             kill_groups([worker.pid for worker in self._workers], grace_s=0.0, wait_s=LOCAL_STOP_GRACE_S)
             for worker in self._workers:
@@ -201,10 +205,11 @@ class LocalCluster:
             cold_stop(self._workers, grace_s=LOCAL_STOP_GRACE_S)
             if client is not None:  # read again: a worker that died before cleaning up left its group
                 recorded = _recorded_groups(client)
+                ranks = [*ranks, *_recorded_ranks(client)]
         if recorded:  # all at once: one grace for every group, not one each
             kill_groups(recorded, grace_s=2.0, wait_s=LOCAL_STOP_GRACE_S)
-        if self._workers:  # training processes that left their group (setsid) still carry our pid
-            kill_marked("AUTOTUNE_EXIT_WITH_PARENT", str(os.getpid()), grace_s=2.0)
+        if ranks:  # what a recorded rank forked that left its group (setsid) still carries its title
+            kill_titled(ranks, grace_s=2.0)
         if self._redis is not None and self._redis.poll() is None:
             self._redis.terminate()
             try:
@@ -293,6 +298,14 @@ def die_with_parent(sig: int) -> Callable[[], None] | None:
 
 def _pings(client: redis.Redis) -> bool:
     return bool(client.ping())
+
+
+def _recorded_ranks(client: redis.Redis) -> list[RankProcess]:
+    """The ranks the slots recorded as running (`workers.process_identity`); none when Redis cannot say."""
+    try:
+        return recorded_ranks(client)
+    except redis.RedisError:
+        return []
 
 
 def _recorded_groups(client: redis.Redis) -> list[int] | None:

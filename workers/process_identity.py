@@ -165,3 +165,27 @@ def titled_ranks(procs: Iterable[psutil.Process] | None = None) -> dict[int, Ran
         if identity is not None:
             found[proc.pid] = identity
     return found
+
+
+def kill_titled(records: Iterable[RankProcess], grace_s: float) -> list[int]:
+    """SIGTERM every live process whose title names the launch of one of `records` (a rank, or what
+    it forked, wherever that went: another session too), SIGKILL what is left after `grace_s`;
+    the pids it found."""
+    launches = {(record.identity.slot, record.identity.launch[:12]) for record in records}
+    procs = []
+    for proc in psutil.process_iter():
+        identity = RankIdentity.from_title(title_of(proc)) if launches else None
+        if identity is not None and (identity.slot, identity.launch[:12]) in launches:
+            procs.append(proc)
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    return [proc.pid for proc in procs]

@@ -132,23 +132,31 @@ def test_stop_kills_every_worker_and_a_rank_recorded_as_running(tmp_path, settle
     from workers.local_cluster import LocalCluster
     from workers.registry import connect
 
+    from workers.process_identity import RankIdentity, record_rank
+
     cluster = LocalCluster(1, tmp_path / "cluster")
     cluster.start()
-    rank = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                             "signal.SIG_IGN); print('up', flush=True); time.sleep(300)"],
-                            stdout=subprocess.PIPE, start_new_session=True)
+    identity = RankIdentity("gpu0", "job", "z1_mbs2", 0, 1, secrets.token_hex(16))
+    ignores_term = ("import setproctitle, signal, sys, time; setproctitle.setproctitle(sys.argv[1]); signal.signal("
+                    "signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(300)")
+    # The rank, and a process it forked that left its group (setsid): only its title says whose it is.
+    rank, escaped = (subprocess.Popen([sys.executable, "-c", ignores_term, identity.title()], stdout=subprocess.PIPE,
+                                      start_new_session=True) for _ in range(2))
     try:
-        assert rank.stdout.readline() == b"up\n"
+        assert rank.stdout.readline() == b"up\n" and escaped.stdout.readline() == b"up\n"
         if rank_running:
             connect(cluster.url).set(keys.pgid("gpu0", "t-rank"), rank.pid)
+            record_rank(connect(cluster.url), "t-rank", identity, rank.pid, 600)
         pids = cluster.pids
         cluster.stop(settled=settled)
         if rank_running:
             assert rank.wait(timeout=10) == -signal.SIGKILL, "the recorded rank's group must be killed"
+            assert escaped.wait(timeout=10) == -signal.SIGKILL, "a process titled as the recorded rank's must be killed"
         assert not [pid for pid in pids if psutil.pid_exists(pid) and
                     psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "a cluster process outlived stop"
     finally:
-        if rank.poll() is None:
-            os.killpg(rank.pid, signal.SIGKILL)
-            rank.wait()
+        for proc in (rank, escaped):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         cluster.stop()
