@@ -1,0 +1,125 @@
+"""A node cut off from Redis for twice its lease while its rank runs, then reconnected.
+
+Two network namespaces (netns.py): node 1 runs redis-server, a slot worker and the control worker;
+node 2 runs a slot worker that reaches Redis only across the veth link, which the test takes down
+while node 2's rank runs. The rank runs on by design (a Redis outage is no reason to stop), its
+lease lapses, and the control worker launches the experiment again. When the link comes back the
+cut-off launch is stopped or has finished, and the relaunch is the launch counted: its own metrics
+are the experiment's (rank 0 writes its MASTER address into them, so a metrics file read across
+launches shows the other launch's master), each experiment has one record, and no slot stays
+reserved. Here the revoke sent while the link was down reaches node 2's worker once it is back (its
+TCP connection survived the cut), which terminates the cut-off rank and drops its chord; the fence
+(`scheduler.cluster.fencing`, tests/redis/test_finish_task.py) is what keeps its record out when
+the revoke is lost for good. Slow (about a minute and a half): a cluster of its own, a lease to
+lapse and a relaunch to finish.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from integration_helpers import ROOT, stop_group, wait_for, write_config
+from netns import NamespacesUnavailable, create_two_hosts, delete_hosts, inside
+from test_two_nodes import NODES, PYTHON, _kill_leftovers, _log_tails, _probe, _start_redis, _worker_command
+
+pytestmark = pytest.mark.integration
+
+LEASE_S = 6.0
+
+
+@pytest.fixture
+def cluster(request, tmp_path):
+    """(node 1, node 2, Redis URL, logs folder, marker): Redis, gpu0 and control on node 1, gpu0 on node 2."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is required for integration tests (apt-get install -y redis-server)")
+    try:
+        hosts = create_two_hosts("fen")
+    except NamespacesUnavailable as exc:
+        pytest.skip(f"the partition test needs network namespaces: {exc}")
+    request.addfinalizer(lambda: delete_hosts(hosts))
+    node1, node2 = hosts
+    password, marker = secrets.token_hex(12), secrets.token_hex(8)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    url = f"redis://:{password}@{node1.address}:6379/0"
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("AUTOTUNE_NODE", "AUTOTUNE_ADDRESS", "AUTOTUNE_REDIS_URL")}
+    env.update({"AUTOTUNE_REDIS_URL": url, "AUTOTUNE_SLOT_MEMORY": "1GiB", "AUTOTUNE_SLOTS_PER_NODE": "1",
+                "AUTOTUNE_TEST_MARKER": marker})
+    request.addfinalizer(lambda: _kill_leftovers(marker))
+    redis_proc = _start_redis(node1, password, tmp_path)
+    request.addfinalizer(lambda: stop_group(redis_proc, signal.SIGTERM, 10))
+    up, state = _probe(env, node1, 15)
+    assert up, f"redis-server did not answer: {state}"
+    for host, node, queue, concurrency in ((node1, NODES[0], "gpu0", 1), (node2, NODES[1], "gpu0", 1),
+                                           (node1, NODES[0], "control", 2)):
+        with open(logs / f"{queue}@{node}.log", "ab") as log:
+            proc = subprocess.Popen(_worker_command(host, node, queue, concurrency), cwd=ROOT, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        request.addfinalizer(lambda proc=proc: stop_group(proc, signal.SIGQUIT, 10))
+    ready, state = _probe(env, node1, 60, slots=2, control=True)
+    assert ready, f"workers did not register: {state}\n{_log_tails(logs)}"
+    return node1, node2, url, logs, marker
+
+
+def _link(host, state: str) -> None:
+    subprocess.run(["ip", "-n", host.namespace, "link", "set", host.link, state], check=True, timeout=15)
+
+
+def test_a_node_cut_off_for_twice_its_lease_is_not_counted_and_its_relaunch_is(cluster, tmp_path: Path) -> None:
+    node1, node2, url, logs, marker = cluster
+    cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2])
+    data = json.loads(cfg.read_text())
+    data["autotuning"]["user_args"] = ["--behaviour", "1=slow20,2=slow20"]
+    data["autotuning"]["model_info"] = {"num_params": 1000, "trainable_num_params": 1000,
+                                        "activation_mem_per_gpu": 2**20}
+    cfg.write_text(json.dumps(data))
+    env = {**os.environ, "AUTOTUNE_REDIS_URL": url, "AUTOTUNE_TEST_MARKER": marker,
+           "AUTOTUNE_LEASE_S": str(LEASE_S), "AUTOTUNE_LOST_GRACE_S": "5"}
+    job = subprocess.Popen(inside(node1, [PYTHON, "-m", "scheduler.autotune", str(cfg), "--num_gpus", "1",
+                                          "--exp-timeout", "90"]),
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    results = tmp_path / "autotuning_results"
+    try:
+        wait_for(lambda: len(list(results.glob("*/started.rank0"))) == 2, 90, "both experiments to start")
+        victim = next(path.parent for path in results.glob("*/started.rank0")
+                      if json.loads((path.parent / "exp.json").read_text())["slots"] == [f"{NODES[1]}.gpu0"])
+        cut_off = int((victim / "started.rank0").read_text())
+        _link(node2, "down")
+        time.sleep(2 * LEASE_S)
+        _link(node2, "up")
+        out, err = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            stop_group(job, signal.SIGTERM, 20)
+    assert job.returncode == 0, out + err + _log_tails(logs)
+
+    record = json.loads((victim / "result.json").read_text())
+    assert record["status"] == "ok", record
+    rank0 = record["ranks"][0]
+    assert record["metrics"]["master"] == rank0["master"], record  # its own launch's metrics, no other's
+    assert json.loads((victim / "metrics.json").read_text()) == record["metrics"]
+    assert record["metrics"]["argv"][-1].endswith(".json") and record["metrics"]["argv"][-1] != str(victim / "ds_config.json")
+    assert int((victim / "started.rank0").read_text()) != cut_off  # the counted launch is the relaunch
+    names = [json.loads(line)["name"] for line in (results / "results.jsonl").read_text().splitlines()]
+    assert len(names) == len(set(names)) and victim.name in names, names  # one record per experiment
+    control_log = (logs / f"control@{NODES[0]}.log").read_text(errors="replace")
+    node2_log = (logs / f"gpu0@{NODES[1]}.log").read_text(errors="replace")
+    # How the cut-off launch's own record went: refused by the fence, or its chord dropped by its revoke.
+    fate = "refused (not counted)" if "is not counted" in control_log else \
+        "its chord dropped (revoked)" if "TaskRevokedError" in control_log + node2_log else "no record came"
+    wait_for(lambda: not psutil.pid_exists(cut_off) or psutil.Process(cut_off).status() == psutil.STATUS_ZOMBIE,
+             30, "the cut-off launch's rank to end")
+    _, state = _probe({**os.environ, "AUTOTUNE_REDIS_URL": url}, node1, 0)
+    assert state.get("gangs") == [], state
+    print(f"\npartition of {2 * LEASE_S:.0f}s: relaunch counted; the cut-off launch's record: {fate}")
