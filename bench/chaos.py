@@ -13,7 +13,7 @@ Redis and from samples of the process table (never from its own bookkeeping of w
                (below), which legitimately sends the search another way
   duplicated   no experiment listed twice, none the fault-free run did not need (same proviso), and
                none run by two launches at the same time (the same rank of it alive in two launches
-               in one sample of the process table)
+               in one sample of the process table; a rank is what its title names, `identify`)
   overlapping  no slot running two experiments at once: slot-seconds covered by two rank spans of
                one slot in the records, or by training processes of two launches in one sample
   leaked       nothing left: no slot lease or active job in Redis once every job ended (and a lease
@@ -84,18 +84,22 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages (wor
 import psutil  # noqa: E402
 import redis  # noqa: E402
 
-from bench.chaos_checks import (SAMPLE_S, Fault, JobRecords, Leftovers, Sample, Seen, Verdict,  # noqa: E402
-                                fault_made, fault_schedule, summary_line, verdict)
+from bench.chaos_checks import (SAMPLE_S, Fault, JobRecords, Leftovers, ProcessRow, Sample, Seen, Verdict,  # noqa: E402
+                                fault_made, fault_schedule, identify, summary_line, verdict)
 from scheduler.errors import OneLineArgumentParser, UsageError, one_line  # noqa: E402
 from workers import keys  # noqa: E402
-from workers.launch import CONTAINER_ENV, group_alive  # noqa: E402
+from scheduler.cluster.jobs import job_id_for  # noqa: E402
+from workers.launch import group_alive  # noqa: E402
 from workers.local_cluster import (CLUSTER_USER, cluster_user_rules, cold_stop, free_tcp_port, redis_config,  # noqa: E402
                                    worker_argv)
+from workers.process_identity import owns_group, recorded_ranks  # noqa: E402
 from workers.registry import control_alive, live_slots  # noqa: E402
 from workers.shared_memory import SHM_DIR, segment_name  # noqa: E402
 
 FAKE = ROOT / "tests" / "integration" / "scripts" / "fake_train.py"
-MARKER_ENV = "AUTOTUNE_CHAOS_MARKER"  #: every process of the cluster inherits it: found by it, never by name
+#: Every process of the cluster inherits it: the cluster's processes are found by it, never by name. Which
+#: of them are training processes, and which rank each is, says its title (`identify`), never this.
+MARKER_ENV = "AUTOTUNE_CHAOS_MARKER"
 LEASE_S = 10.0  #: the jobs' AUTOTUNE_LEASE_S: short, so a frozen worker loses its slot within the soak
 EXP_TIMEOUT_S = 60.0  #: each experiment's --exp-timeout
 RESTART_DELAY_S = (0.5, 5.0)  #: a killed worker or command comes back after this many seconds
@@ -313,41 +317,53 @@ def new_job(work: Path, name: str, kind: JobKind) -> Job:
 
 
 class Sampler(threading.Thread):
-    """Samples the running training processes of the cluster every SAMPLE_S."""
+    """Samples the running training processes of the soak's jobs every SAMPLE_S (`identify`)."""
 
-    def __init__(self, marker: str) -> None:
+    def __init__(self, jobs: dict[str, str]) -> None:
         super().__init__(daemon=True, name="process sampler")
-        self.marker, self.samples, self.latest = marker, [], {}
+        self.jobs, self.samples, self.latest = jobs, [], {}
         self._halt = threading.Event()
 
     def run(self) -> None:
         while not self._halt.wait(SAMPLE_S):
-            seen, pids = [], {}
-            for proc in psutil.process_iter(["status", "cmdline"]):
-                try:
-                    if proc.info["status"] in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                        continue
-                    env = proc.environ()
-                except psutil.Error:
-                    continue
-                if env.get(MARKER_ENV) != self.marker or CONTAINER_ENV not in env:
-                    continue
-                argv = proc.info["cmdline"] or []
-                config = Path(argv[argv.index("--deepspeed_config") + 1] if "--deepspeed_config" in argv[:-1] else "?")
-                experiment = f"{config.parent.parent.parent.name}/{config.parent.name}"  # <job>/<experiment>
-                item = Seen(env.get("AUTOTUNE_SLOT", "?"), env[CONTAINER_ENV], experiment, env.get("RANK", "?"))
-                seen.append(item)
-                pids[proc.pid] = item
-            self.samples.append(Sample(time.time(), tuple(seen)))
-            self.latest = pids
+            found = training_processes(self.jobs)
+            self.samples.append(Sample(time.time(), tuple(found.values())))
+            self.latest = {pid: item for pid, item in found.items() if pid in self.leaders(found)}
+
+    @staticmethod
+    def leaders(found: dict[int, Seen]) -> set[int]:
+        """The ranks themselves (each leads its own group), not what they started."""
+        leaders = set()
+        for pid in found:
+            try:
+                if os.getpgid(pid) == pid:
+                    leaders.add(pid)
+            except ProcessLookupError:
+                continue
+        return leaders
 
     def stop(self) -> None:
         self._halt.set()
         self.join()
 
 
-def marked(marker: str, training_only: bool = False) -> list[int]:
-    """Live processes carrying the marker (training processes only: those of a launch)."""
+def training_processes(jobs: dict[str, str]) -> dict[int, Seen]:
+    """pid -> rank, of the running (not stopped, not zombie) training processes of `jobs` (job id ->
+    name): one pass over the process table, each process read by its title and group (`identify`)."""
+    rows = []
+    for proc in psutil.process_iter(["status", "cmdline"]):
+        try:
+            if proc.info["status"] in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                continue
+            rows.append(ProcessRow(proc.pid, os.getpgid(proc.pid), " ".join(proc.info["cmdline"] or [])))
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return identify(rows, dict(jobs))
+
+
+def marked(marker: str) -> list[int]:
+    """Live processes of the cluster: those carrying the marker (each inherits it from the cluster's
+    environment; a forked rank shows the warm process's, which has it too)."""
     found = []
     for proc in psutil.process_iter(["status"]):
         try:
@@ -355,8 +371,7 @@ def marked(marker: str, training_only: bool = False) -> list[int]:
         except psutil.Error:
             continue
         if env.get(MARKER_ENV) == marker and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            if not training_only or CONTAINER_ENV in env:
-                found.append(proc.pid)
+            found.append(proc.pid)
     return found
 
 
@@ -370,7 +385,8 @@ class Soak:
         self.work, self.seconds, self.seed = work, seconds, seed
         self.marker = secrets.token_hex(8)
         self.cluster = Cluster(work, slots, self.marker)
-        self.sampler = Sampler(self.marker)
+        self.job_ids: dict[str, str] = {}  #: job id (a rank's title names it) -> the job's name here
+        self.sampler = Sampler(self.job_ids)
         self.rng = random.Random(f"chaos targets {seed}")  #: targets and delays, from the seed too
         self.kinds = job_kinds()
         self.jobs: list[Job] = []
@@ -408,13 +424,19 @@ class Soak:
 
     def run_references(self) -> dict[str, dict[str, str]]:
         """One fault-free job per config, all at once: each config's experiments and statuses."""
-        jobs = [new_job(self.work, f"reference-{kind.name}", kind) for kind in self.kinds]
+        jobs = [self.new_job(f"reference-{kind.name}", kind) for kind in self.kinds]
         for job in jobs:
             job.launch(self.cluster)
         for job in jobs:
             if job.proc.wait(timeout=DRAIN_S) != 0:
                 raise RuntimeError(f"the fault-free run of {job.kind.name} failed; see {job.folder / 'command.log'}")
         return {job.kind.name: dict(listed_statuses(job.results)) for job in jobs}
+
+    def new_job(self, name: str, kind: JobKind) -> Job:
+        """A fresh job, its id known to the sampler before its command starts."""
+        job = new_job(self.work, name, kind)
+        self.job_ids[job_id_for(job.results)] = job.name
+        return job
 
     def soak(self) -> None:
         schedule = fault_schedule(self.seed, self.seconds)
@@ -444,7 +466,7 @@ class Soak:
         active = [job for job in self.jobs if not job.finished]
         if starting and len(active) < CONCURRENT_JOBS:
             kind = self.kinds[len(self.jobs) % len(self.kinds)]
-            job = new_job(self.work, f"{len(self.jobs):03d}-{kind.name}", kind)
+            job = self.new_job(f"{len(self.jobs):03d}-{kind.name}", kind)
             self.jobs.append(job)
             job.launch(self.cluster)
 
@@ -541,19 +563,27 @@ class Soak:
             if not found:
                 break
             time.sleep(0.5)
-        for key in client.scan_iter(match=keys.pgid_pattern()):
-            pgid = int(client.get(key) or 0)
-            if pgid and group_alive(pgid):
-                found += (f"{key.decode()} (group {pgid} alive)",)
+        recorded = recorded_ranks(client)
+        for record in recorded:  # a rank's record: its group is that rank while its leader started then
+            where = f"{keys.rank_process(record.identity.slot, '*')} {record.identity.title()}"
+            if owns_group(record.pgid, record.identity.slot, record.started or None):
+                found += (f"{where} (group {record.pgid} alive)",)
             else:
-                self.notes.append(f"note: {key.decode()} names process group {pgid}, gone (a stale record)")
+                self.notes.append(f"note: {where} names process group {record.pgid}, gone (a stale record)")
+        for key in client.scan_iter(match=keys.pgid_pattern()):  # an op build's group has no rank record
+            pgid = int(client.get(key) or 0)
+            if pgid and pgid not in {record.pgid for record in recorded} and group_alive(pgid):
+                found += (f"{key.decode()} (group {pgid} alive)",)
         return found
 
-    def training_left(self) -> tuple[int, ...]:
+    def training_left(self) -> tuple[str, ...]:
+        """The training processes of the soak's jobs still running once every job ended, each named
+        as its title names it."""
         deadline = time.monotonic() + 10
-        while (left := marked(self.marker, training_only=True)) and time.monotonic() < deadline:
+        while (left := training_processes(self.job_ids)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        return tuple(left)
+        return tuple(f"{pid} (rank {seen.rank} of {seen.experiment} on {seen.slot}, launch {seen.launch})"
+                     for pid, seen in sorted(left.items()))
 
     def after_teardown(self) -> tuple[int, ...]:
         """Processes of the cluster still alive after it was stopped; they are killed here."""

@@ -1,5 +1,6 @@
-"""The checks of bench/chaos.py, pure (no I/O): the fault schedule, and the four counts of its summary
-line from what the soak read (records on disk, samples of the process table, leftovers).
+"""The checks of bench/chaos.py, pure (no I/O): the fault schedule, which processes of a sample of the
+process table are training processes and which rank of which launch each is (`identify`), and the
+four counts of its summary line from what the soak read (records on disk, samples, leftovers).
 
 Why apart: the soak's verdict must not hang on its own bookkeeping, and each check must be seen to
 fail when its property breaks; tests/unit/test_chaos.py plants records that break each one.
@@ -9,9 +10,11 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+
+from workers.process_identity import RankIdentity
 
 MIN_GAP_S, MAX_GAP_S = 4.0, 14.0  #: a fault every MIN_GAP_S-MAX_GAP_S seconds
 SAMPLE_S = 0.25  #: how often the soak samples the process table
@@ -53,12 +56,44 @@ def fault_schedule(seed: int, seconds: float) -> list[tuple[float, Fault]]:
 
 @dataclass(frozen=True)
 class Seen:
-    """One training process in one sample of the process table."""
+    """One training process in one sample of the process table, as its rank's title names it."""
 
-    slot: str  #: AUTOTUNE_SLOT in its environment
-    launch: str  #: its launch's token (workers.launch.CONTAINER_ENV)
-    experiment: str  #: "<job>/<experiment>", from the folder of its --deepspeed_config argument
-    rank: str  #: RANK in its environment
+    slot: str  #: the slot its title names
+    launch: str  #: its launch (the attempt token's start, in its title)
+    experiment: str  #: "<job>/<experiment>": the soak's name of the job its title names, and the experiment
+    rank: str  #: its rank
+
+
+@dataclass(frozen=True)
+class ProcessRow:
+    """One live process as the sampler read it: what `ps` shows for it, and its process group."""
+
+    pid: int
+    pgid: int
+    shown: str  #: its command line, or the title that replaced it
+
+
+def identify(rows: Iterable[ProcessRow], jobs: Mapping[str, str]) -> dict[int, Seen]:
+    """pid -> what it is, for the training processes of the soak's jobs (`jobs`: job id -> the name
+    the lines give it): each process titled as a rank of one of them (`workers.process_identity`: a
+    rank forked from the warm process too, whose environment and command line are the warm
+    process's), and each untitled process of such a rank's group (an exec'd child), as that rank.
+    The warm process itself and the workers carry no rank title: not training processes."""
+    rows = list(rows)
+    seen: dict[int, Seen] = {}
+    leaders: dict[int, Seen] = {}
+    for row in rows:
+        identity = RankIdentity.from_title(row.shown)
+        if identity is None or identity.job not in jobs:
+            continue
+        seen[row.pid] = Seen(identity.slot, identity.launch, f"{jobs[identity.job]}/{identity.experiment}",
+                             str(identity.rank))
+        if row.pid == row.pgid or row.pgid not in leaders:
+            leaders[row.pgid] = seen[row.pid]
+    for row in rows:
+        if row.pid not in seen and row.pgid in leaders:
+            seen[row.pid] = leaders[row.pgid]
+    return seen
 
 
 @dataclass(frozen=True)
@@ -86,7 +121,7 @@ class Leftovers:
     """What was still there at the end."""
 
     redis_keys: tuple[str, ...] = ()  #: leases, recorded process groups, active jobs
-    training: tuple[int, ...] = ()  #: training processes alive once every job ended (pids)
+    training: tuple[str, ...] = ()  #: training processes alive once every job ended ("pid (which rank)")
     processes: tuple[int, ...] = ()  #: processes with the marker alive after teardown (pids)
     shm: tuple[str, ...] = ()  #: /dev/shm segments of recorded rendezvous
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from bench.chaos import main
-from bench.chaos_checks import (MAX_GAP_S, MIN_GAP_S, Fault, JobRecords, Leftovers, Sample, Seen,
-                                duplicated_experiments, fault_made, fault_schedule, lost_experiments, overlap_seconds,
-                                sampled_overlap_seconds, summary_line, verdict)
+from bench.chaos_checks import (MAX_GAP_S, MIN_GAP_S, Fault, JobRecords, Leftovers, ProcessRow, Sample, Seen,
+                                duplicated_experiments, fault_made, fault_schedule, identify, lost_experiments,
+                                overlap_seconds, sampled_overlap_seconds, summary_line, verdict)
+from workers.process_identity import RankIdentity
 
 REFERENCE = {"z0_a": "ok", "z0_b": "ok", "z1_a": "ok"}
 
@@ -125,12 +126,54 @@ def test_two_launches_on_one_slot_in_the_process_table_overlap():
     assert sampled_overlap_seconds(CLEAN_SAMPLES) == 0.0
 
 
+# ------------------------------------------------------------------ which processes are ranks
+
+JOB_A, JOB_B, STRANGER = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc"
+JOBS = {JOB_A: "001-list", JOB_B: "002-pair"}
+#: What /proc shows for a rank forked from the warm process, before its title: the warm process's line.
+FORKSERVER = ("/venv/bin/python -B -c from multiprocessing.forkserver import main; main(5, 7, "
+              "['workers.warm_preload'], **{'sys_path': ['/repo']})")
+
+
+def titled(job_id: str, experiment: str, rank: int, world: int, launch: str, slot: str = "chaos.gpu0") -> str:
+    return RankIdentity(slot, job_id, experiment, rank, world, launch.ljust(32, "0")).title()
+
+
+def test_a_warm_forked_rank_is_the_rank_its_title_names_not_the_warm_process():
+    rows = [
+        ProcessRow(100, 100, "[celeryd: gpu0@chaos:MainProcess] -active- (worker -Q gpu0)"),
+        ProcessRow(101, 100, FORKSERVER),  # the warm process: in its worker's group, no rank title
+        ProcessRow(200, 200, titled(JOB_A, "z0_mbs1", 0, 1, "launch1")),  # forked from 101, then titled
+        ProcessRow(201, 200, titled(JOB_A, "z0_mbs1", 0, 1, "launch1")),  # what it forked: the same title
+        ProcessRow(202, 200, "gcc -c cpu_adam.cpp"),  # what it exec'd: untitled, in its group
+        ProcessRow(300, 300, titled(JOB_B, "z0_mbs1", 1, 2, "launch2", "chaos.gpu1")),  # a cold rank, other job
+        ProcessRow(400, 400, titled(STRANGER, "z0_mbs1", 0, 1, "launch9")),  # another cluster's rank
+        ProcessRow(500, 500, FORKSERVER),  # a forked rank not yet titled: nobody's yet
+    ]
+    found = identify(rows, JOBS)
+    rank = Seen("chaos.gpu0", "launch100000", "001-list/z0_mbs1", "0")
+    assert found == {200: rank, 201: rank, 202: rank,
+                     300: Seen("chaos.gpu1", "launch200000", "002-pair/z0_mbs1", "1")}
+
+
+def test_a_rank_in_two_launches_is_seen_as_two_and_one_launchs_processes_as_one():
+    """The same experiment name in two jobs is two experiments; one rank in two launches of one job is
+    a duplicate; a rank and what it forked are one launch."""
+    both = identify([ProcessRow(1, 1, titled(JOB_A, "z1_mbs2", 0, 1, "launchX")),
+                     ProcessRow(2, 1, titled(JOB_A, "z1_mbs2", 0, 1, "launchX")),
+                     ProcessRow(3, 3, titled(JOB_B, "z1_mbs2", 0, 1, "launchY", "chaos.gpu1"))], JOBS)
+    assert duplicated_experiments([], [Sample(0.0, tuple(both.values()))]) == []
+    twice = identify([ProcessRow(1, 1, titled(JOB_A, "z1_mbs2", 0, 1, "launchX")),
+                      ProcessRow(3, 3, titled(JOB_A, "z1_mbs2", 0, 1, "launchZ", "chaos.gpu1"))], JOBS)
+    assert len(duplicated_experiments([], [Sample(0.0, tuple(twice.values()))])) == 1
+
+
 # ------------------------------------------------------------------ leaked
 
 
 @pytest.mark.parametrize("leftovers", [
     Leftovers(redis_keys=("autotune:gang:chaos.gpu0",)),
-    Leftovers(training=(4242,)),
+    Leftovers(training=("4242 (rank 0 of 001-list/z0_mbs1 on chaos.gpu0, launch 0123456789ab)",)),
     Leftovers(processes=(4243,)),
     Leftovers(shm=("deepspeed_allreduce_buffer_0_127.0.0.1_29500_0",)),
 ])
