@@ -56,7 +56,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
-from bench.surfaces import FAMILIES, Surface, classic, make_surface, user_config, with_buckets  # noqa: E402
+from bench.surfaces import FAMILIES, WORLD, Surface, at_world, classic, make_surface, user_config, with_buckets  # noqa: E402
 from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.search.phases import Phase, drive  # noqa: E402
 from scheduler.search.ranking import best  # noqa: E402
@@ -159,12 +159,16 @@ def main() -> None:
                         "always set, equal Gaussian noise, 85 %% device peaks")
     parser.add_argument("--buckets", action="store_true", help="DeepSpeed's 1 GB gradient bucket held at "
                         "ZeRO-1/2/3 on every surface (surfaces.with_buckets)")
+    parser.add_argument("--world", type=int, default=WORLD, help=f"ranks per experiment (default {WORLD}; "
+                        "surfaces.at_world)")
     args = parser.parse_args()
+    if args.world < 1:
+        parser.error(f"--world {args.world}: must be at least 1")
     if args.noise is not None and not 0 <= args.noise < 1:
         parser.error(f"--noise {args.noise}: must be a fraction in [0, 1)")
     families = args.family or list(FAMILIES)
     print(f"SEARCH QUALITY REPLAY: {args.surfaces} synthetic GPU-like surfaces per family (seeds "
-          f"{args.seed}..{args.seed + args.surfaces - 1}), fast mode, stage all, 2 ranks, "
+          f"{args.seed}..{args.seed + args.surfaces - 1}), fast mode, stage all, {args.world} ranks, "
           f"{100 * (0.02 if args.noise is None else args.noise):g} % noise, "
           + ("variant classic (max_train_batch_size always set, equal Gaussian noise, 85 % peaks); "
              if args.classic else "variant new (half without max_train_batch_size, per-config and "
@@ -184,6 +188,15 @@ def main() -> None:
             surfaces = [replace(surface, noise=args.noise) for surface in surfaces]
         if args.buckets:
             surfaces = [with_buckets(surface) for surface in surfaces]
+        if args.world != WORLD:
+            surfaces = [at_world(surface, args.world) for surface in surfaces]
+        fitting = [surface for surface in surfaces if surface.optimum()[0] > 0]
+        if len(fitting) < len(surfaces):
+            print(f"{family:<13}{len(surfaces) - len(fitting)} of {len(surfaces)} surfaces fit at no stage "
+                  f"on {args.world} rank(s) without a memory strategy: left out")
+        surfaces = fitting
+        if not surfaces:
+            continue
         rows = {"ours": [ours(s) for s in surfaces], "DeepSpeed": [deepspeed(s) for s in surfaces],
                 "all once": [every_config_once(s) for s in surfaces]}
         for label, outcomes in rows.items():

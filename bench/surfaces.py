@@ -339,3 +339,15 @@ def user_config(surface: Surface) -> dict[str, Any]:
         "zero_optimization": {"stage": "all"},
         "autotuning": autotuning,
     }
+
+
+def at_world(surface: Surface, world: int) -> Surface:
+    """The same script on `world` ranks per experiment: the same samples per GPU per step (the
+    limit scaled with the world), the states sharded over `world`, and the gradients' communication
+    scaled by a ring all-reduce's 2 (world - 1) / world against the 2 ranks it was drawn for (none
+    on one rank). Real jobs run 8 ranks per node and more; ZeRO-3's sharding frees more there."""
+    ring = 2 * (world - 1) / world
+    return replace(surface, world=world, comm_time=surface.comm_time * ring,
+                   stage3_gather=surface.stage3_gather * ring,
+                   max_train_batch_size=surface.mtbpg * world if surface.max_train_batch_size else None,
+                   drawn_max_train_batch_size=surface.drawn_max_train_batch_size // WORLD * world)

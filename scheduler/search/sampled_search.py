@@ -26,7 +26,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   a per-sample, a per-step and a growing per-sample cost, fitted to the stage's readings) is a
   straggler's or a lucky one: that config is measured once more (`_recheck`) and the refinement
   reads the reading the fit agrees with, so one slow run does not hide the region around the
-  optimum and one lucky run does not pull the refinement to it;
+  optimum and one lucky run does not pull the refinement to it. When the refinement has no gap
+  left to split, a size the fit predicts better than the stage's best by more than the noise,
+  where its prediction is trusted, is measured (`stage_readings.predicted_better`);
 - another stage is first measured at the incumbent's size (without max_train_batch_size, after its
   own top), which tells how it compares. It is explored further only if the incumbent was the
   largest size its own stage could hold and this stage holds more (the curve was still rising at
@@ -80,7 +82,7 @@ from scheduler.search.repeats import says_nothing
 from scheduler.search.sampling import lead_first, next_size, sawtooth_neighbour, snap
 from scheduler.search.session import Session, Step
 from scheduler.search.space import PROFILE
-from scheduler.search.stage_readings import at_cap, leader_of, stage_values, suspect_size
+from scheduler.search.stage_readings import at_cap, leader_of, predicted_better, stage_values, suspect_size
 from scheduler.search.stage_space import (
     gas_for, known_feasible, samples_per_step, sizes_ran, stage_candidates, stage_top,
 )
@@ -159,7 +161,8 @@ def _wins(session: Session, stage: int, value: float, bounded: bool = False) -> 
 
 
 def _explore(session: Session, stage: int, floor: int = 0) -> Step:
-    """Sample and refine one stage, above `floor`, until `next_size` says done (or the guards)."""
+    """Sample and refine one stage, above `floor`, until `next_size` says done and the cost model
+    predicts no unmeasured size better (`stage_readings.predicted_better`), or the guards."""
     st = session.settings
     if not (yield from _anchor(session, stage)):
         return
@@ -180,6 +183,8 @@ def _explore(session: Session, stage: int, floor: int = 0) -> Step:
             continue
         sizes = [m for m in stage_candidates(session, stage) if m >= floor]
         size = next_size({m: v for m, v in values.items() if m >= floor}, sizes, st.maximize)
+        if size is None:
+            size = predicted_better(session, stage, {m: v for m, v in values.items() if m >= floor}, sizes)
         if size is None:
             return
         yield from _measure(session, stage, size, f"z{stage}_sample_{size}")

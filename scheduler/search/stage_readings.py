@@ -18,6 +18,10 @@ from scheduler.search.session import Session
 from scheduler.search.space import PROFILE
 from scheduler.search.stage_space import gas_for, stage_candidates
 
+#: A size the cost model predicts better is measured only where its prediction's relative standard
+#: error is below this: the model is not trusted far from the sizes it was fitted on.
+TRUSTED_ERROR = 0.1
+
 
 def stage_values(session: Session, stage: int) -> dict[int, float | None]:
     """size -> metric (None: failed) of the stage's measured sizes at their gas in the space. Without
@@ -116,3 +120,25 @@ def at_cap(session: Session, stages: Sequence[int], mbs: int) -> bool:
     rising where memory stopped it, so a stage holding larger sizes may do better."""
     largest = max((m for stage in stages for m, v in stage_values(session, stage).items() if v is not None), default=0)
     return mbs >= largest
+
+
+def predicted_better(session: Session, stage: int, values: Mapping[int, float | None],
+                     sizes: Sequence[int]) -> int | None:
+    """When the refinement has nothing left to split: the unmeasured size of `sizes` the cost model,
+    fitted to the stage's readings (three or more), predicts beats the stage's best reading by
+    more than one reading's noise (or the fit's misfit), where the prediction is trusted (standard
+    error under TRUSTED_ERROR); the best such, or None. It finds what the gaps between measured sizes
+    hide, such as a size filling the step with one micro-step less (8 ranks, a step of 512: 128 x 4
+    between 102 x 5 and 136 x 3, which differ by less than the refinement's ratio)."""
+    if not session.settings.maximize:
+        return None
+    ok = {m: v for m, v in values.items() if v is not None and v > 0}
+    model = fit([Reading(m, gas_for(session, stage, m), v) for m, v in ok.items()]) if len(ok) >= 3 else None
+    if model is None:
+        return None
+    noise = reading_noise(session)
+    bar = max(ok.values()) * (1 + max(noise, model.misfit))
+    options = [(model.predict(m, gas_for(session, stage, m)), m) for m in sizes
+               if m not in values and model.error(m, gas_for(session, stage, m), noise) < TRUSTED_ERROR]
+    better = [(value, m) for value, m in options if value > bar]
+    return max(better)[1] if better else None
