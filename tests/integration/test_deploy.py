@@ -27,6 +27,7 @@ from sshd import start_sshd
 from scheduler.cluster.launches import RunningLaunch
 from workers import keys
 from workers.local_cluster import free_tcp_port
+from workers.process_identity import RankIdentity, record_rank, start_time
 from workers.registry import live_slots
 
 pytestmark = pytest.mark.integration
@@ -138,14 +139,20 @@ def test_up_status_cleanup_down(hosts):
             seq=1, exp={"name": "z1_mbs2"}, argv=[], attempt="a", queues=["nodeB.gpu0", "nodeA.gpu1"],
             token="tok", rank_tasks={"nodeB.gpu0": "t-rank", "nodeA.gpu1": "t-stranger"},
             started=0.0, deadline=0.0).to_json()))
+        # As a slot records its rank (workers.process_identity): the rank's record holds its start;
+        # the stranger's bare pgid names a group that no rank title of that slot is in.
         client.set(keys.pgid("nodeB.gpu0", "t-rank"), rank.pid)
+        record_rank(client, "t-rank", RankIdentity("nodeB.gpu0", "deployjob", "z1_mbs2", 0, 2, "a"), rank.pid, 600)
         client.set(keys.pgid("nodeA.gpu1", "t-stranger"), stranger.pid)
         wait_for(lambda: ignores_term(rank.pid) and ignores_term(stranger.pid), 10, "ranks to ignore SIGTERM")
 
-        done = deploy(hosts, "cleanup", "z1_mbs2", "--grace", "1")
+        refused = deploy(hosts, "cleanup", "z1_mbs2", "--grace", "1")
+        assert refused.returncode == 2 and "JOB:z1_mbs2 (it runs in job(s) deployjob)" in refused.stderr
+        done = deploy(hosts, "cleanup", "deployjob:z1_mbs2", "--grace", "1")
         shown = lines_of(done.stdout)
         assert done.returncode == 0
-        assert f"nodeB.gpu0={rank.pid} killed with SIGKILL after 1s (ignored SIGTERM)" in shown["nodeB"]
+        assert f"nodeB.gpu0={rank.pid}@{start_time(rank.pid)} killed with SIGKILL after 1s (ignored SIGTERM)" \
+            in shown["nodeB"]
         assert "gone (no process of this group runs that slot)" in shown["nodeA"]
         assert rank.wait(timeout=10) == -signal.SIGKILL
         assert stranger.poll() is None, "a group that does not run the slot must never be killed"
@@ -155,7 +162,7 @@ def test_up_status_cleanup_down(hosts):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         client.delete(keys.job_running("deployjob"), keys.pgid("nodeB.gpu0", "t-rank"),
-                      keys.pgid("nodeA.gpu1", "t-stranger"))
+                      keys.rank_process("nodeB.gpu0", "t-rank"), keys.pgid("nodeA.gpu1", "t-stranger"))
         client.zrem(keys.JOBS, "deployjob")
 
     for log in hosts["run_dir"].glob("*.log"):
@@ -194,6 +201,7 @@ def test_a_stopped_launch_has_its_recorded_groups_killed_on_this_host_without_ss
     try:
         wait_for(lambda: ignores_term(rank.pid), 10, "rank to ignore SIGTERM")
         client.set(keys.pgid(queue, "t-lost"), rank.pid)
+        record_rank(client, "t-lost", RankIdentity(queue, "job", "lost_exp", 0, 1, "a"), rank.pid, 600)
         stop_launch(client, app, RunningLaunch(seq=1, exp={"name": "lost_exp"}, argv=[], attempt="a",
                                                queues=[queue], token="tok", rank_tasks={queue: "t-lost"},
                                                started=0.0, deadline=0.0))
@@ -203,4 +211,4 @@ def test_a_stopped_launch_has_its_recorded_groups_killed_on_this_host_without_ss
         if rank.poll() is None:
             os.killpg(rank.pid, signal.SIGKILL)
             rank.wait()
-        client.delete(keys.pgid(queue, "t-lost"))
+        client.delete(keys.pgid(queue, "t-lost"), keys.rank_process(queue, "t-lost"))

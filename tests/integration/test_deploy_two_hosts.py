@@ -44,6 +44,7 @@ from netns import (Host, NamespacesUnavailable, create_two_hosts, delete_hosts, 
                    on_host, own_processes, processes_of)
 from sshd import TestSshd, start_sshd
 from workers import keys
+from workers.process_identity import RankIdentity
 from workers.warm_plan import SWITCH_ENV
 
 pytestmark = pytest.mark.integration
@@ -59,7 +60,9 @@ CLEANUP_GRACE_S = 5.0  #: deploy.cleanup.DEFAULT_GRACE_S, what the scheduler hoo
 #: in a session of its own like a rank's group. Prints the leader's PID as its own host sees it.
 STUBBORN_GROUP = r"""
 import os, signal, subprocess, sys, time
+import setproctitle
 os.setsid()
+setproctitle.setproctitle(os.environ["STUBBORN_TITLE"])  # as a rank titles itself (workers.process_identity)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 child = subprocess.Popen(["sleep", "600"])
 print(os.getpid(), flush=True)
@@ -271,7 +274,8 @@ def _stubborn_group(cluster: TwoHosts, node: str, slot: str) -> tuple[subprocess
     """A SIGTERM-ignoring group started on `node` for `slot`: (the nsenter holding it, the leader's
     PID as `node` knows it)."""
     proc = subprocess.Popen(cluster.on(node, [PYTHON, "-c", STUBBORN_GROUP]),
-                            env={**cluster.env(), "AUTOTUNE_SLOT": slot}, stdout=subprocess.PIPE,
+                            env={**cluster.env(), "AUTOTUNE_SLOT": slot, "STUBBORN_TITLE": RankIdentity(
+                                slot, "twohostjob", "z1_two", 0, 1, "a-two").title()}, stdout=subprocess.PIPE,
                             text=True, start_new_session=True)
     return proc, int(proc.stdout.readline())
 
@@ -366,7 +370,7 @@ def test_up_status_cleanup_down_across_two_hosts(cluster, tmp_path):
         assert len(cluster.group("node2", rank_pgid)) == 2 and len(cluster.group("node2", stranger_pgid)) == 2
         before = cluster.accepted_logins("node2")
 
-        done = cluster.deploy("cleanup", "z1_two", "--grace", "1")
+        done = cluster.deploy("cleanup", "twohostjob:z1_two", "--grace", "1")
         shown = lines_of(done.stdout)
         assert done.returncode == 0, done.stdout + done.stderr
         assert shown["node2"] == (f"node2: node2.gpu0={rank_pgid} killed with SIGKILL after 1s "
