@@ -36,6 +36,7 @@ from workers.cuda_binding import binding_problem, should_check, uuid_seen_by_cud
 from workers.device_idle import seconds_setting
 from workers.gpus import GpuListingError, memory_used
 from workers.launch import group_runs_slot, kill_group
+from workers.process_identity import leftover_groups
 from workers.redis_tls import describe_tls_failure
 from workers.registry import Heartbeat, claim_gpu, connect, register_control, register_slot
 from workers.slot_health import HealthWatch
@@ -245,15 +246,12 @@ def _kill_recorded_group(task_id: str) -> None:
 
 
 def kill_orphans(client: redis.Redis, queue: str) -> int:
-    """Kill training groups left by an earlier worker of this slot (one that was SIGKILLed)."""
-    killed = 0
-    for key in client.scan_iter(match=keys.pgid_pattern(queue)):
-        pgid = client.get(key)
-        if pgid and group_runs_slot(int(pgid), queue):
-            kill_group(int(pgid))
-            killed += 1
-        client.delete(key)
-    return killed
+    """Kill training groups left by an earlier worker of this slot (one that was SIGKILLed): those its
+    records name that are still those ranks (`workers.process_identity.leftover_groups`)."""
+    groups = leftover_groups(client, queue)
+    for pgid in groups:
+        kill_group(pgid)
+    return len(groups)
 
 
 def _redis_host_port(url: str) -> tuple[str, int]:

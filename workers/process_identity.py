@@ -37,8 +37,8 @@ import redis
 from workers import keys
 from workers.entry import TITLE_ENV
 
-__all__ = ["TITLE_ENV", "RankIdentity", "RankProcess", "forget_rank", "owns_group", "record_rank", "recorded_ranks",
-           "start_time", "title_of", "titled_ranks"]
+__all__ = ["TITLE_ENV", "RankIdentity", "RankProcess", "forget_rank", "kill_titled", "leftover_groups", "owns_group",
+           "record_rank", "recorded_ranks", "start_time", "title_of", "titled_ranks"]
 
 TITLE_WORD = "autotune rank"
 #: A title cut short (it replaces the command line in place) still names the rank, slot and launch.
@@ -129,6 +129,26 @@ def recorded_ranks(client: redis.Redis, slot: str = "*") -> list[RankProcess]:
     names = list(client.scan_iter(match=keys.rank_process_pattern(slot)))
     values = client.mget(names) if names else []
     return [record for record in (RankProcess.from_json(value) for value in values if value) if record]
+
+
+def leftover_groups(client: redis.Redis, slot: str) -> list[int]:
+    """The slot's leftover scan (a restarted worker's: its predecessor was killed before its ranks'
+    groups were): the groups the slot recorded that are still those ranks (`owns_group`, by the
+    record's start time where there is one), every record of the slot dropped."""
+    found, names = set(), []
+    for name in client.scan_iter(match=keys.rank_process_pattern(slot)):
+        names.append(name)
+        record = RankProcess.from_json(client.get(name) or b"")
+        if record is not None and owns_group(record.pgid, slot, record.started or None):
+            found.add(record.pgid)
+    for name in client.scan_iter(match=keys.pgid_pattern(slot)):  # an op build's group has no rank record
+        names.append(name)
+        pgid = int(client.get(name) or 0)
+        if pgid and pgid not in found and owns_group(pgid, slot):
+            found.add(pgid)
+    if names:
+        client.delete(*names)
+    return sorted(found)
 
 
 def title_of(proc: psutil.Process) -> str:

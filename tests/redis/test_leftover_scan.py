@@ -1,0 +1,47 @@
+"""A restarted slot worker's scan for the groups its killed predecessor left
+(`workers.process_identity.leftover_groups`, behind `tasks.worker_hooks.kill_orphans`): the groups the
+slot recorded that are still those ranks, by the record's start time, or by a rank title of the slot
+where only a pgid was recorded; never a process the environment alone names; every record dropped."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from workers import keys
+from workers.process_identity import RankIdentity, leftover_groups, record_rank
+
+SLOT = "n1.gpu0"
+SLEEPS = ("import setproctitle, sys, time; sys.argv[1] and setproctitle.setproctitle(sys.argv[1]); "
+          "print('up', flush=True); time.sleep(120)")
+
+
+def _process(title: str = "") -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPS, title], stdout=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "AUTOTUNE_SLOT": SLOT})
+    assert proc.stdout.readline() == b"up\n"
+    return proc
+
+
+def test_the_scan_finds_the_recorded_ranks_still_running_and_drops_every_record(client):
+    identity = RankIdentity(SLOT, "job", "z1", 0, 1, "a" * 32)
+    procs = {name: _process(title) for name, title in [("recorded", ""), ("reused", ""), ("bare_untitled", ""),
+                                                       ("bare_titled", identity.title())]}
+    try:
+        record_rank(client, "t-recorded", identity, procs["recorded"].pid, 600)
+        reused = record_rank(client, "t-reused", identity, procs["reused"].pid, 600)
+        client.set(keys.rank_process(SLOT, "t-reused"),  # its PID, since given to another process
+                   json.dumps({**json.loads(reused.to_json()), "started": reused.started - 500}))
+        client.set(keys.pgid(SLOT, "t-untitled"), procs["bare_untitled"].pid)
+        client.set(keys.pgid(SLOT, "t-titled"), procs["bare_titled"].pid)
+        client.set(keys.pgid("n1.gpu1", "t-other-slot"), procs["bare_titled"].pid)
+
+        assert leftover_groups(client, SLOT) == sorted([procs["recorded"].pid, procs["bare_titled"].pid])
+        assert sorted(key.decode() for key in client.scan_iter(match="autotune:*")) == \
+            [keys.pgid("n1.gpu1", "t-other-slot")], "every record of the slot is dropped, no other slot's"
+    finally:
+        for proc in procs.values():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
