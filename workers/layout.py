@@ -37,6 +37,7 @@ RESULTS_JSONL = "results.jsonl"
 RESULTS_CSV = "results.csv"
 TUNING_PLOT = "tuning.png"
 TIMELINE_PLOT = "timeline.png"
+MODEL_PLOT = "model_fit.png"
 #: What the command logged to MLflow: the parent run a rerun continues (`scheduler.report.mlflow_log`).
 MLFLOW_RUN = "mlflow_run.json"
 #: The winner of a finished search: its config, its command, its hostfile (more than one node).
@@ -44,7 +45,7 @@ OPTIMAL_FILES = ("ds_config_optimal.json", "cmd_optimal.txt", "hostfile_optimal"
 #: The best measured config of an interrupted search, never under the "optimal" names.
 PARTIAL_FILES = ("ds_config_best_partial.json", "cmd_best_partial.txt", "hostfile_best_partial")
 #: Every file this tool writes at the top of a results folder (`scheduler.report.outputs`).
-RESULT_FILES = frozenset({MARKER, SUMMARY, RESULTS_JSONL, RESULTS_CSV, TUNING_PLOT, TIMELINE_PLOT, MLFLOW_RUN,
+RESULT_FILES = frozenset({MARKER, SUMMARY, RESULTS_JSONL, RESULTS_CSV, TUNING_PLOT, TIMELINE_PLOT, MODEL_PLOT, MLFLOW_RUN,
                           *OPTIMAL_FILES, *PARTIAL_FILES})
 
 EXP_JSON = "exp.json"  #: the experiment as launched (rank 0)

@@ -14,6 +14,9 @@
     <results_dir>/tuning.png        every experiment: micro-batch size against the metric (scheduler.report.plot)
     <results_dir>/timeline.png      every experiment on its slots over time, coloured by outcome,
                                     its start-up (launch to engine ready) hatched
+    <results_dir>/model_fit.png     each config's reading against what the cost model fitted to its
+                                    stage's other configs predicts (scheduler.report.model_fit; the
+                                    same rows close summary.txt)
 
 An interrupted search is not a search that found an optimum: its experiments that were running or
 queued get `cancelled` lines in results.jsonl/results.csv, summary.txt says "interrupted", and the
@@ -45,11 +48,13 @@ from scheduler.search.confirm import (
 )
 from scheduler.search.global_batch import KEPT_NOTE
 from scheduler.search.ranking import best, config_key, metric_value, pooled_best, pooled_word, status_counts
+from scheduler.report.model_fit import fit_text, write_fit_plot
 from scheduler.report.startup import startup_text
+from scheduler.search.fit_check import fit_checks
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.failure import Status
-from workers.layout import (OPTIMAL_FILES, PARTIAL_FILES, RESULTS_CSV, RESULTS_JSONL, SUMMARY, TIMELINE_PLOT,
-                            TUNING_PLOT, result_file)
+from workers.layout import (MODEL_PLOT, OPTIMAL_FILES, PARTIAL_FILES, RESULTS_CSV, RESULTS_JSONL, SUMMARY,
+                            TIMELINE_PLOT, TUNING_PLOT, result_file)
 from workers.paths import safe_child, write_atomic, write_json
 
 #: The classes an experiment's record can have (`gpu_busy` is a rank's "not started": never recorded).
@@ -96,7 +101,8 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     elapsed = datetime.timedelta(seconds=round(elapsed_s))
     kept = any(note.startswith(KEPT_NOTE) for note in notes)
     table += ("\n\n" + "".join(f"{note}.\n" for note in notes) + space_text(experiments, kept)
-              + winner_text(tuned, metric, maximize) + startup_text(tuned))
+              + winner_text(tuned, metric, maximize) + startup_text(tuned)
+              + fit_text(fit_checks(experiments, records, metric, maximize)))
     if cancelled is None:
         return (f"{table}\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."
                 f" Metric: {metric} ({'max' if maximize else 'min'}).\n")
@@ -269,13 +275,14 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
                               list(cancelled) if partial else None, notes))
     winner = best(ordered, metric, maximize)
     if partial:  # a Ctrl-C is not kept waiting for matplotlib (seconds on a busy machine)
-        for stale in (TUNING_PLOT, TIMELINE_PLOT):
+        for stale in (TUNING_PLOT, TIMELINE_PLOT, MODEL_PLOT):
             result_file(results_dir, stale).unlink(missing_ok=True)
     else:
         from scheduler.report.plot import write_plot, write_timeline  # matplotlib is imported only when a job ends
 
         write_plot(result_file(results_dir, TUNING_PLOT), experiments, records, metric, winner)
         write_timeline(result_file(results_dir, TIMELINE_PLOT), ordered, winner)
+        write_fit_plot(result_file(results_dir, MODEL_PLOT), fit_checks(experiments, records, metric, maximize), metric)
     for stale in (*OPTIMAL_FILES, *PARTIAL_FILES):
         result_file(results_dir, stale).unlink(missing_ok=True)
     if winner is None:

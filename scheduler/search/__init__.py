@@ -12,7 +12,8 @@ leaves, so it runs the same on a cluster, in a replay after a crash and in bench
   with `sampling` (its pure decisions: the next size, the stage order, the saw-tooth neighbour),
   `stage_space` (what a stage holds, the sizes worth measuring) and `stage_readings` (what a stage's
   readings say); `cost_model` (seconds per sample fitted to a stage's readings: the reading it
-  contradicts is measured again, and of two readings the one it agrees with is read);
+  contradicts is measured again, and of two readings the one it agrees with is read) with
+  `fit_check` (its leave-one-out predictions against what a job read, for the report);
   `repeats` (one policy for every search of ours: a crash launched once more, the winner confirmed)
   with `confirm` (re-measuring the leaders until they are told apart); `full_space` and `tuners`
   (full mode's knob points: grid, random, model-based); `ranking` (the best config from records: the mean of its readings, the median from three);
