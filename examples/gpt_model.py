@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only language model; ``forward(tokens, targets)`` returns the mean cross-entropy loss."""
+    """Decoder-only language model; ``forward(tokens, targets)`` returns the mean cross-entropy loss.
 
-    def __init__(self, config: GPTConfig) -> None:
+    With ``checkpointing`` each transformer block keeps only its input in training and runs its
+    forward again in the backward pass (``torch.utils.checkpoint``): less activation memory per
+    sample for about a third more compute.
+    """
+
+    def __init__(self, config: GPTConfig, checkpointing: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.checkpointing = checkpointing
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
@@ -103,7 +110,7 @@ class GPT(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
         logits = self.lm_head(self.ln_final(x))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 

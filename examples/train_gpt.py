@@ -6,7 +6,8 @@ the engine itself times the forward, backward and step calls, writes the metric
 file on rank 0 after optimizer step ``end_profile_step + 1`` and exits the
 process (or, in model-info mode, writes ``model_info.json`` after the first
 forward and exits).  Without autotuning it trains ``--steps`` optimizer steps
-and prints the final loss on rank 0.
+and prints the final loss on rank 0. ``--activation_checkpointing`` checkpoints every
+transformer block (the switch examples/cfg_checkpointing.json maps for the search).
 
 ``--deepspeed_config`` may be a path or base64-encoded JSON (the autotuner
 passes the latter); DeepSpeed decodes both.  Run one rank by hand with::
@@ -36,6 +37,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the DeepSpeed launcher; unused")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps to train when not autotuning")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--activation_checkpointing", action="store_true",
+                        help="recompute each transformer block in the backward pass (torch.utils.checkpoint)")
     add_model_arguments(parser)
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -45,7 +48,7 @@ def main() -> None:
     args = parse_arguments()
     deepspeed.init_distributed()
     torch.manual_seed(args.seed)
-    model = GPT(config_from_arguments(args))
+    model = GPT(config_from_arguments(args), checkpointing=args.activation_checkpointing)
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
 
     data = SyntheticTokens(model.config.vocab_size, model.config.seq_len, seed=args.seed + engine.global_rank)

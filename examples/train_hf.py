@@ -7,6 +7,8 @@ set ``--per_device_train_batch_size`` and ``--gradient_accumulation_steps`` per 
 from its flag). Nothing is downloaded: the model is built from a ``GPT2Config`` in code and the data
 are random tokens generated here. It is an ordinary Trainer script that knows nothing about
 autotuning: with an enabled ``autotuning`` section DeepSpeed's engine writes the metrics and exits.
+``--gradient_checkpointing`` turns on the Trainer's activation checkpointing; examples/cfg_hf.json
+maps it (``arg_mappings.activation_checkpointing``) so the search may use it.
 
 Run one rank by hand::
 
@@ -45,6 +47,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--deepspeed", required=True, help="DeepSpeed config (JSON file)")
     parser.add_argument("--per_device_train_batch_size", type=int, default=8)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    parser.add_argument("--gradient_checkpointing", action="store_true",
+                        help="the Trainer's activation checkpointing (recompute in the backward pass)")
     parser.add_argument("--max_steps", type=int, default=20, help="optimizer steps when not autotuning")
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the DeepSpeed launcher")
     parser.add_argument("--output_dir", default=None, help="Trainer output folder (default: a temporary one)")
@@ -68,6 +72,8 @@ def main() -> None:
             output_dir=args.output_dir or scratch, deepspeed=args.deepspeed,
             per_device_train_batch_size=args.per_device_train_batch_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps, max_steps=args.max_steps,
+            gradient_checkpointing=args.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
             learning_rate=3e-4, logging_steps=max(args.max_steps // 4, 1), save_strategy="no", report_to=[],
             dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True, seed=args.seed)
         result = Trainer(model=model, args=training, train_dataset=data).train()

@@ -40,7 +40,7 @@ from scheduler.search.global_batch import largest_kept
 from scheduler.search.memory import SAFETY, calibrate
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.session import NoStageFits, Session, Step, peak_of, succeeded
-from scheduler.search.space import PROFILE, Experiment, strategy_of
+from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
 from scheduler.search.strategies import (
     CHECKPOINT_KEEP_PRIOR, StepFacts, allow_line, applies, freed_bytes, measured_keep_share,
     ordered_combinations, searchable, step_cost_s, strategy_model,
@@ -117,7 +117,7 @@ def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str,
 def _run(session: Session, leader: Experiment, strategy: tuple[str, ...], mbs: int) -> Step:
     gas = _gas(session, leader, mbs)
     exp = session.experiment(leader.stage, mbs, gas, strategy)
-    suffix = "_".join(name.split("_")[-1][:4] for name in strategy)
+    suffix = "_".join(STRATEGY_SUFFIX[name] for name in strategy)
     [record] = yield from session.measure(f"z{leader.stage}_strategy_{suffix}_{mbs}", [exp])
     return record
 
