@@ -43,7 +43,7 @@ from scheduler.search.session import (
     NoStageFits, SearchAborted, SearchSettings, Session, measured_capacity, measured_reserve, peak_of, succeeded,
 )
 from scheduler.search.space import PROFILE, experiment_name
-from scheduler.search.strategy_search import stages_that_fit, try_strategies
+from scheduler.search.strategy_search import profile_offloaded, stages_that_fit, try_strategies
 
 #: DeepSpeed's METRIC_PERCENT_DIFF_CONST: a larger batch must improve the metric by more than this.
 PLATEAU = 0.05
@@ -191,6 +191,8 @@ def _refuse_if_nothing_kept(session: Session) -> None:
 
 def _profile(session: Session) -> Step:
     [record] = yield from session.measure(PROFILE, [session.profile_experiment()])
+    if record.get("status") == "oom":  # again with the allowed offload, if any (strategy_search)
+        record = (yield from profile_offloaded(session)) or record
     info = ModelInfo.from_mapping(record.get("metrics")) if succeeded(record) else None
     if info is not None:
         return info, peak_of(record, session.settings.peak_memory_key)

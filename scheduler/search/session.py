@@ -25,7 +25,7 @@ from scheduler.search.memory import (
 from scheduler.search.memory_facts import SharedFacts, predict_max_micro_batch_size, shared_facts
 from scheduler.search.phases import Phase
 from scheduler.search.ranking import best, metric_value
-from scheduler.search.space import PROFILE, Experiment, experiment_config, experiment_name, strategy_of
+from scheduler.search.space import PROFILE, Experiment, experiment_config, experiment_name, profile_name, strategy_of
 from workers.layout import MODEL_INFO
 
 Step = Generator[Phase, dict[str, dict], Any]
@@ -244,25 +244,25 @@ class Session:
         return [self.measured[exp.name][1] for exp in experiments]
 
     def experiment(self, stage: int, mbs: int, gas: int, strategy: tuple[str, ...] | None = None) -> Experiment:
-        st = self.settings
-        strategy = st.strategy if strategy is None else strategy
+        st, strategy = self.settings, self.settings.strategy if strategy is None else strategy
         config = experiment_config(st.ds_config, stage, mbs, gas, st.dp_size, st.start_profile_step,
                                    st.end_profile_step, strategy)
         return Experiment(experiment_name(stage, gas, mbs, strategy), stage, mbs, gas, config, st.num_nodes,
                           st.num_gpus, strategy=strategy_of(strategy))
 
-    def profile_experiment(self) -> Experiment:
+    def profile_experiment(self, strategy: tuple[str, ...] = ()) -> Experiment:
         st = self.settings
-        config = experiment_config(st.ds_config, 3, 1, 1, st.dp_size, st.start_profile_step, st.end_profile_step)
+        config = experiment_config(st.ds_config, 3, 1, 1, st.dp_size, st.start_profile_step, st.end_profile_step,
+                                   strategy)
         config["memory_breakdown"] = False
         config["autotuning"]["model_info"] = {"profile": True}
-        return Experiment(PROFILE, 3, 1, 1, config, st.num_nodes, st.num_gpus, tuning_space=PROFILE,
-                          metric_file=MODEL_INFO)
+        return Experiment(profile_name(strategy), 3, 1, 1, config, st.num_nodes, st.num_gpus, tuning_space=PROFILE,
+                          metric_file=MODEL_INFO, strategy=strategy_of(strategy))
 
     def stage_records(self, stage: int) -> list[tuple[Experiment, dict[str, Any]]]:
         """The stage's experiments with the search's own strategies (a strategy probe is another config)."""
         return [(exp, rec) for exp, rec in self.measured.values()
-                if exp.stage == stage and exp.name != PROFILE and exp.strategy == self.settings.strategy]
+                if exp.stage == stage and exp.space != PROFILE and exp.strategy == self.settings.strategy]
 
     def observations(self) -> dict[int, list[Observation]]:
         """Per stage: measured peaks of successes, and upper bounds: every `oom` (`too_large`) at a

@@ -4,8 +4,9 @@ Experiments are named as DeepSpeed names them (`z{stage}_gas{gas}_tmbspg{mbs}` i
 results folders read the same; one run with memory strategies (`Experiment.strategy`) has a suffix per
 strategy in DeepSpeed's style (`_oo` offload_optimizer, `_op` offload_param, `_ac` activation
 checkpointing), its offload sections in zero_optimization and the strategies listed under
-`arguments.STRATEGY_KEY` in its autotuning section (the script's checkpointing switch is appended from it). Each experiment config is built from the user's config, never by
-mutating it. Which experiments to run is decided by the searches (`fast_search`, `full_space`).
+`arguments.STRATEGY_KEY` in its autotuning section (the script's checkpointing switch is appended
+from it). Each experiment config is built from the user's config, never by mutating it. Which
+experiments to run is decided by the searches (`fast_search`, `full_space`).
 """
 from __future__ import annotations
 
@@ -81,6 +82,11 @@ def strategy_of(names: Any) -> tuple[str, ...]:
 
 def experiment_name(stage: int, gas: int, mbs: int, strategy: tuple[str, ...] = ()) -> str:
     return f"z{stage}_gas{gas}_tmbspg{mbs}" + "".join(f"_{STRATEGY_SUFFIX[name]}" for name in strategy_of(strategy))
+
+
+def profile_name(strategy: tuple[str, ...] = ()) -> str:
+    """The profile run's name, with a suffix per strategy when it runs offloaded (`strategy_search`)."""
+    return PROFILE + "".join(f"_{STRATEGY_SUFFIX[name]}" for name in strategy_of(strategy))
 
 
 def offload_section(user_config: dict[str, Any]) -> dict[str, Any]:

@@ -104,7 +104,8 @@ def ordered_combinations(names: Sequence[str]) -> list[tuple[str, ...]]:
     return sorted(found, key=lambda combo: (len(combo), sorted(PRIOR_RANK[n] for n in combo)))
 
 
-def strategy_model(model: MemoryModel, strategy: Sequence[str], keep_share: float = CHECKPOINT_KEEP_PRIOR) -> MemoryModel:
+def strategy_model(model: MemoryModel, strategy: Sequence[str],
+                   keep_share: float = CHECKPOINT_KEEP_PRIOR) -> MemoryModel:
     """The memory model of runs with `strategy` added: offload drops the states it moves (the
     model's own `TrainingSetup` flags), checkpointing keeps `keep_share` of each sample's activations."""
     setup: TrainingSetup = model.setup

@@ -37,7 +37,7 @@ from dataclasses import replace
 
 from scheduler.inputs.config import MEMORY_STRATEGIES
 from scheduler.search.global_batch import largest_kept
-from scheduler.search.memory import SAFETY, calibrate
+from scheduler.search.memory import SAFETY, MemoryModel, ModelInfo, calibrate
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.session import NoStageFits, Session, Step, peak_of, succeeded
 from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
@@ -76,6 +76,24 @@ def stages_that_fit(session: Session, feasible: Callable[[Session], tuple[int, .
                               f"{stages[0]}: allow it with {allow_line(strategy)} in the config",
                               refusal.shortfall_bytes) from None
         raise
+
+
+def profile_offloaded(session: Session) -> Step:
+    """After the profile run ran out of memory, the profile once more with every allowed offload
+    (ZeRO-3's states leave the device; its activation figure is the same). Returns its record with the
+    peak it would have had without the offload (for the overhead: `memory.overhead_from_profile`), or
+    None when no offload is allowed."""
+    st = session.settings
+    allowed = searchable(st.ds_config, st.host_memory, st.checkpointing_fixed)
+    strategy = tuple(name for name in allowed if name.startswith("offload_"))
+    if not strategy:
+        return None
+    [record] = yield from session.measure("profile_offloaded", [session.profile_experiment(strategy)])
+    info = ModelInfo.from_mapping(record.get("metrics")) if succeeded(record) else None
+    peak = peak_of(record, st.peak_memory_key)
+    if info is None or peak is None:
+        return record
+    return {**record, st.peak_memory_key: peak + freed_bytes(MemoryModel(info, st.setup, 0), strategy, 3)}
 
 
 def try_strategies(session: Session) -> Step:

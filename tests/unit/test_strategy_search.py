@@ -13,8 +13,8 @@ from scheduler.search.global_batch import GlobalBatch
 from scheduler.search.memory import GiB, MemoryModel, ModelInfo
 from scheduler.search.phases import drive
 from scheduler.search.ranking import best
-from scheduler.search.session import NoStageFits, SearchSettings, Session
-from scheduler.search.space import Experiment
+from scheduler.search.session import NoStageFits, SearchAborted, SearchSettings, Session
+from scheduler.search.space import PROFILE, Experiment
 
 CAPACITY = 16 * GiB
 RESERVE = GiB  #: memory.untracked_reserve_bytes of a 16 GiB GPU
@@ -41,6 +41,9 @@ class Law:
         peak = self.memory(exp)
         if peak > CAPACITY - RESERVE:
             return {"name": exp.name, "status": "oom", "ds_config": exp.ds_config}
+        if exp.space == PROFILE:
+            return {"name": exp.name, "status": "ok", "peak_device_bytes": peak, "ds_config": exp.ds_config,
+                    "metrics": {"num_params": self.num_params, "activation_mem_per_gpu": self.activation}}
         compute = 0.01 * exp.micro_batch_size * (4 / 3 if "activation_checkpointing" in exp.strategy else 1)
         if self.peak and exp.micro_batch_size > self.peak:
             compute *= exp.micro_batch_size / self.peak
@@ -51,14 +54,14 @@ class Law:
                 "metrics": {"throughput": samples / step, "latency": step * 1e6}}
 
 
-def settings(law: Law, strategies: list[str], kept: int | None = None) -> SearchSettings:
+def settings(law: Law, strategies: list[str], kept: int | None = None, profile: bool = False) -> SearchSettings:
     autotuning: dict[str, Any] = {"enabled": True, "memory_strategies": strategies,
                                   "arg_mappings": {"activation_checkpointing": "--gradient_checkpointing"}}
     config = {"fp16": {"enabled": True}, "zero_optimization": {"stage": "all", "contiguous_gradients": False},
               "autotuning": autotuning}
     info = ModelInfo(law.num_params, law.num_params, law.activation)
     return SearchSettings(ds_config=config, capacity_bytes=CAPACITY, stages=(0, 1, 2, 3), num_gpus=4,
-                          model_info=info, overhead_bytes=GiB, peak_memory_key="peak_device_bytes",
+                          model_info=None if profile else info, overhead_bytes=GiB, peak_memory_key="peak_device_bytes",
                           global_batch=GlobalBatch(kept, f"train_batch_size {kept}") if kept else GlobalBatch())
 
 
@@ -150,3 +153,12 @@ def test_a_strategy_probe_is_no_memory_fact_of_its_stage() -> None:
         session.measured[exp.name] = (exp, TALL.run(exp))
     assert [o.micro_batch_size for o in session.observations()[0]] == [8]
     assert [exp.micro_batch_size for exp, _ in session.stage_records(0)] == [8]
+
+
+def test_a_profile_run_out_of_memory_is_run_again_with_the_allowed_offload() -> None:
+    experiments, records = run(BIG, settings(BIG, ["offload_optimizer", "activation_checkpointing"], profile=True))
+    assert [exp.name for exp in experiments[:2]] == [PROFILE, f"{PROFILE}_oo"]
+    assert records[PROFILE]["status"] == "oom" and records[f"{PROFILE}_oo"]["status"] == "ok"
+    assert len(experiments) > 2 and all("offload_optimizer" in exp.strategy for exp in experiments[2:])
+    with pytest.raises(SearchAborted, match="ran out of memory"):
+        run(BIG, settings(BIG, ["activation_checkpointing"], profile=True))
