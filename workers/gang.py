@@ -37,24 +37,30 @@ return 1
 """
 _KEEP = """
 -- KEYS[1]  autotune:gang:<slot queue> of the one slot a running rank renews
+-- KEYS[2]  autotune:server, the token of this server's data (set here to ARGV[4] when missing)
 -- ARGV[1]  the launch's owner token
 -- ARGV[2]  the lease in milliseconds
--- ARGV[3]  the run id of the Redis server the rank last renewed on ('': none yet)
--- returns {answer, this server's run id}: answer 1 when ARGV[1] held it (lease extended); 2 when the
--- key was gone and the server is another one than ARGV[3] (restarted without its data: taken
--- back); 0 when another token holds it, or the key was freed on this same server (released by
--- stop_launch, or its lease lapsed): this launch was given up
-local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+-- ARGV[3]  the data token the rank last renewed under ('': none yet)
+-- ARGV[4]  a fresh token, for data that has none
+-- returns {answer, the data token}: answer 1 when ARGV[1] held it (lease extended); 2 when the key
+-- was gone and the data is other than ARGV[3] (Redis restarted without its data: taken back); 0
+-- when another token holds it, or the key was freed in the same data (released by stop_launch, or
+-- its lease lapsed): this launch was given up
+local server = redis.call('GET', KEYS[2])
+if not server then
+  server = ARGV[4]
+  redis.call('SET', KEYS[2], server)
+end
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, run_id}
+  return {1, server}
 end
-if not holder and ARGV[3] ~= '' and ARGV[3] ~= run_id then
+if not holder and ARGV[3] ~= '' and ARGV[3] ~= server then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return {2, run_id}
+  return {2, server}
 end
-return {0, run_id}
+return {0, server}
 """
 _RELEASE = """
 -- KEYS[1..n]  autotune:gang:<slot queue> of the slots to free
@@ -73,8 +79,8 @@ return released
 
 @dataclass(frozen=True)
 class Renewal:
-    """A lease renewal's answer: whether this launch still holds the slot, and the run id of the
-    Redis server that answered (the rank passes it to its next renewal)."""
+    """A lease renewal's answer: whether this launch still holds the slot, and the token of the
+    Redis data that answered (`keys.SERVER_EPOCH`; the rank passes it to its next renewal)."""
 
     held: bool
     server: str
@@ -105,11 +111,13 @@ class GangReservations:
 
     def keep(self, queue: str, token: str, lease_s: float, server: str = "") -> Renewal:
         """A running rank's renewal of its own slot: extend the lease while the token holds it; take
-        the slot back only where the key vanished with the server's data (`server`, the run id of
-        the Redis server the rank last renewed on, differs from this one's). A key freed on the same
-        server (the launch was stopped, or its lease lapsed) stays free: the launch was given up."""
-        answer, run_id = self._keep(keys=[keys.gang(queue)], args=[token, int(lease_s * 1000), server])
-        return Renewal(int(answer) > 0, run_id.decode() if isinstance(run_id, bytes) else str(run_id))
+        the slot back only where the key vanished with the server's data (`server`, the data token
+        the rank last renewed under, `keys.SERVER_EPOCH`, differs from the one there now). A key
+        freed in the same data (the launch was stopped, or its lease lapsed) stays free: the launch
+        was given up. (A token key, not INFO's run id: the cluster's Redis user may not run INFO.)"""
+        answer, found = self._keep(keys=[keys.gang(queue), keys.SERVER_EPOCH],
+                                   args=[token, int(lease_s * 1000), server, uuid.uuid4().hex])
+        return Renewal(int(answer) > 0, found.decode() if isinstance(found, bytes) else str(found))
 
     def holds(self, queues: list[str], token: str) -> bool:
         """Whether `token` still holds every one of `queues` (its lease has not lapsed)."""

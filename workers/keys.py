@@ -10,6 +10,9 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
                                               goes: parsed slots are cached until it changes
     autotune:control:<node>             str   a live control worker (heartbeat, like slots)
     autotune:gang:<node>.gpu<i>         str   owner token of a gang reservation of that slot (PX lease)
+    autotune:server                     str   a random token set by the first lease renewal on this
+                                              server's data: a new one means Redis lost its data
+                                              (a rank then takes its slot back, workers.gang)
     autotune:gpu:<host>:<uuid>          str   the slot serving that GPU of that machine (JSON: queue,
                                               worker); claimed with SET NX, renewed with the slot's key
     autotune:unhealthy:<node>.gpu<i>    str   that slot's GPU holds memory of other processes (JSON: used
@@ -42,6 +45,8 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:job:<job>:attempts         hash  experiment name -> launches so far (counted before launch)
     autotune:job:<job>:state            hash  what `--status` shows: results dir, queue depth, running,
                                               the head experiment and why it waits
+    autotune:job:<job>:settling         str   set for a few seconds when the job is submitted again after
+                                              Redis lost its data: nothing is queued meanwhile (PX)
 
 `attempt` is a fresh token per launch of an experiment, so a retried experiment never meets the
 rendezvous or abort flag of an earlier launch. Celery's own broker and result keys are Celery's.
@@ -51,6 +56,8 @@ from __future__ import annotations
 PREFIX = "autotune:"
 SLOT_INDEX = PREFIX + "slots"
 SLOT_EPOCH = PREFIX + "slots:epoch"
+#: A token of the server's data (workers.gang): a lost dataset comes back with another one.
+SERVER_EPOCH = PREFIX + "server"
 
 
 def slot(queue: str) -> str:
@@ -120,6 +127,10 @@ def job_attempts(job: str) -> str:
 
 def job_state(job: str) -> str:
     return f"{PREFIX}job:{job}:state"
+
+
+def job_settling(job: str) -> str:
+    return f"{PREFIX}job:{job}:settling"
 
 
 JOB_STATE_PATTERN = PREFIX + "job:*:state"

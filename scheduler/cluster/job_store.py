@@ -22,8 +22,13 @@ import redis
 
 from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
 from workers import keys
+from workers.registry import HEARTBEAT_S
 
 EVENTS_TTL_S = ATTEMPTS_TTL_S = 7 * 24 * 3600
+#: After Redis lost its data, how long a job submitted again queues nothing (`settling`): every
+#: live slot worker has announced itself twice (`workers.registry.HEARTBEAT_S`) and every rank still
+#: running has retried its renewal (`workers.gang.SlotLease.RETRY_S`), taking its slot back, by then.
+RESUME_SETTLE_S = 2 * HEARTBEAT_S
 
 
 def active_jobs(client: redis.Redis) -> list[str]:
@@ -227,14 +232,15 @@ class JobStore:
 
     def activate(self, spec_json: str, launched_before: bool = False) -> None:
         """Forget any earlier life of the job, store its spec, append it to the active jobs;
-        `launched_before`: counted as a job that has launched (`misfit_since`), resumed after
-        Redis lost its data (`settling`)."""
+        `launched_before`: counted as a job that has launched (`misfit_since`), submitted again
+        after Redis lost its data (`settling` for RESUME_SETTLE_S)."""
         seq = self.client.incr(keys.SEQUENCE)
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(*self._keys(), keys.job_attempts(self.job), keys.job_events(self.job))
         pipe.set(keys.job_spec(self.job), spec_json)
         if launched_before:
-            pipe.hset(keys.job_state(self.job), mapping={"dispatched": 1, "resumed": 1})
+            pipe.hset(keys.job_state(self.job), "dispatched", 1)
+            pipe.set(keys.job_settling(self.job), 1, px=int(RESUME_SETTLE_S * 1000))
         pipe.zadd(keys.JOBS, {self.job: seq})
         pipe.execute()
 
@@ -456,14 +462,10 @@ class JobStore:
         _, since, dispatched = pipe.execute()
         return float(since or now), bool(dispatched)
 
-    def settling(self, settle_s: float) -> bool:
+    def settling(self) -> bool:
         """Whether the job was submitted again after Redis lost its data (`activate`'s
-        `launched_before`) and the Redis server has been up for less than `settle_s`."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hexists(keys.job_state(self.job), "resumed")
-        pipe.info("server")
-        resumed, server = pipe.execute()
-        return bool(resumed) and float(server.get("uptime_in_seconds", 0)) < settle_s
+        `launched_before`) less than RESUME_SETTLE_S ago (the key's lease, timed by Redis)."""
+        return bool(self.client.exists(keys.job_settling(self.job)))
 
     def clear_misfit(self) -> None:
         self.client.hdel(keys.job_state(self.job), "misfit_since")

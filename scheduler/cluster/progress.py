@@ -42,13 +42,9 @@ from scheduler.search.space import PROFILE, Experiment
 from workers.gang import GangReservations
 from workers.layout import DS_CONFIG, RESULT
 from workers.paths import read_json, safe_child
-from workers.registry import HEARTBEAT_S, live_slots
+from workers.registry import live_slots
 
 log = logging.getLogger(__name__)
-#: After Redis lost its data, how long a resubmitted job queues nothing: every live slot worker has
-#: announced itself twice (`workers.registry.HEARTBEAT_S`) and every rank still running has
-#: retried its renewal (`workers.gang.SlotLease.RETRY_S`), taking its slot back, by then.
-RESUME_SETTLE_S = 2 * HEARTBEAT_S
 
 Lookup = Callable[[Experiment], "dict[str, Any] | None"]
 
@@ -135,7 +131,7 @@ def _step(client: redis.Redis, spec: JobSpec, read: StepReads) -> bool:
     if todo:  # the gang owners of every live slot: read only when something would be queued
         holding = launches_holding_slots(client, spec.job)
         todo = [e for e in todo if e.name not in holding]
-        if todo and store.settling(RESUME_SETTLE_S):
+        if todo and store.settling():
             todo = []  # its launches that ran on may not have taken their slots back yet: the sweep steps it again
     _announce(client, spec, [(current, len(missing), len(current.experiments) - len(missing))], current=current)
     if not todo:
@@ -196,7 +192,8 @@ def launches_holding_slots(client: redis.Redis, job: str) -> set[str]:
     the job, submitted again, has no record of the launch: queueing the experiment again would run it
     twice at once. It waits instead; its own record answers it (`scheduler.cluster.fencing` adopts
     it), or, if that never comes, its leases lapse and it is queued then. The resubmitted job queues
-    nothing for its first RESUME_SETTLE_S, so the ranks have taken their slots back when this is read."""
+    nothing for its first `job_store.RESUME_SETTLE_S`, so the ranks have taken their slots back when
+    this is read."""
     owners = GangReservations(client).owners([slot.queue for slot in live_slots(client)])
     return {name for owner in owners.values() for owning_job, _, name in [owner.rpartition("/")] if owning_job == job}
 

@@ -93,9 +93,10 @@ def test_keep_retakes_a_slot_only_on_another_server(client: redis.Redis) -> None
     token = gangs.reserve(["n.gpu0"], 30)
     assert token is not None
     server = gangs.keep("n.gpu0", token, 30).server
-    assert re.fullmatch(r"[0-9a-f]{40}", server)
+    assert re.fullmatch(r"[0-9a-f]{32}", server) and client.get(keys.SERVER_EPOCH) == server.encode()
+    assert gangs.keep("n.gpu0", token, 30).server == server  # the same data: the same token
     client.delete(keys.gang("n.gpu0"))  # gone, as after a restart without the data ...
-    assert gangs.keep("n.gpu0", token, 45, "0" * 40).held is True  # ... renewed last on another server
+    assert gangs.keep("n.gpu0", token, 45, "0" * 32).held is True  # ... renewed last in other data
     assert gangs.holds(["n.gpu0"], token) and _ttl_is_lease(client, "n.gpu0", 45_000)
     client.delete(keys.gang("n.gpu0"))  # freed on the server the rank renewed on: lapsed or released
     assert gangs.keep("n.gpu0", token, 45, server).held is False
@@ -112,8 +113,8 @@ def test_a_renewal_after_stop_launch_released_the_slot_leaves_it_free(client: re
     assert gangs.release(["n.gpu0", "n.gpu1"], token) == 2  # stop_launch gave the launch up
     time.sleep(0.02)  # the next renewal is due
     assert lease.renew() is True
-    assert client.keys("*") == []  # the dead launch holds nothing
-    assert lease.renew() is True and client.keys("*") == []
+    assert client.keys(keys.gang("*")) == []  # the dead launch holds nothing
+    assert lease.renew() is True and client.keys(keys.gang("*")) == []
 
 
 class _RestartableRedis:
@@ -160,6 +161,8 @@ def test_a_rank_takes_its_slot_back_at_the_first_poll_after_redis_lost_its_data(
             lease.renew()  # due, and Redis is away
         fresh = server.start()  # back without its data
         assert fresh.keys("*") == []
+        fresh.set(keys.gang("n.gpu1"), "another#launch")  # another launch's renewal came first ...
+        assert GangReservations(fresh).keep("n.gpu1", "another#launch", 30, "f" * 32).held  # ... and set the token
         clock[0] += SlotLease.RETRY_S + 0.1  # the next poll after the retry pause, not 10 s later
         assert lease.renew() is False
         assert fresh.get(keys.gang("n.gpu0")) == token.encode() and 20_000 < fresh.pttl(keys.gang("n.gpu0")) <= 30_000
