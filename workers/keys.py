@@ -170,4 +170,4 @@ def job_recorded(job: str) -> str:
 def job_keys(job: str) -> list[str]:
     """The keys that make a job active; deleted together when it ends (events and attempts stay)."""
     return [job_spec(job), job_queue(job), job_running(job), job_walls(job), job_recorded(job),
-            job_state(job)]
+            job_state(job), job_settling(job)]
