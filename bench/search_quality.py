@@ -56,7 +56,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
-from bench.surfaces import FAMILIES, WORLD, Surface, at_world, classic, make_surface, user_config, with_buckets  # noqa: E402
+from bench.surfaces import (  # noqa: E402
+    FAMILIES, STRATEGY_FAMILIES, WORLD, Surface, at_world, checkpoints, classic, make_surface, user_config, with_buckets,
+)
 from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.search.phases import Phase, drive  # noqa: E402
 from scheduler.search.ranking import best  # noqa: E402
@@ -85,7 +87,7 @@ def true_value(surface: Surface, config: dict[str, Any] | None) -> float:
         return 0.0
     zero = config.get("zero_optimization") or {}
     return surface.throughput(int(zero.get("stage", 0)), int(config["train_micro_batch_size_per_gpu"]),
-                              int(config.get("gradient_accumulation_steps", 1)), zero)
+                              int(config.get("gradient_accumulation_steps", 1)), zero, checkpoints(config))
 
 
 def _outcome(surface: Surface, launches: list[dict[str, Any]], config: dict[str, Any] | None) -> Outcome:
@@ -108,7 +110,7 @@ def ours(surface: Surface) -> Outcome:
     def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:
         out = {}
         for exp in phase.experiments:
-            record = surface.run(exp.name, exp.ds_config, profile=exp.name == PROFILE)
+            record = surface.run(exp.name, exp.ds_config, profile=exp.space == PROFILE)
             launches.append(record)
             out[exp.name] = record
         return out
@@ -152,7 +154,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--surfaces", type=int, default=60, help="surfaces per family (default 60)")
     parser.add_argument("--seed", type=int, default=0, help="first surface seed of every family")
-    parser.add_argument("--family", choices=FAMILIES, action="append", help="only these families")
+    parser.add_argument("--family", choices=FAMILIES + STRATEGY_FAMILIES, action="append",
+                        help="only these families (default: all but needs-strategy, the memory strategies' family)")
     parser.add_argument("--noise", type=float, help="measurement noise per launch for every surface "
                         "(standard deviation as a fraction; default: the surfaces' own 0.02)")
     parser.add_argument("--classic", action="store_true", help="the earlier surfaces: max_train_batch_size "

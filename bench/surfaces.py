@@ -55,6 +55,22 @@ reduce_bucket_size elements (5e8, 1 GB in fp16), held whole at ZeRO-1/2/3 whatev
 The new attributes are drawn from a second random stream, so every parameter the surfaces had
 before (bench/README.md's earlier figures) is unchanged; `classic` turns a surface back into that
 earlier one (max_train_batch_size always set, Gaussian noise equal for every config, 85 % peaks).
+
+Memory strategies, drawn from a third stream (so again nothing above moves) and honoured by
+`reserved`, `throughput` and `run` from an experiment's config (its offload sections in
+zero_optimization, and activation checkpointing from the strategies its autotuning section lists):
+- `offload_optimizer` (stage >= 1): the optimizer states leave the device; the step's Adam runs on
+  the CPU, `cpu_slowdown` (3-8) times the device's, over the rank's shard, plus `pcie_time` (the
+  gradients down and the weights up: 0.2-0.6 of the step's communication);
+- `offload_param` (stage 3): the parameters leave the device too; every micro-step fetches them,
+  `param_fetch_time` (0.5-2 times the stage-3 gather);
+- activation checkpointing: a sample holds `keep_share` (0.15-0.4) of its activations and each
+  micro-step recomputes `recompute` (0.25-0.4) of its sample time.
+The family "needs-strategy" (not in FAMILIES, so the other benches' default rows stay as they
+were; `STRATEGY_FAMILIES`) allows all three in the user's config (`user_config`) and is drawn so
+that a strategy matters: on half of it the model fits no stage without offload, on the other half
+the activations leave room for a few samples only while the step's fixed costs still favour a
+larger micro-batch, which checkpointing holds. Its optimum is taken over the strategies too.
 """
 from __future__ import annotations
 
@@ -62,11 +78,16 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass, field, replace
+from itertools import combinations
 from typing import Any, Mapping
 
 GiB = 1 << 30
 MiB = 1 << 20
 FAMILIES = ("monotone", "mid-peak", "cliff", "small-model", "large-model")
+#: Families whose user config allows memory strategies (asked for by name: module docstring).
+STRATEGY_FAMILIES = ("needs-strategy",)
+#: The memory strategies, as `autotuning.memory_strategies` names them.
+STRATEGIES = ("offload_optimizer", "offload_param", "activation_checkpointing")
 CAPACITIES_GIB = (16, 24, 40, 80)
 WORLD = 2
 MBS_CAP = 1024
@@ -107,30 +128,38 @@ class Surface:
     noise_spread: float = 0.0  #: > 1: each config's noise is the base times log-uniform [0.5, this]
     straggler_rate: float = 0.0  #: share of readings slowed 1.5-2x (a third as many sped up 1.3-1.8x)
     bucket_bytes: int = 0  #: DeepSpeed's flat gradient bucket at ZeRO-1/2/3 (`with_buckets`; 0: none)
+    allowed: tuple[str, ...] = ()  #: memory strategies the user's config allows (module docstring)
+    keep_share: float = 0.3  #: share of a sample's activations a checkpointed run holds
+    recompute: float = 0.3  #: share of the micro-step's sample time checkpointing adds
+    cpu_slowdown: float = 5.0  #: CPU Adam over the device's, with offload_optimizer
+    pcie_time: float = 0.0  #: seconds per step moving gradients down and weights up (offload_optimizer)
+    param_fetch_time: float = 0.0  #: seconds per micro-step fetching parameters (offload_param)
     knobs: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     # ------------------------------------------------------------ memory
 
-    def states(self, stage: int) -> float:
+    def states(self, stage: int, strategy: tuple[str, ...] = ()) -> float:
         p = self.num_params
-        params = 2 * p / (self.world if stage >= 3 else 1)
+        params = 0 if "offload_param" in strategy else 2 * p / (self.world if stage >= 3 else 1)
         grads = 2 * p / (self.world if stage >= 2 else 1)
-        optimizer = 12 * p / (self.world if stage >= 1 else 1)
+        optimizer = 0 if "offload_optimizer" in strategy else 12 * p / (self.world if stage >= 1 else 1)
         return (params + grads + optimizer) * self.state_factor
 
-    def reserved(self, stage: int, mbs: int) -> int:
-        raw = self.states(stage) + self.alloc_overhead + self.activation * mbs + (self.bucket_bytes if stage else 0)
+    def reserved(self, stage: int, mbs: int, strategy: tuple[str, ...] = ()) -> int:
+        activation = self.activation * (self.keep_share if "activation_checkpointing" in strategy else 1)
+        raw = self.states(stage, strategy) + self.alloc_overhead + activation * mbs + \
+            (self.bucket_bytes if stage else 0)
         return int(math.ceil(raw / (2 * MiB)) * 2 * MiB)
 
-    def fits(self, stage: int, mbs: int) -> bool:
-        return self.reserved(stage, mbs) + self.untracked <= self.capacity
+    def fits(self, stage: int, mbs: int, strategy: tuple[str, ...] = ()) -> bool:
+        return self.reserved(stage, mbs, strategy) + self.untracked <= self.capacity
 
-    def max_fit(self, stage: int) -> int:
+    def max_fit(self, stage: int, strategy: tuple[str, ...] = ()) -> int:
         """The largest micro-batch that fits at `stage` (0: none), capped at MBS_CAP."""
         lo, hi = 0, MBS_CAP
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.fits(stage, mid):
+            if self.fits(stage, mid, strategy):
                 lo = mid
             else:
                 hi = mid - 1
@@ -141,29 +170,33 @@ class Surface:
         """Samples per GPU per step allowed by max_train_batch_size (None: no limit)."""
         return max(1, self.max_train_batch_size // self.world) if self.max_train_batch_size else None
 
-    def space(self, stage: int) -> list[tuple[int, int]]:
+    def space(self, stage: int, strategy: tuple[str, ...] = ()) -> list[tuple[int, int]]:
         """(mbs, gas) of every config DeepSpeed's fast mode can name at `stage` (module docstring)."""
-        top = min(MBS_CAP, self.max_fit(stage))
+        top = min(MBS_CAP, self.max_fit(stage, strategy))
         if self.mtbpg:
             return [(m, max(1, self.mtbpg // m)) for m in range(1, min(top, self.mtbpg) + 1)]
         return sorted({(m, 1) for m in range(1, top + 1)} | {(m, max(1, top // m)) for m in range(1, top + 1)})
 
     # ------------------------------------------------------------ speed
 
-    def throughput(self, stage: int, mbs: int, gas: int, zero: Mapping[str, Any] | None = None) -> float:
-        """Noise-free samples/s of the experiment (0 when it does not fit)."""
-        if not self.fits(stage, mbs):
-            return 0.0
+    def throughput(self, stage: int, mbs: int, gas: int, zero: Mapping[str, Any] | None = None,
+                   checkpointing: bool = False) -> float:
+        """Noise-free samples/s of the experiment (0 when it does not fit); offload from `zero`'s
+        sections, checkpointing as given (module docstring)."""
         zero = zero or {}
+        strategy = strategy_of(zero, checkpointing)
+        if not self.fits(stage, mbs, strategy):
+            return 0.0
         shape = 1.0
         if self.peak is not None and mbs > self.peak:
             shape += self.fall_off * math.log(mbs / self.peak) ** 2
-        micro = self.micro_overhead + self.sample_time * mbs * shape
+        compute = self.sample_time * mbs * shape
+        micro = self.micro_overhead + compute * (1 + self.recompute if checkpointing else 1)
         if stage >= 3:
-            micro += self.stage3_gather
+            micro += self.stage3_gather + (self.param_fetch_time if "offload_param" in strategy else 0.0)
         if stage >= 2 and zero.get("contiguous_gradients"):
             micro *= 1 - self.contiguous_gain
-        use = (self.reserved(stage, mbs) + self.untracked) / self.capacity
+        use = (self.reserved(stage, mbs, strategy) + self.untracked) / self.capacity
         if use > self.pressure_threshold:
             micro *= 1 + self.pressure_penalty * (use - self.pressure_threshold) / (1 - self.pressure_threshold)
         comm = self.comm_time * self.stage_comm[stage]
@@ -172,17 +205,26 @@ class Surface:
                 comm *= 1 - self.overlap_gain
             bucket = float(zero.get("reduce_bucket_size", 5e8))
             comm *= 1 + 0.03 * abs(math.log10(bucket / 5e8))
-        step = gas * micro + self.optimizer_time / (self.world if stage >= 1 else 1) + comm
+        optimizer = self.optimizer_time / (self.world if stage >= 1 else 1)
+        if "offload_optimizer" in strategy:
+            optimizer = optimizer * self.cpu_slowdown + self.pcie_time
+        step = gas * micro + optimizer + comm
         return mbs * gas * self.world / step
 
     def optimum(self, stages: tuple[int, ...] = (0, 1, 2, 3)) -> tuple[float, tuple[int, int, int]]:
-        """(best noise-free throughput, (stage, mbs, gas)) over the fast-mode space."""
+        """(best noise-free throughput, (stage, mbs, gas)) over the fast-mode space, with every
+        combination of the allowed strategies too (`allowed`; the first strategy-free config wins ties)."""
         best = (0.0, (0, 0, 0))
-        for stage in stages:
-            for mbs, gas in self.space(stage):
-                value = self.throughput(stage, mbs, gas)
-                if value > best[0]:
-                    best = (value, (stage, mbs, gas))
+        for strategy in strategy_combinations(self.allowed):
+            zero = {name: {"device": "cpu"} for name in strategy if name.startswith("offload_")}
+            checkpointing = "activation_checkpointing" in strategy
+            for stage in stages:
+                if ("offload_optimizer" in strategy and stage < 1) or ("offload_param" in strategy and stage < 3):
+                    continue
+                for mbs, gas in self.space(stage, strategy):
+                    value = self.throughput(stage, mbs, gas, zero, checkpointing)
+                    if value > best[0]:
+                        best = (value, (stage, mbs, gas))
         return best
 
     # ------------------------------------------------------------ records
@@ -193,21 +235,23 @@ class Surface:
         stage = int(zero.get("stage", 0))
         mbs = int(ds_config["train_micro_batch_size_per_gpu"])
         gas = int(ds_config.get("gradient_accumulation_steps", 1))
+        checkpointing = checkpoints(ds_config)
+        strategy = strategy_of(zero, checkpointing)
         record: dict[str, Any] = {"name": name, "ds_config": ds_config}
-        if not self.fits(stage, mbs):
+        if not self.fits(stage, mbs, strategy):
             record.update(status="oom", exit_code=1)
             if self.failure_status == "crashed":  # a traceback and exit 1, read by the rank from stderr
                 record["oom_from"] = "stderr"
             return record
         record["status"] = "ok"
         if self.reports_peak:
-            record["peak_device_bytes"] = self.reserved(stage, mbs)
+            record["peak_device_bytes"] = self.reserved(stage, mbs, strategy)
         record["peak_rss_bytes"] = 3 * GiB + int(0.002 * self.num_params)  # host memory: flat in mbs
         if profile:
             record["metrics"] = {"num_params": self.num_params, "trainable_num_params": self.num_params,
                                  "activation_mem_per_gpu": int(self.activation * self.profile_activation_fraction)}
             return record
-        value = self.throughput(stage, mbs, gas, zero) * self.reading_factor(name, stage, mbs, gas)
+        value = self.throughput(stage, mbs, gas, zero, checkpointing) * self.reading_factor(name, stage, mbs, gas)
         step_s = mbs * gas * self.world / value
         record["metrics"] = {"throughput": value, "latency": step_s * 1e6, "FLOPS_per_gpu": value}
         return record
@@ -231,6 +275,25 @@ class Surface:
         return factor
 
 
+def strategy_of(zero: Mapping[str, Any], checkpointing: bool) -> tuple[str, ...]:
+    """The strategies a config runs with: its offload sections (device cpu or nvme) and checkpointing."""
+    names = [name for name in STRATEGIES[:2]
+             if isinstance(zero.get(name), Mapping) and zero[name].get("device") in ("cpu", "nvme")]
+    return tuple(names + (["activation_checkpointing"] if checkpointing else []))
+
+
+def checkpoints(ds_config: Mapping[str, Any]) -> bool:
+    """Whether an experiment's config runs with activation checkpointing (its autotuning section lists it)."""
+    listed = (ds_config.get("autotuning") or {}).get("memory_strategy") or ()
+    return "activation_checkpointing" in listed
+
+
+def strategy_combinations(allowed: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """No strategy, then every combination of the allowed ones."""
+    return [()] + [tuple(n for n in STRATEGIES if n in chosen) for size in range(1, len(allowed) + 1)
+                   for chosen in combinations(allowed, size)]
+
+
 def _stream(key: str) -> random.Random:
     digest = hashlib.sha256(key.encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "big"))
@@ -246,8 +309,8 @@ def _log_uniform(rng: random.Random, low: float, high: float) -> float:
 
 def make_surface(family: str, seed: int) -> Surface:
     """One surface of `family`, every parameter drawn from `seed`."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+    if family not in FAMILIES + STRATEGY_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES + STRATEGY_FAMILIES)}")
     rng = random.Random(f"{family}:{seed}")
     capacity = rng.choice(CAPACITIES_GIB) * GiB
     state_factor = rng.uniform(1.0, 1.3)
@@ -256,6 +319,8 @@ def make_surface(family: str, seed: int) -> Surface:
     free = capacity - alloc_overhead - untracked
     if family == "small-model":
         num_params = int(_log_uniform(rng, 10e6, 120e6))
+    elif family == "needs-strategy":  # sized below, from the third stream
+        num_params = int(_log_uniform(rng, 0.02, 0.5) * free / (16 * state_factor))
     elif family == "large-model":  # ZeRO-0 (16 B/param) does not fit or barely fits
         num_params = int(rng.uniform(0.85, 1.6) * free / (16 * state_factor))
         num_params = min(num_params, int(0.8 * free / (8 * state_factor)))  # ZeRO-3 still fits
@@ -293,6 +358,21 @@ def make_surface(family: str, seed: int) -> Surface:
     reports_peak = drawn_peak and extra.random() >= 0.18  # 0.85 x 0.82: 30 % of surfaces show no peak
     noise_spread = 4.0 if extra.random() < 0.5 else 0.0
     straggler_rate = extra.uniform(0.05, 0.15) if extra.random() < 0.5 else 0.0
+    strategic = random.Random(f"{family}:{seed}:v3")  # memory strategies: the draws above stay what they were
+    keep_share, recompute = strategic.uniform(0.15, 0.4), strategic.uniform(0.25, 0.4)
+    cpu_slowdown, pcie_time = strategic.uniform(3.0, 8.0), strategic.uniform(0.2, 0.6) * comm_time
+    param_fetch_time = strategic.uniform(0.5, 2.0) * stage3_gather
+    allowed: tuple[str, ...] = ()
+    if family == "needs-strategy":
+        allowed = STRATEGIES
+        if strategic.random() < 0.5:  # no stage holds the states: ZeRO-3's 16 B/param over WORLD ranks exceed the room
+            num_params = int(strategic.uniform(1.05, 1.4) * (free - 64 * MiB) * WORLD / (16 * state_factor))
+            activation = max(MiB, int(strategic.uniform(0.002, 0.02) * free))
+        else:  # a few samples fit, and the step's fixed costs favour more: checkpointing's larger batch
+            room = free - replace(probe, num_params=num_params).states(1)
+            activation = max(MiB, int(room / strategic.uniform(2.5, 6)))
+            micro_overhead = _log_uniform(strategic, 8, 48) * sample_time
+        peak, fall_off, threshold, penalty = None, 0.0, strategic.uniform(0.93, 0.99), strategic.uniform(0.0, 0.05)
     return Surface(
         family=family, seed=seed, capacity=capacity, num_params=num_params, state_factor=state_factor,
         activation=activation, profile_activation_fraction=profile_fraction,
@@ -302,7 +382,9 @@ def make_surface(family: str, seed: int) -> Surface:
         pressure_threshold=threshold, pressure_penalty=penalty, overlap_gain=overlap_gain,
         contiguous_gain=contiguous_gain, max_train_batch_size=mtbpg * WORLD if bounded else None,
         failure_status=failure_status, reports_peak=reports_peak, drawn_max_train_batch_size=mtbpg * WORLD,
-        drawn_reports_peak=drawn_peak, noise_spread=noise_spread, straggler_rate=straggler_rate)
+        drawn_reports_peak=drawn_peak, noise_spread=noise_spread, straggler_rate=straggler_rate,
+        allowed=allowed, keep_share=keep_share, recompute=recompute, cpu_slowdown=cpu_slowdown, pcie_time=pcie_time,
+        param_fetch_time=param_fetch_time)
 
 
 def classic(surface: Surface) -> Surface:
@@ -329,6 +411,9 @@ def user_config(surface: Surface) -> dict[str, Any]:
     """The DeepSpeed config a user would tune this script with: fast mode, every stage, fp16, and
     max_train_batch_size only where the surface has one."""
     autotuning: dict[str, Any] = {"enabled": True, "fast": True}
+    if surface.allowed:
+        autotuning["memory_strategies"] = list(surface.allowed)
+        autotuning["arg_mappings"] = {"activation_checkpointing": "--gradient_checkpointing"}
     if surface.max_train_batch_size:
         autotuning["max_train_batch_size"] = surface.max_train_batch_size
     return {

@@ -10,21 +10,25 @@ of the memory model rather than a guess:
    search's own (`SearchSettings.strategy`): every experiment runs with it, its memory lines are
    measured under it, and the search goes on as it would on a larger device. Without permission the
    job ends with one line naming the cheapest combination the model says would fit and the config
-   line that allows it (a `NoStageFits`).
+   line that allows it (a `NoStageFits`). A profile run (ZeRO-3, micro-batch 1) that ran out of
+   memory proves that no stage holds the states: it runs once more with every allowed offload
+   (`profile_offloaded`), and only combinations with an offload are candidates (the model, which
+   may have called that profile a fit, is not trusted without); the profile's own offload always
+   fits (it ran at ZeRO-3).
 2. **The leader sits at its stage's memory top** (`try_strategies`, after the sampled search and
    before the winner is confirmed). When the leader is the largest size its stage was measured at
    and the memory model says nothing larger fits there, the curve was still rising where memory
    cut it. Each allowed strategy (one at a time, on top of the search's own) that the model says
-   lets the stage hold a larger size is measured once at the largest such size, keeping the
+   lets the stage hold a larger size is measured at the largest such size, keeping the
    leader's samples per step (a larger micro-batch with less accumulation; the kept global batch's
    share when one is kept), and the normal confirmation ranks it with the rest. A strategy whose
    time prior (`strategies.step_cost_s`, with the leader's own step time as its compute) already
    adds the leader's whole step is not measured: at the same samples per step a larger micro-batch
-   can save at most the step's per-micro-step costs, less than the step. A strategy run that ran
-   out of memory is measured once more halfway (geometrically) between the leader's size and its
-   own; a checkpointed run that ran measures the share of activations it keeps
+   can save at most the step's per-micro-step costs, less than the step. After a strategy run out of
+   memory the geometric middle between the largest size that ran and the failed one is measured;
+   a checkpointed run that ran measures the share of activations it keeps
    (`strategies.measured_keep_share`), and when that share says a size at least `TOP_GAIN` larger
-   fits, that size is measured once too.
+   fits, that size is measured too (`STRATEGY_PROBES` runs per strategy at most).
 
 The memory line of a stage under a strategy is the stage's own measured line (or the analytical
 model without measurements) less what the offload frees, with its slope times the keep share.
@@ -48,14 +52,19 @@ from scheduler.search.strategies import (
 
 #: A checkpointed run's measured keep share is followed to a larger size only this much larger.
 TOP_GAIN = 1.1
+#: Runs per strategy at most: its top, then a halving after an out-of-memory or the measured share's top.
+STRATEGY_PROBES = 3
 
 
 def stages_that_fit(session: Session, feasible: Callable[[Session], tuple[int, ...]]) -> tuple[int, ...]:
     """`feasible(session)` (the stages fitting micro-batch 1), or, when it raises `NoStageFits`, the
     stages that fit with the cheapest allowed strategy, which becomes the search's own (module
     docstring, 1). Without one allowed, the refusal names the strategy that would fit."""
+    offloaded = _offloaded_profile(session)
     try:
-        return feasible(session)
+        if offloaded is None:
+            return feasible(session)
+        raise NoStageFits("the profile run ran out of memory at ZeRO-3, micro-batch 1", 0)
     except NoStageFits as refusal:
         st = session.settings
         if st.estimator != "calibrated":
@@ -64,8 +73,12 @@ def stages_that_fit(session: Session, feasible: Callable[[Session], tuple[int, .
         possible = searchable(st.ds_config, st.host_memory, st.checkpointing_fixed, names=MEMORY_STRATEGIES)
         base = session.model
         for strategy in ordered_combinations(possible):
+            if offloaded is not None and not any(name.startswith("offload_") for name in strategy):
+                continue  # no stage holds the states without offload: the profile proved it at ZeRO-3
             model = strategy_model(base, strategy)
             stages = tuple(s for s in st.stages if applies(strategy, s) and model.gate(s, st.budget_bytes).feasible)
+            if offloaded is not None and strategy == offloaded.strategy:
+                stages = stages or (3,)  # the offloaded profile ran there
             if not stages:
                 continue
             if set(strategy) <= set(allowed):
@@ -76,6 +89,12 @@ def stages_that_fit(session: Session, feasible: Callable[[Session], tuple[int, .
                               f"{stages[0]}: allow it with {allow_line(strategy)} in the config",
                               refusal.shortfall_bytes) from None
         raise
+
+
+def _offloaded_profile(session: Session) -> Experiment | None:
+    """The offloaded profile run (`profile_offloaded`) when the plain one ran out of memory and it ran."""
+    return next((exp for exp, record in session.measured.values()
+                 if exp.space == PROFILE and exp.strategy and succeeded(record)), None)
 
 
 def profile_offloaded(session: Session) -> Step:
@@ -116,20 +135,23 @@ def try_strategies(session: Session) -> Step:
 
 
 def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str, ...]) -> Step:
-    """The strategy's largest size above the leader's, once; halfway after an out-of-memory; a larger
-    size once more when the keep share it measured says one fits."""
-    size = _size(session, leader, strategy)
-    if size <= leader.micro_batch_size:
-        return
-    record = yield from _run(session, leader, strategy, size)
-    if not succeeded(record):
-        mid = _step_size(session, leader, round(math.sqrt(leader.micro_batch_size * size)))
-        if record.get("status") == "oom" and leader.micro_batch_size < mid < size:
-            yield from _run(session, leader, strategy, mid)
-        return
-    larger = _size(session, leader, strategy)
-    if larger >= TOP_GAIN * size:
-        yield from _run(session, leader, strategy, larger)
+    """The strategy's largest size above the leader's by its memory line, then, up to
+    `STRATEGY_PROBES` runs in all: after an out-of-memory the geometric middle between the largest
+    size that ran (the leader's at first) and the failed one; after a run, the size the keep share it
+    measured predicts, when that is `TOP_GAIN` larger."""
+    ran, size = leader.micro_batch_size, _size(session, leader, strategy)
+    for _ in range(STRATEGY_PROBES):
+        if size <= ran:
+            return
+        record = yield from _run(session, leader, strategy, size)
+        if succeeded(record):
+            ran, larger = size, _size(session, leader, strategy)
+            size = larger if larger >= TOP_GAIN * size else 0
+        elif record.get("status") == "oom":
+            mid = _step_size(session, leader, round(math.sqrt(ran * size)))
+            size = mid if ran < mid < size else 0
+        else:
+            return
 
 
 def _run(session: Session, leader: Experiment, strategy: tuple[str, ...], mbs: int) -> Step:

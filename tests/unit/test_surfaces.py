@@ -99,7 +99,7 @@ RECORDED_SHORT = {
                        (795.6369493534233, (2, 16, 2))),  # now: no limit, no peak, noisier, stragglers
 }
 NEW_FIELDS = ("drawn_max_train_batch_size", "drawn_reports_peak", "noise_spread", "straggler_rate", "knobs",
-              "bucket_bytes")
+              "bucket_bytes", "allowed", "keep_share", "recompute", "cpu_slowdown", "pcie_time", "param_fetch_time")
 
 
 def test_classic_surfaces_are_the_ones_drawn_before() -> None:
