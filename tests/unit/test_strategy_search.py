@@ -15,6 +15,7 @@ from scheduler.search.phases import drive
 from scheduler.search.ranking import best
 from scheduler.search.session import NoStageFits, SearchAborted, SearchSettings, Session
 from scheduler.search.space import PROFILE, Experiment
+from scheduler.search.strategy_search import try_strategies
 
 CAPACITY = 16 * GiB
 RESERVE = GiB  #: memory.untracked_reserve_bytes of a 16 GiB GPU
@@ -182,3 +183,28 @@ def test_a_strategy_run_out_of_memory_is_followed_by_the_middle_size() -> None:
     checkpointed = [(exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
                     if exp.strategy and "_r" not in exp.name]
     assert checkpointed == [(24, "oom"), (12, "ok")]  # 12: the largest size of the kept step below sqrt(8 x 24)
+
+
+def test_a_strategy_whose_time_prior_exceeds_the_leaders_step_is_not_measured() -> None:
+    """The leader at its memory top reads 0.2 s per step; Adam on the CPU over its 2.5e8-parameter
+    shard with the PCIe traffic takes about 0.33 s (strategies.CPU_ADAM_PARAMS_PER_S, PCIE_BYTES_PER_S),
+    so optimizer offload cannot win; checkpointing adds a third of the compute at most: measured."""
+    search_settings = settings(Law(1_000_000_000, 1_000_000_000), ["offload_optimizer", "activation_checkpointing"])
+    session = Session(search_settings)
+    session.model = MemoryModel(search_settings.model_info, search_settings.setup, GiB)
+    leader = session.experiment(1, 8, 1)
+    samples = 8 * 4
+    session.measured[leader.name] = (leader, {"name": leader.name, "status": "ok", "ds_config": leader.ds_config,
+                                              "metrics": {"throughput": samples / 0.2}})
+    session.measured["z1_gas1_tmbspg9"] = (session.experiment(1, 9, 1), {"name": "z1_gas1_tmbspg9", "status": "oom"})
+    phases = []
+    search = try_strategies(session)
+    try:
+        phase = next(search)
+        while True:
+            phases.append(phase)
+            phase = search.send({exp.name: {"name": exp.name, "status": "oom"} for exp in phase.experiments})
+    except StopIteration:
+        pass
+    strategies = {exp.strategy for phase in phases for exp in phase.experiments}
+    assert strategies == {("activation_checkpointing",)}
