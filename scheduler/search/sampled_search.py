@@ -38,10 +38,11 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step);
   otherwise the measurement rules it out. Without max_train_batch_size a stage whose predicted top
   fills less than half the incumbent's step is not measured at all (`_half_step`: ZeRO-0 of a large
-  model, whose top probes mostly fail); ZeRO-3 moves strictly more data than
-  ZeRO-1/2 at equal size, so it is not measured at all unless it can hold larger sizes that matter
-  (the curve was still rising at the cap, or ZeRO-3 holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so
-  memory pressure may have turned it), or no ZeRO-1/2 stage was measured;
+  model, whose top probes mostly fail). ZeRO-3 is always measured at least once, like any other
+  stage: it moves more data than ZeRO-1/2 at equal size, but its prefetch hides much of it behind
+  compute and on 8 ranks and more its sharding frees the memory that decides the size, so it can
+  lead at scale; it is also explored when it holds `ZERO3_ROOM` times what ZeRO-1/2 hold (memory
+  pressure may have turned their curves);
 - a failure that says nothing about the config (`scheduler.search.repeats.says_nothing`: a crash,
   a timeout, a rendezvous that failed, an out-of-memory beside others' memory) is launched once
   more at once (`_measure`), and so is an out-of-memory at a size the stage already ran at or above
@@ -92,9 +93,11 @@ from scheduler.search.stage_space import (
 MAX_POINTS = 7
 #: Full mode explores the knobs of every stage whose fast-mode best is within this of the leader.
 FULL_MODE_BAND = 0.10
+
+
 #: ZeRO-3 is explored, although the incumbent's curve had turned, when it holds at least this many
 #: times the largest size ZeRO-1/2 hold: near a stage's memory cap the allocator's pressure slows it,
-#: and ZeRO-3 runs those sizes with that much more memory free (large models: bench/README.md).
+#: and ZeRO-3 runs those sizes with that much more memory free.
 ZERO3_ROOM = 1.3
 
 
@@ -115,12 +118,10 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             continue
         inc_mbs = incumbent[1]
         upside = at_cap(session, explored, inc_mbs) and top > inc_mbs
-        fuller = _fuller_step(session, incumbent, top)
-        if stage == 3 and not upside and any(s in (1, 2) for s in explored):
+        if stage == 3 and any(s in (1, 2) for s in explored):
             lighter = max(stage_top(session, s) for s in explored if s in (1, 2))
-            if top < ZERO3_ROOM * lighter:
-                continue  # ZeRO-3 moves more data than ZeRO-1/2 at equal size: it can only win on memory
-            upside = True  # so much more memory free that it can win on memory pressure: explore it
+            upside = upside or top >= ZERO3_ROOM * lighter  # near the top pressure slows the lighter stages
+        fuller = _fuller_step(session, incumbent, top)
         if not upside and _half_step(session, stage, incumbent[0]):
             continue
         if not (yield from _anchor(session, stage)):
