@@ -52,8 +52,11 @@ class Experiment:
             object.__setattr__(self, "strategy", strategy_of(self.strategy))
 
     def to_json(self) -> dict[str, Any]:
-        """The fields as a dict; `ds_config` is the same object (`asdict` would deep-copy it)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The fields as a dict of JSON values (`strategy` a list); `ds_config` is the same object
+        (`asdict` would deep-copy it)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["strategy"] = list(self.strategy)
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Experiment:
