@@ -15,7 +15,6 @@ engine does, when `autotuning.enabled`). Every name comes from `workers.layout`,
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ from workers.metric_check import asked_metric, metrics_problem
 from workers.metrics import AutotuningSettings
 from workers.oom import aborted_out_of_memory, stderr_out_of_memory
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders, prebuild_ops
+from workers.launch_files import LaunchFiles
 from workers.launch import MEASURED_GRACE_ENV, MEASURED_GRACE_S, run_watched, tail
 from workers.layout import experiment_file, rank_log
 from workers.process_identity import RankIdentity, forget_rank, record_rank
@@ -168,7 +168,9 @@ def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "")
     try:
         refused = rank_claim.claim(client, slot.queue, task_id) if task_id else None
         if refused is not None:  # a redelivered message (workers.rank_claim): never a second copy
-            return {**base, **_redelivered(client, spec, refused)}
+            if refused == "lost":
+                _signal_abort(client, spec.attempt)  # its peers stop: the launch runs again
+            return {**base, **rank_claim.refused_record(refused)}
         return {**base, **_run(spec, slot, client, task_id)}
     except Exception as exc:  # a bug or fault of ours: still a record, so the chord completes
         _signal_abort(client, spec.attempt)
@@ -187,20 +189,6 @@ def _record_group(client: redis.Redis, pgid_key: str, queue: str, task_id: str, 
         rank_claim.note_group(client, queue, task_id, pgid)
 
 
-def _redelivered(client: redis.Redis, spec: RankSpec, why: str) -> dict[str, Any]:
-    """The record of a rank task that found an earlier delivery's claim: `lost` once the dead pool
-    process's training group is killed (its peers are stopped too), stale while the first copy runs."""
-    now = time.time()
-    if why == "running":
-        return {"status": Status.LOST.value, "stale": True, "exit": "not started", "started_at": now,
-                "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0,
-                "error": "delivered again while its first delivery still runs"}
-    _signal_abort(client, spec.attempt)
-    return {"status": Status.LOST.value, "exit": "not started", "started_at": now, "ended_at": now, "wall_s": 0.0,
-            "peak_rss_bytes": 0, "error": "the pool process running this rank died (the OOM killer, a signal): "
-                                          "its training group was killed, and the launch runs again"}
-
-
 def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[str, Any]:
     if spec.gang_token and client.get(keys.gang(slot.queue)) != spec.gang_token.encode():
         # Redelivered long after its launch was given up (a worker died holding the message):
@@ -211,16 +199,10 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
                 "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0}
     result_dir = spec.result_dir
     result_dir.mkdir(parents=True, exist_ok=True)
-    launch_id = layout.launch_id(spec.attempt)  # this launch's own files (workers.layout.LAUNCH_FILES)
-    metric_name = spec.metric_file or layout.METRICS
-    metric_path = experiment_file(result_dir, layout.launch_file(metric_name, launch_id))
-    shared_config = _with_metric_path(spec.ds_config, experiment_file(result_dir, metric_name), metric_name)
-    write_json(experiment_file(result_dir, layout.DS_CONFIG), shared_config)  # the same for every launch
-    ds_config = _with_metric_path(spec.ds_config, metric_path, metric_name)
-    config_path = experiment_file(result_dir, layout.launch_file(layout.DS_CONFIG, launch_id))
-    write_json(config_path, ds_config)
-    command = script_command(_launch_argv(spec.script_argv, result_dir / layout.DS_CONFIG, config_path),
-                             spec.local_rank if spec.local_rank_arg else None)
+    files = LaunchFiles.of(result_dir, spec.attempt, spec.metric_file)  # this launch's own (workers.launch_files)
+    metric_path = files.metric_path
+    shared_config, ds_config = files.write_configs(spec.ds_config)
+    command = script_command(files.argv(spec.script_argv), spec.local_rank if spec.local_rank_arg else None)
     describe = _Description(result_dir, spec, shared_config,
                             script_command(spec.script_argv, spec.local_rank if spec.local_rank_arg else None))
     if spec.rank == 0:
@@ -248,7 +230,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
                 "started_at": now, "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0}
 
     stderr_path = experiment_file(result_dir, rank_log(spec.rank, "stderr"))
-    exit_report = experiment_file(result_dir, layout.exit_report(spec.rank, launch_id))
+    exit_report = files.exit_report(spec.rank)
     exit_report.unlink(missing_ok=True)
     pgid_key = keys.pgid(slot.queue, task_id or spec.attempt)
     cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
@@ -437,31 +419,6 @@ class _StopCheck:
             return self._lease is not None and self._lease.renew()
         except redis.RedisError:  # tried again at a later poll (workers.gang.SlotLease)
             return False
-
-
-def _with_metric_path(ds_config: dict[str, Any], metric_path: Path, metric_name: str) -> dict[str, Any]:
-    """The experiment's config with DeepSpeed's metric file (`metric_name`, model_info.json for the
-    profile run) pointed at `metric_path` in its own folder."""
-    config = copy.deepcopy(ds_config)
-    autotuning = config.get("autotuning")
-    if isinstance(autotuning, dict):
-        key = "model_info_path" if metric_name == layout.MODEL_INFO else "metric_path"
-        autotuning[key] = str(metric_path)
-    return config
-
-
-def _launch_argv(script_argv: list[str], shared: Path, own: Path) -> list[str]:
-    """The script's argv with the experiment's config path (`--deepspeed_config X`, or an `=` form)
-    swapped for this launch's own copy, whose metric path is this launch's own file."""
-    swapped = []
-    for arg in script_argv:
-        head, sep, tail = arg.rpartition("=")
-        if arg == str(shared):
-            arg = str(own)
-        elif sep and head.startswith("--") and tail == str(shared):
-            arg = f"{head}={own}"
-        swapped.append(arg)
-    return swapped
 
 
 def _meet(spec: RankSpec, slot: Slot, client: redis.Redis, stop_check: _StopCheck) -> tuple[str, int] | None:

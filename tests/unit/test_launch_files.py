@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from workers import layout
-from workers.rank import _launch_argv, _with_metric_path
+from workers.launch_files import LaunchFiles, with_metric_path
 
 LAUNCH = "0123456789ab"
 
@@ -43,17 +43,29 @@ def test_overwrite_knows_exactly_the_launch_files(name: str, known: bool) -> Non
 @pytest.mark.parametrize("form", [["--deepspeed_config", "{}"], ["--deepspeed_config={}"], ["--deepspeed", "{}"],
                                   ["--deepspeed={}"]])
 def test_the_script_is_given_its_launchs_own_config(form: list[str]) -> None:
+    files = LaunchFiles.of(Path("/r/exp"), LAUNCH + "cdef0123", "")
     shared, own = Path("/r/exp/ds_config.json"), Path(f"/r/exp/ds_config.{LAUNCH}.json")
+    assert files.config_path == own and files.metric_path == Path(f"/r/exp/metrics.{LAUNCH}.json")
     argv = ["train.py", "--lr", "1", *[part.format(shared) for part in form], "--out", "/r/exp/ds_config.jsonl"]
-    assert _launch_argv(argv, shared, own) == ["train.py", "--lr", "1", *[part.format(own) for part in form],
-                                               "--out", "/r/exp/ds_config.jsonl"]
+    assert files.argv(argv) == ["train.py", "--lr", "1", *[part.format(own) for part in form],
+                                "--out", "/r/exp/ds_config.jsonl"]
 
 
 def test_each_launchs_config_points_at_its_own_metric_file(tmp_path: Path) -> None:
     config = {"train_micro_batch_size_per_gpu": 2, "autotuning": {"enabled": True}}
-    own = _with_metric_path(config, tmp_path / f"metrics.{LAUNCH}.json", layout.METRICS)
+    own = with_metric_path(config, tmp_path / f"metrics.{LAUNCH}.json", layout.METRICS)
     assert own["autotuning"]["metric_path"] == str(tmp_path / f"metrics.{LAUNCH}.json")
-    profile = _with_metric_path(config, tmp_path / f"model_info.{LAUNCH}.json", layout.MODEL_INFO)
+    profile = with_metric_path(config, tmp_path / f"model_info.{LAUNCH}.json", layout.MODEL_INFO)
     assert profile["autotuning"]["model_info_path"] == str(tmp_path / f"model_info.{LAUNCH}.json")
     assert "metric_path" not in profile["autotuning"] and config["autotuning"] == {"enabled": True}
     assert json.dumps(config)  # the experiment's own config is left as it was
+
+
+def test_a_launch_writes_the_shared_config_and_its_own(tmp_path: Path) -> None:
+    files = LaunchFiles.of(tmp_path, LAUNCH + "0000", "model_info.json")
+    shared, own = files.write_configs({"autotuning": {"enabled": True}})
+    assert json.loads((tmp_path / "ds_config.json").read_text()) == shared
+    assert shared["autotuning"]["model_info_path"] == str(tmp_path / "model_info.json")
+    assert json.loads(files.config_path.read_text()) == own
+    assert own["autotuning"]["model_info_path"] == str(tmp_path / f"model_info.{LAUNCH}.json") == str(files.metric_path)
+    assert files.exit_report(2) == tmp_path / f"rank2.{LAUNCH}.exit.json"
