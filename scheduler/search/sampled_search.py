@@ -38,11 +38,11 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step);
   otherwise the measurement rules it out. Without max_train_batch_size a stage whose predicted top
   fills less than half the incumbent's step is not measured at all (`_half_step`: ZeRO-0 of a large
-  model, whose top probes mostly fail). ZeRO-3 is always measured at least once, like any other
-  stage: it moves more data than ZeRO-1/2 at equal size, but its prefetch hides much of it behind
-  compute and on 8 ranks and more its sharding frees the memory that decides the size, so it can
-  lead at scale; it is also explored when it holds `ZERO3_ROOM` times what ZeRO-1/2 hold (memory
-  pressure may have turned their curves);
+  model, whose top probes mostly fail). ZeRO-3 moves more data than ZeRO-1/2 at equal size: on
+  fewer than `ZERO3_AT_SCALE` data-parallel ranks it is measured only when it can hold larger sizes
+  that matter (the curve was still rising at the cap, or it holds `ZERO3_ROOM` times what ZeRO-1/2
+  hold, so memory pressure may have turned their curves), or no ZeRO-1/2 stage was measured; from
+  `ZERO3_AT_SCALE` ranks on, where its sharding and prefetch let it lead, it is always measured once;
 - a failure that says nothing about the config (`scheduler.search.repeats.says_nothing`: a crash,
   a timeout, a rendezvous that failed, an out-of-memory beside others' memory) is launched once
   more at once (`_measure`), and so is an out-of-memory at a size the stage already ran at or above
@@ -99,6 +99,11 @@ FULL_MODE_BAND = 0.10
 #: times the largest size ZeRO-1/2 hold: near a stage's memory cap the allocator's pressure slows it,
 #: and ZeRO-3 runs those sizes with that much more memory free.
 ZERO3_ROOM = 1.3
+#: From this many data-parallel ranks ZeRO-3 is measured at least once whatever it holds: its
+#: parameter sharding frees (1 - 1/dp) of the parameters and its prefetch hides the gathers behind
+#: compute, so at scale it can lead (a 4-rank bf16 script; bench/heldout.py's 4-16 rank families).
+#: On 2 ranks it frees half the parameters and leads only on memory (`ZERO3_ROOM`).
+ZERO3_AT_SCALE = 4
 
 
 # ---------------------------------------------------------------- the generators
@@ -120,7 +125,10 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         upside = at_cap(session, explored, inc_mbs) and top > inc_mbs
         if stage == 3 and any(s in (1, 2) for s in explored):
             lighter = max(stage_top(session, s) for s in explored if s in (1, 2))
-            upside = upside or top >= ZERO3_ROOM * lighter  # near the top pressure slows the lighter stages
+            roomy = top >= ZERO3_ROOM * lighter  # near the top pressure slows the lighter stages
+            if not (upside or roomy or session.settings.dp_size >= ZERO3_AT_SCALE):
+                continue
+            upside = upside or roomy
         fuller = _fuller_step(session, incumbent, top)
         if not upside and _half_step(session, stage, incumbent[0]):
             continue

@@ -396,15 +396,19 @@ PEAKED = {(1, 8): 80.0, (1, 10): 85.0, (1, 16): 90.0, (1, 32): 70.0,
           (0, 16): 88.0, (2, 16): 86.0, (3, 16): 80.0}
 
 
-def test_every_other_stage_is_compared_at_the_incumbents_size_zero_3_too() -> None:
-    """ZeRO-1 leads (2 ranks): 8, 32, then 16 (the best's larger gap), then 10 (gap 8-16; 10-16 and
-    16-32 hold no size). The best, 16, is below the largest size measured (32): the curve turned, so
-    ZeRO-0, ZeRO-2 and ZeRO-3 are each measured once at 16. ZeRO-3 is not left out although it moves
-    more data at equal size: with its prefetch it can lead, and here it does (95)."""
+def test_other_stages_are_compared_at_the_incumbents_size_and_zero_3_at_scale() -> None:
+    """ZeRO-1 leads: 8, 32, then 16 (the best's larger gap), then 10 (gap 8-16; 10-16 and 16-32 hold
+    no size). The best, 16, is below the largest size measured (32): the curve turned, so ZeRO-0 and
+    ZeRO-2 are measured once at 16. On 2 ranks ZeRO-3 is not (it could only win on memory), although
+    it would have won; on 4 ranks (the same 32 samples per GPU per step) it is, and leads."""
     fits = {0: 32, 1: 32, 2: 32, 3: 32}
-    launched, phases, session = play(stages_of((0, 1, 2, 3)), {**PEAKED, (3, 16): 95.0}, fits, scripted_settings())
-    assert launched == [(1, 8, 4), (1, 32, 1), (1, 16, 2), (1, 10, 3), (0, 16, 2), (2, 16, 2), (3, 16, 2)]
-    assert [p.name for p in phases][-3:] == ["z0_follow_16", "z2_follow_16", "z3_follow_16"]
+    speed = {**PEAKED, (3, 16): 95.0}
+    launched, phases, _ = play(stages_of((0, 1, 2, 3)), speed, fits, scripted_settings())
+    assert launched == [(1, 8, 4), (1, 32, 1), (1, 16, 2), (1, 10, 3), (0, 16, 2), (2, 16, 2)]
+    assert [p.name for p in phases][-2:] == ["z0_follow_16", "z2_follow_16"]
+    launched, phases, session = play(stages_of((0, 1, 2, 3)), speed, fits,
+                                     scripted_settings(num_gpus=4, max_train_batch_size=128))
+    assert launched[-1] == (3, 16, 2) and phases[-1].name == "z3_follow_16"
     assert best([r for _, r in session.measured.values()], "throughput", True)["name"] == "z3_gas2_tmbspg16"
 
 
@@ -552,15 +556,17 @@ def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
         assert search.send({first: {"status": "ok", "metrics": {"throughput": 1.0}}}).experiments[0].name == then
 
 
-def test_zero_3_is_measured_once_after_zero_1_or_zero_2_and_explored_only_when_its_size_matters() -> None:
-    """The curve turned below the largest size measured: ZeRO-3 is measured once at the leader's size,
-    whichever of ZeRO-1 or ZeRO-2 led, and not explored (with a step limit, only a stage holding
-    what the leader's stage could not is)."""
+def test_zero_3_is_not_measured_after_zero_1_or_zero_2_alone_on_two_ranks() -> None:
+    """The curve turned below the largest size measured: on 2 ranks ZeRO-3 cannot win on memory,
+    whichever of ZeRO-1 or ZeRO-2 led; on 4 ranks it is measured once at the leader's size and not
+    explored (with a step limit only a stage holding what the leader's stage could not is)."""
     for lead in (1, 2):
         speed = {(lead, 8): 80.0, (lead, 10): 85.0, (lead, 16): 90.0, (lead, 32): 70.0, (3, 16): 95.0}
         launched, _, _ = play(stages_of((lead, 3)), speed, {lead: 32, 3: 32}, scripted_settings(stages=(lead, 3)))
-        assert [stage for stage, _, _ in launched] == [lead] * 4 + [3], lead
-        assert launched[-1] == (3, 16, 2)
+        assert [stage for stage, _, _ in launched] == [lead] * 4, lead
+        launched, _, _ = play(stages_of((lead, 3)), speed, {lead: 32, 3: 32},
+                              scripted_settings(stages=(lead, 3), num_gpus=4, max_train_batch_size=128))
+        assert [stage for stage, _, _ in launched] == [lead] * 4 + [3] and launched[-1] == (3, 16, 2), lead
 
 
 def test_a_follow_stage_that_wins_becomes_the_incumbent() -> None:
@@ -620,12 +626,12 @@ def test_repeats_of_full_mode_configs_keep_their_tuning_space() -> None:
         ("z2_knobs_a_r2", "z2_knobs", {"x": "z2_knobs_a"}), ("z2_knobs_b_r2", "z2_knobs", {"x": "z2_knobs_b"})]
 
 
-@pytest.mark.parametrize(("zero_3_fits", "explored"), [(48, True), (41, True), (26, True)])
-def test_zero_3_holding_more_is_explored_although_the_curve_had_turned(zero_3_fits: int, explored: bool) -> None:
-    """No step limit. ZeRO-1 holds 32 (or 20) and peaks at 10 (it turned before its cap). ZeRO-3
-    holding more is measured at its top and the incumbent's size; its own top gives it a larger
-    step, so at the incumbent's size it accumulates more and wins there: it is explored, whatever
-    the ratio of the tops."""
+@pytest.mark.parametrize(("zero_3_fits", "explored"), [(48, True), (41, False), (26, True)])
+def test_zero_3_holding_much_more_is_explored_although_the_curve_had_turned(zero_3_fits: int, explored: bool) -> None:
+    """No step limit, 2 ranks. ZeRO-1 holds 32 and peaks at 10 (it turned before its cap). ZeRO-3
+    holding 48, at least 1.3 times 32 (41.6), is measured at its top and the incumbent's size, then
+    explored; holding 41 it is ruled out, as ZeRO-3 moving more data at equal size can only win on
+    memory on 2 ranks. Exactly 1.3 times (26 for a ZeRO-1 holding 20) is enough."""
     zero_1_fits = 20 if zero_3_fits == 26 else 32  # 26 is exactly 1.3 x 20: enough room
     speed = {(1, m): 90.0 - 20 * abs(math.log2(m / 10)) for m in range(1, 33)}
     speed |= {(3, m): 80.0 + m / 10 for m in range(1, 49)}
