@@ -2,7 +2,9 @@
 GPT example holds micro-batch 4 of its kept global batch of 8 and not 8, so the leader sits at its
 stage's memory top and the search measures micro-batch 8 with activation checkpointing (the
 script's `--activation_checkpointing`, mapped in arg_mappings), which holds less memory than
-micro-batch 4 without it."""
+micro-batch 4 without it. 20 s to 2 minutes here: five launches of the DeepSpeed GPT (the profile,
+micro-batch 4, micro-batch 8 checkpointed, one repeat of each), and up to 14 when the machine's load
+makes the two configs' readings too noisy to tell apart sooner (the confirmation's rule)."""
 from __future__ import annotations
 
 import json
