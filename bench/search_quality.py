@@ -57,8 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
 from bench.surfaces import (  # noqa: E402
-    FAMILIES, STRATEGY_FAMILIES, WORLD, Surface, at_world, checkpoints, classic, make_surface, user_config, with_buckets,
+    FAMILIES, STRATEGY_FAMILIES, WORLD, Surface, at_world, checkpoints, classic, make_surface, strategy_combinations,
+    user_config, with_buckets,
 )
+from scheduler.search.space import STRATEGY_SUFFIX  # noqa: E402
 from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.search.phases import Phase, drive  # noqa: E402
 from scheduler.search.ranking import best  # noqa: E402
@@ -134,13 +136,21 @@ def every_config_once(surface: Surface) -> Outcome:
     fraction is what single readings of the whole space give: close to the optimum under equal 2 %
     noise, but with per-config and heavy-tailed noise one lucky reading among hundreds often names
     a worse config, so a search that measures fewer configs or repeats its leaders can beat it. It
-    reads no search code (the argmax is its own), so it moves only with the surfaces."""
+    reads no search code (the argmax is its own), so it moves only with the surfaces. With memory
+    strategies allowed (needs-strategy), the space of every combination of them too."""
     launches = []
-    for stage in range(4):
-        for mbs, gas in surface.space(stage):
-            config = {**user_config(surface), "train_micro_batch_size_per_gpu": mbs,
-                      "gradient_accumulation_steps": gas, "zero_optimization": {"stage": stage}}
-            launches.append(surface.run(f"z{stage}_gas{gas}_tmbspg{mbs}", config))
+    for strategy in strategy_combinations(surface.allowed):
+        offload = {name: {"device": "cpu"} for name in strategy if name.startswith("offload_")}
+        suffix = "".join(f"_{STRATEGY_SUFFIX[name]}" for name in strategy)
+        for stage in range(4):
+            if ("offload_optimizer" in strategy and stage < 1) or ("offload_param" in strategy and stage < 3):
+                continue
+            for mbs, gas in surface.space(stage, strategy):
+                config = {**user_config(surface), "train_micro_batch_size_per_gpu": mbs,
+                          "gradient_accumulation_steps": gas, "zero_optimization": {"stage": stage, **offload}}
+                if strategy:
+                    config["autotuning"] = {**config["autotuning"], "memory_strategy": list(strategy)}
+                launches.append(surface.run(f"z{stage}_gas{gas}_tmbspg{mbs}{suffix}", config))
     winner = max(launches, key=lambda r: r["metrics"]["throughput"], default=None)  # first of equals
     return _outcome(surface, launches, winner["ds_config"] if winner else None)
 
