@@ -24,11 +24,11 @@ of the memory model rather than a guess:
    share when one is kept), and the normal confirmation ranks it with the rest. A strategy whose
    time prior (`strategies.step_cost_s`, with the leader's own step time as its compute) already
    adds the leader's whole step is not measured: at the same samples per step a larger micro-batch
-   can save at most the step's per-micro-step costs, less than the step. After a strategy run out of
-   memory the geometric middle between the largest size that ran and the failed one is measured;
-   a checkpointed run that ran measures the share of activations it keeps
-   (`strategies.measured_keep_share`), and when that share says a size at least `TOP_GAIN` larger
-   fits, that size is measured too (`STRATEGY_PROBES` runs per strategy at most).
+   can save at most the step's per-micro-step costs, less than the step. Each strategy's next size
+   is its line's top again, kept below the geometric middle between its largest size that ran and
+   its smallest that ran out of memory, and, after a run that ran, at least `TOP_GAIN` larger (a
+   checkpointed run that ran measures the share of activations it keeps:
+   `strategies.measured_keep_share`); `STRATEGY_PROBES` runs per strategy at most.
 
 The memory line of a stage under a strategy is the stage's own measured line (or the analytical
 model without measurements) less what the offload frees, with its slope times the keep share.
@@ -136,21 +136,25 @@ def try_strategies(session: Session) -> Step:
 
 def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str, ...]) -> Step:
     """The strategy's largest size above the leader's by its memory line, then, up to
-    `STRATEGY_PROBES` runs in all: after an out-of-memory the geometric middle between the largest
-    size that ran (the leader's at first) and the failed one; after a run, the size the keep share it
-    measured predicts, when that is `TOP_GAIN` larger."""
-    ran, size = leader.micro_batch_size, _size(session, leader, strategy)
+    `STRATEGY_PROBES` runs in all, the line's next size (with the keep share a run measured) kept
+    below the geometric middle between the largest size that ran (the leader's at first) and the
+    smallest that ran out of memory; after a run that ran, only a size `TOP_GAIN` larger."""
+    ran, failed = leader.micro_batch_size, None
+    size = _size(session, leader, strategy)
     for _ in range(STRATEGY_PROBES):
-        if size <= ran:
+        if size <= ran or (failed is not None and size >= failed):
             return
         record = yield from _run(session, leader, strategy, size)
         if succeeded(record):
-            ran, larger = size, _size(session, leader, strategy)
-            size = larger if larger >= TOP_GAIN * size else 0
+            ran = size
         elif record.get("status") == "oom":
-            mid = _step_size(session, leader, round(math.sqrt(ran * size)))
-            size = mid if ran < mid < size else 0
+            failed = size
         else:
+            return
+        size = _size(session, leader, strategy)
+        if failed is not None:
+            size = min(size, _step_size(session, leader, round(math.sqrt(ran * failed))))
+        if succeeded(record) and size < TOP_GAIN * ran:
             return
 
 
@@ -180,11 +184,11 @@ def _size(session: Session, leader: Experiment, strategy: tuple[str, ...]) -> in
 
 
 def _step_size(session: Session, leader: Experiment, limit: int) -> int:
-    """The largest size up to `limit` that fills the leader's samples per step (a kept global batch:
-    a size dividing its share)."""
-    samples = session.settings.kept_per_gpu or leader.micro_batch_size * leader.gradient_accumulation_steps
-    if session.settings.kept_per_gpu or leader.gradient_accumulation_steps > 1:
-        return largest_kept(samples, limit) if limit >= 1 else 0
+    """The largest size up to `limit` of the leader's step: with a kept global batch a size dividing
+    its share, else any (its accumulation fills the step as far as whole micro-batches go)."""
+    kept = session.settings.kept_per_gpu
+    if kept:
+        return largest_kept(kept, limit) if limit >= 1 else 0
     return max(0, limit)
 
 
