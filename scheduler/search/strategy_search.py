@@ -50,9 +50,9 @@ from scheduler.search.strategies import (
     ordered_combinations, searchable, step_cost_s, strategy_model,
 )
 
-#: A checkpointed run's measured keep share is followed to a larger size only this much larger.
+#: After a strategy's run that ran, its next size is measured only when this much larger.
 TOP_GAIN = 1.1
-#: Runs per strategy at most: its top, then a halving after an out-of-memory or the measured share's top.
+#: Runs per strategy at most: its line's top, then bisection between what ran and what ran out of memory.
 STRATEGY_PROBES = 3
 
 
