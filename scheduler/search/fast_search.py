@@ -181,7 +181,7 @@ def _refuse_if_nothing_kept(session: Session) -> None:
     """With a kept global batch, a search where no experiment ran ends with one line naming the
     smallest size that failed and what would help (`global_batch.no_fit_message`)."""
     st = session.settings
-    tried = [(exp, record) for exp, record in session.measured.values() if exp.name != PROFILE]
+    tried = [(exp, record) for exp, record in session.measured.values() if exp.space != PROFILE]
     if not st.kept_per_gpu or any(succeeded(record) for _, record in tried):
         return
     raise SearchAborted(no_fit_message(st.global_batch, st.dp_size, [

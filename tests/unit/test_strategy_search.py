@@ -31,6 +31,7 @@ class Law:
     peak: int = 0  #: > 0: a sample costs more past this micro-batch (the curve turns below the memory top)
     factor: float = 1.0  #: the states' real bytes over the 16 per parameter the model counts (buffers, copies)
     peaks: bool = True  #: the records carry the measured peak
+    backward: int = 0  #: bytes a training step holds beyond the profile's forward
 
     def memory(self, exp: Experiment) -> int:
         n, s, dp = self.num_params, exp.stage, 4
@@ -42,7 +43,7 @@ class Law:
         return int(states + GiB + self.activation * share * exp.micro_batch_size)
 
     def run(self, exp: Experiment) -> dict[str, Any]:
-        peak = self.memory(exp)
+        peak = self.memory(exp) + (0 if exp.space == PROFILE else self.backward)
         if peak > CAPACITY - RESERVE:
             return {"name": exp.name, "status": "oom", "ds_config": exp.ds_config}
         if exp.space == PROFILE:
@@ -219,3 +220,10 @@ def test_a_strategys_probes_bisect_between_what_ran_and_what_ran_out_of_memory()
     checkpointed = [(exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
                     if exp.strategy and "_r" not in exp.name]
     assert checkpointed == [(30, "oom"), (16, "oom"), (12, "ok")]
+
+
+def test_a_kept_batch_that_nothing_holds_after_an_offloaded_profile_is_refused_in_one_line() -> None:
+    law = Law(num_params=4_000_000_000, activation=200_000_000, backward=16 * GiB)  # no step fits anywhere
+    with pytest.raises(SearchAborted, match="no config keeping the global batch of 8") as caught:
+        run(law, settings(law, ["offload_optimizer"], kept=8, profile=True))
+    assert "\n" not in str(caught.value)
