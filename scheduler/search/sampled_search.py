@@ -42,7 +42,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   fewer than `ZERO3_AT_SCALE` data-parallel ranks it is measured only when it can hold larger sizes
   that matter (the curve was still rising at the cap, or it holds `ZERO3_ROOM` times what ZeRO-1/2
   hold, so memory pressure may have turned their curves), or no ZeRO-1/2 stage was measured; from
-  `ZERO3_AT_SCALE` ranks on, where its sharding and prefetch let it lead, it is always measured once;
+  `ZERO3_AT_SCALE` ranks on, where its sharding and prefetch let it lead, it is always measured once,
+  at the incumbent's own size and accumulation (`_leads_at`: no probe of its top), and explored if
+  it reads better there;
 - a failure that says nothing about the config (`scheduler.search.repeats.says_nothing`: a crash,
   a timeout, a rendezvous that failed, an out-of-memory beside others' memory) is launched once
   more at once (`_measure`), and so is an out-of-memory at a size the stage already ran at or above
@@ -126,9 +128,10 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         if stage == 3 and any(s in (1, 2) for s in explored):
             lighter = max(stage_top(session, s) for s in explored if s in (1, 2))
             roomy = top >= ZERO3_ROOM * lighter  # near the top pressure slows the lighter stages
-            if not (upside or roomy or session.settings.dp_size >= ZERO3_AT_SCALE):
-                continue
-            upside = upside or roomy
+            if not (upside or roomy):
+                if session.settings.dp_size < ZERO3_AT_SCALE or not (yield from _leads_at(session, stage, incumbent)):
+                    continue
+            upside = True
         fuller = _fuller_step(session, incumbent, top)
         if not upside and _half_step(session, stage, incumbent[0]):
             continue
@@ -142,6 +145,21 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             upside = value is not None and _wins(session, stage, value, bounded=True)
         if value is not None and (upside or _wins(session, stage, value)):
             yield from _explore(session, stage, floor=size)
+
+
+def _leads_at(session: Session, stage: int, incumbent: tuple[int, int]) -> Step:
+    """Measure `stage` once at the incumbent's own config (its size and accumulation, which the
+    stage holds) and say whether it reads better: a like-for-like comparison that needs no probe
+    of the stage's top."""
+    inc_stage, mbs = incumbent
+    gas = gas_for(session, inc_stage, mbs)
+    exp = session.experiment(stage, mbs, gas)
+    [record] = yield from session.measure(f"z{stage}_compare_{mbs}", [exp])
+    value = metric_value(record, session.settings.metric)
+    lead = stage_values(session, inc_stage).get(mbs)
+    if value is None or lead is None:
+        return False
+    return value > lead if session.settings.maximize else value < lead
 
 
 def _half_step(session: Session, stage: int, incumbent_stage: int) -> bool:

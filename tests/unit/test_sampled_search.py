@@ -400,15 +400,17 @@ def test_other_stages_are_compared_at_the_incumbents_size_and_zero_3_at_scale() 
     """ZeRO-1 leads: 8, 32, then 16 (the best's larger gap), then 10 (gap 8-16; 10-16 and 16-32 hold
     no size). The best, 16, is below the largest size measured (32): the curve turned, so ZeRO-0 and
     ZeRO-2 are measured once at 16. On 2 ranks ZeRO-3 is not (it could only win on memory), although
-    it would have won; on 4 ranks (the same 32 samples per GPU per step) it is, and leads."""
+    it would have won; on 4 ranks (the same 32 samples per GPU per step) it is compared at the
+    incumbent's own config (16 x 2), leads there, and is explored above it (32)."""
     fits = {0: 32, 1: 32, 2: 32, 3: 32}
-    speed = {**PEAKED, (3, 16): 95.0}
+    speed = {**PEAKED, (3, 16): 95.0, (3, 32): 75.0}
     launched, phases, _ = play(stages_of((0, 1, 2, 3)), speed, fits, scripted_settings())
     assert launched == [(1, 8, 4), (1, 32, 1), (1, 16, 2), (1, 10, 3), (0, 16, 2), (2, 16, 2)]
     assert [p.name for p in phases][-2:] == ["z0_follow_16", "z2_follow_16"]
     launched, phases, session = play(stages_of((0, 1, 2, 3)), speed, fits,
                                      scripted_settings(num_gpus=4, max_train_batch_size=128))
-    assert launched[-1] == (3, 16, 2) and phases[-1].name == "z3_follow_16"
+    assert launched[-2:] == [(3, 16, 2), (3, 32, 1)]
+    assert [p.name for p in phases][-2:] == ["z3_compare_16", "z3_sample_32"]
     assert best([r for _, r in session.measured.values()], "throughput", True)["name"] == "z3_gas2_tmbspg16"
 
 
@@ -558,10 +560,10 @@ def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
 
 def test_zero_3_is_not_measured_after_zero_1_or_zero_2_alone_on_two_ranks() -> None:
     """The curve turned below the largest size measured: on 2 ranks ZeRO-3 cannot win on memory,
-    whichever of ZeRO-1 or ZeRO-2 led; on 4 ranks it is measured once at the leader's size and not
-    explored (with a step limit only a stage holding what the leader's stage could not is)."""
+    whichever of ZeRO-1 or ZeRO-2 led; on 4 ranks it is compared once at the leader's config (16 x
+    2) and, slower there, not explored."""
     for lead in (1, 2):
-        speed = {(lead, 8): 80.0, (lead, 10): 85.0, (lead, 16): 90.0, (lead, 32): 70.0, (3, 16): 95.0}
+        speed = {(lead, 8): 80.0, (lead, 10): 85.0, (lead, 16): 90.0, (lead, 32): 70.0, (3, 16): 85.0}
         launched, _, _ = play(stages_of((lead, 3)), speed, {lead: 32, 3: 32}, scripted_settings(stages=(lead, 3)))
         assert [stage for stage, _, _ in launched] == [lead] * 4, lead
         launched, _, _ = play(stages_of((lead, 3)), speed, {lead: 32, 3: 32},
