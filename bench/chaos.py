@@ -686,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
     soak = Soak(work, args.seconds, args.seed, args.slots)
     began = time.monotonic()
+    # SIGTERM (`timeout`, a CI limit) ends the soak through its teardown, not around it: the cluster,
+    # its commands and their ranks are stopped by PID, as after a normal end.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         result = soak.run()
     except RuntimeError as exc:  # the cluster or a fault-free reference run did not come up
