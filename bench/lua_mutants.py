@@ -1,6 +1,6 @@
 """Hand-written mutants of the lease rules that mutmut cannot mutate: the Lua scripts in
 `workers/gang.py` (mutmut sees them as string literals, and a changed string is not a changed rule),
-the retry cap in `scheduler.cluster.dispatch._lose` (mutmut mutates it too, with tests/redis; kept here as
+the retry cap in `scheduler.cluster.sweep._lose` (mutmut mutates it too, with tests/redis; kept here as
 the named rule) and the stale-message check in `workers/rank.py` (only exercised by an integration test).
 
 Each mutant is one exact text replacement that breaks one safety rule. For each, the repository's
@@ -68,11 +68,11 @@ MUTANTS = [
            "  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n  return 1",
            "  return 1"),
     Mutant("lose_retries_forever", "a lost launch is retried forever (the attempt cap is ignored)",
-           "scheduler/cluster/dispatch.py",
+           "scheduler/cluster/sweep.py",
            "if attempts < spec.max_attempts:",
            "if True:"),
     Mutant("lose_never_retries", "a lost launch is recorded lost at once (no retry)",
-           "scheduler/cluster/dispatch.py",
+           "scheduler/cluster/sweep.py",
            "if attempts < spec.max_attempts:",
            "if False:"),
     Mutant("rank_runs_stale", "a redelivered rank runs although its reservation is gone", "workers/rank.py",

@@ -79,7 +79,7 @@ class LiveView:
             self.console.print(f"phase {event['name']}: {event['todo']} to run"
                                + (f", {event['reused']} already measured" if event["reused"] else ""),
                                markup=False)
-        elif event["kind"] == "gpu_busy":  # scheduler.cluster.dispatch.requeue_for_busy_gpu
+        elif event["kind"] == "gpu_busy":  # scheduler.cluster.finish.requeue_for_busy_gpu
             self.console.print(f"  {event['name']:<28} not started: other processes hold memory on "
                                f"{', '.join(event['slots'])}; out of tuning until it frees, queued again",
                                markup=False, soft_wrap=True)

@@ -48,6 +48,7 @@ WORK = CeleryWork(app)
 def prewarm(**_: object) -> None:
     """Import the control path when a pool child starts, not inside the first experiment's callback."""
     import scheduler.cluster.dispatch  # noqa: F401
+    import scheduler.cluster.finish  # noqa: F401
     import scheduler.cluster.progress  # noqa: F401
 
 
@@ -62,7 +63,8 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
     from scheduler.cluster.co_runners import co_runners_of
-    from scheduler.cluster.dispatch import cluster_lock, dispatch, record_and_read, requeue_for_busy_gpu
+    from scheduler.cluster.dispatch import cluster_lock, dispatch
+    from scheduler.cluster.finish import record_and_read, requeue_for_busy_gpu
     from scheduler.cluster.launches import FinishSpec
     from scheduler.cluster.fencing import holds_experiment
     from scheduler.cluster.progress import advance

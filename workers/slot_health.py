@@ -4,7 +4,7 @@ Why (issue 21 items 9 and 10): an experiment run beside a notebook, another job 
 being torn down measures them too: a false out-of-memory, which the search would take for a bound,
 or a slower step. So a rank that finds its GPU still used by others after `workers.device_idle`'s
 wait does not start: it marks its slot unhealthy and its experiment is queued again
-(`scheduler.cluster.dispatch.requeue_for_busy_gpu`), to run on other slots or later. A rank whose
+(`scheduler.cluster.finish.requeue_for_busy_gpu`), to run on other slots or later. A rank whose
 GPU is not free again a wait after its own processes ended marks it too, before the slot is freed.
 
 The mark is one Redis key per slot (`keys.unhealthy`) with a TTL of `MARK_TTL_S`: the slot's worker

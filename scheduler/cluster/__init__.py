@@ -4,7 +4,9 @@
   control workers could race); submitting, cancelling, ending a job;
 - `progress`: a job's step: replay its search over the records so far and queue what it asks next;
 - `dispatch`, `placement`, `backfill`: which queued experiment starts on which free slots now
-  (gang reservations across nodes, EASY backfill, topology), and the sweep that finds lost launches;
+  (gang reservations across nodes, EASY backfill, topology);
+- `finish`: a finished launch's bookkeeping in the chord callback (free its slots, close it);
+- `sweep`: the control worker's search for lost launches (what no event announces);
 - `launches`: what a running launch and its finish message carry;
 - `work`: the one seam to the outside (`Work`: launch, revoke, clean up hosts, ask for a step),
   which `tasks.work.CeleryWork` implements; this package imports neither Celery nor deploy;

@@ -3,7 +3,7 @@
 Dispatch and the job steps are driven by events (a submission, an experiment's chord callback), so
 nothing polls while work flows. But some changes announce themselves to nobody: a launch lost with
 its worker or node, a lease that lapsed, a slot worker that came back. Every SWEEP_S the control
-worker finds lost launches (`scheduler.cluster.dispatch.sweep`), takes the step of each job that recorded
+worker finds lost launches (`scheduler.cluster.sweep`), takes the step of each job that recorded
 one or has nothing running or queued (it waits only for launches Redis forgot, whose record may never
 come), and dispatches again, all under the cluster lock.
 """
@@ -14,7 +14,8 @@ import threading
 
 import redis
 
-from scheduler.cluster.dispatch import SWEEP_S, cluster_lock, dispatch, sweep
+from scheduler.cluster.dispatch import cluster_lock, dispatch
+from scheduler.cluster.sweep import SWEEP_S, sweep
 from scheduler.cluster.job_store import any_active
 from scheduler.cluster.progress import advance
 from scheduler.cluster.work import Work

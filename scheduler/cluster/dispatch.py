@@ -1,7 +1,7 @@
 """Cluster-wide dispatch, run by the control workers: which queued experiment starts now, and where.
 
 Event-driven: dispatch runs after a job is submitted and after every recorded experiment (in the
-chord callback), so a freed slot is reused at once; the control worker's sweep (every SWEEP_S)
+chord callback), so a freed slot is reused at once; the control worker's sweep (`scheduler.cluster.sweep`)
 only catches what no event announces: lost launches, slots freed by an expired lease, workers that
 (re)appeared. One Redis lock (`cluster_lock`) serialises every planning step across control
 workers; the gang reservation itself is atomic anyway, so a slot can never be double-booked.
@@ -20,19 +20,11 @@ for it. A job pinned to named slots (`python -m scheduler.run` with a hostfile) 
 those. Estimates: a waiting experiment's time limit; a running one ends at its start plus the mean
 wall time of finished experiments of the same (stage, micro batch) in its job, or its time limit.
 
-A launch is `lost` when no record came within its time limit plus a grace, when a worker of its
-slots restarted, stopped sending heartbeats or withdrew its slot (its consumer stopped taking
-messages, `workers.consumer_watch`: at once, without waiting out a blip), or when its lease lapsed
-on a slot whose rank has not reported (the ranks renew their own slots' leases, so a lapse means
-that rank's worker or node is gone). A lost launch is revoked and queued again at its old place
-while attempts remain (counted in Redis before each launch), then recorded `lost`. After Redis lost
-its data, a launch whose ranks ran on (they take their slots back) is not launched a second time by
-its resubmitted job (`progress.launches_holding_slots`); its record, when it comes, is adopted
-(`scheduler.cluster.fencing`), which also keeps a launch that lost its hold from being recorded.
+The other ends of a launch are apart: `scheduler.cluster.finish` records how it ended (the chord
+callback), `scheduler.cluster.sweep` finds the launches that will never report (lost).
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -46,10 +38,8 @@ import redis
 from scheduler.cluster.backfill import POLICIES, Policy, Waiting, estimate_run_s
 from scheduler.errors import ClusterError
 from scheduler.cluster.co_runners import beside, queues_by_node
-from scheduler.cluster.fencing import adopted
-from scheduler.cluster.job_store import (Heads, JobStore, StepReads, job_heads, running_by_job, show_all,
-                                         step_reads_from, walls_by_job)
-from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec, stop_launch
+from scheduler.cluster.job_store import Heads, JobStore, job_heads, running_by_job, show_all, walls_by_job
+from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.report.outputs import write_experiment_descriptions
 from scheduler.cluster.placement import fits_ever, gang_link, is_loopback, largest_shape, pinned_placement
@@ -58,17 +48,14 @@ from scheduler.cluster.work import RankLaunch, Work
 from workers import keys
 from workers.device_idle import gpu_wait_s
 from workers.gang import GangReservations
-from workers.layout import RESULT, experiment_file
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders
-from workers.paths import safe_child, write_json
+from workers.paths import safe_child
 from workers.rank import RankSpec
-from workers.registry import HEARTBEAT_S, TTL_S, live_slots, withdrawn
 from workers.slot import Slot
 from workers.slot_health import describe
 from workers.slot_view import read_view
 from workers.topology import worst_link
 
-SWEEP_S = 2.0
 LOCK_TIMEOUT_S = 120.0
 #: How often a waiting control process retries the lock: redis-py's default (100 ms) added up to
 #: half a second to a step waiting behind another; a step holds it for a few ms, and two slots
@@ -77,11 +64,8 @@ LOCK_POLL_S = 0.001
 REFUSE_GRACE_S = 60.0  #: after a job's first launch, how long the cluster may lack a fitting shape
 #: How long a job waits when only slots out of tuning (workers.slot_health) could run its experiments.
 HELD_GRACE_S = 600.0
-SLOT_GONE_S = TTL_S + HEARTBEAT_S  #: a slot unregistered this long has lost its worker (not a blip)
 #: Celery's hard limit is only a backstop behind our own per-experiment timeout and group kill.
 TIME_LIMIT_GRACE_S = 300
-
-log = logging.getLogger(__name__)
 
 
 def cluster_lock(client: redis.Redis):
@@ -363,109 +347,3 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
                 f"(experiment={exp.name!r}, job={spec.job!r}, slots={queues!r})")
     if spec.tune is not None:  # DeepSpeed's autotuning_exps/<name>.json, for each experiment launched
         write_experiment_descriptions(Path(spec.tune.exps_dir), [exp])  # after the chord: not on its way
-
-
-def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, Any]) -> bool:
-    """The chord callback's bookkeeping: free the launch's slots, close it, tell the job's submitter.
-    False for a stale launch (retried or given up meanwhile, or Redis lost the job)."""
-    return record_and_read(client, finish, record)[0]
-
-
-def record_and_read(client: redis.Redis, finish: FinishSpec, record: dict[str, Any]) -> tuple[bool, StepReads | None]:
-    """`record_finished`, and the job step's reads after it (`JobStore.step_reads`), in one round
-    trip: each was a round trip of its own between a rank's end and the next experiment's start
-    (bench/dispatch_overhead.py). The reads are None where the launch was stale (adopting a record
-    writes more, so the step reads again)."""
-    store = JobStore(client, finish.job)
-    ok = record.get("status") == "ok" and record.get("wall_s")
-    wall = (finish.shape, record["wall_s"]) if ok and finish.shape else None
-    pipe = client.pipeline(transaction=False)
-    GangReservations(client).release_in(pipe, finish.slots, finish.gang_token)
-    store.finish_recorded_in(pipe, finish.name, finish.attempt, {"kind": "record", "record": record}, wall)
-    store.step_reads_in(pipe)
-    results = pipe.execute()
-    if results[1] is None:  # the finish script's answer: that attempt is not the running launch
-        return adopted(client, store, finish, record), None
-    return True, step_reads_from(results)
-
-
-def requeue_for_busy_gpu(client: redis.Redis, finish: FinishSpec, busy_ranks: list[dict[str, Any]]) -> bool:
-    """A launch that a rank did not start because others held memory on its GPU (`gpu_busy`,
-    workers.slot_health): its slots are freed and it waits again at its old place, on other slots
-    or later; not counted as an attempt (it never ran). The submitter is told which slots left
-    tuning. False for a stale launch."""
-    GangReservations(client).release(finish.slots, finish.gang_token)
-    store = JobStore(client, finish.job)
-    launch = store.running_of([finish.name]).get(finish.name)
-    if launch is None or launch.attempt != finish.attempt:
-        return False
-    store.requeue(launch, counted=False)
-    shown = [describe(rank["slot"], {"used_bytes": rank.get("device_foreign_bytes") or 0}) for rank in busy_ranks]
-    log.warning("%s not started: %s; queued again", finish.name, ", ".join(shown))
-    store.publish({"kind": "gpu_busy", "name": finish.name, "slots": shown})
-    return True
-
-
-def sweep(client: redis.Redis, work: Work) -> set[str]:
-    """Find lost launches (module docstring); returns the jobs whose step is due: those that recorded
-    one as `lost`, and those with nothing running or queued. Such a job waits only for launches Redis
-    forgot (`progress.launches_holding_slots`), whose record may never come (their chord went with
-    Redis's data): no event would step it when their leases lapse, so the sweep does."""
-    now = time.time()
-    live = {slot.queue: slot.instance for slot in live_slots(client)}
-    gangs = GangReservations(client)
-    due: set[str] = set()
-    for spec in active_specs(client):
-        store = JobStore(client, spec.job)
-        running = store.running().values()
-        taken_back = withdrawn(client, sorted({q for launch in running for q in launch.queues if q not in live}))
-        for launch in running:
-            why = _why_lost(store, work, gangs, spec, launch, live, now, taken_back)
-            if why is not None and _lose(client, work, spec, launch, why):
-                due.add(spec.job)
-        if not running and not store.depth():
-            due.add(spec.job)
-    return due
-
-
-def _why_lost(store: JobStore, work: Work, gangs: GangReservations, spec: JobSpec, launch: RunningLaunch,
-              live: dict[str, str], now: float, taken_back: Mapping[str, str] | None = None) -> str | None:
-    gone = [q for q in launch.queues if q not in live]
-    taken_back = taken_back or {}
-    withdrawn_here = [q for q in gone if q in taken_back]
-    if withdrawn_here:  # its worker said why it left: no need to wait out a blip
-        return f"the worker of {withdrawn_here[0]} withdrew its slot ({taken_back[withdrawn_here[0]]})"
-    restarted = [q for q in launch.queues if q in live and live[q] != launch.instances.get(q)]
-    if gone and launch.missing_since is None:
-        launch = launch.missing_from(now)
-        store.update_running(launch)
-    if now > launch.deadline:
-        return (f"no record from the slot workers within the time limit plus {spec.lost_grace_s:.0f}s "
-                "(a worker or node died, or Redis lost the task)")
-    if restarted:
-        return f"the worker of {', '.join(restarted)} restarted during the run"
-    if gone and launch.missing_since is not None and now - launch.missing_since > SLOT_GONE_S:
-        return f"the worker of {', '.join(gone)} stopped sending heartbeats"
-    if now - launch.started > spec.lease_s and not gangs.holds(launch.queues, launch.token):
-        silent = [q for q, task in launch.rank_tasks.items() if not work.finished(task)]
-        if silent and not gangs.holds(silent, launch.token):
-            return f"the lease of {', '.join(silent)} expired: its rank stopped renewing it (worker or node gone)"
-    return None
-
-
-def _lose(client: redis.Redis, work: Work, spec: JobSpec, launch: RunningLaunch, why: str) -> bool:
-    """Stop a lost launch; queue it again at its old place while attempts remain, else record it
-    `lost`. Returns True when it was recorded (the job's phase may be complete now)."""
-    stop_launch(client, work, launch)
-    store = JobStore(client, spec.job)
-    attempts = store.attempts_of(launch.name)
-    if attempts < spec.max_attempts:
-        log.warning("%s lost (%s); retrying, attempt %d of %d", launch.name, why, attempts + 1, spec.max_attempts)
-        store.requeue(launch)
-        return False
-    record = {"name": launch.name, "status": "lost", "metrics": None, "ds_config": launch.exp["ds_config"],
-              "slots": launch.queues, "cause": {"error": f"{why}; gave up after {attempts} attempts"}}
-    write_json(experiment_file(safe_child(spec.results_root, launch.name), RESULT), record)
-    store.give_up(launch)
-    store.publish({"kind": "record", "record": record})
-    return True

@@ -387,7 +387,7 @@ class JobStore:
 
     def requeue(self, launch: RunningLaunch, counted: bool = True) -> None:
         """A launch waits again at its old place, in one transaction; `counted=False` takes its
-        launch back from the attempts (it never ran: dispatch.requeue_for_busy_gpu)."""
+        launch back from the attempts (it never ran: finish.requeue_for_busy_gpu)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.hdel(keys.job_running(self.job), launch.name)
         if not counted:

@@ -223,7 +223,7 @@ def run_fixed(client: redis.Redis, work: Work, spec: JobSpec,
     def on_event(event: dict[str, Any]) -> None:
         if event.get("kind") == "record":
             on_record(event["record"])
-        elif event.get("kind") == "gpu_busy":  # dispatch.requeue_for_busy_gpu
+        elif event.get("kind") == "gpu_busy":  # finish.requeue_for_busy_gpu
             log.warning("%s not started: other processes hold memory on %s; it waits until that memory goes",
                         event.get("name"), ", ".join(event.get("slots", [])))
 

@@ -53,7 +53,7 @@ def advance(client: redis.Redis, job: str, dispatch: Callable[[], None] | None =
             read: StepReads | None = None) -> None:
     """Take the job's next step (module docstring), and dispatch after it (`dispatch`, when given).
     Errors end the job with a `failed` event. `read`: the step's reads, where the caller made them in
-    a round trip of its own (`dispatch.record_and_read`).
+    a round trip of its own (`finish.record_and_read`).
 
     When the step cannot change what a pass would start now, the pass runs before it: the job's
     search is live in this process (no rebuild) and no queued experiment of the job has a record

@@ -1,7 +1,7 @@
 """The gang reservation under contention, and a stale redelivered rank, against a real redis-server.
 
 No Celery here. Every single-threaded lease rule of the Lua scripts (`workers.gang`) and the retry
-cap of the control worker's sweep (`scheduler.cluster.dispatch`) are in tests/redis/test_gang.py and
+cap of the control worker's sweep (`scheduler.cluster.sweep`) are in tests/redis/test_gang.py and
 tests/redis/test_dispatch.py, which mutmut runs too. Each test uses its own Redis database, emptied first.
 """
 from __future__ import annotations

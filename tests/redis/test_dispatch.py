@@ -1,4 +1,4 @@
-"""Dispatch (`scheduler.cluster.dispatch`) against a real redis-server, with no Celery: slots are registered
+"""Dispatch, finish and sweep (`scheduler.cluster.dispatch`, `.finish`, `.sweep`) against a real redis-server, with no Celery: slots are registered
 by writing their keys, `RecordedWork` (conftest) keeps what would be sent, and every expectation is
 read back from the raw keys (running hash, gang keys and their TTLs, state hash, events list) and
 compared with values worked out by hand."""
@@ -20,8 +20,9 @@ import redis
 
 from scheduler.cluster import dispatch as dispatch_module
 from scheduler.cluster.co_runners import co_runners_of
-from scheduler.cluster.dispatch import (REFUSE_GRACE_S, SLOT_GONE_S, _frees_at, _lose, _why_lost, cluster_lock,
-                                dispatch, record_and_read, record_finished, refusal, requeue_for_busy_gpu, sweep)
+from scheduler.cluster.dispatch import REFUSE_GRACE_S, _frees_at, cluster_lock, dispatch, refusal
+from scheduler.cluster.finish import record_and_read, record_finished, requeue_for_busy_gpu
+from scheduler.cluster.sweep import SLOT_GONE_S, _lose, _why_lost, sweep
 from scheduler.cluster.job_store import JobStore, reserve_seqs
 from scheduler.cluster.jobs import JobSpec, TuneSpec, cancel, load_spec, run_fixed, submit
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
@@ -695,7 +696,7 @@ def test_a_launch_not_started_for_a_busy_gpu_waits_again_uncounted(client: redis
     assert client.hget(keys.job_attempts("j"), "a") == b"1"
     seq = running(client, "j")["a"].seq
     busy = [{"slot": "n0.gpu1", "status": "gpu_busy", "device_foreign_bytes": 20 * GiB}]
-    with caplog.at_level(logging.WARNING, logger="scheduler.cluster.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.cluster.finish"):
         assert requeue_for_busy_gpu(client, finish, busy) is True
     assert caplog.messages == ["a not started: n0.gpu1 (20.0 GiB used by other processes); queued again"]
     assert not client.keys(keys.gang("*")) and client.hlen(keys.job_running("j")) == 0
@@ -802,7 +803,7 @@ def test_a_lost_launch_with_attempts_left_waits_again(client: redis.Redis, work,
     spec, store, gangs, launch = _running_launch(client, work, tmp_path)
     client.set(keys.gang("n0.gpu1"), "newer#1")
     client.hset(keys.job_attempts("j"), "a", 1)
-    with caplog.at_level(logging.WARNING, logger="scheduler.cluster.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.cluster.sweep"):
         assert _lose(client, work, spec, launch, "why") is False
     assert caplog.messages == ["a lost (why); retrying, attempt 2 of 2"]
     assert work.revoked == ["t0", "t1"]

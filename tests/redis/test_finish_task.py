@@ -82,7 +82,7 @@ def test_ranks_that_were_all_stale_write_nothing(callback, client: redis.Redis, 
 
 def test_a_rank_that_found_its_gpu_busy_writes_no_record(callback, client: redis.Redis, tmp_path: Path) -> None:
     """A `gpu_busy` rank did not start (workers.slot_health): the experiment never ran, so the
-    callback writes nothing and frees the launch's slots (dispatch.requeue_for_busy_gpu queues it
+    callback writes nothing and frees the launch's slots (finish.requeue_for_busy_gpu queues it
     again; tests/redis/test_dispatch.py)."""
     client.set("autotune:gang:n.gpu0", "tok")
     client.set("autotune:gang:n.gpu1", "tok")

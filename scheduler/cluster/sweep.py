@@ -1,0 +1,102 @@
+"""The control worker's sweep for lost launches: those no event announces, because the worker,
+node or Redis data that would have announced them is gone.
+
+A launch is `lost` when no record came within its time limit plus a grace, when a worker of its
+slots restarted, stopped sending heartbeats or withdrew its slot (its consumer stopped taking
+messages, `workers.consumer_watch`: at once, without waiting out a blip), or when its lease lapsed
+on a slot whose rank has not reported (the ranks renew their own slots' leases, so a lapse means
+that rank's worker or node is gone). A lost launch is revoked and queued again at its old place
+while attempts remain (counted in Redis before each launch), then recorded `lost`. After Redis lost
+its data, a launch whose ranks ran on (they take their slots back) is not launched a second time by
+its resubmitted job (`progress.launches_holding_slots`); its record, when it comes, is adopted
+(`scheduler.cluster.fencing`), which also keeps a launch that lost its hold from being recorded.
+
+Apart from `scheduler.cluster.dispatch`: dispatch starts launches on events; this runs every
+`SWEEP_S` (`scheduler.cluster.control_loop`) and decides which running launches will never report.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import redis
+
+from scheduler.cluster.job_store import JobStore
+from scheduler.cluster.jobs import JobSpec, active_specs, stop_launch
+from scheduler.cluster.launches import RunningLaunch
+from scheduler.cluster.work import Work
+from workers.gang import GangReservations
+from workers.layout import RESULT, experiment_file
+from workers.paths import safe_child, write_json
+from workers.registry import HEARTBEAT_S, TTL_S, live_slots, withdrawn
+
+SWEEP_S = 2.0  #: how often the control worker sweeps
+SLOT_GONE_S = TTL_S + HEARTBEAT_S  #: a slot unregistered this long has lost its worker (not a blip)
+
+log = logging.getLogger(__name__)
+
+
+def sweep(client: redis.Redis, work: Work) -> set[str]:
+    """Find lost launches (module docstring); returns the jobs whose step is due: those that recorded
+    one as `lost`, and those with nothing running or queued. Such a job waits only for launches Redis
+    forgot (`progress.launches_holding_slots`), whose record may never come (their chord went with
+    Redis's data): no event would step it when their leases lapse, so the sweep does."""
+    now = time.time()
+    live = {slot.queue: slot.instance for slot in live_slots(client)}
+    gangs = GangReservations(client)
+    due: set[str] = set()
+    for spec in active_specs(client):
+        store = JobStore(client, spec.job)
+        running = store.running().values()
+        taken_back = withdrawn(client, sorted({q for launch in running for q in launch.queues if q not in live}))
+        for launch in running:
+            why = _why_lost(store, work, gangs, spec, launch, live, now, taken_back)
+            if why is not None and _lose(client, work, spec, launch, why):
+                due.add(spec.job)
+        if not running and not store.depth():
+            due.add(spec.job)
+    return due
+
+
+def _why_lost(store: JobStore, work: Work, gangs: GangReservations, spec: JobSpec, launch: RunningLaunch,
+              live: dict[str, str], now: float, taken_back: Mapping[str, str] | None = None) -> str | None:
+    gone = [q for q in launch.queues if q not in live]
+    taken_back = taken_back or {}
+    withdrawn_here = [q for q in gone if q in taken_back]
+    if withdrawn_here:  # its worker said why it left: no need to wait out a blip
+        return f"the worker of {withdrawn_here[0]} withdrew its slot ({taken_back[withdrawn_here[0]]})"
+    restarted = [q for q in launch.queues if q in live and live[q] != launch.instances.get(q)]
+    if gone and launch.missing_since is None:
+        launch = launch.missing_from(now)
+        store.update_running(launch)
+    if now > launch.deadline:
+        return (f"no record from the slot workers within the time limit plus {spec.lost_grace_s:.0f}s "
+                "(a worker or node died, or Redis lost the task)")
+    if restarted:
+        return f"the worker of {', '.join(restarted)} restarted during the run"
+    if gone and launch.missing_since is not None and now - launch.missing_since > SLOT_GONE_S:
+        return f"the worker of {', '.join(gone)} stopped sending heartbeats"
+    if now - launch.started > spec.lease_s and not gangs.holds(launch.queues, launch.token):
+        silent = [q for q, task in launch.rank_tasks.items() if not work.finished(task)]
+        if silent and not gangs.holds(silent, launch.token):
+            return f"the lease of {', '.join(silent)} expired: its rank stopped renewing it (worker or node gone)"
+    return None
+
+
+def _lose(client: redis.Redis, work: Work, spec: JobSpec, launch: RunningLaunch, why: str) -> bool:
+    """Stop a lost launch; queue it again at its old place while attempts remain, else record it
+    `lost`. Returns True when it was recorded (the job's phase may be complete now)."""
+    stop_launch(client, work, launch)
+    store = JobStore(client, spec.job)
+    attempts = store.attempts_of(launch.name)
+    if attempts < spec.max_attempts:
+        log.warning("%s lost (%s); retrying, attempt %d of %d", launch.name, why, attempts + 1, spec.max_attempts)
+        store.requeue(launch)
+        return False
+    record = {"name": launch.name, "status": "lost", "metrics": None, "ds_config": launch.exp["ds_config"],
+              "slots": launch.queues, "cause": {"error": f"{why}; gave up after {attempts} attempts"}}
+    write_json(experiment_file(safe_child(spec.results_root, launch.name), RESULT), record)
+    store.give_up(launch)
+    store.publish({"kind": "record", "record": record})
+    return True
