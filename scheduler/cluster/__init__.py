@@ -2,6 +2,7 @@
 
 - `job_store`, `jobs`: a job's spec, queue, running launches and records, in Redis (Lua where two
   control workers could race); submitting, cancelling, ending a job;
+- `dispatch_reads`: what a dispatch pass reads and writes across every active job, in one round trip;
 - `progress`: a job's step: replay its search over the records so far and queue what it asks next;
 - `dispatch`, `placement`, `backfill`: which queued experiment starts on which free slots now
   (gang reservations across nodes, EASY backfill, topology);

@@ -38,7 +38,8 @@ import redis
 from scheduler.cluster.backfill import POLICIES, Policy, Waiting, estimate_run_s
 from scheduler.errors import ClusterError
 from scheduler.cluster.co_runners import beside, queues_by_node
-from scheduler.cluster.job_store import Heads, JobStore, job_heads, running_by_job, show_all, walls_by_job
+from scheduler.cluster.dispatch_reads import Heads, job_heads, running_by_job, show_all, walls_by_job
+from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.report.outputs import write_experiment_descriptions

@@ -1,6 +1,6 @@
-"""The job store (`scheduler.cluster.job_store`) against a real redis-server: every operation, its
-atomicity where it claims one, and the shape index's promise that dispatch decides exactly as it
-would over the whole queue.
+"""The job store (`scheduler.cluster.job_store`, `.dispatch_reads`) against a real redis-server:
+every operation, its atomicity where it claims one, and the shape index's promise that dispatch
+decides exactly as it would over the whole queue.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import redis
 
 from scheduler.cluster.backfill import Waiting, backfill, strict_fifo
-from scheduler.cluster.job_store import JobStore, active_jobs, any_active, heads, reserve_seqs, shown_states
+from scheduler.cluster.dispatch_reads import heads
+from scheduler.cluster.job_store import JobStore, active_jobs, any_active, reserve_seqs, shown_states
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from workers import keys
 from workers.slot import Slot

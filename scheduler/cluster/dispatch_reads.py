@@ -1,0 +1,103 @@
+"""What a dispatch pass reads and writes across every active job, one round trip each: the waiting
+launches that can matter, the running launches and their shapes' wall times, the states `--status`
+shows.
+
+Apart from `scheduler.cluster.job_store` (one job's keys) because these span jobs and exist for
+one reader, `scheduler.cluster.dispatch`, whose cost they bound.
+
+The queue is indexed by shape. Within one job and one shape (nodes x slots per node, minimum memory)
+waiting launches are interchangeable for placement, and a shape that finds no room in a dispatch
+pass finds none for the rest of it (busy slots only accumulate). So at most
+`free slots // slots per launch + 1` launches of each (job, shape) can matter to a pass: those that
+start, then the first that does not fit. `heads` returns exactly those, so a pass costs
+O(shapes + free slots) whatever the depth of the queues.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import redis
+
+from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
+from workers import keys
+
+
+_HEADS = """
+-- ARGV[1]   free slots; then per job: ARGV[i] its shapes set, ARGV[i+1] its queue hash, ARGV[i+2] the
+--           key of its queue of one shape without the shape, ARGV[i+3] its running launches
+-- returns per job {queue depth, {the queued launches (JSON) that can matter, any order}, running names}
+local free, found = tonumber(ARGV[1]), {}
+for i = 2, #ARGV, 4 do
+  local launches = {}
+  for _, shape in ipairs(redis.call('SMEMBERS', ARGV[i])) do
+    local nodes, per_node = string.match(shape, '^(%d+)x(%d+)')
+    local per_launch = math.max(1, tonumber(nodes) * tonumber(per_node))
+    local names = redis.call('ZRANGE', ARGV[i + 2] .. shape, 0, math.floor(free / per_launch))
+    if #names > 0 then
+      for _, raw in ipairs(redis.call('HMGET', ARGV[i + 1], unpack(names))) do
+        if raw then launches[#launches + 1] = raw end
+      end
+    end
+  end
+  found[#found + 1] = {redis.call('HLEN', ARGV[i + 1]), launches, redis.call('HKEYS', ARGV[i + 3])}
+end
+return found
+"""
+
+
+class Heads(NamedTuple):
+    """What a dispatch pass reads of one job's queue (`job_heads`)."""
+
+    launches: list[QueuedLaunch]  #: the waiting launches that can matter, in submission order
+    depth: int  #: how many wait in all
+    running: set[str]  #: the names of its running launches
+
+
+def heads(client: redis.Redis, jobs: list[str], free_slots: int) -> dict[str, list[QueuedLaunch]]:
+    """Per job, the waiting launches that can matter to a pass with `free_slots` free slots (module
+    docstring), in submission order. One round trip, whatever the depth of the queues."""
+    return {job: found.launches for job, found in job_heads(client, jobs, free_slots).items()}
+
+
+def job_heads(client: redis.Redis, jobs: list[str], free_slots: int) -> dict[str, Heads]:
+    """`heads`, with each job's queue depth and running names, read in the same script."""
+    if not jobs:
+        return {}
+    args: list[Any] = [free_slots]
+    for job in jobs:
+        args += [keys.job_shapes(job), keys.job_queue(job), keys.job_queue_shape(job, ""), keys.job_running(job)]
+    found = client.register_script(_HEADS)(args=args)
+    return {job: Heads(sorted((QueuedLaunch.from_json(json.loads(raw)) for raw in raws), key=lambda launch: launch.seq),
+                       int(depth), {name.decode() for name in running})
+            for job, (depth, raws, running) in zip(jobs, found)}
+
+
+def running_by_job(client: redis.Redis, jobs: list[str]) -> dict[str, list[RunningLaunch]]:
+    """Each job's running launches, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for job in jobs:
+        pipe.hvals(keys.job_running(job))
+    return {job: [RunningLaunch.from_json(json.loads(raw)) for raw in raws] for job, raws in zip(jobs, pipe.execute())}
+
+
+def walls_by_job(client: redis.Redis, shapes: dict[str, list[str]]) -> dict[str, dict[str, list[float]]]:
+    """job -> shape -> wall times of its finished launches, for the shapes asked, in one round trip."""
+    asked = {job: wanted for job, wanted in shapes.items() if wanted}
+    pipe = client.pipeline(transaction=False)
+    for job, wanted in asked.items():
+        pipe.hmget(keys.job_walls(job), wanted)
+    found = pipe.execute() if asked else []
+    return {job: {shape: json.loads(raw) for shape, raw in zip(wanted, raws) if raw is not None}
+            for (job, wanted), raws in zip(asked.items(), found)}
+
+
+def show_all(client: redis.Redis, shown: dict[str, dict[str, Any]], misfits_cleared: Iterable[str] = ()) -> None:
+    """`JobStore.show` for several jobs and `clear_misfit` for `misfits_cleared`, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for job in misfits_cleared:
+        pipe.hdel(keys.job_state(job), "misfit_since")
+    for job, fields in shown.items():
+        pipe.hset(keys.job_state(job), mapping=fields)
+    pipe.execute()
