@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.errors import ConfigError
-from scheduler.inputs.config import CHECKPOINTING_FLAG_KEY
+from scheduler.inputs.memory_strategies import CHECKPOINTING_FLAG_KEY
 
 #: The autotuning key of an experiment's config that lists the memory strategies it runs with
 #: (`scheduler.search.space.experiment_config` writes it; DeepSpeed ignores autotuning keys it does not know).

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.errors import ConfigError, UsageError
-from scheduler.inputs.config import TUNER_TYPES, TuningConfig, non_negative_int
+from scheduler.inputs.config import TuningConfig, non_negative_int
+from scheduler.inputs.config_schema import TUNER_TYPES
 from scheduler.search.global_batch import GlobalBatch, global_batch, kept_sizes
 from scheduler.search.deepspeed_memory import deepspeed_fp16, deepspeed_max_micro_batch_size, deepspeed_stage_fits
 from scheduler.search.memory import (

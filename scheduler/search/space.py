@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from scheduler.inputs.arguments import STRATEGY_KEY
-from scheduler.inputs.config import MEMORY_STRATEGIES
+from scheduler.inputs.memory_strategies import MEMORY_STRATEGIES
 from workers.layout import METRICS
 
 

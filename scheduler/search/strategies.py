@@ -37,7 +37,6 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 from typing import Any
 
-from scheduler.inputs.config import MEMORY_STRATEGIES
 from scheduler.search.memory import MemoryModel, ModelInfo, TrainingSetup
 from scheduler.search.space import strategy_of
 
@@ -60,7 +59,7 @@ _FREEING_DEVICES = ("cpu", "nvme")
 
 
 def requested(ds_config: Mapping[str, Any]) -> tuple[str, ...]:
-    """The strategies `autotuning.memory_strategies` allows (checked by `scheduler.inputs.config`)."""
+    """The strategies `autotuning.memory_strategies` allows (checked by `scheduler.inputs.memory_strategies`)."""
     section = ds_config.get("autotuning") or {}
     return strategy_of(section.get("memory_strategies") or ())
 

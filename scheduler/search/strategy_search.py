@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from scheduler.inputs.config import MEMORY_STRATEGIES
+from scheduler.inputs.memory_strategies import MEMORY_STRATEGIES
 from scheduler.search.global_batch import largest_kept
 from scheduler.search.memory import SAFETY, MemoryModel, ModelInfo, calibrate
 from scheduler.search.ranking import best, metric_value

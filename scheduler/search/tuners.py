@@ -34,7 +34,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
-from scheduler.inputs.config import TUNER_TYPES
+from scheduler.inputs.config_schema import TUNER_TYPES
 from scheduler.search.ranking import metric_value
 from scheduler.search.space import Experiment
 
