@@ -67,8 +67,10 @@ from scheduler.errors import OneLineArgumentParser, UsageError, one_line
 from scheduler.preflight import wait_for_cluster
 from scheduler.cluster.jobs import JobCrashed, JobSpec, run_fixed
 from scheduler.launch.hostfile import LOCAL_HOSTNAME, SLOT_WORKER_BYTES, local_pool, max_local_slots, read_hostfile
-from scheduler.launch.launchers import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchSpec, MvapichLauncher, get_launcher,
-                                 local_command, needs_multinode, private_file_exports, require_backend)
+from scheduler.launch.launch_spec import DEFAULT_MASTER_PORT, LaunchSpec, local_command, needs_multinode
+from scheduler.launch.launchers import LAUNCHERS, get_launcher, require_backend
+from scheduler.launch.mpi_launchers import MvapichLauncher
+from scheduler.launch.pdsh_launcher import private_file_exports
 from scheduler.launch.resources import ResourceRequest, Resources, resolve_resources
 from scheduler.resources import detect_local_devices
 from scheduler.search.space import Experiment

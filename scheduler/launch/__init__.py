@@ -4,7 +4,10 @@
 - `resources`: `--include/--exclude/--num_nodes/--num_gpus` and CUDA_VISIBLE_DEVICES to a selection
   of hosts and device ids, with DeepSpeed's semantics and its defects fixed (pure);
 - `pool`: a tuning's resource pool (`--hostfile/--include/--exclude`) matched to the registered slots (pure);
-- `launchers`: the per-node commands of pdsh, OpenMPI, MVAPICH, Slurm and Intel MPI;
+- `launch_spec`: what one launch is, and the command one node runs (DeepSpeed's launcher, torchrun);
+- `launchers`: the multi-node backends by `--launcher` name, behind one interface (`backend`), one
+  module per family: `pdsh_launcher`, `mpi_launchers` (Open MPI, MPICH, Intel MPI, MVAPICH),
+  `slurm_launcher`;
 - `environment`: what a launch exports (`.deepspeed_env`, the variables DeepSpeed forwards);
 - `elastic`: DeepSpeed's elastic batch sizes.
 

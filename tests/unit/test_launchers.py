@@ -14,18 +14,11 @@ import pytest
 
 from scheduler.launch.elastic import ElasticSettings
 from scheduler.errors import UsageError
-from scheduler.launch.launchers import (
-    LaunchSpec,
-    MvapichLauncher,
-    PdshLauncher,
-    decode_world_info,
-    encode_world_info,
-    get_launcher,
-    local_command,
-    needs_multinode,
-    private_file_exports,
-    require_backend,
-)
+from scheduler.launch.launch_spec import (LaunchSpec, decode_world_info, encode_world_info, local_command,
+                                          needs_multinode)
+from scheduler.launch.launchers import get_launcher, require_backend
+from scheduler.launch.mpi_launchers import MvapichLauncher
+from scheduler.launch.pdsh_launcher import PdshLauncher, private_file_exports
 from scheduler.launch.environment import write_private_file
 from scheduler.launch.resources import ResourceRequest, Resources
 
