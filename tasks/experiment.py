@@ -36,7 +36,8 @@ from workers.failure import Status
 from workers.gang import GangReservations
 from workers.layout import experiment_file
 from workers.paths import safe_child, write_json
-from workers.rank import RankSpec, run_rank as run_rank_body, slot_from_env
+from workers.rank import run_rank as run_rank_body, slot_from_env
+from workers.rank_spec import RankSpec
 from workers.records import aggregate
 
 log = logging.getLogger(__name__)

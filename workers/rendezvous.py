@@ -110,6 +110,6 @@ def all_arrived(client: redis.Redis, barrier: str, count: int, timeout_s: float,
             if int(client.get(key) or 0) >= count:
                 return True
         except redis.RedisError:
-            pass  # an outage is not a reason to stop: the lease decides (workers.rank._StopCheck)
+            pass  # an outage is not a reason to stop: the lease decides (workers.rank_peers.StopCheck)
         time.sleep(every_s)
     return False

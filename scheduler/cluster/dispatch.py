@@ -51,7 +51,7 @@ from workers.device_idle import gpu_wait_s
 from workers.gang import GangReservations
 from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders
 from workers.paths import safe_child
-from workers.rank import RankSpec
+from workers.rank_spec import RankSpec
 from workers.slot import Slot
 from workers.slot_health import describe
 from workers.slot_view import read_view

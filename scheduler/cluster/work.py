@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import redis
 
 from scheduler.cluster.launches import FinishSpec
-from workers.rank import RankSpec
+from workers.rank_spec import RankSpec
 
 
 @dataclass(frozen=True)

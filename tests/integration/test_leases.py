@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from workers.gang import GangReservations
-from workers.rank import RankSpec, run_rank
+from workers.rank import run_rank
+from workers.rank_spec import RankSpec
 from workers.slot import Slot
 
 pytestmark = pytest.mark.integration

@@ -30,7 +30,7 @@ from scheduler.search.space import Experiment
 from workers import keys
 from workers.gang import GangReservations
 from workers.op_prebuild import PREBUILD_TIMEOUT_S
-from workers.rank import RankSpec
+from workers.rank_spec import RankSpec
 from workers.registry import announce_slot
 from workers.slot import Slot
 from workers.slot_health import mark_unhealthy

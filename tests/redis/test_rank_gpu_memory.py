@@ -22,7 +22,8 @@ import redis
 from workers import keys, rank as rank_module
 from workers.device_idle import FreeMemoryWaiter
 from workers.gpus import memory_used
-from workers.rank import RankSpec, run_rank
+from workers.rank import run_rank
+from workers.rank_spec import RankSpec
 from workers.slot import Slot
 
 GiB = 2**30

@@ -140,7 +140,7 @@ def test_on_a_shared_filesystem_each_machine_builds_in_its_own_folder(base: str,
 
 def test_a_rank_gets_its_machines_own_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from workers import build_locks
-    from workers.rank import RankSpec, rank_env
+    from workers.rank_spec import RankSpec, rank_env
     from workers.slot import Slot
 
     mounts = tmp_path / "mounts"

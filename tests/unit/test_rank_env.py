@@ -1,4 +1,4 @@
-"""What a rank process is given (`workers.rank.rank_env`, `script_command`): the environment torchrun
+"""What a rank process is given (`workers.rank_spec.rank_env`, `script_command`): the environment torchrun
 or DeepSpeed's launcher would set, bound to its slot and its gang's GPUs, without the worker's secrets."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.rank import RankSpec, rank_env, script_command
+from workers.rank_spec import RankSpec, rank_env, script_command
 from workers.slot import Slot
 
 GiB = 2**30

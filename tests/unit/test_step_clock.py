@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from workers.device_memory import read_exit_report
-from workers.rank import timed_metrics
+from workers.rank_record import timed_metrics
 from workers.records import aggregate
 from workers.step_clock import wall_clock_metrics, window_seconds
 
