@@ -34,7 +34,8 @@ from workers.rendezvous import free_port  # noqa: E402
 from workers.step_clock import window_seconds  # noqa: E402
 from workers.timeline import rank_timeline  # noqa: E402
 from workers.warm_plan import SWITCH_ENV  # noqa: E402
-from workers.warm_start import WARM, Start  # noqa: E402
+from workers.rank_start import Start  # noqa: E402
+from workers.warm_start import WARM  # noqa: E402
 
 
 def one_launch(folder: Path, config: dict, warm: bool) -> dict[str, float | str]:

@@ -47,7 +47,8 @@ from workers.rank_spec import RankSpec, rank_env, script_command
 from workers.shared_memory import remove_rank_segment
 from workers.slot import Slot
 from workers.slot_health import mark_unhealthy
-from workers.warm_start import WARM, Start
+from workers.rank_start import Start
+from workers.warm_start import WARM
 
 log = logging.getLogger(__name__)
 PGID_TTL_S = 7 * 24 * 3600

@@ -22,7 +22,7 @@ from workers.rank_spec import RankSpec
 from workers.slot import Slot
 from workers.step_clock import wall_clock_metrics, window_seconds
 from workers.timeline import launch_timeline
-from workers.warm_start import Start
+from workers.rank_start import Start
 
 #: How much of a crashed rank's stderr is read for an out-of-memory traceback: a deep model's
 #: traceback through DeepSpeed's hooks runs to a few kB, the allocator's message to 600 bytes.

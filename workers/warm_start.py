@@ -31,7 +31,8 @@ What stays true, and why:
   (`workers.process_identity`).
 - A rank's end is told by the warm process, its parent; if the warm process dies while the rank
   runs, the rank is watched by its pid to its end and the launch is recorded lost (its exit status
-  is unknown), not as the config's crash (`workers.warm_server.WarmProcess`, `Start.lost`).
+  is unknown), not as the config's crash (`workers.warm_server.WarmProcess`,
+  `workers.rank_start.Start.lost`).
 - The preload never outlasts the launch's deadline: a launch waits for its warm process in
   `prepare`, before its time limit starts, and that wait is taken from the limit, as a cold rank's
   imports are in its own; a start after a rank (`learn`) is not waited for in that rank's task.
@@ -62,6 +63,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from workers import warm_server
+from workers.rank_start import Start, WarmUnavailable, recorded_lost
 from workers.warm_plan import (SWITCH_ENV, beyond_the_standard_library, code_changed, import_time_env,  # noqa: F401
                                installed_only, installed_roots, preload_modules, why_cold)
 from workers.warm_rank import REFUSED_EXIT, probe_fork, rank_sys_path, run_forked_rank
@@ -80,16 +82,6 @@ MAX_LEARNED = 300  #: learned preloads kept per script
 #: are preloaded with the next start. The first rank of a DeepSpeed script imports hundreds.
 RESTART_AT_IMPORTS = 50
 NOTHING_TO_PRELOAD = "nothing to preload: the script imports only the standard library"
-
-
-@dataclass
-class Start:
-    """How one launch was started: the record's `start_path` and, when cold, why; `lost` when its warm
-    process died while it ran (how the rank ended is unknown: the launch is lost, not the config's)."""
-
-    path: str = "cold"
-    why_cold: str = ""
-    lost: str = ""
 
 
 @dataclass(frozen=True)
@@ -227,7 +219,7 @@ class WarmStarts:
             self._stop_server()
             raise WarmUnavailable(f"the forked rank did not start ({answer[0]}: {answer[1]})")
         start.path, start.why_cold = "warm", ""
-        return WarmProcess(process, self._pid, self._token, lambda why: _untold(start, why, stderr))
+        return WarmProcess(process, self._pid, self._token, lambda why: recorded_lost(start, why, stderr))
 
     def _plan(self, script: str, env: dict[str, str], cwd: str, slot_kind: str
               ) -> tuple[tuple[Any, ...], list[str], set[str]]:
@@ -381,21 +373,6 @@ class WarmStarts:
         if self._pending is not None:
             shutil.rmtree(self._pending.report.parent, ignore_errors=True)
         self._key, self._pid, self._token, self._code, self._pending = None, 0, "", None, None
-
-
-class WarmUnavailable(Exception):
-    """The warm path cannot serve this launch; the message says why (the record's `cold_because`)."""
-
-
-def _untold(start: Start, why: str, stderr: str) -> None:
-    """The launch is lost (`Start.lost`); the rank's stderr (the record's tail) and the log say why."""
-    start.lost = why
-    log.warning("warm start: a rank's %s; the launch is recorded lost", why)
-    try:
-        with open(stderr, "a") as handle:
-            handle.write(f"\nworkers.warm_start: {why}; the launch is recorded lost, not as this config's end\n")
-    except OSError:
-        pass
 
 
 WARM = WarmStarts()

@@ -14,7 +14,8 @@ import pytest
 from workers.launch import group_runs_slot, run_watched
 from workers.process_identity import RankIdentity
 from workers.warm_plan import SWITCH_ENV, installed_roots
-from workers.warm_start import Start, WarmStarts
+from workers.rank_start import Start
+from workers.warm_start import WarmStarts
 
 ROOT = Path(__file__).resolve().parents[2]
 IDENTITY = RankIdentity("test.gpu0", "0123456789abcdef", "z1_mbs2", 0, 1, "c0ffee" * 6)

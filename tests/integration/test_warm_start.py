@@ -22,7 +22,8 @@ from workers.failure import KillReason
 from workers.launch import LaunchResult, group_alive, run_watched
 from workers.warm_plan import SWITCH_ENV, installed_roots
 from workers.warm_server import UNTOLD_EXIT
-from workers.warm_start import NOTHING_TO_PRELOAD, Start, WarmStarts
+from workers.rank_start import Start
+from workers.warm_start import NOTHING_TO_PRELOAD, WarmStarts
 
 ROOT = Path(__file__).resolve().parents[2]
 
