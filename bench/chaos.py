@@ -28,7 +28,14 @@ Faults, one every MIN_GAP_S-MAX_GAP_S seconds: kill -9 of a slot worker's main p
 0.5-5 s later, as systemd would), of the control worker, of a job's command (run again: resume);
 SIGSTOP of a slot worker and everything under it (its training processes: a frozen node) for a lease
 plus 5 s; kill -9 of one rank's training process; redis-server killed and restarted on the same port
-with its append-only file (appendfsync always: nothing acknowledged is lost), or with its data gone.
+with its append-only file (appendfsync always: nothing acknowledged is lost), or with its data gone;
+kill -9 of the Celery pool process running a rank (the OOM killer's way: the redelivered task must
+kill the orphaned training group and the launch runs again), of the warm interpreter a running rank
+was forked from (the rank is a lost launch, run again, never a crashed config), and a package
+"upgraded" under the running workers (the mtime of torch's, numpy's or typing_extensions' METADATA
+moved: each warm process is replaced before its next rank); bench/chaos_strikes.py says how each
+target is found. A fault with nothing to strike when due waits up to TARGET_WAIT_S for a target;
+each kind is in a schedule of about 400 s or more at least twice (`fault_schedule`).
 Redis is set up as docs/cluster.md's recipe (an admin password on the default user, the cluster
 user beside it). After the last fault everything comes back, every job runs to its end, and a job
 that gave an experiment up as `lost` is run once more (a resume runs exactly those again).
@@ -86,6 +93,8 @@ import redis  # noqa: E402
 
 from bench.chaos_checks import (SAMPLE_S, Fault, JobRecords, Leftovers, ProcessRow, Sample, Seen, Verdict,  # noqa: E402
                                 fault_made, fault_schedule, identify, summary_line, verdict)
+from bench.chaos_strikes import (bump, bump_candidates, read_pools, read_warm, warm_identities,  # noqa: E402
+                                 warm_processes)
 from scheduler.errors import OneLineArgumentParser, UsageError, one_line  # noqa: E402
 from workers import keys  # noqa: E402
 from scheduler.cluster.jobs import job_id_for  # noqa: E402
@@ -105,6 +114,9 @@ EXP_TIMEOUT_S = 60.0  #: each experiment's --exp-timeout
 RESTART_DELAY_S = (0.5, 5.0)  #: a killed worker or command comes back after this many seconds
 FREEZE_S = LEASE_S + 5.0  #: a frozen worker stays stopped longer than a lease
 CONCURRENT_JOBS = 2  #: tuning jobs running at once while faults are injected
+#: A fault with nothing to strike when it is due (no warm-forked rank running, Redis down) waits this
+#: long for a target, the faults after it too, before another kind with a target is struck instead.
+TARGET_WAIT_S = 30.0
 DRAIN_S = 300.0  #: after the last fault, how long the jobs get to finish
 MAX_SECONDS = 24 * 3600.0
 
@@ -395,6 +407,8 @@ class Soak:
         self.notes: list[str] = []
         self.injected: Counter[str] = Counter()
         self.pending: list[tuple[float, str, str]] = []  #: (when, what, which): worker and Redis restarts, thaws
+        self.bumped_warm: dict[int, int] = {}  #: warm processes running at a bump: pid -> start time
+        self.struck: dict[str, set[str]] = {}  #: "<job>/<experiment>" -> kinds of the faults aimed at its ranks
         self.started = 0.0
 
     def log(self, text: str) -> None:
@@ -413,6 +427,11 @@ class Soak:
         self.soak()
         self.drain()
         self.resume_lost()
+        if self.bumped_warm:
+            kept = set(warm_identities(self.bumped_warm).items()) & set(self.bumped_warm.items())
+            self.notes.append(f"note: of {len(self.bumped_warm)} warm process(es) running at a bump_package, "
+                              f"{len(self.bumped_warm) - len(kept)} gone by the end (replaced, or killed by a fault), "
+                              f"{len(kept)} still ran")
         redis_left, training_left = self.leftovers_in_redis(), self.training_left()
         jobs, spans, shm = self.collect()
         self.records = jobs
@@ -420,7 +439,8 @@ class Soak:
         self.cluster.stop()
         after = self.after_teardown()
         shm_left = tuple(sorted(name for name in shm if name not in shm_before and (SHM_DIR / name).exists()))
-        return verdict(jobs, self.sampler.samples, spans, Leftovers(redis_left, training_left, after, shm_left))
+        return verdict(jobs, self.sampler.samples, spans, Leftovers(redis_left, training_left, after, shm_left),
+                       self.struck)
 
     def run_references(self) -> dict[str, dict[str, str]]:
         """One fault-free job per config, all at once: each config's experiments and statuses."""
@@ -445,7 +465,10 @@ class Soak:
             now = time.monotonic()
             self.tend(now, starting=True)
             while schedule and now - soak_start >= schedule[0][0]:
-                self.inject(schedule.pop(0)[1], now)
+                due, fault = schedule[0]
+                if not self.inject(fault, now, waited=now - soak_start - due):
+                    break  # it waits for a target, and the faults after it wait for it
+                schedule.pop(0)
             time.sleep(0.2)
 
     def tend(self, now: float, starting: bool) -> None:
@@ -470,13 +493,17 @@ class Soak:
             self.jobs.append(job)
             job.launch(self.cluster)
 
-    def inject(self, fault: Fault, now: float) -> None:
+    def inject(self, fault: Fault, now: float, waited: float = TARGET_WAIT_S) -> bool:
+        """Strike `fault` (another kind when it has had nothing to strike for TARGET_WAIT_S); False
+        while it waits for a target."""
         targets = self.targets()
         if not targets.get(fault):
+            if waited < TARGET_WAIT_S:
+                return False
             choices = [kind for kind in Fault if targets.get(kind)]
             if not choices:
                 self.log(f"fault {fault.value}: nothing to strike, skipped")
-                return
+                return True
             fault = self.rng.choice(choices)
         target = self.rng.choice(targets[fault])
         self.injected[fault.value] += 1
@@ -500,12 +527,35 @@ class Soak:
             except ProcessLookupError:
                 pass
             detail = f"rank {seen.rank} of {seen.experiment} on {seen.slot} (pid {pid})"
+            self.struck.setdefault(seen.experiment, set()).add(fault.value)
+        elif fault in (Fault.KILL_POOL, Fault.KILL_WARM, Fault.BUMP_PACKAGE):
+            detail = self.strike_near_rank(fault, target)
         else:
             self.cluster.kill_redis()
             wiped = fault is Fault.REDIS_WIPED
             self.pending.append((now + delay, "redis", "wiped" if wiped else "aof"))
             detail = f"back in {delay:.1f}s " + ("with its data gone" if wiped else "from its append-only file")
         self.log(f"fault {sum(self.injected.values())}: {fault.value} {detail}")
+        return True
+
+    def strike_near_rank(self, fault: Fault, target: Any) -> str:
+        """Strike a pool process or a warm process (a `Struck`), or bump a distribution (a `Bump`);
+        what was struck, for the fault's line."""
+        if fault is Fault.BUMP_PACKAGE:
+            bump(target)
+            warm = warm_processes(proc.pid for proc in self.cluster.workers.values() if proc.poll() is None)
+            self.bumped_warm.update(warm_identities(warm))
+            return (f"{target.name} {target.version}: METADATA's mtime moved ({target.metadata}); warm "
+                    f"process(es) {', '.join(map(str, warm))} running, each replaced before its next rank")
+        try:
+            os.kill(target.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        what = "pool process" if fault is Fault.KILL_POOL else "warm process"
+        seen = target.seen
+        self.struck.setdefault(seen.experiment, set()).add(fault.value)
+        return (f"{what} {target.pid} ({target.shown[:60]}) running rank {seen.rank} of {seen.experiment} on "
+                f"{seen.slot} (pid {target.rank_pid})")
 
     def targets(self) -> dict[Fault, list[Any]]:
         slots = [q for q in self.cluster.queues if q != "control" and self.cluster.alive(q)]
@@ -517,7 +567,20 @@ class Soak:
             Fault.KILL_RANK: sorted(self.sampler.latest.items()),
             Fault.REDIS_AOF: ["redis"] if self.cluster.redis_up() else [],
             Fault.REDIS_WIPED: ["redis"] if self.cluster.redis_up() else [],
+            **self.targets_near_ranks(),
         }
+
+    def targets_near_ranks(self) -> dict[Fault, list[Any]]:
+        """The pool processes and warm processes of the running ranks; the distributions to bump
+        while a warm process of the soak runs (one that imported them: they preload torch)."""
+        live = dict(self.sampler.latest)
+        try:
+            pools = read_pools(self.cluster.client, live) if self.cluster.redis_up() else []
+        except redis.RedisError:
+            pools = []
+        running = [proc.pid for proc in self.cluster.workers.values() if proc.poll() is None]
+        return {Fault.KILL_POOL: pools, Fault.KILL_WARM: read_warm(live),
+                Fault.BUMP_PACKAGE: list(bump_candidates()) if warm_processes(running) else []}
 
     def drain(self) -> None:
         """No more faults: everything comes back at once, and every job runs to its end."""

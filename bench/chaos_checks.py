@@ -33,21 +33,40 @@ class Fault(str, Enum):
     KILL_RANK = "kill_rank"  #: SIGKILL one rank's training process
     REDIS_AOF = "redis_restart_aof"  #: SIGKILL redis-server; restarted with its append-only file
     REDIS_WIPED = "redis_restart_wiped"  #: SIGKILL redis-server; restarted with its data gone
+    KILL_POOL = "kill_pool"  #: SIGKILL the Celery pool process running a rank task (the OOM killer's way)
+    KILL_WARM = "kill_warm"  #: SIGKILL the warm interpreter a running rank was forked from
+    BUMP_PACKAGE = "bump_package"  #: move the mtime of an imported distribution's METADATA (an upgrade)
 
 
 #: How often each fault is drawn, relative to the others.
 WEIGHTS = {Fault.KILL_SLOT_WORKER: 3, Fault.KILL_CONTROL: 2, Fault.KILL_COMMAND: 3, Fault.STOP_WORKER: 2,
-           Fault.KILL_RANK: 3, Fault.REDIS_AOF: 1, Fault.REDIS_WIPED: 1}
+           Fault.KILL_RANK: 3, Fault.REDIS_AOF: 1, Fault.REDIS_WIPED: 1, Fault.KILL_POOL: 2, Fault.KILL_WARM: 2,
+           Fault.BUMP_PACKAGE: 1}
+#: Each kind is in a schedule at least this often once the schedule is long enough to hold every kind
+#: MIN_EACH times twice over (about 400 s): a rare kind drawn once or never in a 600 s soak would be
+#: a kind the soak claims to cover and barely tried.
+MIN_EACH = 2
 
 
 def fault_schedule(seed: int, seconds: float) -> list[tuple[float, Fault]]:
-    """(offset in seconds, fault) for a soak of `seconds`, the same for the same seed."""
+    """(offset in seconds, fault) for a soak of `seconds`, the same for the same seed: faults drawn
+    by WEIGHTS, then, for each kind drawn fewer than MIN_EACH times (fewer in a soak too short for
+    it), draws of the most drawn kinds turned into it, at places drawn from the seed too."""
     rng = random.Random(seed)
     kinds, weights = list(WEIGHTS), list(WEIGHTS.values())
     schedule, at = [], rng.uniform(MIN_GAP_S, MAX_GAP_S)
     while at < seconds:
         schedule.append((round(at, 2), rng.choices(kinds, weights)[0]))
         at += rng.uniform(MIN_GAP_S, MAX_GAP_S)
+    floor = min(MIN_EACH, len(schedule) // (2 * len(kinds)))
+    counts = Counter(fault for _, fault in schedule)
+    for kind in kinds:
+        while counts[kind] < floor:
+            most = max(kinds, key=lambda other: (counts[other], -kinds.index(other)))
+            index = rng.choice([i for i, (_, fault) in enumerate(schedule) if fault is most])
+            schedule[index] = (schedule[index][0], kind)
+            counts[most] -= 1
+            counts[kind] += 1
     return schedule
 
 
@@ -228,10 +247,33 @@ def leaked(leftovers: Leftovers) -> list[str]:
             + [f"/dev/shm/{name}" for name in leftovers.shm])
 
 
+#: Faults that leave a rank's own process alone: its launch is lost and runs again, so a failure in
+#: the record of an experiment they struck is a result the faults took, not the experiment's.
+SPARE_THE_RANK = frozenset({Fault.KILL_POOL.value, Fault.KILL_WARM.value})
+
+
+def failed_after_strikes(jobs: Iterable[JobRecords], struck: Mapping[str, Iterable[str]]) -> list[str]:
+    """Experiments whose record is a failure the fault-free run does not have (a crash, where a
+    lost launch must have run again) after only faults that spare the rank struck them. `struck`:
+    "<job>/<experiment>" -> the kinds of the faults aimed at one of its ranks. One struck by
+    `kill_rank` too may have crashed for that."""
+    found = []
+    for job in jobs:
+        for name, status in job.listed:
+            kinds = set(struck.get(f"{job.name}/{name}", ()))
+            spared = bool(kinds) and kinds <= SPARE_THE_RANK
+            if spared and status not in ("ok", "lost", job.reference.get(name)):  # `lost`: lost_experiments'
+                found.append(f"{job.name}/{name}: recorded {status} after {', '.join(sorted(kinds))} (its launch "
+                             "must be lost and run again)")
+    return found
+
+
 def verdict(jobs: list[JobRecords], samples: list[Sample], spans: list[tuple[str, str, float, float]],
-            leftovers: Leftovers) -> Verdict:
-    """The four counts of the summary line, with the findings behind them."""
-    lost, duplicated, leaks = lost_experiments(jobs), duplicated_experiments(jobs, samples), leaked(leftovers)
+            leftovers: Leftovers, struck: Mapping[str, Iterable[str]] | None = None) -> Verdict:
+    """The four counts of the summary line, with the findings behind them. A result the faults took
+    (`failed_after_strikes`) is lost."""
+    lost = lost_experiments(jobs) + failed_after_strikes(jobs, struck or {})
+    duplicated, leaks = duplicated_experiments(jobs, samples), leaked(leftovers)
     recorded, sampled = overlap_seconds(spans), sampled_overlap_seconds(samples)
     findings = [f"lost: {line}" for line in lost] + [f"duplicated: {line}" for line in duplicated]
     if recorded or sampled:

@@ -3,13 +3,19 @@ and goes up when its property breaks (a lost experiment, a duplicate, two experi
 leftover); and its command line's bad input."""
 from __future__ import annotations
 
+import json
+
+import psutil
 import pytest
 
 from bench.chaos import main
-from bench.chaos_checks import (MAX_GAP_S, MIN_GAP_S, Fault, JobRecords, Leftovers, ProcessRow, Sample, Seen,
-                                duplicated_experiments, fault_made, fault_schedule, identify, lost_experiments,
-                                overlap_seconds, sampled_overlap_seconds, summary_line, verdict)
-from workers.process_identity import RankIdentity
+from bench.chaos_checks import (MAX_GAP_S, MIN_EACH, MIN_GAP_S, Fault, JobRecords, Leftovers, ProcessRow, Sample,
+                                Seen, duplicated_experiments, failed_after_strikes, fault_made, fault_schedule,
+                                identify, lost_experiments, overlap_seconds, sampled_overlap_seconds, summary_line,
+                                verdict)
+from bench.chaos_strikes import Struck, bump_candidates, pools_running, read_pools, warm_parents
+from workers import keys
+from workers.process_identity import RankIdentity, RankProcess
 
 REFERENCE = {"z0_a": "ok", "z0_b": "ok", "z1_a": "ok"}
 
@@ -207,3 +213,105 @@ def test_bad_flags_are_one_error_line(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("seed", range(1, 21))
+def test_every_kind_is_struck_at_least_twice_in_ten_minutes(seed):
+    """Drawn by weight alone, 9 of these 20 seeds leave a kind once or never in 600 s."""
+    schedule = fault_schedule(seed, 600)
+    counts = {kind: sum(1 for _, fault in schedule if fault is kind) for kind in Fault}
+    assert min(counts.values()) >= MIN_EACH, counts
+    times = [at for at, _ in schedule]
+    assert all(MIN_GAP_S <= b - a <= MAX_GAP_S + 0.02 for a, b in zip(times, times[1:]))
+
+
+# ------------------------------------------------------------------ what kill_pool and kill_warm strike
+
+POOL = "[celeryd: gpu0@chaos:ForkPoolWorker-1]"
+
+
+def record(pid: int, launch: str = "launch1", slot: str = "chaos.gpu0") -> RankProcess:
+    return RankProcess(RankIdentity(slot, JOB_A, "z0_mbs1", 0, 1, launch.ljust(32, "0")), pid, pid, 777)
+
+
+def claim(pid: int, started: float) -> str:
+    return json.dumps({"pid": pid, "started": started, "group": {"pid": 200, "started": 5.0}})
+
+
+RANK_200 = Seen("chaos.gpu0", "launch100000", "001-list/z0_mbs1", "0")
+
+
+def test_the_pool_process_struck_is_the_live_claimant_of_a_running_ranks_task():
+    records = {"chaos.gpu0:t1": record(200), "chaos.gpu1:t2": record(300, "launch2", "chaos.gpu1"),
+               "chaos.gpu2:t3": record(400, "launch3", "chaos.gpu2"), "chaos.gpu0:t4": record(500, "launch4"),
+               "chaos.gpu1:t5": record(600, "launch5", "chaos.gpu1")}
+    claims = {"chaos.gpu0:t1": claim(150, 1000.0),
+              "chaos.gpu1:t2": claim(160, 1000.0),  # its claimant died: PID 160 is another process now
+              "chaos.gpu2:t3": None,  # no claim (a rank started by an older worker)
+              "chaos.gpu0:t4": claim(170, 1000.0),
+              "chaos.gpu1:t5": "{not json"}
+    live = {200: RANK_200,
+            300: Seen("chaos.gpu1", "launch200000", "001-list/z0_mbs2", "0"),
+            400: Seen("chaos.gpu2", "launch300000", "001-list/z0_mbs3", "0"),
+            500: Seen("chaos.gpu0", "launch900000", "002-pair/z1_mbs1", "1"),  # PID 500 is another launch's rank now
+            600: Seen("chaos.gpu1", "launch500000", "001-list/z0_mbs4", "0")}
+    processes = {150: (1000.004, POOL), 160: (1234.0, "bash"), 170: (1000.0, POOL)}
+    assert pools_running(records, claims, live, processes) == [Struck(150, POOL, 200, RANK_200)]
+    assert pools_running(records, claims, {}, processes) == []  # nothing running: nothing struck
+
+
+class PlantedRedis:
+    """What read_pools asks of a Redis client, over a dict."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+
+    def scan_iter(self, match: str):
+        prefix = match.split("*")[0]
+        return [key.encode() for key in self.values if key.startswith(prefix)]
+
+    def get(self, key):
+        value = self.values.get(key.decode() if isinstance(key, bytes) else key)
+        return value.encode() if value is not None else None
+
+    def mget(self, names):
+        return [self.get(name) for name in names]
+
+
+def test_read_pools_pairs_each_rank_record_with_its_tasks_claim():
+    me = psutil.Process()
+    client = PlantedRedis({keys.rank_process("chaos.gpu0", "0f3c-task"): record(200).to_json(),
+                           keys.rank_claim("chaos.gpu0", "0f3c-task"): claim(me.pid, me.create_time()),
+                           keys.rank_claim("chaos.gpu1", "0f3c-task"): claim(1, 0.0)})
+    assert [(s.pid, s.rank_pid, s.seen) for s in read_pools(client, {200: RANK_200})] == [(me.pid, 200, RANK_200)]
+
+
+def test_the_warm_process_struck_is_the_forkserver_a_running_rank_was_forked_from():
+    rows = {101: (100, FORKSERVER), 200: (101, titled(JOB_A, "z0_mbs1", 0, 1, "launch1")),
+            150: (100, POOL), 300: (150, titled(JOB_B, "z0_mbs1", 1, 2, "launch2")),  # a cold rank: its pool's child
+            400: (999, "")}  # its parent already gone
+    live = {200: RANK_200, 300: Seen("chaos.gpu1", "launch200000", "002-pair/z0_mbs1", "1"),
+            400: Seen("chaos.gpu2", "launch300000", "001-list/z0_mbs2", "0")}
+    assert warm_parents(live, rows) == [Struck(101, FORKSERVER, 200, RANK_200)]
+
+
+def test_the_distributions_a_bump_touches_are_installed_with_their_metadata():
+    found = bump_candidates()
+    assert "torch" in {bump.name for bump in found}
+    assert all(bump.metadata.name == "METADATA" and bump.metadata.is_file() and bump.version for bump in found)
+
+
+@pytest.mark.parametrize("status, struck, counted", [
+    ("crashed", {"kill_warm"}, 1),  # a rank whose warm process died read as a crash: a result taken
+    ("crashed", {"kill_pool"}, 1),
+    ("crashed", {"kill_warm", "kill_rank"}, 0),  # its rank was killed too: a crash is what it is
+    ("crashed", set(), 0),  # no fault aimed at it: the path may differ (fault_made)
+    ("ok", {"kill_warm", "kill_pool"}, 0),  # lost, run again, measured
+    ("oom", {"kill_pool"}, 0),  # the fault-free run's status for it
+])
+def test_a_failure_after_a_fault_that_spares_the_rank_is_a_lost_result(status, struck, counted):
+    reference = {**REFERENCE, "z1_a": "oom"} if status == "oom" else REFERENCE
+    planted = job(listed={"z0_a": "ok", "z0_b": "ok", "z1_a": status}, reference=reference)
+    assert lost_experiments([planted]) == []  # the record itself is whole: only the strike makes it lost
+    assert len(failed_after_strikes([planted], {"j1/z1_a": struck})) == counted
+    assert verdict([planted], [], [], Leftovers(), {"j1/z1_a": struck}).lost == counted
