@@ -81,11 +81,15 @@ def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "")
             rank_claim.release(client, slot.queue, task_id)
 
 
-def _record_group(client: redis.Redis, pgid_key: str, queue: str, task_id: str, pgid: int) -> None:
-    """Where the slot's clean-ups (`keys.pgid`) and a redelivery of this task (its claim) find the group."""
+def record_started(client: redis.Redis, pgid_key: str, task_id: str, identity: RankIdentity, pgid: int) -> None:
+    """A group the rank started (an op build's or the script's): where the slot's clean-ups
+    (`keys.pgid`, and `keys.rank_process` with its leader's start time, which recognises a group
+    that carries no rank title, as an op build's does) and a redelivery of this task (its claim)
+    find it."""
     client.set(pgid_key, pgid, ex=PGID_TTL_S)
+    record_rank(client, task_id or identity.launch, identity, pgid, PGID_TTL_S)
     if task_id:
-        rank_claim.note_group(client, queue, task_id, pgid)
+        rank_claim.note_group(client, identity.slot, task_id, pgid)
 
 
 def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[str, Any]:
@@ -128,6 +132,7 @@ class _RankStages:
     stderr_path: Path
     exit_report: Path
     pgid_key: str
+    identity: RankIdentity  #: what `ps` shows and the slot records of this rank (workers.process_identity)
     cwd: str
     env: dict[str, str]
     prebuild_failed: str | None
@@ -191,6 +196,8 @@ class _RankStages:
         exit_report = self.exit_report = self.files.exit_report(spec.rank)
         exit_report.unlink(missing_ok=True)
         pgid_key = self.pgid_key = keys.pgid(slot.queue, task_id or spec.attempt)
+        identity = self.identity = RankIdentity(slot.queue, spec.job, spec.name, spec.rank, spec.world_size,
+                                                spec.attempt)
         self.cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
         env = self.env = rank_env(spec, slot, self.master, exit_report)
         clear_stale_locks(env["TORCH_EXTENSIONS_DIR"])  # a build killed with an earlier experiment
@@ -199,9 +206,9 @@ class _RankStages:
         prebuild_log = experiment_file(self.result_dir, rank_log(spec.rank, "op_prebuild"))
         self.prebuild_failed = prebuild_ops(
             builders, _build_env(env, slot), prebuild_log, stop_check,
-            on_start=lambda pgid: _record_group(client, pgid_key, slot.queue, task_id, pgid))
+            on_start=lambda pgid: record_started(client, pgid_key, task_id, identity, pgid))
         if builders and not ops_ready_everywhere(spec, client, stop_check):
-            client.delete(pgid_key)
+            forget_rank(client, slot.queue, task_id or spec.attempt)
             self.describe()
             now = time.time()
             return {"status": Status.ABORTED.value, "exit": "not started", "started_at": now, "ended_at": now,
@@ -214,7 +221,7 @@ class _RankStages:
         stop_check, command, env, cwd, master = self.stop_check, self.command, self.env, self.cwd, self.master
         describe, pgid_key, metric_path = self.describe, self.pgid_key, self.metric_path
         start = Start()  # warm or cold, and why (workers.warm_start)
-        identity = RankIdentity(slot.queue, spec.job, spec.name, spec.rank, spec.world_size, spec.attempt)
+        identity = self.identity
         script_argv = command[3:] if command[1:3] == ["-m", "workers.entry"] else command
         # The wait for the warm process (its preload) is taken from the time limit, as a cold rank's imports are.
         warm_wait_s = WARM.prepare(script_argv, env, cwd, slot.kind, spec.timeout_s, start, stop_check.slot_taken)
@@ -226,8 +233,7 @@ class _RankStages:
                 stderr_path=self.stderr_path,
                 timeout_s=spec.timeout_s - warm_wait_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
                 should_abort=stop_check,
-                on_start=lambda pgid: (_record_group(client, pgid_key, slot.queue, task_id, pgid),
-                                       record_rank(client, task_id or spec.attempt, identity, pgid, PGID_TTL_S), describe()),
+                on_start=lambda pgid: (record_started(client, pgid_key, task_id, identity, pgid), describe()),
                 title=identity.title(),  # what `ps` shows the rank as (workers.process_identity)
                 measured=Measured(client, keys.measured(spec.attempt),
                                   metric_path if spec.rank == 0 and spec.metric_file else None),

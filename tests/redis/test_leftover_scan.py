@@ -45,3 +45,19 @@ def test_the_scan_finds_the_recorded_ranks_still_running_and_drops_every_record(
         for proc in procs.values():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_an_op_builds_untitled_group_is_recorded_so_the_scan_finds_it(client):
+    """An op build runs in a group of its own before the script: no rank title. `rank.record_started`
+    records it with its leader's start time, so a restarted worker's scan recognises it (a pgid
+    alone would need a title)."""
+    from workers.rank import record_started
+
+    identity = RankIdentity(SLOT, "job", "z1", 0, 1, "b" * 32)
+    build = _process()  # untitled, as an op build's compiler is
+    try:
+        record_started(client, keys.pgid(SLOT, "t-build"), "t-build", identity, build.pid)
+        assert leftover_groups(client, SLOT) == [build.pid]
+    finally:
+        os.killpg(build.pid, signal.SIGKILL)
+        build.wait()
