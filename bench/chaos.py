@@ -554,7 +554,7 @@ class Soak:
         what = "pool process" if fault is Fault.KILL_POOL else "warm process"
         seen = target.seen
         self.struck.setdefault(seen.experiment, set()).add(fault.value)
-        return (f"{what} {target.pid} ({target.shown[:60]}) running rank {seen.rank} of {seen.experiment} on "
+        return (f"{what} {target.pid} ({' '.join(target.shown.split())[:60]}) running rank {seen.rank} of {seen.experiment} on "
                 f"{seen.slot} (pid {target.rank_pid})")
 
     def targets(self) -> dict[Fault, list[Any]]:
