@@ -62,7 +62,8 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 
 @app.task(name="autotune.finish_experiment", ignore_result=True)
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
-    """Aggregate the ranks, write result.json and metrics.json, then take the job's next step."""
+    """Aggregate the ranks, write result.json and metrics.json (model_info.json for the profile run),
+    then take the job's next step."""
     from scheduler.cluster.co_runners import co_runners_of
     from scheduler.cluster.dispatch import cluster_lock, dispatch
     from scheduler.cluster.finish import record_and_read, requeue_for_busy_gpu
@@ -91,8 +92,9 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
             log.warning("%s: a record of launch %s, which no longer holds the experiment, is not counted",
                         finish.name, finish.attempt)
             return {"name": finish.name, "status": record["status"], "stale": True}
-        if record["status"] == "ok" and record["metrics"] is not None and finish.metric_file == layout.METRICS:
-            write_json(experiment_file(result_dir, layout.METRICS), record["metrics"], indent=None)
+        if record["status"] == "ok" and record["metrics"] is not None and \
+                finish.metric_file in (layout.METRICS, layout.MODEL_INFO):  # DeepSpeed's name for the counted launch's
+            write_json(experiment_file(result_dir, finish.metric_file), record["metrics"], indent=None)
         write_json(experiment_file(result_dir, layout.RESULT), record)  # the durable record, before Redis's
         _, read = record_and_read(client, finish, record)  # with the step's reads: one round trip
         advance(client, finish.job, lambda: dispatch(client, WORK), read)  # the pass before the step when it can

@@ -7,8 +7,9 @@ metric path is its own file (`metrics.<launch>.json`, or `model_info.<launch>.js
 profile run), and its ranks their own exit reports (`rank<N>.<launch>.exit.json`): no launch reads
 another's metrics or memory peaks. The experiment's `ds_config.json` (what `cmd_optimal.txt`
 names, pointing at `metrics.json`) is the same for every launch; the control worker copies the
-counted launch's metrics to `metrics.json` (`tasks.experiment.finish_experiment`). The names are
-listed in `workers.layout` (LAUNCH_FILES), so `"overwrite": true` knows them.
+counted launch's metrics to `metrics.json`, or `model_info.json` for the profile run
+(`tasks.experiment.finish_experiment`). The names are listed in `workers.layout` (LAUNCH_FILES), so
+`"overwrite": true` knows them.
 """
 from __future__ import annotations
 

@@ -434,7 +434,7 @@ def test_node_lost_its_training_group_is_killed_over_ssh_and_the_experiment_reru
     wait_for(lambda: f"cleanup of {victim.name} on node2:" in control_log.read_text(errors="replace"),
              CLEANUP_GRACE_S + 30, "the scheduler's clean-up of node 2 to finish")
     line = next(line for line in control_log.read_text().splitlines() if f"cleanup of {victim.name} on node2:" in line)
-    assert re.search(rf"node2\.gpu0={hung_pid}.: .killed with SIGKILL after 5s \(ignored SIGTERM\)", line), line
+    assert re.search(rf"node2\.gpu0={hung_pid}@\d+.: .killed with SIGKILL after 5s \(ignored SIGTERM\)", line), line
     assert cluster.group("node2", hung_pid) == {}, "the lost launch's group still runs on node 2"
     print(f"\nnode 2's worker killed -> job complete, its group killed over SSH: "
           f"{time.monotonic() - killed_at:.1f}s\n{line}")
