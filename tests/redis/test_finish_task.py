@@ -67,11 +67,14 @@ def test_a_failed_rank_fails_the_experiment_and_leaves_no_metrics_file(callback,
     assert not (folder / "metrics.json").exists()
 
 
-def test_the_profile_run_keeps_its_own_metrics_file(callback, held, tmp_path: Path) -> None:
+def test_the_profile_runs_counted_model_info_goes_under_deepspeeds_name(callback, held, tmp_path: Path) -> None:
+    """Each launch's ranks write model_info.<launch>.json (workers.launch_files); the callback copies
+    the counted launch's to model_info.json, DeepSpeed's name, and writes no metrics.json."""
     callback([rank(0, metrics={"num_params": 10}), rank(1)], finish(tmp_path, metric_file="model_info.json"))
     folder = tmp_path / "z1_gas1_tmbspg4"
     assert json.loads((folder / "result.json").read_text())["status"] == "ok"
-    assert not (folder / "metrics.json").exists() and not (folder / "model_info.json").exists()
+    assert not (folder / "metrics.json").exists()
+    assert json.loads((folder / "model_info.json").read_text()) == {"num_params": 10}
 
 
 def test_ranks_that_were_all_stale_write_nothing(callback, client: redis.Redis, tmp_path: Path) -> None:
