@@ -257,7 +257,11 @@ def _watch(
     measured: Callable[[], bool] = lambda: False,
     measured_grace_s: float = MEASURED_GRACE_S,
 ) -> tuple[KillReason | None, int]:
-    memory = TreeMemory(psutil.Process(proc.pid), bool(getattr(proc, "forked_from_warm", False)))
+    try:
+        memory = TreeMemory(psutil.Process(proc.pid), bool(getattr(proc, "forked_from_warm", False)))
+    except psutil.NoSuchProcess:  # ended already: a rank forked from a warm process is reaped by it, not us
+        proc.wait()
+        return None, 0
     peak = 0
     interval = POLL_S if memory_cap_bytes is not None else UNCAPPED_POLL_S
     next_abort_check = 0.0

@@ -180,3 +180,27 @@ def test_a_forked_ranks_inherited_memory_is_its_anonymous_memory_less_its_share(
     me = tree_memory.smaps_rollup(os.getpid())
     assert me["Pss"] > 0 and me["Anonymous"] >= me["Pss_Anon"] >= 0
     assert tree_memory.smaps_rollup(2**22 + 1) == {}
+
+
+def test_a_rank_gone_before_its_watch_starts_ended_it_is_not_an_error() -> None:
+    """A rank forked from a warm process is reaped by the warm process, not by the slot: a script that
+    ends at once can be gone before the watch reads its memory. The watch waits for its status and
+    reports no kill, rather than raising psutil.NoSuchProcess."""
+    import subprocess
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()  # reaped: its pid names no process now
+
+    class Ended:
+        pid = done.pid
+        waited = False
+
+        def poll(self) -> int:
+            return 0
+
+        def wait(self, timeout: float | None = None) -> int:
+            Ended.waited = True
+            return 0
+
+    assert launch._watch(Ended(), deadline=float("inf"), memory_cap_bytes=None, should_abort=lambda: False) == (None, 0)
+    assert Ended.waited
