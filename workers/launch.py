@@ -38,7 +38,7 @@ from typing import IO, Any
 import psutil
 
 from workers.failure import KillReason
-from workers.process_identity import TITLE_ENV, owns_group
+from workers.process_identity import TITLE_ENV, owns_group, terminate_then_kill
 from workers.tree_memory import TreeMemory
 
 log = logging.getLogger(__name__)
@@ -170,18 +170,7 @@ def _titled(proc: psutil.Process, title: str) -> bool:
 def kill_marked(variable: str, token: str | Collection[str], since: float = 0.0, grace_s: float = KILL_GRACE_S,
                 exclude: Collection[int] = (), title: str = "") -> None:
     """SIGTERM every process `marked_processes` finds, then SIGKILL what is left after `grace_s`."""
-    procs = marked_processes(variable, token, since, exclude, title)
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+    terminate_then_kill(marked_processes(variable, token, since, exclude, title), grace_s)
 
 
 def group_runs_slot(pgid: int, queue: str, started: int | None = None) -> bool:

@@ -197,6 +197,12 @@ def kill_titled(records: Iterable[RankProcess], grace_s: float) -> list[int]:
         identity = RankIdentity.from_title(title_of(proc)) if launches else None
         if identity is not None and (identity.slot, identity.launch[:12]) in launches:
             procs.append(proc)
+    terminate_then_kill(procs, grace_s)
+    return [proc.pid for proc in procs]
+
+
+def terminate_then_kill(procs: list[psutil.Process], grace_s: float) -> None:
+    """SIGTERM each of `procs`, SIGKILL those still alive after `grace_s` (gone ones are skipped)."""
     for proc in procs:
         try:
             proc.terminate()
@@ -208,4 +214,3 @@ def kill_titled(records: Iterable[RankProcess], grace_s: float) -> list[int]:
             proc.kill()
         except psutil.Error:
             pass
-    return [proc.pid for proc in procs]
