@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import psutil
-import pytest
 
 from workers.launch import group_runs_slot, run_watched
 from workers.process_identity import RankIdentity
-from workers.warm_plan import SWITCH_ENV, installed_roots
+from workers.warm_plan import SWITCH_ENV
 from workers.rank_start import Start
 from workers.warm_start import WarmStarts
+
+from tests.integration.test_warm_start import warm  # noqa: F401  (the warm-process fixture, shared)
 
 ROOT = Path(__file__).resolve().parents[2]
 IDENTITY = RankIdentity("test.gpu0", "0123456789abcdef", "z1_mbs2", 0, 1, "c0ffee" * 6)
@@ -29,15 +30,6 @@ if child == 0:  # leaves the rank's group: a group kill does not reach it
 open("escaped.pid", "w").write(str(child))
 time.sleep(float(sys.argv[1]))
 '''
-
-
-@pytest.fixture
-def warm(tmp_path: Path):
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "installed_lib.py").write_text("")  # a script of the standard library alone runs cold
-    starts = WarmStarts(roots=[*installed_roots(), (tmp_path / "site").resolve()])
-    yield starts
-    starts._stop_server()
 
 
 def test_a_warm_forked_rank_names_itself_and_its_escaped_child_is_stopped(warm: WarmStarts, tmp_path: Path):
