@@ -4,8 +4,7 @@ Why: one short measurement of a training run is noisy, and the noise differs per
 CPU slots one config's readings ranged over 2x while another's stayed within 2 %). Picking the best
 single reading favours the configs whose readings spread most (the winner's curse): in one run of
 bench/vs_deepspeed.py a config measured once won on a lucky reading and re-measured 2.6x slower
-than the runner-up. So a winner is confirmed before it is named
-(../shared/research/search-under-noise.md gathers what noise-aware tuners do):
+than the runner-up. So a winner is confirmed before it is named, as noise-aware tuners do:
 
 - the leader (best mean so far) is always measured at least twice: no config wins on one reading,
   and the pair is the job's first measurement of its noise;
@@ -26,8 +25,7 @@ than the runner-up. So a winner is confirmed before it is named
   `KEPT_BATCH_LAUNCHES` when that is more (`repeat_budget`), and a config read once whose reading
   is at least half the leader's is a rival until read twice (`doubtful`): the divisors of the batch
   are searched in 6-8 launches, and on heavy-tailed readings the picks missed were near-equal
-  divisors only more readings tell apart, or a config whose one reading was a straggler's
-  (bench/README.md, issue 32);
+  divisors only more readings tell apart, or a config whose one reading was a straggler's;
 - the choice is the best pooled value over every reading (`scheduler.search.ranking.pooled_value`:
   the mean, or the median from three readings on, which one outlier cannot move), and the summary
   says whether the winner was separated from the runner-up, and why (`verdict`: read once, within
@@ -56,7 +54,7 @@ READ_ONCE_GRACE = 2
 #: A gap within this many standard errors of the difference of two means is not a separation.
 SEPARATION_Z = 2.0
 #: With a kept global batch, confirmation may go on past REPEAT_BUDGET until the job made this many
-#: launches, the profile run included (issue 32's goal for a kept batch: at most 14 launches).
+#: launches, the profile run included (a kept batch's search stays within 14 launches in all).
 KEPT_BATCH_LAUNCHES = 14
 #: With a kept global batch, a config read once is chased as a rival while its reading is at least
 #: this share of the leader's (`doubtful`): a straggler's reading (0.5-0.67x its config's on
@@ -66,8 +64,7 @@ STRAGGLER_SHARE = 0.5
 #: straggler's step 1.5-2x slower, a lucky window), so their mean is no estimate and a third reading,
 #: ranked on the median, is worth a launch. 1.4, not less: two readings of one config in the real
 #: CPU traces (bench/traces) differ by 1.10-1.17x at the median and 1.3-1.5x at the 90th percentile,
-#: and at 1.15 the third readings there went to that noise and moved picks for the worse
-#: (bench/README.md, issue 32, eighth session).
+#: and at 1.15 the third readings there went to that noise and moved picks for the worse.
 TORN_RATIO = 1.4
 #: Relative noise assumed before any config was measured twice.
 PRIOR_NOISE = 0.03
@@ -177,8 +174,8 @@ def doubtful(leader: Readings, group: Readings, maximize: bool = True) -> bool:
 def torn(group: Readings, leader: Readings, maximize: bool = True) -> bool:
     """Whether `group` was read exactly twice, the readings more than TORN_RATIO apart, and the better
     one beats `leader`'s pooled value: whether one more reading could change the winner, which the
-    pair's mean cannot tell (bench/README.md, issue 32: a straggler's reading of the best config, or
-    of its repeat, had lost it to a config read twice without one). The leader's own pair may be
+    pair's mean cannot tell (a straggler's reading of the best config, or of its repeat, can lose
+    it to a config read twice without one). The leader's own pair may be
     torn too: its lead then rests on a reading that may be the lucky one."""
     if group.count != 2 or min(group.values) <= 0:
         return False
