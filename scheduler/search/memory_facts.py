@@ -5,14 +5,14 @@ Why its own module: `scheduler.search.memory` is the model (what a stage holds, 
 this is how the search reads it against what ran, shared by DeepSpeed's algorithm and ours
 (`session.Session.predicted_max`, `Session.shared_facts`).
 
-A misleading profile is found out by its first failure (issue 32): DeepSpeed's profile measures
+A misleading profile is found out by its first failure: DeepSpeed's profile measures
 forward-only activations (0.45-0.9 of the real growth on bench/surfaces.py's scripts) and the overhead
 is a prior when the profile measured no peak, so the model's first top is often too large. Its first
 out-of-memory at a size it said fits (`model_overpredicted`) shows that; from then on a stage that
 has run nothing, on a script without measured peaks, is first probed halfway between what the
-other stages' brackets say it surely holds and the optimistic end (`CAUTIOUS_SHARE`), where before
-it was probed at the optimistic end and failed again: on bench/search_quality.py (seeds 0-59) the
-failed probes after the first fell from 305 to 248 (bench/README.md).
+other stages' brackets say it surely holds and the optimistic end (`CAUTIOUS_SHARE`), since a probe
+at the optimistic end tends to fail again: on bench/search_quality.py (seeds 0-59) the cautious probe
+takes the failed probes after the first from 305 to 248.
 """
 from __future__ import annotations
 

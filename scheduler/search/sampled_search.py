@@ -234,7 +234,7 @@ def _sample_smallest(session: Session, stage: int) -> Step:
     range are measured before it is refined. A quarter of the top, the low sample with
     max_train_batch_size, cannot see a curve that rises again below it: on CPU slots the real GPT
     example's optimum was micro-batch 1 with gas 16, 10 % above a plateau from a quarter of the top
-    to the top (bench/README.md). Where the curve rises with the size (a GPU's, mostly) this costs
+    to the top. Where the curve rises with the size (a GPU's, mostly) this costs
     one launch, and the refinement goes on from the geometric middle of the range."""
     values = stage_values(session, stage)
     sizes = stage_candidates(session, stage)
@@ -319,7 +319,7 @@ def widen_step(session: Session, stages: Sequence[int]) -> Step:
     once, and if it runs measure the leader's accumulation at the largest size that fills the wider
     step. The step every size fills is the largest size that ran (DeepSpeed's rule), and the stage's
     first probes bracket the top only to a halving: a leader at gas 2 then runs at half a step that
-    is short of the top, where the optimum is half the top (bench/README.md, the cliff family)."""
+    is short of the top, where the optimum is half the top (bench/surfaces.py's cliff family)."""
     st = session.settings
     if st.samples_per_step or st.kept_per_gpu:
         return
