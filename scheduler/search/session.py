@@ -333,9 +333,8 @@ def too_large(record: Mapping[str, Any]) -> bool:
     """Whether a probe proves the micro-batch too large for memory: only an `oom` (the slot's cap,
     an allocator's exception in the rank, or its traceback on a wrapper's stderr: workers.oom). On a
     GPU node most other failures are infrastructure (a timeout, a lost node, a port clash, a JIT
-    build): taken as memory bounds they would prune the optimum (issue 21 item 7). Nor is an `oom`
-    under other processes' memory (`under_foreign_memory`): the config may fit the GPU it would
-    train on (issue 21 item 9)."""
+    build): taken as memory bounds they would prune the optimum. Nor is an `oom` under other
+    processes' memory (`under_foreign_memory`): the config may fit the GPU it would train on."""
     return record.get("status") == "oom" and not under_foreign_memory(record)
 
 
@@ -360,8 +359,8 @@ def measured_reserve(record: Mapping[str, Any], host_memory: bool) -> int | None
     CUDA context, NCCL's buffers: `device_untracked_bytes` = total - free - reserved, from
     workers.device_memory), less what other processes held on that same GPU (`device_foreign_bytes`,
     not the job's; per rank: `device_own_untracked_bytes`); None on host memory or without the figure. It replaces the reserve's guess when larger
-    (NCCL alone takes 1.6 GB with one communicator and about 6 GB with three or more, issue 21 item
-    8); never lowers it, since NCCL connects lazily and the profile exits in its first forward."""
+    (NCCL alone takes 1.6 GB with one communicator and about 6 GB with three or more); never
+    lowers it, since NCCL connects lazily and the profile exits in its first forward."""
     if host_memory:
         return None
     own = record.get("device_own_untracked_bytes")  # each rank's less its own GPU's foreign memory
@@ -378,7 +377,7 @@ def measured_capacity(record: Mapping[str, Any], host_memory: bool) -> int | Non
     `torch.cuda.mem_get_info`'s total, the smallest GPU of the gang), or None on host memory or without
     the figure. It is what the allocator can have: nvidia-smi's `memory.total`, the slot's advertised
     capacity, also counts memory the driver keeps for itself (about 0.5 GiB on an 80 GB GPU), which
-    no experiment can use (issue 21 item 8)."""
+    no experiment can use."""
     return None if host_memory else peak_of(record, "device_total_bytes")
 
 
