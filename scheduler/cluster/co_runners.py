@@ -1,4 +1,4 @@
-"""Which launches ran beside which: each launch's co-runners, recorded as it starts (issue 21 item 16).
+"""Which launches ran beside which: each launch's co-runners, recorded as it starts.
 
 A launch's co-runners are the launches of any job holding a slot on its nodes when it starts, and
 those starting beside it later; its record names them (`co_runners_of`), so an experiment measured

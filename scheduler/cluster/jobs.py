@@ -50,7 +50,7 @@ MAX_ATTEMPTS = int(env_number("AUTOTUNE_MAX_ATTEMPTS", 3))  #: launches of one e
 REDIS_OUTAGE_S = 300.0  #: how long a submitter waits for a restarting Redis before giving up
 WATCH_BLOCK_S = 2
 #: How long a cancel waits for the group kills it started (TERM, a 5 s grace, KILL): Ctrl-C ends
-#: within 15 s (issue 35).
+#: within 15 s, so a user who interrupts a job gets the terminal back promptly.
 CANCEL_CLEAN_UP_WAIT_S = 10.0
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@
     FinishSpec     what the chord callback (tasks.experiment.finish_experiment) is told about the
                    launch it records
 
-Why types: these used to be plain dicts indexed by string in dispatch, jobs and the tasks, so a
-misspelt key was a KeyError at 3 a.m. on a control worker. Each record here is frozen, names its
+Why types: as plain dicts indexed by string in dispatch, jobs and the tasks, a misspelt key would
+be a KeyError at 3 a.m. on a control worker. Each record here is frozen, names its
 fields once, and `from_json(x.to_json()) == x`.
 """
 from __future__ import annotations

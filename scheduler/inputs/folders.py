@@ -1,7 +1,7 @@
 """The results and experiments folders: created with a marker, emptied only when provably ours.
 
-Why: `"overwrite": true` used to `rmtree` whatever `results_dir` named, so `"results_dir": "."` deleted
-the user's working folder. Now a folder we create gets a marker file (`.celery-autotune`), and
+Why: an `"overwrite": true` that `rmtree`s whatever `results_dir` names deletes the user's working
+folder on `"results_dir": "."`. So a folder we create gets a marker file (`.celery-autotune`), and
 overwrite empties a folder only when
 
 - it carries the marker (or is empty),
