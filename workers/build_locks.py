@@ -6,7 +6,7 @@ and waited on with no timeout by every other process that needs the op. A rank k
 build (a peer's OOM, a timeout, Ctrl-C: the whole group goes, ninja with it) leaves the file behind,
 and every later experiment needing that op sleeps until its time limit and is recorded `timeout`
 (seen in this project's own test suite: an op left half built, a kill mid-rebuild, then every
-DeepSpeed experiment hung; issue 21 item 1). So a rank clears, before it starts the script, every
+DeepSpeed experiment hung). So a rank clears, before it starts the script, every
 lock that no live build holds: torch runs ninja with the op's folder as its working directory, so a
 build is alive while some process works there. A lock younger than `FRESH_S` is left alone: its
 holder may not have started ninja yet.

@@ -4,7 +4,7 @@ Why: after a broker reconnect (Redis restarted while a rank ran), a Celery worke
 "Connected" and never take another message from its queue (celery#8030, #9054, #10205; kombu#2007),
 while its heartbeat thread keeps its slot registered as live. Dispatch then sends experiment after
 experiment to a slot that never starts them: each waits out its lease, is queued again, and may land
-on the same slot, so a job stalled for minutes (issue 35's flaky Redis-restart test). A reserved
+on the same slot, so a job stalls for minutes. A reserved
 slot is idle by construction, so a message waiting in its queue while its worker runs nothing is
 taken within milliseconds by a worker that consumes; one still waiting `STUCK_S` later means the
 consumer is stuck. The slot is then withdrawn (`workers.registry.Heartbeat` stops announcing it,

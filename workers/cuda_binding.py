@@ -1,6 +1,6 @@
 """At a CUDA slot worker's start: does CUDA, given the slot's binding, open the slot's own GPU?
 
-Why (issue 21 item 4): ranks are bound by nvidia-smi index (`CUDA_VISIBLE_DEVICES=<index>` with
+Why: ranks are bound by nvidia-smi index (`CUDA_VISIBLE_DEVICES=<index>` with
 `CUDA_DEVICE_ORDER=PCI_BUS_ID`, `Slot.child_env`), because DeepSpeed reads that variable as integers
 and the final `deepspeed --include` names GPUs the same way. Under MPS, and possibly inside device
 cgroups, CUDA can number devices differently from nvidia-smi: a rank would then train on another

@@ -1,7 +1,7 @@
 """Before a rank starts on a GPU, and after it ended: wait for memory others hold there to go.
 
 Why: an out-of-memory is a bound on the micro-batch, so a probe must run out of memory only for its
-own sake. Two things make it run out early on a real node (issue 21 items 9 and 10):
+own sake. Two things make it run out early on a real node:
 - a process that just ended (the last experiment's rank, killed or not) lets go of its CUDA context
   only when the driver has torn it down, which for tens of GiB can take seconds;
 - other processes hold memory on the GPU: a notebook, another job, a dying experiment of someone else.

@@ -10,13 +10,13 @@ the allocator held: the figure that hits the device's limit), `peak_device_alloc
 (`max_memory_allocated`, live tensors only), the allocator's retry and OOM counts, the device's
 usable total and what on it the allocator does not hold (`device_total_bytes`, and
 `device_untracked_bytes` = total - free - reserved at the end: the CUDA context, NCCL's buffers,
-other processes; what the memory model's reserve guesses, issue 21 item 8), and when each
+other processes; what the memory model's reserve guesses), and when each
 optimizer step ended (`step_ends`, from `workers.step_clock`).
 
 Building a DeepSpeed engine can hold more than training does (without `zero.Init` the whole model
 goes to the GPU before ZeRO-3 partitions it), and that transient does not grow with the micro-batch:
 counted in the training peak it would inflate the overhead the memory model takes from the profile
-run (issue 21 item 14). So when an engine is built (`workers.step_clock` calls `start_training_peak`)
+run. So when an engine is built (`workers.step_clock` calls `start_training_peak`)
 the peaks so far are kept apart as `peak_device_init_bytes` / `peak_device_init_allocated_bytes`,
 and the allocator's peak counters restart: `peak_device_bytes` and `peak_device_allocated_bytes`
 are then training's. (Memory the allocator keeps cached after init still counts as reserved, as it
@@ -29,7 +29,7 @@ A process that aborts (torch's NCCL watchdog ends a rank with SIGABRT; a C++ exc
 thread of its own calls terminate) writes no report at its end. So while the script runs,
 `InterimReports` writes the figures so far every `INTERIM_S`, marked `interim`: the rank then still
 knows whether the allocator had run out of memory, or had to retry allocations, before the abort
-(issue 21 item 11; `workers.rank` reads it).
+(`workers.rank` reads it).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Whether the metrics a training script wrote are numbers a search can rank.
 
 Why: the metric file is the script's word, and JSON lets it say NaN, Infinity, -5 or "fast". Such a
-value used to be recorded `ok`; a negative throughput then won, and a NaN one made the job report
-"no experiment succeeded" with no cause anywhere. Now rank 0's record is `bad_metrics`, with the
-key and value named in its `error`, so it never wins and the report says why.
+value recorded `ok` would let a negative throughput win, and a NaN one would make the job report
+"no experiment succeeded" with no cause anywhere. So rank 0's record is `bad_metrics`, with the
+key and value named in its `error`: it never wins and the report says why.
 
 Rules: the metric the config asks for (throughput, latency or FLOPS_per_gpu) must be a finite number
 above 0 when present; DeepSpeed's other metric keys, when present, must be finite numbers >= 0. A file

@@ -4,7 +4,7 @@ Why: DeepSpeed compiles an op the first time a run needs it (FusedAdam for `"opt
 without `torch_adam`, CPUAdam with an offloaded optimizer, ...), inside the first experiments on each
 node: the compiler's gigabyte then counts against the slot's memory cap (a false `oom` that bounds
 the search), its minutes against the experiment's time limit (a false `timeout`), and every rank of
-the node waits on torch's build lock meanwhile (issue 21 item 1). So the slot worker works out from
+the node waits on torch's build lock meanwhile. So the slot worker works out from
 the experiment's DeepSpeed config which ops its engine will load (`needed_op_builders`, pure, read
 from DeepSpeed 0.19's `_configure_basic_optimizer` and ZeRO-3's init) and, before the script starts,
 builds each one the node's extension folder lacks (`prebuild_ops`): in a child interpreter with the

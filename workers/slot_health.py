@@ -1,6 +1,6 @@
 """A slot whose GPU holds memory of other processes is out of tuning until that memory is gone.
 
-Why (issue 21 items 9 and 10): an experiment run beside a notebook, another job or a context still
+Why: an experiment run beside a notebook, another job or a context still
 being torn down measures them too: a false out-of-memory, which the search would take for a bound,
 or a slower step. So a rank that finds its GPU still used by others after `workers.device_idle`'s
 wait does not start: it marks its slot unhealthy and its experiment is queued again

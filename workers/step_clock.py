@@ -5,7 +5,7 @@ every gradient-accumulation boundary, so the metric file holds the forward, back
 of the *last* optimizer step only (`workers.metrics` reproduces that). One step is one draw: on the
 2-core machine ZeRO-0's steps of train_gpt.py alternate between ~1.0 s and 1.5-3 s while ZeRO-1's
 stay at ~0.8 s, so a lucky last step made ZeRO-0 the winner of a tuning run whose real run trained
-at half the speed (bench/README.md, "Issue 20"). What a real run pays is the mean step time, the
+at half the speed. What a real run pays is the mean step time, the
 time between optimizer steps with data loading and everything else included.
 
 So `workers.entry` installs `install_deepspeed_hook` before the user's script runs: when DeepSpeed's

@@ -1,7 +1,7 @@
 """Where one rank's seconds went: its launch, its start-up phases and its measured window.
 
-Why: most of an experiment is not measurement (issue 33: on the 2-core machine 0.80 of the README
-example's wall was start-up). To cut it, each phase has to be seen, in every record. A rank already
+Why: most of an experiment can be start-up rather than measurement (on the 2-core machine, 0.80 of
+the README example's wall without warm starts). To cut it, each phase has to be seen, in every record. A rank already
 has the clocks: `workers.launch` knows when the process was started and when it was gone,
 `workers.entry` notes when the interpreter reached it ("up"), `workers.step_clock` when DeepSpeed
 had been imported ("imports"), when the engine was built ("engine": `deepspeed.initialize`
@@ -64,7 +64,7 @@ def startup_seconds(timeline: Mapping[str, float]) -> float | None:
 
 def startup_share(wall_s: float, latency_us: float, end_profile_step: int) -> float | None:
     """1 - (end_profile_step + 1) x step latency / wall: the share of an experiment's wall that the
-    steps its config asks for do not explain (issue 33). None without a wall or a latency."""
+    steps its config asks for do not explain: start-up and waits. None without a wall or a latency."""
     if not _number(wall_s) or not _number(latency_us) or wall_s <= 0 or latency_us <= 0:
         return None
     return 1.0 - (end_profile_step + 1) * latency_us / 1e6 / wall_s

@@ -2,7 +2,7 @@
 
 Why: on a two-socket GPU node, a gang of GPUs split across the sockets talks through the CPUs'
 interconnect (no PCIe peer-to-peer), and a rank whose threads run on the other socket feeds its GPU
-across it too: the experiment measures the placement, not the config (issue 21 item 16). The worker
+across it too: the experiment measures the placement, not the config. The worker
 never opens CUDA, so it reads what the kernel says: nvidia-smi's PCI bus id for each GPU, then
 `/sys/bus/pci/devices/<bus id>/numa_node` and `/sys/devices/system/node/node<N>/cpulist`. A slot
 records its GPU's NUMA node (`Slot.numa_node`, placement keeps a gang on one node when it can) and
