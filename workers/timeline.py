@@ -1,7 +1,7 @@
 """Where one rank's seconds went: its launch, its start-up phases and its measured window.
 
-Why: most of an experiment can be start-up rather than measurement (on the 2-core machine, 0.80 of
-the README example's wall without warm starts). To cut it, each phase has to be seen, in every record. A rank already
+Why: most of an experiment can be start-up rather than measurement (on the 2-core machine, up to
+0.80 of the README example's wall). To cut it, each phase has to be seen, in every record. A rank already
 has the clocks: `workers.launch` knows when the process was started and when it was gone,
 `workers.entry` notes when the interpreter reached it ("up"), `workers.step_clock` when DeepSpeed
 had been imported ("imports"), when the engine was built ("engine": `deepspeed.initialize`
