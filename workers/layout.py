@@ -1,12 +1,13 @@
 """What this tool writes into a results folder: one list, read by the writers and the overwrite guard.
 
-Why: `"overwrite": true` (`scheduler.inputs.folders`) empties a folder only when every entry in it is
-something this tool writes, so that a file of the user's is never deleted. Two lists, the names the
-writers use and the guard's own, would drift apart (a finished run's results.csv, timeline.png,
+Why: `"overwrite": true` (`scheduler.inputs.folders`) empties a folder only when every entry in it
+is something this tool writes, so that a file of the user's is never deleted. Two lists, the names
+the writers use and the guard's own, would drift apart (a finished run's results.csv, timeline.png,
 *_best_partial* files or op_prebuild.log/.json missing from the guard's, so overwrite refuses the
-very folder a run has just filled). So the names live here only: every writer takes its path from `result_file`, `experiment_file` or `cluster_file`, which
-refuse a name the guard would not accept (a new output cannot be written before it is listed
-here), and the guard asks `is_result_file`, `is_experiment_file` and `is_cluster_file`.
+very folder a run has just filled). So the names live here only: every writer takes its path from
+`result_file`, `experiment_file` or `cluster_file`, which refuse a name the guard would not accept
+(a new output cannot be written before it is listed here), and the guard asks `is_result_file`,
+`is_experiment_file` and `is_cluster_file`.
 
 The layout (DeepSpeed's, plus ours):
 

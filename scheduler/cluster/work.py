@@ -4,10 +4,11 @@ Nothing more.
 
 Why a seam: dispatch and the job functions decide, and building Celery chords and calling
 `app.control.revoke` and `app.AsyncResult` themselves would pass an untyped `app` through a dozen
-functions and tie them to a broker. So they talk to this small protocol; `tasks.work.CeleryWork` implements it with Celery
-(a chord per experiment: one task per rank on its slot's queue, the callback on the control queue)
-and with `deploy.cleanup` for the hosts (SSH), and tests give them a recorder instead of a broker.
-The control path itself imports neither Celery nor deploy (tests/unit/test_architecture.py).
+functions and tie them to a broker. So they talk to this small protocol; `tasks.work.CeleryWork`
+implements it with Celery (a chord per experiment: one task per rank on its slot's queue, the
+callback on the control queue) and with `deploy.cleanup` for the hosts (SSH), and tests give them a
+recorder instead of a broker. The control path itself imports neither Celery nor deploy
+(tests/unit/test_architecture.py).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """A job's search kept alive between its steps in one control process, fed only the new records.
 
-Why: after every experiment the job takes a step, and a step that rebuilt the search generator
-and replayed it against every record on disk (`scheduler.search.phases.replay`) would cost
-O(records): a long job would pay O(records^2) in all and the gap between two experiments on a slot
-would grow as the job went on. The search is deterministic given its spec and the records it is sent, so the
+Why: after every experiment the job takes a step, and a step that rebuilt the search generator and
+replayed it against every record on disk (`scheduler.search.phases.replay`) would cost O(records): a
+long job would pay O(records^2) in all and the gap between two experiments on a slot would grow as
+the job goes on. The search is deterministic given its spec and the records it is sent, so the
 generator of the previous step, suspended at its current phase, is exactly what a replay would
 rebuild: the next step only has to look up the current phase's missing records and send them.
 

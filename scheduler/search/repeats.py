@@ -1,10 +1,10 @@
 """Launching a config again: once after a failure that says nothing about it, and to confirm a winner.
 
 Why its own module: every search of ours follows one policy (a failure that says nothing is retried
-once, a winner is confirmed before it is named), and
-the sampled search, a micro-batch list and full mode's knob points all run it; DeepSpeed's own
-algorithm (`"search": "deepspeed"`) keeps DeepSpeed's behaviour (a crash is that config's result,
-the best single reading wins), and the summary says so (`policy_notes`).
+once, a winner is confirmed before it is named), and the sampled search, a micro-batch list and full
+mode's knob points all run it; DeepSpeed's own algorithm (`"search": "deepspeed"`) keeps DeepSpeed's
+behaviour (a crash is that config's result, the best single reading wins), and the summary says so
+(`policy_notes`).
 
 - a failure that says nothing about the config (`RETRIED`: a crash, a timeout, a rendezvous that
   failed; or an out-of-memory while other processes held memory on its GPU, `says_nothing`) is

@@ -75,4 +75,4 @@ def test_no_history_words_in_product_files() -> None:
     found = [f"{path.relative_to(ROOT)}:{line}: {kind}: {phrase!r}"
              for path in product_files()
              for line, kind, phrase in history_hits(path.read_text(encoding="utf-8", errors="replace"))]
-    assert not found, "history in product comments and pages (say what and why instead):\n" + "\n".join(found)
+    assert not found, "history in product comments and pages (say what and why):\n" + "\n".join(found)
