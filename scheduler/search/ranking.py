@@ -12,7 +12,7 @@ config of the GPT trace read 17.7-42.4; bench/surfaces.py's heavy-tailed scripts
 0.5-0.67x and a lucky 1.3-1.8x), and one such reading moves a mean of three by 15-25 %, far more
 than the gaps confirmation has to decide; the median of three ignores one. With two readings the median is the mean. On bench/fixed_batch.py's heavy-tailed
 surfaces, with a kept batch's larger confirmation budget, it took the share of picks within 3 % of
-the best config from 90 to 92 % (seeds 0-59, bench/README.md).
+the best config from 90 to 92 % (seeds 0-59).
 """
 from __future__ import annotations
 
