@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from scheduler.report.outputs import write_results
 from scheduler.search.phases import Phase, Search, replay
 from scheduler.search.space import PROFILE, Experiment
 from workers.gang import GangReservations
-from workers.layout import DS_CONFIG, RESULT
+from workers.layout import DS_CONFIG, EXP_JSON, RESULT
 from workers.paths import read_json, safe_child
 from workers.registry import live_slots
 
@@ -266,11 +267,33 @@ def write_outputs(spec: JobSpec, experiments: list[Experiment], records: dict[st
     winner's name. Elapsed time is counted from the job's submission. `cancelled` (an interrupted
     search) makes them partial (`scheduler.report.outputs`)."""
     cfg = tuning_config(spec)
+    off_path = measured_off_path(Path(spec.results_root), {exp.name for exp in experiments})
     winner = write_results(Path(spec.results_root), experiments, records, cfg.metric, cfg.maximize,
                            time.time() - spec.submitted_at, optimal_argv(spec), spec.local_rank_arg,
                            cancelled=cancelled, notes=search_notes(settings_of(spec)),
-                           name_hosts=spec.allowed is not None)
+                           name_hosts=spec.allowed is not None, off_path=off_path)
     return winner["name"] if winner else None
+
+
+def measured_off_path(results_root: Path, on_path: set[str]) -> list[tuple[Experiment, dict[str, Any]]]:
+    """The experiment folders under `results_root` with a record that this run's search did not
+    name: what an earlier run of the job measured on a path a resume no longer takes (it re-ran a
+    lost experiment and decided otherwise). Listed with the results so nothing measured is dropped;
+    a folder without a record (never finished) or with a stale one is not a measurement."""
+    found = []
+    for exp_file in sorted(results_root.glob(f"*/{EXP_JSON}")):
+        name = exp_file.parent.name
+        record = read_json(exp_file.parent / RESULT)
+        if name in on_path or name == PROFILE or not isinstance(record, dict) or record.get("stale"):
+            continue
+        described = read_json(exp_file)
+        known = {f.name for f in fields(Experiment)}
+        try:
+            exp = Experiment.from_json({k: v for k, v in (described or {}).items() if k in known})
+        except TypeError:
+            continue  # not an experiment this tool described
+        found.append((exp, {**record, "name": name}))
+    return found
 
 
 def _check_metric_key(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> None:

@@ -254,10 +254,15 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
                   optimal_argv: Callable[[Experiment, Path], list[str]],
                   local_rank_arg: bool = True,
                   cancelled: dict[str, dict[str, Any]] | None = None,
-                  notes: Sequence[str] = (), name_hosts: bool = False) -> dict[str, Any] | None:
+                  notes: Sequence[str] = (), name_hosts: bool = False,
+                  off_path: Sequence[tuple[Experiment, dict[str, Any]]] = ()) -> dict[str, Any] | None:
     """Write every output file; returns the best record (None if no experiment succeeded). `notes`
     go into summary.txt after its table (`summary_text`).
 
+    `off_path`: experiments an earlier run of the job measured that this run's search did not reach
+    (a resumed search that re-ran a lost experiment can take another path). They are listed in
+    results.jsonl/results.csv, so nothing measured is dropped, and named in a note; they are not in
+    the summary's table nor candidates for the winner, which the search alone confirms.
     `cancelled` (an interrupted search: name -> a `cancelled` record, see `cancelled_record`) makes
     the outputs partial, as the module docstring says; `name_hosts`: see `launch_command`."""
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -265,11 +270,14 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     cancelled = cancelled or {}
     ordered = [records[e.name] for e in experiments if e.name in records]
     listed = [records.get(e.name) or cancelled[e.name] for e in experiments
-              if e.name in records or e.name in cancelled]
+              if e.name in records or e.name in cancelled] + [record for _, record in off_path]
     write_atomic(result_file(results_dir, RESULTS_JSONL), "".join(
         json.dumps({key: record.get(key) for key in RECORD_KEYS}) + "\n" for record in listed))
-    by_name = {e.name: e for e in experiments}
+    by_name = {e.name: e for e in experiments} | {e.name: e for e, _ in off_path}
     write_atomic(result_file(results_dir, RESULTS_CSV), results_csv([(by_name[r["name"]], r) for r in listed], metric))
+    if off_path:
+        notes = [*notes, f"measured by an earlier run of this job, off this run's path (listed in "
+                         f"{RESULTS_JSONL}, not ranked): {', '.join(e.name for e, _ in off_path)}"]
     write_atomic(result_file(results_dir, SUMMARY),
                  summary_text(experiments, records, metric, maximize, elapsed_s,
                               list(cancelled) if partial else None, notes))
