@@ -113,4 +113,4 @@ if .venv/bin/python -c "import deepspeed" >/dev/null 2>&1; then
     fi
 fi
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
-echo "setup: ready (.venv with torch $torch_version and celery-autotune[$extras], redis-server $(redis-server --version | awk '{print $3}'))"
+echo "setup: ready (.venv with torch $torch_version and celery-autotune[$extras], redis-server $(redis-server --version | awk '{print $3}' | sed 's/^v=//'))"

@@ -38,7 +38,7 @@ IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IG
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory, redis_url):
     if not Path("/usr/sbin/sshd").exists():
-        pytest.fail("openssh-server is required (deploy/setup.sh installs it)")
+        pytest.fail("openssh-server is required (deploy/setup_tests.sh installs it)")
     folder = tmp_path_factory.mktemp("deploy")
     port = free_tcp_port()
     sshd = start_sshd(folder / "sshd", port)

@@ -203,9 +203,9 @@ def cluster(request, tmp_path_factory) -> TwoHosts:
     kernel then kills every process of that host), the namespaces last."""
     for tool in ("redis-server", "nsenter", "unshare"):
         if shutil.which(tool) is None:
-            pytest.fail(f"{tool} is required (deploy/setup.sh installs it)")
+            pytest.fail(f"{tool} is required (deploy/setup_tests.sh installs it)")
     if not Path("/usr/sbin/sshd").exists():
-        pytest.fail("openssh-server is required (deploy/setup.sh installs it)")
+        pytest.fail("openssh-server is required (deploy/setup_tests.sh installs it)")
     try:
         pair = create_two_hosts("cad")
     except NamespacesUnavailable as exc:

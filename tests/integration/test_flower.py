@@ -47,7 +47,7 @@ def healthy(port: int) -> bool:
 def test_flower_shows_slots_and_experiments_and_no_password_leaks(tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
-        pytest.fail("chromium is required (deploy/setup.sh installs it)")
+        pytest.fail("chromium is required (deploy/setup_tests.sh installs it)")
     port = free_tcp_port()
     with LocalCluster(2, tmp_path / "cluster", slot_memory="1GiB", node="flowernode",
                       flower_port=port) as cluster:

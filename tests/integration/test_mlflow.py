@@ -44,7 +44,7 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     if MlflowClient is None:
-        pytest.fail("mlflow is required for this test: pip install -e '.[dev]' (bash deploy/setup.sh does)")
+        pytest.fail("mlflow is required for this test: pip install -e '.[dev]' (bash deploy/setup_tests.sh does)")
     work = tmp_path_factory.mktemp("mlflow")
     port = free_tcp_port()
     url = f"http://127.0.0.1:{port}"
