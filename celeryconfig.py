@@ -15,6 +15,7 @@ short web tasks are wrong here in several places.
 import os
 
 from workers.redis_tls import TlsError, celery_options
+from workers.worker_command import CONTROL_QUEUE
 
 # Only `broker_url` and `result_backend` hold the URL: Celery masks their passwords in
 # `inspect conf`, Flower and logs; any other module-level name would be shown in clear text.
@@ -68,7 +69,7 @@ result_backend_transport_options = {"retry_policy": {"timeout": 5.0}}
 result_expires = 7 * 24 * 3600
 
 # Chord callbacks, and anything not routed to a slot, go to the control worker.
-task_default_queue = "control"
+task_default_queue = CONTROL_QUEUE
 
 # Flower shows tasks only when workers send events and the client sends task-sent events.
 worker_send_task_events = True

@@ -99,8 +99,8 @@ from scheduler.errors import OneLineArgumentParser, UsageError, one_line  # noqa
 from workers import keys  # noqa: E402
 from scheduler.cluster.jobs import job_id_for  # noqa: E402
 from workers.launch import group_alive  # noqa: E402
-from workers.local_cluster import (CLUSTER_USER, cluster_user_rules, cold_stop, free_tcp_port, redis_config,  # noqa: E402
-                                   worker_argv)
+from workers.local_cluster import CLUSTER_USER, cluster_user_rules, cold_stop, free_tcp_port, redis_config  # noqa: E402
+from workers.worker_command import worker_argv  # noqa: E402
 from workers.process_identity import owns_group, recorded_ranks  # noqa: E402
 from workers.registry import control_alive, live_slots  # noqa: E402
 from workers.shared_memory import SHM_DIR, segment_name  # noqa: E402

@@ -12,16 +12,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from scheduler.cluster.jobs import job_id_for
 from scheduler.errors import UsageError
-from workers import keys
+from workers import keys, redis_url
 from workers.process_identity import RankProcess
-from workers.redis_tls import TlsError, tls_files
+from workers.redis_url import REDIS_URL_VARIABLE
 from workers.slot import parse_queue, slot_queue
+from workers.worker_command import control_names, slot_names
 
-CONTROL_QUEUE = "control"
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -48,12 +47,11 @@ def plan_workers(hosts: Mapping[str, Sequence[int]], control_host: str | None = 
                  flower: bool = False) -> list[WorkerPlan]:
     """One slot worker per selected device (`-Q gpu<i> -n gpu<i>@<host>`), in hostfile order; the
     control worker (and Flower next to it) on `control_host` when one is asked for."""
-    plans = [WorkerPlan(host, "slot", slot_queue(host, device), queue=f"gpu{device}",
-                        name=f"gpu{device}@{host}", device=device)
+    plans = [WorkerPlan(host, "slot", slot_queue(host, device), *slot_names(device, host), device=device)
              for host, devices in hosts.items() for device in devices]
     if control_host is not None:
-        plans.append(WorkerPlan(control_host, "control", f"{control_host}.control", queue=CONTROL_QUEUE,
-                                name=f"control@{control_host}"))
+        plans.append(WorkerPlan(control_host, "control", f"{control_host}.control",
+                                *control_names(control_host)))
         if flower:
             plans.append(WorkerPlan(control_host, "flower", f"{control_host}.flower"))
     elif flower:
@@ -68,41 +66,15 @@ def by_host(plans: Iterable[WorkerPlan]) -> dict[str, list[WorkerPlan]]:
     return grouped
 
 
-def check_redis_url(url: str | None, source: str = "AUTOTUNE_REDIS_URL") -> str:
-    """The cluster's Redis URL, or a UsageError naming what is wrong and how to fix it.
-
-    An empty password (`redis://:@host`) is refused: it is what an unset `$REDIS_PASSWORD` expands
-    to, and it would connect to a Redis that has no password at all."""
-    if not url:
-        raise UsageError(f"{source} is not set: export AUTOTUNE_REDIS_URL=redis://:PASSWORD@HOST:PORT/0 "
-                         "(see docs/cluster.md)")
-    parsed = urlparse(url)
-    if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
-        raise UsageError(f"{source} is not a Redis URL: expected redis://:PASSWORD@HOST:PORT/0")
+def check_redis_url(url: str | None, source: str = REDIS_URL_VARIABLE) -> str:
+    """The cluster's Redis URL, or a UsageError naming what is wrong and how to fix it
+    (`workers.redis_url`'s rules). The policy of a cluster of hosts: no unix socket (it is one
+    machine's), no empty password (`redis://:@host`, what an unset `$REDIS_PASSWORD` expands to,
+    would connect to a Redis that has no password at all)."""
     try:
-        port = parsed.port
-    except ValueError:
-        port = -1
-    if port is not None and not 1 <= port <= 65535:
-        raise UsageError(f"{source}: the port must be 1-65535 (redis://:PASSWORD@HOST:PORT/0)")
-    if parsed.netloc.split("@")[0] == ":" or (parsed.password == "" and "@" in parsed.netloc):
-        raise UsageError(f"{source} has an empty password (is REDIS_PASSWORD set?): generate one with "
-                         "`openssl rand -hex 16` and give it to redis-server --requirepass")
-    try:
-        tls_files(url)
-    except TlsError as exc:
+        return redis_url.check_redis_url(url, source, allow_unix=False, allow_empty_password=False)
+    except redis_url.RedisUrlError as exc:
         raise UsageError(str(exc)) from None
-    return url
-
-
-def masked(url: str) -> str:
-    """The URL as it may be shown: the password replaced by `***`."""
-    parsed = urlparse(url)
-    if parsed.password is None:
-        return url
-    host = parsed.netloc.rsplit("@", 1)[1]
-    user = parsed.username or ""
-    return parsed._replace(netloc=f"{user}:***@{host}").geturl()
 
 
 def remote_command(python: str, repo: str, action: str, options: Sequence[str] = ()) -> str:
@@ -118,8 +90,8 @@ def up_request(plans: Sequence[WorkerPlan], env: Mapping[str, str],
     workers = []
     for plan in plans:
         worker: dict[str, object] = {"role": plan.role, "label": plan.label, "node": plan.host}
-        if plan.role in ("slot", "control"):
-            worker.update(queue=plan.queue, name=plan.name)
+        if plan.role == "slot":
+            worker["device"] = plan.device
         if plan.role == "flower":
             worker["port"] = flower_port
         workers.append(worker)

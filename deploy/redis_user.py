@@ -25,10 +25,11 @@ from urllib.parse import urlparse
 
 import redis
 
-from deploy.plan import check_redis_url, masked
+from deploy.plan import check_redis_url
 from scheduler.errors import UsageError
 from workers.local_cluster import cluster_user_rules
 from workers.redis_tls import describe_tls_failure
+from workers.redis_url import masked_url
 from workers.registry import connect
 
 ADMIN_ENV = "AUTOTUNE_REDIS_ADMIN_URL"
@@ -45,7 +46,7 @@ def create_cluster_user(url: str, admin_url: str | None) -> str:
         raise UsageError("AUTOTUNE_REDIS_URL has no password for its user: generate one with `openssl rand -hex 16`")
     admin_url = check_redis_url(admin_url, ADMIN_ENV)
     if _server(admin_url) != _server(url):
-        raise UsageError(f"{ADMIN_ENV} ({masked(admin_url)}) and AUTOTUNE_REDIS_URL ({masked(url)}) name "
+        raise UsageError(f"{ADMIN_ENV} ({masked_url(admin_url)}) and AUTOTUNE_REDIS_URL ({masked_url(url)}) name "
                          "different servers: give the admin's URL of the cluster's own Redis")
     admin = connected(admin_url, ADMIN_ENV)
     try:
@@ -87,9 +88,9 @@ def connected(url: str, source: str = "AUTOTUNE_REDIS_URL") -> redis.Redis:
     try:
         client.ping()
     except redis.AuthenticationError:
-        raise UsageError(f"Redis at {masked(url)} refused the credentials in {source}") from None
+        raise UsageError(f"Redis at {masked_url(url)} refused the credentials in {source}") from None
     except redis.RedisError as exc:
-        raise UsageError(describe_tls_failure(exc) or f"cannot reach Redis at {masked(url)} ({source}): {exc}") from None
+        raise UsageError(describe_tls_failure(exc) or f"cannot reach Redis at {masked_url(url)} ({source}): {exc}") from None
     return client
 
 

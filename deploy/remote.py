@@ -23,8 +23,9 @@ from pathlib import Path
 import psutil
 
 from celeryconfig import worker_soft_shutdown_timeout
-from workers.launch import KILL_GRACE_S, group_alive, group_runs_slot
+from workers.launch import KILL_GRACE_S, group_runs_slot, kill_groups as kill_groups_of
 from workers.redis_tls import TLS_ENV
+from workers.worker_command import control_worker_argv, flower_argv, slot_worker_argv
 
 ENV_FILE = "env.json"
 #: After SIGQUIT a slot worker gives its running experiment Celery's soft shutdown, then cancels it:
@@ -32,6 +33,8 @@ ENV_FILE = "env.json"
 #: SIGKILL before that leaves the training group running (it has a session of its own), so the
 #: wait covers both, plus room for a loaded machine.
 COLD_GRACE_S = worker_soft_shutdown_timeout + KILL_GRACE_S + 15.0
+#: How long `kill-groups` waits for a group to go after SIGKILL before it reports it still alive.
+KILL_WAIT_S = 10.0
 ALLOWED_ENV = frozenset({"AUTOTUNE_REDIS_URL", "FLOWER_BASIC_AUTH", "AUTOTUNE_SLOT_MEMORY",
                          "AUTOTUNE_DEVICE_KIND", "AUTOTUNE_ADDRESS", "AUTOTUNE_SSH_CONFIG", "AUTOTUNE_WARM_START",
                          *TLS_ENV})
@@ -103,12 +106,9 @@ def start(run_dir: Path, worker: dict) -> dict[str, object]:
     secrets = json.loads((run_dir / ENV_FILE).read_text())
     # SPT_NOENV: setproctitle (when installed, Celery uses it) must not overwrite /proc/<pid>/environ.
     env = {**os.environ, **secrets, "PYTHONUNBUFFERED": "1", "AUTOTUNE_NODE": worker["node"], "SPT_NOENV": "1"}
-    celery = [sys.executable, "-m", "celery", "-A", "tasks"]
-    if worker["role"] == "flower":
-        argv = [*celery, "flower", "--address=127.0.0.1", f"--port={int(worker['port'])}"]
-    else:
-        argv = [*celery, "worker", "-Q", worker["queue"], "-n", worker["name"], "-l", "INFO",
-                "-c", "2" if worker["role"] == "control" else "1"]
+    argv = (flower_argv(int(worker["port"])) if worker["role"] == "flower" else
+            control_worker_argv(worker["node"]) if worker["role"] == "control" else
+            slot_worker_argv(int(worker["device"]), worker["node"]))
     log = run_dir / f"{label}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -172,33 +172,24 @@ def stop(args: argparse.Namespace) -> dict[str, object]:
 
 
 def kill_groups(args: argparse.Namespace) -> dict[str, object]:
-    """TERM each recorded group still running its slot, give it `grace` seconds, then KILL. Each item
-    is QUEUE=PGID[@STARTED]: with the leader's recorded start time, the group is that rank only if its
-    leader started then; without, only if a process of it carries a rank title of QUEUE
-    (`workers.process_identity.owns_group`)."""
-    report: dict[str, str] = {}
-    targets = []
+    """TERM each recorded group still running its slot, give it `grace` seconds, then KILL
+    (`workers.launch.kill_groups`). Each item is QUEUE=PGID[@STARTED]: with the leader's recorded
+    start time, the group is that rank only if its leader started then; without, only if a process
+    of it carries a rank title of QUEUE (`workers.process_identity.owns_group`)."""
+    targets: dict[str, int] = {}
     for item in args.groups:
         queue, _, group = item.rpartition("=")
         pgid_text, _, started_text = group.partition("@")
-        pgid = int(pgid_text)
-        if not group_runs_slot(pgid, queue, int(started_text) if started_text else None):
-            report[item] = "gone (no process of this group runs that slot)"
-            continue
-        os.killpg(pgid, signal.SIGTERM)
-        targets.append((item, pgid))
-    deadline = time.monotonic() + args.grace
-    while targets and time.monotonic() < deadline and any(group_alive(p) for _, p in targets):
-        time.sleep(0.05)
-    for item, pgid in targets:
-        if group_alive(pgid):
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            report[item] = f"killed with SIGKILL after {args.grace:g}s (ignored SIGTERM)"
-        else:
-            report[item] = "terminated by SIGTERM"
+        if group_runs_slot(int(pgid_text), queue, int(started_text) if started_text else None):
+            targets[item] = int(pgid_text)
+    done = kill_groups_of(targets.values(), grace_s=args.grace, wait_s=KILL_WAIT_S)
+    report: dict[str, object] = {}
+    for item in args.groups:
+        pgid = targets.get(item)
+        report[item] = (f"still alive {KILL_WAIT_S:g}s after SIGKILL" if pgid in done.stuck else
+                        f"killed with SIGKILL after {args.grace:g}s (ignored SIGTERM)" if pgid in done.killed else
+                        "terminated by SIGTERM" if pgid in done.terminated else
+                        "gone (no process of this group runs that slot)")
     return report
 
 

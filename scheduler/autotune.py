@@ -44,9 +44,8 @@ from scheduler.search.fast_search import search_notes
 from scheduler.search.ranking import best
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.layout import CLUSTER_DIR, DS_CONFIG, OPTIMAL_FILES, PARTIAL_FILES, SUMMARY
-from workers.local_cluster import LocalCluster, LocalClusterError
+from workers.local_cluster import LocalCluster, LocalClusterError, cluster_client
 from workers.paths import read_json, safe_child
-from workers.registry import connect
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
 
@@ -133,21 +132,21 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     checked = preflight.check(args, script_args)
     cfg = checked.cfg
     folders.prepare([("results_dir", cfg.results_dir), ("exps_dir", cfg.exps_dir)], cfg.path, cfg.overwrite)
-    if checked.client is not None:
-        return tune(checked, args, checked.client)
-    with LocalCluster(checked.workers, cfg.results_dir / CLUSTER_DIR, slot_memory=args.slot_memory,
-                      flower_port=args.flower, host_memory_cap=args.host_memory_cap) as cluster:
+
+    def embedded() -> LocalCluster:
+        return LocalCluster(checked.workers, cfg.results_dir / CLUSTER_DIR, slot_memory=args.slot_memory,
+                            flower_port=args.flower, host_memory_cap=args.host_memory_cap)
+
+    def started(cluster: LocalCluster) -> None:
         console.print(f"embedded cluster: redis-server and {checked.workers} slot workers + control "
                       f"on {cluster.node} (logs in {cfg.results_dir / CLUSTER_DIR})")
         if args.flower is not None:
             user, password = cluster.flower_auth.split(":", 1)
             console.print(f"flower: http://127.0.0.1:{args.flower}/ user {user} password {password}",
                           highlight=False)
-        os.environ["AUTOTUNE_REDIS_URL"] = cluster.url
-        try:
-            return tune(checked, args, connect(cluster.url))
-        finally:
-            os.environ.pop("AUTOTUNE_REDIS_URL", None)
+
+    with cluster_client(checked.client, embedded, started) as client:
+        return tune(checked, args, client)
 
 
 def tune(checked: preflight.Checked, args: argparse.Namespace, client: redis.Redis) -> int:

@@ -75,7 +75,7 @@ from scheduler.launch.resources import ResourceRequest, Resources, resolve_resou
 from scheduler.resources import detect_local_devices
 from scheduler.search.space import Experiment
 from workers.launch import kill_group
-from workers.local_cluster import LocalCluster, LocalClusterError
+from workers.local_cluster import LocalCluster, LocalClusterError, cluster_client
 from workers.paths import read_json, safe_child
 from workers.registry import connect, control_alive, live_slots
 from workers.slot import slot_queue
@@ -194,18 +194,21 @@ def run_on_slots(args: argparse.Namespace, resources: Resources, settings: elast
     if args.dry_run:
         print(json.dumps({"slots": queues, "argv": argv}, indent=2))
         return 0
-    if url:
-        return run_experiment(connect(url), argv, queues, args.timeout, log_dir)
-    if resources.num_nodes > 1:
+    if not url and resources.num_nodes > 1:
         raise UsageError("a hostfile with several hosts needs running workers: set AUTOTUNE_REDIS_URL "
                          "(see docs/cluster.md) or use --launcher pdsh")
-    os.environ.setdefault("AUTOTUNE_VISIBILITY_TIMEOUT", str(int(args.timeout) + VISIBILITY_MARGIN_S))
-    devices = resources.entries[0].device_ids
-    with LocalCluster(len(devices), log_dir / "cluster", node=this_node, devices=devices,
-                      slot_memory=str(psutil.virtual_memory().total)) as cluster:
+
+    def embedded() -> LocalCluster:
+        os.environ.setdefault("AUTOTUNE_VISIBILITY_TIMEOUT", str(int(args.timeout) + VISIBILITY_MARGIN_S))
+        devices = resources.entries[0].device_ids
+        return LocalCluster(len(devices), log_dir / "cluster", node=this_node, devices=devices,
+                            slot_memory=str(psutil.virtual_memory().total))
+
+    def started(cluster: LocalCluster) -> None:
         print(f"embedded cluster on {cluster.node}: logs in {log_dir / 'cluster'}")
-        os.environ["AUTOTUNE_REDIS_URL"] = cluster.url
-        return run_experiment(connect(cluster.url), argv, queues, args.timeout, log_dir)
+
+    with cluster_client(connect(url) if url else None, embedded, started) as client:
+        return run_experiment(client, argv, queues, args.timeout, log_dir)
 
 
 def run_experiment(client: redis.Redis, argv: list[str], queues: list[list[str]], timeout_s: float,

@@ -11,6 +11,7 @@ from deploy.cleanup import clean_launch_in_background, wait_for_background_clean
 
 from scheduler.cluster.launches import FinishSpec
 from scheduler.cluster.work import RankLaunch
+from workers.worker_command import CONTROL_QUEUE
 
 
 class CeleryWork:
@@ -25,7 +26,7 @@ class CeleryWork:
                                      time_limit=time_limit_s, task_id=rank.task_id, argsrepr=rank.shown,
                                      kwargsrepr="{}")
                   for rank in ranks]
-        body = self.app.signature("autotune.finish_experiment", args=(finish.to_json(),), queue="control",
+        body = self.app.signature("autotune.finish_experiment", args=(finish.to_json(),), queue=CONTROL_QUEUE,
                                   argsrepr=shown, kwargsrepr="{}")
         chord(header, body).apply_async()
 
@@ -39,7 +40,7 @@ class CeleryWork:
         return wait_for_background_cleanups(timeout_s)
 
     def advance(self, job: str) -> None:
-        self.app.send_task("autotune.advance_job", args=[job], queue="control")
+        self.app.send_task("autotune.advance_job", args=[job], queue=CONTROL_QUEUE)
 
     def finished(self, task_id: str) -> bool:
         return bool(self.app.AsyncResult(task_id).ready())

@@ -42,6 +42,7 @@ from workers.registry import Heartbeat, claim_gpu, connect, register_control, re
 from workers.slot_health import HealthWatch
 from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
 from workers.warm_start import WARM
+from workers.worker_command import CONTROL_QUEUE
 
 log = logging.getLogger(__name__)
 _heartbeats: list[Heartbeat | HealthWatch] = []
@@ -72,7 +73,8 @@ def refuse_without_redis(sender: str | None = None, **_: object) -> None:
     """A worker without AUTOTUNE_REDIS_URL would silently serve a Redis on 127.0.0.1:6379, and one
     with a wrong password would retry for minutes with a traceback: refuse at once, one line, exit 2.
     An unreachable Redis is not refused (Celery retries: Redis may be starting)."""
-    from deploy.plan import check_redis_url, masked
+    from deploy.plan import check_redis_url
+    from workers.redis_url import masked_url as masked
     from scheduler.errors import UsageError
 
     try:
@@ -150,7 +152,7 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
         log.info("slot %s registered: %s", slot.queue, slot)
         print(f"slot {slot.queue} registered: {slot.kind} device {slot.device}, "
               f"{slot.memory_bytes / 2**30:.1f} GiB, address {slot.address}", flush=True)
-    if "control" in queues.consume_from:
+    if CONTROL_QUEUE in queues.consume_from:
         _heartbeats.append(register_control(client, node, sender))
         print(f"control worker {sender} registered", flush=True)
     parent = os.environ.get("AUTOTUNE_EXIT_WITH_PARENT")
@@ -192,7 +194,7 @@ def exit_with_parent(parent_pid: int) -> None:
 @signals.worker_ready.connect
 def start_sweeping(sender=None, **_: object) -> None:
     """Started after the pool forked its children, so no child inherits a thread's held lock."""
-    if sender is None or "control" not in sender.app.amqp.queues.consume_from:
+    if sender is None or CONTROL_QUEUE not in sender.app.amqp.queues.consume_from:
         return
     from scheduler.cluster.control_loop import sweep_forever
 

@@ -103,30 +103,40 @@ def _alive_groups(pgids: set[int]) -> set[int]:
 def kill_group(pgid: int, grace_s: float = KILL_GRACE_S) -> bool:
     """SIGTERM the group, give it `grace_s` to exit, then SIGKILL what is left and wait up to
     KILL_WAIT_S until it is gone. False when a process of it outlived that (stuck in the kernel)."""
-    return kill_groups([pgid], grace_s) == set()
+    return not kill_groups([pgid], grace_s).stuck
 
 
-def kill_groups(pgids: Iterable[int], grace_s: float = KILL_GRACE_S, wait_s: float = KILL_WAIT_S) -> set[int]:
+@dataclass(frozen=True)
+class GroupsKilled:
+    """What `kill_groups` did to each group it was given (a group already gone is in none)."""
+
+    terminated: frozenset[int]  #: ended within the grace after SIGTERM
+    killed: frozenset[int]  #: still there after the grace: sent SIGKILL
+    stuck: frozenset[int]  #: of those, still alive `wait_s` after SIGKILL (stuck in the kernel)
+
+
+def kill_groups(pgids: Iterable[int], grace_s: float = KILL_GRACE_S, wait_s: float = KILL_WAIT_S) -> GroupsKilled:
     """`kill_group` for several groups at once, so stopping N of them takes one grace, not N: SIGTERM
-    each, `grace_s` for all to exit, SIGKILL what is left, up to `wait_s` until gone. Returns the
-    groups that outlived that (stuck in the kernel)."""
-    left = set()
+    each, `grace_s` for all to exit, SIGKILL what is left, up to `wait_s` until gone. The one way
+    groups are killed: by a slot, the embedded cluster and `deploy.remote kill-groups` on a host."""
+    signalled = set()
     for pgid in set(pgids):
         try:
             os.killpg(pgid, signal.SIGTERM)
-            left.add(pgid)
+            signalled.add(pgid)
         except ProcessLookupError:
             pass
-    left = _still_alive(left, grace_s)
+    left = _still_alive(signalled, grace_s)
     for pgid in list(left):
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             left.discard(pgid)
+    killed = set(left)
     left = _still_alive(left, wait_s)
     for pgid in left:
         log.warning("process group %d is still alive %.0f s after SIGKILL", pgid, wait_s)
-    return left
+    return GroupsKilled(frozenset(signalled - killed), frozenset(killed), frozenset(left))
 
 
 def _still_alive(pgids: set[int], within_s: float) -> set[int]:

@@ -29,7 +29,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -39,8 +40,10 @@ from workers.launch import kill_groups
 from workers.layout import PIDS, cluster_file
 from workers.paths import write_json
 from workers.process_identity import RankProcess, kill_titled, recorded_ranks
+from workers.redis_url import REDIS_URL_VARIABLE
 from workers.registry import connect, control_alive, live_slots
 from workers.slot import HOST_MEMORY_CAP_ENV
+from workers.worker_command import CONTROL_QUEUE, control_worker_argv, flower_argv, slot_names, slot_worker_argv
 
 START_TIMEOUT_S = 120.0
 PR_SET_PDEATHSIG = 1
@@ -143,30 +146,34 @@ class LocalCluster:
 
         # SPT_NOENV: where setproctitle is installed, Celery retitles its processes; without this it
         # overwrites /proc/<pid>/environ, and the markers we find our processes by would vanish.
-        env = {**os.environ, "SPT_NOENV": "1", "AUTOTUNE_REDIS_URL": self.url, "AUTOTUNE_NODE": self.node,
+        env = {**os.environ, "SPT_NOENV": "1", REDIS_URL_VARIABLE: self.url, "AUTOTUNE_NODE": self.node,
                "AUTOTUNE_EXIT_WITH_PARENT": str(os.getpid()),
                "AUTOTUNE_SLOTS_PER_NODE": str(self.slots), "PYTHONUNBUFFERED": "1"}
         if self.slot_memory:
             env["AUTOTUNE_SLOT_MEMORY"] = self.slot_memory
         if self.host_memory_cap:
             env[HOST_MEMORY_CAP_ENV] = self.host_memory_cap
-        for device in self.devices:
-            self._start_worker(f"gpu{device}", f"gpu{device}@{self.node}", 1, env)
-        self._start_worker("control", f"control@{self.node}", 2, env)
+        for queue, argv in self.worker_commands():
+            self._start_worker(queue, argv, env)
         if self.flower_port is not None:  # options from the environment: no secret in `ps`
-            self._workers.append(_spawn(
-                [sys.executable, "-m", "celery", "-A", "tasks", "flower", "--address=127.0.0.1",
-                 f"--port={self.flower_port}"], cluster_file(self.log_dir, "flower.log"),
-                {**env, "FLOWER_BASIC_AUTH": self.flower_auth}, death_signal=signal.SIGTERM))
+            self._workers.append(_spawn(flower_argv(self.flower_port), cluster_file(self.log_dir, "flower.log"),
+                                        {**env, "FLOWER_BASIC_AUTH": self.flower_auth}, death_signal=signal.SIGTERM))
         write_json(cluster_file(self.log_dir, PIDS), {"redis-server": self._redis.pid,
                                                     "workers": [w.pid for w in self._workers]})
         self._wait(lambda: len(live_slots(client)) >= self.slots and control_alive(client),
-                   f"{self.slots} slot workers and a control worker", cluster_file(self.log_dir, "control.log"))
+                   f"{self.slots} slot workers and a control worker",
+                   cluster_file(self.log_dir, f"{CONTROL_QUEUE}.log"))
 
-    def _start_worker(self, queue: str, name: str, concurrency: int, env: dict[str, str]) -> None:
+    def worker_commands(self) -> list[tuple[str, list[str]]]:
+        """(queue, argv) of each worker this cluster starts: one slot worker per device, then the control
+        worker, each as `workers.worker_command` builds it."""
+        slots = [(slot_names(device, self.node)[0], slot_worker_argv(device, self.node)) for device in self.devices]
+        return [*slots, (CONTROL_QUEUE, control_worker_argv(self.node))]
+
+    def _start_worker(self, queue: str, argv: list[str], env: dict[str, str]) -> None:
         log = cluster_file(self.log_dir, f"{queue}.log")
         written = log.stat().st_size if log.exists() else 0  # an earlier run's lines stay behind
-        self._workers.append(_spawn(worker_argv(queue, name, concurrency), log, env, death_signal=signal.SIGQUIT))
+        self._workers.append(_spawn(argv, log, env, death_signal=signal.SIGQUIT))
         self._logs[self._workers[-1].pid] = (log, written)
 
     def _wait(self, ready, what: str, log: Path) -> None:
@@ -220,14 +227,28 @@ class LocalCluster:
         self._workers.clear()
 
 
-def worker_argv(queue: str, name: str, concurrency: int | None = None) -> list[str]:
-    """The command of one of this project's Celery workers: serving `queue` (a slot's or `control`)
-    as `name`, with `concurrency` processes (Celery's default, one per core, when None), without
-    gossip and mingle (a slot worker talks to Redis, not to its peers) and logging at INFO."""
-    argv = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-Q", queue, "-n", name]
-    if concurrency is not None:
-        argv += ["-c", str(concurrency)]
-    return [*argv, "--without-gossip", "--without-mingle", "-l", "INFO"]
+@contextmanager
+def cluster_client(client: redis.Redis | None, embedded: Callable[[], LocalCluster],
+                   started: Callable[[LocalCluster], None] = lambda cluster: None) -> Iterator[redis.Redis]:
+    """The client a command runs on: `client`, a running cluster's (AUTOTUNE_REDIS_URL), when there is
+    one; else an embedded cluster's. That one is `embedded()`, started, shown to the user by
+    `started(cluster)`, and stopped when the block ends (an exception in it makes the stop a cold
+    one); while it runs its URL is AUTOTUNE_REDIS_URL, which the Celery app reads when the command
+    imports it. The one set-up of `python -m scheduler.autotune` and `python -m scheduler.run`."""
+    if client is not None:
+        yield client
+        return
+    with embedded() as cluster:
+        started(cluster)
+        before = os.environ.get(REDIS_URL_VARIABLE)
+        os.environ[REDIS_URL_VARIABLE] = cluster.url
+        try:
+            yield connect(cluster.url)
+        finally:
+            if before is None:
+                os.environ.pop(REDIS_URL_VARIABLE, None)
+            else:
+                os.environ[REDIS_URL_VARIABLE] = before
 
 
 def redis_config(settings: list[tuple[str, str | list[str]]]) -> bytes:

@@ -43,11 +43,11 @@ import math
 import os
 import re
 import shlex
-import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 
 from scheduler.errors import UsageError
-from workers.redis_tls import TlsError, tls_files
+from workers import redis_url
+from workers.redis_url import REDIS_URL_VARIABLE
 
 EXPORT_PREFIXES: tuple[str, ...] = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 """Name prefixes of the variables copied from the launching environment to every node."""
@@ -200,8 +200,6 @@ def _excluded_names(environ: Mapping[str, str]) -> frozenset[str]:
     return frozenset(names)
 
 
-REDIS_URL_VARIABLE = "AUTOTUNE_REDIS_URL"
-REDIS_SCHEMES = ("redis", "rediss", "unix")
 #: Numeric variables read by the submitting command and the workers: name -> (smallest, largest,
 #: integer?). Checked up front so a typo is one line, not a traceback at import or a worker that dies.
 NUMERIC_VARIABLES: Mapping[str, tuple[float, float, bool]] = {
@@ -217,63 +215,13 @@ NUMERIC_VARIABLES: Mapping[str, tuple[float, float, bool]] = {
 }
 
 
-def masked_url(url: str) -> str:
-    """The URL with its password replaced by ***, for messages (credentials never reach a log)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url if "@" not in url else "***@" + url.rsplit("@", 1)[1]
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{host}" if ":" in userinfo else f"***@{host}"
-    return f"{scheme}://{netloc}{slash}{path}"
-
-
 def check_redis_url(url: str, name: str = REDIS_URL_VARIABLE) -> str:
-    """`url` if it is a Redis URL the client can use (scheme, host, port 1-65535, numeric database);
-    otherwise a UsageError naming the variable, with the password masked."""
-    shown = masked_url(url)
-    example = "redis://:PASSWORD@host:6379/0"
-
-    def bad(problem: str) -> UsageError:
-        return UsageError(f"{name} ({shown}): {problem}; write it as {example}, or unset it for an "
-                          "embedded cluster")
-
-    if any(ord(char) < 33 or ord(char) == 127 for char in url):
-        raise bad("contains a blank or control character")
+    """`url` if the commands can use it (`workers.redis_url`'s rules; a unix socket allowed: a Redis on
+    this machine); otherwise a UsageError naming the variable, with the password masked."""
     try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise bad(f"not a valid URL ({exc})") from None
-    if parts.scheme not in REDIS_SCHEMES:
-        raise bad(f"the scheme must be one of {', '.join(s + '://' for s in REDIS_SCHEMES)}")
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise bad("a unix:// URL needs the socket path")
-    else:
-        if not parts.hostname:
-            raise bad("no host name")
-        if port == 0:
-            raise bad("port 0 is not a port; use 1-65535")
-        database = parts.path.lstrip("/")
-        if database and not (database.isdigit() and database.isascii()):
-            raise bad(f"the database {database!r} is not a number")
-    query_db = urllib.parse.parse_qs(parts.query).get("db", [])
-    if any(not (db.isdigit() and db.isascii()) for db in query_db):
-        raise bad("the db= parameter is not a number")
-    try:
-        import redis
-
-        redis.ConnectionPool.from_url(url)
-    except (ValueError, TypeError) as exc:
-        raise bad(f"the Redis client refuses it ({exc})") from None
-    try:
-        tls_files(url)
-    except TlsError as exc:
+        return redis_url.check_redis_url(url, name, hint="or unset it for an embedded cluster")
+    except redis_url.RedisUrlError as exc:
         raise UsageError(str(exc)) from None
-    return url
 
 
 def check_numeric_variables(environ: Mapping[str, str]) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from integration_helpers import ROOT, SCRIPTS, run_autotune, stop_group, wait_for, write_config
-from workers.local_cluster import worker_argv
+from workers.worker_command import worker_argv
 
 pytestmark = pytest.mark.integration
 FAKE_GPU_DIR = ROOT / "tests" / "fake_gpu"

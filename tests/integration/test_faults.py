@@ -17,7 +17,8 @@ import redis
 
 from integration_helpers import ROOT, processes_with_marker, wait_for, write_config
 from workers import keys
-from workers.local_cluster import cold_stop, free_tcp_port, worker_argv
+from workers.local_cluster import cold_stop, free_tcp_port
+from workers.worker_command import worker_argv
 from workers.registry import control_alive, live_slots
 
 pytestmark = pytest.mark.integration

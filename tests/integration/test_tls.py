@@ -18,7 +18,8 @@ import redis
 
 from integration_helpers import ROOT, SCRIPTS, processes_with_marker, run_autotune, stop_group, wait_for, write_config
 from tls_pki import Pki, make_pki
-from workers.local_cluster import free_tcp_port, worker_argv
+from workers.local_cluster import free_tcp_port
+from workers.worker_command import worker_argv
 from workers.redis_tls import CA_ENV, CERT_ENV, KEY_ENV
 from workers.registry import connect, control_alive, live_slots
 

@@ -6,11 +6,12 @@ import shlex
 
 import pytest
 
-from deploy.plan import (check_redis_url, cleanup_scope, kill_options, launches_matching, masked, plan_workers,
+from deploy.plan import (check_redis_url, cleanup_scope, kill_options, launches_matching, plan_workers,
                          record_keys, recorded_groups, registration_report, remote_command, up_request)
 from scheduler.errors import UsageError
 from workers import keys
 from workers.process_identity import RankIdentity, RankProcess
+from workers.redis_url import masked_url
 
 
 def test_one_slot_worker_per_device_and_control_with_flower():
@@ -39,7 +40,7 @@ def test_bad_redis_urls_are_refused(url, problem):
 def test_good_url_and_masking():
     url = "redis://:s3cret@host:6390/0"
     assert check_redis_url(url) == url
-    assert masked(url) == "redis://:***@host:6390/0" and "s3cret" not in masked(url)
+    assert masked_url(url) == "redis://:***@host:6390/0" and "s3cret" not in masked_url(url)
 
 
 def test_remote_command_quotes_every_word_and_carries_no_secret():
