@@ -9,7 +9,9 @@ An experiment is a chord sent by `scheduler.cluster.dispatch`:
 raises makes Celery skip the chord body, and the experiment would never be recorded.
 `finish_experiment`, under the cluster lock, checks that its launch still holds the experiment
 (`scheduler.cluster.fencing`: a launch relaunched elsewhere meanwhile is not counted and writes
-nothing), writes the record to the results folder (the durable record), then closes the launch,
+nothing), shows the launch's metrics, description, command and logs under DeepSpeed's plain names
+(`workers.launch_files`: each launch writes its own), writes the record to the results folder (the
+durable record), then closes the launch,
 advances the job (the next phase, or the job's end) and dispatches whatever can start now (before the step when the step cannot change that:
 `scheduler.cluster.progress.advance`). A launch a rank did not start because others' memory sat on its
 GPU (`gpu_busy`, workers.slot_health) is no experiment: nothing is written, it is queued again.
@@ -34,6 +36,7 @@ from tasks.worker_hooks import task_client
 from workers import layout
 from workers.failure import Status
 from workers.gang import GangReservations
+from workers.launch_files import LaunchFiles
 from workers.layout import experiment_file
 from workers.paths import safe_child, write_json
 from workers.rank import run_rank as run_rank_body, slot_from_env
@@ -63,7 +66,8 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 @app.task(name="autotune.finish_experiment", ignore_result=True)
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json (model_info.json for the profile run),
-    then take the job's next step."""
+    show the counted launch's exp.json, cmd.txt and logs under their plain names, then take the
+    job's next step."""
     from scheduler.cluster.co_runners import co_runners_of
     from scheduler.cluster.dispatch import cluster_lock, dispatch
     from scheduler.cluster.finish import record_and_read, requeue_for_busy_gpu
@@ -95,6 +99,8 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
         if record["status"] == "ok" and record["metrics"] is not None and \
                 finish.metric_file in (layout.METRICS, layout.MODEL_INFO):  # DeepSpeed's name for the counted launch's
             write_json(experiment_file(result_dir, finish.metric_file), record["metrics"], indent=None)
+        # exp.json, cmd.txt, stdout.log...: this launch's, before the record (a replay reads exp.json beside it)
+        LaunchFiles.of(result_dir, finish.attempt, finish.metric_file).adopt(finish.world_size)
         write_json(experiment_file(result_dir, layout.RESULT), record)  # the durable record, before Redis's
         _, read = record_and_read(client, finish, record)  # with the step's reads: one round trip
         advance(client, finish.job, lambda: dispatch(client, WORK), read)  # the pass before the step when it can

@@ -14,8 +14,9 @@ The layout (DeepSpeed's, plus ours):
     <results_dir>/.celery-autotune           the marker: this folder was made by this tool
     <results_dir>/<RESULT_FILES>             summary, results.jsonl/.csv, plots, optimal or partial best,
                                              mlflow_run.json (what was logged to MLflow)
-    <results_dir>/<experiment>/<file>        per experiment: EXPERIMENT_FILES and the ranks' files; each
-                                             launch's own config, metrics and exit reports (LAUNCH_FILES)
+    <results_dir>/<experiment>/<file>        per experiment: EXPERIMENT_FILES and the ranks' logs; each
+                                             launch's own config, metrics, description, command, logs and
+                                             exit reports (LAUNCH_FILES, `rank_log`, `exit_report`)
     <results_dir>/cluster/<name>.log         the embedded cluster's logs, pids.json (CLUSTER_DIR)
     <exps_dir>/<experiment>.json             each experiment's description (DESCRIPTION_KEYS)
 
@@ -57,7 +58,9 @@ RESULT = "result.json"  #: the experiment's record (the control worker, `schedul
 EXPERIMENT_FILES = frozenset({EXP_JSON, DS_CONFIG, CMD, METRICS, MODEL_INFO, RESULT})
 #: A slot writes one of these first: a folder without any is no experiment folder of ours.
 EXPERIMENT_CORE = (DS_CONFIG, EXP_JSON, RESULT)
-#: Per-rank logs, `<prefix><stream>.log` (rank 0 unprefixed, rank N `rankN.`), and op_prebuild's report.
+#: Per-rank logs, `<prefix><stream>[.<launch>].log` (rank 0 unprefixed, rank N `rankN.`), and op_prebuild's
+#: report beside its log (`.json`). Each launch writes its own (`rank_log` with its launch); the folder
+#: shows the counted launch's under the plain names (`workers.launch_files`).
 RANK_STREAMS = ("stdout", "stderr", "op_prebuild")
 
 CLUSTER_DIR = "cluster"  #: the embedded cluster's folder inside the results folder (`workers.local_cluster`)
@@ -65,11 +68,13 @@ PIDS = "pids.json"
 #: `<exps_dir>/<name>.json`, DeepSpeed's experiment description: exactly these keys.
 DESCRIPTION_KEYS = frozenset({"name", "ds_config", "num_gpus", "num_nodes"})
 
-#: The files each launch of an experiment writes under its own name (`launch_file`): two launches of
-#: one experiment (a node cut off while its launch runs on, and the relaunch elsewhere) never read
-#: or write each other's config, metrics or exit reports. The adopted launch's metrics are copied
-#: to METRICS, its record to RESULT, by the control worker.
-LAUNCH_FILES = (DS_CONFIG, METRICS, MODEL_INFO)
+#: The files each launch of an experiment writes under its own name (`launch_file`), as its ranks'
+#: logs (`rank_log`) and exit reports are: two launches of one experiment (a node cut off while its
+#: launch runs on, and the relaunch elsewhere) never read or write each other's config, metrics,
+#: description (its slots differ), command (its interpreter may), logs or exit reports. The control
+#: worker writes the counted launch's metrics to METRICS, its record to RESULT, and shows its
+#: description, command and logs under the plain names (`workers.launch_files.LaunchFiles.adopt`).
+LAUNCH_FILES = (DS_CONFIG, METRICS, MODEL_INFO, EXP_JSON, CMD)
 #: A launch's name in its files: the first LAUNCH_ID_CHARS hex digits of its attempt token.
 LAUNCH_ID_CHARS = 12
 _LAUNCH = rf"[0-9a-f]{{{LAUNCH_ID_CHARS}}}"
@@ -77,18 +82,21 @@ _LAUNCH = rf"[0-9a-f]{{{LAUNCH_ID_CHARS}}}"
 _RANK = r"(?:rank\d+\.)?"
 _EXPERIMENT = re.compile(
     "|".join(re.escape(name) for name in sorted(EXPERIMENT_FILES))
-    + rf"|{_RANK}(?:{'|'.join(RANK_STREAMS)})\.log|{_RANK}op_prebuild\.json|rank\d+\.(?:{_LAUNCH}\.)?exit\.json"
-    + "|" + "|".join(rf"{re.escape(name.removesuffix('.json'))}\.{_LAUNCH}\.json" for name in LAUNCH_FILES))
+    + rf"|{_RANK}(?:{'|'.join(RANK_STREAMS)})(?:\.{_LAUNCH})?\.log|{_RANK}op_prebuild(?:\.{_LAUNCH})?\.json"
+    + rf"|rank\d+\.(?:{_LAUNCH}\.)?exit\.json"
+    + "|" + "|".join(rf"{re.escape(stem)}\.{_LAUNCH}\.{re.escape(suffix)}"
+                     for stem, _, suffix in (name.rpartition(".") for name in LAUNCH_FILES)))
 _EXPERIMENT_TEMP = re.compile(rf"\.tmp-[^/]*\.json|rank\d+\.(?:{_LAUNCH}\.)?exit\.json\.\d+\.tmp")
 _CLUSTER = re.compile(r"[A-Za-z0-9_.@-]+\.log|" + re.escape(PIDS) + r"|dump\.rdb")
 _ATOMIC_TEMP = re.compile(r"\.(?P<name>[^/]+)\.[A-Za-z0-9_]+")
 
 
-def rank_log(rank: int, stream: str) -> str:
-    """`stdout.log` for rank 0, `rank<N>.stdout.log` for the others (DeepSpeed's layout has rank 0's)."""
+def rank_log(rank: int, stream: str, launch: str = "") -> str:
+    """`stdout.log` for rank 0, `rank<N>.stdout.log` for the others (DeepSpeed's layout has rank 0's);
+    with `launch` (`launch_id`), the name that launch writes: `stdout.<launch>.log`."""
     if stream not in RANK_STREAMS:
         raise ValueError(f"no per-rank log {stream!r} in workers.layout: add it to RANK_STREAMS")
-    return f"{'' if rank == 0 else f'rank{rank}.'}{stream}.log"
+    return f"{'' if rank == 0 else f'rank{rank}.'}{stream}{f'.{launch}' if launch else ''}.log"
 
 
 def exit_report(rank: int, launch: str = "") -> str:
@@ -107,10 +115,12 @@ def launch_id(attempt: str) -> str:
 
 
 def launch_file(name: str, launch: str) -> str:
-    """`name` (one of LAUNCH_FILES) as launch `launch` writes it: metrics.json -> metrics.<launch>.json."""
+    """`name` (one of LAUNCH_FILES) as launch `launch` writes it: metrics.json -> metrics.<launch>.json,
+    cmd.txt -> cmd.<launch>.txt."""
     if name not in LAUNCH_FILES:
         raise ValueError(f"{name!r} is not one of workers.layout.LAUNCH_FILES")
-    return f"{name.removesuffix('.json')}.{launch}.json"
+    stem, _, suffix = name.rpartition(".")
+    return f"{stem}.{launch}.{suffix}"
 
 
 def is_result_file(name: str) -> bool:

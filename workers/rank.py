@@ -7,11 +7,14 @@ the profiled window's mean step time where the script ran under `workers.entry` 
 for anything the experiment does: a record with a failure class is the answer, so the chord's
 callback always runs and one bad experiment never stops the others.
 
-Folder written (shared with DeepSpeed's layout): exp.json, ds_config.json, cmd.txt,
-stdout.log/stderr.log (rank 0; other ranks rank<N>.stdout.log/.stderr.log), op_prebuild.log/.json
-where ops were built, rank<N>.exit.json, and the metrics file the script itself writes (DeepSpeed's
-engine does, when `autotuning.enabled`). Every name comes from `workers.layout`, the list
-`"overwrite": true` checks a folder against; a name it does not list fails the rank before it runs.
+Folder written (shared with DeepSpeed's layout): ds_config.json, and under the launch's own name
+(`workers.launch_files`: two launches of one experiment can run at once) its config, exp.json and
+cmd.txt (rank 0), stdout/stderr logs (rank 0 `stderr.<launch>.log`; other ranks
+`rank<N>.stderr.<launch>.log`), op_prebuild's log and report where ops were built, the exit report,
+and the metrics file the script itself writes (DeepSpeed's engine does, when `autotuning.enabled`);
+the plain names (exp.json, stdout.log, ...) show the counted launch's. Every name comes from
+`workers.layout`, the list `"overwrite": true` checks a folder against; a name it does not list
+fails the rank before it runs.
 
 Here: the task's body, as stages (`_RankStages`). What a rank is given is `workers.rank_spec`, how
 it keeps in touch with its peers `workers.rank_peers`, its record `workers.rank_record`.
@@ -38,7 +41,6 @@ from workers.failure import Status
 from workers.op_prebuild import needed_op_builders, prebuild_ops
 from workers.launch_files import LaunchFiles
 from workers.launch import MEASURED_GRACE_ENV, MEASURED_GRACE_S, run_watched
-from workers.layout import experiment_file, rank_log
 from workers.process_identity import RankIdentity, forget_rank, record_rank
 from workers.paths import write_atomic, write_json
 from workers.rank_peers import Measured, StopCheck, meet_peers, ops_ready_everywhere, signal_abort
@@ -150,7 +152,7 @@ class _RankStages:
         metric_path = self.metric_path = files.metric_path
         shared_config, self.ds_config = files.write_configs(spec.ds_config)
         self.command = script_command(files.argv(spec.script_argv), spec.local_rank if spec.local_rank_arg else None)
-        self.describe = _Description(result_dir, spec, shared_config,
+        self.describe = _Description(files, spec, shared_config,
                                      script_command(spec.script_argv, spec.local_rank if spec.local_rank_arg else None))
         if spec.rank == 0:
             metric_path.unlink(missing_ok=True)
@@ -192,7 +194,7 @@ class _RankStages:
         script starts (`workers.op_prebuild`)."""
         spec, slot, client, task_id = self.spec, self.slot, self.client, self.task_id
         stop_check = self.stop_check
-        self.stderr_path = experiment_file(self.result_dir, rank_log(spec.rank, "stderr"))
+        self.stderr_path = self.files.log(spec.rank, "stderr")  # this launch's own: its failure class is read there
         exit_report = self.exit_report = self.files.exit_report(spec.rank)
         exit_report.unlink(missing_ok=True)
         pgid_key = self.pgid_key = keys.pgid(slot.queue, task_id or spec.attempt)
@@ -203,10 +205,11 @@ class _RankStages:
         clear_stale_locks(env["TORCH_EXTENSIONS_DIR"])  # a build killed with an earlier experiment
         rebuild_stale_ops(env["TORCH_EXTENSIONS_DIR"], env.get("PATH"), stop_check)  # outside the memory cap
         builders = needed_op_builders(self.ds_config)
-        prebuild_log = experiment_file(self.result_dir, rank_log(spec.rank, "op_prebuild"))
+        prebuild_log = self.files.log(spec.rank, "op_prebuild")
         self.prebuild_failed = prebuild_ops(
             builders, _build_env(env, slot), prebuild_log, stop_check,
             on_start=lambda pgid: record_started(client, pgid_key, task_id, identity, pgid))
+        self.files.show_while_running(self.files.rank_logs(spec.rank, ("op_prebuild",)))
         if builders and not ops_ready_everywhere(spec, client, stop_check):
             forget_rank(client, slot.queue, task_id or spec.attempt)
             self.describe()
@@ -225,11 +228,15 @@ class _RankStages:
         script_argv = command[3:] if command[1:3] == ["-m", "workers.entry"] else command
         # The wait for the warm process (its preload) is taken from the time limit, as a cold rank's imports are.
         warm_wait_s = WARM.prepare(script_argv, env, cwd, slot.kind, spec.timeout_s, start, stop_check.slot_taken)
+        stdout_path = self.files.log(spec.rank, "stdout")
+        for path in (stdout_path, self.stderr_path):
+            path.touch()  # to be shown under the plain names before the script writes to it
+        self.files.show_while_running(self.files.rank_logs(spec.rank, ("stdout", "stderr")))
         try:
             launch = run_watched(
                 command, env=env, cwd=cwd,
                 spawn=WARM.spawn_for(script_argv, env, slot.kind, slot.cpus, start, stop_check.slot_taken),
-                stdout_path=experiment_file(self.result_dir, rank_log(spec.rank, "stdout")),
+                stdout_path=stdout_path,
                 stderr_path=self.stderr_path,
                 timeout_s=spec.timeout_s - warm_wait_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
                 should_abort=stop_check,
@@ -256,20 +263,23 @@ class _RankStages:
 
 
 class _Description:
-    """Rank 0 writes the experiment's exp.json and cmd.txt once its script has started (or failed to):
-    nothing the script reads, so not on the way between one experiment's end and the next's start
+    """Rank 0 writes its launch's exp.json and cmd.txt (`exp.<launch>.json`: the launch's slots and
+    exp_id; `cmd.<launch>.txt`: its node's interpreter) once its script has started (or failed to),
+    shown under the plain names while no record is (`workers.launch_files`): nothing the script
+    reads, so not on the way between one experiment's end and the next's start
     (bench/dispatch_overhead.py); every other rank writes nothing. Called again, it does nothing."""
 
-    def __init__(self, result_dir: Path, spec: RankSpec, ds_config: dict[str, Any], command: list[str]) -> None:
-        self._result_dir, self._spec, self._ds_config, self._command = result_dir, spec, ds_config, command
+    def __init__(self, files: LaunchFiles, spec: RankSpec, ds_config: dict[str, Any], command: list[str]) -> None:
+        self._files, self._spec, self._ds_config, self._command = files, spec, ds_config, command
         self._done = spec.rank != 0
 
     def __call__(self) -> None:
         if self._done:
             return
         self._done = True
-        write_json(experiment_file(self._result_dir, layout.EXP_JSON), {**self._spec.exp, "ds_config": self._ds_config})
-        write_atomic(experiment_file(self._result_dir, layout.CMD), shlex.join(self._command) + "\n")
+        write_json(self._files.own(layout.EXP_JSON), {**self._spec.exp, "ds_config": self._ds_config})
+        write_atomic(self._files.own(layout.CMD), shlex.join(self._command) + "\n")
+        self._files.show_while_running(self._files.descriptions())
 
 
 def _build_env(env: dict[str, str], slot: Slot) -> dict[str, str]:
