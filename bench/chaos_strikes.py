@@ -13,7 +13,8 @@ beside it only gather what it matches.
   `workers.process_identity`): the pool process of a running rank is the claimant of the task whose
   record names that rank, while the claimant's start time is the one claimed.
 - A rank forked from the warm process is that process's child, and the warm process is the standard
-  library's forkserver (its command line `python -c from multiprocessing.forkserver import main ...`,
+  library's forkserver (its title `autotune warm slot=...`, or before it the command line
+  `python -c from multiprocessing.forkserver import main ...`: `workers.warm_server.shows_warm`,
   docs/cluster.md); a cold rank's parent is its pool process, which shows Celery's title.
 - A bump moves the mtime of the METADATA file of a distribution that every warm process of the soak
   imported (they preload torch: the two-rank runs import it): what `pip install -U` or a reinstall
@@ -36,9 +37,8 @@ import redis
 from bench.chaos_checks import Seen
 from workers import keys
 from workers.process_identity import RankProcess, start_time, title_of
+from workers.warm_server import shows_warm
 
-#: What /proc shows for the warm interpreter (the forkserver `workers.warm_server` starts).
-FORKSERVER_LINE = "multiprocessing.forkserver import main"
 #: Modules every warm process of the soak imported (`import torch` imports the other two): the
 #: distributions a `bump_package` may touch.
 BUMP_MODULES = ("torch", "numpy", "typing_extensions")
@@ -101,7 +101,7 @@ def warm_parents(live: Mapping[int, Seen], processes: Mapping[int, tuple[int, st
     for pid, seen in sorted(live.items()):
         parent = processes.get(pid, (0, ""))[0]
         shown = processes.get(parent, (0, ""))[1]
-        if parent and FORKSERVER_LINE in shown:
+        if parent and shows_warm(shown):
             found.append(Struck(parent, shown, pid, seen))
     return found
 
@@ -145,7 +145,7 @@ def warm_processes(roots: Iterable[int]) -> list[int]:
     for root in roots:
         try:
             found += [proc.pid for proc in psutil.Process(root).children(recursive=True)
-                      if FORKSERVER_LINE in title_of(proc)]
+                      if shows_warm(title_of(proc))]
         except psutil.Error:
             continue
     return sorted(found)

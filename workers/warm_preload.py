@@ -15,6 +15,10 @@ the parent), so neither a worker's warm or cold shutdown nor its death leaves it
 for seconds after the worker has gone (multiprocessing's own signal, its "alive" pipe closing,
 comes only after billiard's exit pause). The ranks it forks do not inherit that signal (Linux clears
 it on fork): a rank's lifetime is its launch's.
+
+It names itself in `ps` before the preload, as a rank does (`workers.process_identity`), through the
+setproctitle library: `autotune warm slot=node2.gpu0` (`title`). Its /proc environ is kept
+(SPT_NOENV): a forked rank's leftovers are found by the token in it (`workers.warm_server`).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import sys
 import time
 
 PARENT_ENV = "AUTOTUNE_WARM_PARENT"  #: the pid of the process that started this one, to die with
+TITLE_WORD = "autotune warm"  #: how its title begins (`title`); a rank's begins "autotune rank"
 PR_SET_PDEATHSIG = 1
 UVM_DEVICE = "/dev/nvidia-uvm"  #: what the CUDA driver opens when initialised (`driver_initialised`)
 _GPU_NODE = re.compile(r"/dev/nvidia[0-9]+")
@@ -236,10 +241,27 @@ def die_with_parent(parent: int) -> bool:
     return os.getppid() == parent
 
 
+def title(slot: str) -> str:
+    """What `ps` shows this process as: `autotune warm slot=<slot>` (the slot's queue)."""
+    return f"{TITLE_WORD} slot={slot}" if slot else TITLE_WORD
+
+
+def take_title(slot: str) -> None:
+    """Take `title(slot)` through setproctitle, leaving /proc/<pid>/environ as it was (SPT_NOENV,
+    read when setproctitle first writes: the ranks forked from here write through the same memory)."""
+    try:
+        os.environ.setdefault("SPT_NOENV", "1")
+        import setproctitle
+    except ImportError:  # a dependency; without it the command line shows
+        return
+    setproctitle.setproctitle(title(slot))
+
+
 def _main() -> None:
     parent = os.environ.get(PARENT_ENV, "")
     if parent.isdigit() and not die_with_parent(int(parent)):
         os._exit(0)  # started by a process that is already gone: nobody will fork from here
+    take_title(os.environ.get("AUTOTUNE_SLOT", ""))  # before the preload's seconds: `ps` names it
     _without_the_workers_main()
     names = [name for name in os.environ.get("AUTOTUNE_WARM_PRELOAD", "").split(",") if name]
     report = preload(names)

@@ -46,6 +46,20 @@ REPORT_ENV = "AUTOTUNE_WARM_REPORT"  #: where it writes what it imported, and wh
 CONTEXT = multiprocessing.get_context("forkserver")
 
 
+#: What /proc shows for a warm process before it takes its title (`workers.warm_preload.title`), or
+#: where setproctitle is not installed: the forkserver's own command line.
+FORKSERVER_LINE = "multiprocessing.forkserver import main"
+
+
+def shows_warm(line: str) -> bool:
+    """Whether a command line as `ps` shows it is a warm process's: its title, or the forkserver's line
+    (a rank forked from it shows that line too, for the milliseconds before it takes its own title)."""
+    from workers.warm_preload import TITLE_WORD
+
+    shown = line.strip()
+    return shown == TITLE_WORD or shown.startswith(f"{TITLE_WORD} ") or FORKSERVER_LINE in shown
+
+
 #: What a rank's exit status reads as when its warm process died before telling it (the pipe's end,
 #: as multiprocessing reads it); `WarmProcess.untold` says so, and the launch is recorded lost.
 UNTOLD_EXIT = 255

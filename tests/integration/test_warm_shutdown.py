@@ -20,6 +20,7 @@ import pytest
 from integration_helpers import run_autotune, wait_for, write_config
 from workers.local_cluster import LocalCluster
 from workers.warm_plan import SWITCH_ENV
+from workers.warm_server import shows_warm
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.integration
 def _warm_processes(pool: psutil.Process) -> tuple[psutil.Process, psutil.Process]:
     """The pool process's forkserver (the warm interpreter) and resource tracker."""
     children = {proc.pid: " ".join(proc.cmdline()) for proc in pool.children()}
-    server = [pid for pid, argv in children.items() if "multiprocessing.forkserver import main" in argv]
+    server = [pid for pid, argv in children.items() if shows_warm(argv)]
     tracker = [pid for pid, argv in children.items() if "multiprocessing.resource_tracker import main" in argv]
     assert len(server) == 1 and len(tracker) == 1, children
     return psutil.Process(server[0]), psutil.Process(tracker[0])
