@@ -16,19 +16,23 @@ of the memory model rather than a guess:
    may have called that profile a fit, is not trusted without); the profile's own offload always
    fits (it ran at ZeRO-3).
 2. **The leader sits at its stage's memory top** (`try_strategies`, after the sampled search and
-   before the winner is confirmed). When the leader is the largest size its stage was measured at
-   and the memory model says nothing larger fits there, the curve was still rising where memory
-   cut it. Each allowed strategy (one at a time, on top of the search's own) that the model says
-   lets the stage hold a larger size is measured at the largest such size, keeping the
-   leader's samples per step (a larger micro-batch with less accumulation; the kept global batch's
-   share when one is kept), and the normal confirmation ranks it with the rest. A strategy whose
-   time prior (`strategies.step_cost_s`, with the leader's own step time as its compute) already
-   adds the leader's whole step is not measured: at the same samples per step a larger micro-batch
-   can save at most the step's per-micro-step costs, less than the step. Each strategy's next size
-   is its line's top again, kept below the geometric middle between its largest size that ran and
-   its smallest that ran out of memory, and, after a run that ran, at least `TOP_GAIN` larger (a
-   checkpointed run that ran measures the share of activations it keeps:
-   `strategies.measured_keep_share`); `STRATEGY_PROBES` runs per strategy at most.
+   before the winner is confirmed). When the leader is the largest size its stage ran at, the curve
+   was still rising where memory cut it. Each allowed strategy (one at a time, on top of the leader's
+   own; the leader within `TOP_SLACK` of the largest size its stage holds) whose memory line holds a size at least `TOP_GAIN` above what the stage holds without it
+   (its measured failures and the model) is measured at its line's top, keeping the leader's samples
+   per step (a larger micro-batch with less accumulation; the kept global batch's share when one is
+   kept). A top more than `CAUTIOUS_SPAN` times that room is mostly the prior's: its geometric
+   middle is measured first. Strategies stack: when the best run with one more strategy beats the
+   run it was added to and sits at its own line's top, each remaining strategy is tried on top of
+   it (offload of the optimizer, then of the parameters, then checkpointing each free memory the
+   others do not). Where the samples per step are held, a strategy whose time prior
+   (`strategies.step_cost_s`, with the leader's own step time as its compute) already adds the
+   leader's whole step is not measured: a larger micro-batch then saves at most the step's
+   per-micro-step costs. Each strategy's next size is its line's top again, kept below the geometric
+   middle between its largest size that ran and its smallest that ran out of memory, and, after a
+   run that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of
+   activations it keeps: `strategies.measured_keep_share`); `STRATEGY_PROBES` runs per strategy at
+   most. The normal confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy is the stage's own measured line (or the analytical
 model without measurements) less what the offload frees, with its slope times the keep share.
@@ -51,7 +55,12 @@ from scheduler.search.strategies import (
 )
 
 #: After a strategy's run that ran, its next size is measured only when this much larger.
-TOP_GAIN = 1.1
+TOP_GAIN = 1.05
+#: The leader is at its stage's memory top when the stage holds at most this much more without a strategy.
+TOP_SLACK = 1.25
+#: A strategy's first size more than this many times the size the stage holds without it is
+#: measured at their geometric middle first: its memory line there is mostly the prior's.
+CAUTIOUS_SPAN = 2.0
 #: Runs per strategy at most: its line's top, then bisection between what ran and what ran out of memory.
 STRATEGY_PROBES = 3
 
@@ -124,23 +133,47 @@ def try_strategies(session: Session) -> Step:
         return
     exp, record = leader
     top = _largest_ok(session, exp.stage)
-    if exp.micro_batch_size < top or _step_size(session, exp, session.predicted_max(exp.stage, SAFETY)) > \
-            exp.micro_batch_size:
-        return  # not at its stage's memory top: a larger size of its step still fits without a strategy
-    for name in searchable(st.ds_config, st.host_memory, st.checkpointing_fixed):
-        strategy = strategy_of((*st.strategy, name))
-        if name in st.strategy or not applies(strategy, exp.stage) or _too_slow(session, exp, record, name):
-            continue
-        yield from _measure_strategy(session, exp, strategy)
+    #: what the stage holds without a further strategy: a strategy is measured where it holds more
+    room = min([session.predicted_max(exp.stage, SAFETY)] + [m - 1 for m in _failed_sizes(session, exp.stage)])
+    room = max(exp.micro_batch_size, _step_size(session, exp, room))
+    if exp.micro_batch_size < top or room > TOP_SLACK * exp.micro_batch_size:
+        return  # not at its stage's memory top: a larger size ran and read worse, or much more fits
+    while exp is not None:
+        base = exp.strategy
+        for name in searchable(st.ds_config, st.host_memory, st.checkpointing_fixed):
+            strategy = strategy_of((*base, name))
+            if name in base or not applies(strategy, exp.stage) or _too_slow(session, exp, record, name):
+                continue
+            yield from _measure_strategy(session, exp, strategy, room)
+        exp, record = _stacking_base(session, exp, record) or (None, None)
+        room = exp.micro_batch_size if exp is not None else room
 
 
-def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str, ...]) -> Step:
+def _stacking_base(session: Session, below: Experiment, below_record: dict) -> tuple[Experiment, dict] | None:
+    """The strategy run that beat `below` (the run whose strategy it adds one to) and still sits at
+    its own memory line's top, so one more strategy on top of its own may hold a larger size again:
+    strategies are stacked one at a time while each pays (module docstring, 2); None otherwise."""
+    st = session.settings
+    pairs = [(exp, record) for exp, record in _strategy_records(session, below.stage, None)
+             if len(exp.strategy) == len(below.strategy) + 1 and set(below.strategy) < set(exp.strategy)]
+    winner = best([below_record] + [record for _, record in pairs], st.metric, st.maximize)
+    found = next(((exp, record) for exp, record in pairs if record is winner), None)
+    if found is None or _size(session, found[0], found[0].strategy) >= TOP_GAIN * found[0].micro_batch_size:
+        return None
+    return found
+
+
+def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str, ...], room: int) -> Step:
     """The strategy's largest size above the leader's by its memory line, then, up to
     `STRATEGY_PROBES` runs in all, the line's next size (with the keep share a run measured) kept
     below the geometric middle between the largest size that ran (the leader's at first) and the
     smallest that ran out of memory; after a run that ran, only a size `TOP_GAIN` larger."""
     ran, failed = leader.micro_batch_size, None
     size = _size(session, leader, strategy)
+    if size < TOP_GAIN * room:
+        return  # it holds no size the stage does not hold without it
+    if size > CAUTIOUS_SPAN * room:  # a line that far past anything measured is mostly prior: half way first
+        size = _step_size(session, leader, round(math.sqrt(room * size)))
     for _ in range(STRATEGY_PROBES):
         if size <= ran or (failed is not None and size >= failed):
             return
@@ -228,10 +261,12 @@ def _keep_share(session: Session, stage: int, strategy: tuple[str, ...]) -> floa
 
 
 def _too_slow(session: Session, leader: Experiment, record: dict, name: str) -> bool:
-    """Whether the strategy's time prior alone adds the leader's whole step (module docstring)."""
+    """Whether the strategy's time prior alone adds the leader's whole step (module docstring). Only
+    where the samples per step are held (a kept batch, or accumulation a larger micro-batch replaces):
+    at one micro-step per step a larger micro-batch also spreads the step's fixed costs over more samples."""
     st = session.settings
     value = metric_value(record, st.metric)
-    if not value:
+    if not value or (leader.gradient_accumulation_steps == 1 and not st.kept_per_gpu):
         return False
     samples = leader.micro_batch_size * leader.gradient_accumulation_steps * st.world_size
     step_s = samples / value if st.metric == "throughput" else value / 1e6 if st.metric == "latency" else None
@@ -254,10 +289,17 @@ def _leader(session: Session) -> tuple[Experiment, dict] | None:
     return next(((exp, record) for exp, record in pairs if record is winner), None)
 
 
+def _failed_sizes(session: Session, stage: int) -> list[int]:
+    """The sizes that ran out of memory at the stage with the search's own strategy."""
+    return [exp.micro_batch_size for exp, record in _strategy_records(session, stage, session.settings.strategy)
+            if record.get("status") == "oom"]
+
+
 def _largest_ok(session: Session, stage: int) -> int:
     return max((exp.micro_batch_size for exp, record in session.stage_records(stage) if succeeded(record)), default=0)
 
 
-def _strategy_records(session: Session, stage: int, strategy: Sequence[str]) -> list[tuple[Experiment, dict]]:
+def _strategy_records(session: Session, stage: int, strategy: Sequence[str] | None) -> list[tuple[Experiment, dict]]:
+    """The stage's runs with `strategy` (with any strategy when None)."""
     return [(exp, record) for exp, record in session.measured.values()
-            if exp.stage == stage and exp.strategy == tuple(strategy)]
+            if exp.stage == stage and exp.name != PROFILE and (strategy is None or exp.strategy == tuple(strategy))]

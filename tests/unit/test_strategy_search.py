@@ -11,6 +11,7 @@ import pytest
 from scheduler.search.fast_search import fast_search
 from scheduler.search.global_batch import GlobalBatch
 from scheduler.search.memory import GiB, MemoryModel, ModelInfo
+from scheduler.search import strategy_search
 from scheduler.search.phases import drive
 from scheduler.search.ranking import best
 from scheduler.search.session import NoStageFits, SearchAborted, SearchSettings, Session
@@ -179,23 +180,37 @@ def test_after_the_profile_ran_out_of_memory_only_offload_is_chosen() -> None:
     assert any(record["status"] == "ok" for name, record in records.items() if not name.startswith(PROFILE))
 
 
-def test_a_strategy_run_out_of_memory_is_followed_by_the_middle_size() -> None:
-    law = Law(num_params=100_000_000, activation=1_500_000_000, keep=0.6)  # the prior share (0.3) over-promises
+def _checkpointed_sizes(law: Law) -> list[tuple[int, str]]:
     experiments, records = run(law, settings(law, ["activation_checkpointing"], kept=480))
-    checkpointed = [(exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
-                    if exp.strategy and "_r" not in exp.name]
-    assert checkpointed == [(24, "oom"), (12, "ok")]  # 12: the largest size of the kept step below sqrt(8 x 24)
+    return [(exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
+            if exp.strategy and "_r" not in exp.name]
+
+
+def test_a_strategy_run_out_of_memory_is_followed_by_the_middle_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    law = Law(num_params=100_000_000, activation=1_500_000_000, keep=0.6)  # the prior share (0.3) over-promises
+    monkeypatch.setattr(strategy_search, "CAUTIOUS_SPAN", 100.0)  # the line's top first, whatever its span
+    # 12: the largest size of the kept step below sqrt(8 x 24)
+    assert _checkpointed_sizes(law) == [(24, "oom"), (12, "ok")]
+
+
+def test_a_strategy_top_far_past_the_room_is_approached_by_its_middle_first() -> None:
+    """The line's top (24) is three times the leader's size at its memory top (8): mostly the prior's
+    keep share, so its geometric middle (12 of the kept step) runs first, and the keep share that run
+    measures (0.6) puts the line's top below TOP_GAIN x 12: no run out of memory at all."""
+    law = Law(num_params=100_000_000, activation=1_500_000_000, keep=0.6)
+    assert _checkpointed_sizes(law) == [(12, "ok")]
 
 
 def test_a_strategy_whose_time_prior_exceeds_the_leaders_step_is_not_measured() -> None:
-    """The leader at its memory top reads 0.2 s per step; Adam on the CPU over its 2.5e8-parameter
-    shard with the PCIe traffic takes about 0.33 s (strategies.CPU_ADAM_PARAMS_PER_S, PCIE_BYTES_PER_S),
-    so optimizer offload cannot win; checkpointing adds a third of the compute at most: measured."""
+    """The leader at its memory top accumulates 4 micro-steps and reads 0.2 s per step; Adam on the CPU
+    over its 2.5e8-parameter shard with the PCIe traffic takes about 0.33 s (strategies.CPU_ADAM_PARAMS_PER_S,
+    PCIE_BYTES_PER_S), so optimizer offload cannot win at its samples per step; checkpointing adds a
+    third of the compute at most: measured."""
     search_settings = settings(Law(1_000_000_000, 1_000_000_000), ["offload_optimizer", "activation_checkpointing"])
     session = Session(search_settings)
     session.model = MemoryModel(search_settings.model_info, search_settings.setup, GiB)
-    leader = session.experiment(1, 8, 1)
-    samples = 8 * 4
+    leader = session.experiment(1, 8, 4)
+    samples = 8 * 4 * 4
     session.measured[leader.name] = (leader, {"name": leader.name, "status": "ok", "ds_config": leader.ds_config,
                                               "metrics": {"throughput": samples / 0.2}})
     session.measured["z1_gas1_tmbspg9"] = (session.experiment(1, 9, 1), {"name": "z1_gas1_tmbspg9", "status": "oom"})
@@ -212,9 +227,12 @@ def test_a_strategy_whose_time_prior_exceeds_the_leaders_step_is_not_measured() 
     assert strategies == {("activation_checkpointing",)}
 
 
-def test_a_strategys_probes_bisect_between_what_ran_and_what_ran_out_of_memory() -> None:
-    """Without measured peaks the prior share (0.3) stays the line's: its top, 30, runs out of memory
-    (the real share is 0.6), then sqrt(9 x 30) = 16 does, then sqrt(9 x 16) = 12 runs."""
+def test_a_strategys_probes_bisect_between_what_ran_and_what_ran_out_of_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without measured peaks the prior share (0.3) stays the line's: its top, 30 (run first here,
+    whatever its span), runs out of memory (the real share is 0.6), then sqrt(9 x 30) = 16 does, then
+    sqrt(9 x 16) = 12 runs."""
+    monkeypatch.setattr(strategy_search, "CAUTIOUS_SPAN", 100.0)
     law = Law(num_params=100_000_000, activation=1_500_000_000, keep=0.6, peaks=False)
     experiments, records = run(law, settings(law, ["activation_checkpointing"]))
     checkpointed = [(exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
@@ -227,3 +245,28 @@ def test_a_kept_batch_that_nothing_holds_after_an_offloaded_profile_is_refused_i
     with pytest.raises(SearchAborted, match="no config keeping the global batch of 8") as caught:
         run(law, settings(law, ["offload_optimizer"], kept=8, profile=True))
     assert "\n" not in str(caught.value)
+
+
+def test_strategies_stack_while_each_pays_at_its_own_memory_top() -> None:
+    """Checkpointing lifts the leader's ZeRO-3 top and reads better; its own line is full there, so
+    the optimizer's offload is tried on top of it (it frees the states checkpointing does not)."""
+    law = Law(num_params=700_000_000, activation=1_000_000_000)
+    experiments, records = run(law, settings(law, ["offload_optimizer", "activation_checkpointing"]))
+    tried = [(exp.strategy, records[exp.name]["status"]) for exp in experiments if exp.strategy and "_r" not in exp.name]
+    first_stacked = next(i for i, (strategy, _) in enumerate(tried) if len(strategy) == 2)
+    assert (("activation_checkpointing",), "ok") in tried[:first_stacked]
+    assert tried[first_stacked] == (("offload_optimizer", "activation_checkpointing"), "ok")
+
+
+def test_a_strategy_is_not_ruled_out_by_its_time_prior_at_one_micro_step_per_step() -> None:
+    """At one micro-step per step and no kept batch a larger micro-batch also spreads the step's fixed
+    costs over more samples, so no time prior says a strategy cannot win."""
+    search_settings = settings(Law(1_000_000_000, 1_000_000_000), ["offload_optimizer"])
+    session = Session(search_settings)
+    session.model = MemoryModel(search_settings.model_info, search_settings.setup, GiB)
+    leader = session.experiment(1, 8, 1)
+    record = {"name": leader.name, "status": "ok", "metrics": {"throughput": 8 * 4 / 0.2}}
+    assert not strategy_search._too_slow(session, leader, record, "offload_optimizer")
+    accumulating = session.experiment(1, 8, 4)
+    record = {"name": accumulating.name, "status": "ok", "metrics": {"throughput": 8 * 4 * 4 / 0.2}}
+    assert strategy_search._too_slow(session, accumulating, record, "offload_optimizer")
