@@ -22,13 +22,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from scheduler.inputs.arguments import checkpointing_given, with_config, with_mapped_args
+from scheduler.inputs.arguments import STRATEGY_KEY, checkpointing_given, with_config, with_mapped_args
 from scheduler.inputs.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
 from scheduler.search.fast_search import SearchSettings, fast_search, search_notes
@@ -286,14 +285,25 @@ def measured_off_path(results_root: Path, on_path: set[str]) -> list[tuple[Exper
         record = read_json(exp_file.parent / RESULT)
         if name in on_path or name == PROFILE or not isinstance(record, dict) or record.get("stale"):
             continue
-        described = read_json(exp_file)
-        known = {f.name for f in fields(Experiment)}
-        try:
-            exp = Experiment.from_json({k: v for k, v in (described or {}).items() if k in known})
-        except TypeError:
-            continue  # not an experiment this tool described
-        found.append((exp, {**record, "name": name}))
+        exp = described_experiment(name, read_json(exp_file), record)
+        if exp is not None:
+            found.append((exp, {**record, "name": name}))
     return found
+
+
+def described_experiment(name: str, described: Any, record: dict[str, Any]) -> Experiment | None:
+    """The experiment a folder holds, from its exp.json (DeepSpeed's description: the shape) and its
+    record's config (stage, sizes, strategy); None when they do not describe one."""
+    config = record.get("ds_config")
+    if not isinstance(described, dict) or not isinstance(config, dict):
+        return None
+    try:
+        return Experiment(name, int((config.get("zero_optimization") or {}).get("stage", 0)),
+                          int(config["train_micro_batch_size_per_gpu"]), int(config.get("gradient_accumulation_steps", 1)),
+                          config, int(described.get("num_nodes", 1)), int(described.get("num_gpus", 1)),
+                          strategy=tuple((config.get("autotuning") or {}).get(STRATEGY_KEY) or ()))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _check_metric_key(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> None:

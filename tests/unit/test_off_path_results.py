@@ -18,9 +18,14 @@ from test_outputs import make_exp, make_record, optimal_argv
 
 
 def _folder(root: Path, exp, record: dict | None) -> None:
+    """An experiment folder as a launch leaves it: exp.json is DeepSpeed's description (no stage or
+    sizes: those are in the config), the record beside it once the experiment was recorded."""
     folder = root / exp.name
     folder.mkdir(parents=True)
-    (folder / "exp.json").write_text(json.dumps(exp.to_json()))
+    (folder / "exp.json").write_text(json.dumps({
+        "name": exp.name, "exp_id": 3, "num_gpus": exp.num_gpus, "num_nodes": exp.num_nodes,
+        "result_dir": str(folder), "slots": ["n.gpu0", "n.gpu1"], "user_script": "/x/train.py",
+        "user_args": ["--deepspeed_config", str(folder / "ds_config.json")], "ds_config": exp.ds_config}))
     if record is not None:
         (folder / "result.json").write_text(json.dumps(record))
 
@@ -33,12 +38,12 @@ def test_only_recorded_folders_off_the_path_are_found(tmp_path: Path) -> None:
     _folder(tmp_path, stale, {**make_record(stale, "ok", throughput=3.0), "stale": True})
     profile = make_exp(0, 1)
     (tmp_path / PROFILE).mkdir()
-    (tmp_path / PROFILE / "exp.json").write_text(json.dumps({**profile.to_json(), "name": PROFILE}))
+    (tmp_path / PROFILE / "exp.json").write_text(json.dumps({"name": PROFILE, "ds_config": profile.ds_config}))
     (tmp_path / PROFILE / "result.json").write_text(json.dumps(make_record(profile, "ok")))
 
     found = measured_off_path(tmp_path, {on_path.name})
     assert [(exp, record["status"]) for exp, record in found] == [(off, "ok")]
-    assert found[0][0].ds_config == off.ds_config and found[0][0].strategy == off.strategy
+    assert found[0][0].ds_config == off.ds_config and found[0][0].num_gpus == off.num_gpus == 2
 
 
 def test_off_path_readings_are_listed_and_named_but_never_win(tmp_path: Path) -> None:
