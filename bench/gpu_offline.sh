@@ -17,8 +17,7 @@
 # `--system-site-packages` reaches only the base interpreter's), installs the wheels without
 # touching the network, makes this checkout importable (a .pth, as `pip install -e .` would, with no
 # build step), and puts the redis-server wrapper in .venv/bin, which gpu_smoke.sh puts first on
-# PATH. Both steps took a session two failed device calls to get right by hand (bench/README.md, "On
-# one real H200").
+# PATH. Both steps are easy to get wrong by hand on a machine without PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=.gpu

@@ -14,7 +14,7 @@
 #   3. every successful experiment carries peak_device_bytes measured inside its ranks; the allocated
 #      peak grows with the micro-batch among configs of one stage and one gas (across gas levels it
 #      need not: on one H100 a ZeRO-1 run of mbs 2 x gas 24 peaked above mbs 8 x gas 6, DeepSpeed's
-#      ~2 GB of fixed buffers dwarfing a small model's activations; bench/README.md);
+#      ~2 GB of fixed buffers dwarfing a small model's activations);
 #   4. OOMs, if any, are classed `oom` (never `crashed`) and are the larger sizes of their stage;
 #   5. every rank checked its GPU for others' memory before it started (device_wait_s; printed with the
 #      most others held, device_foreign_bytes: workers/device_idle.py, and the ranks whose GPU was not

@@ -14,7 +14,7 @@ By default the surfaces are the harder ones (bench/surfaces.py's docstring has t
 Every reading is drawn from the surface seed and the experiment's name: a re-measurement
 (`<name>_r2`) draws its own, the same name in two searches the same. `--classic` replays the
 earlier, easier surfaces (always a limit, equal Gaussian 2 % noise, 85 % peaks), exactly the
-surfaces of the figures bench/README.md gave before: the ours and DeepSpeed rows reproduce them
+surfaces drawn at commit c7e83a5: the ours and DeepSpeed rows reproduce that commit's figures
 (same search code); "all once" measures the whole space since, so its row differs.
 
 Both searches are replayed against the same surface: ours through `scheduler.search.fast_search` (the

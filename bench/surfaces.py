@@ -53,7 +53,7 @@ reduce_bucket_size elements (5e8, 1 GB in fp16), held whole at ZeRO-1/2/3 whatev
 (`search_quality.py --buckets`).
 
 The new attributes are drawn from a second random stream, so every parameter the surfaces had
-before (bench/README.md's earlier figures) is unchanged; `classic` turns a surface back into that
+before (those of `classic` surfaces, measured at commit c7e83a5) is unchanged; `classic` turns a surface back into that
 earlier one (max_train_batch_size always set, Gaussian noise equal for every config, 85 % peaks).
 
 Memory strategies, drawn from a third stream (so again nothing above moves) and honoured by

@@ -220,7 +220,7 @@ def _stderr_of(code: str) -> str:
     return proc.stderr
 
 
-#: The end of a real DeepSpeed launch on one H100 (bench/README.md): every line of the rank's output
+#: The end of a real DeepSpeed launch on one H100 (bench/gpu_smoke.sh's run): every line of the rank's output
 #: carries the launcher's "[rank0]: " prefix, and the launcher's own line follows the traceback.
 H100_STDERR = """[rank0]: Traceback (most recent call last):
 [rank0]:   File "/work/main/examples/train_gpt.py", line 65, in <module>

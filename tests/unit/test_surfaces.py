@@ -59,8 +59,8 @@ def test_per_config_noise_differs_between_configs_within_the_spread() -> None:
     assert tiny(noise=0.02).config_noise(0, 3, 2) == 0.02
 
 
-#: Surfaces recorded from the bench before the new attributes were added (commit c7e83a5, the code
-#: of bench/README.md's earlier figures): every field, one reading and the optimum.
+#: Surfaces recorded from the bench before the new attributes were added (commit c7e83a5, whose
+#: figures `--classic` reproduces): every field, one reading and the optimum.
 RECORDED = {
     ("cliff", 3): dict(
         family="cliff", seed=3, capacity=17179869184, num_params=344557973, state_factor=1.000451328715458,
@@ -103,7 +103,7 @@ NEW_FIELDS = ("drawn_max_train_batch_size", "drawn_reports_peak", "noise_spread"
 
 
 def test_classic_surfaces_are_the_ones_drawn_before() -> None:
-    """The earlier figures in bench/README.md were measured on exactly these surfaces and readings."""
+    """`--classic` replays exactly the surfaces and readings drawn at commit c7e83a5."""
     for key, fields in RECORDED.items():
         surface = classic(make_surface(*key))
         now = {f.name: getattr(surface, f.name) for f in dataclasses.fields(surface) if f.name not in NEW_FIELDS}
