@@ -12,7 +12,7 @@ taken as true (the experiments get it set, as DeepSpeed's profile run does).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +22,7 @@ from scheduler.inputs.config_file import read_config
 from scheduler.inputs.config_schema import (MAX_GRADIENT_ACCUMULATION, MAX_MICRO_BATCH, check_known_keys,
                                             check_path_text, check_schema, shown)
 from scheduler.inputs.memory_strategies import check_memory_strategies
+from scheduler.inputs.search_keys import SearchKeys, non_negative_int, parse_search_keys
 
 #: Metric name -> whether bigger is better. `flops` is accepted for FLOPS_per_gpu (DeepSpeed crashes).
 METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}
@@ -46,6 +47,7 @@ class TuningConfig:
     end_profile_step: int
     user_script: Path | None  #: from autotuning.user_script, resolved against the config's folder
     user_args: tuple[str, ...]
+    search_keys: SearchKeys = field(default_factory=SearchKeys)  #: the autotuning keys that shape the search
 
     @property
     def maximize(self) -> bool:
@@ -101,6 +103,7 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
         end_profile_step=end,
         user_script=(path.parent / script).resolve() if isinstance(script, str) and script else None,
         user_args=tuple(str(a) for a in user_args),
+        search_keys=parse_search_keys(path, autotuning),
     )
 
 
@@ -146,11 +149,3 @@ def _positive_int(path: Path, field: str, value: Any) -> int:
 
 def _directory(path: Path, autotuning: dict[str, Any], key: str, default: str) -> str:
     return check_path_text(path, f"autotuning.{key}", autotuning.get(key, default))
-
-
-def non_negative_int(path: Path, autotuning: Mapping[str, Any], key: str, default: int) -> int:
-    """autotuning.<key> as an int >= 0, or a ConfigError naming the file and key."""
-    value = autotuning.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{path}: autotuning.{key} must be a non-negative integer, got {json.dumps(value)}")
-    return value

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.errors import ConfigError, UsageError
-from scheduler.inputs.config import TuningConfig, non_negative_int
-from scheduler.inputs.config_schema import TUNER_TYPES
+from scheduler.inputs.config import TuningConfig
 from scheduler.search.global_batch import GlobalBatch, global_batch, kept_sizes
 from scheduler.search.deepspeed_memory import deepspeed_fp16, deepspeed_max_micro_batch_size, deepspeed_stage_fits
 from scheduler.search.memory import (
@@ -33,10 +32,6 @@ Step = Generator[Phase, dict[str, dict], Any]
 
 #: DeepSpeed's memory estimate or ours, calibrated from the profile run's peak (autotuning.estimator).
 ESTIMATORS = ("calibrated", "deepspeed")
-
-
-#: autotuning.search: our sampled search (default) or DeepSpeed's algorithm, for side-by-side runs.
-SEARCHES = ("sampled", "deepspeed")
 
 
 class SearchAborted(UsageError):
@@ -156,17 +151,13 @@ class SearchSettings:
         if device_kind not in ("cpu", "gpu") or estimator not in ESTIMATORS:
             raise ValueError(f"device_kind {device_kind!r} or estimator {estimator!r} is not known")
         section = cfg.ds_config.get("autotuning") or {}
-        min_mbs = _positive(cfg, section, "min_train_micro_batch_size_per_gpu", 1)
-        max_mbs = _positive(cfg, section, "max_train_micro_batch_size_per_gpu", 1024)
-        if min_mbs > max_mbs:
-            raise ConfigError(f"{cfg.path}: autotuning.min_train_micro_batch_size_per_gpu ({min_mbs}) is above "
-                              f"max_train_micro_batch_size_per_gpu ({max_mbs}); make min <= max")
-        mp_size = _positive(cfg, section, "mp_size", 1)
+        keys = cfg.search_keys
+        min_mbs, max_mbs, mp_size, search = (keys.min_micro_batch_size, keys.max_micro_batch_size, keys.mp_size,
+                                             keys.search)
         if (num_nodes * num_gpus) % mp_size:
             raise ConfigError(f"{cfg.path}: autotuning.mp_size ({mp_size}) must divide the GPUs of one "
                               f"experiment ({num_nodes * num_gpus})")
         listed = isinstance(cfg.ds_config.get("train_micro_batch_size_per_gpu"), list)
-        search = _search(cfg, section)
         batch = global_batch(cfg.ds_config, cfg.path, (num_nodes * num_gpus) // mp_size, search, command_line)
         sizes = cfg.micro_batch_sizes if listed else ()
         if batch.size and sizes:
@@ -184,41 +175,15 @@ class SearchSettings:
             end_profile_step=cfg.end_profile_step, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             first_micro_batch_size=cfg.micro_batch_sizes[0], micro_batch_sizes=sizes,
             min_micro_batch_size=min_mbs, max_micro_batch_size=max_mbs,
-            max_train_batch_size=_positive(cfg, section, "max_train_batch_size", None),
-            num_tuning_micro_batch_sizes=_positive(cfg, section, "num_tuning_micro_batch_sizes", 3),
+            max_train_batch_size=keys.max_train_batch_size,
+            num_tuning_micro_batch_sizes=keys.num_tuning_micro_batch_sizes,
             mp_size=mp_size, model_info=ModelInfo.from_mapping(section.get("model_info")),
             num_nodes=num_nodes, num_gpus=num_gpus, host_memory=device_kind == "cpu",
             peak_memory_key="peak_rss_bytes" if device_kind == "cpu" else "peak_device_bytes", estimator=estimator,
-            search=search, fast=bool(section.get("fast", True)), tuner_type=_tuner_type(cfg, section),
-            tuner_num_trials=_positive(cfg, section, "tuner_num_trials", 50),
-            tuner_early_stopping=non_negative_int(cfg.path, section, "tuner_early_stopping", 5),
-            tuner_seed=non_negative_int(cfg.path, section, "tuner_seed", 0), concurrency=max(1, concurrency),
+            search=search, fast=keys.fast, tuner_type=keys.tuner_type, tuner_num_trials=keys.tuner_num_trials,
+            tuner_early_stopping=keys.tuner_early_stopping, tuner_seed=keys.tuner_seed, concurrency=max(1, concurrency),
             tuning_config=cfg, global_batch=batch, checkpointing_fixed=checkpointing_fixed,
         )
-
-
-def _tuner_type(cfg: TuningConfig, section: Mapping[str, Any]) -> str:
-    value = section.get("tuner_type", "gridsearch")
-    if value not in TUNER_TYPES:
-        raise ConfigError(f"{cfg.path}: autotuning.tuner_type {value!r} is not one of "
-                          f"{', '.join(TUNER_TYPES)}")
-    return value
-
-
-def _search(cfg: TuningConfig, section: Mapping[str, Any]) -> str:
-    value = section.get("search", "sampled")
-    if value not in SEARCHES:
-        raise ConfigError(f"{cfg.path}: autotuning.search {value!r} is not one of {', '.join(SEARCHES)}")
-    return value
-
-
-def _positive(cfg: TuningConfig, section: Mapping[str, Any], key: str, default: int | None) -> int | None:
-    value = section.get(key, default)
-    if value is None and default is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{cfg.path}: autotuning.{key} must be a positive integer, got {value!r}")
-    return value
 
 
 class Session:
@@ -331,7 +296,7 @@ def succeeded(record: Mapping[str, Any]) -> bool:
 
 def too_large(record: Mapping[str, Any]) -> bool:
     """Whether a probe proves the micro-batch too large for memory: only an `oom` (the slot's cap,
-    an allocator's exception in the rank, or its traceback on a wrapper's stderr: workers.oom). On a
+    an allocator's exception in the rank, or its traceback on a wrapper's stderr: workers.in_rank.oom). On a
     GPU node most other failures are infrastructure (a timeout, a lost node, a port clash, a JIT
     build): taken as memory bounds they would prune the optimum. Nor is an `oom` under other
     processes' memory (`under_foreign_memory`): the config may fit the GPU it would train on."""
@@ -342,7 +307,7 @@ def under_foreign_memory(record: Mapping[str, Any]) -> bool:
     """Whether other processes held memory on a GPU of the experiment: when it started
     (`device_foreign_bytes`, from records before ranks stopped starting beside them) or a wait after
     its ranks ended (`device_foreign_after_bytes`: they may have been there during the run;
-    workers.device_idle, workers.slot_health)."""
+    workers.device.device_idle, workers.state.slot_health)."""
     return bool(record.get("device_foreign_bytes")) or bool(record.get("device_foreign_after_bytes"))
 
 
@@ -357,7 +322,7 @@ def peak_of(record: Mapping[str, Any], key: str) -> int | None:
 def measured_reserve(record: Mapping[str, Any], host_memory: bool) -> int | None:
     """What the profile run's busiest rank held on its GPU outside the allocator at the end (the
     CUDA context, NCCL's buffers: `device_untracked_bytes` = total - free - reserved, from
-    workers.device_memory), less what other processes held on that same GPU (`device_foreign_bytes`,
+    workers.in_rank.device_memory), less what other processes held on that same GPU (`device_foreign_bytes`,
     not the job's; per rank: `device_own_untracked_bytes`); None on host memory or without the figure. It replaces the reserve's guess when larger
     (NCCL alone takes 1.6 GB with one communicator and about 6 GB with three or more); never
     lowers it, since NCCL connects lazily and the profile exits in its first forward."""
@@ -383,7 +348,7 @@ def measured_capacity(record: Mapping[str, Any], host_memory: bool) -> int | Non
 
 def refuse_unbuildable_op(exp: Experiment, record: Mapping[str, Any]) -> None:
     """Raise SearchAborted when `record` died because an op DeepSpeed needs could not be built or
-    loaded (`workers.op_build`): the user's config needs it at every stage and size, so every later
+    loaded (`workers.in_rank.op_build`): the user's config needs it at every stage and size, so every later
     experiment would crash the same way. A full-mode knob point (its own `tuning_space`) may need an
     op the user's config does not; it only fails that point."""
     failure = record.get("op_build_failed")

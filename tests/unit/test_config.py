@@ -463,7 +463,7 @@ def test_user_args_not_a_list_of_strings(tmp_path: Path, user_args: Any) -> None
 
 # ---------------------------------------------------------------- the strict schema, bound by bound
 
-from scheduler.inputs.config import non_negative_int  # noqa: E402
+from scheduler.inputs.search_keys import non_negative_int  # noqa: E402
 from scheduler.inputs.config_schema import shown  # noqa: E402
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from scheduler.inputs.config import load_config
 from scheduler.errors import ConfigError
+from scheduler.inputs.search_keys import parse_search_keys
 from scheduler.search.fast_search import (
     PROFILE, fast_search, fine_grained_micro_batch_sizes, gain, max_probes, max_train_batch_size_per_gpu,
     tuning_micro_batch_sizes,
@@ -530,7 +531,7 @@ def test_only_an_out_of_memory_is_a_memory_bound(status: str, bound: bool) -> No
 ])
 def test_an_out_of_memory_beside_others_memory_is_no_bound(fields: dict, bound: bool) -> None:
     """Issue 21 item 9: others' memory on the GPU when the run started, or still there a wait after
-    its ranks ended (workers.slot_health), may have been what ran out; the search retries instead."""
+    its ranks ended (workers.state.slot_health), may have been what ran out; the search retries instead."""
     record = {"status": "oom", **fields}
     assert too_large(record) is bound
     assert says_nothing(record) is not bound
@@ -614,7 +615,7 @@ def test_overhead_from_the_profile_peak_or_the_prior(host_memory: bool, capacity
         # a notebook's 1 GiB was on the GPU too: not the job's, not its reserve
         (False, 2 * GiB, {"device_untracked_bytes": 3 * GiB // 2, "device_foreign_bytes": GiB}, GPU_RESERVE),
         (True, GiB, {"device_untracked_bytes": 3 * GiB // 2}, 0),  # host memory has no untracked reserve
-        # per rank, net of each rank's own GPU's foreign memory (workers.records): that figure decides
+        # per rank, net of each rank's own GPU's foreign memory (workers.slot.records): that figure decides
         (False, 2 * GiB, {"device_untracked_bytes": 3 * GiB // 2, "device_foreign_bytes": GiB,
                           "device_own_untracked_bytes": 3 * GiB // 2}, 3 * GiB // 2),
     ],
@@ -898,10 +899,10 @@ def test_settings_from_config_errors_name_the_file_and_the_fix(tmp_path: Path, a
                                                                num_gpus: int, message: str) -> None:
     data = copy.deepcopy(USER_CONFIG)
     data["autotuning"].update(autotuning)
-    cfg = tuning_config(tmp_path, data)
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(ConfigError) as caught:  # where the config is read, or (mp_size) where it meets the slots
+        cfg = tuning_config(tmp_path, data)
         SearchSettings.from_config(cfg, capacity_bytes=GiB, num_nodes=2 if num_gpus == 2 else 1, num_gpus=num_gpus)
-    assert str(caught.value) == f"{cfg.path}: {message}"
+    assert str(caught.value) == f"{tmp_path / 'ds_config.json'}: {message}"
 
 
 @pytest.mark.parametrize(
@@ -918,14 +919,14 @@ def test_settings_from_config_errors_name_the_file_and_the_fix(tmp_path: Path, a
         ("tuner_type", "bayes", "'bayes' is not one of gridsearch, random, model_based"),
     ],
 )
-def test_settings_from_config_checks_a_config_not_read_by_load_config(tmp_path: Path, key: str, value: Any,
-                                                                      message: str) -> None:
-    # load_config's schema refuses these first; a TuningConfig built another way meets the same checks.
+def test_the_search_keys_are_checked_where_the_config_is_read(tmp_path: Path, key: str, value: Any,
+                                                               message: str) -> None:
+    # load_config's schema refuses these first; the typed keys meet the same checks on any section.
     cfg = tuning_config(tmp_path, USER_CONFIG)
     data = copy.deepcopy(USER_CONFIG)
     data["autotuning"][key] = value
     with pytest.raises(ConfigError) as caught:
-        SearchSettings.from_config(replace(cfg, ds_config=data), capacity_bytes=GiB, num_nodes=1, num_gpus=4)
+        parse_search_keys(cfg.path, data["autotuning"])
     assert str(caught.value) == f"{cfg.path}: autotuning.{key} {message}"
 
 
