@@ -43,19 +43,20 @@ from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.report.outputs import write_experiment_descriptions
+from scheduler.cluster.stores import BaseJobStore
 from scheduler.cluster.placement import fits_ever, gang_link, is_loopback, largest_shape, pinned_placement
 from scheduler.search.space import Experiment
 from scheduler.cluster.work import RankLaunch, Work
-from workers import keys
-from workers.device_idle import gpu_wait_s
-from workers.gang import GangReservations
-from workers.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders
-from workers.paths import safe_child
-from workers.rank_spec import RankSpec
-from workers.slot import Slot
-from workers.slot_health import describe
-from workers.slot_view import read_view
-from workers.topology import worst_link
+from workers.state import keys
+from workers.device.device_idle import gpu_wait_s
+from workers.state.gang import GangReservations
+from workers.slot.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders
+from workers.files.paths import safe_child
+from workers.slot.rank_spec import RankSpec
+from workers.device.slot import Slot
+from workers.state.slot_health import describe
+from workers.state.slot_view import read_view
+from workers.device.topology import worst_link
 
 LOCK_TIMEOUT_S = 120.0
 #: How often a waiting control process retries the lock: redis-py's default (100 ms) added up to
@@ -63,7 +64,7 @@ LOCK_TIMEOUT_S = 120.0
 #: finishing together make one chord callback wait for the other's (5 ms polls added 2.5 ms on average).
 LOCK_POLL_S = 0.001
 REFUSE_GRACE_S = 60.0  #: after a job's first launch, how long the cluster may lack a fitting shape
-#: How long a job waits when only slots out of tuning (workers.slot_health) could run its experiments.
+#: How long a job waits when only slots out of tuning (workers.state.slot_health) could run its experiments.
 HELD_GRACE_S = 600.0
 #: Celery's hard limit is only a backstop behind our own per-experiment timeout and group kill.
 TIME_LIMIT_GRACE_S = 300
@@ -81,7 +82,7 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
 
     A pass that finds fewer free slots than the smallest waiting gang needs decides nothing: it only
     checks that each waiting shape could run on the cluster at all (memoised per registration epoch,
-    workers.slot_view) and publishes the jobs' states, so its cost does not grow with the slots."""
+    workers.state.slot_view) and publishes the jobs' states, so its cost does not grow with the slots."""
     specs = active_specs(client)
     if not specs:
         return
@@ -103,7 +104,7 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
         if spec.pinned is not None:
             if not _start_pinned(client, work, spec, launch, slots, busy, started):
                 refused.add(spec.job)
-        elif _fits_or_refused(client, spec, launch, slots, view.memo, cleared, sick):
+        elif _fits_or_refused(JobStore(client, spec.job), spec, launch, slots, view.memo, cleared, sick):
             free_waiting.append((spec, launch))
         elif load_spec(client, spec.job) is None:
             refused.add(spec.job)
@@ -190,12 +191,12 @@ def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: Queued
     return True
 
 
-def _fits_or_refused(client: redis.Redis, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
+def _fits_or_refused(store: BaseJobStore, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
                      fits: dict[tuple, bool], cleared: dict[str, bool], sick: Mapping[str, dict]) -> bool:
     """Whether the experiment's shape fits the live cluster at all. A job is refused at once when it
     has launched nothing yet; later, slots may only be re-registering (a worker or Redis restarting),
     so the cluster gets REFUSE_GRACE_S to come back first. A shape that fits only with slots out of
-    tuning (others' memory on their GPUs, workers.slot_health) waits for them, and the job is
+    tuning (others' memory on their GPUs, workers.state.slot_health) waits for them, and the job is
     stopped, saying which, once none of its experiments could run for HELD_GRACE_S and none runs.
     `fits` remembers each shape's answers for these slots (`SlotView.memo`: until a registration
     changes), `cleared` the jobs whose misfit was cleared in this pass (True: not written yet)."""
@@ -207,7 +208,6 @@ def _fits_or_refused(client: redis.Redis, spec: JobSpec, launch: QueuedLaunch, s
     healthy = (shape, frozenset(sick))  # whether it fits without the slots marked now
     if fits[shape] and sick and healthy not in fits:
         fits[healthy] = fits_ever([s for s in slots if s.queue not in sick], *shape)
-    store = JobStore(client, spec.job)
     if fits[shape] and (not sick or fits[healthy]):
         cleared.setdefault(spec.job, True)  # its misfit cleared with the states, at the pass's end
         return True
@@ -218,14 +218,14 @@ def _fits_or_refused(client: redis.Redis, spec: JobSpec, launch: QueuedLaunch, s
     since, dispatched = store.misfit_since(now)
     if fits[shape]:  # only with slots out of tuning
         if now - since > HELD_GRACE_S and not store.running_names():
-            end(client, spec.job, {"kind": "failed", "error": held_refusal(exp, sick), "usage": True})
+            store.end({"kind": "failed", "error": held_refusal(exp, sick), "usage": True})
         return False
     if not dispatched or now - since > REFUSE_GRACE_S:
         within = slots if pool is None else [s for s in slots if s.queue in pool]
         error = refusal(exp, within, spec.slot_kind)
         if pool is not None:
             error = f"within the job's resource pool ({', '.join(sorted(pool))}): {error}"
-        end(client, spec.job, {"kind": "failed", "error": error, "usage": True})
+        store.end({"kind": "failed", "error": error, "usage": True})
     return False
 
 
@@ -278,10 +278,17 @@ def _frees_at(client: redis.Redis, jobs: dict[str, JobSpec], busy: set[str],
     shape's mean wall time (or the time limit); slots held by anything else: unknown (infinite).
     While an exclusive experiment runs (a finalist re-measured with its nodes otherwise idle), every
     slot of its nodes counts as busy until it ends, so nothing is placed beside it."""
-    frees_at = dict.fromkeys(busy, math.inf)
     running = running_by_job(client, list(jobs))
     walls = walls_by_job(client, {job: sorted({_shape(launch.exp) for launch in launches})
                                   for job, launches in running.items()})
+    return _estimated_frees_at(jobs, running, walls, busy, slots)
+
+
+def _estimated_frees_at(jobs: dict[str, JobSpec], running: Mapping[str, list[RunningLaunch]],
+                        walls: Mapping[str, Mapping[str, list[float]]], busy: set[str],
+                        slots: Sequence[Slot]) -> dict[str, float]:
+    """`_frees_at` from what it read: each job's running launches, and the wall times of their shapes."""
+    frees_at = dict.fromkeys(busy, math.inf)
     for job, spec in jobs.items():
         for launch in running[job]:
             end_at = launch.started + estimate_run_s(spec.timeout_s, walls.get(job, {}).get(_shape(launch.exp), ()))
@@ -311,9 +318,9 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
     attempt = uuid.uuid4().hex
     task_ids = {queue: uuid.uuid4().hex for queue in queues}
     now = time.time()
-    build_s = PREBUILD_TIMEOUT_S if needed_op_builders(exp.ds_config) else 0.0  # before the script: workers.op_prebuild
+    build_s = PREBUILD_TIMEOUT_S if needed_op_builders(exp.ds_config) else 0.0  # before the script: workers.slot.op_prebuild
     if any(slot.kind == "cuda" for node in placement for slot in node):  # a wait for a free GPU before and after
-        build_s += 2 * gpu_wait_s(os.environ.get("AUTOTUNE_GPU_WAIT_S"))  # the script (workers.device_idle)
+        build_s += 2 * gpu_wait_s(os.environ.get("AUTOTUNE_GPU_WAIT_S"))  # the script (workers.device.device_idle)
     co_runners, beside_updates = beside(client, f"{spec.job}/{exp.name}", placement, by_node, busy)
     pipe = client.pipeline(transaction=True)
     for job, other in beside_updates:

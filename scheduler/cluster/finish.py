@@ -16,8 +16,9 @@ import redis
 from scheduler.cluster.fencing import adopted
 from scheduler.cluster.job_store import JobStore, StepReads, step_reads_from
 from scheduler.cluster.launches import FinishSpec
-from workers.gang import GangReservations
-from workers.slot_health import describe
+from scheduler.cluster.stores import BaseJobStore
+from workers.state.gang import GangReservations
+from workers.state.slot_health import describe
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,15 @@ def record_and_read(client: redis.Redis, finish: FinishSpec, record: dict[str, A
 
 def requeue_for_busy_gpu(client: redis.Redis, finish: FinishSpec, busy_ranks: list[dict[str, Any]]) -> bool:
     """A launch that a rank did not start because others held memory on its GPU (`gpu_busy`,
-    workers.slot_health): its slots are freed and it waits again at its old place, on other slots
+    workers.state.slot_health): its slots are freed and it waits again at its old place, on other slots
     or later; not counted as an attempt (it never ran). The submitter is told which slots left
     tuning. False for a stale launch."""
     GangReservations(client).release(finish.slots, finish.gang_token)
-    store = JobStore(client, finish.job)
+    return requeue_uncounted(JobStore(client, finish.job), finish, busy_ranks)
+
+
+def requeue_uncounted(store: BaseJobStore, finish: FinishSpec, busy_ranks: list[dict[str, Any]]) -> bool:
+    """`requeue_for_busy_gpu` in the job's store, its slots freed already."""
     launch = store.running_of([finish.name]).get(finish.name)
     if launch is None or launch.attempt != finish.attempt:
         return False

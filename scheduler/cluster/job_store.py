@@ -2,26 +2,29 @@
 
 Why one store: dispatch, jobs and progress all read and write a job's state; with raw Redis calls
 each would know the key layout and the JSON shapes. Here each operation is one method, one round trip or one transaction, on typed records
-(`scheduler.cluster.launches`); nothing else touches these keys (see `workers.keys` for the layout).
+(`scheduler.cluster.launches`); nothing else touches these keys (see `workers.state.keys` for the layout).
 
 What a dispatch pass reads across every active job at once is `scheduler.cluster.dispatch_reads`.
+The operations are the interface `scheduler.cluster.stores.BaseJobStore`, which the in-memory twin
+(`scheduler.cluster.memory_store`) implements too.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis
 
 from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
-from workers import keys
-from workers.registry import HEARTBEAT_S
+from scheduler.cluster.stores import StepReads
+from workers.state import keys
+from workers.state.registry import HEARTBEAT_S
 
 EVENTS_TTL_S = ATTEMPTS_TTL_S = 7 * 24 * 3600
 #: After Redis lost its data, how long a job submitted again queues nothing (`settling`): every
-#: live slot worker has announced itself twice (`workers.registry.HEARTBEAT_S`) and every rank still
-#: running has retried its renewal (`workers.gang.SlotLease.RETRY_S`), taking its slot back, by then.
+#: live slot worker has announced itself twice (`workers.state.registry.HEARTBEAT_S`) and every rank still
+#: running has retried its renewal (`workers.state.gang.SlotLease.RETRY_S`), taking its slot back, by then.
 RESUME_SETTLE_S = 2 * HEARTBEAT_S
 
 
@@ -106,17 +109,6 @@ def reserve_seqs(client: redis.Redis, count: int) -> int:
     return int(client.incrby(keys.SEQUENCE, count)) - count + 1
 
 
-class StepReads(NamedTuple):
-    """What a job step reads before its search (`JobStore.step_reads`)."""
-
-    spec: bytes | None  #: the job's spec (JSON); None: the job is not active
-    recorded: set[str]  #: `JobStore.recorded`
-    attempts: dict[str, int]  #: `JobStore.attempts`
-    order: float | None  #: `JobStore.order`
-    queued: set[str]  #: `JobStore.queued_names`
-    running: set[str]  #: `JobStore.running_names`
-
-
 #: How many results `JobStore.step_reads_in` adds to a pipeline.
 STEP_READS = 6
 
@@ -131,7 +123,7 @@ def step_reads_from(results: list[Any]) -> StepReads:
 
 class JobStore:
     """One job's keys: spec, events, queue (with its shape index), running launches, attempts,
-    wall times, recorded names and the state `--status` shows."""
+    wall times, recorded names and the state `--status` shows (`stores.BaseJobStore` in Redis)."""
 
     def __init__(self, client: redis.Redis, job: str) -> None:
         self.client, self.job = client, job
@@ -388,3 +380,6 @@ class JobStore:
     def show(self, fields: dict[str, Any]) -> None:
         """What `python -m scheduler.autotune --status` shows for the job."""
         self.client.hset(keys.job_state(self.job), mapping=fields)
+
+    def shown(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.client.hgetall(keys.job_state(self.job)).items()}

@@ -3,7 +3,7 @@ node or Redis data that would have announced them is gone.
 
 A launch is `lost` when no record came within its time limit plus a grace, when a worker of its
 slots restarted, stopped sending heartbeats or withdrew its slot (its consumer stopped taking
-messages, `workers.consumer_watch`: at once, without waiting out a blip), or when its lease lapsed
+messages, `workers.slot.consumer_watch`: at once, without waiting out a blip), or when its lease lapsed
 on a slot whose rank has not reported (the ranks renew their own slots' leases, so a lapse means
 that rank's worker or node is gone). A lost launch is revoked and queued again at its old place
 while attempts remain (counted in Redis before each launch), then recorded `lost`. After Redis lost
@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import redis
 
 from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.jobs import JobSpec, active_specs, stop_launch
 from scheduler.cluster.launches import RunningLaunch
+from scheduler.cluster.stores import BaseJobStore, LeaseHolds
 from scheduler.cluster.work import Work
-from workers.gang import GangReservations
-from workers.layout import RESULT, experiment_file
-from workers.paths import safe_child, write_json
-from workers.registry import HEARTBEAT_S, TTL_S, live_slots, withdrawn
+from workers.state.gang import GangReservations
+from workers.files.layout import RESULT, experiment_file
+from workers.files.paths import safe_child, write_json
+from workers.state.registry import HEARTBEAT_S, TTL_S, live_slots, withdrawn
 
 SWEEP_S = 2.0  #: how often the control worker sweeps
 SLOT_GONE_S = TTL_S + HEARTBEAT_S  #: a slot unregistered this long has lost its worker (not a blip)
@@ -52,15 +53,18 @@ def sweep(client: redis.Redis, work: Work) -> set[str]:
         taken_back = withdrawn(client, sorted({q for launch in running for q in launch.queues if q not in live}))
         for launch in running:
             why = _why_lost(store, work, gangs, spec, launch, live, now, taken_back)
-            if why is not None and _lose(client, work, spec, launch, why):
+            if why is not None and _lose(store, spec, launch, why, lambda lost: stop_launch(client, work, lost)):
                 due.add(spec.job)
         if not running and not store.depth():
             due.add(spec.job)
     return due
 
 
-def _why_lost(store: JobStore, work: Work, gangs: GangReservations, spec: JobSpec, launch: RunningLaunch,
+def _why_lost(store: BaseJobStore, work: Work, gangs: LeaseHolds, spec: JobSpec, launch: RunningLaunch,
               live: dict[str, str], now: float, taken_back: Mapping[str, str] | None = None) -> str | None:
+    """Why `launch` is lost at `now` (module docstring), None while it is not; `live` maps each live
+    slot to its worker's instance, `taken_back` the withdrawn slots to why. Notes in the store when
+    a slot of the launch was first seen gone."""
     gone = [q for q in launch.queues if q not in live]
     taken_back = taken_back or {}
     withdrawn_here = [q for q in gone if q in taken_back]
@@ -84,11 +88,11 @@ def _why_lost(store: JobStore, work: Work, gangs: GangReservations, spec: JobSpe
     return None
 
 
-def _lose(client: redis.Redis, work: Work, spec: JobSpec, launch: RunningLaunch, why: str) -> bool:
-    """Stop a lost launch; queue it again at its old place while attempts remain, else record it
-    `lost`. Returns True when it was recorded (the job's phase may be complete now)."""
-    stop_launch(client, work, launch)
-    store = JobStore(client, spec.job)
+def _lose(store: BaseJobStore, spec: JobSpec, launch: RunningLaunch, why: str,
+          stop: Callable[[RunningLaunch], None]) -> bool:
+    """Stop a lost launch (`stop`: `jobs.stop_launch`); queue it again at its old place while attempts
+    remain, else record it `lost`. Returns True when it was recorded (the job's phase may be complete now)."""
+    stop(launch)
     attempts = store.attempts_of(launch.name)
     if attempts < spec.max_attempts:
         log.warning("%s lost (%s); retrying, attempt %d of %d", launch.name, why, attempts + 1, spec.max_attempts)

@@ -1,7 +1,12 @@
 """Dispatch, finish and sweep (`scheduler.cluster.dispatch`, `.finish`, `.sweep`) against a real redis-server, with no Celery: slots are registered
 by writing their keys, `RecordedWork` (conftest) keeps what would be sent, and every expectation is
 read back from the raw keys (running hash, gang keys and their TTLs, state hash, events list) and
-compared with values worked out by hand."""
+compared with values worked out by hand.
+
+Here: whole passes over the slot registry, the gang leases and the round trips of Redis. The
+decisions that take a job's store (why a launch is lost, its retry or give-up, a shape's refusal
+and grace, when busy slots free) are tested over the in-memory store in
+tests/unit/test_control_decisions.py."""
 from __future__ import annotations
 
 import json
@@ -20,20 +25,20 @@ import redis
 
 from scheduler.cluster import dispatch as dispatch_module
 from scheduler.cluster.co_runners import co_runners_of
-from scheduler.cluster.dispatch import REFUSE_GRACE_S, _frees_at, cluster_lock, dispatch, refusal
+from scheduler.cluster.dispatch import REFUSE_GRACE_S, cluster_lock, dispatch
 from scheduler.cluster.finish import record_and_read, record_finished, requeue_for_busy_gpu
-from scheduler.cluster.sweep import SLOT_GONE_S, _lose, _why_lost, sweep
+from scheduler.cluster.sweep import sweep
 from scheduler.cluster.job_store import JobStore, reserve_seqs
 from scheduler.cluster.jobs import JobSpec, TuneSpec, cancel, load_spec, run_fixed, submit
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.search.space import Experiment
-from workers import keys
-from workers.gang import GangReservations
-from workers.op_prebuild import PREBUILD_TIMEOUT_S
-from workers.rank_spec import RankSpec
-from workers.registry import announce_slot
-from workers.slot import Slot
-from workers.slot_health import mark_unhealthy
+from workers.state import keys
+from workers.state.gang import GangReservations
+from workers.slot.op_prebuild import PREBUILD_TIMEOUT_S
+from workers.slot.rank_spec import RankSpec
+from workers.state.registry import announce_slot
+from workers.device.slot import Slot
+from workers.state.slot_health import mark_unhealthy
 
 GiB = 2**30
 HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -99,7 +104,7 @@ def started(work) -> list[tuple[str, list[str]]]:
 def test_a_launch_whose_ops_are_built_first_gets_the_build_time_on_its_limits(client: redis.Redis, work,
                                                                                tmp_path: Path) -> None:
     """Issue 21 item 1: a config with Adam (no torch_adam) has FusedAdam built before its script
-    (workers.op_prebuild, up to PREBUILD_TIMEOUT_S); that time is not the script's, so neither the
+    (workers.slot.op_prebuild, up to PREBUILD_TIMEOUT_S); that time is not the script's, so neither the
     lost-launch deadline nor Celery's hard limit may run out during it. A config with torch_adam
     builds nothing and keeps the plain limits."""
     register(client, make_slot("n0", 0), make_slot("n0", 1))
@@ -119,7 +124,7 @@ def test_a_launch_whose_ops_are_built_first_gets_the_build_time_on_its_limits(cl
 def test_a_launch_on_gpus_gets_its_waits_for_a_free_gpu_on_its_limits(client: redis.Redis, work, tmp_path: Path,
                                                                      monkeypatch) -> None:
     """Each rank on a GPU may wait AUTOTUNE_GPU_WAIT_S for others' memory to go before its script and
-    again after it (workers.rank): not the script's time, so not on its deadline either."""
+    again after it (workers.slot.rank): not the script's time, so not on its deadline either."""
     monkeypatch.setenv("AUTOTUNE_GPU_WAIT_S", "7")
     register(client, make_slot("n0", 0, "cuda", 80 * GiB, cuda_index=0))
     active(client, work, make_spec(tmp_path), exp("gpu"))
@@ -241,7 +246,7 @@ def test_only_the_free_slots_bound_what_starts(client: redis.Redis, work, tmp_pa
 
 def test_a_slot_whose_gpu_others_hold_gets_nothing_and_the_status_says_why(client: redis.Redis, work,
                                                                           tmp_path: Path) -> None:
-    """workers.slot_health: n0.gpu1's GPU holds 20 GiB of another process. A two-slot experiment
+    """workers.state.slot_health: n0.gpu1's GPU holds 20 GiB of another process. A two-slot experiment
     cannot start on n0.gpu0 + n0.gpu1: it takes gpu0 + gpu2, the next one-slot experiment must
     wait, and --status names the slot and why; once the mark is lifted, gpu1 is used again."""
     register(client, *(make_slot("n0", d, "cuda", 80 * GiB, cuda_index=d) for d in range(3)))
@@ -317,9 +322,9 @@ from scheduler.cluster.job_store import JobStore, reserve_seqs
 from scheduler.cluster.jobs import JobSpec, submit
 from scheduler.cluster.launches import QueuedLaunch
 from scheduler.search.space import Experiment
-from workers import keys
-from workers.registry import announce_slot
-from workers.slot import Slot
+from workers.state import keys
+from workers.state.registry import announce_slot
+from workers.device.slot import Slot
 
 class Work:
     started = []
@@ -394,28 +399,6 @@ def test_cancel_stops_every_running_launch_and_then_waits_for_their_clean_ups(cl
     assert load_spec(client, "j") is None
 
 
-def test_estimated_frees_at(client: redis.Redis, tmp_path: Path) -> None:
-    """A running launch frees its slots at its start plus the mean wall time of its shape (never
-    above the time limit), or at start + time limit; a slot held by anyone else: never known."""
-    spec = make_spec(tmp_path, timeout_s=100.0)
-    store = JobStore(client, "j")
-
-    def run(name: str, stage: int, mbs: int, queues: list[str], started: float) -> None:
-        store.update_running(RunningLaunch(1, exp(name, stage, mbs), ["t.py"], "att", queues, "tok",
-                                           {q: "t" for q in queues}, started, started + 200))
-    run("measured", 1, 2, ["n0.gpu0", "n0.gpu5"], 1000.0)
-    run("unmeasured", 2, 4, ["n0.gpu1"], 2000.0)
-    run("slow", 3, 8, ["n0.gpu2"], 3000.0)
-    store.add_wall("1/2", 10.0)
-    store.add_wall("1/2", 20.0)
-    store.add_wall("3/8", 500.0)
-    store.add_wall("2/2", 1.0)  # another shape's walls do not count
-    busy = {"n0.gpu0", "n0.gpu1", "n0.gpu2", "x.gpu9"}
-    assert _frees_at(client, {"j": spec}, busy, []) == {
-        "n0.gpu0": 1015.0, "n0.gpu1": 2100.0, "n0.gpu2": 3100.0, "x.gpu9": float("inf")}
-    assert _frees_at(client, {}, {"n0.gpu0"}, []) == {"n0.gpu0": float("inf")}
-
-
 def test_the_cluster_lock(client: redis.Redis) -> None:
     lock = cluster_lock(client)
     assert (lock.name, lock.timeout, lock.blocking_timeout, lock.sleep) == ("autotune:lock:dispatch", 120.0, 240.0, 0.001)
@@ -456,20 +439,6 @@ def test_a_misfit_in_its_grace_period_holds_back_nothing_else(client: redis.Redi
     assert [e["kind"] for e in events(client, "j")] == ["failed"]
 
 
-def test_a_kind_the_cluster_lacks_is_refused_with_the_kinds_it_has(client: redis.Redis, work, tmp_path: Path) -> None:
-    register(client, make_slot("n0", 0), make_slot("n0", 1))
-    active(client, work, make_spec(tmp_path, slot_kind="cuda"), exp("a"))
-    active(client, work, make_spec(tmp_path, "big"), exp("b", memory=2 * GiB))
-    dispatch(client, work)
-    assert events(client, "j") == [{"kind": "failed", "usage": True, "error":
-                                    "a was sized for CUDA slots but the cluster has only CPU slots; start CUDA slot "
-                                    "workers or run the command again to size the search for these"}]
-    assert events(client, "big") == [{"kind": "failed", "usage": True, "error":
-                                      "b needs slots with 2.0 GiB but the largest slot has 1.0 GiB; ask for at most "
-                                      "that (--min-slot-memory)"}]
-    assert work.launched == []
-
-
 def test_a_job_with_a_resource_pool_starts_only_inside_it(client: redis.Redis, work, tmp_path: Path) -> None:
     """Issue 34: a job's experiments reserve only the slots of its pool (JobSpec.allowed, the
     --hostfile/--include/--exclude of the command); another job may use the rest."""
@@ -479,17 +448,6 @@ def test_a_job_with_a_resource_pool_starts_only_inside_it(client: redis.Redis, w
     dispatch(client, work)
     assert sorted(started(work)) == [("a", ["n1.gpu0"]), ("o", ["n0.gpu0"])]
     assert state(client, "j")["head"] == "b"  # waits for its pool's slot, not for n0.gpu1, which is free
-
-
-def test_a_shape_its_pool_cannot_hold_is_refused_naming_the_pool(client: redis.Redis, work, tmp_path: Path) -> None:
-    register(client, make_slot("n0", 0), make_slot("n0", 1))
-    active(client, work, make_spec(tmp_path, allowed=["n0.gpu1"]), exp("a", gpus=2))
-    dispatch(client, work)
-    assert events(client, "j") == [{"kind": "failed", "usage": True, "error":
-                                    "within the job's resource pool (n0.gpu1): a needs 1 node(s) x 2 slot(s) but the "
-                                    "cluster has 1 node(s) with at most 1 slot(s) each; use --num_nodes 1 --num_gpus 1 "
-                                    "or fewer"}]
-    assert work.launched == []
 
 
 # ---------------------------------------------------------------- pinned jobs
@@ -548,23 +506,6 @@ def test_a_job_that_never_launched_is_refused_at_once_and_once(client: redis.Red
     assert started(work) == [("o", ["n0.gpu0"])]  # "fits" belonged to the refused job
 
 
-def test_a_job_that_launched_gets_a_grace_period(client: redis.Redis, work, tmp_path: Path) -> None:
-    register(client, make_slot("n0", 0))
-    active(client, work, make_spec(tmp_path), exp("wide", gpus=2), exp("wider", gpus=3))
-    client.hset(keys.job_state("j"), "dispatched", 1)
-    before = time.time()
-    dispatch(client, work)
-    since = float(client.hget(keys.job_state("j"), "misfit_since"))
-    assert before <= since <= time.time() and events(client, "j") == []
-    client.hset(keys.job_state("j"), "misfit_since", time.time() - REFUSE_GRACE_S + 30)
-    dispatch(client, work)
-    assert events(client, "j") == [] and client.exists(keys.job_spec("j"))
-    client.hset(keys.job_state("j"), "misfit_since", time.time() - REFUSE_GRACE_S - 1)
-    dispatch(client, work)
-    assert [e["kind"] for e in events(client, "j")] == ["failed"] and not client.exists(keys.job_spec("j"))
-    assert events(client, "j")[0]["error"].startswith("wide needs 1 node(s) x 2 slot(s)")
-
-
 def test_a_job_submitted_again_after_redis_lost_it_waits_for_its_slots_to_register(
         client: redis.Redis, work, tmp_path: Path) -> None:
     """Redis restarted without its data: the submitter submits the job again before the workers'
@@ -585,44 +526,6 @@ def test_a_shape_that_fits_again_clears_the_misfit(client: redis.Redis, work, tm
     client.hset(keys.job_state("j"), mapping={"dispatched": 1, "misfit_since": 5.0})
     dispatch(client, work)
     assert not client.hexists(keys.job_state("j"), "misfit_since") and work.launched == []
-
-
-def test_refusal_messages() -> None:
-    cpu = [make_slot("n0", 0, memory=2 * GiB), make_slot("n0", 1, memory=GiB), make_slot("n1", 0, memory=GiB)]
-    big_gpu = make_slot("g", 0, "cuda", memory=80 * GiB)
-    assert refusal(exp("e"), []) == ("no live slot workers: start them with `celery -A tasks worker -Q gpu0 "
-                                     "-n gpu0@%h` (one per device)")
-    assert refusal(exp("e"), cpu, "cuda") == (
-        "e was sized for CUDA slots but the cluster has only CPU slots; start CUDA slot workers or run the "
-        "command again to size the search for these")
-    assert refusal(exp("e"), [*cpu, big_gpu, make_slot("h", 0, "other")], "rocm").endswith(
-        "cluster has only CPU, CUDA, OTHER slots; start ROCM slot workers or run the command again to size "
-        "the search for these")
-    assert refusal(exp("e", memory=3 * GiB), [*cpu, big_gpu], "cpu") == (
-        "e needs slots with 3.0 GiB but the largest slot has 2.0 GiB; ask for at most that (--min-slot-memory)")
-    assert refusal(exp("e", nodes=2, memory=3 * GiB), [*cpu, big_gpu]) == (
-        "e needs 2 node(s) x 1 slot(s) but the cluster has 1 node(s) with at most 1 slot(s) each of 3.0 GiB; "
-        "use --num_nodes 1 --num_gpus 1 or fewer")
-    assert refusal(exp("e", nodes=3, gpus=2, memory=GiB), cpu, "cpu") == (
-        "e needs 3 node(s) x 2 slot(s) but the cluster has 2 node(s) with at most 2 slot(s) each of 1.0 GiB; "
-        "use --num_nodes 2 --num_gpus 2 or fewer")
-    assert refusal(exp("e", nodes=2, gpus=3), cpu) == (
-        "e needs 2 node(s) x 3 slot(s) but the cluster has 2 node(s) with at most 2 slot(s) each; "
-        "use --num_nodes 2 --num_gpus 2 or fewer")
-
-
-def test_refusal_names_loopback_nodes_of_a_multi_node_shape() -> None:
-    slots = [make_slot("b", 0, address="127.0.0.1"), make_slot("a", 0, address="localhost"),
-             make_slot("a", 1, address="localhost"), make_slot("c", 0), make_slot("d", 0, memory=GiB // 2)]
-    assert refusal(exp("e", nodes=2), slots) == (
-        "e spans 2 nodes but node(s) a, b advertise a loopback address their peers cannot reach (they reach Redis "
-        "over loopback); start their workers with AUTOTUNE_ADDRESS=<an address the other nodes reach>")
-    assert refusal(exp("e", nodes=3, memory=GiB), slots).startswith("e spans 3 nodes but node(s) a, b")
-    # too few nodes of the memory asked for: the shape, not the addresses, is the reason
-    assert refusal(exp("e", nodes=4, memory=GiB), slots).startswith("e needs 4 node(s) x 1 slot(s) but the cluster has 3")
-    assert refusal(exp("e", nodes=1, gpus=3), slots).startswith("e needs 1 node(s) x 3 slot(s)")
-    routable = [make_slot("c", 0), make_slot("c", 1)]
-    assert refusal(exp("e", nodes=2), routable).startswith("e needs 2 node(s) x 1 slot(s) but the cluster has 1 node(s)")
 
 
 # ---------------------------------------------------------------- the chord callback's bookkeeping
@@ -687,144 +590,23 @@ def test_a_stale_finish_frees_only_its_own_slots(client: redis.Redis, work, tmp_
     assert "a" in running(client, "j") and not client.exists(keys.job_walls("j"))
 
 
-def test_a_launch_not_started_for_a_busy_gpu_waits_again_uncounted(client: redis.Redis, work, tmp_path: Path,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """A rank found others' memory on its GPU and did not start (`gpu_busy`): the launch's slots
-    are freed, it waits again at its old place with its attempt given back, the submitter is told,
-    nothing is recorded; a second callback of the same launch is stale and changes nothing."""
+def test_a_launch_not_started_for_a_busy_gpu_frees_its_slots_and_waits_again(client: redis.Redis, work,
+                                                                              tmp_path: Path) -> None:
+    """`gpu_busy` in Redis: the launch's slots are freed and it waits again uncounted in the job's
+    Redis store (what the job's state becomes: tests/unit/test_control_decisions.py); a second
+    callback of the same launch is stale and changes nothing."""
     finish = _dispatched(client, work, tmp_path)
     assert client.hget(keys.job_attempts("j"), "a") == b"1"
-    seq = running(client, "j")["a"].seq
     busy = [{"slot": "n0.gpu1", "status": "gpu_busy", "device_foreign_bytes": 20 * GiB}]
-    with caplog.at_level(logging.WARNING, logger="scheduler.cluster.finish"):
-        assert requeue_for_busy_gpu(client, finish, busy) is True
-    assert caplog.messages == ["a not started: n0.gpu1 (20.0 GiB used by other processes); queued again"]
+    assert requeue_for_busy_gpu(client, finish, busy) is True
     assert not client.keys(keys.gang("*")) and client.hlen(keys.job_running("j")) == 0
-    assert client.hget(keys.job_attempts("j"), "a") == b"0"
-    assert json.loads(client.hget(keys.job_queue("j"), "a"))["seq"] == seq
-    assert events(client, "j") == [{"kind": "gpu_busy", "name": "a",
-                                    "slots": ["n0.gpu1 (20.0 GiB used by other processes)"]}]
-    assert client.smembers(keys.job_recorded("j")) == set() and not (tmp_path / "j").exists()
+    assert client.hget(keys.job_attempts("j"), "a") == b"0" and client.hexists(keys.job_queue("j"), "a")
+    assert len(events(client, "j")) == 1
     assert requeue_for_busy_gpu(client, finish, busy) is False
     assert client.hget(keys.job_attempts("j"), "a") == b"0" and len(events(client, "j")) == 1
 
 
-# ---------------------------------------------------------------- lost launches: why, and what then
-
-START, LEASE = 1000.0, 30.0
-
-
-def _running_launch(client: redis.Redis, work, tmp_path: Path, **changes) -> tuple:
-    """A running launch on n0.gpu0 + n0.gpu1 started at START, due at START + 200, stored in Redis."""
-    spec = make_spec(tmp_path, lease_s=LEASE, lost_grace_s=20.0)
-    submit(client, work, spec)
-    gangs = GangReservations(client)
-    token = gangs.reserve(["n0.gpu0", "n0.gpu1"], 60)
-    launch = RunningLaunch(seq=7, exp=exp("a"), argv=["t.py"], attempt="att", queues=["n0.gpu0", "n0.gpu1"],
-                           token=token, rank_tasks={"n0.gpu0": "t0", "n0.gpu1": "t1"}, started=START,
-                           deadline=START + 200, instances={"n0.gpu0": "i0", "n0.gpu1": "i1"}, **changes)
-    store = JobStore(client, "j")
-    store.update_running(launch)
-    return spec, store, gangs, launch
-
-
-LIVE = {"n0.gpu0": "i0", "n0.gpu1": "i1", "n0.gpu2": "i2"}
-
-
-def test_a_healthy_launch_is_not_lost(client: redis.Redis, work, tmp_path: Path) -> None:
-    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
-    for now in (START + 1, START + LEASE + 1, START + 200):
-        assert _why_lost(store, work, gangs, spec, launch, LIVE, now) is None
-    assert running(client, "j")["a"] == launch  # nothing rewritten
-
-
-def test_past_the_deadline_a_launch_is_lost(client: redis.Redis, work, tmp_path: Path) -> None:
-    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
-    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + 200.5) == (
-        "no record from the slot workers within the time limit plus 20s (a worker or node died, or Redis lost the task)")
-
-
-def test_a_restarted_worker_loses_the_launch(client: redis.Redis, work, tmp_path: Path) -> None:
-    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
-    live = {**LIVE, "n0.gpu1": "i1-new"}
-    assert _why_lost(store, work, gangs, spec, launch, live, START + 1) == "the worker of n0.gpu1 restarted during the run"
-    live["n0.gpu0"] = "i0-new"
-    assert _why_lost(store, work, gangs, spec, launch, live, START + 1) == (
-        "the worker of n0.gpu0, n0.gpu1 restarted during the run")
-
-
-def test_a_slot_gone_longer_than_its_heartbeats_loses_the_launch(client: redis.Redis, work, tmp_path: Path) -> None:
-    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
-    live = {"n0.gpu0": "i0"}
-    assert _why_lost(store, work, gangs, spec, launch, live, START + 5) is None
-    seen = running(client, "j")["a"]
-    assert seen.missing_since == START + 5 and seen.queues == launch.queues  # first seen gone, recorded
-    assert _why_lost(store, work, gangs, spec, seen, live, START + 5 + SLOT_GONE_S) is None
-    assert running(client, "j")["a"].missing_since == START + 5  # the first sighting is kept
-    assert _why_lost(store, work, gangs, spec, seen, live, START + 5.5 + SLOT_GONE_S) == (
-        "the worker of n0.gpu1 stopped sending heartbeats")
-    assert _why_lost(store, work, gangs, spec, seen, {}, START + 5.5 + SLOT_GONE_S) == (
-        "the worker of n0.gpu0, n0.gpu1 stopped sending heartbeats")
-    # back again: an old sighting alone loses nothing
-    assert _why_lost(store, work, gangs, spec, seen, LIVE, START + 100) is None
-
-
-def test_a_slot_gone_since_before_the_deadline_is_reported_as_the_deadline(client: redis.Redis, work,
-                                                                           tmp_path: Path) -> None:
-    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
-    why = _why_lost(store, work, gangs, spec, launch, {"n0.gpu0": "i0"}, START + 201)
-    assert why.startswith("no record from the slot workers") and running(client, "j")["a"].missing_since == START + 201
-
-
-def test_a_lapsed_lease_of_a_silent_rank_loses_the_launch(client: redis.Redis, work, tmp_path: Path) -> None:
-    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
-    client.delete(keys.gang("n0.gpu0"), keys.gang("n0.gpu1"))
-    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + LEASE) is None  # not yet a full lease
-    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + LEASE + 0.5) == (
-        "the lease of n0.gpu0, n0.gpu1 expired: its rank stopped renewing it (worker or node gone)")
-    work.reported.add("t0")  # rank 0 reported: only rank 1 is silent
-    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + LEASE + 0.5) == (
-        "the lease of n0.gpu1 expired: its rank stopped renewing it (worker or node gone)")
-    work.reported.add("t1")  # every rank reported: the record is on its way
-    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + LEASE + 0.5) is None
-
-
-def test_a_silent_rank_that_still_renews_is_not_lost(client: redis.Redis, work, tmp_path: Path) -> None:
-    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
-    client.delete(keys.gang("n0.gpu0"))  # rank 0 reported and stopped renewing; rank 1 still runs
-    work.reported.add("t0")
-    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + 100) is None
-    client.set(keys.gang("n0.gpu1"), "newer#1")  # its slot now belongs to another launch
-    assert _why_lost(store, work, gangs, spec, launch, LIVE, START + 100).startswith("the lease of n0.gpu1 expired")
-
-
-def test_a_lost_launch_with_attempts_left_waits_again(client: redis.Redis, work, tmp_path: Path,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
-    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
-    client.set(keys.gang("n0.gpu1"), "newer#1")
-    client.hset(keys.job_attempts("j"), "a", 1)
-    with caplog.at_level(logging.WARNING, logger="scheduler.cluster.sweep"):
-        assert _lose(client, work, spec, launch, "why") is False
-    assert caplog.messages == ["a lost (why); retrying, attempt 2 of 2"]
-    assert work.revoked == ["t0", "t1"]
-    assert client.keys(keys.gang("*")) == [keys.gang("n0.gpu1").encode()]  # token-checked release
-    assert client.hlen(keys.job_running("j")) == 0
-    assert json.loads(client.hget(keys.job_queue("j"), "a")) == {"seq": 7, "exp": exp("a"), "argv": ["t.py"]}
-    assert client.zrange(keys.job_queue_shape("j", "1x1:0"), 0, -1, withscores=True) == [(b"a", 7.0)]
-    assert events(client, "j") == [] and not (tmp_path / "j").exists()
-
-
-def test_a_lost_launch_out_of_attempts_is_recorded_lost(client: redis.Redis, work, tmp_path: Path) -> None:
-    spec, store, gangs, launch = _running_launch(client, work, tmp_path)
-    client.hset(keys.job_attempts("j"), "a", 2)
-    assert _lose(client, work, spec, launch, "why") is True
-    record = {"name": "a", "status": "lost", "metrics": None, "ds_config": exp("a")["ds_config"],
-              "slots": ["n0.gpu0", "n0.gpu1"], "cause": {"error": "why; gave up after 2 attempts"}}
-    assert json.loads((tmp_path / "j" / "a" / "result.json").read_text()) == record
-    assert events(client, "j") == [{"kind": "record", "record": record}]
-    assert client.hlen(keys.job_running("j")) == 0 and client.hlen(keys.job_queue("j")) == 0
-    assert client.smembers(keys.job_recorded("j")) == {b"a"} and not client.keys(keys.gang("*"))
-    assert work.revoked == ["t0", "t1"]
+# ---------------------------------------------------------------- lost launches, found by the sweep
 
 
 def test_the_attempt_cap_ends_in_lost(client: redis.Redis, work, tmp_path: Path) -> None:

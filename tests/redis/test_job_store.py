@@ -1,6 +1,7 @@
 """The job store (`scheduler.cluster.job_store`, `.dispatch_reads`) against a real redis-server:
-every operation, its atomicity where it claims one, and the shape index's promise that dispatch
-decides exactly as it would over the whole queue.
+what only the Redis store has (its keys and their TTLs, one transaction or script where it claims
+one, the shape index's promise that dispatch decides exactly as it would over the whole queue). The
+contract it shares with the in-memory twin is tests/redis/test_job_store_contract.py.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from scheduler.cluster.backfill import Waiting, backfill, strict_fifo
 from scheduler.cluster.dispatch_reads import heads
 from scheduler.cluster.job_store import JobStore, active_jobs, any_active, reserve_seqs, shown_states
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
-from workers import keys
-from workers.slot import Slot
+from workers.state import keys
+from workers.device.slot import Slot
 
 
 def queued(name: str, seq: int, nodes: int = 1, gpus: int = 1, memory: int = 0) -> QueuedLaunch:
@@ -80,32 +81,6 @@ def test_end_removes_every_key_of_the_job(client: redis.Redis) -> None:
     left = sorted(k.decode() for k in client.scan_iter(match="autotune:job:j:*"))
     assert left == [keys.job_attempts("j"), keys.job_events("j")]  # what a submitter still reads
     assert not any_active(client) and store.next_event(1) == {"kind": "done"} and store.vanished()
-
-
-def test_activate_forgets_an_earlier_life(client: redis.Redis) -> None:
-    store = JobStore(client, "j")
-    store.activate('{"v": 1}')
-    store.queue([queued("a", 1)])
-    store.publish({"kind": "old"})
-    first = store.order()
-    store.activate('{"v": 2}')
-    assert store.depth() == 0 and store.next_event(1) is None and store.order() != first
-    assert store.spec_json() == b'{"v": 2}'
-
-
-def test_state_for_status_and_refusals(client: redis.Redis) -> None:
-    store = JobStore(client, "j")
-    assert store.announce("p1") and not store.announce("p1")
-    since, dispatched = store.misfit_since(100.0)
-    assert (since, dispatched) == (100.0, False)
-    assert store.misfit_since(250.0)[0] == 100.0  # the first time it did not fit is kept
-    store.clear_misfit()
-    assert store.misfit_since(300.0)[0] == 300.0
-    assert store.walls(["0/1"]) == {} and store.next_exp_id() == 1 and store.next_exp_id() == 2
-    store.add_wall("0/1", 1.0)
-    store.add_wall("0/1", 3.0)
-    assert store.walls(["0/1", "0/2"]) == {"0/1": [1.0, 3.0]}
-    assert reserve_seqs(client, 5) + 4 == reserve_seqs(client, 1) - 1
 
 
 def _slots(nodes: int, per_node: int) -> list[Slot]:
@@ -281,17 +256,6 @@ def test_start_counts_the_attempt_first_and_marks_the_job_dispatched(client: red
     assert store.running()["a"].missing_since == 7.0
     assert store.attempts() == {"a": 1} and store.attempts_of("a") == 1 and store.attempts_of("b") == 0
     assert store.misfit_since(3.0) == (3.0, True)
-
-
-def test_finish_closes_only_the_running_attempt(client: redis.Redis) -> None:
-    store = JobStore(client, "j")
-    a = queued("a", 1)
-    launch = running(a, "first")
-    store.start(a, launch)
-    assert store.finish("a", "second") is None and store.finish("b", "first") is None
-    assert store.running_names() == {"a"} and not client.exists(keys.job_recorded("j"))
-    assert store.finish("a", "first") == launch
-    assert not client.exists(keys.job_running("j")) and client.smembers(keys.job_recorded("j")) == {b"a"}
 
 
 def test_requeue_and_give_up(client: redis.Redis) -> None:
