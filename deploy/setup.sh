@@ -76,21 +76,21 @@ sha=$(sha256sum pyproject.toml | cut -c1-64)
 wanted=$(echo "base,$extras" | tr ',' '\n' | sed "s/\$/ $sha/" | sort -u)
 have=$(grep " $sha\$" "$STAMP" 2>/dev/null | sort -u || true)
 if [ -n "$(comm -23 <(echo "$wanted") <(echo "$have"))" ] || [ ! -x .venv/bin/celery-autotune ] \
-        || ! .venv/bin/python -c "import torch, celery, scheduler" >/dev/null 2>&1; then
+        || ! .venv/bin/python -c "import celery, scheduler" >/dev/null 2>&1; then
     echo "setup: installing celery-autotune[$extras]"
     pip_install -e ".[$extras]"
+    .venv/bin/python -c "import torch, celery, scheduler" >/dev/null
     printf '%s\n' "$have" "$wanted" | grep . | sort -u > "$STAMP"
 fi
-.venv/bin/python -c "import torch, celery, scheduler" >/dev/null
 
 # DeepSpeed JIT-compiles its CPU communication op at the first init_distributed. Do it once here,
 # outside any experiment: the compiler's ~2 GB would otherwise count against a CPU slot's memory cap
 # and turn the first experiment into a false OOM. The slot workers use this same cache (the venv's
 # torch_extensions, or this machine's subfolder of it on a shared filesystem: workers.build_locks).
-if .venv/bin/python -c "import deepspeed" >/dev/null 2>&1; then
+if .venv/bin/python -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('deepspeed'))"; then
     EXTENSIONS=$(.venv/bin/python -c "from workers.build_locks import default_extensions_dir; print(default_extensions_dir())")
     if ! command -v nvidia-smi >/dev/null 2>&1 && ! ls "$EXTENSIONS"/deepspeed_shm_comm/*.so >/dev/null 2>&1; then
-        echo "setup: compiling DeepSpeed's CPU communication op (once, about 80 s)"
+        echo "setup: compiling DeepSpeed's CPU communication op (once, a few minutes)"
         DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$EXTENSIONS" .venv/bin/python -c \
             "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" \
             >/dev/null 2>&1 || echo "setup: warning: could not pre-build deepspeed_shm_comm; the first experiment will compile it" >&2
@@ -112,5 +112,5 @@ if .venv/bin/python -c "import deepspeed" >/dev/null 2>&1; then
         rm -f "$REPORT"
     fi
 fi
-torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
+torch_version=$(.venv/bin/python -c "from importlib.metadata import version; print(version('torch'))")
 echo "setup: ready (.venv with torch $torch_version and celery-autotune[$extras], redis-server $(redis-server --version | awk '{print $3}' | sed 's/^v=//'))"
