@@ -4,9 +4,9 @@ read back from the raw keys (running hash, gang keys and their TTLs, state hash,
 compared with values worked out by hand.
 
 Here: whole passes over the slot registry, the gang leases and the round trips of Redis. The
-decisions that take a job's store (why a launch is lost, its retry or give-up, a shape's refusal
-and grace, when busy slots free) are tested over the in-memory store in
-tests/unit/test_control_decisions.py."""
+decisions that take a job's store are tested over the in-memory store: a shape's refusal and grace,
+when busy slots free (tests/unit/test_dispatch_decisions.py); why a launch is lost, its retry or
+give-up, its requeue for a busy GPU (tests/unit/test_sweep_decisions.py)."""
 from __future__ import annotations
 
 import json
@@ -593,7 +593,7 @@ def test_a_stale_finish_frees_only_its_own_slots(client: redis.Redis, work, tmp_
 def test_a_launch_not_started_for_a_busy_gpu_frees_its_slots_and_waits_again(client: redis.Redis, work,
                                                                               tmp_path: Path) -> None:
     """`gpu_busy` in Redis: the launch's slots are freed and it waits again uncounted in the job's
-    Redis store (what the job's state becomes: tests/unit/test_control_decisions.py); a second
+    Redis store (what the job's state becomes: tests/unit/test_sweep_decisions.py); a second
     callback of the same launch is stale and changes nothing."""
     finish = _dispatched(client, work, tmp_path)
     assert client.hget(keys.job_attempts("j"), "a") == b"1"
