@@ -6,7 +6,7 @@ The one required input is the Redis URL, from the environment (credentials never
                          (required by workers: one without it refuses to start, exit status 2;
                          the placeholder below only lets clients import the app); rediss://
                          for TLS, with AUTOTUNE_REDIS_CA (and AUTOTUNE_REDIS_CERT/KEY for a client
-                         certificate): workers.redis_tls
+                         certificate): workers.state.redis_tls
     AUTOTUNE_VISIBILITY_TIMEOUT   seconds; must exceed the longest experiment (default 4 h)
 
 Experiments are long, expensive tasks that run one at a time per slot, so the defaults that suit
@@ -14,8 +14,8 @@ short web tasks are wrong here in several places.
 """
 import os
 
-from workers.redis_tls import TlsError, celery_options
-from workers.worker_command import CONTROL_QUEUE
+from workers.state.redis_tls import TlsError, celery_options
+from scheduler.embedded.worker_command import CONTROL_QUEUE
 
 # Only `broker_url` and `result_backend` hold the URL: Celery masks their passwords in
 # `inspect conf`, Flower and logs; any other module-level name would be shown in clear text.
@@ -25,7 +25,7 @@ result_backend = broker_url
 # TLS (rediss://): the same verified certificates for the broker and the result backend, and the
 # server's name checked against the URL's host as our own clients check it (redis_tls.celery_options). Settings
 # that cannot work leave these unset here; the worker's start check and every command refuse them
-# with one line (workers.redis_tls), never a traceback at import.
+# with one line (workers.state.redis_tls), never a traceback at import.
 try:
     broker_use_ssl = redis_backend_use_ssl = celery_options(broker_url)
 except TlsError:

@@ -27,7 +27,7 @@ import statistics
 from dataclasses import dataclass
 
 from scheduler.cluster.backfill import Policy, Waiting, backfill, reservation, strict_fifo
-from workers.slot import Slot
+from workers.device.slot import Slot
 
 SHAPES = [((1, 1), 0.5), ((1, 2), 0.3), ((2, 2), 0.2)]  #: (nodes, slots per node), share
 EPS = 1e-9

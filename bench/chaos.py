@@ -96,14 +96,14 @@ from bench.chaos_checks import (SAMPLE_S, Fault, JobRecords, Leftovers, ProcessR
 from bench.chaos_strikes import (bump, bump_candidates, read_pools, read_warm, warm_identities,  # noqa: E402
                                  warm_processes)
 from scheduler.errors import OneLineArgumentParser, UsageError, one_line  # noqa: E402
-from workers import keys  # noqa: E402
+from workers.state import keys  # noqa: E402
 from scheduler.cluster.jobs import job_id_for  # noqa: E402
-from workers.launch import group_alive  # noqa: E402
-from workers.local_cluster import CLUSTER_USER, cluster_user_rules, cold_stop, free_tcp_port, redis_config  # noqa: E402
-from workers.worker_command import worker_argv  # noqa: E402
-from workers.process_identity import owns_group, recorded_ranks  # noqa: E402
-from workers.registry import control_alive, live_slots  # noqa: E402
-from workers.shared_memory import SHM_DIR, segment_name  # noqa: E402
+from workers.process.launch import group_alive  # noqa: E402
+from scheduler.embedded.local_cluster import CLUSTER_USER, cluster_user_rules, cold_stop, free_tcp_port, redis_config  # noqa: E402
+from scheduler.embedded.worker_command import worker_argv  # noqa: E402
+from workers.process.process_identity import owns_group, recorded_ranks  # noqa: E402
+from workers.state.registry import control_alive, live_slots  # noqa: E402
+from workers.process.shared_memory import SHM_DIR, segment_name  # noqa: E402
 
 FAKE = ROOT / "tests" / "integration" / "scripts" / "fake_train.py"
 #: Every process of the cluster inherits it: the cluster's processes are found by it, never by name. Which

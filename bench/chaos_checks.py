@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from workers.process_identity import RankIdentity
+from workers.process.process_identity import RankIdentity
 
 MIN_GAP_S, MAX_GAP_S = 4.0, 14.0  #: a fault every MIN_GAP_S-MAX_GAP_S seconds
 SAMPLE_S = 0.25  #: how often the soak samples the process table
@@ -94,7 +94,7 @@ class ProcessRow:
 
 def identify(rows: Iterable[ProcessRow], jobs: Mapping[str, str]) -> dict[int, Seen]:
     """pid -> what it is, for the training processes of the soak's jobs (`jobs`: job id -> the name
-    the lines give it): each process titled as a rank of one of them (`workers.process_identity`: a
+    the lines give it): each process titled as a rank of one of them (`workers.process.process_identity`: a
     rank forked from the warm process too, whose environment and command line are the warm
     process's), and each untitled process of such a rank's group (an exec'd child), as that rank.
     The warm process itself and the workers carry no rank title: not training processes."""

@@ -8,17 +8,17 @@ would strike a stranger, or nothing, and still print a fault line. The matching 
 `warm_parents`) is pure and tested on planted records in tests/unit/test_chaos.py; the readers
 beside it only gather what it matches.
 
-- A rank task claims its task id for its pool process in Redis (`workers.rank_claim`: the PID and
+- A rank task claims its task id for its pool process in Redis (`workers.slot.rank_claim`: the PID and
   start time of the process running it), and its slot records the rank's PID (`keys.rank_process`,
-  `workers.process_identity`): the pool process of a running rank is the claimant of the task whose
+  `workers.process.process_identity`): the pool process of a running rank is the claimant of the task whose
   record names that rank, while the claimant's start time is the one claimed.
 - A rank forked from the warm process is that process's child, and the warm process is the standard
   library's forkserver (its title `autotune warm slot=...`, or before it the command line
-  `python -c from multiprocessing.forkserver import main ...`: `workers.warm_server.shows_warm`,
+  `python -c from multiprocessing.forkserver import main ...`: `workers.warm.warm_server.shows_warm`,
   docs/cluster.md); a cold rank's parent is its pool process, which shows Celery's title.
 - A bump moves the mtime of the METADATA file of a distribution that every warm process of the soak
   imported (they preload torch: the two-rank runs import it): what `pip install -U` or a reinstall
-  does to that file, and what `workers.warm_plan.code_changed` compares. The file's content stays.
+  does to that file, and what `workers.warm.warm_plan.code_changed` compares. The file's content stays.
 """
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ import psutil
 import redis
 
 from bench.chaos_checks import Seen
-from workers import keys
-from workers.process_identity import RankProcess, start_time, title_of
-from workers.warm_server import shows_warm
+from workers.state import keys
+from workers.process.process_identity import RankProcess, start_time, title_of
+from workers.warm.warm_server import shows_warm
 
 #: Modules every warm process of the soak imported (`import torch` imports the other two): the
 #: distributions a `bump_package` may touch.
 BUMP_MODULES = ("torch", "numpy", "typing_extensions")
-CLAIM_CLOCK_S = 0.01  #: a claimant's start time matches the claim within this (`workers.rank_claim`)
+CLAIM_CLOCK_S = 0.01  #: a claimant's start time matches the claim within this (`workers.slot.rank_claim`)
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def warm_identities(pids: Iterable[int]) -> dict[int, int]:
 @functools.lru_cache(maxsize=1)
 def bump_candidates() -> tuple[Bump, ...]:
     """The distributions of BUMP_MODULES installed here, each with its METADATA file, the one
-    `workers.warm_preload.code_stamp` notes (looked up once: packages_distributions reads every
+    `workers.warm.warm_preload.code_stamp` notes (looked up once: packages_distributions reads every
     distribution's metadata)."""
     owners = importlib.metadata.packages_distributions()
     found = {}

@@ -9,7 +9,7 @@ The space is DeepSpeed's fast-mode space without max_train_batch_size for the vs
 (bench/vs_deepspeed.py): per ZeRO stage (default 0 1), every micro-batch m in 1..M (default 16) with
 gas 1 and with gas M // m (DeepSpeed's rule: the stage's top size times the user's gas 1; nothing
 runs out of memory below M on this machine, so the top is M). Each config is launched L times
-(default 1) with 2 ranks by DeepSpeed's launcher, each rank through `workers.entry` (which notes when
+(default 1) with 2 ranks by DeepSpeed's launcher, each rank through `workers.in_rank.entry` (which notes when
 every optimizer step ends); a launch trains 2 warm-up steps and then W windows of 3 steps (default
 6). Per window the trace keeps the step times and two readings: the window's mean step time as
 throughput (what celery-autotune ranks by) and the last step alone (what DeepSpeed's engine metric
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.shared_memory import remove_rank_segment
-from workers.step_clock import window_seconds
+from workers.process.shared_memory import remove_rank_segment
+from workers.in_rank.step_clock import window_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -111,10 +111,10 @@ def launch(work: Path, ds_config: dict[str, Any], port: int, threads: int,
                AUTOTUNE_EXIT_REPORT=str(work / "exit{rank}.json"), OMP_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads))
     argv = [sys.executable, "-c", _MEASURE, str(VENV_BIN / "deepspeed"), "--num_gpus", str(WORLD), "--master_port",
-            str(port), "--no_local_rank", "--module", "workers.entry", *script_argv]
+            str(port), "--no_local_rank", "--module", "workers.in_rank.entry", *script_argv]
     proc = subprocess.run(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=(work / "stderr.log").open("w"),
                           text=True, check=False)
-    for rank in range(WORLD):  # DeepSpeed's CPU all-reduce never unlinks them (workers/shared_memory.py)
+    for rank in range(WORLD):  # DeepSpeed's CPU all-reduce never unlinks them (workers/process/shared_memory.py)
         remove_rank_segment("127.0.0.1", port, rank)
     report_path = work / "exit0.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}

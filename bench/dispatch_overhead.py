@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from workers.local_cluster import LocalCluster
-from workers.registry import connect
+from scheduler.embedded.local_cluster import LocalCluster
+from workers.state.registry import connect
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "integration" / "scripts" / "fake_train.py"

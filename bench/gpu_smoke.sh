@@ -17,8 +17,8 @@
 #      ~2 GB of fixed buffers dwarfing a small model's activations);
 #   4. OOMs, if any, are classed `oom` (never `crashed`) and are the larger sizes of their stage;
 #   5. every rank checked its GPU for others' memory before it started (device_wait_s; printed with the
-#      most others held, device_foreign_bytes: workers/device_idle.py, and the ranks whose GPU was not
-#      free a wait after they ended, device_foreign_after_bytes: workers/slot_health.py), and every successful
+#      most others held, device_foreign_bytes: workers/device/device_idle.py, and the ranks whose GPU was not
+#      free a wait after they ended, device_foreign_after_bytes: workers/state/slot_health.py), and every successful
 #      experiment has the engine's build peak apart from training's (peak_device_init_bytes); with 2
 #      GPUs or more, each record names its gang's slowest GPU link (gpu_link, nvidia-smi topo -m);
 #   6. cmd_optimal.txt names the winner's GPUs (--include localhost:a,b) and, run as written by
@@ -26,11 +26,11 @@
 #   7. what a real node's configs add (GPU_SMOKE_SKIP_EXTRAS=1 skips it), three short jobs of the same
 #      script: FusedAdam (no torch_adam: DeepSpeed JIT-builds it), ZeRO-2 with the optimizer offloaded
 #      to the CPU (CPUAdam), and a micro-batch far beyond any GPU's memory. Each either runs, or stops
-#      with the one-line op refusal (exit 2, workers/op_build.py) when an op cannot be built there;
+#      with the one-line op refusal (exit 2, workers/in_rank/op_build.py) when an op cannot be built there;
 #      none hangs, no probe is `crashed` but the one a refusal names, and the huge size is `oom`;
 #      and no experiment compiled an op inside itself (no "Emitting ninja build file" in a rank's
 #      stderr): the slot worker built the ops the config needs before the script
-#      (workers/op_prebuild.py; its log is op_prebuild.log).
+#      (workers/slot/op_prebuild.py; its log is op_prebuild.log).
 #      On one H200 (bench/README.md): FusedAdam refused in one line; the other two not yet run.
 # GPU_SMOKE_EXTRAS names which of the three to run (default all).
 # GPU_SMOKE_CONFIG and GPU_SMOKE_ARGS override the config and the autotuner's extra flags;

@@ -1,7 +1,7 @@
 """Hand-written mutants of the lease rules that mutmut cannot mutate: the Lua scripts in
-`workers/gang.py` (mutmut sees them as string literals, and a changed string is not a changed rule),
+`workers/state/gang.py` (mutmut sees them as string literals, and a changed string is not a changed rule),
 the retry cap in `scheduler.cluster.sweep._lose` (mutmut mutates it too, with tests/redis; kept here as
-the named rule) and the stale-message check in `workers/rank.py` (only exercised by an integration test).
+the named rule) and the stale-message check in `workers/slot/rank.py` (only exercised by an integration test).
 
 Each mutant is one exact text replacement that breaks one safety rule. For each, the repository's
 tracked files are copied to a scratch folder, the replacement is applied there (the original must
@@ -13,7 +13,7 @@ stale rank) and tests/redis (every single-threaded lease rule and the retry cap)
 
     python bench/lua_mutants.py                          # all mutants; exit 1 if any survived
     python bench/lua_mutants.py --list                   # names and what each breaks
-    python bench/lua_mutants.py --in workers/gang.py     # only the mutants of these files
+    python bench/lua_mutants.py --in workers/state/gang.py     # only the mutants of these files
 """
 from __future__ import annotations
 
@@ -42,29 +42,29 @@ class Mutant:
 
 
 MUTANTS = [
-    Mutant("reserve_ignores_held", "reserve never sees a held slot (double booking)", "workers/gang.py",
+    Mutant("reserve_ignores_held", "reserve never sees a held slot (double booking)", "workers/state/gang.py",
            "if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end",
            "if false then return 0 end"),
     Mutant("reserve_half_on_conflict", "reserve takes the free slots before seeing a held one (not all-or-nothing)",
-           "workers/gang.py",
+           "workers/state/gang.py",
            "for i = 1, #KEYS do\n  if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end\nend\n"
            "for i = 1, #KEYS do\n  redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])\nend",
            "for i = 1, #KEYS do\n  if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end\n"
            "  redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])\nend"),
     Mutant("reserve_without_lease", "reserve sets no PX expiry (a dead owner holds the slot forever)",
-           "workers/gang.py",
+           "workers/state/gang.py",
            "redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])\nend\nreturn 1",
            "redis.call('SET', KEYS[i], ARGV[1])\nend\nreturn 1"),
-    Mutant("release_without_token", "release frees slots it does not hold", "workers/gang.py",
+    Mutant("release_without_token", "release frees slots it does not hold", "workers/state/gang.py",
            "if redis.call('GET', KEYS[i]) == ARGV[1] then",
            "if redis.call('GET', KEYS[i]) then"),
-    Mutant("keep_without_token", "keep extends a slot another token holds", "workers/gang.py",
+    Mutant("keep_without_token", "keep extends a slot another token holds", "workers/state/gang.py",
            "if holder == ARGV[1] then",
            "if holder then"),
-    Mutant("keep_never_retakes", "keep never retakes a key Redis lost", "workers/gang.py",
+    Mutant("keep_never_retakes", "keep never retakes a key Redis lost", "workers/state/gang.py",
            "if not holder then\n  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])\n  return 2\nend",
            "if not holder then\n  return 0\nend"),
-    Mutant("keep_does_not_extend", "keep reports success without extending the lease", "workers/gang.py",
+    Mutant("keep_does_not_extend", "keep reports success without extending the lease", "workers/state/gang.py",
            "  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n  return 1",
            "  return 1"),
     Mutant("lose_retries_forever", "a lost launch is retried forever (the attempt cap is ignored)",
@@ -75,7 +75,7 @@ MUTANTS = [
            "scheduler/cluster/sweep.py",
            "if attempts < spec.max_attempts:",
            "if False:"),
-    Mutant("rank_runs_stale", "a redelivered rank runs although its reservation is gone", "workers/rank.py",
+    Mutant("rank_runs_stale", "a redelivered rank runs although its reservation is gone", "workers/slot/rank.py",
            "if spec.gang_token and client.get(keys.gang(slot.queue)) != spec.gang_token.encode():",
            "if False:"),
 ]
@@ -109,7 +109,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
     parser.add_argument("--in", dest="paths", nargs="+", default=[], metavar="FILE",
-                        help="only the mutants of these files (e.g. workers/gang.py)")
+                        help="only the mutants of these files (e.g. workers/state/gang.py)")
     parser.add_argument("names", nargs="*", help="only these mutants")
     args = parser.parse_args()
     chosen = [m for m in MUTANTS if (not args.names or m.name in args.names) and (not args.paths or m.path in args.paths)]

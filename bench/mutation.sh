@@ -4,7 +4,7 @@
 #                                the hand mutants of the Lua lease scripts, dispatch's retry cap and the
 #                                stale-rank check (bench/lua_mutants.py, against tests/integration/test_leases.py
 #                                and tests/redis)
-#   bench/mutation.sh scheduler/cluster/dispatch.py workers/gang.py
+#   bench/mutation.sh scheduler/cluster/dispatch.py workers/state/gang.py
 #                                only the mutants of these modules (each must be in only_mutate), and only
 #                                the hand mutants in these files; the table has their rows only
 #   bench/mutation.sh --cached   keep mutants/ from the last run (only valid if no test changed:

@@ -37,7 +37,7 @@ GiB = 2**30
 
 
 def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
-    from workers.local_cluster import free_tcp_port
+    from scheduler.embedded.local_cluster import free_tcp_port
 
     port, password = free_tcp_port(), secrets.token_hex(8)
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--requirepass", password,
@@ -54,8 +54,8 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
 
 
 def register_slots(client: redis.Redis, nodes: int, gpus: int) -> list[str]:
-    from workers.registry import announce_slot
-    from workers.slot import Slot
+    from workers.state.registry import announce_slot
+    from workers.device.slot import Slot
 
     queues = []
     pipe = client.pipeline(transaction=False)
@@ -113,8 +113,8 @@ def main() -> int:
         from scheduler.cluster.progress import advance
         from tasks import app
         from tasks.work import CeleryWork
-        from workers import keys
-        from workers.gang import GangReservations
+        from workers.state import keys
+        from workers.state.gang import GangReservations
 
         client = redis.Redis.from_url(url)
         messages = CeleryWork(app)

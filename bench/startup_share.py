@@ -8,7 +8,7 @@ result.json and prints, per experiment and as the job's median:
     start-up seconds = wall - (end_profile_step + 1) x step latency
 
 (the issue's definition: the steps the config asks for are training, everything else is not), and,
-where the records carry it (`timeline`, workers.timeline), the phases of rank 0: interpreter up,
+where the records carry it (`timeline`, workers.slot.timeline), the phases of rank 0: interpreter up,
 DeepSpeed imported, engine ready, first step, measured window, exit. The figures come from the
 records alone, so the same script reads a results folder written by older code (`--results DIR`).
 

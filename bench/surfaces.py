@@ -17,7 +17,7 @@ The model, per rank (world = ranks of one experiment, P = parameters, fp16 with 
   never sees (CUDA context, NCCL buffers). A run needing more than the capacity fails: status
   `oom`; on surfaces whose script prints the CUDA OOM traceback and exits 1 (`failure_status`
   "crashed") the rank reads that traceback from stderr, so the record is `oom` too, with
-  `oom_from: stderr` (workers.oom);
+  `oom_from: stderr` (workers.in_rank.oom);
 - the profile run (stage 3, mbs 1) reports num_params and DeepSpeed's activation_mem_per_gpu,
   which is forward-only allocated memory: `profile_activation_fraction` (0.45-0.9) of the true
   per-sample growth; on `reports_peak` surfaces every run also reports its reserved peak;

@@ -7,7 +7,7 @@ trace's config (bench/vs_deepspeed.py's: fast mode, the traced ZeRO stages, micr
 traced top, no max_train_batch_size). Every launch of a config draws one of that config's recorded
 windows at random (seeded by the replay's seed and the experiment's name, so a re-measurement draws
 its own): ours reads the window's mean step time as throughput and its step times (as
-`workers.entry` gives them), DeepSpeed reads its engine metric (the window's last step). A config
+`workers.in_rank.entry` gives them), DeepSpeed reads its engine metric (the window's last step). A config
 the trace lacks ends that replay as "untraced" (counted, never guessed).
 
 A config's true value is the mean throughput over all its recorded windows; the optimum the best

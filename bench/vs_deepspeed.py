@@ -9,7 +9,7 @@ and micro-batch bounds from the command line), both run experiments of 2 ranks o
 Printed per run: wall time of the whole command, experiments launched (total and per stage, the
 model-info profile run counted apart), failed experiments, and the config each chose. Then every
 distinct chosen config is re-measured by the same longer run (steps 4..S+1, more than either tuner
-measured; each rank run through `workers.entry`, which notes when every optimizer step ends), R times
+measured; each rank run through `workers.in_rank.entry`, which notes when every optimizer step ends), R times
 each, in round-robin order so that drift of the shared cores hits every config alike; the table gives
 the median and the range of the window's mean-step throughput, and beside it DeepSpeed's engine
 metric, which times the last step only. Each config is re-measured under two thread settings:
@@ -44,8 +44,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from workers.shared_memory import BUFFER_PREFIX, SHM_DIR
-from workers.step_clock import wall_clock_metrics, window_seconds
+from workers.process.shared_memory import BUFFER_PREFIX, SHM_DIR
+from workers.in_rank.step_clock import wall_clock_metrics, window_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
@@ -138,7 +138,7 @@ def run_ours(work: Path, config: dict[str, Any], script_args: list[str]) -> dict
 
 
 def remove_leaked_segments(since: float) -> None:
-    """DeepSpeed's CPU all-reduce never unlinks its /dev/shm segments (workers/shared_memory.py): the
+    """DeepSpeed's CPU all-reduce never unlinks its /dev/shm segments (workers/process/shared_memory.py): the
     ones this user's runs created since `since` go, or a long bench fills the machine's memory."""
     for path in SHM_DIR.glob(f"{BUFFER_PREFIX}_{os.getuid()}_*"):
         try:
@@ -162,7 +162,7 @@ def key_of(config: dict[str, Any] | None) -> str:
 def remeasure(work: Path, config: dict[str, Any], port: int, steps: int, script_args: list[str],
               threads: int | None = None) -> tuple[float, float]:
     """The chosen config trained by DeepSpeed's launcher (WORLD's ranks), each rank run through
-    `workers.entry` so that it notes when every optimizer step ended. Returns (window, engine):
+    `workers.in_rank.entry` so that it notes when every optimizer step ended. Returns (window, engine):
     throughput from the mean wall time of steps 4..steps+1 (what celery-autotune ranks by) and
     DeepSpeed's engine metric (which times the last step only). `threads` sets each rank's
     OMP_NUM_THREADS/MKL_NUM_THREADS (None: DeepSpeed's launcher leaves torch its default, every core)."""
@@ -176,7 +176,7 @@ def remeasure(work: Path, config: dict[str, Any], port: int, steps: int, script_
     (work / "ds_config.json").write_text(json.dumps(cfg))
     argv = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(WORLD["ranks"]), "--master_port", str(port),
             "--no_local_rank",
-            "--module", "workers.entry", str(SCRIPT), "--deepspeed_config", str(work / "ds_config.json"), *script_args]
+            "--module", "workers.in_rank.entry", str(SCRIPT), "--deepspeed_config", str(work / "ds_config.json"), *script_args]
     env = {**environment(), "PYTHONPATH": str(ROOT), "AUTOTUNE_EXIT_REPORT": str(work / "exit{rank}.json")}
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))

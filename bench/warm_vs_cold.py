@@ -2,10 +2,10 @@
 
 One rank of examples/train_gpt.py (the README example's script) with one config (ZeRO 1,
 micro-batch 2 by default, start/end_profile_step 1/1 as examples/cfg.json sets them), launched the
-way a slot launches it (`workers.launch.run_watched`, through `workers.warm_start` with the switch
+way a slot launches it (`workers.process.launch.run_watched`, through `workers.warm.warm_start` with the switch
 on or off), `--pairs` times each, cold and warm alternated (the order swapped every pair, so a
 trend in the machine's load falls on both). Per path it prints the mean and spread of the
-measured step latency (the profiled window, `workers.step_clock`), of the seconds from launch to
+measured step latency (the profiled window, `workers.in_rank.step_clock`), of the seconds from launch to
 engine ready and of the wall; and whether the latency means differ by more than the noise
 (twice the standard error of their difference).
 
@@ -27,15 +27,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from workers.build_locks import default_extensions_dir  # noqa: E402
-from workers.device_memory import EXIT_REPORT_ENV, read_exit_report  # noqa: E402
-from workers.launch import run_watched  # noqa: E402
-from workers.rendezvous import free_port  # noqa: E402
-from workers.step_clock import window_seconds  # noqa: E402
-from workers.timeline import rank_timeline  # noqa: E402
-from workers.warm_plan import SWITCH_ENV  # noqa: E402
-from workers.rank_start import Start  # noqa: E402
-from workers.warm_start import WARM  # noqa: E402
+from workers.slot.build_locks import default_extensions_dir  # noqa: E402
+from workers.in_rank.device_memory import EXIT_REPORT_ENV, read_exit_report  # noqa: E402
+from workers.process.launch import run_watched  # noqa: E402
+from workers.state.rendezvous import free_port  # noqa: E402
+from workers.in_rank.step_clock import window_seconds  # noqa: E402
+from workers.slot.timeline import rank_timeline  # noqa: E402
+from workers.warm.warm_plan import SWITCH_ENV  # noqa: E402
+from workers.warm.rank_start import Start  # noqa: E402
+from workers.warm.warm_start import WARM  # noqa: E402
 
 
 def one_launch(folder: Path, config: dict, warm: bool) -> dict[str, float | str]:
@@ -53,13 +53,13 @@ def one_launch(folder: Path, config: dict, warm: bool) -> dict[str, float | str]
                 "PYTHONPATH": str(ROOT), EXIT_REPORT_ENV: str(report), **({} if warm else {SWITCH_ENV: "0"})})
     script_argv = [str(ROOT / "examples" / "train_gpt.py"), "--local_rank=0", "--deepspeed_config",
                    str(folder / "ds_config.json")]
-    command = [sys.executable, "-m", "workers.entry", *script_argv]
+    command = [sys.executable, "-m", "workers.in_rank.entry", *script_argv]
     start = Start()
     result = run_watched(command, env=env, cwd=str(ROOT / "examples"), stdout_path=folder / "out.log",
                          stderr_path=folder / "err.log", timeout_s=600, memory_cap_bytes=None,
                          spawn=WARM.spawn_for(script_argv, env, "cpu", (), start))
     exit_report = read_exit_report(report)
-    WARM.learn(script_argv, exit_report.get("imported"))  # as a slot does after every rank (workers.rank)
+    WARM.learn(script_argv, exit_report.get("imported"))  # as a slot does after every rank (workers.slot.rank)
     steps = window_seconds(exit_report.get("step_ends", []), 1, 1)
     if result.exit_code != 0 or not steps or start.path != ("warm" if warm else "cold"):
         sys.exit(f"error: a {'warm' if warm else 'cold'} launch failed ({result.exit_code}, {start}): "

@@ -38,10 +38,10 @@ from deploy.redis_user import ADMIN_ENV, connected, create_cluster_user, may_rec
 from scheduler.errors import OneLineArgumentParser, UsageError
 from scheduler.launch.hostfile import read_hostfile
 from scheduler.launch.resources import ResourceRequest, resolve_resources
-from workers import keys
-from workers.redis_tls import TLS_ENV
-from workers.registry import live_slots
-from workers.warm_plan import SWITCH_ENV as WARM_SWITCH_ENV
+from workers.state import keys
+from workers.state.redis_tls import TLS_ENV
+from workers.state.registry import live_slots
+from workers.warm.warm_plan import SWITCH_ENV as WARM_SWITCH_ENV
 
 REPO = str(Path(__file__).resolve().parents[1])
 RUN_DIR = "~/.celery-autotune/run"

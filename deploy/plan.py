@@ -15,11 +15,11 @@ from typing import Any
 
 from scheduler.cluster.jobs import job_id_for
 from scheduler.errors import UsageError
-from workers import keys, redis_url
-from workers.process_identity import RankProcess
-from workers.redis_url import REDIS_URL_VARIABLE
-from workers.slot import parse_queue, slot_queue
-from workers.worker_command import control_names, slot_names
+from workers.state import keys, redis_url
+from workers.process.process_identity import RankProcess
+from workers.state.redis_url import REDIS_URL_VARIABLE
+from workers.device.slot import parse_queue, slot_queue
+from scheduler.embedded.worker_command import control_names, slot_names
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -68,7 +68,7 @@ def by_host(plans: Iterable[WorkerPlan]) -> dict[str, list[WorkerPlan]]:
 
 def check_redis_url(url: str | None, source: str = REDIS_URL_VARIABLE) -> str:
     """The cluster's Redis URL, or a UsageError naming what is wrong and how to fix it
-    (`workers.redis_url`'s rules). The policy of a cluster of hosts: no unix socket (it is one
+    (`workers.state.redis_url`'s rules). The policy of a cluster of hosts: no unix socket (it is one
     machine's), no empty password (`redis://:@host`, what an unset `$REDIS_PASSWORD` expands to,
     would connect to a Redis that has no password at all)."""
     try:
@@ -106,7 +106,7 @@ class RecordedGroup:
     queue: str
     pgid: int
     experiment: str
-    started: int | None = None  #: its leader's start time (`workers.process_identity`); None: pgid only
+    started: int | None = None  #: its leader's start time (`workers.process.process_identity`); None: pgid only
 
 
 def cleanup_scope(target: str, running: Mapping[str, Mapping[str, dict]],

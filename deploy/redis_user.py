@@ -5,7 +5,7 @@ runs whatever command a job gives it. Connected as Redis's default user, one com
 `CONFIG SET dir`/`dbfilename` (make Redis write files where it likes), `MODULE LOAD`, `DEBUG` or
 `FLUSHALL` (wipe every job). The URL's user should be able to do what Celery, kombu, Flower and this
 project need and nothing else: every key and channel, every command but Redis's `@dangerous` category
-(`workers.local_cluster.CLUSTER_USER_RULES`, the embedded cluster's own user). The README's recipe
+(`scheduler.embedded.local_cluster.CLUSTER_USER_RULES`, the embedded cluster's own user). The README's recipe
 writes that user into a new server's config; this creates it on a server that already runs.
 
 The user and its password are AUTOTUNE_REDIS_URL's (`redis://autotune:PASSWORD@host:port/0`); the
@@ -27,10 +27,10 @@ import redis
 
 from deploy.plan import check_redis_url
 from scheduler.errors import UsageError
-from workers.local_cluster import cluster_user_rules
-from workers.redis_tls import describe_tls_failure
-from workers.redis_url import masked_url
-from workers.registry import connect
+from scheduler.embedded.local_cluster import cluster_user_rules
+from workers.state.redis_tls import describe_tls_failure
+from workers.state.redis_url import masked_url
+from workers.state.registry import connect
 
 ADMIN_ENV = "AUTOTUNE_REDIS_ADMIN_URL"
 

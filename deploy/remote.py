@@ -23,9 +23,9 @@ from pathlib import Path
 import psutil
 
 from celeryconfig import worker_soft_shutdown_timeout
-from workers.launch import KILL_GRACE_S, group_runs_slot, kill_groups as kill_groups_of
-from workers.redis_tls import TLS_ENV
-from workers.worker_command import control_worker_argv, flower_argv, slot_worker_argv
+from workers.process.launch import KILL_GRACE_S, group_runs_slot, kill_groups as kill_groups_of
+from workers.state.redis_tls import TLS_ENV
+from scheduler.embedded.worker_command import control_worker_argv, flower_argv, slot_worker_argv
 
 ENV_FILE = "env.json"
 #: After SIGQUIT a slot worker gives its running experiment Celery's soft shutdown, then cancels it:
@@ -173,9 +173,9 @@ def stop(args: argparse.Namespace) -> dict[str, object]:
 
 def kill_groups(args: argparse.Namespace) -> dict[str, object]:
     """TERM each recorded group still running its slot, give it `grace` seconds, then KILL
-    (`workers.launch.kill_groups`). Each item is QUEUE=PGID[@STARTED]: with the leader's recorded
+    (`workers.process.launch.kill_groups`). Each item is QUEUE=PGID[@STARTED]: with the leader's recorded
     start time, the group is that rank only if its leader started then; without, only if a process
-    of it carries a rank title of QUEUE (`workers.process_identity.owns_group`)."""
+    of it carries a rank title of QUEUE (`workers.process.process_identity.owns_group`)."""
     targets: dict[str, int] = {}
     for item in args.groups:
         queue, _, group = item.rpartition("=")

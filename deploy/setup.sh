@@ -86,9 +86,9 @@ fi
 # DeepSpeed JIT-compiles its CPU communication op at the first init_distributed. Do it once here,
 # outside any experiment: the compiler's ~2 GB would otherwise count against a CPU slot's memory cap
 # and turn the first experiment into a false OOM. The slot workers use this same cache (the venv's
-# torch_extensions, or this machine's subfolder of it on a shared filesystem: workers.build_locks).
+# torch_extensions, or this machine's subfolder of it on a shared filesystem: workers.slot.build_locks).
 if .venv/bin/python -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('deepspeed'))"; then
-    EXTENSIONS=$(.venv/bin/python -c "from workers.build_locks import default_extensions_dir; print(default_extensions_dir())")
+    EXTENSIONS=$(.venv/bin/python -c "from workers.slot.build_locks import default_extensions_dir; print(default_extensions_dir())")
     if ! command -v nvidia-smi >/dev/null 2>&1 && ! ls "$EXTENSIONS"/deepspeed_shm_comm/*.so >/dev/null 2>&1; then
         echo "setup: compiling DeepSpeed's CPU communication op (once, a few minutes)"
         DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$EXTENSIONS" .venv/bin/python -c \
@@ -98,13 +98,13 @@ if .venv/bin/python -c "import importlib.util, sys; sys.exit(not importlib.util.
     # On a GPU node, the ops DeepSpeed's GPU runs compile most often (FusedAdam for "Adam" without
     # torch_adam, CPUAdam for an offloaded optimizer) are built here, for this node's GPUs, before any
     # tuning; a slot worker builds any other op a config needs once per node, outside the experiment's
-    # limits (workers.op_prebuild). Without nvcc they cannot build: said here, and by the job's first
+    # limits (workers.slot.op_prebuild). Without nvcc they cannot build: said here, and by the job's first
     # experiment that needs one.
     if command -v nvidia-smi >/dev/null 2>&1 && .venv/bin/python -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1 \
             && ! ls "$EXTENSIONS"/fused_adam/*.so "$EXTENSIONS"/cpu_adam/*.so >/dev/null 2>&1; then
         echo "setup: compiling DeepSpeed's FusedAdam and CPUAdam for this node's GPUs (once, a few minutes)"
         REPORT=$(mktemp)
-        TORCH_EXTENSIONS_DIR="$EXTENSIONS" .venv/bin/python -m workers.op_prebuild "$REPORT" FusedAdamBuilder CPUAdamBuilder \
+        TORCH_EXTENSIONS_DIR="$EXTENSIONS" .venv/bin/python -m workers.slot.op_prebuild "$REPORT" FusedAdamBuilder CPUAdamBuilder \
             >/dev/null 2>&1 || true
         if [ "$(cat "$REPORT" 2>/dev/null)" != "{}" ]; then
             echo "setup: warning: could not pre-build DeepSpeed's GPU ops ($(cat "$REPORT" 2>/dev/null)); an experiment that needs one builds it first (is nvcc installed?)" >&2

@@ -3,7 +3,7 @@
 It shows that the autotuner does not need DeepSpeed inside the training
 script: the script reads the experiment's DeepSpeed config (``--deepspeed_config``,
 a path or base64 JSON) and honours the settings that have a plain-torch
-equivalent, and ``workers.metrics`` writes the same metric file DeepSpeed would
+equivalent, and ``workers.in_rank.metrics`` writes the same metric file DeepSpeed would
 and exits at the same step.
 
 Mapping of DeepSpeed settings (CPU only, ``gloo`` backend):
@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 # Lets a checkout run the example without installing the package; an installed copy still wins.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from workers.metrics import (  # noqa: E402
+from workers.in_rank.metrics import (  # noqa: E402
     AutotuningMetrics,
     AutotuningSettings,
     BatchSizes,

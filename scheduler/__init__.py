@@ -1,4 +1,4 @@
-"""celery-autotune's scheduler: the commands at this level, over five packages, one concern each.
+"""celery-autotune's scheduler: the commands at this level, over six packages, one concern each.
 
     celery-autotune --autotuning tune ...   cli.py: DeepSpeed's launcher line; tunes (autotune.py) or
                                             launches (run.py)
@@ -9,6 +9,7 @@
     python -m scheduler.resources ...       resources.py: which hosts and devices a run would use
 
 Packages, lowest first (each `__init__` says more; tests/unit/test_architecture.py holds the order):
+- `embedded/`: the command's machine: the embedded cluster, every Celery worker's command line;
 - `inputs/`: what the user gives (config file, arguments, results folder);
 - `search/` (pure): the space, the memory model, DeepSpeed's search and ours, tuners, ranking;
 - `launch/` (pure but for reading a hostfile): DeepSpeed's runner: hostfile, include/exclude,

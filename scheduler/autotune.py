@@ -43,9 +43,9 @@ from scheduler.cluster.work import Work
 from scheduler.search.fast_search import search_notes
 from scheduler.search.ranking import best
 from scheduler.search.space import PROFILE, Experiment, optimal_config
-from workers.layout import CLUSTER_DIR, DS_CONFIG, OPTIMAL_FILES, PARTIAL_FILES, SUMMARY
-from workers.local_cluster import LocalCluster, LocalClusterError, cluster_client
-from workers.paths import read_json, safe_child
+from workers.files.layout import CLUSTER_DIR, DS_CONFIG, OPTIMAL_FILES, PARTIAL_FILES, SUMMARY
+from scheduler.embedded.local_cluster import LocalCluster, LocalClusterError, cluster_client
+from workers.files.paths import read_json, safe_child
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
 
@@ -277,7 +277,7 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
         if never_reported(failed):
             print(f"  the script ran but never reported {cfg.metric!r} usably: with autotuning.enabled "
                   "DeepSpeed's engine writes autotuning.metric_path; a script without DeepSpeed writes it "
-                  "with workers/metrics.py (docs/config.md, \"How the script reports\"); known only once it "
+                  "with workers/in_rank/metrics.py (docs/config.md, \"How the script reports\"); known only once it "
                   "ran: its records stay and a rerun would reuse them, so after fixing the script start "
                   "afresh with \"overwrite\": true", file=sys.stderr)
     else:

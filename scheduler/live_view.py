@@ -96,7 +96,7 @@ class LiveView:
                                markup=False, soft_wrap=True)
             left = [f"{rank.get('slot')} ({rank['device_foreign_after_bytes'] / 2**30:.1f} GiB)"
                     for rank in record.get("ranks") or [] if rank.get("device_foreign_after_bytes")]
-            if left:  # workers.slot_health: the slot is out of tuning until that memory goes
+            if left:  # workers.state.slot_health: the slot is out of tuning until that memory goes
                 self.console.print(f"  {'':<28} still used a wait after the run: {', '.join(left)}; "
                                    "out of tuning until it frees", markup=False, soft_wrap=True)
 

@@ -12,7 +12,7 @@ full mode's spaces, the training script and `arg_mappings`; then the cluster: a 
 connected to and its live slots read (a control worker must run; one still starting is waited for,
 up to AUTOTUNE_CLUSTER_WAIT_S, `wait_for_cluster`); for the embedded one, `redis-server`
 must be on PATH and its slots are predicted from the GPUs or `--slots`/`--slot-memory` exactly as its
-workers will describe them (`workers.slot.cpu_slot_memory`); the resource pool (`--hostfile`,
+workers will describe them (`workers.device.slot.cpu_slot_memory`); the resource pool (`--hostfile`,
 `--include`, `--exclude`: `scheduler.launch.pool`) must name live slots, and the job keeps to it
 (`JobSpec.allowed`); the experiment shape must fit the embedded cluster's pool;
 `--min-slot-memory` must leave a slot; last, the job spec is built and the search takes its first step,
@@ -49,11 +49,11 @@ from scheduler.launch.environment import check_numeric_variables, check_redis_ur
 from scheduler.launch.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots, read_hostfile
 from scheduler.launch.pool import PoolRequest, check_counts, select_slots
 from scheduler.search.full_space import check_full_mode
-from workers.gpus import GpuListingError, local_gpus, refuse_mig
-from workers.local_cluster import redis_server
-from workers.redis_tls import describe_tls_failure
-from workers.registry import connect, control_alive, live_slots
-from workers.slot import HOST_MEMORY_CAP_ENV, Slot, cpu_slot_memory, parse_size
+from workers.device.gpus import GpuListingError, local_gpus, refuse_mig
+from scheduler.embedded.local_cluster import redis_server
+from workers.state.redis_tls import describe_tls_failure
+from workers.state.registry import connect, control_alive, live_slots
+from workers.device.slot import HOST_MEMORY_CAP_ENV, Slot, cpu_slot_memory, parse_size
 
 RUN_TIMEOUT_S = 7 * 24 * 3600.0  #: a real training run: the limit only guards against a hang forever
 MAX_EXP_TIMEOUT_S = RUN_TIMEOUT_S  #: --exp-timeout above a week is a typo (and inf hangs the dispatcher)
@@ -209,9 +209,9 @@ def _check_shape(spec: JobSpec, slots: list[Slot]) -> None:
 
 def embedded_slots(count: int, slot_memory: str | None) -> list[Slot]:
     """The slots an embedded cluster of `count` workers will register, as they will describe themselves
-    (workers.slot.describe_local_slot): the first `count` usable GPUs, else CPU slots of `--slot-memory`
+    (workers.device.slot.describe_local_slot): the first `count` usable GPUs, else CPU slots of `--slot-memory`
     (or AUTOTUNE_SLOT_MEMORY, which its workers inherit) or RAM / count each."""
-    node = socket.gethostname()  # the embedded cluster's node name (workers.local_cluster)
+    node = socket.gethostname()  # the embedded cluster's node name (scheduler.embedded.local_cluster)
     gpus = local_gpus()
     if gpus is not None:
         return [Slot(node, i, "cuda", gpu.memory_bytes, "127.0.0.1", 1, (), cuda_index=gpu.index)

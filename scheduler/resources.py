@@ -19,11 +19,11 @@ from typing import NoReturn
 from scheduler.errors import UsageError
 from scheduler.launch.hostfile import LOCAL_HOSTNAME, local_pool, read_hostfile
 from scheduler.launch.resources import ResourceRequest, Resources, resolve_resources
-from workers.gpus import GpuListingError, local_gpus, refuse_mig
+from workers.device.gpus import GpuListingError, local_gpus, refuse_mig
 
 
 def detect_local_devices() -> tuple[int, str]:
-    """Count this machine's devices: its usable GPUs (`workers.gpus`, the same listing the slot
+    """Count this machine's devices: its usable GPUs (`workers.device.gpus`, the same listing the slot
     workers use), else CPUs; says which."""
     try:
         gpus = local_gpus()

@@ -74,11 +74,11 @@ from scheduler.launch.pdsh_launcher import private_file_exports
 from scheduler.launch.resources import ResourceRequest, Resources, resolve_resources
 from scheduler.resources import detect_local_devices
 from scheduler.search.space import Experiment
-from workers.launch import kill_group
-from workers.local_cluster import LocalCluster, LocalClusterError, cluster_client
-from workers.paths import read_json, safe_child
-from workers.registry import connect, control_alive, live_slots
-from workers.slot import slot_queue
+from workers.process.launch import kill_group
+from scheduler.embedded.local_cluster import LocalCluster, LocalClusterError, cluster_client
+from workers.files.paths import read_json, safe_child
+from workers.state.registry import connect, control_alive, live_slots
+from workers.device.slot import slot_queue
 
 RUN_NAME = "run"
 DEFAULT_TIMEOUT_S = 7 * 24 * 3600.0

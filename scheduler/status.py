@@ -1,7 +1,7 @@
 """`python -m scheduler.autotune --status`: the cluster as the scheduler sees it, for the operator.
 
 Slots (live by heartbeat) with who holds each one (or that others' memory on its GPU keeps it out
-of tuning, workers.slot_health), and every active tuning job: its current
+of tuning, workers.state.slot_health), and every active tuning job: its current
 phase, queue depth, what runs, and why its head experiment waits. Everything comes from Redis, so
 it works from any host that can reach the cluster's Redis.
 """
@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from scheduler.cluster.job_store import shown_states
-from workers.gang import GangReservations
-from workers.registry import live_slots
-from workers.slot_health import describe, unhealthy
+from workers.state.gang import GangReservations
+from workers.state.registry import live_slots
+from workers.state.slot_health import describe, unhealthy
 
 
 def collect(client: redis.Redis) -> dict[str, Any]:

@@ -10,11 +10,11 @@ raises makes Celery skip the chord body, and the experiment would never be recor
 `finish_experiment`, under the cluster lock, checks that its launch still holds the experiment
 (`scheduler.cluster.fencing`: a launch relaunched elsewhere meanwhile is not counted and writes
 nothing), shows the launch's metrics, description, command and logs under DeepSpeed's plain names
-(`workers.launch_files`: each launch writes its own), writes the record to the results folder (the
+(`workers.process.launch_files`: each launch writes its own), writes the record to the results folder (the
 durable record), then closes the launch,
 advances the job (the next phase, or the job's end) and dispatches whatever can start now (before the step when the step cannot change that:
 `scheduler.cluster.progress.advance`). A launch a rank did not start because others' memory sat on its
-GPU (`gpu_busy`, workers.slot_health) is no experiment: nothing is written, it is queued again.
+GPU (`gpu_busy`, workers.state.slot_health) is no experiment: nothing is written, it is queued again.
 `advance_job` is the same step for a job just submitted.
 
 Celery's own writes on that path are kept to what is read: a rank's result (the chord joins it, and
@@ -33,15 +33,15 @@ from celery import signals
 from tasks.app import app
 from tasks.work import CeleryWork
 from tasks.worker_hooks import task_client
-from workers import layout
-from workers.failure import Status
-from workers.gang import GangReservations
-from workers.launch_files import LaunchFiles
-from workers.layout import experiment_file
-from workers.paths import safe_child, write_json
-from workers.rank import run_rank as run_rank_body, slot_from_env
-from workers.rank_spec import RankSpec
-from workers.records import aggregate
+from workers.files import layout
+from workers.in_rank.failure import Status
+from workers.state.gang import GangReservations
+from workers.process.launch_files import LaunchFiles
+from workers.files.layout import experiment_file
+from workers.files.paths import safe_child, write_json
+from workers.slot.rank import run_rank as run_rank_body, slot_from_env
+from workers.slot.rank_spec import RankSpec
+from workers.slot.records import aggregate
 
 log = logging.getLogger(__name__)
 #: The control path's messages, sent through this app (`scheduler.cluster.work.Work`).
@@ -80,7 +80,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
         return {"name": finish.name, "status": "lost", "stale": True}  # a newer launch owns the folder
     client = task_client(app.conf)
     busy = [r for r in rank_records if r.get("status") == Status.GPU_BUSY.value]
-    if busy:  # not started beside others' memory: no record, queued again (workers.slot_health)
+    if busy:  # not started beside others' memory: no record, queued again (workers.state.slot_health)
         with cluster_lock(client):
             requeued = requeue_for_busy_gpu(client, finish, busy)
             dispatch(client, WORK)

@@ -11,7 +11,7 @@ from deploy.cleanup import clean_launch_in_background, wait_for_background_clean
 
 from scheduler.cluster.launches import FinishSpec
 from scheduler.cluster.work import RankLaunch
-from workers.worker_command import CONTROL_QUEUE
+from scheduler.embedded.worker_command import CONTROL_QUEUE
 
 
 class CeleryWork:

@@ -3,12 +3,12 @@
 `celery -A tasks worker -Q gpu0 -n gpu0@%h`: when the worker starts, the bare `gpu0` becomes this
 node's `<node>.gpu0` queue, the slot is described (GPU via nvidia-smi, else a CPU slot with a memory
 cap and thread budget) and registered in Redis with a heartbeat, which withdraws the slot while the
-worker's consumer has stopped taking its queue's messages (`workers.consumer_watch`). This happens
+worker's consumer has stopped taking its queue's messages (`workers.slot.consumer_watch`). This happens
 in the main process before the pool forks, so pool children inherit the binding through the
 environment and the worker itself never initialises CUDA. A worker on `-Q control` registers as a
 control worker and, once its pool is up, runs the sweep thread
 (`scheduler.cluster.control_loop.sweep_forever`).
-A pool process that shuts down ends its slot's warm interpreter first (`workers.warm_start`).
+A pool process that shuts down ends its slot's warm interpreter first (`workers.warm.warm_start`).
 """
 from __future__ import annotations
 
@@ -30,19 +30,19 @@ from celery import signals
 from celery.exceptions import TimeLimitExceeded
 from celery.worker import state as worker_state
 
-from workers import keys
-from workers.consumer_watch import STUCK_ENV, STUCK_S, ConsumerWatch
-from workers.cuda_binding import binding_problem, should_check, uuid_seen_by_cuda
-from workers.device_idle import seconds_setting
-from workers.gpus import GpuListingError, memory_used
-from workers.launch import group_runs_slot, kill_group
-from workers.process_identity import leftover_groups
-from workers.redis_tls import describe_tls_failure
-from workers.registry import Heartbeat, claim_gpu, connect, register_control, register_slot
-from workers.slot_health import HealthWatch
-from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
-from workers.warm_start import WARM
-from workers.worker_command import CONTROL_QUEUE
+from workers.state import keys
+from workers.slot.consumer_watch import STUCK_ENV, STUCK_S, ConsumerWatch
+from workers.device.cuda_binding import binding_problem, should_check, uuid_seen_by_cuda
+from workers.device.device_idle import seconds_setting
+from workers.device.gpus import GpuListingError, memory_used
+from workers.process.launch import group_runs_slot, kill_group
+from workers.process.process_identity import leftover_groups
+from workers.state.redis_tls import describe_tls_failure
+from workers.state.registry import Heartbeat, claim_gpu, connect, register_control, register_slot
+from workers.state.slot_health import HealthWatch
+from workers.device.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
+from workers.warm.warm_start import WARM
+from scheduler.embedded.worker_command import CONTROL_QUEUE
 
 log = logging.getLogger(__name__)
 _heartbeats: list[Heartbeat | HealthWatch] = []
@@ -74,7 +74,7 @@ def refuse_without_redis(sender: str | None = None, **_: object) -> None:
     with a wrong password would retry for minutes with a traceback: refuse at once, one line, exit 2.
     An unreachable Redis is not refused (Celery retries: Redis may be starting)."""
     from deploy.plan import check_redis_url
-    from workers.redis_url import masked_url as masked
+    from workers.state.redis_url import masked_url as masked
     from scheduler.errors import UsageError
 
     try:
@@ -163,7 +163,7 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
 
 def _holds_a_task() -> bool:
     """Whether this worker has a task in hand (received and not yet done): its queue may then hold
-    the next one without anything being wrong (`workers.consumer_watch`)."""
+    the next one without anything being wrong (`workers.slot.consumer_watch`)."""
     return bool(worker_state.active_requests or worker_state.reserved_requests)
 
 
@@ -249,7 +249,7 @@ def _kill_recorded_group(task_id: str) -> None:
 
 def kill_orphans(client: redis.Redis, queue: str) -> int:
     """Kill training groups left by an earlier worker of this slot (one that was SIGKILLed): those its
-    records name that are still those ranks (`workers.process_identity.leftover_groups`)."""
+    records name that are still those ranks (`workers.process.process_identity.leftover_groups`)."""
     groups = leftover_groups(client, queue)
     for pgid in groups:
         kill_group(pgid)

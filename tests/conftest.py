@@ -62,7 +62,7 @@ def _own_extensions_dir(config) -> None:
     the user chose stands, as it does for the tool."""
     if "TORCH_EXTENSIONS_DIR" in os.environ:
         return
-    from workers.build_locks import default_extensions_dir
+    from workers.slot.build_locks import default_extensions_dir
 
     own = Path(tempfile.mkdtemp(prefix="autotune-test-ext-"))
     prebuilt = Path(default_extensions_dir())

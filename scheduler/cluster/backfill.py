@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from scheduler.cluster.placement import in_order, place
-from workers.slot import Slot
+from workers.device.slot import Slot
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 A launch's co-runners are the launches of any job holding a slot on its nodes when it starts, and
 those starting beside it later; its record names them (`co_runners_of`), so an experiment measured
 beside others can be told from one measured alone. The holders are the gang keys' owners
-("job/experiment", workers.gang).
+("job/experiment", workers.state.gang).
 
 Why one script: at each start the owners of the busy slots beside it and their running launches
 are read in one round trip (`beside`); the updates of those launches go into the starting launch's
@@ -20,8 +20,8 @@ import redis
 
 from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.launches import FinishSpec, RunningLaunch
-from workers import keys
-from workers.slot import Slot
+from workers.state import keys
+from workers.device.slot import Slot
 
 _BESIDE = """
 -- KEYS      the gang keys of the busy slots beside a starting launch

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import redis
 
 from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
-from workers import keys
+from workers.state import keys
 
 
 _HEADS = """

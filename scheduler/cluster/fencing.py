@@ -7,11 +7,11 @@ experiment again elsewhere. Its ranks may still finish (they run on through a Re
 design), and their chord callback still comes; `finish_experiment` asks `holds_experiment` under
 the cluster lock before it writes anything, so such a launch never writes the experiment's
 result.json or metrics.json and is never recorded. Its ranks wrote only files named after their
-own launch (`workers.layout.LAUNCH_FILES`), so neither launch read the other's metrics.
+own launch (`workers.files.layout.LAUNCH_FILES`), so neither launch read the other's metrics.
 
 A launch the job does not know at all is the one case adopted without being the running launch:
 after Redis lost its data the job was submitted again, and a launch that ran on through the restart
-(its ranks took their slots back, `workers.gang.SlotLease`) answers its experiment when the job
+(its ranks took their slots back, `workers.state.gang.SlotLease`) answers its experiment when the job
 has it neither running, queued nor recorded (`progress.launches_holding_slots` made it wait).
 """
 from __future__ import annotations

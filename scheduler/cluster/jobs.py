@@ -39,10 +39,10 @@ from scheduler.errors import AutotuneError, UsageError
 from scheduler.cluster.job_store import JobStore, active_spec_jsons
 from scheduler.cluster.launches import RunningLaunch
 from scheduler.cluster.work import Work
-from workers.gang import GangReservations
-from workers.layout import RESULT
-from workers.paths import read_json, safe_child
-from workers.registry import control_alive
+from workers.state.gang import GangReservations
+from workers.files.layout import RESULT
+from workers.files.paths import read_json, safe_child
+from workers.state.registry import control_alive
 
 LEASE_S = env_number("AUTOTUNE_LEASE_S", 60.0)  #: how long a dead rank can hold its slot
 LOST_GRACE_S = env_number("AUTOTUNE_LOST_GRACE_S", 120.0)

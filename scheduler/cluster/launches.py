@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from workers.layout import METRICS
+from workers.files.layout import METRICS
 
 
 class _Json:
@@ -95,5 +95,5 @@ class FinishSpec(_Json):
     ds_config: dict[str, Any]
     timeout_s: float
     metric_file: str = METRICS
-    gpu_link: str = ""  #: the slowest link between the GPUs of one node of its gang (workers.topology)
+    gpu_link: str = ""  #: the slowest link between the GPUs of one node of its gang (workers.device.topology)
     shape: str = ""  #: "stage/micro-batch" of its experiment, whose wall times estimate the next (dispatch)

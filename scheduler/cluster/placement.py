@@ -8,7 +8,7 @@ Two rules keep a gang runnable: its slots are all of one kind (CUDA ranks use NC
 one process group cannot mix them, and a search sized for GPU memory means nothing on a CPU slot),
 and a gang spanning nodes never uses a slot whose address is loopback (its peers could not reach it),
 unless all of the gang's slots are on one machine (the same `Slot.host`). On a node, a gang's GPUs
-are taken from one NUMA node when one has enough free (`Slot.numa_node`, workers.topology): across
+are taken from one NUMA node when one has enough free (`Slot.numa_node`, workers.device.topology): across
 the sockets of a two-socket node GPUs have no PCIe peer-to-peer, and the experiment would measure
 the placement, not the config; within it, the GPUs whose slowest link is fastest (NVLink pairs
 before PCIe neighbours, `best_linked`).
@@ -22,8 +22,8 @@ from itertools import combinations
 from operator import attrgetter
 
 from scheduler.errors import ClusterError
-from workers.slot import Slot
-from workers.topology import link_rank, worst_link
+from workers.device.slot import Slot
+from workers.device.topology import link_rank, worst_link
 
 
 #: Slot kinds in the order an experiment that does not name one tries them.
@@ -90,7 +90,7 @@ MAX_LINK_CANDIDATES = 16
 
 def best_linked(candidates: list[Slot], count: int) -> list[Slot]:
     """The first `count` candidates (device order) whose slowest pairwise link (`Slot.links`,
-    workers.topology) is fastest: on a node whose GPUs are NVLinked in pairs or islands, a gang of two
+    workers.device.topology) is fastest: on a node whose GPUs are NVLinked in pairs or islands, a gang of two
     takes a linked pair rather than two GPUs that only meet over PCIe. Unknown links: the first `count`."""
     if count < 2 or len(candidates) <= count or len(candidates) > MAX_LINK_CANDIDATES \
             or not any(slot.links for slot in candidates):  # no links known: every set ties

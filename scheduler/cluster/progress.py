@@ -39,10 +39,10 @@ from scheduler.search.live_search import LiveSearches
 from scheduler.report.outputs import write_results
 from scheduler.search.phases import Phase, Search, replay
 from scheduler.search.space import PROFILE, Experiment
-from workers.gang import GangReservations
-from workers.layout import DS_CONFIG, EXP_JSON, RESULT
-from workers.paths import read_json, safe_child
-from workers.registry import live_slots
+from workers.state.gang import GangReservations
+from workers.files.layout import DS_CONFIG, EXP_JSON, RESULT
+from workers.files.paths import read_json, safe_child
+from workers.state.registry import live_slots
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def _fixed(experiments: tuple[Experiment, ...]) -> Iterator[Phase]:
 
 def launches_holding_slots(client: redis.Redis, job: str) -> set[str]:
     """The job's experiments whose ranks still hold slots (the gang keys' owners, `job/experiment`).
-    After Redis lost its data, a running launch's ranks take their leases back (workers.gang) while
+    After Redis lost its data, a running launch's ranks take their leases back (workers.state.gang) while
     the job, submitted again, has no record of the launch: queueing the experiment again would run it
     twice at once. It waits instead; its own record answers it (`scheduler.cluster.fencing` adopts
     it), or, if that never comes, its leases lapse and it is queued then. The resubmitted job queues
@@ -223,7 +223,7 @@ def record_lookup(client: redis.Redis, spec: JobSpec, recorded: set[str] | None 
         if record.get("status") == "lost" and attempts.get(exp.name, 0) < spec.max_attempts:
             return None
         if record.get("op_build_failed") and exp.name not in recorded:
-            return None  # an earlier job's: the node may build the op now (workers.op_build)
+            return None  # an earlier job's: the node may build the op now (workers.in_rank.op_build)
         return record
     return lookup
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import redis
 
 from scheduler.cluster.launches import FinishSpec
-from workers.rank_spec import RankSpec
+from workers.slot.rank_spec import RankSpec
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ signal): workers get SIGQUIT and Redis SIGTERM; and each worker notices its pare
 (AUTOTUNE_EXIT_WITH_PARENT) and kills its training groups and itself, since a cold shutdown can
 hang on the Redis that just died. So even then nothing is left running. Their PIDs
 are also in <log_dir>/pids.json. The last sweep of a stop finds training processes by the slots'
-records of their ranks and by the title each rank carries (`workers.process_identity`), never by
+records of their ranks and by the title each rank carries (`workers.process.process_identity`), never by
 an environment variable: a rank forked from a warm process shows that process's environment.
 The Redis password is random and passed on stdin, so it never appears in a process list. No path
 reaches redis-server's configuration: it runs in the log folder (its working directory, where it
@@ -35,15 +35,15 @@ from pathlib import Path
 
 import redis
 
-from workers import keys
-from workers.launch import kill_groups
-from workers.layout import PIDS, cluster_file
-from workers.paths import write_json
-from workers.process_identity import RankProcess, kill_titled, recorded_ranks
-from workers.redis_url import REDIS_URL_VARIABLE
-from workers.registry import connect, control_alive, live_slots
-from workers.slot import HOST_MEMORY_CAP_ENV
-from workers.worker_command import CONTROL_QUEUE, control_worker_argv, flower_argv, slot_names, slot_worker_argv
+from workers.state import keys
+from workers.process.launch import kill_groups
+from workers.files.layout import PIDS, cluster_file
+from workers.files.paths import write_json
+from workers.process.process_identity import RankProcess, kill_titled, recorded_ranks
+from workers.state.redis_url import REDIS_URL_VARIABLE
+from workers.state.registry import connect, control_alive, live_slots
+from workers.device.slot import HOST_MEMORY_CAP_ENV
+from scheduler.embedded.worker_command import CONTROL_QUEUE, control_worker_argv, flower_argv, slot_names, slot_worker_argv
 
 START_TIMEOUT_S = 120.0
 PR_SET_PDEATHSIG = 1
@@ -166,7 +166,7 @@ class LocalCluster:
 
     def worker_commands(self) -> list[tuple[str, list[str]]]:
         """(queue, argv) of each worker this cluster starts: one slot worker per device, then the control
-        worker, each as `workers.worker_command` builds it."""
+        worker, each as `scheduler.embedded.worker_command` builds it."""
         slots = [(slot_names(device, self.node)[0], slot_worker_argv(device, self.node)) for device in self.devices]
         return [*slots, (CONTROL_QUEUE, control_worker_argv(self.node))]
 
@@ -322,7 +322,7 @@ def _pings(client: redis.Redis) -> bool:
 
 
 def _recorded_ranks(client: redis.Redis) -> list[RankProcess]:
-    """The ranks the slots recorded as running (`workers.process_identity`); none when Redis cannot say."""
+    """The ranks the slots recorded as running (`workers.process.process_identity`); none when Redis cannot say."""
     try:
         return recorded_ranks(client)
     except redis.RedisError:

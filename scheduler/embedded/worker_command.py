@@ -1,6 +1,6 @@
 """The command line of every Celery process this project starts: a slot worker, the control worker, Flower.
 
-Why one module: a worker started by the embedded cluster (`workers.local_cluster`), by `python -m
+Why one module: a worker started by the embedded cluster (`scheduler.embedded.local_cluster`), by `python -m
 deploy` (`deploy.remote`), by a systemd unit or by the Slurm script (deploy/templates/) must behave
 alike, so each takes its flags from here. The templates are shell and unit text, written out in
 full for an operator to read; tests/unit/test_worker_command.py checks their command lines against
@@ -12,7 +12,7 @@ The flags, and why:
 - `-n`: `gpu<i>@<host>` or `control@<host>`, so a slot's node name can be read from its worker's;
 - `-c`: one process for a slot worker (a slot runs one rank at a time), two for the control worker
   (several jobs' steps and callbacks at once);
-- `--without-gossip --without-mingle`: the workers coordinate through Redis (`workers.keys`), never
+- `--without-gossip --without-mingle`: the workers coordinate through Redis (`workers.state.keys`), never
   with each other, so none listens to its peers' events (Flower still receives them) or asks every
   peer for its state at start-up;
 - `-l INFO`: what the logs the tool points users to need.

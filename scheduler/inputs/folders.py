@@ -6,7 +6,7 @@ overwrite empties a folder only when
 
 - it carries the marker (or is empty),
 - it is not `/`, the home folder, the working folder, the config's folder, nor one of their parents,
-- every entry in it is something this tool writes, as `workers.layout` lists it (the one list the
+- every entry in it is something this tool writes, as `workers.files.layout` lists it (the one list the
   writers take their file names from, so the guard cannot fall behind them): the outputs,
   experiment folders holding only experiment files, the embedded cluster's logs, experiment
   descriptions, and the temporary files of atomic writes an interrupted run leaves; one foreign
@@ -26,9 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scheduler.errors import ConfigError
-from workers import layout
+from workers.files import layout
 
-#: Re-exported: what `workers.layout` says this tool writes (tests and callers use these names).
+#: Re-exported: what `workers.files.layout` says this tool writes (tests and callers use these names).
 MARKER = layout.MARKER
 RESULT_FILES = layout.RESULT_FILES
 _EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]{0,199}")

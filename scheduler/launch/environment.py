@@ -46,8 +46,8 @@ import shlex
 from collections.abc import Callable, Iterable, Mapping
 
 from scheduler.errors import UsageError
-from workers import redis_url
-from workers.redis_url import REDIS_URL_VARIABLE
+from workers.state import redis_url
+from workers.state.redis_url import REDIS_URL_VARIABLE
 
 EXPORT_PREFIXES: tuple[str, ...] = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 """Name prefixes of the variables copied from the launching environment to every node."""
@@ -216,7 +216,7 @@ NUMERIC_VARIABLES: Mapping[str, tuple[float, float, bool]] = {
 
 
 def check_redis_url(url: str, name: str = REDIS_URL_VARIABLE) -> str:
-    """`url` if the commands can use it (`workers.redis_url`'s rules; a unix socket allowed: a Redis on
+    """`url` if the commands can use it (`workers.state.redis_url`'s rules; a unix socket allowed: a Redis on
     this machine); otherwise a UsageError naming the variable, with the password masked."""
     try:
         return redis_url.check_redis_url(url, name, hint="or unset it for an embedded cluster")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from scheduler.errors import ClusterError, ResourceFilterError
 from scheduler.launch.hostfile import LOCAL_HOSTNAME
 from scheduler.launch.resources import filter_devices
-from workers.slot import Slot, slot_queue
+from workers.device.slot import Slot, slot_queue
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"  #: MLflow's own switch: set, the comma
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"  #: MLflow's own: the experiment our runs go into
 DEFAULT_EXPERIMENT = "celery-autotune"
 #: The record's figures logged as metrics beside the script's own (throughput, latency, FLOPS_per_gpu):
-#: what the experiment cost and the peaks its busiest rank reached (`workers.records.aggregate`).
+#: what the experiment cost and the peaks its busiest rank reached (`workers.slot.records.aggregate`).
 RECORD_METRICS = ("wall_s", "peak_rss_bytes", "peak_device_bytes", "peak_device_allocated_bytes",
                   "device_total_bytes", "device_alloc_retries")
 MAX_VALUE_CHARS = 500  #: MLflow 2.10's limit for a param value (later versions allow more)

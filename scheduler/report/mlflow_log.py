@@ -10,7 +10,7 @@ logged yet (measured while no command watched, reused from an earlier run, misse
 was down), tags the winner, and uploads summary.txt, ds_config_optimal.json, cmd_optimal.txt and
 the plots to the parent run.
 
-What was logged is kept in the results folder (`workers.layout.MLFLOW_RUN`: the server, the parent
+What was logged is kept in the results folder (`workers.files.layout.MLFLOW_RUN`: the server, the parent
 run, each experiment's child run and the record it logged), so running the same command again (a
 resumed job) continues the same parent run and logs only what it lacks. Another config in the same
 folder is another job with a parent of its own; `"overwrite": true` empties the folder, and so
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.report import mlflow_fields as fields
-from workers.layout import MLFLOW_RUN, OPTIMAL_FILES, RESULTS_CSV, SUMMARY, TIMELINE_PLOT, TUNING_PLOT, result_file
-from workers.paths import read_json, write_json
+from workers.files.layout import MLFLOW_RUN, OPTIMAL_FILES, RESULTS_CSV, SUMMARY, TIMELINE_PLOT, TUNING_PLOT, result_file
+from workers.files.paths import read_json, write_json
 
 #: The parent run's artifacts, those of them that exist when the job ends.
 ARTIFACTS = (SUMMARY, *OPTIMAL_FILES, TUNING_PLOT, TIMELINE_PLOT, RESULTS_CSV)

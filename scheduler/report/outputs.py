@@ -24,7 +24,7 @@ best measured config is written as ds_config_best_partial.json / cmd_best_partia
 the "optimal" names. It draws no plots (and removes an earlier run's): matplotlib's import and
 drawing took most of a Ctrl-C's 10-20 s on a busy machine; the run that finishes the search draws them.
 
-Every name above is taken from `workers.layout` (`result_file` refuses one it does not list), the
+Every name above is taken from `workers.files.layout` (`result_file` refuses one it does not list), the
 list `"overwrite": true` checks a folder against: a file written here that it did not know would
 make overwrite refuse the folder this module just filled.
 """
@@ -52,10 +52,10 @@ from scheduler.report.model_fit import fit_text, write_fit_plot
 from scheduler.report.startup import startup_text
 from scheduler.search.fit_check import fit_checks
 from scheduler.search.space import PROFILE, Experiment, optimal_config
-from workers.failure import Status
-from workers.layout import (MODEL_PLOT, OPTIMAL_FILES, PARTIAL_FILES, RESULTS_CSV, RESULTS_JSONL, SUMMARY,
+from workers.in_rank.failure import Status
+from workers.files.layout import (MODEL_PLOT, OPTIMAL_FILES, PARTIAL_FILES, RESULTS_CSV, RESULTS_JSONL, SUMMARY,
                             TIMELINE_PLOT, TUNING_PLOT, result_file)
-from workers.paths import safe_child, write_atomic, write_json
+from workers.files.paths import safe_child, write_atomic, write_json
 
 #: The classes an experiment's record can have (`gpu_busy` is a rank's "not started": never recorded).
 FAILURE_CLASSES = [s.value for s in Status if s not in (Status.OK, Status.GPU_BUSY)]
@@ -213,7 +213,7 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
     winner was measured with them, and DeepSpeed's launcher otherwise leaves every rank's torch
     all cores (on a 2-core machine that made ZeRO-0 2-3x slower than tuned; CPU offload's Adam
     depends on them on GPU nodes too). A multi-node CUDA winner also gets the NCCL_SOCKET_IFNAME its
-    ranks ran with (one interface name on every node; `workers.rank` sets it across nodes only). Over
+    ranks ran with (one interface name on every node; `workers.slot.rank` sets it across nodes only). Over
     pdsh DeepSpeed's runner forwards only some variables to other nodes, so a multi-node launch needs
     them in `.deepspeed_env` as well (docs/gpus.md, on `cmd_optimal.txt`).
     """

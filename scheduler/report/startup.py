@@ -1,19 +1,19 @@
 """How much of a job's experiments was start-up rather than measurement: the summary's line.
 
 Why: a launch is what a user pays for, and most of it can be start-up rather than measurement. Every
-rank's record carries its phases (`workers.timeline`); this reads the job's records and gives the
+rank's record carries its phases (`workers.slot.timeline`); this reads the job's records and gives the
 median share of an experiment's wall that the steps its config asks for do not explain
-(`workers.timeline.startup_share`), the median seconds from launch to engine ready (the slowest rank
+(`workers.slot.timeline.startup_share`), the median seconds from launch to engine ready (the slowest rank
 of each experiment: the gang trains only when all are ready) and how many launches ran warm
-(`workers.warm_start`). Pure: no I/O, tested directly.
+(`workers.warm.warm_start`). Pure: no I/O, tested directly.
 """
 from __future__ import annotations
 
 import statistics
 from typing import Any, Mapping
 
-from workers.metrics import AutotuningSettings
-from workers.timeline import startup_seconds, startup_share
+from workers.in_rank.metrics import AutotuningSettings
+from workers.slot.timeline import startup_seconds, startup_share
 
 
 def startup_summary(records: list[Mapping[str, Any]]) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 from scheduler.inputs.config import TuningConfig
 from scheduler.errors import ConfigError
 from scheduler.search.space import Experiment, experiment_config
-from workers.paths import is_safe_name
+from workers.files.paths import is_safe_name
 
 ZERO = "zero_optimization"
 MBS = "train_micro_batch_size_per_gpu"

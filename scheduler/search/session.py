@@ -26,7 +26,7 @@ from scheduler.search.memory_facts import SharedFacts, predict_max_micro_batch_s
 from scheduler.search.phases import Phase
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.space import PROFILE, Experiment, experiment_config, experiment_name, profile_name, strategy_of
-from workers.layout import MODEL_INFO
+from workers.files.layout import MODEL_INFO
 
 Step = Generator[Phase, dict[str, dict], Any]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from scheduler.inputs.arguments import STRATEGY_KEY
 from scheduler.inputs.memory_strategies import MEMORY_STRATEGIES
-from workers.layout import METRICS
+from workers.files.layout import METRICS
 
 
 #: Our own keys in the autotuning section; DeepSpeed's engine must not see them.
@@ -40,7 +40,7 @@ class Experiment:
     num_nodes: int = 1
     num_gpus: int = 1
     tuning_space: str = ""  #: full mode: DeepSpeed's space name (e.g. z1_rbs_abs_tmbspg)
-    metric_file: str = METRICS  #: what rank 0 writes: model_info.json for the profile run (workers.layout)
+    metric_file: str = METRICS  #: what rank 0 writes: model_info.json for the profile run (workers.files.layout)
     min_memory: int = 0  #: bytes every slot it runs on must offer (heterogeneous clusters)
     #: run with its nodes otherwise idle (the finalists' re-measurements: `scheduler.cluster.dispatch`)
     exclusive: bool = False

@@ -16,9 +16,9 @@ import redis
 
 from deploy.redis_user import create_cluster_user
 from integration_helpers import ROOT, processes_with_marker, stop_group, wait_for
-from workers.local_cluster import free_tcp_port
-from workers.worker_command import worker_argv
-from workers.registry import control_alive, live_slots
+from scheduler.embedded.local_cluster import free_tcp_port
+from scheduler.embedded.worker_command import worker_argv
+from workers.state.registry import control_alive, live_slots
 
 # Every process the tests start inherits this: where setproctitle is installed (mutmut pulls it in),
 # Celery retitles its workers and, without SPT_NOENV, overwrites /proc/<pid>/environ, where the tests

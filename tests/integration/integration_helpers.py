@@ -64,7 +64,7 @@ def processes_with_marker(marker: str) -> list[psutil.Process]:
 def outside_workers(found: list[psutil.Process]) -> list[psutil.Process]:
     """Those of `found` (a test's processes) that are not a Celery worker's own: each worker leads a
     session (the tests start it so), where its pool process, its warm interpreter and
-    multiprocessing's resource tracker stay while it lives (workers.warm_start); every rank, warm or
+    multiprocessing's resource tracker stay while it lives (workers.warm.warm_start); every rank, warm or
     cold, leads a session of its own. A process gone meanwhile counts as outside (callers wait)."""
     workers = set()
     for proc in found:

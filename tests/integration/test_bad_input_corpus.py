@@ -22,7 +22,7 @@ import redis
 from integration_helpers import ROOT, SCRIPTS, processes_with_marker, wait_for
 from scheduler.inputs.folders import MARKER
 from tests.unit.test_op_prebuild import failing_compiler
-from workers.local_cluster import free_tcp_port, redis_config
+from scheduler.embedded.local_cluster import free_tcp_port, redis_config
 
 pytestmark = pytest.mark.integration
 
@@ -273,7 +273,7 @@ def test_an_op_that_cannot_be_built_stops_the_job_at_its_first_experiment(tmp_pa
 def test_an_op_the_config_names_is_built_before_the_script_and_a_failed_build_is_only_advice(tmp_path):
     """Issue 21 item 1, ops built once per node before tuning: the config's Adam (without torch_adam)
     makes DeepSpeed load FusedAdam, so the slot worker builds it before the script starts, outside the
-    slot's memory cap and time limit (workers.op_prebuild). Here the node's compiler fails every
+    slot's memory cap and time limit (workers.slot.op_prebuild). Here the node's compiler fails every
     compile (as FusedAdam's fails without the CUDA toolkit), but this script hands DeepSpeed no such optimizer
     (as a script passing its own optimizer to deepspeed.initialize does): the build's failure is
     kept in each rank's record and its log, the ranks of each 2-rank experiment start the script

@@ -38,7 +38,7 @@ SMOKE = [
      [r"EASY backfill \(ours\)", r"backfill / FIFO", r"over 2 seeds \(backfill / FIFO\)"]),
     (["bench/dispatch_overhead.py", "--experiments", "4", "--slots", "1", "--round-trips", "3"],
      [r"4 trivial experiments on 1 slots in \d", r"median gap / median bare round trip: \d"]),
-    (["bench/lua_mutants.py", "--list"], [r"\S+\s+workers/gang\.py\s+\S"]),
+    (["bench/lua_mutants.py", "--list"], [r"\S+\s+workers/state/gang\.py\s+\S"]),
 ]
 
 HEAVY = [

@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 
 from integration_helpers import ROOT, SCRIPTS, processes_with_marker, stop_group, wait_for, write_config
-from workers.worker_command import worker_argv
+from scheduler.embedded.worker_command import worker_argv
 
 CLI = [sys.executable, "-m", "scheduler.cli"]
 

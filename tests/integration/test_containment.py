@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from workers.launch import run_watched
+from workers.process.launch import run_watched
 
 ESCAPER = '''
 import os, sys, time

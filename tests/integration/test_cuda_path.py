@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from integration_helpers import ROOT, SCRIPTS, run_autotune, stop_group, wait_for, write_config
-from workers.worker_command import worker_argv
+from scheduler.embedded.worker_command import worker_argv
 
 pytestmark = pytest.mark.integration
 FAKE_GPU_DIR = ROOT / "tests" / "fake_gpu"
@@ -26,7 +26,7 @@ GiB = 2**30
 
 def gpu_env(**extra: str) -> dict[str, str]:
     """A machine with three 16 GiB GPUs as far as every process we start can tell (CUDA is not asked
-    which GPU it opens: on a machine with real GPUs it would open a real one, workers.cuda_binding)."""
+    which GPU it opens: on a machine with real GPUs it would open a real one, workers.device.cuda_binding)."""
     return {"PATH": f"{FAKE_GPU_DIR}{os.pathsep}{os.environ['PATH']}", "AUTOTUNE_CUDA_BINDING_CHECK": "off", **extra}
 
 
@@ -38,7 +38,7 @@ def probe_config(path: Path, sizes: list[int]) -> Path:
 
 
 def test_three_fake_gpus_give_three_cuda_slots_and_each_rank_its_own_device(tmp_path: Path) -> None:
-    """Also (workers.slot_health, issue 21 items 9 and 10): another process holds 20 GiB of GPU 2
+    """Also (workers.state.slot_health, issue 21 items 9 and 10): another process holds 20 GiB of GPU 2
     at the start. The first launch's rank 2 waits AUTOTUNE_GPU_WAIT_S for it, does not start, and
     the launch is queued again with GPU 2's slot out of tuning; the autotuner says so, the test
     then frees GPU 2, and the launch runs once the slot's worker has read it free: no record

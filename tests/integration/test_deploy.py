@@ -25,10 +25,10 @@ import redis
 from integration_helpers import ROOT, wait_for
 from sshd import start_sshd
 from scheduler.cluster.launches import RunningLaunch
-from workers import keys
-from workers.local_cluster import free_tcp_port
-from workers.process_identity import RankIdentity, record_rank, start_time
-from workers.registry import live_slots
+from workers.state import keys
+from scheduler.embedded.local_cluster import free_tcp_port
+from workers.process.process_identity import RankIdentity, record_rank, start_time
+from workers.state.registry import live_slots
 
 pytestmark = pytest.mark.integration
 
@@ -139,7 +139,7 @@ def test_up_status_cleanup_down(hosts):
             seq=1, exp={"name": "z1_mbs2"}, argv=[], attempt="a", queues=["nodeB.gpu0", "nodeA.gpu1"],
             token="tok", rank_tasks={"nodeB.gpu0": "t-rank", "nodeA.gpu1": "t-stranger"},
             started=0.0, deadline=0.0).to_json()))
-        # As a slot records its rank (workers.process_identity): the rank's record holds its start;
+        # As a slot records its rank (workers.process.process_identity): the rank's record holds its start;
         # the stranger's bare pgid names a group that no rank title of that slot is in.
         client.set(keys.pgid("nodeB.gpu0", "t-rank"), rank.pid)
         record_rank(client, "t-rank", RankIdentity("nodeB.gpu0", "deployjob", "z1_mbs2", 0, 2, "a"), rank.pid, 600)

@@ -43,9 +43,9 @@ from integration_helpers import ROOT, SCRIPTS, stop_group, wait_for, write_confi
 from netns import (Host, NamespacesUnavailable, create_two_hosts, delete_hosts, init_of, namespace_exists,
                    on_host, own_processes, processes_of)
 from sshd import TestSshd, start_sshd
-from workers import keys
-from workers.process_identity import RankIdentity
-from workers.warm_plan import SWITCH_ENV
+from workers.state import keys
+from workers.process.process_identity import RankIdentity
+from workers.warm.warm_plan import SWITCH_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +62,7 @@ STUBBORN_GROUP = r"""
 import os, signal, subprocess, sys, time
 import setproctitle
 os.setsid()
-setproctitle.setproctitle(os.environ["STUBBORN_TITLE"])  # as a rank titles itself (workers.process_identity)
+setproctitle.setproctitle(os.environ["STUBBORN_TITLE"])  # as a rank titles itself (workers.process.process_identity)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 child = subprocess.Popen(["sleep", "600"])
 print(os.getpid(), flush=True)

@@ -99,8 +99,8 @@ def test_the_cluster_user_cannot_take_over_redis(tmp_path):
     default user is off. Every other embedded-cluster test runs its jobs as this user."""
     import redis
 
-    from workers.local_cluster import CLUSTER_USER, LocalCluster
-    from workers.registry import connect, live_slots
+    from scheduler.embedded.local_cluster import CLUSTER_USER, LocalCluster
+    from workers.state.registry import connect, live_slots
 
     with LocalCluster(1, tmp_path / "cluster") as cluster:
         assert cluster.url.startswith(f"redis://{CLUSTER_USER}:")
@@ -128,11 +128,11 @@ def test_stop_kills_every_worker_and_a_rank_recorded_as_running(tmp_path, settle
     shutdown to wait for); after an interrupt, or with a rank recorded as running, it shuts them
     down cold. Either way the recorded rank group (one that ignores SIGTERM) and every process of the
     cluster are gone when stop returns."""
-    from workers import keys
-    from workers.local_cluster import LocalCluster
-    from workers.registry import connect
+    from workers.state import keys
+    from scheduler.embedded.local_cluster import LocalCluster
+    from workers.state.registry import connect
 
-    from workers.process_identity import RankIdentity, record_rank
+    from workers.process.process_identity import RankIdentity, record_rank
 
     cluster = LocalCluster(1, tmp_path / "cluster")
     cluster.start()

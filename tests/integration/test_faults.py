@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from integration_helpers import ROOT, processes_with_marker, wait_for, write_config
-from workers import keys
-from workers.local_cluster import cold_stop, free_tcp_port
-from workers.worker_command import worker_argv
-from workers.registry import control_alive, live_slots
+from workers.state import keys
+from scheduler.embedded.local_cluster import cold_stop, free_tcp_port
+from scheduler.embedded.worker_command import worker_argv
+from workers.state.registry import control_alive, live_slots
 
 pytestmark = pytest.mark.integration
 
@@ -176,7 +176,7 @@ def test_a_slot_whose_worker_stopped_consuming_is_withdrawn_and_its_experiment_r
 def test_a_pool_process_killed_mid_rank_leaves_one_training_group_and_no_busy_slot(cluster, tmp_path):
     """The OOM killer's way: the pool process running a rank dies with SIGKILL, its worker lives on.
     Celery puts the message back without any failure signal; the redelivery kills the training group
-    left behind before anything else and answers `lost` (workers.rank_claim), so the launch runs again
+    left behind before anything else and answers `lost` (workers.slot.rank_claim), so the launch runs again
     with one training group at a time, and no slot stays reserved."""
     import psutil
 

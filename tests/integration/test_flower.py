@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from integration_helpers import run_autotune, wait_for, write_config
-from workers.local_cluster import LocalCluster, free_tcp_port
+from scheduler.embedded.local_cluster import LocalCluster, free_tcp_port
 
 pytestmark = pytest.mark.integration
 

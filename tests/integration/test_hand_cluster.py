@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from integration_helpers import SCRIPTS, outside_workers, processes_with_marker, run_autotune, wait_for, write_config
-from workers import keys
+from workers.state import keys
 
 pytestmark = pytest.mark.integration
 

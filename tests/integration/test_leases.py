@@ -1,6 +1,6 @@
 """The gang reservation under contention, and a stale redelivered rank, against a real redis-server.
 
-No Celery here. Every single-threaded lease rule of the Lua scripts (`workers.gang`) and the retry
+No Celery here. Every single-threaded lease rule of the Lua scripts (`workers.state.gang`) and the retry
 cap of the control worker's sweep (`scheduler.cluster.sweep`) are in tests/redis/test_gang.py and
 tests/redis/test_dispatch.py, which mutmut runs too. Each test uses its own Redis database, emptied first.
 """
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from workers.gang import GangReservations
-from workers.rank import run_rank
-from workers.rank_spec import RankSpec
-from workers.slot import Slot
+from workers.state.gang import GangReservations
+from workers.slot.rank import run_rank
+from workers.slot.rank_spec import RankSpec
+from workers.device.slot import Slot
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from integration_helpers import run_autotune, stop_group, wait_for, write_config
-from workers import keys
-from workers.local_cluster import free_tcp_port
+from workers.state import keys
+from scheduler.embedded.local_cluster import free_tcp_port
 
 pytestmark = pytest.mark.integration
 

@@ -2,7 +2,7 @@
 Celery workers and real rank processes (tests/integration/scripts/fake_train.py, which with
 --quiet-folder writes nothing into its experiment folder but the metrics, as a real script) leave
 a finished or an interrupted run behind; the next run with overwrite starts afresh, and a file the
-user put there is still refused and kept. Every file the run wrote must be one `workers.layout`
+user put there is still refused and kept. Every file the run wrote must be one `workers.files.layout`
 lists, or the second run would be refused (it was: results.csv, timeline.png, *_best_partial*).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from integration_helpers import run_autotune, stop_group, wait_for, write_config
-from workers import layout
+from workers.files import layout
 
 pytestmark = pytest.mark.integration
 ARGS = ["--slots", "2", "--num_gpus", "1", "--slot-memory", "1GiB", "--exp-timeout", "120"]

@@ -8,7 +8,7 @@ cut-off launch is stopped or has finished, and the relaunch is the launch counte
 are the experiment's (rank 0 writes its MASTER address into them, so a metrics file read across
 launches shows the other launch's master), each experiment has one record, and no slot stays
 reserved. The cut-off launch writes its metrics while the cut lasts and the relaunch runs (each
-launch under its own file names, `workers.layout.LAUNCH_FILES`), and its record reaches the
+launch under its own file names, `workers.files.layout.LAUNCH_FILES`), and its record reaches the
 control worker once the link is back, where the fence (`scheduler.cluster.fencing`) keeps it out.
 Slow (about a minute): a cluster of its own, a lease to lapse and a relaunch to finish.
 """
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 #: The cut lasts 2 x LEASE_S from about 1 s into both runs; the relaunch starts on node 1 about
 #: LEASE_S + 2 s in and runs NODE1_S, so the cut-off launch writes its metrics (NODE2_S) while both run.
 NODE1_S, NODE2_S = 12.0, 22.0
-#: Longer than a registration lives unrenewed (`workers.registry.TTL_S` + HEARTBEAT_S), as by default:
+#: Longer than a registration lives unrenewed (`workers.state.registry.TTL_S` + HEARTBEAT_S), as by default:
 #: the cut-off slot has left the cluster's view when its launch is taken back, so the relaunch goes to node 1.
 LEASE_S = 15.0
 

@@ -1,5 +1,5 @@
-"""A rank forked from a real warm process (`workers.warm_start`) through `workers.launch.run_watched`
-names itself in `ps` (`workers.process_identity`): its title names its slot, job, experiment, rank and
+"""A rank forked from a real warm process (`workers.warm.warm_start`) through `workers.process.launch.run_watched`
+names itself in `ps` (`workers.process.process_identity`): its title names its slot, job, experiment, rank and
 launch, though its /proc environ is the warm process's; the slot's group check knows it by that title;
 and what it forked that left its group is stopped with it."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import psutil
 
-from workers.launch import group_runs_slot, run_watched
-from workers.process_identity import RankIdentity
-from workers.warm_plan import SWITCH_ENV
-from workers.rank_start import Start
-from workers.warm_start import WarmStarts
+from workers.process.launch import group_runs_slot, run_watched
+from workers.process.process_identity import RankIdentity
+from workers.warm.warm_plan import SWITCH_ENV
+from workers.warm.rank_start import Start
+from workers.warm.warm_start import WarmStarts
 
 from tests.integration.test_warm_start import warm  # noqa: F401  (the warm-process fixture, shared)
 
@@ -39,7 +39,7 @@ def test_a_warm_forked_rank_names_itself_and_its_escaped_child_is_stopped(warm: 
     env.update({"PYTHONPATH": f"{ROOT}:{tmp_path / 'site'}", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "AUTOTUNE_SLOT": IDENTITY.slot, "CUDA_VISIBLE_DEVICES": "", "RANK": "0", "DS_ACCELERATOR": "cpu",
                 SWITCH_ENV: "1"})
-    command = [sys.executable, "-m", "workers.entry", str(script), "4"]
+    command = [sys.executable, "-m", "workers.in_rank.entry", str(script), "4"]
     start, seen, pids = Start(), {}, []
 
     def look() -> bool:  # while it runs, as `ps` and the slot's checks see it

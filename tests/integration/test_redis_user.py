@@ -17,7 +17,7 @@ import redis
 
 from deploy.redis_user import may_reconfigure
 from integration_helpers import ROOT, wait_for
-from workers.local_cluster import free_tcp_port
+from scheduler.embedded.local_cluster import free_tcp_port
 
 pytestmark = pytest.mark.integration
 

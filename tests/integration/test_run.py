@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from integration_helpers import processes_with_marker, wait_for
-from workers import keys
+from workers.state import keys
 
 pytestmark = pytest.mark.integration
 

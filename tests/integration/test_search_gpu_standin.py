@@ -44,14 +44,14 @@ def tune(tmp_path: Path, surface: Surface, oom: str) -> list[dict]:
     fields = {f.name: getattr(surface, f.name) for f in dataclasses.fields(surface) if f.name != "knobs"}
     config = user_config(surface)
     # The stand-in never runs DeepSpeed: without torch's Adam a CUDA slot would first build FusedAdam
-    # for it (workers.op_prebuild, minutes of compiling on 2 cores, tested in test_bad_input_corpus).
+    # for it (workers.slot.op_prebuild, minutes of compiling on 2 cores, tested in test_bad_input_corpus).
     config["optimizer"]["params"]["torch_adam"] = True
     config["autotuning"].update(metric="throughput", user_script=str(SCRIPTS / "gpu_surface_standin.py"),
                                 user_args=["--surface", json.dumps(fields), "--oom", oom])
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(config))
     env = {"PATH": f"{FAKE_GPU_DIR}{os.pathsep}{os.environ['PATH']}", "FAKE_NVIDIA_SMI_OUTPUT": TWO_GPUS,
-           "AUTOTUNE_CUDA_BINDING_CHECK": "off"}  # fake GPUs: CUDA would open a real one (workers.cuda_binding)
+           "AUTOTUNE_CUDA_BINDING_CHECK": "off"}  # fake GPUs: CUDA would open a real one (workers.device.cuda_binding)
     done = run_autotune([str(path), "--num_gpus", "2"], cwd=tmp_path, env_extra=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = tmp_path / "autotuning_results"

@@ -98,7 +98,7 @@ class ProcessSampler(threading.Thread):
             if b"celery" in cmdline and "AUTOTUNE_REDIS_URL" in environ:
                 self.worker_environs.append(environ)
             elif ("RANK" in environ or b"forkserver" in cmdline or cmdline.startswith(b"autotune warm")
-                  or b"workers.entry" in cmdline):  # a rank, or a warm process (workers.warm_preload.title)
+                  or b"workers.in_rank.entry" in cmdline):  # a rank, or a warm process (workers.warm.warm_preload.title)
                 self.rank_environs[int(entry.name)] = environ
 
     def __enter__(self) -> ProcessSampler:

@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from integration_helpers import ROOT, SCRIPTS, processes_with_marker, run_autotune, wait_for, write_config
-from workers.worker_command import worker_argv
-from workers.registry import control_alive, live_slots
+from scheduler.embedded.worker_command import worker_argv
+from workers.state.registry import control_alive, live_slots
 
 pytestmark = pytest.mark.integration
 

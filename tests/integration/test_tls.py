@@ -18,10 +18,10 @@ import redis
 
 from integration_helpers import ROOT, SCRIPTS, processes_with_marker, run_autotune, stop_group, wait_for, write_config
 from tls_pki import Pki, make_pki
-from workers.local_cluster import free_tcp_port
-from workers.worker_command import worker_argv
-from workers.redis_tls import CA_ENV, CERT_ENV, KEY_ENV
-from workers.registry import connect, control_alive, live_slots
+from scheduler.embedded.local_cluster import free_tcp_port
+from scheduler.embedded.worker_command import worker_argv
+from workers.state.redis_tls import CA_ENV, CERT_ENV, KEY_ENV
+from workers.state.registry import connect, control_alive, live_slots
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def test_a_job_runs_over_tls_and_plain_text_is_refused_by_the_server(tls_redis, 
         with_tls = {**tls_redis["env"]}
         os.environ.update(with_tls)
         try:
-            client = connect(tls_redis["url"])  # workers.registry's own client, through the same variables
+            client = connect(tls_redis["url"])  # workers.state.registry's own client, through the same variables
             wait_for(lambda: len(live_slots(client)) == 1 and control_alive(client), 90, "workers to register over TLS")
             with pytest.raises(redis.exceptions.NoPermissionError):
                 client.config_set("dir", "/tmp")  # the cluster user (issue 22 item 2) cannot move Redis's files

@@ -14,8 +14,8 @@ import pytest
 
 from integration_helpers import SCRIPTS, run_autotune, wait_for, write_config
 from scheduler.search.repeats import REPEAT_NAME
-from workers import keys
-from workers.warm_start import NOTHING_TO_PRELOAD
+from workers.state import keys
+from workers.warm.warm_start import NOTHING_TO_PRELOAD
 
 pytestmark = pytest.mark.integration
 LAW_ARGS = ["--law"]

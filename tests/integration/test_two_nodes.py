@@ -44,8 +44,8 @@ REGISTER_TIMEOUT_S = 60.0
 #: each client started through `ip netns exec` costs an interpreter start.
 PROBE = r"""
 import json, os, sys, time
-from workers import keys
-from workers.registry import connect, control_alive, live_slots
+from workers.state import keys
+from workers.state.registry import connect, control_alive, live_slots
 
 timeout, want_slots, want_control = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "control"
 client = connect(os.environ["AUTOTUNE_REDIS_URL"])
@@ -135,7 +135,7 @@ def _worker_command(host: Host, node: str, queue: str, concurrency: int) -> list
 def _worker_env(base: dict[str, str], host: Host) -> dict[str, str]:
     """The operator's environment on one node. No GLOO_SOCKET_IFNAME: `node1`/`node2` resolve to
     nothing, so gloo would fall back to loopback, unless the rank's environment names the interface
-    holding the slot's address, as workers/rank.py does; this test proves it does."""
+    holding the slot's address, as workers/slot/rank.py does; this test proves it does."""
     return dict(base)
 
 

@@ -1,4 +1,4 @@
-"""A slot worker's warm interpreter (workers.warm_start) never outlives it: a real slot worker runs
+"""A slot worker's warm interpreter (workers.warm.warm_start) never outlives it: a real slot worker runs
 a real job with warm start on, then is stopped as an operator or the kernel stops it, and the warm
 process (a multiprocessing forkserver with torch loaded) and multiprocessing's resource tracker
 must be gone by the time the process that started them is, its socket folder too.
@@ -18,9 +18,9 @@ import psutil
 import pytest
 
 from integration_helpers import run_autotune, wait_for, write_config
-from workers.local_cluster import LocalCluster
-from workers.warm_plan import SWITCH_ENV
-from workers.warm_server import shows_warm
+from scheduler.embedded.local_cluster import LocalCluster
+from workers.warm.warm_plan import SWITCH_ENV
+from workers.warm.warm_server import shows_warm
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,5 @@
-"""A warm interpreter per slot (workers.warm_start), with real forkservers, real torch and
-`workers.launch.run_watched`: a forked rank is what a cold one is, everything that finds, limits
+"""A warm interpreter per slot (workers.warm.warm_start), with real forkservers, real torch and
+`workers.process.launch.run_watched`: a forked rank is what a cold one is, everything that finds, limits
 and kills a rank still works, CUDA never reaches a fork, and what the warm path cannot serve runs
 cold and says why."""
 from __future__ import annotations
@@ -18,12 +18,12 @@ import psutil
 import pytest
 
 from integration_helpers import run_autotune, write_config
-from workers.failure import KillReason
-from workers.launch import LaunchResult, group_alive, run_watched
-from workers.warm_plan import SWITCH_ENV, installed_roots
-from workers.warm_server import UNTOLD_EXIT
-from workers.rank_start import Start
-from workers.warm_start import NOTHING_TO_PRELOAD, WarmStarts
+from workers.in_rank.failure import KillReason
+from workers.process.launch import LaunchResult, group_alive, run_watched
+from workers.warm.warm_plan import SWITCH_ENV, installed_roots
+from workers.warm.warm_server import UNTOLD_EXIT
+from workers.warm.rank_start import Start
+from workers.warm.warm_start import NOTHING_TO_PRELOAD, WarmStarts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def _launch(warm: WarmStarts, tmp_path: Path, script: Path, *args: str, env: dict[str, str] | None = None,
             **watch: object) -> tuple[LaunchResult, Start, str, str]:
-    command = [sys.executable, "-m", "workers.entry", str(script), *args] if script.suffix == ".py" \
+    command = [sys.executable, "-m", "workers.in_rank.entry", str(script), *args] if script.suffix == ".py" \
         else [str(script), *args]
     env = env or _env(tmp_path)
     start = Start()
@@ -122,7 +122,7 @@ def test_a_deepspeed_rank_on_cpu_finds_the_ops_probed_and_the_communication_op_l
     communication op (two subprocesses) in every rank; the warm process does both once, the op
     imported from what the slot worker built. A cold rank still does them itself. A lock in the
     op's folder (a build running, or killed) leaves the op to the rank: torch would wait on it."""
-    from workers.build_locks import default_extensions_dir
+    from workers.slot.build_locks import default_extensions_dir
 
     script = tmp_path / "prepared.py"
     script.write_text(DEEPSPEED_PREPARED)
@@ -141,11 +141,11 @@ def test_a_lock_in_the_ops_folder_leaves_the_op_to_the_rank(tmp_path: Path) -> N
     import shutil
     import subprocess
 
-    from workers.build_locks import default_extensions_dir
+    from workers.slot.build_locks import default_extensions_dir
 
     copy = tmp_path / "extensions"
     shutil.copytree(default_extensions_dir(), copy)
-    code = "from workers.warm_preload import prepare_deepspeed_ops; print(prepare_deepspeed_ops())"
+    code = "from workers.warm.warm_preload import prepare_deepspeed_ops; print(prepare_deepspeed_ops())"
     env = {key: value for key, value in os.environ.items() if not key.startswith("AUTOTUNE_")}
     env.update(PYTHONPATH=str(ROOT), TORCH_EXTENSIONS_DIR=str(copy), DS_ACCELERATOR="cpu")
     free = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
@@ -157,10 +157,10 @@ def test_a_lock_in_the_ops_folder_leaves_the_op_to_the_rank(tmp_path: Path) -> N
 
 def test_torch_takes_its_thread_count_from_the_rank(tmp_path: Path) -> None:
     """OMP_NUM_THREADS is read when torch loads: a rank forked from a process that loaded it with
-    another value sets torch's own count (workers.warm_start._as_a_fresh_process)."""
+    another value sets torch's own count (workers.warm.warm_start._as_a_fresh_process)."""
     import subprocess
 
-    code = ("import torch; torch.set_num_threads(2); from workers.warm_rank import _as_a_fresh_process; "
+    code = ("import torch; torch.set_num_threads(2); from workers.warm.warm_rank import _as_a_fresh_process; "
             "_as_a_fresh_process({'OMP_NUM_THREADS': '1'}); print(torch.get_num_threads())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -175,7 +175,7 @@ def test_a_preload_that_initialises_cuda_is_dropped_and_said_so(warm: WarmStarts
     (tmp_path / "site" / "grabs_cuda.py").write_text("import torch\ntorch.cuda._initialized = True\n")
     script = tmp_path / "uses.py"
     script.write_text("import grabs_cuda\nimport torch\nprint('cuda', torch.cuda.is_initialized())\n")
-    with caplog.at_level(logging.WARNING, logger="workers.warm_start"):
+    with caplog.at_level(logging.WARNING, logger="workers.warm.warm_start"):
         result, start, out, err = _launch(warm, tmp_path, script)
     assert result.exit_code == 0, err
     assert start.path == "warm", start.why_cold
@@ -211,10 +211,10 @@ def test_a_preload_that_initialises_cuda_without_torch_is_dropped(warm: WarmStar
     driver's state as /proc shows it after cuInit (the unified-memory device open), and is dropped
     from the preload as one that set torch's flag is; the rank imports it itself."""
     (tmp_path / "site" / "grabs_driver.py").write_text(
-        "import workers.warm_preload as preload\npreload._proc_view = lambda: ('', ['/dev/nvidia-uvm'])\n")
+        "import workers.warm.warm_preload as preload\npreload._proc_view = lambda: ('', ['/dev/nvidia-uvm'])\n")
     script = tmp_path / "uses.py"
     script.write_text("import grabs_driver, installed_lib\nprint('ran')\n")
-    with caplog.at_level(logging.WARNING, logger="workers.warm_start"):
+    with caplog.at_level(logging.WARNING, logger="workers.warm.warm_start"):
         result, start, out, err = _launch(warm, tmp_path, script)
     assert result.exit_code == 0 and out == "ran\n", err
     assert start.path == "warm", start.why_cold
@@ -247,7 +247,7 @@ def test_a_warm_process_killed_mid_rank_leaves_the_rank_running_and_its_end_unto
                                                                                    tmp_path: Path) -> None:
     """The warm process SIGKILLed (the OOM killer) while its rank runs: the rank is not taken as
     exited 255 and killed; it is watched by its pid to its end, whose status nobody can tell, so
-    `Start.lost` says why (workers.rank records the launch lost, to be launched again)."""
+    `Start.lost` says why (workers.slot.rank records the launch lost, to be launched again)."""
     done = tmp_path / "done"
     script = tmp_path / "long.py"
     script.write_text("import sys, time, installed_lib\nprint('up', flush=True)\ntime.sleep(4)\n"
@@ -271,7 +271,7 @@ def test_a_warm_process_killed_mid_rank_leaves_the_rank_running_and_its_end_unto
 
 def test_the_wait_for_the_warm_process_is_the_launchs_own(warm: WarmStarts, tmp_path: Path) -> None:
     """`prepare` waits for the warm process before the rank's time limit starts and says how long,
-    for workers.rank to take it from the limit; a preload not done within the limit leaves the rank
+    for workers.slot.rank to take it from the limit; a preload not done within the limit leaves the rank
     cold at once and is finished for the next launch, which finds it ready."""
     (tmp_path / "site" / "slow_lib.py").write_text("import time\ntime.sleep(3.0)\n")
     script = tmp_path / "slow.py"
@@ -282,7 +282,7 @@ def test_the_wait_for_the_warm_process_is_the_launchs_own(warm: WarmStarts, tmp_
         start = Start()
         waited = warm.prepare([str(script)], env, str(tmp_path), "cpu", limit_s, start)
         began = time.monotonic()
-        result = run_watched([sys.executable, "-m", "workers.entry", str(script)], env=env, cwd=str(tmp_path),
+        result = run_watched([sys.executable, "-m", "workers.in_rank.entry", str(script)], env=env, cwd=str(tmp_path),
                              stdout_path=tmp_path / "out.log", stderr_path=tmp_path / "err.log", timeout_s=60,
                              memory_cap_bytes=None, spawn=warm.spawn_for([str(script)], env, "cpu", (), start))
         return waited, start, result, time.monotonic() - began
@@ -433,7 +433,7 @@ def test_what_a_rank_imported_itself_is_preloaded_for_the_next(warm: WarmStarts,
     """torch and DeepSpeed import much lazily, inside deepspeed.initialize: an installed module the
     script's run imported (not at its top level) is in the warm process for the next rank, and
     the warm process was started again with it right after the rank that taught it."""
-    from workers.device_memory import read_exit_report
+    from workers.in_rank.device_memory import read_exit_report
 
     script, env = _imports_lazily(tmp_path, "import time\ntime.sleep(3.0)\n")
     first, start, out, err = _launch(warm, tmp_path, script, env=env)
@@ -452,8 +452,8 @@ def test_a_rank_that_imported_a_few_modules_itself_does_not_restart_the_warm_pro
                                                                                       tmp_path: Path) -> None:
     """A start of the warm process costs the slot seconds of a core (torch's import again): a lesson
     of a few modules waits for the next start, and is preloaded from then on."""
-    from workers.device_memory import read_exit_report
-    from workers.warm_start import RESTART_AT_IMPORTS
+    from workers.in_rank.device_memory import read_exit_report
+    from workers.warm.warm_start import RESTART_AT_IMPORTS
 
     script, env = _imports_lazily(tmp_path, "")
     _, start, out, err = _launch(warm, tmp_path, script, env=env)
@@ -472,13 +472,13 @@ def test_a_rank_that_imported_a_few_modules_itself_does_not_restart_the_warm_pro
 
 def test_the_slots_lease_is_kept_while_the_warm_process_starts(warm: WarmStarts, tmp_path: Path) -> None:
     """A preload from a shared filesystem takes tens of seconds: the launch's keep-alive (the lease
-    renewal, workers.rank) is called every second meanwhile, or the slot would be taken as lost."""
+    renewal, workers.slot.rank) is called every second meanwhile, or the slot would be taken as lost."""
     (tmp_path / "site" / "slow_lib.py").write_text("import time\ntime.sleep(3.0)\n")
     script = tmp_path / "slow.py"
     script.write_text("import slow_lib\nprint('ran')\n")
     env, calls = _env(tmp_path), []
     start = Start()
-    command = [sys.executable, "-m", "workers.entry", str(script)]
+    command = [sys.executable, "-m", "workers.in_rank.entry", str(script)]
     result = run_watched(command, env=env, cwd=str(tmp_path), stdout_path=tmp_path / "out.log",
                          stderr_path=tmp_path / "err.log", timeout_s=180, memory_cap_bytes=None,
                          spawn=warm.spawn_for(command[3:], env, "cpu", (), start, lambda: calls.append(1)))
@@ -511,7 +511,7 @@ parser.add_argument("--deepspeed_config", required=True)
 args, _ = parser.parse_known_args()
 autotuning = json.loads(Path(args.deepspeed_config).read_text()).get("autotuning", {})
 once = Path(__file__).with_name("killed_its_warm_parent")
-if "workers.warm_rank" in sys.modules and not once.exists():  # forked: its parent is the warm process
+if "workers.warm.warm_rank" in sys.modules and not once.exists():  # forked: its parent is the warm process
     once.write_text(str(os.getppid()))
     psutil.Process(os.getppid()).kill()  # as the OOM killer would
     time.sleep(1.0)

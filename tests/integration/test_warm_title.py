@@ -1,5 +1,5 @@
-"""A slot's warm process (`workers.warm_start`, a real forkserver) names itself in `ps` as its ranks
-do (`workers.warm_preload.title`): `autotune warm slot=<slot>`, which no check takes for a rank's
+"""A slot's warm process (`workers.warm.warm_start`, a real forkserver) names itself in `ps` as its ranks
+do (`workers.warm.warm_preload.title`): `autotune warm slot=<slot>`, which no check takes for a rank's
 title, while its /proc environ, where a forked rank's leftovers are found by their launch's token,
 stays as it started."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import psutil
 
-from workers.launch import CONTAINER_ENV
-from workers.process_identity import RankIdentity
-from workers.warm_server import shows_warm
-from workers.warm_start import WarmStarts
+from workers.process.launch import CONTAINER_ENV
+from workers.process.process_identity import RankIdentity
+from workers.warm.warm_server import shows_warm
+from workers.warm.warm_start import WarmStarts
 
 from tests.integration.test_warm_start import _env, _launch, warm  # noqa: F401  (the warm-process fixture, shared)
 

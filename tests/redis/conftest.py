@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from workers.local_cluster import die_with_parent
+from scheduler.embedded.local_cluster import die_with_parent
 
 @pytest.fixture(scope="session")
 def redis_socket(tmp_path_factory) -> str:

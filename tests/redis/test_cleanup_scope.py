@@ -1,6 +1,6 @@
 """`python -m deploy cleanup` kills exactly the ranks of the job it names: two jobs run an experiment of
 the same name (names like z1_gas1_tmbspg4 repeat across jobs and users), and cleaning one up leaves
-the other's rank running. Real processes, titled as ranks are (`workers.process_identity`), recorded
+the other's rank running. Real processes, titled as ranks are (`workers.process.process_identity`), recorded
 in a real Redis as slots record them; the host side (`deploy.remote kill-groups`) runs in this process
 in place of SSH."""
 from __future__ import annotations
@@ -19,8 +19,8 @@ from deploy import remote
 from deploy.cleanup import cleanup
 from deploy.fabric_hosts import Answer
 from scheduler.cluster.launches import RunningLaunch
-from workers import keys
-from workers.process_identity import RankIdentity, record_rank, start_time
+from workers.state import keys
+from workers.process.process_identity import RankIdentity, record_rank, start_time
 
 TITLED = ("import signal, sys, time, setproctitle; setproctitle.setproctitle(sys.argv[1]); "
           "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print('up', flush=True); time.sleep(120)")

@@ -12,7 +12,7 @@ import redis
 
 from scheduler.cluster.launches import FinishSpec, RunningLaunch
 from tasks import experiment as experiment_tasks
-from workers import keys
+from workers.state import keys
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_a_failed_rank_fails_the_experiment_and_leaves_no_metrics_file(callback,
 
 
 def test_the_profile_runs_counted_model_info_goes_under_deepspeeds_name(callback, held, tmp_path: Path) -> None:
-    """Each launch's ranks write model_info.<launch>.json (workers.launch_files); the callback copies
+    """Each launch's ranks write model_info.<launch>.json (workers.process.launch_files); the callback copies
     the counted launch's to model_info.json, DeepSpeed's name, and writes no metrics.json."""
     callback([rank(0, metrics={"num_params": 10}), rank(1)], finish(tmp_path, metric_file="model_info.json"))
     folder = tmp_path / "z1_gas1_tmbspg4"
@@ -84,7 +84,7 @@ def test_ranks_that_were_all_stale_write_nothing(callback, client: redis.Redis, 
 
 
 def test_a_rank_that_found_its_gpu_busy_writes_no_record(callback, client: redis.Redis, tmp_path: Path) -> None:
-    """A `gpu_busy` rank did not start (workers.slot_health): the experiment never ran, so the
+    """A `gpu_busy` rank did not start (workers.state.slot_health): the experiment never ran, so the
     callback writes nothing and frees the launch's slots (finish.requeue_for_busy_gpu queues it
     again; tests/redis/test_dispatch.py)."""
     client.set("autotune:gang:n.gpu0", "tok")

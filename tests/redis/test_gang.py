@@ -1,4 +1,4 @@
-"""The gang reservation (`workers.gang`) against a real redis-server: every rule read back from the
+"""The gang reservation (`workers.state.gang`) against a real redis-server: every rule read back from the
 raw keys (`autotune:gang:<queue>`: the owner token, its PX lease). The contention test and the
 stale-rank check stay in tests/integration/test_leases.py."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from workers import gang, keys
-from workers.gang import GangReservations, SlotLease
-from workers.local_cluster import die_with_parent
+from workers.state import gang, keys
+from workers.state.gang import GangReservations, SlotLease
+from scheduler.embedded.local_cluster import die_with_parent
 
 LEASE_MS = 30_000
 

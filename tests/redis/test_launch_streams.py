@@ -1,7 +1,7 @@
 """Two launches of one experiment at once (a node cut off from Redis runs its launch on while the
 control worker launched it again elsewhere), run in this process against a real redis-server with
 real script subprocesses: each launch's ranks write their stdout/stderr under the launch's own name
-(`workers.launch_files`), so the counted launch's failure class is read from its own stderr, never
+(`workers.process.launch_files`), so the counted launch's failure class is read from its own stderr, never
 from the stale launch's; and the chord callback shows the counted launch's logs, description and
 command under DeepSpeed's plain names (stderr.log, exp.json, cmd.txt)."""
 from __future__ import annotations
@@ -18,10 +18,11 @@ import redis
 
 from scheduler.cluster.launches import FinishSpec, RunningLaunch
 from tasks import experiment as experiment_tasks
-from workers import keys, layout
-from workers.rank import run_rank
-from workers.rank_spec import RankSpec
-from workers.slot import Slot
+from workers.state import keys
+from workers.files import layout
+from workers.slot.rank import run_rank
+from workers.slot.rank_spec import RankSpec
+from workers.device.slot import Slot
 
 GiB = 2**30
 STALE, COUNTED = "a" * 32, "b" * 32  #: the launches' attempt tokens (dispatch makes hex ones)

@@ -1,5 +1,5 @@
 """A restarted slot worker's scan for the groups its killed predecessor left
-(`workers.process_identity.leftover_groups`, behind `tasks.worker_hooks.kill_orphans`): the groups the
+(`workers.process.process_identity.leftover_groups`, behind `tasks.worker_hooks.kill_orphans`): the groups the
 slot recorded that are still those ranks, by the record's start time, or by a rank title of the slot
 where only a pgid was recorded; never a process the environment alone names; every record dropped."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import signal
 import subprocess
 import sys
 
-from workers import keys
-from workers.process_identity import RankIdentity, leftover_groups, record_rank
+from workers.state import keys
+from workers.process.process_identity import RankIdentity, leftover_groups, record_rank
 
 SLOT = "n1.gpu0"
 SLEEPS = ("import setproctitle, sys, time; sys.argv[1] and setproctitle.setproctitle(sys.argv[1]); "
@@ -51,7 +51,7 @@ def test_an_op_builds_untitled_group_is_recorded_so_the_scan_finds_it(client):
     """An op build runs in a group of its own before the script: no rank title. `rank.record_started`
     records it with its leader's start time, so a restarted worker's scan recognises it (a pgid
     alone would need a title)."""
-    from workers.rank import record_started
+    from workers.slot.rank import record_started
 
     identity = RankIdentity(SLOT, "job", "z1", 0, 1, "b" * 32)
     build = _process()  # untitled, as an op build's compiler is

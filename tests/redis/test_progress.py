@@ -18,9 +18,9 @@ from scheduler.cluster.jobs import JobSpec, TuneSpec, load_spec, submit
 from scheduler.search.live_search import LiveSearches
 from scheduler.cluster.progress import advance, record_lookup
 from scheduler.search.space import Experiment
-from workers import keys
-from workers.registry import announce_slot
-from workers.slot import Slot
+from workers.state import keys
+from workers.state.registry import announce_slot
+from workers.device.slot import Slot
 
 CONFIGS = {"a": {"train_micro_batch_size_per_gpu": 1}, "b": {"train_micro_batch_size_per_gpu": 2}}
 
@@ -169,7 +169,7 @@ def test_which_record_on_disk_answers_an_experiment(client, work, tmp_path: Path
 
 def test_an_earlier_jobs_op_that_could_not_be_built_is_launched_again(client, work, tmp_path: Path) -> None:
     """A tuning job reuses records of earlier jobs, but not one that stopped a job because an op could
-    not be built (workers.op_build): resumed, the node may build it now."""
+    not be built (workers.in_rank.op_build): resumed, the node may build it now."""
     tune = TuneSpec(str(tmp_path / "cfg.json"), {}, str(tmp_path / "exps"), "train.py", [], {}, 2**30, 2, 2, "cpu", 1)
     spec = replace(fixed_job(tmp_path), experiments=None, tune=tune)
     write_record(spec, "a", status="crashed", op_build_failed="fused_adam: OSError: no CUDA_HOME")

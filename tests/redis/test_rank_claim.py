@@ -1,4 +1,4 @@
-"""A rank task's claim (`workers.rank_claim`) against a real redis-server: a redelivered message whose
+"""A rank task's claim (`workers.slot.rank_claim`) against a real redis-server: a redelivered message whose
 first delivery's process died kills the training group that process left, and one whose first
 delivery still runs touches nothing."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import time
 import psutil
 import redis
 
-from workers import keys, rank_claim
+from workers.state import keys
+from workers.slot import rank_claim
 
 QUEUE, TASK = "n.gpu0", "task-1"
 

@@ -1,4 +1,4 @@
-"""A rank on a GPU others hold memory on (workers.rank with workers.device_idle and workers.slot_health,
+"""A rank on a GPU others hold memory on (workers.slot.rank with workers.device.device_idle and workers.state.slot_health,
 issue 21 items 9 and 10): run in this process against a real redis-server, a real script subprocess
 and the fake nvidia-smi (tests/fake_gpu), whose usage file the test and the script write.
 
@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from workers import keys, rank as rank_module
-from workers.device_idle import FreeMemoryWaiter
-from workers.gpus import memory_used
-from workers.rank import run_rank
-from workers.rank_spec import RankSpec
-from workers.slot import Slot
+from workers.state import keys
+from workers.slot import rank as rank_module
+from workers.device.device_idle import FreeMemoryWaiter
+from workers.device.gpus import memory_used
+from workers.slot.rank import run_rank
+from workers.slot.rank_spec import RankSpec
+from workers.device.slot import Slot
 
 GiB = 2**30
 FAKE_GPU_DIR = Path(__file__).resolve().parents[1] / "fake_gpu"

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import redis
 
-from workers import keys, registry
-from workers.registry import claim_gpu, register_slot
-from workers.slot import Slot
+from workers.state import keys, registry
+from workers.state.registry import claim_gpu, register_slot
+from workers.device.slot import Slot
 
 GiB = 2**30
 CUDA_SLOT = Slot("gpu-host", 1, "cuda", 80 * GiB, "10.0.0.9", 8, (), "w1@gpu-host", cuda_index=3,

@@ -1,4 +1,4 @@
-"""Where the ranks of one experiment meet (`workers.rendezvous`), against a real redis-server: what rank 0
+"""Where the ranks of one experiment meet (`workers.state.rendezvous`), against a real redis-server: what rank 0
 leaves in Redis, what each waiting rank takes, and a rank that hears nothing giving up on time while
 its lease keeps being renewed."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 
 import redis
 
-from workers import keys
-from workers import rendezvous
-from workers.rendezvous import KEY_TTL_S, ephemeral_range, free_port, publish, rendezvous_ports, wait
+from workers.state import keys
+from workers.state import rendezvous
+from workers.state.rendezvous import KEY_TTL_S, ephemeral_range, free_port, publish, rendezvous_ports, wait
 
 
 def test_free_port_can_be_bound_on_the_address() -> None:
@@ -83,7 +83,7 @@ def test_a_rank_that_hears_nothing_gives_up_and_keeps_its_lease_meanwhile(client
 
 
 def test_ranks_start_together_once_every_rank_has_arrived(client: redis.Redis) -> None:
-    """After their ops are built (workers.op_prebuild) the ranks of one launch wait for each other, so
+    """After their ops are built (workers.slot.op_prebuild) the ranks of one launch wait for each other, so
     no rank's time limit runs while a peer node still compiles: none passes before the last arrives."""
     passed: list[float] = []
 

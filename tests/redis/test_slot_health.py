@@ -1,4 +1,4 @@
-"""A slot whose GPU holds others' memory is out of tuning until that memory is gone (workers.slot_health,
+"""A slot whose GPU holds others' memory is out of tuning until that memory is gone (workers.state.slot_health,
 issue 21 items 9 and 10), against a real redis-server: the mark, its renewal by the worker's
 heartbeat while the memory stays, and its lifting only after FREE_BEATS free readings in a row."""
 from __future__ import annotations
@@ -12,12 +12,12 @@ from rich.console import Console
 
 from scheduler.status import collect, render
 
-from workers import keys
-from workers.device_idle import FREE_BYTES
-from workers.registry import announce_slot
-from workers.slot import Slot
-from workers import slot_health
-from workers.slot_health import FREE_BEATS, MARK_TTL_S, HealthWatch, describe, mark_unhealthy, unhealthy
+from workers.state import keys
+from workers.device.device_idle import FREE_BYTES
+from workers.state.registry import announce_slot
+from workers.device.slot import Slot
+from workers.state import slot_health
+from workers.state.slot_health import FREE_BEATS, MARK_TTL_S, HealthWatch, describe, mark_unhealthy, unhealthy
 
 GiB = 2**30
 SLOT = Slot("n0", 1, "cuda", 80 * GiB, "10.0.0.9", 8, (), "gpu1@n0", cuda_index=1, host="m1", gpu_uuid="GPU-1")

@@ -1,4 +1,4 @@
-"""What a dispatch pass reads of the slots (`workers.slot_view`) against a real redis-server: the free
+"""What a dispatch pass reads of the slots (`workers.state.slot_view`) against a real redis-server: the free
 and the marked slots in one script over the slot index, the parsed registrations kept until one
 appears, changes or lapses."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import redis
 
-from workers import keys
-from workers.gang import GangReservations
-from workers.registry import announce_slot
-from workers.slot import Slot
-from workers.slot_health import mark_unhealthy
-from workers.slot_view import read_view
+from workers.state import keys
+from workers.state.gang import GangReservations
+from workers.state.registry import announce_slot
+from workers.device.slot import Slot
+from workers.state.slot_health import mark_unhealthy
+from workers.state.slot_view import read_view
 
 GiB = 2**30
 

@@ -18,7 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Lowest first. Each entry: the packages (or top-level modules) of one layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("workers",),  # runs on a slot; imported into the user's training process too
+    ("workers",),  # the package itself: its `__init__` only describes the subpackages below
+    ("workers.in_rank", "workers.files"),  # in the training process; what a folder holds (neither imports the other)
+    ("workers.device",),  # what a slot is: its device, capacity and binding
+    ("workers.state",),  # the slots' state in Redis: keys, registration, gang leases, views, health
+    ("workers.process",),  # the training processes a slot starts: launch, memory, names, files
+    ("workers.warm",),  # the slot's warm interpreter and the ranks it forks
+    ("workers.slot",),  # the slot worker's rank task
+    ("scheduler.embedded",),  # the command's machine: the embedded cluster, every worker's command line
     ("celeryconfig",),  # the Celery app's settings, read from the environment
     ("scheduler.errors",),  # the one error vocabulary of every layer above
     ("scheduler.inputs",),  # what the user gives: config file, arguments, results folder
@@ -137,9 +144,15 @@ def test_no_module_imports_itself_back() -> None:
 def test_the_checks_see_a_planted_upward_import_and_cycle() -> None:
     planted = {name: set(targets) for name, targets in GRAPH.items()}
     planted["scheduler.search.space"].add("scheduler.cluster.dispatch")  # search reaching into the cluster
-    planted["workers.rank"].add("scheduler.errors")  # the slot importing the scheduler
+    planted["workers.slot.rank"].add("scheduler.errors")  # the slot importing the scheduler
+    planted["workers.state.registry"].add("workers.slot.rank")  # the slots' state importing the rank task
+    planted["workers.in_rank.entry"].add("workers.files.paths")  # the training process importing a peer
+    planted["workers.process.launch"].add("scheduler.embedded.local_cluster")  # a slot importing the command side
     assert sorted(upward_imports(planted)) == ["scheduler.search.space -> scheduler.cluster.dispatch",
-                                               "workers.rank -> scheduler.errors"]
+                                               "workers.in_rank.entry -> workers.files.paths",
+                                               "workers.process.launch -> scheduler.embedded.local_cluster",
+                                               "workers.slot.rank -> scheduler.errors",
+                                               "workers.state.registry -> workers.slot.rank"]
     planted["scheduler.search.ranking"].add("scheduler.search.space")
     planted["scheduler.search.space"].add("scheduler.search.ranking")
     assert ["scheduler.search.ranking", "scheduler.search.space", "scheduler.search.ranking"] in cycles(planted)
@@ -149,8 +162,15 @@ def test_the_checks_see_a_planted_upward_import_and_cycle() -> None:
 def test_each_package_says_what_it_is_what_it_may_import_and_who_imports_it(package: str) -> None:
     doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
     assert len(doc) > 80, f"{package}/__init__.py: a docstring saying what the package is for"
-    if package.startswith("scheduler."):
+    if package.startswith(("scheduler.", "workers.")):
         assert "Imports" in doc and "Imported by" in doc, f"{package}: say what it may import and what imports it"
+
+
+def test_every_workers_module_is_in_a_subpackage() -> None:
+    """`workers/` holds subpackages only, each one concern with its import rules in LAYERS: a module
+    dropped at its top level belongs to none of them."""
+    assert [name for name in MODULES if name.count(".") == 1 and name.startswith("workers.")
+            and MODULES[name].name != "__init__.py"] == []
 
 
 def test_the_architecture_page_names_every_package() -> None:
@@ -162,10 +182,12 @@ def test_the_architecture_page_names_every_package() -> None:
     assert sorted(row.replace("/", ".") for row in rows) == packages
 
 
-#: What runs inside the user's training process (workers/__init__.py's table): imported into someone
-#: else's program, so it must not drag Celery, Redis or the scheduler in with it.
-IN_TRAINING = ("workers.entry", "workers.step_clock", "workers.device_memory", "workers.oom", "workers.op_build",
-               "workers.failure", "workers.metrics")
+#: What runs inside the user's training process (`workers.in_rank`): imported into someone else's
+#: program, so it must not drag Celery, Redis or the scheduler in with it.
+IN_TRAINING = tuple(name for name in MODULES if name.startswith("workers.in_rank."))
+#: What the slot's warm interpreter and the ranks it forks run (`workers.warm`): a forked rank carries
+#: everything these imported, so they are held to the training process's rule.
+IN_WARM_RANK = ("workers.warm.warm_preload", "workers.warm.warm_rank")
 HEAVY = ("celery", "redis", "kombu", "psutil", "scheduler", "tasks", "deploy")
 
 
@@ -179,13 +201,33 @@ def _third_party(path: Path) -> set[str]:
     return names
 
 
-def test_what_runs_in_the_training_process_stays_light() -> None:
-    reached, todo = set(), list(IN_TRAINING)
-    while todo:  # everything the in-training modules import, transitively
+def light_problems(graph: dict[str, set[str]], roots: tuple[str, ...], allowed: set[str]) -> list[str]:
+    """What `roots` reach, transitively, outside `allowed` (and the bare packages above them), and
+    the heavy third-party packages any of `roots` imports."""
+    reached, todo = set(), list(roots)
+    while todo:
         module = todo.pop()
         if module not in reached:
             reached.add(module)
-            todo.extend(GRAPH[module])
-    assert reached <= {*IN_TRAINING, "workers"}, f"{sorted(reached - {*IN_TRAINING, 'workers'})}: add to the table or keep out"
-    for module in IN_TRAINING:
-        assert not _third_party(MODULES[module]) & set(HEAVY), f"{module} imports {_third_party(MODULES[module]) & set(HEAVY)}"
+            todo.extend(graph[module])
+    packages = {"workers", "workers.in_rank", "workers.warm"}
+    problems = [f"{module}: reached, keep it out" for module in sorted(reached - allowed - packages)]
+    for module in roots:
+        problems += [f"{module} imports {name}" for name in sorted(_third_party(MODULES[module]) & set(HEAVY))]
+    return problems
+
+
+@pytest.mark.parametrize(("roots", "allowed"), [(IN_TRAINING, set(IN_TRAINING)),
+                                                (IN_WARM_RANK, {*IN_WARM_RANK, *IN_TRAINING})],
+                         ids=["training process", "warm rank"])
+def test_what_runs_in_the_training_process_stays_light(roots: tuple[str, ...], allowed: set[str]) -> None:
+    assert light_problems(GRAPH, roots, allowed) == []
+
+
+def test_the_light_check_sees_a_planted_heavy_import() -> None:
+    planted = {name: set(targets) for name, targets in GRAPH.items()}
+    planted["workers.in_rank.metrics"].add("workers.state.keys")  # Redis's keyspace in the training process
+    planted["workers.warm.warm_rank"].add("workers.process.launch")  # psutil in every forked rank
+    assert "workers.state.keys: reached, keep it out" in light_problems(planted, IN_TRAINING, set(IN_TRAINING))
+    assert "workers.process.launch: reached, keep it out" in light_problems(planted, IN_WARM_RANK,
+                                                                              {*IN_WARM_RANK, *IN_TRAINING})

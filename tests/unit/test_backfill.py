@@ -9,7 +9,7 @@ import pytest
 
 from scheduler.cluster.backfill import Reservation, Start, Waiting, backfill, estimate_run_s, reservation, strict_fifo
 from scheduler.cluster.dispatch import refusal
-from workers.slot import Slot
+from workers.device.slot import Slot
 
 GiB = 1024**3
 NOW = 100.0

@@ -1,4 +1,4 @@
-"""torch's JIT builds around an experiment (`workers.build_locks`): a lock no live build holds is
+"""torch's JIT builds around an experiment (`workers.slot.build_locks`): a lock no live build holds is
 removed before an experiment starts, one a build is working under, or one just taken, is kept; an op
 whose build went out of date is rebuilt first, outside the experiment (issue 21 item 1)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.build_locks import FRESH_S, clear_stale_locks, node_extensions_dir, rebuild_stale_ops, stale_locks
+from workers.slot.build_locks import FRESH_S, clear_stale_locks, node_extensions_dir, rebuild_stale_ops, stale_locks
 
 
 def _lock(root: Path, op: str, age_s: float) -> Path:
@@ -139,9 +139,9 @@ def test_on_a_shared_filesystem_each_machine_builds_in_its_own_folder(base: str,
 
 
 def test_a_rank_gets_its_machines_own_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from workers import build_locks
-    from workers.rank_spec import RankSpec, rank_env
-    from workers.slot import Slot
+    from workers.slot import build_locks
+    from workers.slot.rank_spec import RankSpec, rank_env
+    from workers.device.slot import Slot
 
     mounts = tmp_path / "mounts"
     mounts.write_text("server:/export / nfs rw 0 0\n")

@@ -14,8 +14,8 @@ from bench.chaos_checks import (MAX_GAP_S, MIN_EACH, MIN_GAP_S, Fault, JobRecord
                                 identify, lost_experiments, overlap_seconds, sampled_overlap_seconds, summary_line,
                                 verdict)
 from bench.chaos_strikes import Struck, bump_candidates, pools_running, read_pools, warm_parents
-from workers import keys
-from workers.process_identity import RankIdentity, RankProcess
+from workers.state import keys
+from workers.process.process_identity import RankIdentity, RankProcess
 
 REFERENCE = {"z0_a": "ok", "z0_b": "ok", "z1_a": "ok"}
 
@@ -138,7 +138,7 @@ JOB_A, JOB_B, STRANGER = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccc
 JOBS = {JOB_A: "001-list", JOB_B: "002-pair"}
 #: What /proc shows for a rank forked from the warm process, before its title: the warm process's line.
 FORKSERVER = ("/venv/bin/python -B -c from multiprocessing.forkserver import main; main(5, 7, "
-              "['workers.warm_preload'], **{'sys_path': ['/repo']})")
+              "['workers.warm.warm_preload'], **{'sys_path': ['/repo']})")
 
 
 def titled(job_id: str, experiment: str, rank: int, world: int, launch: str, slot: str = "chaos.gpu0") -> str:

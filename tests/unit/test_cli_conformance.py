@@ -19,7 +19,7 @@ from scheduler.errors import UsageError
 from scheduler.inputs.arguments import config_argument
 from scheduler.launch.hostfile import read_hostfile
 from scheduler.launch.pool import PoolRequest, check_counts, registered, select_slots
-from workers.slot import Slot
+from workers.device.slot import Slot
 
 runner = pytest.importorskip("deepspeed.launcher.runner")
 autotuner = pytest.importorskip("deepspeed.autotuning.autotuner")

@@ -1,4 +1,4 @@
-"""`workers.local_cluster.cluster_client`, the one set-up of `python -m scheduler.autotune` and
+"""`scheduler.embedded.local_cluster.cluster_client`, the one set-up of `python -m scheduler.autotune` and
 `python -m scheduler.run`: a running cluster's client as given, or an embedded cluster started, its
 URL exported while the command runs and taken back after, and an error in the command reaching the
 cluster's stop (so the stop is a cold one)."""
@@ -9,7 +9,7 @@ import os
 import pytest
 import redis
 
-from workers.local_cluster import cluster_client
+from scheduler.embedded.local_cluster import cluster_client
 
 URL = "redis://autotune:pw@127.0.0.1:1/0"
 

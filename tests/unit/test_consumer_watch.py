@@ -1,7 +1,7 @@
-"""workers.consumer_watch: when a slot worker's consumer counts as stuck (its slot withdrawn)."""
+"""workers.slot.consumer_watch: when a slot worker's consumer counts as stuck (its slot withdrawn)."""
 from __future__ import annotations
 
-from workers.consumer_watch import ConsumerWatch
+from workers.slot.consumer_watch import ConsumerWatch
 
 
 class Readings:

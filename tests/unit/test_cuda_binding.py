@@ -1,4 +1,4 @@
-"""A CUDA slot worker refuses a binding that opens another GPU than its own (workers.cuda_binding,
+"""A CUDA slot worker refuses a binding that opens another GPU than its own (workers.device.cuda_binding,
 issue 21 item 4): the comparison, and the child process that asks CUDA, run against a stand-in
 `torch` (this machine has no GPU) that numbers GPUs as $FAKE_CUDA_UUIDS says."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from workers import cuda_binding
-from workers.cuda_binding import (NO_DEVICE, SWITCH_ENV, binding_problem, same_gpu, should_check, torch_has_cuda,
+from workers.device import cuda_binding
+from workers.device.cuda_binding import (NO_DEVICE, SWITCH_ENV, binding_problem, same_gpu, should_check, torch_has_cuda,
                                   uuid_seen_by_cuda)
-from workers.slot import Slot
+from workers.device.slot import Slot
 
 SLOT = Slot("n0", 1, "cuda", 80 << 30, "127.0.0.1", 8, (), "gpu1@n0", cuda_index=1, host="m1",
             gpu_uuid="GPU-11111111-1111-1111-1111-111111111111")

@@ -9,9 +9,9 @@ import pytest
 from deploy.plan import (check_redis_url, cleanup_scope, kill_options, launches_matching, plan_workers,
                          record_keys, recorded_groups, registration_report, remote_command, up_request)
 from scheduler.errors import UsageError
-from workers import keys
-from workers.process_identity import RankIdentity, RankProcess
-from workers.redis_url import masked_url
+from workers.state import keys
+from workers.process.process_identity import RankIdentity, RankProcess
+from workers.state.redis_url import masked_url
 
 
 def test_one_slot_worker_per_device_and_control_with_flower():

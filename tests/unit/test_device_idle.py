@@ -1,11 +1,11 @@
-"""Waiting for others' memory on a GPU to go before and after a rank (workers.device_idle), and reading
-the usage from nvidia-smi (workers.gpus.parse_memory_used). The clock and the usage are scripted."""
+"""Waiting for others' memory on a GPU to go before and after a rank (workers.device.device_idle), and reading
+the usage from nvidia-smi (workers.device.gpus.parse_memory_used). The clock and the usage are scripted."""
 from __future__ import annotations
 
 import pytest
 
-from workers.device_idle import FREE_BYTES, POLL_S, WAIT_S, FreeMemoryWaiter, gpu_wait_s
-from workers.gpus import parse_memory_used
+from workers.device.device_idle import FREE_BYTES, POLL_S, WAIT_S, FreeMemoryWaiter, gpu_wait_s
+from workers.device.gpus import parse_memory_used
 
 GiB = 1 << 30
 
@@ -43,7 +43,7 @@ def test_a_context_being_torn_down_is_waited_for_until_it_is_gone() -> None:
 
 def test_memory_that_stays_is_waited_for_at_most_wait_s_and_reported_busy() -> None:
     """A notebook holds 20 GiB: the wait runs the whole WAIT_S and says the GPU is busy, every time
-    (the rank then takes its slot out of tuning, workers.slot_health, rather than start beside it)."""
+    (the rank then takes its slot out of tuning, workers.state.slot_health, rather than start beside it)."""
     clock = Clock([(0.0, 20 * GiB)])
     gpus = waiter(clock)
     for _ in range(2):

@@ -1,4 +1,4 @@
-"""How ranks and experiments end (`workers.failure`) and the experiment record (`workers.records`)."""
+"""How ranks and experiments end (`workers.in_rank.failure`) and the experiment record (`workers.slot.records`)."""
 from __future__ import annotations
 
 import signal
@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from workers.failure import OOM_EXIT_CODE, KillReason, Status, classify, describe_exit, experiment_status
-from workers.records import aggregate
+from workers.in_rank.failure import OOM_EXIT_CODE, KillReason, Status, classify, describe_exit, experiment_status
+from workers.slot.records import aggregate
 
 OK, OOM, TIMEOUT, CRASHED = Status.OK, Status.OOM, Status.TIMEOUT, Status.CRASHED
 NO_METRICS, RDZV, ABORTED, LOST = Status.NO_METRICS, Status.RENDEZVOUS_FAILED, Status.ABORTED, Status.LOST

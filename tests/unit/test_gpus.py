@@ -1,4 +1,4 @@
-"""GPU listings (`workers.gpus`): nvidia-smi output read strictly, CUDA_VISIBLE_DEVICES honoured.
+"""GPU listings (`workers.device.gpus`): nvidia-smi output read strictly, CUDA_VISIBLE_DEVICES honoured.
 
 The listing is real nvidia-smi CSV; `local_gpus` runs the fake nvidia-smi in tests/fake_gpu as a
 subprocess, so the parsing, exit-status and PATH handling are those of a real node.
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.gpus import Gpu, GpuListingError, local_gpus, parse_listing, refuse_mig, visible
+from workers.device.gpus import Gpu, GpuListingError, local_gpus, parse_listing, refuse_mig, visible
 
 MiB, GiB = 1024**2, 1024**3
 FAKE_GPU_DIR = Path(__file__).resolve().parents[1] / "fake_gpu"
@@ -117,7 +117,7 @@ def test_local_gpus_refuses_unusable_output(fake_smi: pytest.MonkeyPatch, output
 
 def test_a_mig_gpu_refuses_only_the_workers_that_would_serve_it(fake_smi: pytest.MonkeyPatch) -> None:
     """Issue 21 item 3: the MIG check comes after the visibility filter, and on the served GPU only."""
-    from workers import slot as slot_module
+    from workers.device import slot as slot_module
 
     mig_a100 = A100.replace("Disabled", "Enabled")
     fake_smi.setenv("FAKE_NVIDIA_SMI_OUTPUT", f"{mig_a100}\n{H100}")
@@ -141,10 +141,10 @@ def test_no_nvidia_smi_means_a_cpu_node(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 def test_the_worker_reads_memory_in_use_and_bus_ids_through_a_real_subprocess(fake_smi: pytest.MonkeyPatch,
                                                                               tmp_path: Path) -> None:
-    """What a slot worker asks nvidia-smi besides its listing (workers.device_idle, workers.topology),
+    """What a slot worker asks nvidia-smi besides its listing (workers.device.device_idle, workers.device.topology),
     answered by tests/fake_gpu as the real one answers: one line per GPU of the fields asked."""
-    from workers.gpus import memory_used
-    from workers.topology import gpu_bus_ids
+    from workers.device.gpus import memory_used
+    from workers.device.topology import gpu_bus_ids
 
     one, zero = "GPU-11111111-1111-1111-1111-111111111111", "GPU-00000000-0000-0000-0000-000000000000"
     assert memory_used(one) == 0

@@ -9,7 +9,7 @@ from scheduler.cluster.dispatch import refusal
 from scheduler.cluster.jobs import JobSpec, TuneSpec, job_id_for
 from scheduler.search.phases import Phase, replay
 from scheduler.search.space import Experiment
-from workers.slot import Slot
+from workers.device.slot import Slot
 
 GiB = 2**30
 

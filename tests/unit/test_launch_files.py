@@ -1,5 +1,5 @@
 """Each launch of an experiment writes its config, metrics and exit reports under its own name
-(`workers.layout.LAUNCH_FILES`), and its script is pointed at its own config (`workers.rank`): two
+(`workers.files.layout.LAUNCH_FILES`), and its script is pointed at its own config (`workers.slot.rank`): two
 launches of one experiment (a node cut off while its launch ran on, and the relaunch elsewhere)
 never read each other's metrics, and `"overwrite": true` still knows every file either wrote."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from workers import layout
-from workers.launch_files import LaunchFiles, with_metric_path
+from workers.files import layout
+from workers.process.launch_files import LaunchFiles, with_metric_path
 
 LAUNCH = "0123456789ab"
 

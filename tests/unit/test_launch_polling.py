@@ -1,7 +1,7 @@
-"""How often `workers.launch` reads a rank's memory: ten times a second against a memory cap (a CPU
+"""How often `workers.process.launch` reads a rank's memory: ten times a second against a memory cap (a CPU
 slot's), once a second where there is none (a GPU slot's: only the record's figure), and the peer
 abort flag at most twice a second either way (issue 21 item 18); the costly PSS reading only when
-the cheap RSS one could change the answer (`workers.tree_memory`), without missing a peak."""
+the cheap RSS one could change the answer (`workers.process.tree_memory`), without missing a peak."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workers import launch, tree_memory
+from workers.process import launch, tree_memory
 
 
 @pytest.mark.parametrize(("cap", "cheap", "full"), [(1 << 40, range(8, 40), range(1, 9)),

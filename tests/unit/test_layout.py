@@ -1,4 +1,4 @@
-"""`workers.layout`, the one list of what the tool writes, shared by the writers and the overwrite guard
+"""`workers.files.layout`, the one list of what the tool writes, shared by the writers and the overwrite guard
 (issue 36 item 1): the real writers run into a marked folder and `"overwrite": true` must then empty
 it; a writer that wrote a file the guard does not know makes these tests fail (the folder is
 refused, naming the file), and so does a name dropped from the list (the writer itself refuses).
@@ -15,9 +15,9 @@ from scheduler.errors import ConfigError
 from scheduler.inputs import folders
 from scheduler.report.outputs import cancelled_record, write_experiment_descriptions, write_results
 from test_outputs import EXPS, RECORDS, make_exp, make_record, optimal_argv
-from workers import layout
-from workers.device_memory import EXIT_REPORT_ENV, write_exit_report
-from workers.metrics import write_json_atomic
+from workers.files import layout
+from workers.in_rank.device_memory import EXIT_REPORT_ENV, write_exit_report
+from workers.in_rank.metrics import write_json_atomic
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_every_per_rank_file_is_known(rank: int) -> None:
      (layout.cluster_file, "cluster", "secrets.txt")],
 )
 def test_a_writer_cannot_write_a_name_the_list_lacks(tmp_path: Path, check, folder_of: str, name: str) -> None:
-    with pytest.raises(ValueError, match="workers.layout"):
+    with pytest.raises(ValueError, match="workers.files.layout"):
         check(tmp_path / folder_of, name)
 
 

@@ -1,6 +1,6 @@
 """A slot worker of the embedded cluster that refuses to start (a GPU CUDA numbers differently, one
 already served: tasks.worker_hooks) leaves one `error:` line in its log; the autotuner says that line,
-not "see the logs" (workers.local_cluster)."""
+not "see the logs" (scheduler.embedded.local_cluster)."""
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.local_cluster import LocalCluster, LocalClusterError, refusal_in
+from scheduler.embedded.local_cluster import LocalCluster, LocalClusterError, refusal_in
 
 
 def test_the_last_refusal_line_without_its_prefix(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from scheduler.search.ranking import best
-from workers.failure import Status
-from workers.metric_check import asked_metric, metrics_problem
+from workers.in_rank.failure import Status
+from workers.slot.metric_check import asked_metric, metrics_problem
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Unit tests for workers.metrics: config decoding and DeepSpeed's autotuning metric semantics."""
+"""Unit tests for workers.in_rank.metrics: config decoding and DeepSpeed's autotuning metric semantics."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from workers.metrics import (
+from workers.in_rank.metrics import (
     AutotuningMetrics,
     AutotuningSettings,
     BatchSizes,
@@ -116,7 +116,7 @@ def test_importing_the_module_does_not_import_torch():
     import subprocess
     import sys
 
-    module_path = os.path.join(os.path.dirname(__file__), "..", "..", "workers", "metrics.py")
+    module_path = os.path.join(os.path.dirname(__file__), "..", "..", "workers", "in_rank", "metrics.py")
     probe = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('metrics_probe', {module_path!r})\n"

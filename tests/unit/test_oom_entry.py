@@ -1,7 +1,7 @@
-"""Out-of-memory in every form (`workers.oom`) and the exit report of `workers.entry`.
+"""Out-of-memory in every form (`workers.in_rank.oom`) and the exit report of `workers.in_rank.entry`.
 
 The forms are real exception objects of the installed torch, built the way the allocators and
-libraries raise them; the entry tests run `python -m workers.entry` as a real subprocess, as a rank
+libraries raise them; the entry tests run `python -m workers.in_rank.entry` as a real subprocess, as a rank
 does, and read its exit status and the report it leaves.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed
 
-from workers.device_memory import read_exit_report
-from workers.failure import OOM_EXIT_CODE
-from workers.oom import aborted_out_of_memory, out_of_memory_cause, stderr_out_of_memory
+from workers.in_rank.device_memory import read_exit_report
+from workers.in_rank.failure import OOM_EXIT_CODE
+from workers.in_rank.oom import aborted_out_of_memory, out_of_memory_cause, stderr_out_of_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 ALLOCATOR_TEXT = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB "
@@ -94,7 +94,7 @@ def _run_entry(tmp_path: Path, body: str, extra_files: dict[str, str] | None = N
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(body))
     report = tmp_path / "exit.json"
-    done = subprocess.run([sys.executable, "-m", "workers.entry", str(script)], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "workers.in_rank.entry", str(script)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
                                                        "AUTOTUNE_EXIT_REPORT": str(report)})
     return done.returncode, read_exit_report(report), done.stderr
@@ -111,19 +111,19 @@ def test_caught_oom_then_exit_1_is_an_oom(tmp_path: Path) -> None:
     """)
     assert code == OOM_EXIT_CODE
     assert report["oom"].startswith("OutOfMemoryError: CUDA out of memory") and report["profiling_exit"] is False
-    assert "workers.entry: out of memory" in stderr
+    assert "workers.in_rank.entry: out of memory" in stderr
 
 
 def test_a_plain_crash_stays_a_crash_with_its_report(tmp_path: Path) -> None:
     code, report, stderr = _run_entry(tmp_path, """
-        from workers.device_memory import report_peak
+        from workers.in_rank.device_memory import report_peak
         report_peak(3 * 2**30, 2 * 2**30)
         report_peak(2**30)  # a lower later value never lowers the peak
         raise RuntimeError("invalid device ordinal")
     """)
     assert code == 1 and "RuntimeError: invalid device ordinal" in stderr
-    assert "up" in report.pop("moments")  # workers.timeline's start of the rank's own clock
-    assert isinstance(report.pop("imported"), list)  # for the warm interpreter (workers.warm_start)
+    assert "up" in report.pop("moments")  # workers.slot.timeline's start of the rank's own clock
+    assert isinstance(report.pop("imported"), list)  # for the warm interpreter (workers.warm.warm_start)
     assert isinstance(report.pop("imported_count"), int)  # all it imported: whether to restart the warm process
     assert report == {"peak_device_bytes": 3 * 2**30, "peak_device_allocated_bytes": 2 * 2**30,
                       "profiling_exit": False}
@@ -131,7 +131,7 @@ def test_a_plain_crash_stays_a_crash_with_its_report(tmp_path: Path) -> None:
 
 def test_a_clean_run_reports_its_peak(tmp_path: Path) -> None:
     code, report, _ = _run_entry(tmp_path, """
-        from workers.device_memory import report_peak
+        from workers.in_rank.device_memory import report_peak
         report_peak(5 * 2**30)
     """)
     assert "up" in report.pop("moments")
@@ -185,12 +185,12 @@ def test_a_teardown_that_would_hang_after_the_profiling_exit_is_skipped(tmp_path
 
 
 def test_a_plain_torch_script_measured_by_workers_metrics_leaves_like_deepspeeds(tmp_path: Path) -> None:
-    """`workers.metrics` raises SystemExit(0) after the metrics, as DeepSpeed's engine exits: the same
+    """`workers.in_rank.metrics` raises SystemExit(0) after the metrics, as DeepSpeed's engine exits: the same
     exit without a teardown (a thread that never ends stands for NCCL's communicators)."""
     metric = tmp_path / "metrics.json"
     code, report, _ = _run_entry(tmp_path, f"""
         import threading
-        from workers.metrics import AutotuningMetrics
+        from workers.in_rank.metrics import AutotuningMetrics
         config = {{"train_micro_batch_size_per_gpu": 1,
                    "autotuning": {{"enabled": True, "metric_path": {str(metric)!r}, "end_profile_step": 2}}}}
         metrics = AutotuningMetrics.from_ds_config(config, rank=0, world_size=1)
@@ -277,7 +277,7 @@ def test_the_device_total_and_what_the_allocator_does_not_hold_are_reported(monk
     end of the run, total - free - reserved, on the busiest device; the memory model still guesses it."""
     import types
 
-    from workers import device_memory
+    from workers.in_rank import device_memory
 
     gib = 1 << 30
     # total, free, reserved; device 2 is a gang peer's GPU, visible to this rank, never used by it
@@ -336,11 +336,11 @@ class FakeCuda:
 def test_building_the_engine_is_kept_apart_from_the_training_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 21 item 14. Without zero.Init the whole model (30 GiB) reaches the GPU before ZeRO-3
     partitions it down to 6 GiB; training then peaks at 14 GiB allocated. The engine's build is
-    hooked (workers.step_clock): the build's peak is reported apart, and the training peak is 14,
+    hooked (workers.in_rank.step_clock): the build's peak is reported apart, and the training peak is 14,
     not 30. What the allocator keeps cached after the build (10 GiB reserved) is still reserved."""
     import types
 
-    from workers import device_memory, step_clock
+    from workers.in_rank import device_memory, step_clock
 
     gib = 1 << 30
     cuda = FakeCuda()
@@ -467,5 +467,5 @@ def test_only_an_abort_with_an_interim_report_is_read_from_the_counts() -> None:
     counts = {"interim": True, "device_ooms": 2}
     assert aborted_out_of_memory(-6, counts)[0].startswith("the CUDA allocator counted 2 out-of-memory error(s)")
     assert aborted_out_of_memory(-9, counts) == (None, None)  # killed, not aborted: our monitor's kill, a signal
-    assert aborted_out_of_memory(1, counts) == (None, None)  # an exit: workers.entry read the exception itself
+    assert aborted_out_of_memory(1, counts) == (None, None)  # an exit: workers.in_rank.entry read the exception itself
     assert aborted_out_of_memory(-6, {"device_ooms": 2}) == (None, None)  # a final report: entry already decided

@@ -1,5 +1,5 @@
 """An op that cannot be built (issue 21 item 1): recognised from the exception the rank holds
-(`workers.op_build`), carried into the record, and the job stopped with one line at its first such
+(`workers.in_rank.op_build`), carried into the record, and the job stopped with one line at its first such
 experiment; a resumed job launches that experiment again.
 
 The failures are real: torch compiling a C++ extension that does not compile, and DeepSpeed's own
@@ -17,9 +17,9 @@ from scheduler.search.fast_search import PROFILE, fast_search
 from scheduler.search.session import SearchAborted, refuse_unbuildable_op
 from scheduler.search.space import Experiment
 from tests.unit.test_fast_search import settings
-from workers.device_memory import read_exit_report
-from workers.op_build import op_build_failure
-from workers.records import aggregate
+from workers.in_rank.device_memory import read_exit_report
+from workers.in_rank.op_build import op_build_failure
+from workers.slot.records import aggregate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,12 +37,12 @@ def test_a_compile_error_inside_the_rank_is_an_op_that_cannot_be_built(tmp_path:
     report = tmp_path / "exit.json"
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(ROOT),
            "AUTOTUNE_EXIT_REPORT": str(report), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "MAX_JOBS": "1"}
-    done = subprocess.run([sys.executable, "-m", "workers.entry", str(script)], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "workers.in_rank.entry", str(script)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=env)
     assert done.returncode == 1  # still a crash: the status is unchanged, the record says why
     failure = read_exit_report(report)["op_build_failed"]
     assert failure.startswith("broken_op: RuntimeError: Error building extension 'broken_op'")
-    assert "workers.entry: an op could not be built or loaded: broken_op" in done.stderr
+    assert "workers.in_rank.entry: an op could not be built or loaded: broken_op" in done.stderr
 
 
 def test_deepspeeds_fused_adam_without_cuda_names_the_op(monkeypatch: pytest.MonkeyPatch) -> None:

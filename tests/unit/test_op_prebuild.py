@@ -1,4 +1,4 @@
-"""DeepSpeed's ops built before the script (workers.op_prebuild, issue 21 item 1): which ops a config
+"""DeepSpeed's ops built before the script (workers.slot.op_prebuild, issue 21 item 1): which ops a config
 makes the engine load, and a real child interpreter that builds them with the rank's environment,
 outside the experiment's limits, reporting an op that cannot be built in the record's words."""
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from workers import layout, op_prebuild
-from workers.op_prebuild import missing_ops, needed_op_builders, prebuild_ops
+from workers.files import layout
+from workers.slot import op_prebuild
+from workers.slot.op_prebuild import missing_ops, needed_op_builders, prebuild_ops
 
 def _config(optimizer: str | None, torch_adam: bool = False, stage: int = 2, **zero: object) -> dict:
     config: dict = {"zero_optimization": {"stage": stage, **zero}}
@@ -71,7 +72,7 @@ def _env(extensions: Path, **extra: str) -> dict[str, str]:
 
 def test_an_op_that_cannot_be_built_is_reported_before_any_training(tmp_path: Path) -> None:
     """A node whose compiler fails (as nvcc is missing on a GPU node): DeepSpeed's real builder runs
-    in the child, fails, and the failure comes back in the words `workers.op_build` gives it."""
+    in the child, fails, and the failure comes back in the words `workers.in_rank.op_build` gives it."""
     log = tmp_path / "rank.op_prebuild.log"
     broken = _env(tmp_path / "ext", CXX=str(failing_compiler(tmp_path)))
     failure = prebuild_ops(["FusedAdamBuilder"], broken, log)
@@ -88,7 +89,7 @@ def test_a_child_that_loads_every_op_is_not_started_again(tmp_path: Path, monkey
     leaves it to the script (DeepSpeed then says so itself) and reports success; the worker does not
     ask again before its next experiment. (A real build: the failure tests above run torch's.)"""
     monkeypatch.setattr(op_prebuild, "_LOADED_HERE", set())
-    log = tmp_path / layout.rank_log(0, "op_prebuild")  # the name workers.rank gives it
+    log = tmp_path / layout.rank_log(0, "op_prebuild")  # the name workers.slot.rank gives it
     assert prebuild_ops(["FusedLambBuilder"], _env(tmp_path / "ext"), log) is None
     assert log.is_file() and json.loads(log.with_suffix(".json").read_text()) == {}
     written = [p.name for p in tmp_path.iterdir() if p.is_file()]

@@ -12,7 +12,7 @@ from scheduler.cluster.backfill import Waiting, backfill
 from scheduler.cluster.placement import fits_ever, place
 from scheduler.errors import ClusterError, ResourceFilterError, UsageError
 from scheduler.launch.pool import PoolRequest, check_counts, registered, select_slots
-from workers.slot import Slot
+from workers.device.slot import Slot
 
 GiB = 2**30
 

@@ -1,4 +1,4 @@
-"""A rank says what it is without its environment (`workers.process_identity`): its title names its
+"""A rank says what it is without its environment (`workers.process.process_identity`): its title names its
 slot, job, experiment, rank and launch, and a group is recognised by the slot's record (the leader's
 start time) or by that title, never by /proc/<pid>/environ, which a rank forked from the warm
 process shows as the warm process's."""
@@ -15,10 +15,10 @@ import time
 import psutil
 import pytest
 
-from workers.entry import TITLE_ENV
-from workers.launch import group_runs_slot, marked_processes
-from workers.process_identity import RankIdentity, RankProcess, owns_group, start_time, titled_ranks
-from workers.warm_rank import run_forked_rank
+from workers.in_rank.entry import TITLE_ENV
+from workers.process.launch import group_runs_slot, marked_processes
+from workers.process.process_identity import RankIdentity, RankProcess, owns_group, start_time, titled_ranks
+from workers.warm.warm_rank import run_forked_rank
 
 IDENTITY = RankIdentity("n1.gpu3", "0123456789abcdef", "z1_gas1_tmbspg4", 1, 2, "f" * 32)
 

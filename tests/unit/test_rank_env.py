@@ -1,4 +1,4 @@
-"""What a rank process is given (`workers.rank_spec.rank_env`, `script_command`): the environment torchrun
+"""What a rank process is given (`workers.slot.rank_spec.rank_env`, `script_command`): the environment torchrun
 or DeepSpeed's launcher would set, bound to its slot and its gang's GPUs, without the worker's secrets."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.rank_spec import RankSpec, rank_env, script_command
-from workers.slot import Slot
+from workers.slot.rank_spec import RankSpec, rank_env, script_command
+from workers.device.slot import Slot
 
 GiB = 2**30
 
@@ -69,8 +69,8 @@ def test_a_cpu_rank_sees_no_gpu() -> None:
 @pytest.mark.parametrize(
     ("argv", "local_rank", "expected"),
     [
-        (["t.py", "--x"], None, [sys.executable, "-m", "workers.entry", "t.py", "--x"]),
-        (["t.py", "--x"], 1, [sys.executable, "-m", "workers.entry", "t.py", "--local_rank=1", "--x"]),
+        (["t.py", "--x"], None, [sys.executable, "-m", "workers.in_rank.entry", "t.py", "--x"]),
+        (["t.py", "--x"], 1, [sys.executable, "-m", "workers.in_rank.entry", "t.py", "--local_rank=1", "--x"]),
         (["./run.sh", "--x"], 0, ["./run.sh", "--local_rank=0", "--x"]),  # where DeepSpeed's launcher puts it
     ],
 )

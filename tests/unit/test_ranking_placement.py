@@ -10,7 +10,7 @@ import pytest
 from scheduler.errors import ClusterError
 from scheduler.cluster.placement import fits_ever, gang_link, is_loopback, largest_shape, pinned_placement, place
 from scheduler.search.ranking import best, metric_value, status_counts
-from workers.slot import Slot
+from workers.device.slot import Slot
 
 GiB = 1024**3
 

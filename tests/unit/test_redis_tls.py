@@ -1,4 +1,4 @@
-"""Which certificate files a Redis connection uses (workers.redis_tls): read from the environment,
+"""Which certificate files a Redis connection uses (workers.state.redis_tls): read from the environment,
 checked before anything connects, one line naming the variable when they cannot work."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.redis_tls import CA_ENV, CERT_ENV, KEY_ENV, TlsError, celery_options, describe_tls_failure, redis_options
+from workers.state.redis_tls import CA_ENV, CERT_ENV, KEY_ENV, TlsError, celery_options, describe_tls_failure, redis_options
 
 TLS = "rediss://:pw@redis.example:6380/0"
 PLAIN = "redis://:pw@redis.example:6379/0"

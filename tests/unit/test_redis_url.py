@@ -1,4 +1,4 @@
-"""One check of the cluster's Redis URL (`workers.redis_url`): its rules, the two policies callers
+"""One check of the cluster's Redis URL (`workers.state.redis_url`): its rules, the two policies callers
 choose (a unix socket, an empty password), the masking of every message, and the commands and
 `python -m deploy` agreeing on every URL but those the policies decide."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from deploy import plan
 from scheduler.errors import UsageError
 from scheduler.launch import environment
-from workers.redis_url import RedisUrlError, check_redis_url, masked_url
+from workers.state.redis_url import RedisUrlError, check_redis_url, masked_url
 
 SECRET = "s3cretpw"
 #: (url, what the message says, or None when the URL is accepted) under the default policy.

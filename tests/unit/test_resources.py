@@ -19,7 +19,7 @@ from scheduler.launch.resources import (
     parse_node_specs,
     resolve_resources,
 )
-from workers.gpus import Gpu
+from workers.device.gpus import Gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = {"worker-0": 4, "worker-1": 4, "worker-2": 2}
@@ -438,7 +438,7 @@ def test_main_detects_local_devices(capsys, monkeypatch, no_visible_devices, gpu
 
 
 def test_main_gpu_listing_error_is_a_usage_error_line(capsys, monkeypatch, no_visible_devices) -> None:
-    from workers.gpus import GpuListingError
+    from workers.device.gpus import GpuListingError
 
     def broken():
         raise GpuListingError("nvidia-smi printed a line this tool cannot read")

@@ -1,9 +1,9 @@
-"""workers.shared_memory: only the ending rank's own DeepSpeed all-reduce segment is removed."""
+"""workers.process.shared_memory: only the ending rank's own DeepSpeed all-reduce segment is removed."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from workers.shared_memory import remove_rank_segment, segment_name
+from workers.process.shared_memory import remove_rank_segment, segment_name
 
 
 def test_the_name_is_deepspeeds() -> None:

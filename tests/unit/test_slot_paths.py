@@ -1,4 +1,4 @@
-"""Slots (`workers.slot`) and results paths that cannot escape (`workers.paths`)."""
+"""Slots (`workers.device.slot`) and results paths that cannot escape (`workers.files.paths`)."""
 from __future__ import annotations
 
 import os
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import workers.slot as slot_module
-from workers.paths import read_json, safe_child, write_atomic, write_json
-from workers.gpus import Gpu, GpuListingError
-from workers.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, parse_size, slot_queue
+import workers.device.slot as slot_module
+from workers.files.paths import read_json, safe_child, write_atomic, write_json
+from workers.device.gpus import Gpu, GpuListingError
+from workers.device.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, parse_size, slot_queue
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 
@@ -292,7 +292,7 @@ def test_describe_local_cuda_slot(clean_env: pytest.MonkeyPatch, slots_env: str 
 def test_a_cuda_slot_knows_its_numa_node_and_pins_to_its_cores(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """GPU 2 sits on NUMA node 1 (cores 8-15 of 16; the worker may use 0-11): the slot says node 1 and
     pins its ranks to 8-11, the node's cores it is allowed (issue 21 item 16)."""
-    from workers import topology
+    from workers.device import topology
 
     device = tmp_path / "bus" / "pci" / "devices" / "0000:3b:00.0"
     device.mkdir(parents=True)

@@ -1,5 +1,5 @@
-"""The profiled window's step times (`workers.step_clock`): which steps count, how the metric record
-becomes the window's mean, and the DeepSpeed engine hook seen through a real `workers.entry` run
+"""The profiled window's step times (`workers.in_rank.step_clock`): which steps count, how the metric record
+becomes the window's mean, and the DeepSpeed engine hook seen through a real `workers.in_rank.entry` run
 (with a stand-in engine module that steps and exits from inside step(), as DeepSpeed's does)."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from workers.device_memory import read_exit_report
-from workers.rank_record import timed_metrics
-from workers.records import aggregate
-from workers.step_clock import wall_clock_metrics, window_seconds
+from workers.in_rank.device_memory import read_exit_report
+from workers.slot.rank_record import timed_metrics
+from workers.slot.records import aggregate
+from workers.in_rank.step_clock import wall_clock_metrics, window_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,7 @@ def _run_entry(tmp_path: Path, body: str) -> tuple[int, dict]:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(body))
     report = tmp_path / "exit{rank}.json"
-    done = subprocess.run([sys.executable, "-m", "workers.entry", str(script)], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "workers.in_rank.entry", str(script)], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{tmp_path}",
                                                       "AUTOTUNE_EXIT_REPORT": str(report), "RANK": "0"})
     assert done.returncode == 0, done.stderr
@@ -109,7 +109,7 @@ def test_entry_times_every_step_of_a_deepspeed_engine_through_its_profiling_exit
 def test_entry_times_an_engine_imported_before_the_hook_sees_it(tmp_path: Path) -> None:
     _, report = _run_entry(tmp_path, """
         import importlib, sys
-        from workers import step_clock
+        from workers.in_rank import step_clock
         sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_EngineImportHook"]
         engine_module = importlib.import_module("deepspeed.runtime.engine")
         assert not hasattr(engine_module.DeepSpeedEngine, "_autotune_step_clock")
@@ -147,7 +147,7 @@ def test_a_step_end_on_a_gpu_waits_for_the_device(monkeypatch: pytest.MonkeyPatc
     """Issue 21 item 18: host clocks without a synchronisation time kernel launches, not steps."""
     import types
 
-    from workers import step_clock
+    from workers.in_rank import step_clock
 
     cuda = _FakeCuda(initialized)
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
@@ -161,11 +161,11 @@ def test_a_step_end_on_a_gpu_waits_for_the_device(monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_plain_torch_scripts_phases_are_timed_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 21 item 18, `workers.metrics`: each fwd/bwd/step phase begins and ends after the device
+    """Issue 21 item 18, `workers.in_rank.metrics`: each fwd/bwd/step phase begins and ends after the device
     caught up, so a phase's time is the device's, not the time to queue its kernels."""
     import types
 
-    from workers.metrics import AutotuningMetrics
+    from workers.in_rank.metrics import AutotuningMetrics
 
     cuda = _FakeCuda(True)
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))

@@ -12,8 +12,8 @@ import pytest
 
 from scheduler.report.plot import startup_of
 from scheduler.report.startup import startup_summary, startup_text
-from workers.device_memory import read_exit_report
-from workers.timeline import launch_timeline, rank_timeline, startup_share
+from workers.in_rank.device_memory import read_exit_report
+from workers.slot.timeline import launch_timeline, rank_timeline, startup_share
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,8 +69,8 @@ def test_the_timeline_hatches_up_to_the_slowest_ranks_engine() -> None:
 
 
 def test_a_rank_notes_when_it_was_up_had_deepspeed_and_its_engine(tmp_path: Path) -> None:
-    """The clocks a real rank has: workers.entry's start, the engine module's import and the engine's
-    build (workers.step_clock's hook, on a stand-in DeepSpeed), and its steps."""
+    """The clocks a real rank has: workers.in_rank.entry's start, the engine module's import and the engine's
+    build (workers.in_rank.step_clock's hook, on a stand-in DeepSpeed), and its steps."""
     (tmp_path / "deepspeed" / "runtime").mkdir(parents=True)
     for package in ("deepspeed", "deepspeed/runtime"):
         (tmp_path / package / "__init__.py").write_text("")
@@ -89,7 +89,7 @@ def test_a_rank_notes_when_it_was_up_had_deepspeed_and_its_engine(tmp_path: Path
     script.write_text("from deepspeed.runtime.engine import DeepSpeedEngine\n"
                       "engine = DeepSpeedEngine()\nfor _ in range(3):\n    engine.step()\n")
     launched = time.time()
-    done = subprocess.run([sys.executable, "-m", "workers.entry", str(script)], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "workers.in_rank.entry", str(script)], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{tmp_path}",
                                                       "AUTOTUNE_EXIT_REPORT": str(tmp_path / "exit.json")})
     assert done.returncode == 0, done.stderr

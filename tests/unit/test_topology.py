@@ -1,4 +1,4 @@
-"""Where a GPU sits (workers.topology): nvidia-smi's bus ids, sysfs's NUMA node and cpulist, read
+"""Where a GPU sits (workers.device.topology): nvidia-smi's bus ids, sysfs's NUMA node and cpulist, read
 from a sysfs tree made in the test."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.topology import (
+from workers.device.topology import (
     link_rank, node_cpus, normalized_bus_id, numa_node_of, parse_bus_ids, parse_cpulist, parse_topology, worst_link,
 )
 

@@ -1,4 +1,4 @@
-"""The warm path's decisions (workers.warm_plan; workers.warm_start.server_env): what is preloaded,
+"""The warm path's decisions (workers.warm.warm_plan; workers.warm.warm_start.server_env): what is preloaded,
 what runs cold, what the warm process's environment holds, when its code changed on disk, and when
 CUDA was initialised in it. The forking itself: tests/integration/test_warm_start.py."""
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from workers.launch import CONTAINER_ENV
-from workers.warm_preload import code_stamp, driver_initialised
-from workers.warm_rank import rank_sys_path
-from workers.warm_plan import (DEEPSPEED_PRELOAD, SWITCH_ENV, beyond_the_standard_library, code_changed,
+from workers.process.launch import CONTAINER_ENV
+from workers.warm.warm_preload import code_stamp, driver_initialised
+from workers.warm.warm_rank import rank_sys_path
+from workers.warm.warm_plan import (DEEPSPEED_PRELOAD, SWITCH_ENV, beyond_the_standard_library, code_changed,
                                import_time_env, installed_roots, preload_modules, top_level_imports, why_cold)
-from workers.warm_start import PRELOAD_ENV, server_env
+from workers.warm.warm_start import PRELOAD_ENV, server_env
 
 
 def test_top_level_imports_in_order_including_guarded_ones_but_not_inside_functions() -> None:
@@ -105,7 +105,7 @@ def test_the_warm_process_has_no_ranks_identity_but_checks_cuda_through_nvml(tmp
     assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "AUTOTUNE_EXIT_REPORT"} & set(env)
     assert env[CONTAINER_ENV] == "server-token" and env["AUTOTUNE_SLOT"] == "n.gpu0"
     assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1" and env["DS_ACCELERATOR"] == "cuda"
-    assert env["OMP_NUM_THREADS"] == "4" and env[PRELOAD_ENV] == "torch,deepspeed,workers.warm_rank"
+    assert env["OMP_NUM_THREADS"] == "4" and env[PRELOAD_ENV] == "torch,deepspeed,workers.warm.warm_rank"
     assert server_env({"DS_ACCELERATOR": "cpu"}, "cuda", [], "t", tmp_path)["DS_ACCELERATOR"] == "cpu"
     assert import_time_env({"OMP_NUM_THREADS": "4"}) != import_time_env({"OMP_NUM_THREADS": "2"})
 

@@ -1,4 +1,4 @@
-"""Every Celery worker this project starts gets its flags from `workers.worker_command`: the embedded
+"""Every Celery worker this project starts gets its flags from `scheduler.embedded.worker_command`: the embedded
 cluster and `python -m deploy` call it, and the systemd units and the Slurm script, which are text,
 carry exactly its command lines (given the placeholders each template uses)."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from deploy import remote
 from deploy.plan import plan_workers, up_request
 from deploy.templates import FOLDER
-from workers import local_cluster
-from workers.worker_command import (CONTROL_QUEUE, control_worker_argv, flower_argv, slot_worker_argv,
+from scheduler.embedded import local_cluster
+from scheduler.embedded.worker_command import (CONTROL_QUEUE, control_worker_argv, flower_argv, slot_worker_argv,
                                     worker_argv)
 
 #: Each template's Celery command lines, in order, as the builder writes them with its placeholders.

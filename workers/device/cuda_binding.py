@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from workers.slot import Slot
+from workers.device.slot import Slot
 
 #: What the child prints: the UUID of the one device CUDA sees, or nothing when it sees no CUDA.
 PROBE = ("import torch\n"

@@ -8,10 +8,10 @@ own sake. Two things make it run out early on a real node:
 The slot worker never opens a CUDA context on its GPU, so whatever nvidia-smi shows as used there
 outside a run belongs to someone else. So before each rank, and after each rank's processes ended:
 while more than `FREE_BYTES` is used, wait (polling every `POLL_S`, at most `WAIT_S`). A wait that
-runs out is `Wait.busy`: the rank then takes its slot out of tuning (`workers.slot_health`) instead
+runs out is `Wait.busy`: the rank then takes its slot out of tuning (`workers.state.slot_health`) instead
 of starting, or, after a run, before its slot is released.
 
-Pure decision logic: the reading of the usage and the clock are passed in (`workers.gpus.memory_used`
+Pure decision logic: the reading of the usage and the clock are passed in (`workers.device.gpus.memory_used`
 in the worker).
 """
 from __future__ import annotations

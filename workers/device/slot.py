@@ -1,7 +1,7 @@
 """What a slot is, what it can hold, and how a child process is bound to it.
 
 A slot is one device of one node, served by one Celery worker through the queue `<node>.gpu<i>`.
-On a GPU node `gpu<i>` is the node's i-th usable GPU (`workers.gpus`: nvidia-smi, honouring an
+On a GPU node `gpu<i>` is the node's i-th usable GPU (`workers.device.gpus`: nvidia-smi, honouring an
 inherited CUDA_VISIBLE_DEVICES), the capacity is its memory as nvidia-smi reports it, and the worker
 never initialises CUDA itself; a rank sees its gang's GPUs on the node (see `Slot.child_env`). On a node
 without GPUs, `gpu<i>` is a CPU slot: a memory cap (AUTOTUNE_SLOT_MEMORY, default total RAM /
@@ -33,8 +33,8 @@ from functools import cached_property
 
 import psutil
 
-from workers.gpus import GpuListingError, local_gpus, refuse_mig
-from workers.topology import gpu_bus_ids, gpu_links, node_cpus, numa_node_of
+from workers.device.gpus import GpuListingError, local_gpus, refuse_mig
+from workers.device.topology import gpu_bus_ids, gpu_links, node_cpus, numa_node_of
 
 _QUEUE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+)\.)?gpu(?P<device>\d+)$")
 _SIZE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -101,7 +101,7 @@ class Slot:
     cuda_index: int = -1  #: CUDA slots: the GPU's nvidia-smi (PCI bus order) index; -1 on CPU slots
     host: str = ""  #: the machine's identity (machine-id): "nodes" sharing it can meet over loopback
     gpu_uuid: str = ""  #: CUDA slots: the GPU's UUID, which no other slot of the same host may serve
-    numa_node: int = -1  #: CUDA slots: the GPU's NUMA node (workers.topology; -1: unknown)
+    numa_node: int = -1  #: CUDA slots: the GPU's NUMA node (workers.device.topology; -1: unknown)
     #: CUDA slots: (other GPU's index, link class) for the node's other GPUs (`nvidia-smi topo -m`)
     links: tuple[tuple[int, str], ...] = ()
 

@@ -23,7 +23,7 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-from workers.gpus import query
+from workers.device.gpus import query
 
 #: Link classes from slowest to fastest; `NV#` ranks above all, more bonded links faster.
 LINK_ORDER = ("SYS", "NODE", "PHB", "PXB", "PIX")

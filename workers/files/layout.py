@@ -21,8 +21,8 @@ The layout (DeepSpeed's, plus ours):
     <exps_dir>/<experiment>.json             each experiment's description (DESCRIPTION_KEYS)
 
 plus the temporary files of atomic writes, which an interrupted run may leave behind: `.<name>.<random>`
-(`workers.paths.write_atomic`), `.tmp-<random>.json` (`workers.metrics`, beside the metric file) and
-`<exit report>.<pid>.tmp` (`workers.device_memory`). What the user's script writes into an experiment
+(`workers.files.paths.write_atomic`), `.tmp-<random>.json` (`workers.in_rank.metrics`, beside the metric file) and
+`<exit report>.<pid>.tmp` (`workers.in_rank.device_memory`). What the user's script writes into an experiment
 folder (a checkpoint, a file of its own) is not listed: overwrite refuses it, as any file of theirs.
 """
 from __future__ import annotations
@@ -60,10 +60,10 @@ EXPERIMENT_FILES = frozenset({EXP_JSON, DS_CONFIG, CMD, METRICS, MODEL_INFO, RES
 EXPERIMENT_CORE = (DS_CONFIG, EXP_JSON, RESULT)
 #: Per-rank logs, `<prefix><stream>[.<launch>].log` (rank 0 unprefixed, rank N `rankN.`), and op_prebuild's
 #: report beside its log (`.json`). Each launch writes its own (`rank_log` with its launch); the folder
-#: shows the counted launch's under the plain names (`workers.launch_files`).
+#: shows the counted launch's under the plain names (`workers.process.launch_files`).
 RANK_STREAMS = ("stdout", "stderr", "op_prebuild")
 
-CLUSTER_DIR = "cluster"  #: the embedded cluster's folder inside the results folder (`workers.local_cluster`)
+CLUSTER_DIR = "cluster"  #: the embedded cluster's folder inside the results folder (`scheduler.embedded.local_cluster`)
 PIDS = "pids.json"
 #: `<exps_dir>/<name>.json`, DeepSpeed's experiment description: exactly these keys.
 DESCRIPTION_KEYS = frozenset({"name", "ds_config", "num_gpus", "num_nodes"})
@@ -73,7 +73,7 @@ DESCRIPTION_KEYS = frozenset({"name", "ds_config", "num_gpus", "num_nodes"})
 #: launch runs on, and the relaunch elsewhere) never read or write each other's config, metrics,
 #: description (its slots differ), command (its interpreter may), logs or exit reports. The control
 #: worker writes the counted launch's metrics to METRICS, its record to RESULT, and shows its
-#: description, command and logs under the plain names (`workers.launch_files.LaunchFiles.adopt`).
+#: description, command and logs under the plain names (`workers.process.launch_files.LaunchFiles.adopt`).
 LAUNCH_FILES = (DS_CONFIG, METRICS, MODEL_INFO, EXP_JSON, CMD)
 #: A launch's name in its files: the first LAUNCH_ID_CHARS hex digits of its attempt token.
 LAUNCH_ID_CHARS = 12
@@ -95,12 +95,12 @@ def rank_log(rank: int, stream: str, launch: str = "") -> str:
     """`stdout.log` for rank 0, `rank<N>.stdout.log` for the others (DeepSpeed's layout has rank 0's);
     with `launch` (`launch_id`), the name that launch writes: `stdout.<launch>.log`."""
     if stream not in RANK_STREAMS:
-        raise ValueError(f"no per-rank log {stream!r} in workers.layout: add it to RANK_STREAMS")
+        raise ValueError(f"no per-rank log {stream!r} in workers.files.layout: add it to RANK_STREAMS")
     return f"{'' if rank == 0 else f'rank{rank}.'}{stream}{f'.{launch}' if launch else ''}.log"
 
 
 def exit_report(rank: int, launch: str = "") -> str:
-    """What `workers.device_memory` writes as the rank's process ends (every rank, rank 0 too);
+    """What `workers.in_rank.device_memory` writes as the rank's process ends (every rank, rank 0 too);
     `launch` (`launch_id`) names the launch it belongs to."""
     return f"rank{rank}.{launch}.exit.json" if launch else f"rank{rank}.exit.json"
 
@@ -118,7 +118,7 @@ def launch_file(name: str, launch: str) -> str:
     """`name` (one of LAUNCH_FILES) as launch `launch` writes it: metrics.json -> metrics.<launch>.json,
     cmd.txt -> cmd.<launch>.txt."""
     if name not in LAUNCH_FILES:
-        raise ValueError(f"{name!r} is not one of workers.layout.LAUNCH_FILES")
+        raise ValueError(f"{name!r} is not one of workers.files.layout.LAUNCH_FILES")
     stem, _, suffix = name.rpartition(".")
     return f"{stem}.{launch}.{suffix}"
 
@@ -156,7 +156,7 @@ def cluster_file(cluster_dir: Path, name: str) -> Path:
 
 def _checked(folder: Path, name: str, known: Callable[[str], bool], where: str) -> Path:
     if "/" in name or not known(name):
-        raise ValueError(f"{name!r} is not a file workers.layout lists ({where}): list it there, or "
+        raise ValueError(f"{name!r} is not a file workers.files.layout lists ({where}): list it there, or "
                          '"overwrite": true would refuse the folder it is written into')
     return Path(folder) / name
 

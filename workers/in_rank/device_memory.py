@@ -2,7 +2,7 @@
 
 Why inside the process: on a GPU slot the memory that limits the micro-batch is device memory, and
 only the process that owns the CUDA context can read its allocator's peaks (the worker never
-initialises CUDA, and nvidia-smi sees neither peaks nor which process held what). So `workers.entry`
+initialises CUDA, and nvidia-smi sees neither peaks nor which process held what). So `workers.in_rank.entry`
 reads them when the script ends, also after an out-of-memory, and writes them with what it knows
 about the ending into the rank's exit report (a small JSON file named by AUTOTUNE_EXIT_REPORT). The
 rank reads that file into its record: `peak_device_bytes` (`torch.cuda.max_memory_reserved`, what
@@ -11,12 +11,12 @@ the allocator held: the figure that hits the device's limit), `peak_device_alloc
 usable total and what on it the allocator does not hold (`device_total_bytes`, and
 `device_untracked_bytes` = total - free - reserved at the end: the CUDA context, NCCL's buffers,
 other processes; what the memory model's reserve guesses), and when each
-optimizer step ended (`step_ends`, from `workers.step_clock`).
+optimizer step ended (`step_ends`, from `workers.in_rank.step_clock`).
 
 Building a DeepSpeed engine can hold more than training does (without `zero.Init` the whole model
 goes to the GPU before ZeRO-3 partitions it), and that transient does not grow with the micro-batch:
 counted in the training peak it would inflate the overhead the memory model takes from the profile
-run. So when an engine is built (`workers.step_clock` calls `start_training_peak`)
+run. So when an engine is built (`workers.in_rank.step_clock` calls `start_training_peak`)
 the peaks so far are kept apart as `peak_device_init_bytes` / `peak_device_init_allocated_bytes`,
 and the allocator's peak counters restart: `peak_device_bytes` and `peak_device_allocated_bytes`
 are then training's. (Memory the allocator keeps cached after init still counts as reserved, as it
@@ -29,7 +29,7 @@ A process that aborts (torch's NCCL watchdog ends a rank with SIGABRT; a C++ exc
 thread of its own calls terminate) writes no report at its end. So while the script runs,
 `InterimReports` writes the figures so far every `INTERIM_S`, marked `interim`: the rank then still
 knows whether the allocator had run out of memory, or had to retry allocations, before the abort
-(`workers.rank` reads it).
+(`workers.slot.rank` reads it).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-#: Environment variable naming the file `workers.entry` writes the exit report to.
+#: Environment variable naming the file `workers.in_rank.entry` writes the exit report to.
 EXIT_REPORT_ENV = "AUTOTUNE_EXIT_REPORT"
 
 #: How often a running script's figures so far are written (`InterimReports`): reading the
@@ -188,12 +188,12 @@ def read_exit_report(path: Path) -> dict[str, Any]:
         kept["step_ends"] = ends
     imported = data.get("imported")
     if isinstance(imported, list) and all(isinstance(name, str) for name in imported):
-        kept["imported"] = imported[:300]  # workers.entry.imports_since
+        kept["imported"] = imported[:300]  # workers.in_rank.entry.imports_since
     count = data.get("imported_count")
     if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
         kept["imported_count"] = count  # all the modules it imported: whether to start the warm process again
     moments = data.get("moments")
-    if isinstance(moments, dict):  # workers.step_clock.moments: wall-clock seconds by name
+    if isinstance(moments, dict):  # workers.in_rank.step_clock.moments: wall-clock seconds by name
         kept["moments"] = {str(name): float(at) for name, at in moments.items()
                            if isinstance(at, (int, float)) and not isinstance(at, bool)}
     return kept

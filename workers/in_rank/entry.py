@@ -1,21 +1,21 @@
-"""`python -m workers.entry script.py args...`: run a Python training script as `python script.py` would,
+"""`python -m workers.in_rank.entry script.py args...`: run a Python training script as `python script.py` would,
 but turn an out-of-memory into a distinct exit status and leave an exit report behind.
 
 A CUDA OOM (or a host MemoryError) is an OOM, not a crash, and the search treats it as an upper
 bound on the micro-batch size. Recognising it here, in the same process, from the exception objects
-(`workers.oom`: every form, through the cause/context chain) is exact; searching stderr for the text
+(`workers.in_rank.oom`: every form, through the cause/context chain) is exact; searching stderr for the text
 would not be. When the script exits non-zero without an OOM exception in sight, the CUDA allocator's
 own OOM count still tells (a library that swallowed the exception and exited).
 
-The exit report (`workers.device_memory`; written every few seconds while the script runs, for a
+The exit report (`workers.in_rank.device_memory`; written every few seconds while the script runs, for a
 process that aborts) carries the peak device memory, whether the script
 left through DeepSpeed's profiling exit, which op could not be built when a JIT build of DeepSpeed's
-ops killed it (`workers.op_build`), and when each optimizer step ended
-(`workers.step_clock`: the metric is the mean step time of the window, not the engine's last step).
+ops killed it (`workers.in_rank.op_build`), and when each optimizer step ended
+(`workers.in_rank.step_clock`: the metric is the mean step time of the window, not the engine's last step).
 After a profiling exit or an OOM the rank leaves at once, without the interpreter's teardown
 (`_leave_now`): tearing down live NCCL communicators can hang, on CPU it sometimes aborts, and the
 measurement is already complete. A rank that still aborts after writing a report that says it got
-that far is excused (`workers.records`).
+that far is excused (`workers.slot.records`).
 """
 from __future__ import annotations
 
@@ -25,27 +25,27 @@ import sys
 import traceback
 from collections.abc import Mapping
 
-from workers.device_memory import InterimReports, measured_peaks, write_exit_report
-from workers.failure import OOM_EXIT_CODE
-from workers.oom import out_of_memory_cause
-from workers.op_build import op_build_failure
-from workers.step_clock import install_deepspeed_hook, moments, note, step_ends
+from workers.in_rank.device_memory import InterimReports, measured_peaks, write_exit_report
+from workers.in_rank.failure import OOM_EXIT_CODE
+from workers.in_rank.oom import out_of_memory_cause
+from workers.in_rank.op_build import op_build_failure
+from workers.in_rank.step_clock import install_deepspeed_hook, moments, note, step_ends
 
 #: Where DeepSpeed's engine calls exit() after the profiled steps (`_autotuning_exit`) or after
 #: writing the model info of a profile run (`forward`).
 _PROFILING_EXITS = {("deepspeed/runtime/engine.py", "_autotuning_exit"), ("deepspeed/runtime/engine.py", "forward")}
 
 
-#: The same exit for a plain-torch script that measures itself with `workers.metrics`.
-_METRICS_EXIT = ("workers/metrics.py", "end_micro_step")
-#: The title the rank takes (`ps`, `top`), set by its slot (`workers.process_identity`): what it is,
+#: The same exit for a plain-torch script that measures itself with `workers.in_rank.metrics`.
+_METRICS_EXIT = ("workers/in_rank/metrics.py", "end_micro_step")
+#: The title the rank takes (`ps`, `top`), set by its slot (`workers.process.process_identity`): what it is,
 #: readable without its environment, which a rank forked from the warm process shows as that process's.
 TITLE_ENV = "AUTOTUNE_PROCESS_TITLE"
 
 
 def is_profiling_exit(exc: BaseException | None) -> bool:
     """A clean SystemExit whose innermost DeepSpeed frame is one of the engine's profiling exits, or
-    raised by `workers.metrics` after writing the metrics (DeepSpeed's exit for a plain-torch script,
+    raised by `workers.in_rank.metrics` after writing the metrics (DeepSpeed's exit for a plain-torch script,
     whose process groups are just as alive)."""
     if not isinstance(exc, SystemExit) or exit_status(exc) != 0:
         return False
@@ -76,7 +76,7 @@ def exit_status(exc: BaseException | None) -> int:
 def main() -> None:
     note("up")
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m workers.entry script.py [args...]")
+        sys.exit("usage: python -m workers.in_rank.entry script.py [args...]")
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -85,7 +85,7 @@ def main() -> None:
 
 def run_script(script: str) -> None:
     """Run `script` as `__main__` (sys.argv and sys.path already set), then report how it ended and
-    leave or re-raise as `main` describes; `workers.warm_start` calls it in a forked rank."""
+    leave or re-raise as `main` describes; `workers.warm.warm_start` calls it in a forked rank."""
     take_title()
     pid = os.getpid()
     error: BaseException | None = None
@@ -117,9 +117,9 @@ def run_script(script: str) -> None:
                        "moments": moments(), "imported": imports_since(loaded),
                        "imported_count": sum(1 for name in list(sys.modules) if name not in loaded)})
     if op_build is not None:
-        print(f"workers.entry: an op could not be built or loaded: {op_build}", file=sys.stderr)
+        print(f"workers.in_rank.entry: an op could not be built or loaded: {op_build}", file=sys.stderr)
     if oom is not None:
-        print(f"workers.entry: out of memory: {oom}"[:2000], file=sys.stderr)
+        print(f"workers.in_rank.entry: out of memory: {oom}"[:2000], file=sys.stderr)
         _leave_now(OOM_EXIT_CODE)
     if is_profiling_exit(error):
         _leave_now(0)
@@ -130,7 +130,7 @@ def run_script(script: str) -> None:
 def take_title(env: Mapping[str, str] | None = None) -> None:
     """Take the title the slot gave this rank (TITLE_ENV in `env`, this process's environment by
     default), through the setproctitle library; a process this one forks keeps it. A forked rank
-    takes it before it replaces its environment (`workers.warm_rank`): setproctitle finds the
+    takes it before it replaces its environment (`workers.warm.warm_rank`): setproctitle finds the
     memory it writes through the environment the process started with. Before `run_script` notes
     what is loaded: not the script's import."""
     title = (os.environ if env is None else env).get(TITLE_ENV)
@@ -146,7 +146,7 @@ def take_title(env: Mapping[str, str] | None = None) -> None:
 def imports_since(loaded: set[str], limit: int = 300) -> list[str]:
     """The modules this run imported that were not loaded before it (the outermost of each:
     `torch._dynamo`, not its submodules), for the slot's warm interpreter to import before the next
-    rank (`workers.warm_start.WarmStarts.learn`, which keeps the installed ones only): torch and
+    rank (`workers.warm.warm_start.WarmStarts.learn`, which keeps the installed ones only): torch and
     DeepSpeed import much lazily, inside `deepspeed.initialize`."""
     new = {name for name in list(sys.modules) if name not in loaded}
     found = []

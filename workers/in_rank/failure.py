@@ -4,7 +4,7 @@ The class comes from the exit code, the signal, what our own monitor did (killed
 time, because a peer rank failed, or because it still ran well after the experiment had measured)
 and whether the metrics file exists. Never from searching
 stderr for words: a script that logs "error" and exits 0 with metrics is fine, and one that
-crashes silently is still a crash. The one reading of stderr is `workers.oom.stderr_out_of_memory`,
+crashes silently is still a crash. The one reading of stderr is `workers.in_rank.oom.stderr_out_of_memory`,
 done by the rank on a crash: a traceback that ends in an allocator's out-of-memory (a script
 started through a wrapper, whose exception the rank's interpreter never holds), or NCCL's watchdog
 aborting the process over one (SIGABRT, no traceback), makes it `oom`.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 from enum import Enum
 
-#: Exit status of `workers.entry` when the script raised an out-of-memory exception
+#: Exit status of `workers.in_rank.entry` when the script raised an out-of-memory exception
 #: (torch.cuda.OutOfMemoryError or MemoryError). Chosen outside the range shells and Python use.
 OOM_EXIT_CODE = 86
 
@@ -31,7 +31,7 @@ class Status(str, Enum):
     RENDEZVOUS_FAILED = "rendezvous_failed"  #: rank 0's address never arrived before the deadline
     ABORTED = "aborted"  #: stopped by us because another rank of the experiment failed
     LOST = "lost"  #: the rank never reported (worker or node died)
-    #: not started: other processes held memory on the slot's GPU past the wait (workers.device_idle);
+    #: not started: other processes held memory on the slot's GPU past the wait (workers.device.device_idle);
     #: the slot is out of tuning until it frees and the experiment is queued again, never recorded
     GPU_BUSY = "gpu_busy"
 

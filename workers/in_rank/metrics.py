@@ -27,10 +27,10 @@ DeepSpeed measures FLOPs with its profiler; here the script supplies an
 estimate per optimizer step and rank, and ``FLOPS_per_gpu`` is omitted when it
 does not.
 
-Every optimizer step's end is also noted on `workers.step_clock`, so that under `workers.entry`
+Every optimizer step's end is also noted on `workers.in_rank.step_clock`, so that under `workers.in_rank.entry`
 the run's metric is its window's mean step time, as for a DeepSpeed script.
 
-Only the standard library (and `workers.step_clock`, which imports nothing else) is imported at module level; torch is touched only
+Only the standard library (and `workers.in_rank.step_clock`, which imports nothing else) is imported at module level; torch is touched only
 through the model object a caller passes in, so importing this module is cheap.
 """
 
@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from workers import step_clock
+from workers.in_rank import step_clock
 
 TIMER_NAMES = ("fwd", "bwd", "step")
 DEFAULT_START_PROFILE_STEP = 3

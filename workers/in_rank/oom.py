@@ -12,7 +12,7 @@ misread as a crash costs the search a bound (issue: GPU OOMs classed `crashed`).
 - any of these as the `__cause__` or `__context__` of what finally propagates: a script or library
   that catches the OOM and raises its own error, or calls `sys.exit(1)` inside the `except` block;
 - a host `MemoryError`.
-Decided from the exception objects the process itself holds wherever `workers.entry` runs the script
+Decided from the exception objects the process itself holds wherever `workers.in_rank.entry` runs the script
 in the rank's own interpreter. A script started through a wrapper (a shell script, `--no_python`, its
 own launcher) shows its OOM only as a traceback on the rank's stderr; and an OOM that NCCL meets
 inside a collective is often caught by torch's NCCL watchdog thread, which ends the process with
@@ -22,7 +22,7 @@ strictly: only the last fatal report counts (the final exception line of the las
 or the `what():` text of the last C++ "terminate called after throwing" from torch's c10), so another
 rank's log line, a warning, or a script printing "out of memory" as advice never turns into an OOM.
 A process that aborted with nothing readable on stderr still left the allocator's counters in its
-interim exit report (`workers.device_memory.InterimReports`): `aborted_out_of_memory` reads them.
+interim exit report (`workers.in_rank.device_memory.InterimReports`): `aborted_out_of_memory` reads them.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ one is recorded `crashed`, retried, and the search spends its whole budget learn
 the op and the fix (`scheduler.search.fast_search`), and a resumed job launches that experiment again once
 the node can build it.
 
-Decided from the exception object the rank's own interpreter holds (`workers.entry`), like an OOM
-(`workers.oom`): an exception in the cause/context chain that was raised inside an op builder,
+Decided from the exception object the rank's own interpreter holds (`workers.in_rank.entry`), like an OOM
+(`workers.in_rank.oom`): an exception in the cause/context chain that was raised inside an op builder,
 i.e. whose traceback passes through DeepSpeed's `deepspeed/ops/op_builder/` or torch's
 `torch/utils/cpp_extension.py` (JIT compilation and loading). The forms seen: torch's
 `RuntimeError: Error building extension 'fused_adam'` (the compiler failed), torch's `OSError:

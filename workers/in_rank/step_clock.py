@@ -2,23 +2,23 @@
 
 Why: DeepSpeed's autotuning metric is not a mean over the profiled steps. Its timers are reset at
 every gradient-accumulation boundary, so the metric file holds the forward, backward and step times
-of the *last* optimizer step only (`workers.metrics` reproduces that). One step is one draw: on the
+of the *last* optimizer step only (`workers.in_rank.metrics` reproduces that). One step is one draw: on the
 2-core machine ZeRO-0's steps of train_gpt.py alternate between ~1.0 s and 1.5-3 s while ZeRO-1's
 stay at ~0.8 s, so a lucky last step made ZeRO-0 the winner of a tuning run whose real run trained
 at half the speed. What a real run pays is the mean step time, the
 time between optimizer steps with data loading and everything else included.
 
-So `workers.entry` installs `install_deepspeed_hook` before the user's script runs: when DeepSpeed's
+So `workers.in_rank.entry` installs `install_deepspeed_hook` before the user's script runs: when DeepSpeed's
 engine module is imported, its `step` and `_autotuning_exit` are wrapped to note the moment each
 optimizer step ends (`mark`), and the exit report carries those moments (`step_ends`). A script
-that does not use DeepSpeed takes part through `workers.metrics`, which marks its own steps. The
+that does not use DeepSpeed takes part through `workers.in_rank.metrics`, which marks its own steps. The
 rank then turns the moments into the window's step times (`window_seconds`: the steps DeepSpeed's
 profiler covers, from the first profiled step to the one after which the metric file is written)
 and the metric record into wall-clock figures (`wall_clock_metrics`). The two pure functions have
-no I/O and are tested directly. The same hook also tells `workers.device_memory` when an engine has
+no I/O and are tested directly. The same hook also tells `workers.in_rank.device_memory` when an engine has
 been built (its `__init__` is wrapped too), so the build's memory transient stays out of the
 training peak, and notes (`note`) when DeepSpeed finished importing and when the engine was ready:
-with `workers.entry`'s own "up" these are the rank's start-up phases (`workers.timeline`).
+with `workers.in_rank.entry`'s own "up" these are the rank's start-up phases (`workers.slot.timeline`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import time
 from types import ModuleType
 from typing import Any, Mapping, Sequence
 
-from workers.device_memory import start_training_peak
+from workers.in_rank.device_memory import start_training_peak
 
 #: Moments kept at most (the window is a handful of steps; a long run without autotuning keeps its
 #: latest ones only).
@@ -99,7 +99,7 @@ def install_deepspeed_hook() -> None:
     engine class at once when DeepSpeed is already imported, else when it is (nothing is imported
     here, so a script without DeepSpeed pays nothing)."""
     module = sys.modules.get(ENGINE_MODULE)
-    if module is not None:  # imported before the script ran (a warm start, workers.warm_start)
+    if module is not None:  # imported before the script ran (a warm start, workers.warm.warm_start)
         _patch_engine(module)
         note("imports")
     elif not any(isinstance(finder, _EngineImportHook) for finder in sys.meta_path):
@@ -138,7 +138,7 @@ def _patch_engine(module: ModuleType) -> None:
     def built(self: Any, *args: Any, **kwargs: Any) -> None:
         build(self, *args, **kwargs)
         note("engine")
-        start_training_peak()  # the build's transient is not training's peak (workers.device_memory)
+        start_training_peak()  # the build's transient is not training's peak (workers.in_rank.device_memory)
 
     engine.__init__ = built
     if step is not None:

@@ -11,14 +11,14 @@ puts a token in its environment (CONTAINER_ENV) and, after the group, every live
 carrying that token is stopped too. A process that clears its environment escapes this; a cgroup
 per experiment would not, but needs a delegated cgroup tree that slot workers rarely have.
 
-The process is a `subprocess.Popen` unless the caller passes `spawn` (`workers.warm_start` forks
+The process is a `subprocess.Popen` unless the caller passes `spawn` (`workers.warm.warm_start` forks
 ranks from a warm interpreter): anything with `pid`, `poll()` and `wait(timeout)`, and optionally
 `forked_from_warm` (true: the memory it shares with the process it was forked from counts as its
-own, `workers.tree_memory.inherited`) and `leftover_marks()` (more tokens whose processes to stop
+own, `workers.process.tree_memory.inherited`) and `leftover_marks()` (more tokens whose processes to stop
 after the group, and pids to spare: one pass over the process table for all). A launch given a
-`title` hands it to the rank (`workers.entry.TITLE_ENV`), and a process still carrying that title
+`title` hands it to the rank (`workers.in_rank.entry.TITLE_ENV`), and a process still carrying that title
 after the group, wherever it went, is stopped too: a process forked without exec shows the title
-but not the launch's environment (`workers.process_identity`). The time limit starts
+but not the launch's environment (`workers.process.process_identity`). The time limit starts
 when `spawn` returns: the wait for a warm process (its preload, tens of seconds on a loaded machine
 or a shared filesystem) is start-up, in the wall, but not the experiment's to spend.
 """
@@ -37,9 +37,9 @@ from typing import IO, Any
 
 import psutil
 
-from workers.failure import KillReason
-from workers.process_identity import TITLE_ENV, owns_group, terminate_then_kill
-from workers.tree_memory import TreeMemory
+from workers.in_rank.failure import KillReason
+from workers.process.process_identity import TITLE_ENV, owns_group, terminate_then_kill
+from workers.process.tree_memory import TreeMemory
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ TITLE_MIN = len("autotune rank 0/1 slot=n.gpu0 launch=0123456789ab")
 #: How long a rank may still run once its experiment has measured (rank 0's metrics written) before it
 #: is taken as hung in its teardown and stopped, its measurement kept: after DeepSpeed's profiling
 #: exit() the interpreter's teardown aborts live NCCL communicators, which can hang (pytorch#117291,
-#: NVIDIA/nccl#1013). `workers.entry` leaves without a teardown; a script started through a wrapper
+#: NVIDIA/nccl#1013). `workers.in_rank.entry` leaves without a teardown; a script started through a wrapper
 #: (a shell script, its own launcher) cannot, and would otherwise run into the time limit, its
 #: measurement thrown away as a `timeout`. A normal teardown takes seconds.
 MEASURED_GRACE_S = 30.0
@@ -186,7 +186,7 @@ def kill_marked(variable: str, token: str | Collection[str], since: float = 0.0,
 def group_runs_slot(pgid: int, queue: str, started: int | None = None) -> bool:
     """Whether group `pgid` is still a rank of slot `queue` (guards against PID reuse): its leader
     started at `started` (the slot's record), or a process of it carries a rank title of `queue`
-    (`workers.process_identity.owns_group`). Never by the environment, which a forked rank shows
+    (`workers.process.process_identity.owns_group`). Never by the environment, which a forked rank shows
     as the warm process's."""
     return owns_group(pgid, queue, started)
 

@@ -8,7 +8,7 @@ profile run), its ranks their own exit reports (`rank<N>.<launch>.exit.json`) an
 (`stderr.<launch>.log`, `rank<N>.stdout.<launch>.log`, `op_prebuild.<launch>.log/.json`), and its
 rank 0 its own description and command (`exp.<launch>.json`: its slots; `cmd.<launch>.txt`: its
 node's interpreter): no launch reads another's metrics, memory peaks or stderr (a rank's failure
-class is read from its own stderr: an out-of-memory trace or an NCCL abort, `workers.rank_record`),
+class is read from its own stderr: an out-of-memory trace or an NCCL abort, `workers.slot.rank_record`),
 and none truncates another's log.
 
 The experiment's `ds_config.json` (what `cmd_optimal.txt` names, pointing at `metrics.json`) is
@@ -20,7 +20,7 @@ launch shows its own there as it starts (`show_while_running`: the latest launch
 folder of a running experiment reads as DeepSpeed's does. A plain name is a hard link to the
 launch's file, put in place by a rename (a copy where the filesystem refuses links): a launch
 that runs on never writes into the file the plain name shows. The names are listed in
-`workers.layout` (LAUNCH_FILES, RANK_STREAMS), so `"overwrite": true` knows them.
+`workers.files.layout` (LAUNCH_FILES, RANK_STREAMS), so `"overwrite": true` knows them.
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers import layout
-from workers.layout import experiment_file
-from workers.paths import write_json
+from workers.files import layout
+from workers.files.layout import experiment_file
+from workers.files.paths import write_json
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class LaunchFiles:
 
 def show(own: Path, plain: Path, *, or_copy: bool) -> None:
     """Make `plain` show `own`: a hard link, or with `or_copy` a copy where the filesystem refuses one,
-    put in place by a rename (its temporary name: an atomic write's, which `workers.layout` knows)."""
+    put in place by a rename (its temporary name: an atomic write's, which `workers.files.layout` knows)."""
     temporary = plain.with_name(f".{plain.name}.{secrets.token_hex(4)}")
     try:
         try:

@@ -1,12 +1,12 @@
 """What a training process is, read from its title and from its slot's record, never from its environment.
 
-Why: a rank forked from the slot's warm interpreter (`workers.warm_start`) keeps the warm process's
+Why: a rank forked from the slot's warm interpreter (`workers.warm.warm_start`) keeps the warm process's
 command line and /proc/<pid>/environ, whatever it sets after the fork; so neither tells which slot,
 job, experiment, rank or launch it is, and a check that reads them mistakes one rank for another
 (or the warm process for a rank). Two things say it instead:
 
-- **The title.** Every rank that runs under `workers.entry` (cold or forked) takes the title its slot
-  hands it (`workers.entry.TITLE_ENV`, set by `workers.launch.run_watched`) through the setproctitle
+- **The title.** Every rank that runs under `workers.in_rank.entry` (cold or forked) takes the title its slot
+  hands it (`workers.in_rank.entry.TITLE_ENV`, set by `workers.process.launch.run_watched`) through the setproctitle
   library: `ps` and `top` show `autotune rank 0/2 slot=n1.gpu0 launch=... job=... exp=...`, and a
   process it forks without exec (a DataLoader worker) shows the same. The title replaces the command
   line in place, so a long experiment name may be cut at the end; the rest comes first.
@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 import psutil
 import redis
 
-from workers import keys
-from workers.entry import TITLE_ENV
+from workers.state import keys
+from workers.in_rank.entry import TITLE_ENV
 
 __all__ = ["TITLE_ENV", "RankIdentity", "RankProcess", "forget_rank", "kill_titled", "leftover_groups", "owns_group",
            "record_rank", "recorded_ranks", "start_time", "title_of", "titled_ranks"]

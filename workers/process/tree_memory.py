@@ -62,7 +62,7 @@ def tree_pss(processes: list[psutil.Process], forked_root: bool = False) -> int:
     yet exec'd, as DeepSpeed spawns numactl and compilers, shares all its parent's pages, and summing
     RSS would count them twice, turning a healthy run into a false OOM). RSS where PSS cannot be read.
     `forked_root`: the first process was forked, without exec, from a warm process
-    (`workers.warm_start`), and what it still shares with it counts as its own (`inherited`), taken
+    (`workers.warm.warm_start`), and what it still shares with it counts as its own (`inherited`), taken
     from the same reading of its smaps_rollup as its PSS (each reading is the kernel walking every
     page: ~6 ms of CPU for a rank that imported torch and DeepSpeed)."""
     total = 0

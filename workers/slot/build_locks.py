@@ -45,8 +45,8 @@ from pathlib import Path
 
 import psutil
 
-from workers.launch import kill_marked
-from workers.slot import machine_id
+from workers.process.launch import kill_marked
+from workers.device.slot import machine_id
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ experiment to a slot that never starts them: each waits out its lease, is queued
 on the same slot, so a job stalls for minutes. A reserved
 slot is idle by construction, so a message waiting in its queue while its worker runs nothing is
 taken within milliseconds by a worker that consumes; one still waiting `STUCK_S` later means the
-consumer is stuck. The slot is then withdrawn (`workers.registry.Heartbeat` stops announcing it,
+consumer is stuck. The slot is then withdrawn (`workers.state.registry.Heartbeat` stops announcing it,
 deletes its registration and says why in `keys.withdrawn`): the sweep finds its launch lost at its
 next pass and queues it again, and dispatch places nothing more there. It is announced again as soon
 as the queue is taken from again (the consumer recovered, or was restarted by `celery control

@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from workers.layout import MODEL_INFO
+from workers.files.layout import MODEL_INFO
 
 METRIC_KEYS = ("throughput", "latency", "FLOPS_per_gpu")
 METRIC_ALIASES = {"flops": "FLOPS_per_gpu", "FLOPS": "FLOPS_per_gpu"}

@@ -16,9 +16,9 @@ the ranks of a multi-rank experiment start their scripts together once every nod
 The config cannot prove the script uses the op (a script may hand `deepspeed.initialize` an
 optimizer of its own, which overrides the config's), so a failed prebuild is advisory: the record
 keeps it as `op_prebuild_failed` and the script runs; if the script really needs the op, it fails
-to build it itself and `workers.op_build` stops the job with the op and the fix.
+to build it itself and `workers.in_rank.op_build` stops the job with the op and the fix.
 
-`python -m workers.op_prebuild REPORT BUILDER...` is that child: it loads each builder through
+`python -m workers.slot.op_prebuild REPORT BUILDER...` is that child: it loads each builder through
 `deepspeed.accelerator.get_accelerator().create_op_builder`, printing the build's output, and writes
 `{"failed": "<op>: <error>"}` or `{}` to REPORT.
 """
@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from workers.build_locks import clear_stale_locks, run_to_end
+from workers.slot.build_locks import clear_stale_locks, run_to_end
 
 #: DeepSpeed's builder class for each op and the folder name its JIT build gets (the builder's NAME).
 OP_NAMES = {
@@ -112,7 +112,7 @@ def prebuild_ops(builders: list[str], env: Mapping[str, str], log_path: Path,
     report = log_path.with_suffix(".json")
     report.unlink(missing_ok=True)
     started = time.time()
-    code = run_to_end([sys.executable, "-m", "workers.op_prebuild", str(report), *todo], log_path,
+    code = run_to_end([sys.executable, "-m", "workers.slot.op_prebuild", str(report), *todo], log_path,
                       keep_alive, timeout_s, env=dict(env), on_start=on_start)
     ops = ", ".join(OP_NAMES[builder] for builder in todo)
     if code is None:  # killed: its lock would make the node's next build wait forever
@@ -135,7 +135,7 @@ def _build_all(builders: list[str]) -> str | None:
     """Load each builder on this process's accelerator: the failure text of the first that fails."""
     from deepspeed.accelerator import get_accelerator
 
-    from workers.op_build import op_build_failure
+    from workers.in_rank.op_build import op_build_failure
 
     for builder_name in builders:
         builder = get_accelerator().create_op_builder(builder_name)

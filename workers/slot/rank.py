@@ -1,23 +1,23 @@
 """One rank of one experiment on this slot: the body of the `run_rank` task.
 
 It prepares the experiment folder, meets the other ranks (rendezvous), runs the user's script
-watched (see `workers.launch`), reads the metrics file and returns a JSON record, whose metrics are
-the profiled window's mean step time where the script ran under `workers.entry` (see
-`workers.step_clock`; the engine's own file times its last step only). It never raises
+watched (see `workers.process.launch`), reads the metrics file and returns a JSON record, whose metrics are
+the profiled window's mean step time where the script ran under `workers.in_rank.entry` (see
+`workers.in_rank.step_clock`; the engine's own file times its last step only). It never raises
 for anything the experiment does: a record with a failure class is the answer, so the chord's
 callback always runs and one bad experiment never stops the others.
 
 Folder written (shared with DeepSpeed's layout): ds_config.json, and under the launch's own name
-(`workers.launch_files`: two launches of one experiment can run at once) its config, exp.json and
+(`workers.process.launch_files`: two launches of one experiment can run at once) its config, exp.json and
 cmd.txt (rank 0), stdout/stderr logs (rank 0 `stderr.<launch>.log`; other ranks
 `rank<N>.stderr.<launch>.log`), op_prebuild's log and report where ops were built, the exit report,
 and the metrics file the script itself writes (DeepSpeed's engine does, when `autotuning.enabled`);
 the plain names (exp.json, stdout.log, ...) show the counted launch's. Every name comes from
-`workers.layout`, the list `"overwrite": true` checks a folder against; a name it does not list
+`workers.files.layout`, the list `"overwrite": true` checks a folder against; a name it does not list
 fails the rank before it runs.
 
-Here: the task's body, as stages (`_RankStages`). What a rank is given is `workers.rank_spec`, how
-it keeps in touch with its peers `workers.rank_peers`, its record `workers.rank_record`.
+Here: the task's body, as stages (`_RankStages`). What a rank is given is `workers.slot.rank_spec`, how
+it keeps in touch with its peers `workers.slot.rank_peers`, its record `workers.slot.rank_record`.
 """
 from __future__ import annotations
 
@@ -32,31 +32,33 @@ from typing import Any
 
 import redis
 
-from workers import keys, layout, rank_claim
-from workers.build_locks import clear_stale_locks, rebuild_stale_ops
-from workers.device_idle import FreeMemoryWaiter, Wait, gpu_wait_s, seconds_setting
-from workers.device_memory import read_exit_report
-from workers.gpus import memory_used
-from workers.failure import Status
-from workers.op_prebuild import needed_op_builders, prebuild_ops
-from workers.launch_files import LaunchFiles
-from workers.launch import MEASURED_GRACE_ENV, MEASURED_GRACE_S, run_watched
-from workers.process_identity import RankIdentity, forget_rank, record_rank
-from workers.paths import write_atomic, write_json
-from workers.rank_peers import Measured, StopCheck, meet_peers, ops_ready_everywhere, signal_abort
-from workers.rank_record import RankRun, outcome, rank_record
-from workers.rank_spec import RankSpec, rank_env, script_command
-from workers.shared_memory import remove_rank_segment
-from workers.slot import Slot
-from workers.slot_health import mark_unhealthy
-from workers.rank_start import Start
-from workers.warm_start import WARM
+from workers.state import keys
+from workers.files import layout
+from workers.slot import rank_claim
+from workers.slot.build_locks import clear_stale_locks, rebuild_stale_ops
+from workers.device.device_idle import FreeMemoryWaiter, Wait, gpu_wait_s, seconds_setting
+from workers.in_rank.device_memory import read_exit_report
+from workers.device.gpus import memory_used
+from workers.in_rank.failure import Status
+from workers.slot.op_prebuild import needed_op_builders, prebuild_ops
+from workers.process.launch_files import LaunchFiles
+from workers.process.launch import MEASURED_GRACE_ENV, MEASURED_GRACE_S, run_watched
+from workers.process.process_identity import RankIdentity, forget_rank, record_rank
+from workers.files.paths import write_atomic, write_json
+from workers.slot.rank_peers import Measured, StopCheck, meet_peers, ops_ready_everywhere, signal_abort
+from workers.slot.rank_record import RankRun, outcome, rank_record
+from workers.slot.rank_spec import RankSpec, rank_env, script_command
+from workers.process.shared_memory import remove_rank_segment
+from workers.device.slot import Slot
+from workers.state.slot_health import mark_unhealthy
+from workers.warm.rank_start import Start
+from workers.warm.warm_start import WARM
 
 log = logging.getLogger(__name__)
 PGID_TTL_S = 7 * 24 * 3600
-#: How long a rank waits for others' memory on its GPU to go (workers.device_idle.WAIT_S by default).
+#: How long a rank waits for others' memory on its GPU to go (workers.device.device_idle.WAIT_S by default).
 GPU_WAIT_ENV = "AUTOTUNE_GPU_WAIT_S"
-#: This worker's waits for others' memory on its GPU to go (workers.device_idle), one per process.
+#: This worker's waits for others' memory on its GPU to go (workers.device.device_idle), one per process.
 FREE_MEMORY = FreeMemoryWaiter(memory_used, wait_s=gpu_wait_s(os.environ.get(GPU_WAIT_ENV)))
 
 
@@ -68,7 +70,7 @@ def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "")
     refused = "running"  # until claimed: nothing of ours to release
     try:
         refused = rank_claim.claim(client, slot.queue, task_id) if task_id else None
-        if refused is not None:  # a redelivered message (workers.rank_claim): never a second copy
+        if refused is not None:  # a redelivered message (workers.slot.rank_claim): never a second copy
             if refused == "lost":
                 signal_abort(client, spec.attempt)  # its peers stop: the launch runs again
             return {**base, **rank_claim.refused_record(refused)}
@@ -134,7 +136,7 @@ class _RankStages:
     stderr_path: Path
     exit_report: Path
     pgid_key: str
-    identity: RankIdentity  #: what `ps` shows and the slot records of this rank (workers.process_identity)
+    identity: RankIdentity  #: what `ps` shows and the slot records of this rank (workers.process.process_identity)
     cwd: str
     env: dict[str, str]
     prebuild_failed: str | None
@@ -147,7 +149,7 @@ class _RankStages:
         spec, slot, client = self.spec, self.slot, self.client
         result_dir = self.result_dir = spec.result_dir
         result_dir.mkdir(parents=True, exist_ok=True)
-        # this launch's own config, metric file and exit reports (workers.launch_files)
+        # this launch's own config, metric file and exit reports (workers.process.launch_files)
         files = self.files = LaunchFiles.of(result_dir, spec.attempt, spec.metric_file)
         metric_path = self.metric_path = files.metric_path
         shared_config, self.ds_config = files.write_configs(spec.ds_config)
@@ -164,7 +166,7 @@ class _RankStages:
         spec, slot, client = self.spec, self.slot, self.client
         self.on_gpu = slot.kind == "cuda" and slot.cuda_index >= 0
         device_wait = self.device_wait = FREE_MEMORY.wait(slot.nvidia_smi_id, self.stop_check) if self.on_gpu else None
-        if device_wait is not None and device_wait.busy:  # not started beside others: workers.slot_health
+        if device_wait is not None and device_wait.busy:  # not started beside others: workers.state.slot_health
             _take_out_of_tuning(client, slot, device_wait.used_bytes or 0, "before a launch")
             signal_abort(client, spec.attempt)
             self.describe()
@@ -177,7 +179,7 @@ class _RankStages:
         return None
 
     def meet(self) -> dict[str, Any] | None:
-        """Meet the launch's other ranks (`workers.rank_peers.meet_peers`)."""
+        """Meet the launch's other ranks (`workers.slot.rank_peers.meet_peers`)."""
         spec = self.spec
         master = meet_peers(spec, self.slot, self.client, self.stop_check)
         if master is None:
@@ -191,7 +193,7 @@ class _RankStages:
 
     def build_ops(self) -> dict[str, Any] | None:
         """The rank's environment, and the ops DeepSpeed will need, built on every rank before any
-        script starts (`workers.op_prebuild`)."""
+        script starts (`workers.slot.op_prebuild`)."""
         spec, slot, client, task_id = self.spec, self.slot, self.client, self.task_id
         stop_check = self.stop_check
         self.stderr_path = self.files.log(spec.rank, "stderr")  # this launch's own: its failure class is read there
@@ -219,13 +221,13 @@ class _RankStages:
         return None
 
     def run_script(self) -> RankRun:
-        """Run the script watched, warm or cold (`workers.warm_start`), then wait for its GPU to be idle."""
+        """Run the script watched, warm or cold (`workers.warm.warm_start`), then wait for its GPU to be idle."""
         spec, slot, client, task_id = self.spec, self.slot, self.client, self.task_id
         stop_check, command, env, cwd, master = self.stop_check, self.command, self.env, self.cwd, self.master
         describe, pgid_key, metric_path = self.describe, self.pgid_key, self.metric_path
-        start = Start()  # warm or cold, and why (workers.warm_start)
+        start = Start()  # warm or cold, and why (workers.warm.warm_start)
         identity = self.identity
-        script_argv = command[3:] if command[1:3] == ["-m", "workers.entry"] else command
+        script_argv = command[3:] if command[1:3] == ["-m", "workers.in_rank.entry"] else command
         # The wait for the warm process (its preload) is taken from the time limit, as a cold rank's imports are.
         warm_wait_s = WARM.prepare(script_argv, env, cwd, slot.kind, spec.timeout_s, start, stop_check.slot_taken)
         stdout_path = self.files.log(spec.rank, "stdout")
@@ -241,7 +243,7 @@ class _RankStages:
                 timeout_s=spec.timeout_s - warm_wait_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
                 should_abort=stop_check,
                 on_start=lambda pgid: (record_started(client, pgid_key, task_id, identity, pgid), describe()),
-                title=identity.title(),  # what `ps` shows the rank as (workers.process_identity)
+                title=identity.title(),  # what `ps` shows the rank as (workers.process.process_identity)
                 measured=Measured(client, keys.measured(spec.attempt),
                                   metric_path if spec.rank == 0 and spec.metric_file else None),
                 measured_grace_s=seconds_setting(os.environ.get(MEASURED_GRACE_ENV), MEASURED_GRACE_S),
@@ -265,7 +267,7 @@ class _RankStages:
 class _Description:
     """Rank 0 writes its launch's exp.json and cmd.txt (`exp.<launch>.json`: the launch's slots and
     exp_id; `cmd.<launch>.txt`: its node's interpreter) once its script has started (or failed to),
-    shown under the plain names while no record is (`workers.launch_files`): nothing the script
+    shown under the plain names while no record is (`workers.process.launch_files`): nothing the script
     reads, so not on the way between one experiment's end and the next's start
     (bench/dispatch_overhead.py); every other rank writes nothing. Called again, it does nothing."""
 
@@ -288,7 +290,7 @@ def _build_env(env: dict[str, str], slot: Slot) -> dict[str, str]:
 
 
 def _take_out_of_tuning(client: redis.Redis, slot: Slot, used_bytes: int, why: str) -> None:
-    """Mark the slot (workers.slot_health); Redis being away loses the mark, never the record."""
+    """Mark the slot (workers.state.slot_health); Redis being away loses the mark, never the record."""
     try:
         mark_unhealthy(client, slot.queue, used_bytes, why)
     except redis.RedisError as exc:

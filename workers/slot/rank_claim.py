@@ -26,9 +26,9 @@ from typing import Any
 import psutil
 import redis
 
-from workers import keys
-from workers.failure import Status
-from workers.launch import group_runs_slot, kill_group
+from workers.state import keys
+from workers.in_rank.failure import Status
+from workers.process.launch import group_runs_slot, kill_group
 
 CLAIM_TTL_S = 7 * 24 * 3600
 

@@ -2,7 +2,7 @@
 (rendezvous), waits until every rank's ops are built, tells them to stop when it fails (the abort
 flag), says when the launch has its measurement, and renews its own slot's lease while it runs.
 
-Apart from the rank's stages (`workers.rank`) because these are the polled checks and flags a
+Apart from the rank's stages (`workers.slot.rank`) because these are the polled checks and flags a
 rank shares with the other ranks of its launch, each tolerant of a Redis outage.
 """
 from __future__ import annotations
@@ -11,18 +11,18 @@ from pathlib import Path
 
 import redis
 
-from workers import keys, rendezvous
-from workers.gang import SlotLease
-from workers.op_prebuild import PREBUILD_TIMEOUT_S
-from workers.rank_spec import RankSpec
-from workers.slot import Slot
+from workers.state import keys, rendezvous
+from workers.state.gang import SlotLease
+from workers.slot.op_prebuild import PREBUILD_TIMEOUT_S
+from workers.slot.rank_spec import RankSpec
+from workers.device.slot import Slot
 
 ABORT_TTL_S = 3600
 
 
 class Measured:
     """Polled while the script runs: whether this launch has its measurement, after which a rank
-    still running is hung at exit (`workers.launch.MEASURED_GRACE_S`). Rank 0 looks for its metrics
+    still running is hung at exit (`workers.process.launch.MEASURED_GRACE_S`). Rank 0 looks for its metrics
     file (removed before the script started, so one there is this launch's) and tells the other ranks
     through Redis; they read that flag. A Redis outage only delays the news."""
 
@@ -67,7 +67,7 @@ class StopCheck:
         up). The check for after the run, when a failed peer no longer matters."""
         try:
             return self._lease is not None and self._lease.renew()
-        except redis.RedisError:  # tried again at a later poll (workers.gang.SlotLease)
+        except redis.RedisError:  # tried again at a later poll (workers.state.gang.SlotLease)
             return False
 
 

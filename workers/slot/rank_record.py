@@ -1,9 +1,9 @@
 """The record of a rank whose script ran: how it ended (`Outcome`: the failure class, with what
 the metrics file and an out-of-memory trace say) and the JSON record the `run_rank` task returns.
 
-Apart from running the rank (`workers.rank`) because this is pure reading and shaping: what the
+Apart from running the rank (`workers.slot.rank`) because this is pure reading and shaping: what the
 run left (`RankRun`) in, the record out, with the metric fields taken from the profiled window
-(`timed_metrics`, `workers.step_clock`).
+(`timed_metrics`, `workers.in_rank.step_clock`).
 """
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.device_idle import Wait
-from workers.failure import KillReason, Status, classify, describe_exit
-from workers.launch import LaunchResult, tail
-from workers.metric_check import asked_metric, metrics_problem
-from workers.metrics import AutotuningSettings
-from workers.oom import aborted_out_of_memory, stderr_out_of_memory
-from workers.paths import read_json
-from workers.rank_spec import RankSpec
-from workers.slot import Slot
-from workers.step_clock import wall_clock_metrics, window_seconds
-from workers.timeline import launch_timeline
-from workers.rank_start import Start
+from workers.device.device_idle import Wait
+from workers.in_rank.failure import KillReason, Status, classify, describe_exit
+from workers.process.launch import LaunchResult, tail
+from workers.slot.metric_check import asked_metric, metrics_problem
+from workers.in_rank.metrics import AutotuningSettings
+from workers.in_rank.oom import aborted_out_of_memory, stderr_out_of_memory
+from workers.files.paths import read_json
+from workers.slot.rank_spec import RankSpec
+from workers.device.slot import Slot
+from workers.in_rank.step_clock import wall_clock_metrics, window_seconds
+from workers.slot.timeline import launch_timeline
+from workers.warm.rank_start import Start
 
 #: How much of a crashed rank's stderr is read for an out-of-memory traceback: a deep model's
 #: traceback through DeepSpeed's hooks runs to a few kB, the allocator's message to 600 bytes.
@@ -34,7 +34,7 @@ class RankRun:
     """What a rank's run left for its record."""
 
     launch: LaunchResult
-    report: dict[str, Any]  #: the exit report (`workers.device_memory.read_exit_report`)
+    report: dict[str, Any]  #: the exit report (`workers.in_rank.device_memory.read_exit_report`)
     start: Start  #: warm or cold, and why
     master: tuple[str, int]  #: the rendezvous address
     env: dict[str, str]  #: the rank's environment
@@ -42,7 +42,7 @@ class RankRun:
     device_after: Wait | None  #: and after it
     metric_path: Path  #: this launch's own metrics file
     stderr_path: Path
-    prebuild_failed: str | None  #: ops that failed to build (`workers.op_prebuild`)
+    prebuild_failed: str | None  #: ops that failed to build (`workers.slot.op_prebuild`)
 
 
 @dataclass(frozen=True)
@@ -52,15 +52,15 @@ class Outcome:
     status: Status
     metrics: Any  #: the metrics file's content (rank 0 expecting one), else None
     has_metrics: bool
-    problem: str | None  #: what is wrong with the metrics (`workers.metric_check`)
+    problem: str | None  #: what is wrong with the metrics (`workers.slot.metric_check`)
     oom_in_stderr: str | None
     oom_in_counts: str | None
     probable_oom: str | None
 
 
 def outcome(spec: RankSpec, run: RankRun) -> Outcome:
-    """The failure class of a rank whose script ran (`workers.failure.classify`), an out-of-memory
-    crash told by its stderr or the allocator's counts (`workers.oom`), and the metrics' checks."""
+    """The failure class of a rank whose script ran (`workers.in_rank.failure.classify`), an out-of-memory
+    crash told by its stderr or the allocator's counts (`workers.in_rank.oom`), and the metrics' checks."""
     launch, metric_path, stderr_path = run.launch, run.metric_path, run.stderr_path
     expects_metrics = spec.rank == 0 and bool(spec.metric_file)
     metrics = read_json(metric_path) if expects_metrics else None
@@ -70,7 +70,7 @@ def outcome(spec: RankSpec, run: RankRun) -> Outcome:
     oom_in_stderr = stderr_out_of_memory(tail(stderr_path, STDERR_OOM_BYTES)) if status is Status.CRASHED else None
     oom_in_counts, probable_oom = aborted_out_of_memory(launch.exit_code, run.report) \
         if status is Status.CRASHED and not oom_in_stderr else (None, None)
-    if oom_in_stderr or oom_in_counts:  # a wrapper's script, or an abort: no exception reached us (workers.oom)
+    if oom_in_stderr or oom_in_counts:  # a wrapper's script, or an abort: no exception reached us (workers.in_rank.oom)
         status = Status.OOM
     problem = metrics_problem(metrics, spec.metric_file, asked_metric(spec.ds_config)) if has_metrics else None
     if status is Status.OK and problem:
@@ -94,7 +94,7 @@ def rank_record(spec: RankSpec, slot: Slot, run: RankRun, ended: Outcome) -> dic
         **report,
     }
     step_ends = record.pop("step_ends", None)
-    record.pop("imported", None)  # the warm process's business (workers.warm_start), not the record's
+    record.pop("imported", None)  # the warm process's business (workers.warm.warm_start), not the record's
     record.pop("imported_count", None)
     record["timeline"] = launch_timeline(launch.started_at, launch.ended_at, record.pop("moments", None), step_ends,
                                          spec.ds_config)
@@ -115,7 +115,7 @@ def rank_record(spec: RankSpec, slot: Slot, run: RankRun, ended: Outcome) -> dic
         record["metrics_at"] = run.metric_path.stat().st_mtime  # a later failure did not spoil them
     if launch.start_error:
         record["error"] = launch.start_error
-    if run.prebuild_failed:  # advisory: the script may not need the op (workers.op_prebuild)
+    if run.prebuild_failed:  # advisory: the script may not need the op (workers.slot.op_prebuild)
         record["op_prebuild_failed"] = run.prebuild_failed
     if launch.killed_for is KillReason.MEASURED:  # hung at exit: stopped, its measurement kept
         record["stopped_after_measuring"] = True
@@ -134,7 +134,7 @@ def rank_record(spec: RankSpec, slot: Slot, run: RankRun, ended: Outcome) -> dic
 def timed_metrics(metrics: dict[str, Any], step_ends: list[list[float]] | None,
                   ds_config: dict[str, Any]) -> dict[str, Any]:
     """The record's metric fields. Where the rank noted when its optimizer steps ended, the metrics
-    are the profiled window's mean step time (`workers.step_clock`: the engine's own file times the
+    are the profiled window's mean step time (`workers.in_rank.step_clock`: the engine's own file times the
     last step only), with the engine's figures and the window's step times kept beside them."""
     settings = AutotuningSettings.from_ds_config(ds_config)
     durations = window_seconds(step_ends or [], settings.start_profile_step, settings.end_profile_step)

@@ -2,7 +2,7 @@
 `run_rank` task message), the argv that runs the user's script, and the environment torchrun or
 DeepSpeed's launcher would give it, bound to its slot.
 
-Apart from running the rank (`workers.rank`) because the control path builds these specs
+Apart from running the rank (`workers.slot.rank`) because the control path builds these specs
 (`scheduler.cluster.dispatch`) and the tests check the argv and environment as data.
 """
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 
 import psutil
 
-from workers import layout
-from workers.build_locks import default_extensions_dir
-from workers.device_memory import EXIT_REPORT_ENV
-from workers.paths import safe_child
-from workers.redis_tls import TLS_ENV
-from workers.slot import Slot
+from workers.files import layout
+from workers.slot.build_locks import default_extensions_dir
+from workers.in_rank.device_memory import EXIT_REPORT_ENV
+from workers.files.paths import safe_child
+from workers.state.redis_tls import TLS_ENV
+from workers.device.slot import Slot
 
 #: The worker's own secrets and bindings: a training script has no business with the cluster's Redis
 #: (its URL with the password, its TLS client certificate and key) or Flower's settings, which an
@@ -70,14 +70,14 @@ class RankSpec:
 
 
 def script_command(script_argv: list[str], local_rank: int | None = None) -> list[str]:
-    """The argv that runs the user's script: Python scripts through `workers.entry` (OOM exit code).
+    """The argv that runs the user's script: Python scripts through `workers.in_rank.entry` (OOM exit code).
     With `local_rank`, `--local_rank=N` follows the script as DeepSpeed's launcher puts it, so tuned
     runs get exactly the arguments the final `deepspeed` command will give."""
     script, *args = script_argv
     if local_rank is not None:
         args = [f"--local_rank={local_rank}", *args]
     if script.endswith(".py"):
-        return [sys.executable, "-m", "workers.entry", script, *args]
+        return [sys.executable, "-m", "workers.in_rank.entry", script, *args]
     return [script, *args]
 
 

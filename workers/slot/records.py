@@ -1,17 +1,17 @@
 """One experiment record from its ranks' records: the pure part of the chord callback.
 
-The experiment takes its root cause's status (see `workers.failure.experiment_status`), rank 0's
+The experiment takes its root cause's status (see `workers.in_rank.failure.experiment_status`), rank 0's
 metrics, and the sum of what it cost. The record is what `result.json` holds and what the tuner
 reads; `metrics.json` keeps DeepSpeed's metric dict (its keys and units), so tools that read
 DeepSpeed's layout keep working and rank as the tuner did: where rank 0 timed its steps, the
 figures are the profiled window's mean step time, and the engine's own (its last step) are kept in
-the record as `engine_metrics` beside the window's `step_seconds` (see `workers.step_clock`).
+the record as `engine_metrics` beside the window's `step_seconds` (see `workers.in_rank.step_clock`).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from workers.failure import Status, experiment_status
+from workers.in_rank.failure import Status, experiment_status
 
 
 def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -58,12 +58,12 @@ def aggregate(exp: dict[str, Any], rank_records: list[dict[str, Any]]) -> dict[s
     op_build = next((r["op_build_failed"] for r in by_end if r.get("op_build_failed")), None)
     if record["status"] != Status.OK.value and op_build:  # any rank's: the others may only have waited for it
         record["op_build_failed"] = op_build
-    if exp.get("gpu_link"):  # the gang's slowest GPU link (scheduler.cluster.dispatch, workers.topology)
+    if exp.get("gpu_link"):  # the gang's slowest GPU link (scheduler.cluster.dispatch, workers.device.topology)
         record["gpu_link"] = exp["gpu_link"]
     if record["status"] == Status.OK.value:
         record.update({key: rank0[key] for key in ("engine_metrics", "step_seconds") if key in rank0})
     paths = sorted({r["start_path"] for r in ranks if r.get("start_path")})
-    if paths:  # how the ranks' interpreters started (workers.warm_start): "warm", "cold" or both
+    if paths:  # how the ranks' interpreters started (workers.warm.warm_start): "warm", "cold" or both
         record["start_path"] = "+".join(paths)
     return record
 
@@ -76,7 +76,7 @@ def _failed_after_measuring(status: Status, rank0: dict[str, Any], cause: dict[s
     """The one tolerated rank failure: DeepSpeed's profiling exit. After the profiled steps every rank
     calls exit() in DeepSpeed's engine, and on CPU a C++ thread sometimes aborts the interpreter's
     teardown (SIGABRT). The measurement stands when the failing rank provably got there (its exit
-    report says it left through the engine's profiling exit, see `workers.entry`) and rank 0 had
+    report says it left through the engine's profiling exit, see `workers.in_rank.entry`) and rank 0 had
     written the metrics. Any other failure of any rank, even one after the metrics were written, is
     shown: a rank that could not see its device must not hide behind rank 0's numbers. Memory and
     time failures are never excused: a config at the edge of the cap is not a safe answer."""

@@ -2,8 +2,8 @@
 
 Why: most of an experiment can be start-up rather than measurement (on the 2-core machine, up to
 0.80 of the README example's wall). To cut it, each phase has to be seen, in every record. A rank already
-has the clocks: `workers.launch` knows when the process was started and when it was gone,
-`workers.entry` notes when the interpreter reached it ("up"), `workers.step_clock` when DeepSpeed
+has the clocks: `workers.process.launch` knows when the process was started and when it was gone,
+`workers.in_rank.entry` notes when the interpreter reached it ("up"), `workers.in_rank.step_clock` when DeepSpeed
 had been imported ("imports"), when the engine was built ("engine": `deepspeed.initialize`
 returns right after) and when each optimizer step ended. `rank_timeline` turns them into seconds
 since the launch; pure, no I/O, tested directly.
@@ -11,14 +11,14 @@ since the launch; pure, no I/O, tested directly.
     launched 0 -> up -> imports -> engine -> first_step -> window_start -> window_end -> ended
 
 `window_start`/`window_end`: the end of the step before the profiled window and the end of its
-last step (`workers.step_clock.window_seconds`'s steps). Start-up is launch to engine ready;
+last step (`workers.in_rank.step_clock.window_seconds`'s steps). Start-up is launch to engine ready;
 `startup_share` is the issue's figure, 1 - (end_profile_step + 1) x step latency / wall.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from workers.metrics import AutotuningSettings
+from workers.in_rank.metrics import AutotuningSettings
 
 MOMENTS = ("up", "imports", "engine")
 
@@ -27,7 +27,7 @@ def rank_timeline(launched: float, ended: float, moments: Mapping[str, Any], ste
                   start_profile_step: int, end_profile_step: int) -> dict[str, float]:
     """Seconds since `launched` (wall clock) of each moment the rank noted, in order; a moment not
     noted (a script without DeepSpeed, a rank that died early) or outside the launch is left out.
-    `moments` is the exit report's (`workers.step_clock.moments`), whose `clock_offset` turns the
+    `moments` is the exit report's (`workers.in_rank.step_clock.moments`), whose `clock_offset` turns the
     step ends (perf_counter) into wall-clock time."""
     marks: dict[str, float] = {}
     for name in MOMENTS:

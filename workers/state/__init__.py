@@ -6,7 +6,7 @@ cluster's Redis and check and mask its URL; `registry` registers a slot and keep
 the live slots as dispatch sees them; `slot_health` reports a slot's device memory held by others.
 
 Imports: the standard library, redis, `workers.device` (what a slot is), `workers.in_rank` (the
-failure vocabulary) and this package; never `workers.process`, `workers.warm` or `workers.slot`.
+failure vocabulary) and this package; never `workers.process`, `workers.warm` or `workers.device.slot`.
 Imported by: the slot worker's packages, the embedded cluster, `scheduler.cluster`, `deploy`, the
 Celery app's settings and tasks.
 """

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import redis
 
-from workers import keys
+from workers.state import keys
 
 _RESERVE = """
 -- KEYS[1..n]  autotune:gang:<slot queue> of every slot of the gang

@@ -12,12 +12,12 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:gang:<node>.gpu<i>         str   owner token of a gang reservation of that slot (PX lease)
     autotune:server                     str   a random token set by the first lease renewal on this
                                               server's data: a new one means Redis lost its data
-                                              (a rank then takes its slot back, workers.gang)
+                                              (a rank then takes its slot back, workers.state.gang)
     autotune:gpu:<host>:<uuid>          str   the slot serving that GPU of that machine (JSON: queue,
                                               worker); claimed with SET NX, renewed with the slot's key
     autotune:unhealthy:<node>.gpu<i>    str   that slot's GPU holds memory of other processes (JSON: used
                                               bytes, since, why): out of tuning until its worker reads the
-                                              memory gone (workers.slot_health), which renews it meanwhile
+                                              memory gone (workers.state.slot_health), which renews it meanwhile
     autotune:rdzv:<attempt>             list  rank 0's "addr:port", pushed once per waiting rank
     autotune:abort:<attempt>            str   set when a rank of that attempt failed: the others stop
     autotune:measured:<attempt>         str   set when rank 0's metrics of that attempt are written: a
@@ -25,9 +25,9 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:pgid:<node>.gpu<i>:<task>  str   process group of a rank running on that slot (cleanup
                                               when its worker died without killing it)
     autotune:claim:<node>.gpu<i>:<task> str   the pool process running that rank task (JSON: pid, start
-                                              time): a redelivered message finds it (workers.rank_claim)
+                                              time): a redelivered message finds it (workers.slot.rank_claim)
     autotune:rankproc:<node>.gpu<i>:<task> str the same rank's record (JSON): pid, pgid, start time, job,
-                                              experiment, rank, launch (workers.process_identity): what
+                                              experiment, rank, launch (workers.process.process_identity): what
                                               a reader checks a live process against, not its environment
     autotune:seq                        str   counter: submission order of jobs and of queued experiments
     autotune:jobs                       zset  active jobs, scored by submission order
@@ -56,7 +56,7 @@ from __future__ import annotations
 PREFIX = "autotune:"
 SLOT_INDEX = PREFIX + "slots"
 SLOT_EPOCH = PREFIX + "slots:epoch"
-#: A token of the server's data (workers.gang): a lost dataset comes back with another one.
+#: A token of the server's data (workers.state.gang): a lost dataset comes back with another one.
 SERVER_EPOCH = PREFIX + "server"
 
 
@@ -77,7 +77,7 @@ def gpu_claim(host: str, gpu_uuid: str) -> str:
 
 
 def withdrawn(queue: str) -> str:
-    """Why a slot's worker withdrew it (`workers.consumer_watch`), while it stays withdrawn."""
+    """Why a slot's worker withdrew it (`workers.slot.consumer_watch`), while it stays withdrawn."""
     return f"{PREFIX}withdrawn:{queue}"
 
 

@@ -8,7 +8,7 @@ a policy, passed as a parameter and named where it is chosen:
 - the rules: set; no blank or control character; a URL `urllib` can split; scheme redis://,
   rediss:// or unix://; a unix:// URL names its socket path, any other a host, a port 1-65535 and a
   numeric database (in the path or `?db=`); the Redis client accepts it; its TLS files can work
-  (`workers.redis_tls`);
+  (`workers.state.redis_tls`);
 - `allow_unix`: False where the URL crosses hosts (a socket is one machine's);
 - `allow_empty_password`: False where an empty password (`redis://:@host`, what an unset
   `$REDIS_PASSWORD` expands to) would reach a cluster's Redis: it means no password at all.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import urllib.parse
 
-from workers.redis_tls import TlsError, tls_files
+from workers.state.redis_tls import TlsError, tls_files
 
 REDIS_URL_VARIABLE = "AUTOTUNE_REDIS_URL"
 REDIS_SCHEMES = ("redis", "rediss", "unix")

@@ -9,7 +9,7 @@ Each registration also puts its queue in the slot index (`keys.SLOT_INDEX`, one 
 write: `announce`), and sets a fresh epoch (`keys.SLOT_EPOCH`) when it is new or changed. Readers
 walk the index instead of scanning the whole keyspace (which grows with queued work and running
 ranks), and a dispatch pass keeps its parsed slots until the epoch changes
-(`workers.slot_view`); whoever finds an indexed registration lapsed prunes it and sets the epoch.
+(`workers.state.slot_view`); whoever finds an indexed registration lapsed prunes it and sets the epoch.
 Every writer of a registration goes through `announce` (tests and benches too).
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import redis
 
-from workers import keys
-from workers.redis_tls import redis_options
-from workers.slot import Slot
+from workers.state import keys
+from workers.state.redis_tls import redis_options
+from workers.device.slot import Slot
 
 #: Longer than any blocking call we make (BLPOP waits at most BLOCK_S), so a quiet wait is not an error.
 SOCKET_TIMEOUT_S = 30.0
@@ -69,7 +69,7 @@ return found
 
 def connect(url: str) -> redis.Redis:
     """The one way this project opens Redis: bounded connect, reads that outlast BLPOP waits, and for
-    a rediss:// URL the certificates of `workers.redis_tls` (verified, the host's name checked)."""
+    a rediss:// URL the certificates of `workers.state.redis_tls` (verified, the host's name checked)."""
     return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=SOCKET_TIMEOUT_S,
                                 health_check_interval=30, **redis_options(url))
 
@@ -94,7 +94,7 @@ class Heartbeat:
     """Keeps string keys alive in Redis until stopped: a registration (JSON of `fields`) and any
     `claims` beside it (key -> value), renewed together and deleted together. `slot_queue`: the
     registration is that slot's, indexed (`announce`). `withheld` is asked before each beat: a
-    reason (the worker's consumer is stuck, `workers.consumer_watch`) deletes the registration
+    reason (the worker's consumer is stuck, `workers.slot.consumer_watch`) deletes the registration
     until it answers None again."""
 
     def __init__(self, client: redis.Redis, key: str, fields: dict[str, str],

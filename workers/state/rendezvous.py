@@ -19,8 +19,8 @@ from pathlib import Path
 
 import redis
 
-from workers import keys
-from workers.registry import BLOCK_S
+from workers.state import keys
+from workers.state.registry import BLOCK_S
 
 KEY_TTL_S = 3600
 LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -110,6 +110,6 @@ def all_arrived(client: redis.Redis, barrier: str, count: int, timeout_s: float,
             if int(client.get(key) or 0) >= count:
                 return True
         except redis.RedisError:
-            pass  # an outage is not a reason to stop: the lease decides (workers.rank_peers.StopCheck)
+            pass  # an outage is not a reason to stop: the lease decides (workers.slot.rank_peers.StopCheck)
         time.sleep(every_s)
     return False

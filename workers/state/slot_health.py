@@ -2,7 +2,7 @@
 
 Why: an experiment run beside a notebook, another job or a context still
 being torn down measures them too: a false out-of-memory, which the search would take for a bound,
-or a slower step. So a rank that finds its GPU still used by others after `workers.device_idle`'s
+or a slower step. So a rank that finds its GPU still used by others after `workers.device.device_idle`'s
 wait does not start: it marks its slot unhealthy and its experiment is queued again
 (`scheduler.cluster.finish.requeue_for_busy_gpu`), to run on other slots or later. A rank whose
 GPU is not free again a wait after its own processes ended marks it too, before the slot is freed.
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from workers import keys
-from workers.device_idle import FREE_BYTES
-from workers.registry import HEARTBEAT_S
+from workers.state import keys
+from workers.device.device_idle import FREE_BYTES
+from workers.state.registry import HEARTBEAT_S
 
 #: Free readings in a row (one each `POLL_S`) before a slot marked once is offered again; doubled at
 #: each later mark of the same slot by the same worker, up to `MAX_FREE_BEATS`.

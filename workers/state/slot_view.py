@@ -3,9 +3,9 @@
 Why: dispatch runs after every record and every sweep. It read every registration, every slot's
 gang key and every slot's health mark (three MGETs of 1,024 keys at 1,024 slots) and parsed every
 registration, on every pass: at 1,024 slots that was most of a pass in which nothing could start
-(bench/scale.py). Here one script walks the slot index (`keys.SLOT_INDEX`, workers.registry) inside
+(bench/scale.py). Here one script walks the slot index (`keys.SLOT_INDEX`, workers.state.registry) inside
 Redis and returns only what a pass needs that changes between passes: the free slots (registered,
-not reserved, not marked out of tuning: workers.gang, workers.slot_health), the unreserved marked
+not reserved, not marked out of tuning: workers.state.gang, workers.state.slot_health), the unreserved marked
 ones, and the index's epoch. The parsed registrations (and whatever the caller memoises about them, `memo`) are
 kept by this process until the epoch changes: a slot appeared, changed or went.
 
@@ -24,9 +24,9 @@ from typing import Any
 
 import redis
 
-from workers import keys
-from workers.registry import live_slots
-from workers.slot import Slot
+from workers.state import keys
+from workers.state.registry import live_slots
+from workers.device.slot import Slot
 
 _VIEW = """
 -- KEYS[1] the slot index, KEYS[2] its epoch
@@ -79,7 +79,7 @@ class SlotView:
 
     epoch: bytes
     free: frozenset[str]  #: registered, not reserved, not marked
-    #: not reserved but marked out of tuning: queue -> the mark (workers.slot_health). A reserved
+    #: not reserved but marked out of tuning: queue -> the mark (workers.state.slot_health). A reserved
     #: slot is busy whether marked or not; its mark shows once its launch lets it go (a rank that
     #: finds others' memory marks its slot and gives it back at once).
     sick: dict[str, dict]

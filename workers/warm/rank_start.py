@@ -2,8 +2,8 @@
 `cold_because`), and a launch recorded lost when the warm process it was forked from died while it
 ran (its exit status is unknown, so the end is not the config's).
 
-Apart from the warm process itself (`workers.warm_start`) because the rank and its record
-(`workers.rank`, `workers.rank_record`) read these whether the warm path served the launch or not.
+Apart from the warm process itself (`workers.warm.warm_start`) because the rank and its record
+(`workers.slot.rank`, `workers.slot.rank_record`) read these whether the warm path served the launch or not.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 
 #: The warm path's own log: a rank recorded lost is its news, beside its other messages.
-log = logging.getLogger("workers.warm_start")
+log = logging.getLogger("workers.warm.warm_start")
 
 
 @dataclass
@@ -34,6 +34,6 @@ def recorded_lost(start: Start, why: str, stderr: str) -> None:
     log.warning("warm start: a rank's %s; the launch is recorded lost", why)
     try:
         with open(stderr, "a") as handle:
-            handle.write(f"\nworkers.warm_start: {why}; the launch is recorded lost, not as this config's end\n")
+            handle.write(f"\nworkers.warm.warm_start: {why}; the launch is recorded lost, not as this config's end\n")
     except OSError:
         pass

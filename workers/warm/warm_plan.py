@@ -1,5 +1,5 @@
 """What a slot's warm process preloads, and which scripts it cannot serve: pure decisions over the
-script's source, the rank's search path and its environment (`workers.warm_start` acts on them).
+script's source, the rank's search path and its environment (`workers.warm.warm_start` acts on them).
 
 Why apart: every rank asks (is the script Python, what does it import at its top level, which of
 those are installed packages rather than the user's own modules), and the answers change only when
@@ -29,7 +29,7 @@ DEEPSPEED_PRELOAD = ("torch", "deepspeed", "torch._dynamo")
 #: A script importing one of these calls `deepspeed.initialize` (itself, or through Hugging Face's
 #: Trainer or Accelerate given the DeepSpeed config): it gets DEEPSPEED_PRELOAD. A script that
 #: imports torch without them (a plain torch script) gets what it imports and what its first rank
-#: teaches (`workers.warm_start.WarmStarts.learn`): DeepSpeed and torch._dynamo in its warm process
+#: teaches (`workers.warm.warm_start.WarmStarts.learn`): DeepSpeed and torch._dynamo in its warm process
 #: cost 2.3 s of a core at every start here, and their memory for as long as the worker lives.
 DEEPSPEED_USERS = ("deepspeed", "transformers", "accelerate")
 
@@ -157,7 +157,7 @@ def import_time_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 
 def code_changed(stamp: dict[str, Any] | None) -> str:
     """What changed on disk since the warm process imported its code ("" when nothing), from its
-    `workers.warm_preload.code_stamp`: a distribution's METADATA file gone or rewritten (an upgrade,
+    `workers.warm.warm_preload.code_stamp`: a distribution's METADATA file gone or rewritten (an upgrade,
     a downgrade, a reinstall), or one of its other modules' files (the user's own) modified. One
     stat per distribution and per such file, for every rank; nothing is read."""
     if not stamp:

@@ -1,4 +1,4 @@
-"""The warm process's preload (`workers.warm_start`): importing this module is the preload.
+"""The warm process's preload (`workers.warm.warm_start`): importing this module is the preload.
 
 The forkserver imports it once, before it forks anything. It imports the modules named in
 AUTOTUNE_WARM_PRELOAD one by one and checks after each that CUDA is still not initialised in this
@@ -16,9 +16,9 @@ for seconds after the worker has gone (multiprocessing's own signal, its "alive"
 comes only after billiard's exit pause). The ranks it forks do not inherit that signal (Linux clears
 it on fork): a rank's lifetime is its launch's.
 
-It names itself in `ps` before the preload, as a rank does (`workers.process_identity`), through the
+It names itself in `ps` before the preload, as a rank does (`workers.process.process_identity`), through the
 setproctitle library: `autotune warm slot=node2.gpu0` (`title`). Its /proc environ is kept
-(SPT_NOENV): a forked rank's leftovers are found by the token in it (`workers.warm_server`).
+(SPT_NOENV): a forked rank's leftovers are found by the token in it (`workers.warm.warm_server`).
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def preload(names: list[str]) -> dict[str, object]:
 
 def code_stamp(site: tuple[str, ...] = (), stdlib: tuple[str, ...] = ()) -> dict[str, dict[str, list[object]]]:
     """What this process's code is made of, for the slot worker to tell when it changed on disk
-    (`workers.warm_plan.code_changed`): a module imported from site-packages is its distribution's
+    (`workers.warm.warm_plan.code_changed`): a module imported from site-packages is its distribution's
     (importlib.metadata: the version, and the path and mtime of the distribution's METADATA file,
     which `pip install -U` and a reinstall replace); any other module outside the standard library
     (the user's own package, an editable install, this project) is its file's mtime. A stat per
@@ -182,8 +182,8 @@ def prepare_deepspeed_ops() -> str:
     shared-memory communication op, which DeepSpeed keeps per process (`OpBuilder._loaded_ops`) and
     otherwise loads in each rank through torch's JIT path (two subprocesses: ninja's version and
     its up-to-date check). A forked rank finds both done. The op is imported from the library the
-    slot worker built (`workers.op_prebuild`) and keeps up to date before every launch
-    (`workers.build_locks.rebuild_stale_ops`), never built here, and never while a build holds its
+    slot worker built (`workers.slot.op_prebuild`) and keeps up to date before every launch
+    (`workers.slot.build_locks.rebuild_stale_ops`), never built here, and never while a build holds its
     folder's lock: torch's JIT path waits on that lock, and one left by a killed build held this
     process's start for its whole time limit. On CUDA nothing is done: a probe there may ask the
     driver, and CUDA must stay uninitialised in this process. What happened, for the report."""

@@ -1,14 +1,14 @@
-"""The rank's side of a warm start (`workers.warm_start`): what a process forked from the slot's
-warm interpreter does to become the rank a cold `python -m workers.entry script.py` would be.
+"""The rank's side of a warm start (`workers.warm.warm_start`): what a process forked from the slot's
+warm interpreter does to become the rank a cold `python -m workers.in_rank.entry script.py` would be.
 
 It sets its own session (the launch's process group), CPU affinity, environment (the rank's,
 exactly), cwd, stdin/stdout/stderr (the launch's files on fds 0-2, where the warm process's
 stream objects, and the loggers holding them, already write), argv and sys.path, and undoes
 what the fork carried over that a fresh interpreter would not have (multiprocessing's idea of
 this process, the forkserver's signal handling, torch's thread count); then says so on the pipe
-the launcher waits on, and runs the script through `workers.entry.run_script`, ending as the
+the launcher waits on, and runs the script through `workers.in_rank.entry.run_script`, ending as the
 interpreter would (threads joined, atexit run, the exit status or the signal). It refuses to run,
-before touching anything, when CUDA was initialised in the warm process (`workers.warm_preload`).
+before touching anything, when CUDA was initialised in the warm process (`workers.warm.warm_preload`).
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ REFUSED_EXIT = 86  #: a forked rank that would not run (CUDA initialised in the 
 
 def probe_fork() -> None:
     """The first fork of a new warm process: waits for its preload, exits REFUSED_EXIT with CUDA."""
-    from workers import warm_preload
+    from workers.warm import warm_preload
 
     os._exit(REFUSED_EXIT if warm_preload.cuda_before_fork() else 0)
 
 
 def rank_sys_path(script: str, cwd: str, inherited: list[str]) -> list[str]:
-    """sys.path as `python -m workers.entry script.py` in `cwd` has it: the script's folder, the
+    """sys.path as `python -m workers.in_rank.entry script.py` in `cwd` has it: the script's folder, the
     cwd (`-m`), then the warm interpreter's own (its PYTHONPATH, which is the rank's, and the
     installation's), less its first entry (the `-c` it was started with). Pure."""
     first = [os.path.dirname(os.path.abspath(script)), cwd]
@@ -44,7 +44,7 @@ def rank_sys_path(script: str, cwd: str, inherited: list[str]) -> list[str]:
 def run_forked_rank(request: dict[str, Any], ready: Any) -> None:
     """The rank, in the process the warm process forked: becomes what a cold rank would be, says so
     on `ready`, runs the script and ends as the interpreter would. Never returns."""
-    from workers import warm_preload
+    from workers.warm import warm_preload
 
     refused = warm_preload.cuda_before_fork()
     if refused:
@@ -54,9 +54,9 @@ def run_forked_rank(request: dict[str, Any], ready: Any) -> None:
         os.setsid()
         if request["cpus"] and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, request["cpus"])
-        from workers.entry import take_title
+        from workers.in_rank.entry import take_title
 
-        take_title(request["env"])  # before the environment changes: `ps` names the rank (workers.process_identity)
+        take_title(request["env"])  # before the environment changes: `ps` names the rank (workers.process.process_identity)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -72,8 +72,8 @@ def run_forked_rank(request: dict[str, Any], ready: Any) -> None:
         os._exit(REFUSED_EXIT)
     ready.send(("ok", ""))
     ready.close()
-    from workers.entry import run_script
-    from workers.step_clock import note
+    from workers.in_rank.entry import run_script
+    from workers.in_rank.step_clock import note
 
     note("up")
     code = 0

@@ -1,14 +1,14 @@
-"""The standard library's forkserver as a slot worker's warm interpreter (`workers.warm_start`):
+"""The standard library's forkserver as a slot worker's warm interpreter (`workers.warm.warm_start`):
 started with an environment and a parent of its own from a Celery pool process, and stopped.
 
 Why a module of its own: multiprocessing keeps one forkserver per process, in module state it does
 not export (`multiprocessing.forkserver._forkserver`), and a billiard pool process is a daemon with
 billiard's authentication key, which multiprocessing refuses to start children from. What reaches
-into that state is here, in one place, beside the decisions in `workers.warm_start`.
+into that state is here, in one place, beside the decisions in `workers.warm.warm_start`.
 
 The forkserver never outlives the process that started it: `end_for_exit` stops it when that
 process shuts down, and it asks Linux for SIGKILL when that process's starting thread ends
-(`workers.warm_preload.die_with_parent`) for every other way that process can end.
+(`workers.warm.warm_preload.die_with_parent`) for every other way that process can end.
 
 A rank it forked is its child, not this process's: how the rank ended comes down the forkserver's
 pipe. When the forkserver dies first (killed, out of memory), the pipe ends without a status and
@@ -39,14 +39,14 @@ import psutil
 
 log = logging.getLogger(__name__)
 
-PRELOAD_ENV = "AUTOTUNE_WARM_PRELOAD"  #: the modules `workers.warm_preload` imports, comma-separated
+PRELOAD_ENV = "AUTOTUNE_WARM_PRELOAD"  #: the modules `workers.warm.warm_preload` imports, comma-separated
 REPORT_ENV = "AUTOTUNE_WARM_REPORT"  #: where it writes what it imported, and what failed
 
 #: What the warm process forks ranks through: multiprocessing's forkserver start method.
 CONTEXT = multiprocessing.get_context("forkserver")
 
 
-#: What /proc shows for a warm process before it takes its title (`workers.warm_preload.title`), or
+#: What /proc shows for a warm process before it takes its title (`workers.warm.warm_preload.title`), or
 #: where setproctitle is not installed: the forkserver's own command line.
 FORKSERVER_LINE = "multiprocessing.forkserver import main"
 
@@ -54,7 +54,7 @@ FORKSERVER_LINE = "multiprocessing.forkserver import main"
 def shows_warm(line: str) -> bool:
     """Whether a command line as `ps` shows it is a warm process's: its title, or the forkserver's line
     (a rank forked from it shows that line too, for the milliseconds before it takes its own title)."""
-    from workers.warm_preload import TITLE_WORD
+    from workers.warm.warm_preload import TITLE_WORD
 
     shown = line.strip()
     return shown == TITLE_WORD or shown.startswith(f"{TITLE_WORD} ") or FORKSERVER_LINE in shown
@@ -67,12 +67,12 @@ UNTOLD_POLL_S = 0.1  #: how often a rank whose warm process died is looked for b
 
 
 class WarmProcess:
-    """A rank forked by the warm process, as `workers.launch.run_watched` watches a Popen: its exit
+    """A rank forked by the warm process, as `workers.process.launch.run_watched` watches a Popen: its exit
     status as the warm process tells it, or, when the warm process died while it ran, `untold` set
     (and `on_untold` called once with why), the rank watched by its pid until it ends."""
 
     #: The memory it shares with the warm process counts as its own, as a cold rank would own it
-    #: (`workers.tree_memory.inherited`).
+    #: (`workers.process.tree_memory.inherited`).
     forked_from_warm = True
 
     def __init__(self, process: multiprocessing.process.BaseProcess, server_pid: int, server_token: str,
@@ -135,25 +135,25 @@ def server_env(rank_env: dict[str, str], slot_kind: str, preload: list[str], tok
                report: Path) -> dict[str, str]:
     """The warm process's environment: the rank's without what is the rank's alone (its rank, its
     peers, its launch), CUDA's check through NVML, DeepSpeed's accelerator named."""
-    from workers.device_memory import EXIT_REPORT_ENV
-    from workers.launch import CONTAINER_ENV
+    from workers.in_rank.device_memory import EXIT_REPORT_ENV
+    from workers.process.launch import CONTAINER_ENV
 
     per_rank = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK", "CROSS_RANK",
                 "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT", EXIT_REPORT_ENV, CONTAINER_ENV}
     env = {name: value for name, value in rank_env.items() if name not in per_rank}
     env.update({"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONUNBUFFERED": "1", CONTAINER_ENV: token,
-                PRELOAD_ENV: ",".join([*preload, "workers.warm_rank"]), REPORT_ENV: str(report)})  # the rank's start
+                PRELOAD_ENV: ",".join([*preload, "workers.warm.warm_rank"]), REPORT_ENV: str(report)})  # the rank's start
     env.setdefault("DS_ACCELERATOR", "cuda" if slot_kind == "cuda" else "cpu")
     return env
 
 
 def start(env: dict[str, str]) -> int:
-    """Start this process's forkserver with `env` as its environment and `workers.warm_preload` as
+    """Start this process's forkserver with `env` as its environment and `workers.warm.warm_preload` as
     its preload (it dies with this process's current thread, when that is the main one: Linux's
     parent-death signal follows the thread); its pid. Returns before the preload is done."""
-    from workers.warm_preload import PARENT_ENV
+    from workers.warm.warm_preload import PARENT_ENV
 
-    CONTEXT.set_forkserver_preload(["workers.warm_preload"])
+    CONTEXT.set_forkserver_preload(["workers.warm.warm_preload"])
     multiprocessing.resource_tracker.ensure_running()  # this worker's: not marked as the ranks are
     if threading.current_thread() is threading.main_thread():
         env = {**env, PARENT_ENV: str(os.getpid())}
@@ -288,7 +288,7 @@ def acquire(lock: threading.Lock, limit_s: float, keep_alive: Callable[[], objec
 
 
 def read_report(path: Path) -> dict[str, Any]:
-    """The preload's report (`workers.warm_preload`), {} when it wrote none."""
+    """The preload's report (`workers.warm.warm_preload`), {} when it wrote none."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -1,26 +1,26 @@
 """A warm interpreter per slot: ranks forked from a process that has already imported the script's
 own top-level imports (and torch, DeepSpeed and torch._dynamo for a script that uses DeepSpeed,
-`workers.warm_plan`), instead of a fresh `python` that imports them.
+`workers.warm.warm_plan`), instead of a fresh `python` that imports them.
 
 Why: on the 2-core machine `import torch, deepspeed` alone is 3 s of every rank, and most of an
 experiment was start-up; on a cluster whose Python lives on a shared filesystem the imports take
-tens of seconds. Each slot worker keeps one multiprocessing forkserver (`workers.warm_server`, the
-standard library's, nothing hand-rolled) whose preload is `workers.warm_preload`, and forks every
+tens of seconds. Each slot worker keeps one multiprocessing forkserver (`workers.warm.warm_server`, the
+standard library's, nothing hand-rolled) whose preload is `workers.warm.warm_preload`, and forks every
 rank from it. The forked rank is a fresh process for every experiment, so nothing leaks from one
-experiment to the next: `workers.warm_rank` makes it what a cold `python script.py` rank would be.
+experiment to the next: `workers.warm.warm_rank` makes it what a cold `python script.py` rank would be.
 What a rank imported itself (torch and DeepSpeed import much lazily inside `deepspeed.initialize`)
 is learned and preloaded from then on (`WarmStarts.learn`), the warm process started again with it
 between experiments when the lesson is worth a start (`RESTART_AT_IMPORTS`).
 
 What stays true, and why:
 - CUDA is never initialised in the warm process: it is started with PYTORCH_NVML_BASED_CUDA_CHECK=1
-  and DeepSpeed's accelerator named; `workers.warm_preload` checks after every preloaded module and
+  and DeepSpeed's accelerator named; `workers.warm.warm_preload` checks after every preloaded module and
   before every fork, by torch's flag and by the driver's state in /proc (another library, pycuda or
   CuPy, may initialise it); a module that initialised it is dropped from the preload and the slot's
   log says so; a rank forked from a process with CUDA refuses to run and the launch goes cold.
 - It runs the code a fresh interpreter would: it is started again when the launch needs other
-  preloads or import-time settings (`workers.warm_plan.import_time_env`: what libraries read once),
-  and when the code it imported changed on disk (`workers.warm_plan.code_changed`: a distribution
+  preloads or import-time settings (`workers.warm.warm_plan.import_time_env`: what libraries read once),
+  and when the code it imported changed on disk (`workers.warm.warm_plan.code_changed`: a distribution
   upgraded or reinstalled under the running worker, a file of the user's own package edited).
   The script's own modules (next to it) are never preloaded.
 - Finding, limiting and killing a rank: the rank makes its own process group (`setsid`), so group
@@ -28,15 +28,15 @@ What stays true, and why:
   /proc environ, by which its leftovers are stopped (`WarmProcess.leftover_marks`), and the memory
   it shares with the warm process counts as its own (`forked_from_warm`). What it is (slot, job,
   experiment, rank) is read from its title and its slot's record, never from that environ
-  (`workers.process_identity`).
+  (`workers.process.process_identity`).
 - A rank's end is told by the warm process, its parent; if the warm process dies while the rank
   runs, the rank is watched by its pid to its end and the launch is recorded lost (its exit status
-  is unknown), not as the config's crash (`workers.warm_server.WarmProcess`,
-  `workers.rank_start.Start.lost`).
+  is unknown), not as the config's crash (`workers.warm.warm_server.WarmProcess`,
+  `workers.warm.rank_start.Start.lost`).
 - The preload never outlasts the launch's deadline: a launch waits for its warm process in
   `prepare`, before its time limit starts, and that wait is taken from the limit, as a cold rank's
   imports are in its own; a start after a rank (`learn`) is not waited for in that rank's task.
-- A launch the warm path cannot serve runs cold (`python -m workers.entry`) and the record says why
+- A launch the warm path cannot serve runs cold (`python -m workers.in_rank.entry`) and the record says why
   (`start_path`, `cold_because`): not a `.py` script, AUTOTUNE_WARM_START=0, a script of the
   standard library alone, a preload that fails or is not done in time, a rank that refused.
 - Its costs: the warm process's memory on each slot while the worker lives (not under the slot's
@@ -44,7 +44,7 @@ What stays true, and why:
   process: jobs with different scripts on one slot take turns restarting it).
 - It never outlives its worker: the pool process ends it when it shuts down (`WarmStarts.stop`,
   from `tasks.worker_hooks`), and Linux kills it when that process dies any other way
-  (`workers.warm_preload.die_with_parent`).
+  (`workers.warm.warm_preload.die_with_parent`).
 """
 from __future__ import annotations
 
@@ -62,12 +62,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from workers import warm_server
-from workers.rank_start import Start, WarmUnavailable, recorded_lost
-from workers.warm_plan import (SWITCH_ENV, beyond_the_standard_library, code_changed, import_time_env,  # noqa: F401
+from workers.warm import warm_server
+from workers.warm.rank_start import Start, WarmUnavailable, recorded_lost
+from workers.warm.warm_plan import (SWITCH_ENV, beyond_the_standard_library, code_changed, import_time_env,  # noqa: F401
                                installed_only, installed_roots, preload_modules, why_cold)
-from workers.warm_rank import REFUSED_EXIT, probe_fork, rank_sys_path, run_forked_rank
-from workers.warm_server import PRELOAD_ENV, REPORT_ENV, WarmProcess, server_env, wait_until as _wait  # noqa: F401
+from workers.warm.warm_rank import REFUSED_EXIT, probe_fork, rank_sys_path, run_forked_rank
+from workers.warm.warm_server import PRELOAD_ENV, REPORT_ENV, WarmProcess, server_env, wait_until as _wait  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class _Pending:
 class WarmStarts:
     """This slot worker's warm process, started on the first launch that can use it, started again
     when a launch needs other preloads or import-time settings, when the code it imported changed on
-    disk (`workers.warm_plan.code_changed`), or after it died."""
+    disk (`workers.warm.warm_plan.code_changed`), or after it died."""
 
     def __init__(self, roots: list[Path] | None = None) -> None:
         self._roots = roots if roots is not None else installed_roots()
@@ -143,7 +143,7 @@ class WarmStarts:
 
     def spawn_for(self, script_argv: list[str], rank_env: dict[str, str], slot_kind: str,
                   cpus: tuple[int, ...], start: Start, keep_alive: Callable[[], object] = lambda: None):
-        """The `spawn` for `workers.launch.run_watched`: a warm rank when it can, else a cold
+        """The `spawn` for `workers.process.launch.run_watched`: a warm rank when it can, else a cold
         `subprocess.Popen` of the same command; `start` says which ran. Without `prepare` first, a
         warm process is started here, outside the time limit; `keep_alive` is called every second
         meanwhile (the slot's lease must not lapse)."""
@@ -239,7 +239,7 @@ class WarmStarts:
     def learn(self, script_argv: list[str], imported: list[str] | None,
               keep_alive: Callable[[], object] = lambda: None, imported_count: int | None = None) -> None:
         """After a rank of the script ended: the installed modules it imported itself
-        (`workers.entry.imports_since`; torch and DeepSpeed import much lazily, inside
+        (`workers.in_rank.entry.imports_since`; torch and DeepSpeed import much lazily, inside
         `deepspeed.initialize`) are preloaded from now on, and the warm process is started again
         with them at once, when the rank imported `RESTART_AT_IMPORTS` modules or more
         (`imported_count`, all of them, None: unknown); fewer wait for the next start. Nothing here

@@ -9,7 +9,7 @@ CUDA_VISIBLE_DEVICES (it int()s every entry), that the numbering is the PCI bus 
 uses, that `--local_rank` (when given) agrees with LOCAL_RANK, and that the cluster's Redis
 credentials did not leak into it.
 It writes `<result_dir>/probe.rank<N>.json`, reports a device peak through
-`workers.device_memory.report_peak` and, on rank 0, the metrics file. A failed check exits 1.
+`workers.in_rank.device_memory.report_peak` and, on rank 0, the metrics file. A failed check exits 1.
 `--leave-used RANK,MBS,MIB`: that rank, at that micro-batch, leaves MIB in use on its GPU when it
 exits (appended to the fake nvidia-smi's $FAKE_NVIDIA_SMI_USED_FILE), as a child process it did not
 take with it would.
@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from workers.device_memory import report_peak
+from workers.in_rank.device_memory import report_peak
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--deepspeed_config", required=True)

@@ -6,7 +6,7 @@ fake nvidia-smi, device-memory records), so the figures can be checked end to en
 
 `--surface` is a JSON object of `bench.surfaces.Surface` fields. From the ds_config it is given
 (ZeRO stage, micro-batch, gradient accumulation) the script computes its device peak (reported with
-`workers.device_memory.report_peak`) and its throughput, with the surface's noise drawn from a name
+`workers.in_rank.device_memory.report_peak`) and its throughput, with the surface's noise drawn from a name
 made of that config, so a replayed or repeated config measures the same. When the peak does not fit
 the device it fails as a real script does: `--oom torch` raises a real `torch.OutOfMemoryError`,
 `--oom traceback` prints a CUDA OOM traceback and exits 1. The model-info profile run writes
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # bench/ is not installed; the repository is
 
 from bench.surfaces import Surface  # noqa: E402
-from workers.device_memory import report_peak  # noqa: E402
+from workers.in_rank.device_memory import report_peak  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--deepspeed_config", required=True)
