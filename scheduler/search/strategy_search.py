@@ -31,7 +31,9 @@ of the memory model rather than a guess:
    per-micro-step costs. Each strategy's next size is its line's top again, kept below the geometric
    middle between its largest size that ran and its smallest that ran out of memory, and, after a
    run that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of
-   activations it keeps: `strategies.measured_keep_share`); `STRATEGY_PROBES` runs per strategy at
+   activations it keeps: `strategies.measured_keep_share`). A run at its line's top that reads
+   better than the leader measures the sizes the safety margin kept out once (up to the line's own
+   top: the curve still rises where the margin cuts it). `STRATEGY_PROBES` runs per strategy at
    most. The normal confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy is the stage's own measured line (or the analytical
@@ -188,7 +190,22 @@ def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str,
         if failed is not None:
             size = min(size, _step_size(session, leader, round(math.sqrt(ran * failed))))
         if succeeded(record) and size < TOP_GAIN * ran:
-            return
+            if not _beats(session, record, leader):
+                return
+            size = _size(session, leader, strategy, safety=1.0)  # it pays: the margin's sizes, up to the line's top
+            if size <= ran or (failed is not None and size >= failed):
+                return
+
+
+def _beats(session: Session, record: dict, leader: Experiment) -> bool:
+    """Whether `record` reads better than the best reading of `leader`'s config."""
+    st = session.settings
+    value = metric_value(record, st.metric)
+    ours = [metric_value(r, st.metric) for exp, r in session.measured.values() if exp.ds_config == leader.ds_config]
+    ours = [v for v in ours if v is not None]
+    if value is None or not ours:
+        return False
+    return value > max(ours) if st.maximize else value < min(ours)
 
 
 def _run(session: Session, leader: Experiment, strategy: tuple[str, ...], mbs: int) -> Step:
@@ -199,7 +216,7 @@ def _run(session: Session, leader: Experiment, strategy: tuple[str, ...], mbs: i
     return record
 
 
-def _size(session: Session, leader: Experiment, strategy: tuple[str, ...]) -> int:
+def _size(session: Session, leader: Experiment, strategy: tuple[str, ...], safety: float = SAFETY) -> int:
     """The largest size the stage holds with `strategy` by its memory line (module docstring),
     within the cap, below the strategy's own failures, filling the leader's step."""
     st = session.settings
@@ -208,7 +225,7 @@ def _size(session: Session, leader: Experiment, strategy: tuple[str, ...]) -> in
     intercept -= freed_bytes(session.model, [n for n in strategy if n not in st.strategy], stage)
     if "activation_checkpointing" in strategy and "activation_checkpointing" not in st.strategy:
         slope *= _keep_share(session, stage, strategy)
-    budget = st.budget_bytes * SAFETY
+    budget = st.budget_bytes * safety
     fits = int((budget - intercept) // slope) if slope > 0 else st.micro_batch_cap
     failed = [exp.micro_batch_size for exp, record in _strategy_records(session, stage, strategy)
               if record.get("status") == "oom"]

@@ -270,3 +270,24 @@ def test_a_strategy_is_not_ruled_out_by_its_time_prior_at_one_micro_step_per_ste
     accumulating = session.experiment(1, 8, 4)
     record = {"name": accumulating.name, "status": "ok", "metrics": {"throughput": 8 * 4 * 4 / 0.2}}
     assert strategy_search._too_slow(session, accumulating, record, "offload_optimizer")
+
+
+def test_a_strategy_that_pays_at_its_lines_top_measures_the_safety_margin_too() -> None:
+    """Checkpointing's run at its line's top (95 % of the budget) reads better than the leader, so the
+    sizes the safety margin kept out (up to the line's own top) are measured once: 36, then 38."""
+    law = Law(num_params=100_000_000, activation=1_500_000_000, keep=0.25)
+    experiments, records = run(law, settings(law, ["activation_checkpointing"]))
+    sizes = [(exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
+             if exp.strategy and "_r" not in exp.name]
+    assert sizes == [(16, "ok"), (36, "ok"), (38, "ok")]
+
+
+def test_only_a_reading_better_than_the_leaders_best_pays() -> None:
+    search_settings = settings(TALL, ["activation_checkpointing"])
+    session = Session(search_settings)
+    leader = session.experiment(0, 8, 1)
+    for name, value in ((leader.name, 100.0), (f"{leader.name}_r2", 120.0)):
+        session.measured[name] = (leader, {"name": name, "status": "ok", "metrics": {"throughput": value}})
+    checkpointed = {"name": "c", "status": "ok", "metrics": {"throughput": 110.0}}
+    assert not strategy_search._beats(session, checkpointed, leader)
+    assert strategy_search._beats(session, {**checkpointed, "metrics": {"throughput": 121.0}}, leader)
