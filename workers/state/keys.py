@@ -15,6 +15,8 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
                                               (a rank then takes its slot back, workers.state.gang)
     autotune:gpu:<host>:<uuid>          str   the slot serving that GPU of that machine (JSON: queue,
                                               worker); claimed with SET NX, renewed with the slot's key
+    autotune:withdrawn:<node>.gpu<i>    str   why that slot's worker withdrew it (workers.slot.consumer_watch),
+                                              while it stays withdrawn
     autotune:unhealthy:<node>.gpu<i>    str   that slot's GPU holds memory of other processes (JSON: used
                                               bytes, since, why): out of tuning until its worker reads the
                                               memory gone (workers.state.slot_health), which renews it meanwhile
@@ -53,121 +55,74 @@ rendezvous or abort flag of an earlier launch. Celery's own broker and result ke
 """
 from __future__ import annotations
 
+import string
+
 PREFIX = "autotune:"
+
+
+class Key:
+    """One key's builder: `Key("job:{job}:spec")("j1")` is `"autotune:job:j1:spec"`. The template's
+    fields take values in order or by name; a field with a default (a pattern's `*`) may be left out."""
+
+    def __init__(self, template: str, **defaults: str) -> None:
+        self.template = PREFIX + template
+        self.fields = tuple(field for _, field, _, _ in string.Formatter().parse(template) if field)
+        self.defaults = defaults
+
+    def __call__(self, *values: str, **named: str) -> str:
+        if len(values) > len(self.fields) or set(named) - set(self.fields[len(values):]):
+            raise TypeError(f"{self!r} takes {', '.join(self.fields)}: got {values} {named}")
+        filled = {**self.defaults, **dict(zip(self.fields, values)), **named}
+        missing = [field for field in self.fields if field not in filled]
+        if missing:
+            raise TypeError(f"{self!r} needs {', '.join(missing)}")
+        return self.template.format(**filled)
+
+    def __repr__(self) -> str:
+        return f"Key({self.template!r})"
+
+
 SLOT_INDEX = PREFIX + "slots"
 SLOT_EPOCH = PREFIX + "slots:epoch"
 #: A token of the server's data (workers.state.gang): a lost dataset comes back with another one.
 SERVER_EPOCH = PREFIX + "server"
-
-
-def slot(queue: str) -> str:
-    return f"{PREFIX}slot:{queue}"
-
-
-def control(node: str) -> str:
-    return f"{PREFIX}control:{node}"
-
-
-def gang(queue: str) -> str:
-    return f"{PREFIX}gang:{queue}"
-
-
-def gpu_claim(host: str, gpu_uuid: str) -> str:
-    return f"{PREFIX}gpu:{host}:{gpu_uuid}"
-
-
-def withdrawn(queue: str) -> str:
-    """Why a slot's worker withdrew it (`workers.slot.consumer_watch`), while it stays withdrawn."""
-    return f"{PREFIX}withdrawn:{queue}"
-
-
-def unhealthy(queue: str) -> str:
-    return f"{PREFIX}unhealthy:{queue}"
-
-
-def rendezvous(attempt: str) -> str:
-    return f"{PREFIX}rdzv:{attempt}"
-
-
-def measured(attempt: str) -> str:
-    return f"{PREFIX}measured:{attempt}"
-
-
-def abort(attempt: str) -> str:
-    return f"{PREFIX}abort:{attempt}"
-
-
-def pgid(queue: str, task_id: str) -> str:
-    return f"{PREFIX}pgid:{queue}:{task_id}"
-
-
-def pgid_pattern(queue: str = "*") -> str:
-    return f"{PREFIX}pgid:{queue}:*"
-
-
-def rank_claim(queue: str, task_id: str) -> str:
-    return f"{PREFIX}claim:{queue}:{task_id}"
-
-
-def rank_process(queue: str, task_id: str) -> str:
-    return f"{PREFIX}rankproc:{queue}:{task_id}"
-
-
-def rank_process_pattern(queue: str = "*") -> str:
-    return f"{PREFIX}rankproc:{queue}:*"
-
-
-def job_events(job: str) -> str:
-    return f"{PREFIX}job:{job}:events"
-
-
-def job_attempts(job: str) -> str:
-    return f"{PREFIX}job:{job}:attempts"
-
-
-def job_state(job: str) -> str:
-    return f"{PREFIX}job:{job}:state"
-
-
-def job_settling(job: str) -> str:
-    return f"{PREFIX}job:{job}:settling"
-
-
-JOB_STATE_PATTERN = PREFIX + "job:*:state"
 SEQUENCE = PREFIX + "seq"
 JOBS = PREFIX + "jobs"
 DISPATCH_LOCK = PREFIX + "lock:dispatch"
+JOB_STATE_PATTERN = PREFIX + "job:*:state"
 
+# A slot's and a rank's keys (queue: "<node>.gpu<i>", task_id: the rank task's Celery id).
+slot = Key("slot:{queue}")
+control = Key("control:{node}")
+gang = Key("gang:{queue}")
+gpu_claim = Key("gpu:{host}:{gpu_uuid}")
+#: Why a slot's worker withdrew it (`workers.slot.consumer_watch`), while it stays withdrawn.
+withdrawn = Key("withdrawn:{queue}")
+unhealthy = Key("unhealthy:{queue}")
+rendezvous = Key("rdzv:{attempt}")
+measured = Key("measured:{attempt}")
+abort = Key("abort:{attempt}")
+pgid = Key("pgid:{queue}:{task_id}")
+pgid_pattern = Key("pgid:{queue}:*", queue="*")
+rank_claim = Key("claim:{queue}:{task_id}")
+rank_process = Key("rankproc:{queue}:{task_id}")
+rank_process_pattern = Key("rankproc:{queue}:*", queue="*")
 
-def job_spec(job: str) -> str:
-    return f"{PREFIX}job:{job}:spec"
-
-
-def job_queue(job: str) -> str:
-    return f"{PREFIX}job:{job}:queue"
-
-
-def job_shapes(job: str) -> str:
-    return f"{PREFIX}job:{job}:shapes"
-
-
-def job_queue_shape(job: str, shape: str) -> str:
-    return f"{PREFIX}job:{job}:queue:{shape}"
-
-
-def job_running(job: str) -> str:
-    return f"{PREFIX}job:{job}:running"
-
-
-def job_walls(job: str) -> str:
-    return f"{PREFIX}job:{job}:walls"
-
-
-def job_recorded(job: str) -> str:
-    return f"{PREFIX}job:{job}:recorded"
+# A job's keys.
+job_spec = Key("job:{job}:spec")
+job_queue = Key("job:{job}:queue")
+job_shapes = Key("job:{job}:shapes")
+job_queue_shape = Key("job:{job}:queue:{shape}")
+job_running = Key("job:{job}:running")
+job_walls = Key("job:{job}:walls")
+job_recorded = Key("job:{job}:recorded")
+job_events = Key("job:{job}:events")
+job_attempts = Key("job:{job}:attempts")
+job_state = Key("job:{job}:state")
+job_settling = Key("job:{job}:settling")
 
 
 def job_keys(job: str) -> list[str]:
     """The keys that make a job active; deleted together when it ends (events and attempts stay)."""
-    return [job_spec(job), job_queue(job), job_running(job), job_walls(job), job_recorded(job),
-            job_state(job), job_settling(job)]
+    return [build(job) for build in (job_spec, job_queue, job_running, job_walls, job_recorded, job_state,
+                                     job_settling)]
