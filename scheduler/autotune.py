@@ -28,12 +28,12 @@ from typing import Any
 import redis
 from rich.console import Console
 
-from scheduler import preflight, status
+from scheduler import exits, preflight, status
 from scheduler.inputs import folders
 from scheduler.inputs.config import TuningConfig
-from scheduler.errors import OneLineArgumentParser, UsageError, one_line
+from scheduler.errors import OneLineArgumentParser, UsageError
 from scheduler.cluster.job_store import JobStore
-from scheduler.cluster.jobs import JobCrashed, JobSpec, cancel, run_fixed, submit, watch
+from scheduler.cluster.jobs import JobSpec, cancel, run_fixed, submit, watch
 from scheduler.live_view import LiveView
 from scheduler.report import mlflow_fields
 from scheduler.report.mlflow_log import JobRun, MlflowLog
@@ -44,7 +44,7 @@ from scheduler.search.fast_search import search_notes
 from scheduler.search.ranking import best
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.files.layout import CLUSTER_DIR, DS_CONFIG, OPTIMAL_FILES, PARTIAL_FILES, SUMMARY
-from scheduler.embedded.local_cluster import LocalCluster, LocalClusterError, cluster_client
+from scheduler.embedded.local_cluster import LocalCluster, cluster_client
 from workers.files.paths import read_json, safe_child
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
@@ -100,27 +100,21 @@ def main(argv: list[str] | None = None) -> int:
     return guarded(lambda: run(*parse_args(sys.argv[1:] if argv is None else argv)))
 
 
+#: How a tuning ends on a failure (`scheduler.exits`): what was measured is kept for the next run.
+ENDINGS = exits.Endings(
+    crashed="the control worker failed on this job ({exc}); finished experiments are kept: run the same "
+            "command again to resume",
+    redis_failed="Redis failed during the run ({kind}: {exc}); finished experiments are kept: run the same "
+                 "command again to resume",
+    redis_code=exits.FAILED,
+    interrupted="interrupted: finished experiments are kept; run the same command to resume")
+
+
 def guarded(command: Callable[[], int]) -> int:
     """Run the command with its error endings: one `error:` line and 2 for bad input, 130 on Ctrl-C
     (also `celery-autotune --autotuning`'s, scheduler/cli.py)."""
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    try:
-        return command()
-    except (UsageError, LocalClusterError) as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)
-        return 2
-    except JobCrashed as exc:
-        print(f"error: the control worker failed on this job ({exc}); finished experiments are kept: "
-              "run the same command again to resume", file=sys.stderr)
-        return 1
-    except redis.RedisError as exc:
-        print(f"error: Redis failed during the run ({type(exc).__name__}: {exc}); finished "
-              "experiments are kept: run the same command again to resume", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: finished experiments are kept; run the same command to resume",
-              file=sys.stderr)
-        return 130
+    return exits.guarded(command, ENDINGS)
 
 
 def run(args: argparse.Namespace, script_args: list[str]) -> int:

@@ -61,11 +61,12 @@ from typing import Any
 import psutil
 import redis
 
+from scheduler import exits
 from scheduler.launch import elastic
 from scheduler.launch.environment import check_numeric_variables, check_redis_url, collect_exports, write_private_file
-from scheduler.errors import OneLineArgumentParser, UsageError, one_line
+from scheduler.errors import OneLineArgumentParser, UsageError
 from scheduler.preflight import wait_for_cluster
-from scheduler.cluster.jobs import JobCrashed, JobSpec, run_fixed
+from scheduler.cluster.jobs import JobSpec, run_fixed
 from scheduler.launch.hostfile import LOCAL_HOSTNAME, SLOT_WORKER_BYTES, local_pool, max_local_slots, read_hostfile
 from scheduler.launch.launch_spec import DEFAULT_MASTER_PORT, LaunchSpec, local_command, needs_multinode
 from scheduler.launch.launchers import LAUNCHERS, get_launcher, require_backend
@@ -75,7 +76,7 @@ from scheduler.launch.resources import ResourceRequest, Resources, resolve_resou
 from scheduler.resources import detect_local_devices
 from scheduler.search.space import Experiment
 from workers.process.launch import kill_group
-from scheduler.embedded.local_cluster import LocalCluster, LocalClusterError, cluster_client
+from scheduler.embedded.local_cluster import LocalCluster, cluster_client
 from workers.files.paths import read_json, safe_child
 from workers.state.registry import connect, control_alive, live_slots
 from workers.device.slot import slot_queue
@@ -113,24 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: How a run ends on a failure (`scheduler.exits`): a Redis failure is most often its URL or password.
+ENDINGS = exits.Endings(
+    crashed="the control worker failed on this run ({exc})",
+    redis_failed="Redis failed ({kind}: {exc}); check that it runs and the password in AUTOTUNE_REDIS_URL, or "
+                 "unset it for an embedded cluster",
+    redis_code=exits.USAGE,
+    interrupted="interrupted: every rank was stopped")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupted)
     signal.signal(signal.SIGTERM, _interrupted)
-    try:
-        return run(build_parser().parse_args(sys.argv[1:] if argv is None else list(argv)))
-    except (UsageError, LocalClusterError) as exc:
-        print("error: " + one_line(str(exc)), file=sys.stderr)
-        return 2
-    except JobCrashed as exc:
-        print(f"error: the control worker failed on this run ({exc})", file=sys.stderr)
-        return 1
-    except redis.RedisError as exc:
-        print(f"error: Redis failed ({type(exc).__name__}: {exc}); check that it runs and the password "
-              "in AUTOTUNE_REDIS_URL, or unset it for an embedded cluster", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: every rank was stopped", file=sys.stderr)
-        return 130
+    return exits.guarded(lambda: run(build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))),
+                         ENDINGS)
 
 
 def run(args: argparse.Namespace) -> int:
