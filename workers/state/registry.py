@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import redis
 
@@ -121,16 +121,10 @@ class Heartbeat:
     def _unregister(self, why: str | None = None) -> None:
         """Delete the registration; `why`: the slot is withdrawn, and the sweep reads why
         (`withdrawn`) to take its launch back at once rather than after `SLOT_GONE_S`."""
-        with self._client.pipeline(transaction=True) as pipe:
-            pipe.delete(*self._values)
-            if self._slot_queue:
-                pipe.srem(keys.SLOT_INDEX, self._slot_queue)
-                pipe.set(keys.SLOT_EPOCH, uuid.uuid4().hex)
-                if why is None:
-                    pipe.delete(keys.withdrawn(self._slot_queue))
-                else:
-                    pipe.set(keys.withdrawn(self._slot_queue), why, px=int(TTL_S * 1000))
-            pipe.execute()
+        if not self._slot_queue:
+            self._client.delete(*self._values)
+            return
+        unregister(self._client, self._slot_queue, [key for key in self._values if key != self._key], why)
 
     def _beat(self) -> None:
         if self._slot_queue:
@@ -203,6 +197,21 @@ def register_control(client: redis.Redis, node: str, worker: str) -> Heartbeat:
     beat = Heartbeat(client, keys.control(node), {"node": node, "worker": worker})
     beat.start()
     return beat
+
+
+def unregister(client: redis.Redis, queue: str, claims: Iterable[str] = (), why: str | None = None) -> None:
+    """Delete slot `queue`'s registration and `claims` and take it out of the index, with a fresh
+    epoch, in one transaction. `why`: the slot is withdrawn, and `withdrawn` says why for `TTL_S`;
+    None: a clean leave, which forgets an earlier withdrawal."""
+    with client.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.slot(queue), *claims)
+        pipe.srem(keys.SLOT_INDEX, queue)
+        pipe.set(keys.SLOT_EPOCH, uuid.uuid4().hex)
+        if why is None:
+            pipe.delete(keys.withdrawn(queue))
+        else:
+            pipe.set(keys.withdrawn(queue), why, px=int(TTL_S * 1000))
+        pipe.execute()
 
 
 def withdrawn(client: redis.Redis, queues: list[str]) -> dict[str, str]:

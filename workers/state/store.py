@@ -1,0 +1,169 @@
+"""The slots' store: every operation the control path and the slot workers perform on the slots'
+shared state (registrations and their index, withdrawals, GPU claims, health marks, gang leases,
+the dispatch view), behind one interface.
+
+Why an interface: the decisions that read the slots (which launch is lost and why, where a waiting
+experiment may start, what `--status` shows) are tested without a redis-server through the in-memory
+twin (`workers.state.memory_store.InMemorySlotStore`); the Redis store (`RedisSlotStore`, here) keeps
+the same contract, checked against both by tests/redis/test_slot_store_contract.py. It is the slots'
+side of what `scheduler.cluster.stores.BaseJobStore` is for a job.
+
+What each implementation promises is written once, on `BaseSlotStore`'s methods. Every method is
+atomic (Redis: one command, a MULTI transaction or one Lua script; in memory: one uninterrupted
+call). `RedisSlotStore` adds nothing of its own: it calls the modules that own each piece
+(`registry`, `gang`, `slot_view`, `slot_health`), so their scripts stay the one place each atomic step
+is written. What only Redis has (a release queued in a caller's pipeline, `GangReservations.release_in`;
+the heartbeat and health threads, which hold a client) stays on those modules.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import redis
+
+from workers.device.slot import Slot
+from workers.state import gang, registry, slot_health, slot_view
+from workers.state.gang import Renewal
+from workers.state.slot_view import SlotView
+
+
+class BaseSlotStore(Protocol):
+    """The slots' shared state: registrations, withdrawals, GPU claims, health marks, gang leases."""
+
+    # ------------------------------------------------------------ registrations
+
+    def announce(self, queue: str, registration: str, ttl_s: float | None = None,
+                 claims: dict[str, str] | None = None) -> None:
+        """Write slot `queue`'s registration (JSON) and its `claims` (key -> value, with the same TTL)
+        and index it; the view's epoch changes when the registration is new or changed. `ttl_s` None:
+        kept until unregistered."""
+
+    def announce_slot(self, slot: Slot, ttl_s: float | None = None) -> None:
+        """`announce` of `slot` as its worker's heartbeat writes it."""
+
+    def unregister(self, queue: str, claims: Iterable[str] = (), why: str | None = None) -> None:
+        """Delete slot `queue`'s registration and `claims` and take it out of the index (a new epoch).
+        `why`: the slot is withdrawn, and `withdrawn` says why for `registry.TTL_S`; None: a clean
+        leave, which forgets an earlier withdrawal."""
+
+    def live_slots(self) -> list[Slot]:
+        """Every slot whose registration is current, by node then device."""
+
+    def withdrawn(self, queues: list[str]) -> dict[str, str]:
+        """Of `queues`, those whose worker withdrew its slot, with why."""
+
+    def claim_gpu(self, slot: Slot) -> dict[str, str] | None:
+        """Claim `slot`'s GPU (host, UUID) for `registry.TTL_S`: None when claimed (free, lapsed, or
+        already this queue's), else the holder's {"queue", "worker"}. A slot without a GPU UUID
+        claims nothing."""
+
+    def read_view(self) -> SlotView:
+        """The slots as a dispatch pass sees them (`slot_view.SlotView`): the free ones (registered,
+        not reserved, not marked), the unreserved marked ones, every registered slot, and a memo
+        kept while the epoch stays. An unreserved lapsed registration leaves the index (a new epoch)."""
+
+    # ------------------------------------------------------------ health marks
+
+    def mark_unhealthy(self, queue: str, used_bytes: int, why: str) -> None:
+        """Take `queue`'s slot out of tuning for `slot_health.MARK_TTL_S`, keeping the first `since`
+        of a mark still there."""
+
+    def unhealthy(self, queues: Iterable[str]) -> dict[str, dict]:
+        """The marked slots among `queues`: queue -> {"used_bytes", "since", "why"}."""
+
+    # ------------------------------------------------------------ gang leases
+
+    def reserve(self, queues: list[str], lease_s: float, owner: str = "") -> str | None:
+        """A new token (starting with `owner#` when given) holding every queue for `lease_s` when
+        each was free; else None and nothing held."""
+
+    def keep(self, queue: str, token: str, lease_s: float, server: str = "") -> Renewal:
+        """A rank's renewal of its slot (`gang.GangReservations.keep`): extended while `token` holds
+        it; taken again when the key went with the server's data (`server` differs from the data's
+        token now, '' never does); otherwise not held."""
+
+    def holds(self, queues: list[str], token: str) -> bool:
+        """Whether `token` still holds every one of `queues`."""
+
+    def release(self, queues: list[str], token: str) -> int:
+        """Free the queues `token` holds; how many it held."""
+
+    def holders(self, queues: list[str]) -> dict[str, str]:
+        """queue -> the owner of its lease (a token that names none: the token), for the reserved ones."""
+
+    def owners(self, queues: list[str]) -> dict[str, str]:
+        """queue -> the owner named at `reserve`, for the reserved ones that name one."""
+
+    def held(self, queues: list[str]) -> set[str]:
+        """Which of `queues` anyone holds now."""
+
+
+class RedisSlotStore:
+    """`BaseSlotStore` in Redis, through the modules that own each key and script."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._gangs: gang.GangReservations | None = None
+
+    @property
+    def gangs(self) -> gang.GangReservations:
+        """The gang leases' scripts, registered on first use (a store that only reads slots loads none)."""
+        if self._gangs is None:
+            self._gangs = gang.GangReservations(self.client)
+        return self._gangs
+
+    # ------------------------------------------------------------ registrations
+
+    def announce(self, queue: str, registration: str, ttl_s: float | None = None,
+                 claims: dict[str, str] | None = None) -> None:
+        registry.announce(self.client, queue, registration, ttl_s, claims)
+
+    def announce_slot(self, slot: Slot, ttl_s: float | None = None) -> None:
+        registry.announce_slot(self.client, slot, ttl_s)
+
+    def unregister(self, queue: str, claims: Iterable[str] = (), why: str | None = None) -> None:
+        registry.unregister(self.client, queue, claims, why)
+
+    def live_slots(self) -> list[Slot]:
+        return registry.live_slots(self.client)
+
+    def withdrawn(self, queues: list[str]) -> dict[str, str]:
+        return registry.withdrawn(self.client, queues)
+
+    def claim_gpu(self, slot: Slot) -> dict[str, str] | None:
+        return registry.claim_gpu(self.client, slot)
+
+    def read_view(self) -> SlotView:
+        return slot_view.read_view(self.client)
+
+    # ------------------------------------------------------------ health marks
+
+    def mark_unhealthy(self, queue: str, used_bytes: int, why: str) -> None:
+        slot_health.mark_unhealthy(self.client, queue, used_bytes, why)
+
+    def unhealthy(self, queues: Iterable[str]) -> dict[str, dict]:
+        return slot_health.unhealthy(self.client, queues)
+
+    # ------------------------------------------------------------ gang leases
+
+    def reserve(self, queues: list[str], lease_s: float, owner: str = "") -> str | None:
+        return self.gangs.reserve(queues, lease_s, owner)
+
+    def keep(self, queue: str, token: str, lease_s: float, server: str = "") -> Renewal:
+        return self.gangs.keep(queue, token, lease_s, server)
+
+    def holds(self, queues: list[str], token: str) -> bool:
+        return self.gangs.holds(queues, token)
+
+    def release(self, queues: list[str], token: str) -> int:
+        return self.gangs.release(queues, token)
+
+    def holders(self, queues: list[str]) -> dict[str, str]:
+        return self.gangs.holders(queues)
+
+    def owners(self, queues: list[str]) -> dict[str, str]:
+        return self.gangs.owners(queues)
+
+    def held(self, queues: list[str]) -> set[str]:
+        return self.gangs.held(queues)
