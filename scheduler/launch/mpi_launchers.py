@@ -31,14 +31,28 @@ HELPER_MODULE = "deepspeed.launcher.launcher_helper"
 
 
 @dataclass(frozen=True)
-class OpenMpiLauncher(ToolBackend):
+class _Mpirun(ToolBackend):
+    """What every MPI backend's command shares: the checks of a rank launcher (the whole hostfile, no
+    elastic training) and the exports split into those passed by value and the secret ones."""
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        self._check_rank_launcher(spec)
+        exports, secret = spec.split_exports()
+        return self.mpirun(spec, exports, secret)
+
+    def mpirun(self, spec: LaunchSpec, exports: Mapping[str, str], secret: Mapping[str, str]) -> list[str]:
+        """The backend's argv: `exports` go with their values, `secret` by name only."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class OpenMpiLauncher(_Mpirun):
     """Open MPI's mpirun starts every rank from the hostfile; exports go in `-x K=V`."""
 
     name: ClassVar[str] = "openmpi"
     tool: ClassVar[str] = "ompi_info"
 
-    def command(self, spec: LaunchSpec) -> list[str]:
-        self._check_rank_launcher(spec)
+    def mpirun(self, spec: LaunchSpec, exports: Mapping[str, str], secret: Mapping[str, str]) -> list[str]:
         if spec.hostfile is None:
             raise UsageError("--launcher openmpi needs a hostfile: mpirun reads the hosts from it")
         extra = spec.launcher_arg_list()
@@ -46,7 +60,6 @@ class OpenMpiLauncher(ToolBackend):
         if not _sets_tcp_interface(extra):
             argv += ["--mca", "btl_tcp_if_include", "eth0"]
         argv += extra
-        exports, secret = spec.split_exports()
         argv += _export_flags("-x", {"UCX_TLS": "tcp", **exports})
         argv += [word for name in secret for word in ("-x", name)]  # `-x NAME`: the value of mpirun's own
         return [*argv, *spec.python_prefix(), spec.user_script, *spec.user_args]
@@ -74,18 +87,16 @@ def _hydra_secret_flags(secret: Mapping[str, str]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class MpichLauncher(ToolBackend):
+class MpichLauncher(_Mpirun):
     """MPICH's mpirun; DeepSpeed's helper turns PMI ranks into RANK/LOCAL_RANK on each process."""
 
     name: ClassVar[str] = "mpich"
     tool: ClassVar[str] = "mpirun"
 
-    def command(self, spec: LaunchSpec) -> list[str]:
-        self._check_rank_launcher(spec)
+    def mpirun(self, spec: LaunchSpec, exports: Mapping[str, str], secret: Mapping[str, str]) -> list[str]:
         per_host = devices_per_host(self.name, spec.resources)
         total = spec.resources.num_devices
         argv = ["mpirun", "-n", str(total), "-ppn", str(per_host), *spec.launcher_arg_list()]
-        exports, secret = spec.split_exports()
         argv += _export_flags("-genv", exports) + _hydra_secret_flags(secret)
         argv += [*_rendezvous_genv(spec, total, per_host), "-hosts", ",".join(spec.resources.hosts)]
         helper = [spec.python, "-u", "-m", HELPER_MODULE, "--launcher", self.name]
@@ -94,20 +105,18 @@ class MpichLauncher(ToolBackend):
 
 
 @dataclass(frozen=True)
-class ImpiLauncher(ToolBackend):
+class ImpiLauncher(_Mpirun):
     """Intel MPI: one MPMD block per global rank, each with its RANK and LOCAL_RANK."""
 
     name: ClassVar[str] = "impi"
     tool: ClassVar[str] = "mpirun"
 
-    def command(self, spec: LaunchSpec) -> list[str]:
-        self._check_rank_launcher(spec)
+    def mpirun(self, spec: LaunchSpec, exports: Mapping[str, str], secret: Mapping[str, str]) -> list[str]:
         if spec.bind_cores_to_rank:
             raise UsageError("--bind_cores_to_rank is not supported with --launcher impi here; drop it")
         per_host = devices_per_host(self.name, spec.resources)
         total = spec.resources.num_devices
         argv = ["mpirun", "-ppn", str(per_host), *spec.launcher_arg_list()]
-        exports, secret = spec.split_exports()
         for key, value in exports.items():
             argv += ["-genv", key, value]
         argv += _hydra_secret_flags(secret)
@@ -127,7 +136,7 @@ MVAPICH_DEFAULT_EXPORTS: Mapping[str, str] = {
 
 
 @dataclass(frozen=True)
-class MvapichLauncher(ToolBackend):
+class MvapichLauncher(_Mpirun):
     """MVAPICH2-GDR's mpirun with a one-host-per-line host list file."""
 
     name: ClassVar[str] = "mvapich"
@@ -144,13 +153,11 @@ class MvapichLauncher(ToolBackend):
         """The host list mpirun reads from `hostfile_path`; the caller writes it before launching."""
         return "".join(f"{host}\n" for host in spec.resources.hosts)
 
-    def command(self, spec: LaunchSpec) -> list[str]:
-        self._check_rank_launcher(spec)
+    def mpirun(self, spec: LaunchSpec, exports: Mapping[str, str], secret: Mapping[str, str]) -> list[str]:
         per_host = devices_per_host(self.name, spec.resources)
         argv = ["mpirun", "-np", str(spec.resources.num_devices), "-ppn", str(per_host)]
         argv += ["--hostfile", self.hostfile_path, *spec.launcher_arg_list()]
         defaults = {key: value for key, value in MVAPICH_DEFAULT_EXPORTS.items() if self.cuda or key != "MV2_USE_CUDA"}
-        exports, secret = spec.split_exports()
         argv += _export_flags("-env", {**defaults, **exports}) + _hydra_secret_flags(secret)
         return [*argv, *spec.python_prefix(), spec.user_script, *spec.user_args]
 
