@@ -176,21 +176,16 @@ class LocalCluster:
         self._workers.append(_spawn(argv, log, env, death_signal=signal.SIGQUIT))
         self._logs[self._workers[-1].pid] = (log, written)
 
-    def _wait(self, ready, what: str, log: Path) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            dead = [p for p in ([self._redis] + self._workers) if p is not None and p.poll() is not None]
-            if dead:
-                said = refusal_in(*self._logs.get(dead[0].pid, (None, 0)))
-                raise LocalClusterError(said or f"a process of the embedded cluster exited during start-up "
-                                        f"({' '.join(map(str, dead[0].args[:6]))}); see {self.log_dir}")
-            try:
-                if ready():
-                    return
-            except redis.RedisError:
-                pass
-            time.sleep(0.2)
-        raise LocalClusterError(f"{what} did not come up within {START_TIMEOUT_S:.0f}s; see {log}")
+    def _wait(self, ready: Callable[[], bool], what: str, log: Path) -> None:
+        if not ready_within(ready, START_TIMEOUT_S, self._none_exited):
+            raise LocalClusterError(f"{what} did not come up within {START_TIMEOUT_S:.0f}s; see {log}")
+
+    def _none_exited(self) -> None:
+        dead = [p for p in ([self._redis] + self._workers) if p is not None and p.poll() is not None]
+        if dead:
+            said = refusal_in(*self._logs.get(dead[0].pid, (None, 0)))
+            raise LocalClusterError(said or f"a process of the embedded cluster exited during start-up "
+                                    f"({' '.join(map(str, dead[0].args[:6]))}); see {self.log_dir}")
 
     def stop(self, settled: bool = False) -> None:
         """Stop everything this cluster started, by PID; safe to call twice. Each step waits at most
@@ -225,6 +220,21 @@ class LocalCluster:
                 self._redis.kill()
                 self._redis.wait()
         self._workers.clear()
+
+
+def ready_within(ready: Callable[[], bool], timeout_s: float, check: Callable[[], None] = lambda: None) -> bool:
+    """Whether `ready()` comes true within `timeout_s`, asked every 0.2 s. A Redis error counts as not
+    yet (a server still starting refuses connections); `check` runs before each ask and raises to stop."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check()
+        try:
+            if ready():
+                return True
+        except redis.RedisError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 @contextmanager

@@ -10,11 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
-import redis
+
+from scheduler.embedded.local_cluster import ready_within
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -38,15 +38,9 @@ def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except redis.RedisError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    """Wait as the embedded cluster waits for its processes (a Redis error counts as not yet)."""
+    if not ready_within(condition, timeout):
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def processes_with_marker(marker: str) -> list[psutil.Process]:

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
-from scheduler.embedded.local_cluster import LocalCluster, LocalClusterError, refusal_in
+from scheduler.embedded.local_cluster import LocalCluster, LocalClusterError, ready_within, refusal_in
 
 
 def test_the_last_refusal_line_without_its_prefix(tmp_path: Path) -> None:
@@ -35,3 +36,22 @@ def test_a_worker_dead_at_start_up_is_reported_by_its_refusal(tmp_path: Path) ->
     with pytest.raises(LocalClusterError) as raised:
         cluster._wait(lambda: False, "1 slot worker", log)
     assert str(raised.value) == "slot worker gpu0@n: GPU 0 is GPU-a to nvidia-smi, but CUDA opens GPU-b"
+
+
+def test_waiting_counts_a_redis_error_as_not_yet_and_ends_at_its_deadline_or_check() -> None:
+    answers: list[bool | Exception] = [redis.ConnectionError("still starting"), False, True]
+
+    def ready() -> bool:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert ready_within(ready, 5.0) and answers == []
+    assert not ready_within(lambda: False, 0.3)
+
+    def exited() -> None:
+        raise LocalClusterError("a worker exited")
+
+    with pytest.raises(LocalClusterError, match="exited"):
+        ready_within(lambda: True, 5.0, check=exited)
