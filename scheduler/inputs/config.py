@@ -22,7 +22,7 @@ from scheduler.inputs.config_file import read_config
 from scheduler.inputs.config_schema import (MAX_GRADIENT_ACCUMULATION, MAX_MICRO_BATCH, check_known_keys,
                                             check_path_text, check_schema, shown)
 from scheduler.inputs.memory_strategies import check_memory_strategies
-from scheduler.inputs.search_keys import SearchKeys, non_negative_int, parse_search_keys
+from scheduler.inputs.search_keys import SearchKeys, non_negative_int, parse_search_keys, positive_int
 
 #: Metric name -> whether bigger is better. `flops` is accepted for FLOPS_per_gpu (DeepSpeed crashes).
 METRICS = {"throughput": True, "FLOPS_per_gpu": True, "latency": False}
@@ -94,8 +94,8 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
         metric=_metric(path, autotuning.get("metric", "throughput")),
         micro_batch_sizes=_micro_batch_sizes(path, raw.get("train_micro_batch_size_per_gpu", 1)),
         stages=stages,
-        gradient_accumulation_steps=_positive_int(
-            path, "gradient_accumulation_steps", raw.get("gradient_accumulation_steps", 1)),
+        gradient_accumulation_steps=_bounded(path, "gradient_accumulation_steps",
+                                             raw.get("gradient_accumulation_steps", 1), MAX_GRADIENT_ACCUMULATION),
         results_dir=cwd / _directory(path, autotuning, "results_dir", "autotuning_results"),
         exps_dir=cwd / _directory(path, autotuning, "exps_dir", "autotuning_exps"),
         overwrite=autotuning.get("overwrite", False) is True,
@@ -119,7 +119,8 @@ def _micro_batch_sizes(path: Path, value: Any) -> tuple[int, ...]:
     values = value if isinstance(value, list) else [value]
     if not values:
         raise ConfigError(f"{path}: train_micro_batch_size_per_gpu is an empty list; give sizes such as [4, 8]")
-    sizes = [_positive_int(path, "train_micro_batch_size_per_gpu", v) for v in values]
+    sizes = [_bounded(path, "train_micro_batch_size_per_gpu", v, MAX_MICRO_BATCH, " (or a list of them)")
+             for v in values]
     return tuple(sorted(set(sizes)))
 
 
@@ -136,11 +137,8 @@ def _stages(path: Path, zero: Any) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
-def _positive_int(path: Path, field: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{path}: {field} must be a positive integer (or a list of them), "
-                          f"got {shown(value)}")
-    largest = MAX_MICRO_BATCH if field == "train_micro_batch_size_per_gpu" else MAX_GRADIENT_ACCUMULATION
+def _bounded(path: Path, field: str, value: Any, largest: int, accepted: str = "") -> int:
+    value = positive_int(path, field, value, accepted)
     if value > largest:
         raise ConfigError(f"{path}: {field} must be at most {largest}, got {shown(value)}; "
                           "give a size that fits a device")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.errors import ConfigError
-from scheduler.inputs.config_schema import TUNER_TYPES
+from scheduler.inputs.config_schema import TUNER_TYPES, shown
 
 #: autotuning.search: our sampled search, or DeepSpeed's fast mode replayed.
 SEARCHES = ("sampled", "deepspeed")
@@ -66,13 +66,19 @@ def non_negative_int(path: Path, section: Mapping[str, Any], key: str, default: 
     return value
 
 
+def positive_int(path: Path, field: str, value: Any, accepted: str = "") -> int:
+    """`value` if it is an int >= 1 (JSON's true is not), else a ConfigError naming the file and field
+    and showing the value as the file has it; `accepted` says what else the field takes."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{path}: {field} must be a positive integer{accepted}, got {shown(value)}")
+    return value
+
+
 def _positive(path: Path, section: Mapping[str, Any], key: str, default: int | None) -> Any:
     value = section.get(key, default)
     if value is None and default is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{path}: autotuning.{key} must be a positive integer, got {value!r}")
-    return value
+    return positive_int(path, f"autotuning.{key}", value)
 
 
 def _one_of(path: Path, section: Mapping[str, Any], key: str, default: str, allowed: tuple[str, ...]) -> str:

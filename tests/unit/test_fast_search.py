@@ -909,8 +909,8 @@ def test_settings_from_config_errors_name_the_file_and_the_fix(tmp_path: Path, a
     ("key", "value", "message"),
     [
         ("max_train_batch_size", 0, "must be a positive integer, got 0"),
-        ("num_tuning_micro_batch_sizes", "3", "must be a positive integer, got '3'"),
-        ("mp_size", True, "must be a positive integer, got True"),
+        ("num_tuning_micro_batch_sizes", "3", 'must be a positive integer, got "3"'),
+        ("mp_size", True, "must be a positive integer, got true"),
         ("min_train_micro_batch_size_per_gpu", 2.5, "must be a positive integer, got 2.5"),
         ("max_train_micro_batch_size_per_gpu", 0, "must be a positive integer, got 0"),
         ("tuner_num_trials", -1, "must be a positive integer, got -1"),
