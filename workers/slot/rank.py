@@ -27,6 +27,7 @@ import os
 import shlex
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from workers.process.process_identity import RankIdentity, forget_rank, record_r
 from workers.files.paths import write_atomic, write_json
 from workers.slot.rank_peers import Measured, StopCheck, meet_peers, ops_ready_everywhere, signal_abort
 from workers.slot.rank_record import RankRun, outcome, rank_record
+from workers.slot.records import RankRecord, not_started
 from workers.slot.rank_spec import RankSpec, rank_env, script_command
 from workers.process.shared_memory import remove_rank_segment
 from workers.device.slot import Slot
@@ -65,21 +67,20 @@ FREE_MEMORY = FreeMemoryWaiter(memory_used, wait_s=gpu_wait_s(os.environ.get(GPU
 def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "") -> dict[str, Any]:
     """Run one rank and return its record; never raises for anything the experiment does."""
     started = time.time()
-    base = {"name": spec.name, "rank": spec.rank, "slot": slot.queue, "node": slot.node,
-            "device": slot.device, "worker": slot.worker or socket.gethostname(), "threads": slot.threads}
+    identity = {"name": spec.name, "rank": spec.rank, "slot": slot.queue, "node": slot.node,
+                "device": slot.device, "worker": slot.worker or socket.gethostname(), "threads": slot.threads}
     refused = "running"  # until claimed: nothing of ours to release
     try:
         refused = rank_claim.claim(client, slot.queue, task_id) if task_id else None
         if refused is not None:  # a redelivered message (workers.slot.rank_claim): never a second copy
             if refused == "lost":
                 signal_abort(client, spec.attempt)  # its peers stop: the launch runs again
-            return {**base, **rank_claim.refused_record(refused)}
-        return {**base, **_run(spec, slot, client, task_id)}
+            return replace(rank_claim.refused_record(refused), **identity).to_json()
+        return replace(_run(spec, slot, client, task_id), **identity).to_json()
     except Exception as exc:  # a bug or fault of ours: still a record, so the chord completes
         signal_abort(client, spec.attempt)
-        return {**base, "status": Status.CRASHED.value, "exit": "not started",
-                "error": f"{type(exc).__name__}: {exc}", "started_at": started,
-                "ended_at": time.time(), "wall_s": time.time() - started, "peak_rss_bytes": 0}
+        ended = not_started(Status.CRASHED, f"{type(exc).__name__}: {exc}", started_at=started)
+        return replace(ended, **identity).to_json()
     finally:
         if task_id and refused != "running":
             rank_claim.release(client, slot.queue, task_id)
@@ -96,15 +97,12 @@ def record_started(client: redis.Redis, pgid_key: str, task_id: str, identity: R
         rank_claim.note_group(client, identity.slot, task_id, pgid)
 
 
-def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[str, Any]:
+def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> RankRecord:
     """The rank after its claim, stage by stage (`_RankStages`); a stage that stops it returns its record."""
     if spec.gang_token and client.get(keys.gang(slot.queue)) != spec.gang_token.encode():
         # Redelivered long after its launch was given up (a worker died holding the message):
         # running it now would overwrite the folder of a newer launch of the same experiment.
-        now = time.time()
-        return {"status": Status.LOST.value, "stale": True, "exit": "not started",
-                "error": "the reservation of this launch is gone", "started_at": now,
-                "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0}
+        return not_started(Status.LOST, "the reservation of this launch is gone", stale=True)
     stages = _RankStages(spec, slot, client, task_id)
     stages.set_up()
     for stage in (stages.wait_for_gpu, stages.meet, stages.build_ops):
@@ -120,7 +118,7 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> dict[
 
 class _RankStages:
     """One rank's stages, in order: `set_up`, `wait_for_gpu`, `meet`, `build_ops`, `run_script`.
-    Those that can stop the rank return its "not started" record (None: go on); what a stage leaves
+    Those that can stop the rank return its `not_started` record (None: go on); what a stage leaves
     for the next is kept here."""
 
     result_dir: Path
@@ -161,7 +159,7 @@ class _RankStages:
 
         self.stop_check = StopCheck(client, keys.abort(spec.attempt), slot.queue, spec.gang_token, spec.lease_s)
 
-    def wait_for_gpu(self) -> dict[str, Any] | None:
+    def wait_for_gpu(self) -> RankRecord | None:
         """Wait for others' memory on the slot's GPU to go; a rank is not started beside it."""
         spec, slot, client = self.spec, self.slot, self.client
         self.on_gpu = slot.kind == "cuda" and slot.cuda_index >= 0
@@ -170,28 +168,22 @@ class _RankStages:
             _take_out_of_tuning(client, slot, device_wait.used_bytes or 0, "before a launch")
             signal_abort(client, spec.attempt)
             self.describe()
-            now = time.time()
-            return {"status": Status.GPU_BUSY.value, "exit": "not started", "started_at": now, "ended_at": now,
-                    "wall_s": 0.0, "peak_rss_bytes": 0, "device_foreign_bytes": device_wait.used_bytes,
-                    "device_wait_s": device_wait.waited_s,
-                    "error": f"other processes held {(device_wait.used_bytes or 0) / 2**30:.1f} GiB of GPU "
-                             f"{slot.cuda_index} after a {device_wait.waited_s:.0f}s wait"}
+            return not_started(Status.GPU_BUSY, f"other processes held {(device_wait.used_bytes or 0) / 2**30:.1f} "
+                                                f"GiB of GPU {slot.cuda_index} after a {device_wait.waited_s:.0f}s wait",
+                               device_foreign_bytes=device_wait.used_bytes, device_wait_s=device_wait.waited_s)
         return None
 
-    def meet(self) -> dict[str, Any] | None:
+    def meet(self) -> RankRecord | None:
         """Meet the launch's other ranks (`workers.slot.rank_peers.meet_peers`)."""
         spec = self.spec
         master = meet_peers(spec, self.slot, self.client, self.stop_check)
         if master is None:
             self.describe()
-            now = time.time()
-            return {"status": Status.RENDEZVOUS_FAILED.value, "exit": "not started",
-                    "error": f"no address from rank 0 within {spec.rendezvous_timeout_s:.0f}s",
-                    "started_at": now, "ended_at": now, "wall_s": 0.0, "peak_rss_bytes": 0}
+            return not_started(Status.RENDEZVOUS_FAILED, f"no address from rank 0 within {spec.rendezvous_timeout_s:.0f}s")
         self.master = master
         return None
 
-    def build_ops(self) -> dict[str, Any] | None:
+    def build_ops(self) -> RankRecord | None:
         """The rank's environment, and the ops DeepSpeed will need, built on every rank before any
         script starts (`workers.slot.op_prebuild`)."""
         spec, slot, client, task_id = self.spec, self.slot, self.client, self.task_id
@@ -215,9 +207,7 @@ class _RankStages:
         if builders and not ops_ready_everywhere(spec, client, stop_check):
             forget_rank(client, slot.queue, task_id or spec.attempt)
             self.describe()
-            now = time.time()
-            return {"status": Status.ABORTED.value, "exit": "not started", "started_at": now, "ended_at": now,
-                    "wall_s": 0.0, "peak_rss_bytes": 0, "error": "stopped while the ops DeepSpeed needs were built"}
+            return not_started(Status.ABORTED, "stopped while the ops DeepSpeed needs were built")
         return None
 
     def run_script(self) -> RankRun:

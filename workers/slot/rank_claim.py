@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from typing import Any
 
 import psutil
 import redis
 
 from workers.state import keys
 from workers.in_rank.failure import Status
+from workers.slot.records import RankRecord, not_started
 from workers.process.launch import group_runs_slot, kill_group
 
 CLAIM_TTL_S = 7 * 24 * 3600
@@ -89,13 +88,10 @@ def release(client: redis.Redis, queue: str, task_id: str) -> None:
         pass
 
 
-def refused_record(why: str) -> dict[str, Any]:
+def refused_record(why: str) -> RankRecord:
     """The record of a rank task `claim` refused: `lost` once the dead claimant's training group was
     killed (the launch is recorded lost and runs again), stale while the first delivery runs."""
-    now = time.time()
-    record = {"status": Status.LOST.value, "exit": "not started", "started_at": now, "ended_at": now,
-              "wall_s": 0.0, "peak_rss_bytes": 0}
     if why == "running":
-        return {**record, "stale": True, "error": "delivered again while its first delivery still runs"}
-    return {**record, "error": "the pool process running this rank died (the OOM killer, a signal): its "
-                               "training group was killed, and the launch runs again"}
+        return not_started(Status.LOST, "delivered again while its first delivery still runs", stale=True)
+    return not_started(Status.LOST, "the pool process running this rank died (the OOM killer, a signal): its "
+                                    "training group was killed, and the launch runs again")

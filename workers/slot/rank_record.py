@@ -1,5 +1,6 @@
 """The record of a rank whose script ran: how it ended (`Outcome`: the failure class, with what
-the metrics file and an out-of-memory trace say) and the JSON record the `run_rank` task returns.
+the metrics file and an out-of-memory trace say) and the record the `run_rank` task returns
+(`workers.slot.records.RankRecord`).
 
 Apart from running the rank (`workers.slot.rank`) because this is pure reading and shaping: what the
 run left (`RankRun`) in, the record out, with the metric fields taken from the profiled window
@@ -19,6 +20,7 @@ from workers.in_rank.metrics import AutotuningSettings
 from workers.in_rank.oom import aborted_out_of_memory, stderr_out_of_memory
 from workers.files.paths import read_json
 from workers.slot.rank_spec import RankSpec
+from workers.slot.records import RankRecord
 from workers.device.slot import Slot
 from workers.in_rank.step_clock import wall_clock_metrics, window_seconds
 from workers.slot.timeline import launch_timeline
@@ -78,8 +80,8 @@ def outcome(spec: RankSpec, run: RankRun) -> Outcome:
     return Outcome(status, metrics, has_metrics, problem, oom_in_stderr, oom_in_counts, probable_oom)
 
 
-def rank_record(spec: RankSpec, slot: Slot, run: RankRun, ended: Outcome) -> dict[str, Any]:
-    """The rank's JSON record: how it ran (times, memory, start path, exit report, timeline), its
+def rank_record(spec: RankSpec, slot: Slot, run: RankRun, ended: Outcome) -> RankRecord:
+    """The rank's record: how it ran (times, memory, start path, exit report, timeline), its
     metrics or why it has none, and what its stderr says when it failed."""
     launch, start, master, report = run.launch, run.start, run.master, run.report
     status, metrics, problem = ended.status, ended.metrics, ended.problem
@@ -128,7 +130,7 @@ def rank_record(spec: RankSpec, slot: Slot, run: RankRun, ended: Outcome) -> dic
         record["probable_oom"] = ended.probable_oom
     if status is not Status.OK:
         record["stderr_tail"] = tail(run.stderr_path, 2000)
-    return record
+    return RankRecord.from_json(record)  # the exit report's keys, whatever they are, land where they belong
 
 
 def timed_metrics(metrics: dict[str, Any], step_ends: list[list[float]] | None,
