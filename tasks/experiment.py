@@ -26,6 +26,7 @@ was a GET and a SET with a PUBLISH between a rank's end and the next experiment'
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from celery import signals
@@ -41,7 +42,7 @@ from workers.files.layout import experiment_file
 from workers.files.paths import safe_child, write_json
 from workers.slot.rank import run_rank as run_rank_body, slot_from_env
 from workers.slot.rank_spec import RankSpec
-from workers.slot.records import aggregate
+from workers.slot.records import RankRecord, experiment_record
 
 log = logging.getLogger(__name__)
 #: The control path's messages, sent through this app (`scheduler.cluster.work.Work`).
@@ -76,35 +77,37 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     from scheduler.cluster.progress import advance
 
     finish = FinishSpec.from_json(finish_json)
-    if rank_records and all(r.get("stale") for r in rank_records):
+    ranks = [RankRecord.from_json(r) for r in rank_records]
+    if ranks and all(r.stale for r in ranks):
         return {"name": finish.name, "status": "lost", "stale": True}  # a newer launch owns the folder
     client = task_client(app.conf)
-    busy = [r for r in rank_records if r.get("status") == Status.GPU_BUSY.value]
+    busy = [r for r, typed in zip(rank_records, ranks) if typed.status is Status.GPU_BUSY]
     if busy:  # not started beside others' memory: no record, queued again (workers.state.slot_health)
         with cluster_lock(client):
             requeued = requeue_for_busy_gpu(client, finish, busy)
             dispatch(client, WORK)
         return {"name": finish.name, "status": Status.GPU_BUSY.value, "requeued": requeued}
-    record = aggregate(finish.to_json(), rank_records)
+    record = experiment_record(finish.to_json(), rank_records)
     co_runners = co_runners_of(client, finish)
     if co_runners:  # launches of any job that held a slot on its nodes while it ran
-        record["co_runners"] = co_runners
+        record = replace(record, co_runners=co_runners)
     result_dir = safe_child(finish.results_root, finish.name)
     with cluster_lock(client):
         if not holds_experiment(client, finish):  # fenced: a newer launch holds it (scheduler.cluster.fencing)
             GangReservations(client).release(finish.slots, finish.gang_token)
             log.warning("%s: a record of launch %s, which no longer holds the experiment, is not counted",
                         finish.name, finish.attempt)
-            return {"name": finish.name, "status": record["status"], "stale": True}
-        if record["status"] == "ok" and record["metrics"] is not None and \
+            return {"name": finish.name, "status": record.status.value, "stale": True}
+        if record.ok and record.metrics is not None and \
                 finish.metric_file in (layout.METRICS, layout.MODEL_INFO):  # DeepSpeed's name for the counted launch's
-            write_json(experiment_file(result_dir, finish.metric_file), record["metrics"], indent=None)
+            write_json(experiment_file(result_dir, finish.metric_file), record.metrics, indent=None)
         # exp.json, cmd.txt, stdout.log...: this launch's, before the record (a replay reads exp.json beside it)
         LaunchFiles.of(result_dir, finish.attempt, finish.metric_file).adopt(finish.world_size)
-        write_json(experiment_file(result_dir, layout.RESULT), record)  # the durable record, before Redis's
-        _, read = record_and_read(client, finish, record)  # with the step's reads: one round trip
+        written = record.to_json()
+        write_json(experiment_file(result_dir, layout.RESULT), written)  # the durable record, before Redis's
+        _, read = record_and_read(client, finish, written)  # with the step's reads: one round trip
         advance(client, finish.job, lambda: dispatch(client, WORK), read)  # the pass before the step when it can
-    return record
+    return written
 
 
 @app.task(name="autotune.advance_job", ignore_result=True)

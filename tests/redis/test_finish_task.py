@@ -67,6 +67,13 @@ def test_a_failed_rank_fails_the_experiment_and_leaves_no_metrics_file(callback,
     assert not (folder / "metrics.json").exists()
 
 
+def test_the_launches_that_ran_beside_it_are_in_the_record(callback, held, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("scheduler.cluster.co_runners.co_runners_of", lambda client, finish: ["j2/b"])
+    returned = callback([rank(0, metrics={"throughput": 12.5}), rank(1)], finish(tmp_path))
+    record = json.loads((tmp_path / "z1_gas1_tmbspg4" / "result.json").read_text())
+    assert record["co_runners"] == ["j2/b"] and record == returned
+
+
 def test_the_profile_runs_counted_model_info_goes_under_deepspeeds_name(callback, held, tmp_path: Path) -> None:
     """Each launch's ranks write model_info.<launch>.json (workers.process.launch_files); the callback copies
     the counted launch's to model_info.json, DeepSpeed's name, and writes no metrics.json."""
