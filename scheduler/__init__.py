@@ -16,8 +16,9 @@ Packages, lowest first (each `__init__` says more; tests/unit/test_architecture.
   launchers, environment, elastic batch sizes;
 - `report/`: what a run leaves in its results folder: records, summary, optimal config, plots;
 - `cluster/`: the control path in Redis: jobs, their queues and steps, dispatch onto slots.
-`errors.py` is the error vocabulary every layer raises. `workers/` (the slots), `deploy/` (SSH) and
-`tasks/` (the Celery app) sit beside this package: see ARCHITECTURE.md.
+`errors.py` is the error vocabulary every layer raises; `exits.py` how a command ends on one.
+`workers/` (the slots), `deploy/` (SSH) and `tasks/` (the Celery app) sit beside this package: see
+ARCHITECTURE.md.
 
 Imports: every package below, `tasks` (the commands send work to the cluster), `deploy`, `workers`.
 Imported by: nothing of the project's (the commands are the top); tests and bench/.
