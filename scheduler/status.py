@@ -14,17 +14,20 @@ from rich.console import Console
 from rich.table import Table
 
 from scheduler.cluster.job_store import shown_states
-from workers.state.gang import GangReservations
-from workers.state.registry import live_slots
-from workers.state.slot_health import describe, unhealthy
+from workers.state.slot_health import describe
+from workers.state.store import BaseSlotStore, RedisSlotStore
 
 
 def collect(client: redis.Redis) -> dict[str, Any]:
     """Slots with their holders and the published state of every live job."""
-    slots = live_slots(client)
-    holders = GangReservations(client).holders([s.queue for s in slots])
-    sick = unhealthy(client, [s.queue for s in slots])
-    jobs = shown_states(client)
+    return collect_from(RedisSlotStore(client), shown_states(client))
+
+
+def collect_from(store: BaseSlotStore, jobs: list[dict[str, str]]) -> dict[str, Any]:
+    """`collect` from the slots' store and the jobs' published states."""
+    slots = store.live_slots()
+    holders = store.holders([s.queue for s in slots])
+    sick = store.unhealthy([s.queue for s in slots])
     return {
         "slots": [{"queue": s.queue, "kind": s.kind, "memory_gib": round(s.memory_bytes / 2**30, 1),
                    "worker": s.worker, "held_by": holders.get(s.queue, ""),

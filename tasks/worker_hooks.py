@@ -38,8 +38,9 @@ from workers.device.gpus import GpuListingError, memory_used
 from workers.process.launch import group_runs_slot, kill_group
 from workers.process.process_identity import leftover_groups
 from workers.state.redis_tls import describe_tls_failure
-from workers.state.registry import Heartbeat, claim_gpu, connect, register_control, register_slot
+from workers.state.registry import Heartbeat, connect, register_control, register_slot
 from workers.state.slot_health import HealthWatch
+from workers.state.store import RedisSlotStore
 from workers.device.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
 from workers.warm.warm_start import WARM
 from scheduler.embedded.worker_command import CONTROL_QUEUE
@@ -139,7 +140,7 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
         if orphans:
             log.warning("killed %d training process group(s) left by an earlier worker of %s",
                         orphans, slot.queue)
-        twin = claim_gpu(client, slot)
+        twin = RedisSlotStore(client).claim_gpu(slot)
         if twin is not None:
             _refuse(f"slot worker {sender}: GPU {slot.cuda_index} ({slot.gpu_uuid}) is already served by slot "
                     f"{twin.get('queue')} (worker {twin.get('worker')}) on this machine; one slot worker per GPU: "

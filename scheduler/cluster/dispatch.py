@@ -49,13 +49,12 @@ from scheduler.search.space import Experiment
 from scheduler.cluster.work import RankLaunch, Work
 from workers.state import keys
 from workers.device.device_idle import gpu_wait_s
-from workers.state.gang import GangReservations
 from workers.slot.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders
 from workers.files.paths import safe_child
 from workers.slot.rank_spec import RankSpec
 from workers.device.slot import Slot
 from workers.state.slot_health import describe
-from workers.state.slot_view import read_view
+from workers.state.store import BaseSlotStore, RedisSlotStore
 from workers.device.topology import worst_link
 
 LOCK_TIMEOUT_S = 120.0
@@ -86,7 +85,8 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
     specs = active_specs(client)
     if not specs:
         return
-    view = read_view(client)  # free slots, slots marked out of tuning (others' memory: no known end)
+    state = RedisSlotStore(client)
+    view = state.read_view()  # free slots, slots marked out of tuning (others' memory: no known end)
     slots, sick = view.slots, view.sick
     read = job_heads(client, [spec.job for spec in specs], len(view.free))  # only what could matter now
     queued = {job: found.launches for job, found in read.items()}
@@ -102,7 +102,7 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
         if spec.job in refused:
             continue
         if spec.pinned is not None:
-            if not _start_pinned(client, work, spec, launch, slots, busy, started):
+            if not _start_pinned(client, state, work, spec, launch, slots, busy, started):
                 refused.add(spec.job)
         elif _fits_or_refused(JobStore(client, spec.job), spec, launch, slots, view.memo, cleared, sick):
             free_waiting.append((spec, launch))
@@ -111,7 +111,7 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
     jobs = {spec.job: spec for spec in specs if spec.job not in refused}
     if placing and free_waiting:
         assert busy is not None
-        _place_and_start(client, work, policies, specs, jobs, free_waiting, slots, busy, sick, started)
+        _place_and_start(client, state, work, policies, specs, jobs, free_waiting, slots, busy, sick, started)
     _publish_states(client, jobs, read, started, sick, [job for job, pending in cleared.items() if pending])
 
 
@@ -122,7 +122,8 @@ def _gang_size(spec: JobSpec, launch: QueuedLaunch) -> int:
     return launch.exp["num_nodes"] * launch.exp["num_gpus"]
 
 
-def _place_and_start(client: redis.Redis, work: Work, policies: Mapping[str, Policy], specs: list[JobSpec],
+def _place_and_start(client: redis.Redis, state: BaseSlotStore, work: Work, policies: Mapping[str, Policy],
+                     specs: list[JobSpec],
                      jobs: dict[str, JobSpec], free_waiting: list[tuple[JobSpec, QueuedLaunch]], slots: list[Slot],
                      busy: set[str], sick: Mapping[str, dict], started: set[tuple[str, str]]) -> None:
     """Ask the policy where the waiting launches start now, reserve and start them (into `started`)."""
@@ -135,12 +136,11 @@ def _place_and_start(client: redis.Redis, work: Work, policies: Mapping[str, Pol
                      pool_of(spec))
              for key, (spec, launch) in by_key.items()]
     frees_at = {**_frees_at(client, jobs, busy, slots), **dict.fromkeys(sick, math.inf)}
-    gangs = GangReservations(client)
     by_node = queues_by_node(slots)
     for key, placement in policy(items, slots, frees_at, time.time()):
         spec, launch = by_key[key]
         queues = [slot.queue for node in placement for slot in node]
-        token = gangs.reserve(queues, spec.lease_s, owner=key)
+        token = state.reserve(queues, spec.lease_s, owner=key)
         if token is None:
             break  # taken between our read and now (cannot happen under the lock; be safe)
         _start(client, work, spec, launch, placement, token, by_node, busy)
@@ -168,8 +168,8 @@ def _publish_states(client: redis.Redis, jobs: dict[str, JobSpec], read: Mapping
     show_all(client, shown, misfits_cleared)
 
 
-def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: QueuedLaunch, slots: list[Slot],
-                  busy: set[str] | None, started: set[tuple[str, str]]) -> bool:
+def _start_pinned(client: redis.Redis, state: BaseSlotStore, work: Work, spec: JobSpec, launch: QueuedLaunch,
+                  slots: list[Slot], busy: set[str] | None, started: set[tuple[str, str]]) -> bool:
     """Every experiment of a pinned job wants the same named slots: they run one after another.
     False when the job was refused (a named slot has no live worker). `busy` None: too few slots
     are free for anything (only the refusal is checked)."""
@@ -182,7 +182,7 @@ def _start_pinned(client: redis.Redis, work: Work, spec: JobSpec, launch: Queued
     if placement is None:
         return True
     queues = [slot.queue for node in placement for slot in node]
-    token = GangReservations(client).reserve(queues, spec.lease_s, owner=f"{spec.job}/{launch.name}")
+    token = state.reserve(queues, spec.lease_s, owner=f"{spec.job}/{launch.name}")
     if token is not None:
         assert busy is not None  # a pass that places nothing has no placement here
         _start(client, work, spec, launch, placement, token, queues_by_node(slots), busy)

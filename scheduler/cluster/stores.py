@@ -4,7 +4,8 @@ Why an interface: the decisions of the control path (a misfit's grace, a lost la
 give-up, a launch queued again for a busy GPU, when busy slots free) read and write a job's state,
 and they are tested without a redis-server through the in-memory twin
 (`scheduler.cluster.memory_store.InMemoryJobStore`); the Redis store (`scheduler.cluster.job_store.JobStore`)
-keeps the same contract, checked against both by tests/redis/test_job_store_contract.py.
+keeps the same contract, checked against both by tests/redis/test_job_store_contract.py. The slots'
+state (registrations, leases, health) has its own store beside this one, `workers.state.store.BaseSlotStore`.
 
 What each implementation promises is written once, on the methods below. Every method is atomic: no
 other reader sees half of it (Redis: one command, a MULTI transaction or one Lua script; in memory:
@@ -28,13 +29,6 @@ class StepReads(NamedTuple):
     order: float | None  #: `BaseJobStore.order`
     queued: set[str]  #: `BaseJobStore.queued_names`
     running: set[str]  #: `BaseJobStore.running_names`
-
-
-class LeaseHolds(Protocol):
-    """What the sweep asks of the gang leases (`workers.state.gang.GangReservations`)."""
-
-    def holds(self, queues: list[str], token: str) -> bool:
-        """Whether `token` still holds every one of `queues`."""
 
 
 class BaseJobStore(Protocol):

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import redis
 
 from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.jobs import JobSpec, active_specs, stop_launch
 from scheduler.cluster.launches import RunningLaunch
-from scheduler.cluster.stores import BaseJobStore, LeaseHolds
+from scheduler.cluster.stores import BaseJobStore
 from scheduler.cluster.work import Work
-from workers.state.gang import GangReservations
 from workers.files.layout import RESULT, experiment_file
 from workers.files.paths import safe_child, write_json
-from workers.state.registry import HEARTBEAT_S, TTL_S, live_slots, withdrawn
+from workers.state.registry import HEARTBEAT_S, TTL_S
+from workers.state.store import BaseSlotStore, RedisSlotStore
 
 SWEEP_S = 2.0  #: how often the control worker sweeps
 SLOT_GONE_S = TTL_S + HEARTBEAT_S  #: a slot unregistered this long has lost its worker (not a blip)
@@ -43,24 +43,30 @@ def sweep(client: redis.Redis, work: Work) -> set[str]:
     one as `lost`, and those with nothing running or queued. Such a job waits only for launches Redis
     forgot (`progress.launches_holding_slots`), whose record may never come (their chord went with
     Redis's data): no event would step it when their leases lapse, so the sweep does."""
-    now = time.time()
-    live = {slot.queue: slot.instance for slot in live_slots(client)}
-    gangs = GangReservations(client)
+    return sweep_jobs(RedisSlotStore(client), active_specs(client), lambda job: JobStore(client, job), work,
+                      lambda lost: stop_launch(client, work, lost), time.time())
+
+
+def sweep_jobs(slots: BaseSlotStore, specs: Iterable[JobSpec], store_of: Callable[[str], BaseJobStore], work: Work,
+               stop: Callable[[RunningLaunch], None], now: float) -> set[str]:
+    """`sweep` at `now` over the stores it reads: the slots', and each job's (`store_of`); `stop`
+    stops a lost launch (`jobs.stop_launch`)."""
+    live = {slot.queue: slot.instance for slot in slots.live_slots()}
     due: set[str] = set()
-    for spec in active_specs(client):
-        store = JobStore(client, spec.job)
+    for spec in specs:
+        store = store_of(spec.job)
         running = store.running().values()
-        taken_back = withdrawn(client, sorted({q for launch in running for q in launch.queues if q not in live}))
+        taken_back = slots.withdrawn(sorted({q for launch in running for q in launch.queues if q not in live}))
         for launch in running:
-            why = _why_lost(store, work, gangs, spec, launch, live, now, taken_back)
-            if why is not None and _lose(store, spec, launch, why, lambda lost: stop_launch(client, work, lost)):
+            why = _why_lost(store, work, slots, spec, launch, live, now, taken_back)
+            if why is not None and _lose(store, spec, launch, why, stop):
                 due.add(spec.job)
         if not running and not store.depth():
             due.add(spec.job)
     return due
 
 
-def _why_lost(store: BaseJobStore, work: Work, gangs: LeaseHolds, spec: JobSpec, launch: RunningLaunch,
+def _why_lost(store: BaseJobStore, work: Work, slots: BaseSlotStore, spec: JobSpec, launch: RunningLaunch,
               live: dict[str, str], now: float, taken_back: Mapping[str, str] | None = None) -> str | None:
     """Why `launch` is lost at `now` (module docstring), None while it is not; `live` maps each live
     slot to its worker's instance, `taken_back` the withdrawn slots to why. Notes in the store when
@@ -81,9 +87,9 @@ def _why_lost(store: BaseJobStore, work: Work, gangs: LeaseHolds, spec: JobSpec,
         return f"the worker of {', '.join(restarted)} restarted during the run"
     if gone and launch.missing_since is not None and now - launch.missing_since > SLOT_GONE_S:
         return f"the worker of {', '.join(gone)} stopped sending heartbeats"
-    if now - launch.started > spec.lease_s and not gangs.holds(launch.queues, launch.token):
+    if now - launch.started > spec.lease_s and not slots.holds(launch.queues, launch.token):
         silent = [q for q, task in launch.rank_tasks.items() if not work.finished(task)]
-        if silent and not gangs.holds(silent, launch.token):
+        if silent and not slots.holds(silent, launch.token):
             return f"the lease of {', '.join(silent)} expired: its rank stopped renewing it (worker or node gone)"
     return None
 

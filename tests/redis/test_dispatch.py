@@ -39,6 +39,7 @@ from workers.slot.rank_spec import RankSpec
 from workers.state.registry import announce_slot
 from workers.device.slot import Slot
 from workers.state.slot_health import mark_unhealthy
+from workers.state.store import RedisSlotStore
 
 GiB = 2**30
 HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -369,12 +370,12 @@ def test_a_lost_race_for_the_slots_ends_the_pass(client: redis.Redis, work, tmp_
     """Another reserver takes the first placement's slot between the read and the reservation."""
     register(client, make_slot("n0", 0), make_slot("n0", 1))
 
-    class Racing(GangReservations):
+    class Racing(RedisSlotStore):
         def reserve(self, queues, lease_s, owner=""):
             client.set(keys.gang(queues[0]), "racer#1", nx=True)
             return super().reserve(queues, lease_s, owner)
 
-    monkeypatch.setattr(dispatch_module, "GangReservations", Racing)
+    monkeypatch.setattr(dispatch_module, "RedisSlotStore", Racing)
     active(client, work, make_spec(tmp_path), exp("a"), exp("b"))
     dispatch(client, work)
     assert work.launched == [] and client.hlen(keys.job_running("j")) == 0

@@ -43,7 +43,8 @@ def events(store: InMemoryJobStore) -> list[dict]:
 
 
 class Leases:
-    """The gang leases as the sweep asks them (`stores.LeaseHolds`): queue -> the token holding it."""
+    """The gang leases as the sweep asks them (`workers.state.store.BaseSlotStore.holds`): queue -> the
+    token holding it."""
 
     def __init__(self, held: dict[str, str]) -> None:
         self.held = held
