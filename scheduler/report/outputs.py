@@ -61,6 +61,7 @@ from workers.files.paths import safe_child, write_atomic, write_json
 FAILURE_CLASSES = [s.value for s in Status if s not in (Status.OK, Status.GPU_BUSY)]
 #: An experiment that was running or queued when the search was interrupted: not a measurement.
 CANCELLED = "cancelled"
+#: results.jsonl's columns: fields of the experiment's record (`workers.slot.records.ExperimentRecord`).
 RECORD_KEYS = ("name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at",
                "peak_rss_bytes", "slots", "cause", "exit_after_metrics")
 

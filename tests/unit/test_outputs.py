@@ -1,6 +1,7 @@
 """What a tuning job leaves behind (`scheduler.report.outputs`): summary table, results.jsonl, optimal config/command."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shlex
@@ -13,6 +14,7 @@ from rich.console import Console
 from scheduler.inputs.arguments import with_config
 from scheduler.report.outputs import (
     FAILURE_CLASSES,
+    RECORD_KEYS,
     launch_command,
     print_table,
     summary_text,
@@ -20,6 +22,7 @@ from scheduler.report.outputs import (
     write_results,
 )
 from scheduler.search.space import Experiment, experiment_name
+from workers.slot.records import ExperimentRecord
 
 RESULT_KEYS = ["name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at", "peak_rss_bytes",
                "slots", "cause", "exit_after_metrics"]
@@ -176,6 +179,19 @@ def test_summary_tie_keeps_earlier_experiment() -> None:
 
 def optimal_argv(exp: Experiment, path: Path) -> list[str]:
     return with_config("/x/train.py", ("--steps", "5", "--name", "a b"), path)
+
+
+def test_results_lines_hold_fields_of_the_record_type(tmp_path: Path) -> None:
+    """results.jsonl's keys are `ExperimentRecord`'s own: a field renamed in the type would leave a
+    column of None here."""
+    assert set(RECORD_KEYS) <= {spec.name for spec in dataclasses.fields(ExperimentRecord)} - {"extra"}
+    written = json.loads((Path(__file__).parent / "records" / "tuning_ok.json").read_text())
+    exp = Experiment(written["name"], 1, 35, 1, written["ds_config"])
+    write_results(tmp_path, [exp], {exp.name: written}, "throughput", True, 1.0, optimal_argv)
+    line = json.loads((tmp_path / "results.jsonl").read_text())
+    record = ExperimentRecord.from_json(written)
+    assert line == {key: record.to_json().get(key) for key in RECORD_KEYS}
+    assert (line["status"], line["wall_s"], line["slots"]) == (record.status.value, record.wall_s, record.slots)
 
 
 def test_write_results_files(tmp_path: Path) -> None:
