@@ -186,7 +186,7 @@ def test_unusable_metrics_never_win_and_the_report_says_why(tmp_path):
 
 
 def test_a_model_no_stage_holds_once_profiled_is_refused_saying_so_and_the_next_run_resumes(tmp_path):
-    """Issue 36: without autotuning.model_info, whether any stage holds the model is known only once
+    """Without autotuning.model_info, whether any stage holds the model is known only once
     the profile run measured it. The refusal says so (exit 2, one `error:` line); the results folder
     keeps the profile's record, and the same command again resumes: it reuses that record (no new
     profile run) and refuses again, leaving no process behind."""
@@ -223,7 +223,7 @@ def test_a_model_no_stage_holds_once_profiled_is_refused_saying_so_and_the_next_
 
 
 def test_a_script_that_never_writes_its_metrics_is_input_to_fix(tmp_path):
-    """Held-out corpus case (issue 22 item 4): a script that trains and exits 0 without ever writing
+    """Held-out corpus case: a script that trains and exits 0 without ever writing
     the metrics file. Every experiment is `no_metrics`: the summary goes to stderr after an `error:`
     line, with how the metric is written, and the exit status is 2, as docs/failures.md says."""
     (tmp_path / "train_silent.py").write_text("print('trained, reported nothing')\n")
@@ -242,7 +242,7 @@ def test_a_script_that_never_writes_its_metrics_is_input_to_fix(tmp_path):
 
 
 def test_an_op_that_cannot_be_built_stops_the_job_at_its_first_experiment(tmp_path):
-    """Issue 21 item 1: a script whose op cannot be built (here torch compiling a C++ extension that
+    """A script whose op cannot be built (here torch compiling a C++ extension that
     includes a CUDA header the node lacks, as FusedAdam fails on a node without the toolkit) fails every experiment alike. The job stops
     after the first phase with one `error:` line naming the op and the fix, exit 2; the next stage
     is never launched, and the record keeps the build's failure."""
@@ -271,7 +271,7 @@ def test_an_op_that_cannot_be_built_stops_the_job_at_its_first_experiment(tmp_pa
 
 
 def test_an_op_the_config_names_is_built_before_the_script_and_a_failed_build_is_only_advice(tmp_path):
-    """Issue 21 item 1, ops built once per node before tuning: the config's Adam (without torch_adam)
+    """Ops built once per node before tuning: the config's Adam (without torch_adam)
     makes DeepSpeed load FusedAdam, so the slot worker builds it before the script starts, outside the
     slot's memory cap and time limit (workers.slot.op_prebuild). Here the node's compiler fails every
     compile (as FusedAdam's fails without the CUDA toolkit), but this script hands DeepSpeed no such optimizer

@@ -1,9 +1,9 @@
 """Every bench/ script run as bench/README.md runs it, at a smoke size: it must still print its figures.
 
 Why: a bench that stops working says so only when someone next needs its numbers, and a move of
-modules breaks the hooks benches use silently: bench/scale.py printed its first figures and then
-ended in a traceback for sessions, its timing hook replacing a name dispatch no longer called
-(issue 23 item 6; it now passes timed policies through `scheduler.cluster.dispatch.dispatch`'s own seam).
+modules breaks the hooks benches use silently: a timing hook that replaces a name the code no
+longer calls lets a bench print its first figures and then end in a traceback (so bench/scale.py
+passes its timed policies through `scheduler.cluster.dispatch.dispatch`'s own seam).
 So each script runs here with tiny inputs (seconds) and its key figure lines are matched.
 
 The benches that need minutes of real DeepSpeed training, a GPU or mutmut (vs_deepspeed.py,

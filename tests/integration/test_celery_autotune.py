@@ -1,4 +1,4 @@
-"""`celery-autotune --autotuning tune` end to end (issue 34): the resource pool bounds where
+"""`celery-autotune --autotuning tune` end to end: the resource pool bounds where
 experiments run, and a cluster still starting is waited for. Real redis-server, real Celery workers,
 the stand-in training script."""
 from __future__ import annotations

@@ -80,8 +80,8 @@ def test_unreachable_redis(tmp_path):
     _assert_one_line_error(proc, "cannot reach Redis at 127.0.0.1:1")
 
 
-# Issue 36: each of these was refused only after the results folder was marked and the embedded
-# cluster (redis-server, Celery workers) had started. Run as a user runs it, the command must leave
+# Each of these is decided by the inputs alone, so it is refused before the results folder is marked
+# and the embedded cluster (redis-server, Celery workers) starts. Run as a user runs it, the command must leave
 # no folder (the embedded cluster's logs would live in results/cluster) and no process carrying the
 # run's marker.
 REFUSED_UP_FRONT = {

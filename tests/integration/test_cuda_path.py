@@ -38,7 +38,7 @@ def probe_config(path: Path, sizes: list[int]) -> Path:
 
 
 def test_three_fake_gpus_give_three_cuda_slots_and_each_rank_its_own_device(tmp_path: Path) -> None:
-    """Also (workers.state.slot_health, issue 21 items 9 and 10): another process holds 20 GiB of GPU 2
+    """Also (workers.state.slot_health): another process holds 20 GiB of GPU 2
     at the start. The first launch's rank 2 waits AUTOTUNE_GPU_WAIT_S for it, does not start, and
     the launch is queued again with GPU 2's slot out of tuning; the autotuner says so, the test
     then frees GPU 2, and the launch runs once the slot's worker has read it free: no record
@@ -117,7 +117,7 @@ def test_inherited_visible_devices_are_honoured(tmp_path: Path) -> None:
     """The autotuner runs with CUDA_VISIBLE_DEVICES=2,0: two slots, gpu0 is GPU 2 and gpu1 is GPU 0,
     and a 2-rank experiment's ranks see "2,0", so LOCAL_RANK 0 picks GPU 2.
 
-    Given the README's first command's `--slot-memory 1.25GiB` (issue 36 item 4), the GPU slots keep
+    Given the README's first command's `--slot-memory 1.25GiB`, the GPU slots keep
     their GPU's 16 GiB and no rank's host memory is capped: the command says so in a note."""
     cfg = probe_config(tmp_path / "cfg.json", [1])
     data = json.loads(cfg.read_text())
@@ -177,7 +177,7 @@ def test_a_worker_refuses_an_unusable_listing_with_exit_2(tmp_path: Path, redis_
 
 
 def test_a_second_worker_for_the_same_gpu_is_refused(tmp_path: Path, redis_url: str) -> None:
-    """Issue 21 item 6: two slot workers of one machine under different node names serving one GPU
+    """Two slot workers of one machine under different node names serving one GPU
     would run two experiments on it at once; the second one to start refuses, naming the first."""
     env = {**os.environ, **gpu_env(AUTOTUNE_REDIS_URL=redis_url)}
 
@@ -209,7 +209,7 @@ def test_cmd_optimal_launches_what_was_tuned(tmp_path: Path) -> None:
     "devices"), starts the winner's ranks on the winner's devices with the tuned arguments.
 
     The tuning ranks' host memory is capped where the user asked by name (`--host-memory-cap 3GiB`),
-    at that, whatever `--slot-memory` says (issue 36 item 4)."""
+    at that, whatever `--slot-memory` says."""
     cfg = probe_config(tmp_path / "cfg.json", [1])
     data = json.loads(cfg.read_text())
     data["autotuning"]["user_args"] = ["--expect-cuda-index", "1,2"]

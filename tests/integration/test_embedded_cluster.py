@@ -93,7 +93,7 @@ def _stop_politely(proc: subprocess.Popen) -> None:
 
 
 def test_the_cluster_user_cannot_take_over_redis(tmp_path):
-    """Issue 22 item 2: the embedded cluster's workers and commands connect as a Redis user that has
+    """The embedded cluster's workers and commands connect as a Redis user that has
     every key and every command Celery and this project use, and none of Redis's @dangerous ones:
     CONFIG SET dir (write files anywhere as Redis), MODULE LOAD, DEBUG, FLUSHALL are refused; the
     default user is off. Every other embedded-cluster test runs its jobs as this user."""

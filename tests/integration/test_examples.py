@@ -61,7 +61,7 @@ def test_deepspeed_example_through_the_embedded_cluster(tmp_path):
     assert command.startswith(f"OMP_NUM_THREADS={threads} MKL_NUM_THREADS={threads} deepspeed ")
     assert str(results / "ds_config_optimal.json") in command
     assert "celery-autotune results" in proc.stdout and "Search: no config is named on one reading" in proc.stdout
-    # the list's 4 experiments, then the winner confirmed (issue 32 item 2): repeats named <name>_r<n>
+    # the list's 4 experiments, then the winner confirmed: repeats named <name>_r<n>
     total = int(re.search(r"Total number of experiments: (\d+)", proc.stdout)[1])
     relaunched = sum(1 for folder in results.glob("z*_r2") if (results / folder.name[:-3]).is_dir()
                      and json.loads((results / folder.name[:-3] / "result.json").read_text())["status"] != "ok")

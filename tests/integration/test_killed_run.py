@@ -62,7 +62,7 @@ def test_a_pytest_run_killed_with_sigkill_leaves_no_process(tmp_path: Path) -> N
 def test_a_run_started_with_sigint_ignored_still_gives_its_commands_ctrl_c(tmp_path: Path) -> None:
     """A shell starts a background job (`bash .ci/run &`, `(pytest ...) &`) with SIGINT ignored, and a
     Python started so never raises KeyboardInterrupt: every test that interrupts a command with
-    SIGINT waited out its limit (issue 35's three interrupt failures). tests/conftest.py gives the run
+    SIGINT would wait out its limit. tests/conftest.py gives the run
     Python's own handler back, so the commands the tests start take Ctrl-C as from a terminal."""
     out = tmp_path / "sigign"
     env = {**os.environ, "SIGINT_INNER_OUT": str(out)}

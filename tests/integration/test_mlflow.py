@@ -1,4 +1,4 @@
-"""Results where users already look (issue 34 item 4): a tuning job in MLflow, end to end.
+"""Results where users already look: a tuning job in MLflow, end to end.
 
 A real `mlflow server` on a free loopback port (SQLite store, proxied artifacts), started here and
 stopped by its process group; real tuning jobs on the hand-started cluster with MLFLOW_TRACKING_URI

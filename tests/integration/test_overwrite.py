@@ -1,4 +1,4 @@
-"""`"overwrite": true` on a folder a real run filled (issue 36 item 1): the embedded cluster, real
+"""`"overwrite": true` on a folder a real run filled: the embedded cluster, real
 Celery workers and real rank processes (tests/integration/scripts/fake_train.py, which with
 --quiet-folder writes nothing into its experiment folder but the metrics, as a real script) leave
 a finished or an interrupted run behind; the next run with overwrite starts afresh, and a file the

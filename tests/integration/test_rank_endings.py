@@ -1,10 +1,10 @@
 """How a rank's ending is read, through real processes (the embedded cluster, real ranks):
 
-- a rank that hangs after its experiment measured (issue 21 item 2): DeepSpeed's profiling exit()
+- a rank that hangs after its experiment measured: DeepSpeed's profiling exit()
   leaves NCCL communicators for the interpreter's teardown, which can hang. `workers.in_rank.entry` skips
   that teardown for a Python script; a script started through a wrapper cannot, so the slot's monitor
   stops such a rank a grace period after rank 0's metrics appear, and the measurement stands;
-- a rank that aborts (issue 21 item 11: torch's NCCL watchdog ends a process with SIGABRT, which
+- a rank that aborts (torch's NCCL watchdog ends a process with SIGABRT, which
   writes no exit report at its end) after its allocator counted an out-of-memory is an `oom`, read
   from the interim report `workers.in_rank.entry` kept writing while the script ran.
 """

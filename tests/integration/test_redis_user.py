@@ -1,4 +1,4 @@
-"""`python -m deploy redis-user` against real redis-servers (issue 22 item 2): the cluster's user is
+"""`python -m deploy redis-user` against real redis-servers: the cluster's user is
 created from AUTOTUNE_REDIS_URL with the admin's AUTOTUNE_REDIS_ADMIN_URL, can do what the cluster
 does (keys, Lua, a real Celery round trip is test_embedded_cluster's), is refused CONFIG, FLUSHALL
 and the rest of @dangerous, survives a restart where the server has a config file, and a rerun takes

@@ -1,4 +1,4 @@
-"""TLS to Redis end to end (issue 22 item 1): a TLS-only redis-server on loopback (`port 0`,
+"""TLS to Redis end to end: a TLS-only redis-server on loopback (`port 0`,
 `tls-port`, client certificates required) with certificates made in the test; a control worker and
 a slot worker started by hand with `rediss://` and AUTOTUNE_REDIS_CA/CERT/KEY run a real job; a CA
 that did not sign the server's certificate, a missing CA file and a host name the certificate does
@@ -73,7 +73,7 @@ def test_a_job_runs_over_tls_and_plain_text_is_refused_by_the_server(tls_redis, 
             client = connect(tls_redis["url"])  # workers.state.registry's own client, through the same variables
             wait_for(lambda: len(live_slots(client)) == 1 and control_alive(client), 90, "workers to register over TLS")
             with pytest.raises(redis.exceptions.NoPermissionError):
-                client.config_set("dir", "/tmp")  # the cluster user (issue 22 item 2) cannot move Redis's files
+                client.config_set("dir", "/tmp")  # the cluster user cannot move Redis's files
         finally:
             for name in with_tls:
                 os.environ.pop(name, None)

@@ -224,7 +224,7 @@ def test_a_metric_the_script_never_writes(hand_cluster, tmp_path):
 
 
 def test_a_port_taken_before_rank_0_binds_it_is_launched_again_and_never_a_result(hand_cluster, tmp_path):
-    """Issue 21 item 5: the port rank 0 was given is taken by another process before its process
+    """The port rank 0 was given is taken by another process before its process
     group binds it (EADDRINUSE; here the script holds it itself, once). The experiment crashes,
     says nothing about its config, and is launched again at once with a new port: it runs, and the
     search goes on from that run (the crash bounds nothing and is not the result)."""

@@ -296,7 +296,7 @@ def test_two_node_experiments_meet_across_the_link(cluster, tmp_path):
 
 
 def test_the_hostfile_pool_keeps_the_tuning_off_an_excluded_node(cluster, tmp_path):
-    """Issue 34: `celery-autotune --autotuning tune --hostfile hosts --exclude node1`, run on node 1:
+    """`celery-autotune --autotuning tune --hostfile hosts --exclude node1`, run on node 1:
     every experiment runs on node 2's slot, none on node 1's (which is free all along, and which the
     placement would take first), and cmd_optimal.txt trains on one node as tuned."""
     cfg = write_config(tmp_path / "cfg.json", train_micro_batch_size_per_gpu=[1, 2, 3])

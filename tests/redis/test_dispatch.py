@@ -104,7 +104,7 @@ def started(work) -> list[tuple[str, list[str]]]:
 
 def test_a_launch_whose_ops_are_built_first_gets_the_build_time_on_its_limits(client: redis.Redis, work,
                                                                                tmp_path: Path) -> None:
-    """Issue 21 item 1: a config with Adam (no torch_adam) has FusedAdam built before its script
+    """A config with Adam (no torch_adam) has FusedAdam built before its script
     (workers.slot.op_prebuild, up to PREBUILD_TIMEOUT_S); that time is not the script's, so neither the
     lost-launch deadline nor Celery's hard limit may run out during it. A config with torch_adam
     builds nothing and keeps the plain limits."""
@@ -441,7 +441,7 @@ def test_a_misfit_in_its_grace_period_holds_back_nothing_else(client: redis.Redi
 
 
 def test_a_job_with_a_resource_pool_starts_only_inside_it(client: redis.Redis, work, tmp_path: Path) -> None:
-    """Issue 34: a job's experiments reserve only the slots of its pool (JobSpec.allowed, the
+    """A job's experiments reserve only the slots of its pool (JobSpec.allowed, the
     --hostfile/--include/--exclude of the command); another job may use the rest."""
     register(client, make_slot("n0", 0), make_slot("n0", 1), make_slot("n1", 0))
     active(client, work, make_spec(tmp_path, allowed=["n1.gpu0", "n9.gpu0"]), exp("a"), exp("b"))

@@ -1,5 +1,5 @@
-"""A rank on a GPU others hold memory on (workers.slot.rank with workers.device.device_idle and workers.state.slot_health,
-issue 21 items 9 and 10): run in this process against a real redis-server, a real script subprocess
+"""A rank on a GPU others hold memory on (workers.slot.rank with workers.device.device_idle and workers.state.slot_health):
+run in this process against a real redis-server, a real script subprocess
 and the fake nvidia-smi (tests/fake_gpu), whose usage file the test and the script write.
 
 Before a launch: others' memory that stays past the wait means the script never starts, the slot is

@@ -1,4 +1,4 @@
-"""One GPU of one machine is served by one slot only (issue 21 item 6), decided in Redis: a second
+"""One GPU of one machine is served by one slot only, decided in Redis: a second
 worker under another node name, or with an overlapping inherited CUDA_VISIBLE_DEVICES, is refused,
 even when both start at the same moment; the claim lives and ends with the slot's registration."""
 from __future__ import annotations

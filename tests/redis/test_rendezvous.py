@@ -22,7 +22,7 @@ def test_free_port_can_be_bound_on_the_address() -> None:
 
 
 def test_the_port_is_drawn_outside_the_kernels_ephemeral_range() -> None:
-    """Issue 21 item 5: between rank 0's pick and the TCPStore's bind, an outgoing connection can take
+    """Between rank 0's pick and the TCPStore's bind, an outgoing connection can take
     an ephemeral port; the kernel never hands out the ports below its range on its own."""
     low, high = ephemeral_range()
     ports = {free_port("127.0.0.1") for _ in range(20)}

@@ -1,5 +1,5 @@
-"""A slot whose GPU holds others' memory is out of tuning until that memory is gone (workers.state.slot_health,
-issue 21 items 9 and 10), against a real redis-server: the mark, its renewal by the worker's
+"""A slot whose GPU holds others' memory is out of tuning until that memory is gone (workers.state.slot_health),
+against a real redis-server: the mark, its renewal by the worker's
 heartbeat while the memory stays, and its lifting only after FREE_BEATS free readings in a row."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The shape of the tree (issue 23): imports go only downward through the layers below, and no module
+"""The shape of the tree: imports go only downward through the layers below, and no module
 imports itself back through others (no cycle), lazy imports inside functions included.
 
 The allowed direction is written once, as data (`LAYERS`): a module may import its own package and

@@ -256,7 +256,7 @@ case("flag-missing-value", lambda s: Case([s.config(), "--slots"], ("--slots", "
 case("no-config", lambda s: Case([], ("give the config",)))
 case("status-without-redis", lambda s: Case(["--status"], ("AUTOTUNE_REDIS_URL",)))
 
-# ---------------------------------------------------------------- decided by the search and the slots (issue 36)
+# ---------------------------------------------------------------- decided by the search and the slots
 # Each was refused only after the folders were marked and the embedded cluster had started; now the
 # command's input check (scheduler.preflight) predicts the embedded cluster's slots (CPU slots here) and
 # takes the search's first, pure step before anything exists.

@@ -1,6 +1,6 @@
 """torch's JIT builds around an experiment (`workers.slot.build_locks`): a lock no live build holds is
 removed before an experiment starts, one a build is working under, or one just taken, is kept; an op
-whose build went out of date is rebuilt first, outside the experiment (issue 21 item 1)."""
+whose build went out of date is rebuilt first, outside the experiment."""
 from __future__ import annotations
 
 import os
@@ -133,7 +133,7 @@ tmpfs /dev/shm tmpfs rw 0 0
     ("/homework/venv/torch_extensions", "/homework/venv/torch_extensions"),  # /home's prefix is not /home
 ])
 def test_on_a_shared_filesystem_each_machine_builds_in_its_own_folder(base: str, expected: str) -> None:
-    """Issue 21 item 1: `clear_stale_locks` can only see this machine's builds, so the folder it
+    """`clear_stale_locks` can only see this machine's builds, so the folder it
     clears must be this machine's alone."""
     assert node_extensions_dir(base, MOUNTS_TEXT, "m-1") == expected
 

@@ -1,4 +1,4 @@
-"""`celery-autotune` takes DeepSpeed's launcher command lines as DeepSpeed's own parser reads them (issue 34).
+"""`celery-autotune` takes DeepSpeed's launcher command lines as DeepSpeed's own parser reads them.
 
 The table is every launcher line of DeepSpeed's docs and tutorials for autotuning and launching
 (docs/_tutorials/autotuning.md, getting-started.md, the Hugging Face Trainer's DeepSpeed page), with
@@ -35,7 +35,7 @@ LINES = [
     ("autotuning.md: run, HF run_glue", "--autotuning=run --num_nodes=1 --num_gpus=2 run_glue.py --deepspeed "
      "ds_config.json --model_name_or_path gpt2 --task_name MRPC --do_train --output_dir out"),
     ("autotuning.md: general form", "--autotuning run train.py --deepspeed_config ds_config.json"),
-    ("issue 34: hostfile tuning", "--autotuning tune --num_gpus 8 --hostfile hostfile train.py --deepspeed "
+    ("ours: hostfile tuning", "--autotuning tune --num_gpus 8 --hostfile hostfile train.py --deepspeed "
      "ds_config.json"),
     ("getting-started: single node", "train.py --epochs 2 --deepspeed --deepspeed_config ds_config.json"),
     ("getting-started: hostfile", "--hostfile=hostfile train.py --deepspeed --deepspeed_config ds_config.json"),

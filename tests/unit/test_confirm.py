@@ -173,7 +173,7 @@ def _measured(name: str, config: dict[str, int], value: float) -> dict[str, obje
 
 
 def test_from_three_readings_a_config_is_judged_on_its_median() -> None:
-    """One outlier among three readings cannot carry a config (issue 32): a lucky 1.5x reading."""
+    """One outlier among three readings cannot carry a config: a lucky 1.5x reading."""
     a, b = {"k": 1}, {"k": 2}
     records = [_measured("a", a, 150.0), _measured("b", b, 100.0), _measured("a_r2", a, 90.0),
                _measured("b_r2", b, 98.0), _measured("a_r3", a, 91.0)]

@@ -1,5 +1,5 @@
-"""A CUDA slot worker refuses a binding that opens another GPU than its own (workers.device.cuda_binding,
-issue 21 item 4): the comparison, and the child process that asks CUDA, run against a stand-in
+"""A CUDA slot worker refuses a binding that opens another GPU than its own (workers.device.cuda_binding):
+the comparison, and the child process that asks CUDA, run against a stand-in
 `torch` (this machine has no GPU) that numbers GPUs as $FAKE_CUDA_UUIDS says."""
 from __future__ import annotations
 

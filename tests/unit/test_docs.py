@@ -1,4 +1,4 @@
-"""The README and docs/ stay true to the code where a test can tell (issue 36).
+"""The README and docs/ stay true to the code where a test can tell.
 
 - Every `AUTOTUNE_*` environment variable the code names is in docs/environment.md's tables: a
   variable added to the code without a line there fails here. The code names a variable as a

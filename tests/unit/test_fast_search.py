@@ -521,7 +521,7 @@ def test_candidate_list_edges(min_mbs: int, max_mbs: int, mtbpg: int, sizes: lis
 @pytest.mark.parametrize(("status", "bound"), [("oom", True), ("crashed", False), ("timeout", False),
                                                ("lost", False), ("rendezvous_failed", False), ("ok", False)])
 def test_only_an_out_of_memory_is_a_memory_bound(status: str, bound: bool) -> None:
-    """Issue 21 item 7: on a GPU node most other failures are infrastructure."""
+    """On a GPU node most other failures are infrastructure."""
     assert too_large({"status": status}) is bound
 
 
@@ -530,7 +530,7 @@ def test_only_an_out_of_memory_is_a_memory_bound(status: str, bound: bool) -> No
     ({"device_foreign_bytes": 20 * 2**30}, False), ({"device_foreign_after_bytes": 8 * 2**30}, False),
 ])
 def test_an_out_of_memory_beside_others_memory_is_no_bound(fields: dict, bound: bool) -> None:
-    """Issue 21 item 9: others' memory on the GPU when the run started, or still there a wait after
+    """Others' memory on the GPU when the run started, or still there a wait after
     its ranks ended (workers.state.slot_health), may have been what ran out; the search retries instead."""
     record = {"status": "oom", **fields}
     assert too_large(record) is bound
@@ -571,7 +571,7 @@ def test_no_stage_fits_message_in_full() -> None:
 
 
 def test_no_stage_fits_after_the_profile_says_only_the_profile_could_tell() -> None:
-    """Issue 36: given model_info, the refusal comes before anything starts (the command takes the
+    """Given model_info, the refusal comes before anything starts (the command takes the
     search's first step); measured by the profile run, it comes later and says so, and that the
     profile's record is kept for the next run."""
     upfront = str(no_stage_fits(settings(capacity_bytes=GiB, model_info=ModelInfo(N, N, ACT))))
@@ -623,7 +623,7 @@ def test_overhead_from_the_profile_peak_or_the_prior(host_memory: bool, capacity
 )
 def test_the_reserve_the_profile_run_measured_replaces_a_smaller_guess(host_memory: bool, capacity: int,
                                                                        fields: dict[str, int], reserve: int) -> None:
-    """Issue 21 item 8: what the profile's ranks held outside the allocator (total - free - reserved)
+    """What the profile's ranks held outside the allocator (total - free - reserved)
     is the job's reserve when it is more than max(1 GiB, 2.5 %)."""
     search_settings = settings(host_memory=host_memory, capacity_bytes=capacity, overhead_bytes=None,
                                peak_memory_key="peak_device_bytes", model_info=None)
@@ -644,7 +644,7 @@ def test_the_reserve_the_profile_run_measured_replaces_a_smaller_guess(host_memo
 def test_the_capacity_cuda_reported_to_the_profile_replaces_a_larger_listing(host_memory: bool,
                                                                              fields: dict[str, int],
                                                                              capacity: int) -> None:
-    """Issue 21 item 8: nvidia-smi's memory.total counts what the driver keeps; the profile's ranks
+    """The memory.total of nvidia-smi counts what the driver keeps; the profile's ranks
     read what the allocator can have (`torch.cuda.mem_get_info`'s total)."""
     search_settings = settings(host_memory=host_memory, capacity_bytes=2 * GiB, overhead_bytes=None,
                                peak_memory_key="peak_device_bytes", model_info=None)

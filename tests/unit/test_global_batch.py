@@ -1,4 +1,4 @@
-"""A user's global batch kept through the search (`scheduler.search.global_batch`, issue 32 item 1):
+"""A user's global batch kept through the search (`scheduler.search.global_batch`):
 every experiment has mbs x gas x dp == train_batch_size, only sizes dividing its share are searched,
 the option frees it, and a config no size of which fits ends with one line saying what would help."""
 from __future__ import annotations
@@ -241,7 +241,7 @@ class Straggled(Runner):
 
 
 def test_a_kept_batch_reads_again_a_config_a_straggler_read_low_and_stays_within_the_launch_goal() -> None:
-    """Issue 32: with the batch kept, the best config read once at 0.55x is measured again (a
+    """With the batch kept, the best config read once at 0.55x is measured again (a
     straggler's reading is 0.5-0.67x; at the noise measured elsewhere, 1 %, one such reading is
     otherwise taken as separated from the leader), and the job stays within KEPT_BATCH_LAUNCHES."""
     clean = Runner()

@@ -116,7 +116,7 @@ def test_local_gpus_refuses_unusable_output(fake_smi: pytest.MonkeyPatch, output
 
 
 def test_a_mig_gpu_refuses_only_the_workers_that_would_serve_it(fake_smi: pytest.MonkeyPatch) -> None:
-    """Issue 21 item 3: the MIG check comes after the visibility filter, and on the served GPU only."""
+    """The MIG check comes after the visibility filter, and on the served GPU only."""
     from workers.device import slot as slot_module
 
     mig_a100 = A100.replace("Disabled", "Enabled")

@@ -1,6 +1,6 @@
 """How often `workers.process.launch` reads a rank's memory: ten times a second against a memory cap (a CPU
 slot's), once a second where there is none (a GPU slot's: only the record's figure), and the peer
-abort flag at most twice a second either way (issue 21 item 18); the costly PSS reading only when
+abort flag at most twice a second either way; the costly PSS reading only when
 the cheap RSS one could change the answer (`workers.process.tree_memory`), without missing a peak."""
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_a_timeout_is_not_overshot_by_the_slow_poll(tmp_path: Path) -> None:
 
 
 def test_a_killed_group_is_gone_when_kill_group_returns(tmp_path: Path) -> None:
-    """Issue 21 item 10: the slot is handed on after kill_group; a process still tearing down its
+    """The slot is handed on after kill_group; a process still tearing down its
     memory (a GPU context, here 1.5 GB of host pages) would leave the next experiment short of it."""
     import subprocess
 
@@ -130,7 +130,7 @@ def run_measuring(tmp_path: Path, hang_s: float, timeout_s: float, grace_s: floa
 
 
 def test_a_rank_hung_after_its_experiment_measured_is_stopped_after_the_grace(tmp_path: Path) -> None:
-    """Issue 21 item 2: a wrapper's script hung in NCCL's teardown after DeepSpeed's profiling exit."""
+    """A wrapper's script hung in NCCL's teardown after DeepSpeed's profiling exit."""
     result = run_measuring(tmp_path, hang_s=60, timeout_s=60, grace_s=1.0)
     assert result.killed_for is launch.KillReason.MEASURED
     assert result.wall_s < 0.3 + 1.0 + launch.ABORT_CHECK_S + launch.KILL_GRACE_S, result.wall_s

@@ -1,5 +1,5 @@
-"""`workers.files.layout`, the one list of what the tool writes, shared by the writers and the overwrite guard
-(issue 36 item 1): the real writers run into a marked folder and `"overwrite": true` must then empty
+"""`workers.files.layout`, the one list of what the tool writes, shared by the writers and the overwrite guard:
+the real writers run into a marked folder and `"overwrite": true` must then empty
 it; a writer that wrote a file the guard does not know makes these tests fail (the folder is
 refused, naming the file), and so does a name dropped from the list (the writer itself refuses).
 The rank's and the embedded cluster's writes are run for real in
@@ -66,7 +66,7 @@ def test_what_the_report_writes_the_guard_knows(config: Path, ending: str) -> No
     names = {p.name for p in folder.iterdir()}
     expected = {"interrupted": layout.PARTIAL_FILES[:2], "finished": layout.OPTIMAL_FILES[:2],
                 "multi-node": layout.OPTIMAL_FILES, "nothing-succeeded": ()}[ending]
-    assert {layout.RESULTS_CSV, *expected} <= names  # the files issue 36 found missing
+    assert {layout.RESULTS_CSV, *expected} <= names  # each ending's files, from the real writers
     assert (layout.TIMELINE_PLOT in names) == (ending != "interrupted")  # a Ctrl-C draws no plots
     _overwrite_empties(config, folder)
 

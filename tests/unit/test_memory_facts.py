@@ -1,5 +1,5 @@
-"""A misleading memory figure found out by its first failure (`scheduler.search.memory_facts`, issue 32
-item 2): once the model over-predicted, a stage that ran nothing is first probed cautiously."""
+"""A misleading memory figure found out by its first failure (`scheduler.search.memory_facts`):
+once the model over-predicted, a stage that ran nothing is first probed cautiously."""
 from __future__ import annotations
 
 from scheduler.search.memory import MemoryModel, ModelInfo, Observation, TrainingSetup
@@ -8,7 +8,7 @@ from tests.unit.test_memory import FOUR, ZERO_1_BRACKET
 
 
 def test_a_model_caught_over_predicting_gives_a_stage_that_ran_nothing_a_cautious_first_probe() -> None:
-    """Issue 32 item 2: ZeRO-1 failed at 60 where the model (no peaks measured) says 190 fit. A stage
+    """ZeRO-1 failed at 60 where the model (no peaks measured) says 190 fit. A stage
     that ran nothing is first probed halfway from what the bracket says it surely holds to the
     optimistic end: ZeRO-2 53 + (64 - 53) // 2 = 58, ZeRO-0 21 + (36 - 21) // 2 = 28. Not cautious (a
     decision, not a probe), or once the stage ran something, the optimistic end as before."""

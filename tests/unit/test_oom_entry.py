@@ -273,7 +273,7 @@ def test_launcher_prefixes_and_lines_after_the_traceback_are_allowed() -> None:
 
 def test_the_device_total_and_what_the_allocator_does_not_hold_are_reported(monkeypatch: pytest.MonkeyPatch,
                                                                             tmp_path: Path) -> None:
-    """Issue 21 item 8: the untracked reserve (CUDA context, NCCL, other processes) is measured at the
+    """The untracked reserve (CUDA context, NCCL, other processes) is measured at the
     end of the run, total - free - reserved, on the busiest device; the memory model still guesses it."""
     import types
 
@@ -334,7 +334,7 @@ class FakeCuda:
 
 
 def test_building_the_engine_is_kept_apart_from_the_training_peak(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 21 item 14. Without zero.Init the whole model (30 GiB) reaches the GPU before ZeRO-3
+    """Without zero.Init the whole model (30 GiB) reaches the GPU before ZeRO-3
     partitions it down to 6 GiB; training then peaks at 14 GiB allocated. The engine's build is
     hooked (workers.in_rank.step_clock): the build's peak is reported apart, and the training peak is 14,
     not 30. What the allocator keeps cached after the build (10 GiB reserved) is still reserved."""
@@ -443,7 +443,7 @@ ABORTING_ON_A_GPU = """
                                                                    (0, 0, False, False)])
 def test_a_rank_that_aborts_leaves_the_allocators_counts_behind(tmp_path: Path, ooms: int, retries: int,
                                                                 oom: bool, probable: bool) -> None:
-    """Issue 21 item 11: torch's NCCL watchdog ends a rank with SIGABRT, which writes no report at the
+    """Torch's NCCL watchdog ends a rank with SIGABRT, which writes no report at the
     end; the interim report, written while the script ran, still tells what the allocator saw."""
     code, report, _ = _run_entry(tmp_path, ABORTING_ON_A_GPU.format(ooms=ooms, retries=retries, seconds=2.6,
                                                                     end="os.abort()"))

@@ -1,4 +1,4 @@
-"""An op that cannot be built (issue 21 item 1): recognised from the exception the rank holds
+"""An op that cannot be built: recognised from the exception the rank holds
 (`workers.in_rank.op_build`), carried into the record, and the job stopped with one line at its first such
 experiment; a resumed job launches that experiment again.
 

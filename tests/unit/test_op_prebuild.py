@@ -1,4 +1,4 @@
-"""DeepSpeed's ops built before the script (workers.slot.op_prebuild, issue 21 item 1): which ops a config
+"""DeepSpeed's ops built before the script (workers.slot.op_prebuild): which ops a config
 makes the engine load, and a real child interpreter that builds them with the rank's environment,
 outside the experiment's limits, reporting an op that cannot be built in the record's words."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The resource pool bounds a tuning job (issue 34 item 2): `scheduler.launch.pool` picks the live
+"""The resource pool bounds a tuning job: `scheduler.launch.pool` picks the live
 slots a --hostfile/--include/--exclude names, placement and dispatch's fit check keep every
 experiment inside them, and a cluster still starting is waited for (`preflight.wait_for_cluster`)."""
 from __future__ import annotations

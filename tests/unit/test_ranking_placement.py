@@ -149,7 +149,7 @@ TWO_SOCKETS = [replace(slot("s", d), numa_node=d % 2) for d in range(8)]
     ids=["pair", "socket", "other-socket", "socket-0", "socket-1", "whole-node", "larger-than-a-socket"],
 )
 def test_a_gang_stays_on_one_numa_node_when_it_can(busy: set[str], num_gpus: int, expected: list[str]) -> None:
-    """Issue 21 item 16: across the sockets of a node GPUs have no PCIe peer-to-peer."""
+    """Across the sockets of a node GPUs have no PCIe peer-to-peer."""
     assert queues(place(TWO_SOCKETS, busy, 1, num_gpus)) == [expected]
     unknown = [replace(s, numa_node=-1) for s in TWO_SOCKETS]  # unknown NUMA: device order, as before
     assert queues(place(unknown, set(), 1, 2)) == [["s.gpu0", "s.gpu1"]]

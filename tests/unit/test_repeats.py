@@ -1,7 +1,7 @@
 """One policy for launching a config again, in every search of ours (`scheduler.search.repeats`): a
 crash is relaunched once and no winner is named on one reading, with a micro-batch list (the README
 example's mode) and in full mode as in the sampled search; `"search": "deepspeed"` keeps DeepSpeed's
-behaviour (issue 32 item 2, issue 36 item 3)."""
+behaviour."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -152,8 +152,8 @@ class Straggler(Runner):
 def test_a_straggler_reading_of_the_best_config_is_outvoted_by_a_third_reading() -> None:
     """The budget's two repeats: mbs 8 (read 50: its pair, 100 and 50, is torn, mean 75) and mbs 4,
     the new leader at 90 twice. A pair 2x apart whose better reading beats the leader gets a third
-    reading past the budget; its median (100) names mbs 8. Without it mbs 4 won on the straggler
-    (issue 32: the best config lost to one slow reading)."""
+    reading past the budget; its median (100) names mbs 8. Without it mbs 4 would win on the
+    straggler: the best config would lose to one slow reading."""
     runner = Straggler()
     phases = drive(fast_search(listed(stages=(0,))), runner)
     assert [e.name for p in phases if p.name.startswith("confirm_") for e in p.experiments] == [

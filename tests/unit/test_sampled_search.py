@@ -197,7 +197,7 @@ def _launches(surface) -> list[tuple[str, str]]:
 
 
 def test_a_crash_is_retried_once_and_is_no_memory_fact() -> None:
-    """Issue 21 item 7. ZeRO-1 (step limit 32 samples per GPU): 8 (gas 4) crashes once (a port clash,
+    """ZeRO-1 (step limit 32 samples per GPU): 8 (gas 4) crashes once (a port clash,
     a killed JIT build) and its retry 8_r2 runs: 8 is measured, and it wins. 16 (gas 2) crashes twice:
     it is left out of the stage's probing (never launched a third time) but, not being out of
     memory, is no memory fact (no `oom` observation) for the stages that share them."""
@@ -212,7 +212,7 @@ def test_a_crash_is_retried_once_and_is_no_memory_fact() -> None:
 
 
 def test_an_oom_beside_others_memory_is_retried_once_and_is_no_memory_fact() -> None:
-    """Issue 21 item 9. As the crash above, but 8 (gas 4) runs out of memory while another process
+    """As the crash above, but 8 (gas 4) runs out of memory while another process
     held 20 GiB of its GPU (`device_foreign_bytes`): launched once more at once, it runs and wins, and
     the out-of-memory bounds nothing. 16 (gas 2) meets the foreign memory twice: out of the stage's
     probing, still no memory fact. A plain out-of-memory (32, above what fits) is not retried."""
@@ -228,7 +228,7 @@ def test_an_oom_beside_others_memory_is_retried_once_and_is_no_memory_fact() -> 
 
 
 def test_an_oom_below_a_size_that_ran_is_retried_and_is_no_memory_fact() -> None:
-    """Issue 21 item 7. ZeRO-1 runs 8 (the low sample) and 32 (the top), then refinement measures 16
+    """ZeRO-1 runs 8 (the low sample) and 32 (the top), then refinement measures 16
     (gas 2), which runs out of memory once for no reason the record shows: memory does not shrink
     as the size grows, so it is launched again at once, runs, and the out-of-memory bounds nothing."""
     speed = {(1, m): float(m) for m in (1, 2, 3, 4, 5, 6)} | {(1, 8): 100.0, (1, 10): 9.0, (1, 16): 16.0,

@@ -1,4 +1,4 @@
-"""The leader's neighbour along the accumulation saw-tooth (issue 32 item 3): one size smaller with
+"""The leader's neighbour along the accumulation saw-tooth: one size smaller with
 one more accumulation step, tried before the winner is named when it fills more of the step."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner
 
 
 @pytest.mark.parametrize(("mbs", "gas", "step", "expected"), [
-    (27, 4, 130, 26),  # issue 32's script C: 26 x 5 = 130 samples beside 27 x 4 = 108
+    (27, 4, 130, 26),  # 26 x 5 = 130 samples beside 27 x 4 = 108
     (32, 4, 130, None),  # 26 x 5 = 130 beside 32 x 4 = 128: under 5 % more, not worth a launch
     (16, 1, 16, None),  # a full step at gas 1: 8 x 2 fills the same 16
     (10, 2, 20, None),  # 6 x 3 = 18: fewer samples than the leader
@@ -35,7 +35,7 @@ def test_sawtooth_neighbour(mbs: int, gas: int, step: int | None, expected: int 
 class Steps(Law):
     """The law's memory, but 0.5 s per micro-step plus 0.01 s per sample and a fixed 2 s per
     optimizer step: larger micro-batches are faster, and so is a step filled with one more
-    accumulation step (issue 32's script C: 26 x 5 beat 27 x 4)."""
+    accumulation step (26 x 5 beats 27 x 4)."""
 
     def run(self, exp) -> dict[str, Any]:
         record = super().run(exp)

@@ -171,7 +171,7 @@ def test_child_env_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_host_memory_cap(monkeypatch: pytest.MonkeyPatch, slot: Slot, slot_memory: str | None,
                          host_cap: str | None, cap: int | None) -> None:
-    """Issue 36 item 4: AUTOTUNE_SLOT_MEMORY (--slot-memory) never caps a CUDA rank's host memory;
+    """AUTOTUNE_SLOT_MEMORY (--slot-memory) never caps a CUDA rank's host memory;
     only AUTOTUNE_HOST_MEMORY_CAP (--host-memory-cap) does."""
     for name, value in (("AUTOTUNE_SLOT_MEMORY", slot_memory), ("AUTOTUNE_HOST_MEMORY_CAP", host_cap)):
         if value is None:
@@ -291,7 +291,7 @@ def test_describe_local_cuda_slot(clean_env: pytest.MonkeyPatch, slots_env: str 
 
 def test_a_cuda_slot_knows_its_numa_node_and_pins_to_its_cores(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """GPU 2 sits on NUMA node 1 (cores 8-15 of 16; the worker may use 0-11): the slot says node 1 and
-    pins its ranks to 8-11, the node's cores it is allowed (issue 21 item 16)."""
+    pins its ranks to 8-11, the node's cores it is allowed."""
     from workers.device import topology
 
     device = tmp_path / "bus" / "pci" / "devices" / "0000:3b:00.0"

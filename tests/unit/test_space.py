@@ -148,7 +148,7 @@ def test_optimal_config_drops_autotuning_and_keeps_the_rest() -> None:
 
 def test_memory_breakdown_is_off_while_tuning_and_back_in_the_winners_config() -> None:
     """DeepSpeed's memory_breakdown resets the peak counters on rank 0 around forward, backward and
-    step: the recorded peak would cover the optimizer step only (issue 21 item 13)."""
+    step: the recorded peak would cover the optimizer step only."""
     user = {"memory_breakdown": True, "zero_optimization": {"stage": 1}, "autotuning": {"enabled": True}}
     experiment = experiment_config(user, 2, 8, 2, 4, 3, 5)
     assert experiment["memory_breakdown"] is False and user["memory_breakdown"] is True

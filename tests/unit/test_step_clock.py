@@ -144,7 +144,7 @@ class _FakeCuda:
 
 @pytest.mark.parametrize("initialized", [True, False])
 def test_a_step_end_on_a_gpu_waits_for_the_device(monkeypatch: pytest.MonkeyPatch, initialized: bool) -> None:
-    """Issue 21 item 18: host clocks without a synchronisation time kernel launches, not steps."""
+    """Host clocks without a synchronisation time kernel launches, not steps."""
     import types
 
     from workers.in_rank import step_clock
@@ -161,7 +161,7 @@ def test_a_step_end_on_a_gpu_waits_for_the_device(monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_plain_torch_scripts_phases_are_timed_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 21 item 18, `workers.in_rank.metrics`: each fwd/bwd/step phase begins and ends after the device
+    """`workers.in_rank.metrics`: each fwd/bwd/step phase begins and ends after the device
     caught up, so a phase's time is the device's, not the time to queue its kernels."""
     import types
 

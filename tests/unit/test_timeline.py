@@ -1,4 +1,4 @@
-"""Where an experiment's seconds go (issue 33 item 1): the rank's phases from its own clocks, the
+"""Where an experiment's seconds go: the rank's phases from its own clocks, the
 summary's start-up share and the timeline's hatched start-up."""
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def test_a_replay_is_judged_by_the_mean_of_the_named_configs_windows() -> None:
 
 
 def _two_configs(best: list[float], other: list[float]) -> Trace:
-    """A trace of two configs, each window read as the throughput given (issue 32's answer 3)."""
+    """A trace of two configs, each window read as the throughput given."""
     def config(mbs: int, values: list[float]) -> dict[str, Any]:
         windows = [{"throughput": v, "engine_throughput": v, "step_seconds": [1.0]} for v in values]
         return {"stage": 1, "mbs": mbs, "gas": 1, "launches": [{"status": "ok", "peak_rss_bytes": GiB, "readings": windows}]}
