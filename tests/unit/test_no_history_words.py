@@ -7,7 +7,7 @@ here, named by file and line, so the reason gets written out where it is needed.
 
 Product files: the Python, Markdown, shell, systemd, Slurm and JSON files under the product
 packages and the examples, `celeryconfig.py`, README.md, ARCHITECTURE.md and docs/*.md (bench/
-and tests/ are not the product).
+and tests/ are not the product; a test's reason is held to no issue numbers, though).
 """
 from __future__ import annotations
 
@@ -76,3 +76,13 @@ def test_no_history_words_in_product_files() -> None:
              for path in product_files()
              for line, kind, phrase in history_hits(path.read_text(encoding="utf-8", errors="replace"))]
     assert not found, "history in product comments and pages (say what and why):\n" + "\n".join(found)
+
+
+def test_no_issue_numbers_in_tests() -> None:
+    """A test's docstring is its reason; "issue 21 item 8" in its place says nothing without the
+    tracker. (This file's own examples are the one exception.)"""
+    found = [f"{path.relative_to(ROOT)}:{line}: {phrase!r}"
+             for path in sorted((ROOT / "tests").rglob("*.py")) if path != Path(__file__).resolve()
+             for line, kind, phrase in history_hits(path.read_text(encoding="utf-8", errors="replace"))
+             if kind == "issue number"]
+    assert not found, "issue numbers in tests (say why instead):\n" + "\n".join(found)

@@ -454,7 +454,7 @@ def test_summary_gives_winner_and_runner_up_with_their_readings() -> None:
 
 
 #: (the winner's readings, the runner-up's, metric, the reason the sentence must give). The first row is
-#: issue 32's README example: a 32 % gap, the winner read once, called "within 2 standard errors".
+#: the README example's: a 32 % gap with the winner read once, which "within 2 standard errors" would misstate.
 SEPARATION_CASES = [
     ([28.07], [21.25], "throughput", "read once"),
     ([28.07, 27.5], [21.25], "throughput", "separated"),
@@ -516,7 +516,7 @@ def test_the_separation_sentence_gives_its_reason_and_agrees_with_its_figures(
 
 
 def test_a_config_read_three_times_is_given_and_judged_by_its_median() -> None:
-    """Issue 32: a lucky 150 among the winner's readings; the summary gives the median it was ranked on."""
+    """A lucky 150 among the winner's readings; the summary gives the median it was ranked on."""
     lines = _summary_of([100.0, 150.0, 101.0], [99.0, 99.5], "throughput")
     assert "Winner: z1_gas1_tmbspg4: 101 throughput, median of 3 readings (range 100-150)" in lines
     assert "Runner-up: z0_gas1_tmbspg4: 99.25 throughput, mean of 2 readings (range 99-99.5)" in lines
@@ -542,7 +542,7 @@ def test_summary_gives_the_error_of_one_reading_from_its_step_times() -> None:
 ])
 def test_a_pool_bounded_winner_names_its_host_even_on_one_node(record: dict[str, Any], expected: list[str],
                                                                hostfile: str) -> None:
-    """Issue 34: a tuning bounded by --hostfile/--include/--exclude may win on another node than this
+    """A tuning bounded by --hostfile/--include/--exclude may win on another node than this
     one; cmd_optimal.txt names it (not localhost), as DeepSpeed's names its pool's hosts."""
     assert launch_command(["t.py"], 1, 1, record=record, hostfile=Path("/r/hostfile_optimal"),
                           name_hosts=True) == (expected, hostfile)
