@@ -51,7 +51,8 @@ def test_each_ranks_record_reads_and_writes_back_unchanged(name: str) -> None:
 
 
 def test_the_samples_read_typed() -> None:
-    ok, crashed = ExperimentRecord.from_json(sample("tuning_ok")), ExperimentRecord.from_json(sample("run_rank_crashed"))
+    ok = ExperimentRecord.from_json(sample("tuning_ok"))
+    crashed = ExperimentRecord.from_json(sample("run_rank_crashed"))
     assert ok.ok and ok.status is Status.OK and ok.metrics["throughput"] > 0 and ok.cause is None
     assert ok.ds_config["train_micro_batch_size_per_gpu"] == 35 and ok.start_path in ("warm", "cold")
     assert crashed.status is Status.CRASHED and not crashed.ok and crashed.metrics is None

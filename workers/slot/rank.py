@@ -168,8 +168,8 @@ class _RankStages:
             _take_out_of_tuning(client, slot, device_wait.used_bytes or 0, "before a launch")
             signal_abort(client, spec.attempt)
             self.describe()
-            return not_started(Status.GPU_BUSY, f"other processes held {(device_wait.used_bytes or 0) / 2**30:.1f} "
-                                                f"GiB of GPU {slot.cuda_index} after a {device_wait.waited_s:.0f}s wait",
+            held = f"{(device_wait.used_bytes or 0) / 2**30:.1f} GiB of GPU {slot.cuda_index}"
+            return not_started(Status.GPU_BUSY, f"other processes held {held} after a {device_wait.waited_s:.0f}s wait",
                                device_foreign_bytes=device_wait.used_bytes, device_wait_s=device_wait.waited_s)
         return None
 
@@ -179,7 +179,8 @@ class _RankStages:
         master = meet_peers(spec, self.slot, self.client, self.stop_check)
         if master is None:
             self.describe()
-            return not_started(Status.RENDEZVOUS_FAILED, f"no address from rank 0 within {spec.rendezvous_timeout_s:.0f}s")
+            why = f"no address from rank 0 within {spec.rendezvous_timeout_s:.0f}s"
+            return not_started(Status.RENDEZVOUS_FAILED, why)
         self.master = master
         return None
 

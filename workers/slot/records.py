@@ -108,7 +108,7 @@ def not_started(status: Status, error: str, *, started_at: float | None = None, 
 class ExperimentRecord:
     """One experiment's record: what result.json holds, the job's stream carries and the search reads.
 
-    The fields up to `ranks` are in every record `aggregate` writes (None included); the others only
+    The fields up to `ranks` are in every record `experiment_record` makes (None included); the others only
     where they say something. A lost launch's record (`scheduler.cluster.sweep`) or an older one may
     lack any but `name`: they read as their defaults."""
 
