@@ -1,4 +1,4 @@
-"""Chaos soak (issue 22): tuning jobs on a cluster of their own while faults strike at random.
+"""Chaos soak: tuning jobs on a cluster of their own while faults strike at random.
 
 Why: every fault the project claims to survive is tested once, alone, at a moment the test chose
 (tests/integration/test_faults.py, test_leases.py, test_tuning.py). This runs several tuning jobs of

@@ -12,7 +12,7 @@ since the launch; pure, no I/O, tested directly.
 
 `window_start`/`window_end`: the end of the step before the profiled window and the end of its
 last step (`workers.in_rank.step_clock.window_seconds`'s steps). Start-up is launch to engine ready;
-`startup_share` is the issue's figure, 1 - (end_profile_step + 1) x step latency / wall.
+`startup_share` is the share of a launch that is not measurement, 1 - (end_profile_step + 1) x step latency / wall.
 """
 from __future__ import annotations
 
