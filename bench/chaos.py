@@ -8,10 +8,12 @@ Redis and from samples of the process table (never from its own bookkeeping of w
 
   lost         every job finished; every experiment its results list is on disk with one final
                status (not `lost`, which a resume re-runs), the one the list gives; every experiment
-               folder is in its job's results; and a job's results hold every experiment of the
+               folder is in its job's results (but a `lost` one a resume no longer needed: it holds
+               no measurement); and a job's results hold every experiment of the
                fault-free run of its config, unless one of its records is a failure the faults made
                (below), which legitimately sends the search another way
-  duplicated   no experiment listed twice, none the fault-free run did not need (same proviso), and
+  duplicated   no experiment listed twice, none the fault-free run did not need (same proviso; nor
+               those listed `off_path`: a resumed job's earlier run measured them on its path), and
                none run by two launches at the same time (the same rank of it alive in two launches
                in one sample of the process table; a rank is what its title names, `identify`)
   overlapping  no slot running two experiments at once: slot-seconds covered by two rank spans of
@@ -98,6 +100,7 @@ from bench.chaos_strikes import (bump, bump_candidates, read_pools, read_warm, w
 from scheduler.errors import OneLineArgumentParser, UsageError, one_line  # noqa: E402
 from workers.state import keys  # noqa: E402
 from scheduler.cluster.jobs import job_id_for  # noqa: E402
+from scheduler.report.outputs import OFF_PATH  # noqa: E402
 from workers.process.launch import group_alive  # noqa: E402
 from scheduler.embedded.local_cluster import CLUSTER_USER, cluster_user_rules, cold_stop, free_tcp_port, redis_config  # noqa: E402
 from scheduler.embedded.worker_command import worker_argv  # noqa: E402
@@ -676,7 +679,8 @@ class Soak:
                     host, _, port = str(rank.get("master") or "").rpartition(":")
                     if host and port.isdigit():
                         shm.add(segment_name(host, int(port), int(rank.get("rank", 0))))
-            records.append(JobRecords(job.name, job.finished, tuple(listed), on_disk, self.references[job.kind.name]))
+            records.append(JobRecords(job.name, job.finished, tuple(listed), on_disk, self.references[job.kind.name],
+                                      off_path_names(job.results)))
         return records, spans, shm
 
     def report(self) -> list[str]:
@@ -714,6 +718,15 @@ def listed_statuses(results: Path) -> list[tuple[str, str]]:
     except OSError:
         return []
     return [(entry.get("name"), entry.get("status")) for entry in map(json.loads, lines) if entry]
+
+
+def off_path_names(results: Path) -> frozenset[str]:
+    """The results.jsonl lines an earlier run of the job measured off its resume's path (`off_path`)."""
+    try:
+        lines = (results / "results.jsonl").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(entry.get("name") for entry in map(json.loads, lines) if entry and entry.get(OFF_PATH))
 
 
 def read_record(path: Path) -> dict[str, Any] | None:

@@ -133,6 +133,8 @@ class JobRecords:
     listed: tuple[tuple[str, str], ...]  #: (name, status) per results.jsonl line, in order
     on_disk: dict[str, str | None]  #: every experiment folder -> the status in its result.json (None: none)
     reference: dict[str, str]  #: experiment -> status in the fault-free run of the same config
+    #: listed lines marked `off_path`: an earlier run of the job measured them, its resume took another path
+    off_path: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -164,8 +166,9 @@ def fault_made(job: JobRecords) -> bool:
 def lost_experiments(jobs: Iterable[JobRecords]) -> list[str]:
     """Experiments a user would miss: unfinished jobs' reference experiments, listed experiments
     without a final record on disk (or with another status than listed), experiment folders the
-    job's results do not list, and the fault-free run's experiments a job without fault-made
-    failures lacks."""
+    job's results do not list (but a `lost` one: given up, it holds no measurement, and a resume
+    whose path no longer needs it leaves it), and the fault-free run's experiments a job without
+    fault-made failures lacks."""
     lost = []
     for job in jobs:
         listed = dict(job.listed)
@@ -177,7 +180,7 @@ def lost_experiments(jobs: Iterable[JobRecords]) -> list[str]:
             if status not in FINAL or disk != status:
                 lost.append(f"{job.name}/{name}: listed {status}, on disk {disk}")
         lost += [f"{job.name}/{name}: ran (on disk {status}) but the job's results lack it"
-                 for name, status in job.on_disk.items() if name not in listed]
+                 for name, status in job.on_disk.items() if name not in listed and status != "lost"]
         if not fault_made(job):
             lost += [f"{job.name}/{name}: the fault-free run has it" for name in job.reference if name not in listed]
     return lost
@@ -185,14 +188,15 @@ def lost_experiments(jobs: Iterable[JobRecords]) -> list[str]:
 
 def duplicated_experiments(jobs: Iterable[JobRecords], samples: Iterable[Sample]) -> list[str]:
     """Experiments listed twice by their job, run by two launches at once, or (in a job without
-    fault-made failures) run where the fault-free run did not need them."""
+    fault-made failures) run where the fault-free run did not need them (but those listed
+    `off_path`: an earlier run of a resumed job measured them on the path it took then)."""
     found = []
     for job in jobs:
         counts = Counter(name for name, _ in job.listed)
         found += [f"{job.name}/{name}: listed {n} times" for name, n in counts.items() if n > 1]
         if job.finished and not fault_made(job):
             found += [f"{job.name}/{name}: the fault-free run has no such experiment"
-                      for name in counts if name not in job.reference]
+                      for name in counts if name not in job.reference and name not in job.off_path]
     twice: set[str] = set()
     for sample in samples:
         launches: dict[tuple[str, str], set[str]] = defaultdict(set)

@@ -278,12 +278,14 @@ def measured_off_path(results_root: Path, on_path: set[str]) -> list[tuple[Exper
     """The experiment folders under `results_root` with a record that this run's search did not
     name: what an earlier run of the job measured on a path a resume no longer takes (it re-ran a
     lost experiment and decided otherwise). Listed with the results so nothing measured is dropped;
-    a folder without a record (never finished) or with a stale one is not a measurement."""
+    a folder without a record (never finished), with a stale one or a `lost` one (given up: it
+    never ran to a result) holds no measurement."""
     found = []
     for exp_file in sorted(results_root.glob(f"*/{EXP_JSON}")):
         name = exp_file.parent.name
         record = read_json(exp_file.parent / RESULT)
-        if name in on_path or name == PROFILE or not isinstance(record, dict) or record.get("stale"):
+        if (name in on_path or name == PROFILE or not isinstance(record, dict) or record.get("stale")
+                or record.get("status") == "lost"):
             continue
         exp = described_experiment(name, read_json(exp_file), record)
         if exp is not None:

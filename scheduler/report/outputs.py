@@ -59,6 +59,8 @@ from workers.files.paths import safe_child, write_atomic, write_json
 
 #: The classes an experiment's record can have (`gpu_busy` is a rank's "not started": never recorded).
 FAILURE_CLASSES = [s.value for s in Status if s not in (Status.OK, Status.GPU_BUSY)]
+#: The results.jsonl key (true) of a line an earlier run of the job measured off this run's path.
+OFF_PATH = "off_path"
 #: An experiment that was running or queued when the search was interrupted: not a measurement.
 CANCELLED = "cancelled"
 #: results.jsonl's columns: fields of the experiment's record (`workers.slot.records.ExperimentRecord`).
@@ -262,8 +264,9 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
 
     `off_path`: experiments an earlier run of the job measured that this run's search did not reach
     (a resumed search that re-ran a lost experiment can take another path). They are listed in
-    results.jsonl/results.csv, so nothing measured is dropped, and named in a note; they are not in
-    the summary's table nor candidates for the winner, which the search alone confirms.
+    results.jsonl (with `"off_path": true`) and results.csv, so nothing measured is dropped, and named
+    in a note; they are not in the summary's table nor candidates for the winner, which the search
+    alone confirms.
     `cancelled` (an interrupted search: name -> a `cancelled` record, see `cancelled_record`) makes
     the outputs partial, as the module docstring says; `name_hosts`: see `launch_command`."""
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -272,8 +275,10 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     ordered = [records[e.name] for e in experiments if e.name in records]
     listed = [records.get(e.name) or cancelled[e.name] for e in experiments
               if e.name in records or e.name in cancelled] + [record for _, record in off_path]
+    earlier = {e.name for e, _ in off_path}
     write_atomic(result_file(results_dir, RESULTS_JSONL), "".join(
-        json.dumps({key: record.get(key) for key in RECORD_KEYS}) + "\n" for record in listed))
+        json.dumps({key: record.get(key) for key in RECORD_KEYS} | ({OFF_PATH: True} if record.get("name") in earlier
+                                                                   else {})) + "\n" for record in listed))
     by_name = {e.name: e for e in experiments} | {e.name: e for e, _ in off_path}
     write_atomic(result_file(results_dir, RESULTS_CSV), results_csv([(by_name[r["name"]], r) for r in listed], metric))
     if off_path:

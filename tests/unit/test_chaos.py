@@ -73,6 +73,19 @@ def test_a_failure_the_faults_made_may_change_the_path():
     assert len(lost_experiments([broken])) == 1
 
 
+def test_a_resume_that_took_another_path_keeps_what_its_first_run_measured():
+    """The first run gave `z1_a` up as lost and re-measured `z0_b` (`z0_b_r2`); the resume ran `z1_a`
+    and no longer needed `z0_b_r2` nor the `z1_b` it had given up. `z0_b_r2` is listed off the path
+    (a measurement: it stays); `z1_b`'s folder holds a `lost` record, no measurement: not listed."""
+    resumed = JobRecords("j1", True, (*REFERENCE.items(), ("z0_b_r2", "ok")),
+                         {**REFERENCE, "z0_b_r2": "ok", "z1_b": "lost"}, REFERENCE, frozenset({"z0_b_r2"}))
+    assert lost_experiments([resumed]) == [] and duplicated_experiments([resumed], []) == []
+    unmarked = JobRecords("j1", True, resumed.listed, resumed.on_disk, REFERENCE)
+    assert duplicated_experiments([unmarked], []) == ["j1/z0_b_r2: the fault-free run has no such experiment"]
+    dropped = JobRecords("j1", True, tuple(REFERENCE.items()), resumed.on_disk, REFERENCE)
+    assert lost_experiments([dropped]) == ["j1/z0_b_r2: ran (on disk ok) but the job's results lack it"]
+
+
 def test_a_reference_failure_is_not_a_fault():
     reference = {"z0_a": "ok", "z0_b": "oom"}
     same = job(listed=dict(reference), reference=reference)

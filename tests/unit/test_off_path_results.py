@@ -32,6 +32,8 @@ def _folder(root: Path, exp, record: dict | None) -> None:
 
 def test_only_recorded_folders_off_the_path_are_found(tmp_path: Path) -> None:
     on_path, off, unfinished, stale = make_exp(1, 2), make_exp(1, 4), make_exp(2, 2), make_exp(2, 4)
+    given_up = make_exp(3, 2)
+    _folder(tmp_path, given_up, make_record(given_up, "lost"))
     _folder(tmp_path, on_path, make_record(on_path, "ok", throughput=1.0))
     _folder(tmp_path, off, make_record(off, "ok", throughput=2.0))
     _folder(tmp_path, unfinished, None)
@@ -56,7 +58,8 @@ def test_off_path_readings_are_listed_and_named_but_never_win(tmp_path: Path) ->
 
     assert winner is records[kept.name]
     listed = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [(line["name"], line["status"]) for line in listed] == [(kept.name, "ok"), (rechecked.name, "ok")]
+    assert [(line["name"], line["status"], line.get("off_path")) for line in listed] == [
+        (kept.name, "ok", None), (rechecked.name, "ok", True)]
     csv_names = [row.split(",")[0] for row in (tmp_path / "results.csv").read_text().splitlines()[1:]]
     assert csv_names == [kept.name, rechecked.name]
     summary = (tmp_path / "summary.txt").read_text()
