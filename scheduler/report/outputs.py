@@ -275,10 +275,7 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     ordered = [records[e.name] for e in experiments if e.name in records]
     listed = [records.get(e.name) or cancelled[e.name] for e in experiments
               if e.name in records or e.name in cancelled] + [record for _, record in off_path]
-    earlier = {e.name for e, _ in off_path}
-    write_atomic(result_file(results_dir, RESULTS_JSONL), "".join(
-        json.dumps({key: record.get(key) for key in RECORD_KEYS} | ({OFF_PATH: True} if record.get("name") in earlier
-                                                                   else {})) + "\n" for record in listed))
+    write_atomic(result_file(results_dir, RESULTS_JSONL), results_jsonl(listed, {e.name for e, _ in off_path}))
     by_name = {e.name: e for e in experiments} | {e.name: e for e, _ in off_path}
     write_atomic(result_file(results_dir, RESULTS_CSV), results_csv([(by_name[r["name"]], r) for r in listed], metric))
     if off_path:
@@ -313,6 +310,13 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
         write_atomic(hostfile, hostfile_text)
     write_atomic(result_file(results_dir, command_name), shlex.join(command) + "\n")
     return winner
+
+
+def results_jsonl(listed: list[dict[str, Any]], off_path: set[str]) -> str:
+    """One line per listed record (RECORD_KEYS), those of `off_path` marked `"off_path": true`."""
+    return "".join(json.dumps({key: record.get(key) for key in RECORD_KEYS}
+                              | ({OFF_PATH: True} if record.get("name") in off_path else {})) + "\n"
+                   for record in listed)
 
 
 def cancelled_record(exp: Experiment, running: dict[str, Any] | None, now: float) -> dict[str, Any]:
