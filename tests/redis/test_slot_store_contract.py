@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
+from test_job_store_contract import Clock
 from workers.device.slot import Slot
 from workers.state import registry, slot_health
 from workers.state.memory_store import MemorySlots
@@ -24,14 +25,6 @@ from workers.state.store import BaseSlotStore, RedisSlotStore
 
 SHORT = 0.3  #: a TTL that lapses within a test
 PAST = 0.45  #: waited for it to lapse
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Backend:

@@ -16,30 +16,14 @@ from pathlib import Path
 import pytest
 
 from scheduler.cluster.finish import requeue_uncounted
-from scheduler.cluster.jobs import JobSpec
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
-from scheduler.cluster.memory_store import InMemoryJobStore, MemoryJobs
+from scheduler.cluster.memory_store import MemoryJobs
 from scheduler.cluster.sweep import SLOT_GONE_S, _lose, _why_lost
-from scheduler.search.space import Experiment
+from test_dispatch_decisions import events, exp, make_spec
 
 GiB = 2**30
 START, LEASE = 1000.0, 30.0
 LIVE = {"n0.gpu0": "i0", "n0.gpu1": "i1", "n0.gpu2": "i2"}
-
-
-def exp(name: str, stage: int = 0, mbs: int = 1, nodes: int = 1, gpus: int = 1, memory: int = 0) -> dict:
-    return Experiment(name, stage, mbs, 1, {"train_micro_batch_size_per_gpu": mbs, "zero_optimization": {"stage": stage}},
-                      num_nodes=nodes, num_gpus=gpus, min_memory=memory, metric_file="metrics.json").to_json()
-
-
-def make_spec(tmp_path: Path, job: str = "j", **overrides) -> JobSpec:
-    fields = {"results_root": str(tmp_path / job), "cwd": str(tmp_path), "timeout_s": 100.0, "experiments": [],
-              "lease_s": LEASE, "lost_grace_s": 20.0, "max_attempts": 2, **overrides}
-    return JobSpec(job=job, **fields)
-
-
-def events(store: InMemoryJobStore) -> list[dict]:
-    return list(iter(lambda: store.next_event(0), None))
 
 
 class Leases:
