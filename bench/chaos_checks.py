@@ -243,6 +243,23 @@ def sampled_overlap_seconds(samples: list[Sample]) -> float:
     return total
 
 
+def sampled_overlaps(samples: list[Sample]) -> list[str]:
+    """One line per slot and set of launches seen on it at once: the experiments, when first seen
+    (the first sample's time) and for how long (as `sampled_overlap_seconds` counts it)."""
+    spans: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+    for index, sample in enumerate(samples):
+        width = samples[index + 1].at - sample.at if index + 1 < len(samples) else SAMPLE_S
+        launches: dict[str, dict[str, str]] = defaultdict(dict)
+        for seen in sample.seen:
+            launches[seen.slot][seen.launch] = seen.experiment
+        for slot, tokens in launches.items():
+            if len(tokens) > 1:
+                key = (slot, tuple(f"{tokens[t]} ({t})" for t in sorted(tokens)))
+                spans.setdefault(key, [sample.at, 0.0])[1] += width
+    return [f"{slot}: {' and '.join(names)} from {first:.1f}s for {seconds:.1f}s"
+            for (slot, names), (first, seconds) in spans.items()]
+
+
 def leaked(leftovers: Leftovers) -> list[str]:
     """One line per leftover."""
     return ([f"redis key {key}" for key in leftovers.redis_keys]
@@ -282,6 +299,7 @@ def verdict(jobs: list[JobRecords], samples: list[Sample], spans: list[tuple[str
     findings = [f"lost: {line}" for line in lost] + [f"duplicated: {line}" for line in duplicated]
     if recorded or sampled:
         findings.append(f"overlapping: {recorded:.1f} slot-s in the records, {sampled:.1f} in the process table")
+        findings += [f"overlapping: {line}" for line in sampled_overlaps(samples)]
     findings += [f"leaked: {line}" for line in leaks]
     return Verdict(len(lost), len(duplicated), max(recorded, sampled), len(leaks), tuple(findings))
 

@@ -143,6 +143,8 @@ def test_two_launches_on_one_slot_in_the_process_table_overlap():
     assert sampled_overlap_seconds(samples) == pytest.approx(0.4)
     assert verdict([job()], samples, [], Leftovers()).overlapping_s == pytest.approx(0.4)
     assert sampled_overlap_seconds(CLEAN_SAMPLES) == 0.0
+    assert verdict([job()], samples, [], Leftovers()).findings[1:] == (
+        "overlapping: s.gpu0: j1/z0_a (L1) and j2/z1_a (L2) from 0.0s for 0.4s",)
 
 
 # ------------------------------------------------------------------ which processes are ranks
