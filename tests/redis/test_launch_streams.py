@@ -110,3 +110,26 @@ def test_the_counted_launch_reads_its_own_stderr_and_the_folder_shows_its_logs(
     # each launch's own files are kept, and "overwrite": true knows every name in the folder
     assert OOM_TRACE in (folder / layout.rank_log(0, "stderr", layout.launch_id(STALE))).read_text()
     assert all(layout.is_experiment_file(path.name) for path in folder.iterdir()), sorted(folder.iterdir())
+
+
+def test_a_rank_starting_on_a_slot_ends_an_older_launchs_rank_still_running_there(
+        client: redis.Redis, tmp_path: Path) -> None:
+    """The older launch lost the slot (its node froze, its pool process died) but its rank runs on;
+    the newer launch, which holds the slot now, ends it before its own script starts, so the two
+    never share the slot's device (`workers.process.process_identity.end_older_launches`)."""
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    older = _script(tmp_path, "older.sh", f"touch {flags}/older_up\n"
+                    f"while true; do date +%s.%N >> {flags}/older_alive; sleep 0.02; done")
+    newer = _script(tmp_path, "newer.sh", f"date +%s.%N > {flags}/newer_start\nexit 1")
+    records: dict[str, dict[str, Any]] = {}
+    run = threading.Thread(target=lambda: records.update(older=run_rank(
+        _spec(tmp_path, STALE, older, _slot(0)), _slot(0), client)), daemon=True)
+    run.start()
+    _wait_for(flags / "older_up", "the older launch's script")
+    records["newer"] = run_rank(_spec(tmp_path, COUNTED, newer, _slot(0)), _slot(0), client)
+    run.join(timeout=30)
+    assert not run.is_alive() and records["older"]["status"] != "ok"
+    newer_start = float((flags / "newer_start").read_text())
+    older_last = max(float(line) for line in (flags / "older_alive").read_text().split())
+    assert older_last < newer_start, "the older launch's rank ran beside the newer one"

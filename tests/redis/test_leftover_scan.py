@@ -12,6 +12,7 @@ import sys
 
 from workers.state import keys
 from workers.process.process_identity import RankIdentity, leftover_groups, record_rank
+from workers.slot.rank_claim import end_older_launches
 
 SLOT = "n1.gpu0"
 SLEEPS = ("import setproctitle, sys, time; sys.argv[1] and setproctitle.setproctitle(sys.argv[1]); "
@@ -61,3 +62,26 @@ def test_an_op_builds_untitled_group_is_recorded_so_the_scan_finds_it(client):
     finally:
         os.killpg(build.pid, signal.SIGKILL)
         build.wait()
+
+
+def test_a_rank_starting_ends_what_an_older_launch_left_on_its_slot_and_nothing_else(client):
+    """The slot's reservation is the new launch's: a rank of another launch still on the slot (a
+    frozen node thawed, a pool process killed) is ended before the new rank starts; the new
+    launch's own ranks and another slot's are left alone (`end_older_launches`)."""
+    older = RankIdentity(SLOT, "job", "z1", 0, 2, "c" * 32)
+    newer = RankIdentity(SLOT, "job", "z1", 1, 2, "d" * 32)
+    elsewhere = RankIdentity("n1.gpu1", "job", "z1", 0, 2, "c" * 32)
+    procs = {"older": _process(older.title()), "newer": _process(newer.title()),
+             "elsewhere": _process(elsewhere.title())}
+    try:
+        for name, identity in (("older", older), ("newer", newer), ("elsewhere", elsewhere)):
+            record_rank(client, f"t-{name}", identity, procs[name].pid, 600)
+        assert end_older_launches(client, SLOT, newer.launch, grace_s=5.0) == [procs["older"].pid]
+        procs["older"].wait(timeout=5)  # ended (TimeoutExpired otherwise)
+        assert procs["newer"].poll() is None and procs["elsewhere"].poll() is None
+        assert end_older_launches(client, "n1.gpu2", newer.launch, grace_s=5.0) == []
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

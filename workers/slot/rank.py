@@ -58,6 +58,8 @@ from workers.warm.warm_start import WARM
 
 log = logging.getLogger(__name__)
 PGID_TTL_S = 7 * 24 * 3600
+#: What an older launch's rank still on the slot gets between SIGTERM and SIGKILL (`rank_claim.end_older_launches`).
+OLDER_LAUNCH_GRACE_S = 2.0
 #: How long a rank waits for others' memory on its GPU to go (workers.device.device_idle.WAIT_S by default).
 GPU_WAIT_ENV = "AUTOTUNE_GPU_WAIT_S"
 #: This worker's waits for others' memory on its GPU to go (workers.device.device_idle), one per process.
@@ -103,6 +105,10 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> RankR
         # Redelivered long after its launch was given up (a worker died holding the message):
         # running it now would overwrite the folder of a newer launch of the same experiment.
         return not_started(Status.LOST, "the reservation of this launch is gone", stale=True)
+    ended = rank_claim.end_older_launches(client, slot.queue, spec.attempt, OLDER_LAUNCH_GRACE_S)
+    if ended:
+        log.warning("%s: ended %d process(es) an older launch left on %s before this rank started: %s",
+                    spec.name, len(ended), slot.queue, ended)
     stages = _RankStages(spec, slot, client, task_id)
     stages.set_up()
     for stage in (stages.wait_for_gpu, stages.meet, stages.build_ops):

@@ -15,6 +15,11 @@ failure signal. The first thing a rank task does is claim its task id for its ow
   answers a stale record and touches nothing.
 
 The claim is deleted when the task ends (`release`); it expires on its own after a week at most.
+
+A rank of *another* launch still on the slot when a rank starts (a frozen node thawed after its
+lease went, a pool process killed while the sweep relaunched the experiment) is fenced: the launch
+starting holds the slot's reservation. `end_older_launches` ends it first, so two launches never
+share the slot's device and the new one measures alone.
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ import redis
 from workers.state import keys
 from workers.in_rank.failure import Status
 from workers.slot.records import RankRecord, not_started
-from workers.process.launch import group_runs_slot, kill_group
+from workers.process.launch import group_runs_slot, kill_group, kill_groups
+from workers.process.process_identity import kill_titled, owns_group, recorded_ranks
 
 CLAIM_TTL_S = 7 * 24 * 3600
 
@@ -95,3 +101,18 @@ def refused_record(why: str) -> RankRecord:
         return not_started(Status.LOST, "delivered again while its first delivery still runs", stale=True)
     return not_started(Status.LOST, "the pool process running this rank died (the OOM killer, a signal): its "
                                     "training group was killed, and the launch runs again")
+
+
+def end_older_launches(client: redis.Redis, slot: str, launch: str, grace_s: float) -> list[int]:
+    """End what other launches left running on `slot` before a rank of `launch` starts there (module
+    docstring): the groups their records name that are still theirs (`owns_group`, by start time),
+    and any process carrying their titles elsewhere, SIGTERM then SIGKILL after `grace_s`. Returns
+    the groups and pids ended; the records stay for whoever reaps those ranks (their own task, or
+    the leftover scan)."""
+    others = [record for record in recorded_ranks(client, slot) if record.identity.launch != launch]
+    if not others:
+        return []
+    groups = sorted({record.pgid for record in others if owns_group(record.pgid, slot, record.started or None)})
+    if groups:
+        kill_groups(groups, grace_s)
+    return groups + kill_titled(others, grace_s)
