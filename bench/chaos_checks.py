@@ -233,20 +233,19 @@ def overlap_seconds(spans: Iterable[tuple[str, str, float, float]]) -> float:
 def sampled_overlap_seconds(samples: list[Sample]) -> float:
     """Slot-seconds during which one slot ran training processes of two launches, each sample
     counting for the time to the next one (the last for SAMPLE_S)."""
-    total = 0.0
-    for index, sample in enumerate(samples):
-        width = samples[index + 1].at - sample.at if index + 1 < len(samples) else SAMPLE_S
-        launches: dict[str, set[str]] = defaultdict(set)
-        for seen in sample.seen:
-            launches[seen.slot].add(seen.launch)
-        total += width * sum(1 for tokens in launches.values() if len(tokens) > 1)
-    return total
+    return sum(seconds for _, seconds in _overlap_spans(samples).values())
 
 
 def sampled_overlaps(samples: list[Sample]) -> list[str]:
     """One line per slot and set of launches seen on it at once: the experiments, when first seen
     (the first sample's time) and for how long (as `sampled_overlap_seconds` counts it)."""
-    spans: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+    return [f"{slot}: {' and '.join(names)} from {first:.1f}s for {seconds:.1f}s"
+            for (slot, names), (first, seconds) in _overlap_spans(samples).items()]
+
+
+def _overlap_spans(samples: list[Sample]) -> dict[tuple[str, tuple[str, ...]], tuple[float, float]]:
+    """(slot, its launches' "experiment (launch)") -> (first sample's time, seconds seen together)."""
+    spans: dict[tuple[str, tuple[str, ...]], tuple[float, float]] = {}
     for index, sample in enumerate(samples):
         width = samples[index + 1].at - sample.at if index + 1 < len(samples) else SAMPLE_S
         launches: dict[str, dict[str, str]] = defaultdict(dict)
@@ -255,9 +254,9 @@ def sampled_overlaps(samples: list[Sample]) -> list[str]:
         for slot, tokens in launches.items():
             if len(tokens) > 1:
                 key = (slot, tuple(f"{tokens[t]} ({t})" for t in sorted(tokens)))
-                spans.setdefault(key, [sample.at, 0.0])[1] += width
-    return [f"{slot}: {' and '.join(names)} from {first:.1f}s for {seconds:.1f}s"
-            for (slot, names), (first, seconds) in spans.items()]
+                first, seconds = spans.get(key, (sample.at, 0.0))
+                spans[key] = (first, seconds + width)
+    return spans
 
 
 def leaked(leftovers: Leftovers) -> list[str]:

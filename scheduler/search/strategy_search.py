@@ -227,8 +227,7 @@ def _size(session: Session, leader: Experiment, strategy: tuple[str, ...], safet
         slope *= _keep_share(session, stage, strategy)
     budget = st.budget_bytes * safety
     fits = int((budget - intercept) // slope) if slope > 0 else st.micro_batch_cap
-    failed = [exp.micro_batch_size for exp, record in _strategy_records(session, stage, strategy)
-              if record.get("status") == "oom"]
+    failed = _failed_sizes(session, stage, strategy)
     limit = min([st.micro_batch_cap, fits] + [m - 1 for m in failed])
     return _step_size(session, leader, limit)
 
@@ -306,9 +305,10 @@ def _leader(session: Session) -> tuple[Experiment, dict] | None:
     return next(((exp, record) for exp, record in pairs if record is winner), None)
 
 
-def _failed_sizes(session: Session, stage: int) -> list[int]:
-    """The sizes that ran out of memory at the stage with the search's own strategy."""
-    return [exp.micro_batch_size for exp, record in _strategy_records(session, stage, session.settings.strategy)
+def _failed_sizes(session: Session, stage: int, strategy: Sequence[str] | None = None) -> list[int]:
+    """The sizes that ran out of memory at the stage with `strategy` (the search's own by default)."""
+    strategy = session.settings.strategy if strategy is None else strategy
+    return [exp.micro_batch_size for exp, record in _strategy_records(session, stage, strategy)
             if record.get("status") == "oom"]
 
 

@@ -124,9 +124,13 @@ def forget_rank(client: redis.Redis, slot: str, task_id: str) -> None:
     client.delete(keys.pgid(slot, task_id), keys.rank_process(slot, task_id))
 
 
+#: Keys a SCAN step looks at: a rank's start reads its slot's records, so few round trips on a large keyspace.
+SCAN_COUNT = 1000
+
+
 def recorded_ranks(client: redis.Redis, slot: str = "*") -> list[RankProcess]:
     """Every rank record of `slot` (all slots by default), unchecked."""
-    names = list(client.scan_iter(match=keys.rank_process_pattern(slot)))
+    names = list(client.scan_iter(match=keys.rank_process_pattern(slot), count=SCAN_COUNT))
     values = client.mget(names) if names else []
     return [record for record in (RankProcess.from_json(value) for value in values if value) if record]
 

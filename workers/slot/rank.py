@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 
 from workers.state import keys
@@ -105,7 +106,11 @@ def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> RankR
         # Redelivered long after its launch was given up (a worker died holding the message):
         # running it now would overwrite the folder of a newer launch of the same experiment.
         return not_started(Status.LOST, "the reservation of this launch is gone", stale=True)
-    ended = rank_claim.end_older_launches(client, slot.queue, spec.attempt, OLDER_LAUNCH_GRACE_S)
+    try:
+        ended = rank_claim.end_older_launches(client, slot.queue, spec.attempt, OLDER_LAUNCH_GRACE_S)
+    except (redis.RedisError, psutil.Error, OSError) as exc:  # best effort: never a reason to fail the rank
+        log.warning("%s: could not check %s for an older launch's ranks: %s", spec.name, slot.queue, exc)
+        ended = []
     if ended:
         log.warning("%s: ended %d process(es) an older launch left on %s before this rank started: %s",
                     spec.name, len(ended), slot.queue, ended)

@@ -33,7 +33,7 @@ from workers.state import keys
 from workers.in_rank.failure import Status
 from workers.slot.records import RankRecord, not_started
 from workers.process.launch import group_runs_slot, kill_group, kill_groups
-from workers.process.process_identity import kill_titled, owns_group, recorded_ranks
+from workers.process.process_identity import forget_rank, kill_titled, owns_group, recorded_ranks
 
 CLAIM_TTL_S = 7 * 24 * 3600
 
@@ -71,7 +71,7 @@ def claim(client: redis.Redis, queue: str, task_id: str) -> str | None:
         pgid = client.get(keys.pgid(queue, task_id))
         if pgid and group_runs_slot(int(pgid), queue):
             kill_group(int(pgid))
-    client.delete(keys.pgid(queue, task_id))
+    forget_rank(client, queue, task_id)  # the group it left is gone: its pgid key and rank record too
     client.set(key, json.dumps(mine), ex=CLAIM_TTL_S)
     return "lost"
 
