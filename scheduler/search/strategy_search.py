@@ -37,7 +37,8 @@ of the memory model rather than a guess:
    most. The normal confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy is the stage's own measured line (or the analytical
-model without measurements) less what the offload frees, with its slope times the keep share.
+model without measurements), its slope at least what the stage's runs out of memory prove, less what
+the offload frees, with its slope times the keep share.
 """
 from __future__ import annotations
 
@@ -250,12 +251,19 @@ def _gas(session: Session, leader: Experiment, mbs: int) -> int:
 
 def _line(session: Session, stage: int) -> tuple[float, float]:
     """(intercept, slope) of the stage's memory under the search's own strategy: fitted to its
-    measured peaks, else the analytical model."""
+    measured peaks, else the analytical model; the slope at least what the smallest size that ran
+    out of memory proves (that size's line must pass the budget: a profile's activation figure, or a
+    fit of a few small sizes, can be well below the real one, and a strategy's top is read off it)."""
     model = session.model
     fitted = calibrate(session.observations().get(stage, []), model.info.activation_mem_per_gpu)
     if fitted is not None:
-        return fitted.intercept, fitted.slope
-    return float(model.fixed_bytes(stage)), float(model.info.activation_mem_per_gpu)
+        intercept, slope = fitted.intercept, fitted.slope
+    else:
+        intercept, slope = float(model.fixed_bytes(stage)), float(model.info.activation_mem_per_gpu)
+    failed = _failed_sizes(session, stage)
+    if failed:
+        slope = max(slope, (session.settings.budget_bytes - intercept) / min(failed))
+    return intercept, slope
 
 
 def _keep_share(session: Session, stage: int, strategy: tuple[str, ...]) -> float:

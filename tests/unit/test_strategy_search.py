@@ -3,7 +3,7 @@ runner: a model that fits only with a strategy, the refusal naming one when none
 the leader at its stage's memory top measured with checkpointing at a larger micro-batch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -291,3 +291,18 @@ def test_only_a_reading_better_than_the_leaders_best_pays() -> None:
     checkpointed = {"name": "c", "status": "ok", "metrics": {"throughput": 110.0}}
     assert not strategy_search._beats(session, checkpointed, leader)
     assert strategy_search._beats(session, {**checkpointed, "metrics": {"throughput": 121.0}}, leader)
+
+
+def test_a_strategys_top_is_read_off_a_line_no_steeper_than_the_failures_prove() -> None:
+    """The profile reports 30 % of the real activations and no run reports its peak, so the
+    analytical line promises about three times the sizes that fit: the sampled search's own runs
+    out of memory (9 at its stage) prove the line steeper, and the checkpointing line read off the
+    steeper one runs out of memory once at most (off the profile's: at 100, then 55), and its
+    largest run holds at least what the profile's line reached."""
+    law = Law(num_params=100_000_000, activation=1_500_000_000, keep=0.3, peaks=False)
+    understated = ModelInfo(law.num_params, law.num_params, int(law.activation * 0.3))
+    experiments, records = run(law, replace(settings(law, ["activation_checkpointing"]), model_info=understated))
+    checkpointed = [(exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
+                    if exp.strategy and "_r" not in exp.name]
+    assert sum(status == "oom" for _, status in checkpointed) <= 1, checkpointed
+    assert max(size for size, status in checkpointed if status == "ok") >= 30, checkpointed
