@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from scheduler.errors import ConfigError
+from scheduler.inputs.batch_keys import BatchKeys, parse_batch_keys
 from scheduler.inputs.config_file import read_config
 from scheduler.inputs.config_schema import (MAX_GRADIENT_ACCUMULATION, MAX_MICRO_BATCH, check_known_keys,
                                             check_path_text, check_schema, shown)
@@ -48,6 +49,7 @@ class TuningConfig:
     user_script: Path | None  #: from autotuning.user_script, resolved against the config's folder
     user_args: tuple[str, ...]
     search_keys: SearchKeys = field(default_factory=SearchKeys)  #: the autotuning keys that shape the search
+    batch_keys: BatchKeys = field(default_factory=BatchKeys)  #: the keys that decide the global batch kept
 
     @property
     def maximize(self) -> bool:
@@ -88,11 +90,13 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
     if start > end:
         raise ConfigError(f"{path}: autotuning.start_profile_step ({start}) is after "
                           f"end_profile_step ({end}); make start <= end")
+    metric = _metric(path, autotuning.get("metric", "throughput"))
+    sizes = _micro_batch_sizes(path, raw.get("train_micro_batch_size_per_gpu", 1))
     return TuningConfig(
         path=path,
         ds_config=raw,
-        metric=_metric(path, autotuning.get("metric", "throughput")),
-        micro_batch_sizes=_micro_batch_sizes(path, raw.get("train_micro_batch_size_per_gpu", 1)),
+        metric=metric,
+        micro_batch_sizes=sizes,
         stages=stages,
         gradient_accumulation_steps=_bounded(path, "gradient_accumulation_steps",
                                              raw.get("gradient_accumulation_steps", 1), MAX_GRADIENT_ACCUMULATION),
@@ -104,6 +108,7 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
         user_script=(path.parent / script).resolve() if isinstance(script, str) and script else None,
         user_args=tuple(str(a) for a in user_args),
         search_keys=parse_search_keys(path, autotuning),
+        batch_keys=parse_batch_keys(path, raw, sizes),
     )
 
 

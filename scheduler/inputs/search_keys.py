@@ -35,6 +35,8 @@ class SearchKeys:
     tuner_num_trials: int = 50
     tuner_early_stopping: int = 5
     tuner_seed: int = 0
+    #: autotuning.model_info as the schema checked it (`config_schema`): the model's size, no profile run
+    model_info: Mapping[str, Any] | None = None
 
 
 def parse_search_keys(path: Path, section: Mapping[str, Any]) -> SearchKeys:
@@ -51,6 +53,7 @@ def parse_search_keys(path: Path, section: Mapping[str, Any]) -> SearchKeys:
         tuner_num_trials=_positive(path, section, "tuner_num_trials", 50),
         tuner_early_stopping=non_negative_int(path, section, "tuner_early_stopping", 5),
         tuner_seed=non_negative_int(path, section, "tuner_seed", 0),
+        model_info=section.get("model_info"),
     )
     if keys.min_micro_batch_size > keys.max_micro_batch_size:
         raise ConfigError(f"{path}: autotuning.min_train_micro_batch_size_per_gpu ({keys.min_micro_batch_size}) is "

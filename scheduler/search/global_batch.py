@@ -15,19 +15,16 @@ different model. Here:
 - `"search": "deepspeed"` runs DeepSpeed's algorithm, which overwrites the batch as DeepSpeed does;
   the summary says so.
 
-Pure: what is kept, the sizes that keep it, and the words the command and the summary print.
+Pure: the sizes that keep it, and the words the command and the summary print. What the config asks
+to keep, checked against one experiment's GPUs, comes typed from `scheduler.inputs.batch_keys`.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
 
-from scheduler.errors import ConfigError
+# cli_batch: scheduler.cluster.progress reads the script's batch flags through this module
+from scheduler.inputs.batch_keys import KEEP_KEY, GlobalBatch, cli_batch, kept_sizes  # noqa: F401
 
-#: The autotuning option (DeepSpeed-style name, ours: DeepSpeed has none) that frees or keeps the batch.
-KEEP_KEY = "keep_train_batch_size"
 #: How the note of a kept batch begins (the summary's space line reads it).
 KEPT_NOTE = "Global batch kept"
 #: What would let a config that keeps the batch fit, in the order a user would try them.
@@ -36,84 +33,6 @@ FIT_HELP = ("use more GPUs per experiment (--num_gpus / --num_nodes: a smaller s
             'search choose: "autotuning": {"memory_strategies": ["offload_optimizer", "activation_checkpointing"]}, '
             "the latter with its flag in arg_mappings), or "
             f'free the global batch with "autotuning": {{"{KEEP_KEY}": false}}')
-
-
-@dataclass(frozen=True)
-class GlobalBatch:
-    """The global batch the search keeps (`size`, None: not kept), where it came from, and why."""
-
-    size: int | None = None
-    source: str = ""  #: "train_batch_size 96", or the command line's flags
-    freed: bool = False  #: the user gave a number but keep_train_batch_size false
-    by_deepspeed: bool = False  #: a number that "search": "deepspeed" overwrites as DeepSpeed does
-
-    def per_gpu(self, dp_size: int) -> int | None:
-        """Samples per data-parallel rank and optimizer step (mbs * gas of every experiment)."""
-        return self.size // dp_size if self.size else None
-
-
-def cli_batch(base_args: Sequence[str], mappings: Mapping[str, str]) -> tuple[int, int] | None:
-    """(per-device size, accumulation) the user's command line gives through `arg_mappings`, or None
-    unless both flags are mapped and given as numbers: an experiment's accumulation must reach the
-    script (the Trainer refuses a DeepSpeed config whose accumulation differs from its own flag)."""
-    def value(key: str) -> int | None:
-        flag = mappings.get(key)
-        if not flag:
-            return None
-        for index, arg in enumerate(base_args):
-            text = base_args[index + 1] if arg == flag and index + 1 < len(base_args) else \
-                arg[len(flag) + 1:] if arg.startswith(flag + "=") else None
-            if text is not None:
-                return int(text) if text.isdigit() and int(text) > 0 else None
-        return None
-    mbs = value("train_micro_batch_size_per_gpu")
-    if mbs is None:
-        return None
-    gas = value("gradient_accumulation_steps")
-    return (mbs, gas) if gas is not None else None
-
-
-def global_batch(ds_config: Mapping[str, Any], path: Path | str, dp_size: int, search: str,
-                 command_line: tuple[int, int] | None = None) -> GlobalBatch:
-    """What the search keeps, checked: a ConfigError naming the file, the field and the fix when the
-    batch cannot be kept (not a multiple of the data-parallel ranks, above max_train_batch_size)."""
-    section = ds_config.get("autotuning") or {}
-    keep = section.get(KEEP_KEY)
-    if keep is not None and not isinstance(keep, bool):
-        raise ConfigError(f"{path}: autotuning.{KEEP_KEY} must be true or false (a JSON boolean), got {keep!r}")
-    number = ds_config.get("train_batch_size")
-    number = number if isinstance(number, int) and not isinstance(number, bool) else None
-    if number is not None:
-        size, source = number, f"train_batch_size {number} in the config"
-    elif keep and command_line is not None:
-        mbs, gas = command_line
-        size = mbs * gas * dp_size
-        source = (f"the command line's per-device batch {mbs} x accumulation {gas} x {dp_size} data-parallel "
-                  f"rank{'s' if dp_size > 1 else ''} = {size}")
-    elif keep:
-        raise ConfigError(f"{path}: autotuning.{KEEP_KEY} is true but there is no global batch to keep: give "
-                          "train_batch_size as a number, or map train_micro_batch_size_per_gpu to the script's "
-                          "flag in autotuning.arg_mappings with a number after it in the script arguments")
-    else:
-        return GlobalBatch()
-    if keep is False:
-        return GlobalBatch(source=source, freed=True)
-    if search == "deepspeed":
-        return GlobalBatch(source=source, by_deepspeed=True)
-    if size % dp_size:
-        raise ConfigError(f"{path}: the global batch to keep ({source}) is not a multiple of the {dp_size} "
-                          f"data-parallel ranks of one experiment; give a multiple of {dp_size}, choose "
-                          f'--num_gpus so the ranks divide it, or set "autotuning": {{"{KEEP_KEY}": false}}')
-    limit = section.get("max_train_batch_size")
-    if isinstance(limit, int) and not isinstance(limit, bool) and size > limit:
-        raise ConfigError(f"{path}: the global batch to keep ({source}) is above autotuning.max_train_batch_size "
-                          f"({limit}); raise the limit, remove it, or set \"{KEEP_KEY}\": false")
-    return GlobalBatch(size, source)
-
-
-def kept_sizes(per_gpu: int, low: int, high: int) -> list[int]:
-    """The micro-batch sizes in [low, high] that divide `per_gpu`: the only ones keeping the batch."""
-    return [m for m in range(max(1, low), min(high, per_gpu) + 1) if per_gpu % m == 0]
 
 
 def largest_kept(per_gpu: int, limit: int) -> int:

@@ -15,9 +15,9 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.errors import ConfigError, UsageError
+from scheduler.errors import UsageError
+from scheduler.inputs.batch_keys import GlobalBatch, on_gpus
 from scheduler.inputs.config import TuningConfig
-from scheduler.search.global_batch import GlobalBatch, global_batch, kept_sizes
 from scheduler.search.deepspeed_memory import deepspeed_fp16, deepspeed_max_micro_batch_size, deepspeed_stage_fits
 from scheduler.search.memory import (
     SAFETY, MemoryModel, ModelInfo, Observation, StageFit, TrainingSetup, untracked_reserve_bytes,
@@ -82,7 +82,7 @@ class SearchSettings:
     tuner_seed: int = 0  #: seeds the random and model-based tuners; part of the config, so replay matches
     concurrency: int = 1  #: experiments that can run at once (slots // ranks per experiment)
     tuning_config: TuningConfig | None = field(default=None, compare=False, repr=False)
-    #: the user's global batch, kept by every experiment when `size` is set (`global_batch`)
+    #: the user's global batch, kept by every experiment when `size` is set (`inputs.batch_keys.global_batch`)
     global_batch: GlobalBatch = GlobalBatch()
     strategy: tuple[str, ...] = ()  #: every experiment's memory strategies (`strategy_search.stages_that_fit`)
     checkpointing_fixed: bool = False  #: the script's own arguments turn activation checkpointing on
@@ -145,44 +145,29 @@ class SearchSettings:
                     device_kind: str = "gpu", estimator: str = "calibrated",
                     concurrency: int = 1, command_line: tuple[int, int] | None = None,
                     checkpointing_fixed: bool = False) -> SearchSettings:
-        """The fields a TuningConfig does not carry come from `autotuning`, with DeepSpeed's defaults.
+        """The config's typed keys (`search_keys`, with DeepSpeed's defaults) on the experiment's GPUs;
+        the global batch kept and the listed sizes keeping it come checked from
+        `scheduler.inputs.batch_keys.on_gpus`, whose ConfigError names the file and the fix.
         `command_line`: (per-device size, accumulation) the script's flags give through arg_mappings
-        (`global_batch.cli_batch`), the batch a Hugging Face config keeps when asked to."""
+        (`batch_keys.cli_batch`), the batch a Hugging Face config keeps when asked to."""
         if device_kind not in ("cpu", "gpu") or estimator not in ESTIMATORS:
             raise ValueError(f"device_kind {device_kind!r} or estimator {estimator!r} is not known")
-        section = cfg.ds_config.get("autotuning") or {}
         keys = cfg.search_keys
-        min_mbs, max_mbs, mp_size, search = (keys.min_micro_batch_size, keys.max_micro_batch_size, keys.mp_size,
-                                             keys.search)
-        if (num_nodes * num_gpus) % mp_size:
-            raise ConfigError(f"{cfg.path}: autotuning.mp_size ({mp_size}) must divide the GPUs of one "
-                              f"experiment ({num_nodes * num_gpus})")
-        listed = isinstance(cfg.ds_config.get("train_micro_batch_size_per_gpu"), list)
-        batch = global_batch(cfg.ds_config, cfg.path, (num_nodes * num_gpus) // mp_size, search, command_line)
-        sizes = cfg.micro_batch_sizes if listed else ()
-        if batch.size and sizes:
-            share = batch.size // ((num_nodes * num_gpus) // mp_size)
-            sizes = tuple(m for m in sizes if m in kept_sizes(share, min_mbs, max_mbs))
-            if not sizes:
-                raise ConfigError(f"{cfg.path}: no size in train_micro_batch_size_per_gpu "
-                                  f"{list(cfg.micro_batch_sizes)} keeps the global batch ({batch.source}): none "
-                                  f"divides its {share} samples per GPU and step; list sizes such as "
-                                  f"{kept_sizes(share, min_mbs, max_mbs)[-3:]}, or free the batch with "
-                                  '"autotuning": {"keep_train_batch_size": false}')
+        batch = on_gpus(cfg.path, cfg.batch_keys, keys, num_nodes * num_gpus, command_line)
         return cls(
             ds_config=cfg.ds_config, capacity_bytes=capacity_bytes, stages=cfg.stages, metric=cfg.metric,
             maximize=cfg.maximize, start_profile_step=cfg.start_profile_step,
             end_profile_step=cfg.end_profile_step, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            first_micro_batch_size=cfg.micro_batch_sizes[0], micro_batch_sizes=sizes,
-            min_micro_batch_size=min_mbs, max_micro_batch_size=max_mbs,
+            first_micro_batch_size=cfg.micro_batch_sizes[0], micro_batch_sizes=batch.micro_batch_sizes,
+            min_micro_batch_size=keys.min_micro_batch_size, max_micro_batch_size=keys.max_micro_batch_size,
             max_train_batch_size=keys.max_train_batch_size,
             num_tuning_micro_batch_sizes=keys.num_tuning_micro_batch_sizes,
-            mp_size=mp_size, model_info=ModelInfo.from_mapping(section.get("model_info")),
+            mp_size=keys.mp_size, model_info=ModelInfo.from_mapping(keys.model_info),
             num_nodes=num_nodes, num_gpus=num_gpus, host_memory=device_kind == "cpu",
             peak_memory_key="peak_rss_bytes" if device_kind == "cpu" else "peak_device_bytes", estimator=estimator,
-            search=search, fast=keys.fast, tuner_type=keys.tuner_type, tuner_num_trials=keys.tuner_num_trials,
+            search=keys.search, fast=keys.fast, tuner_type=keys.tuner_type, tuner_num_trials=keys.tuner_num_trials,
             tuner_early_stopping=keys.tuner_early_stopping, tuner_seed=keys.tuner_seed, concurrency=max(1, concurrency),
-            tuning_config=cfg, global_batch=batch, checkpointing_fixed=checkpointing_fixed,
+            tuning_config=cfg, global_batch=batch.global_batch, checkpointing_fixed=checkpointing_fixed,
         )
 
 

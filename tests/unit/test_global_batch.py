@@ -1,6 +1,7 @@
-"""A user's global batch kept through the search (`scheduler.search.global_batch`):
-every experiment has mbs x gas x dp == train_batch_size, only sizes dividing its share are searched,
-the option frees it, and a config no size of which fits ends with one line saying what would help."""
+"""A user's global batch kept through the search (`scheduler.search.global_batch`), checked where the
+config is read (`scheduler.inputs.batch_keys`): every experiment has mbs x gas x dp == train_batch_size,
+only sizes dividing its share are searched, the option frees it, and a config no size of which fits
+ends with one line saying what would help."""
 from __future__ import annotations
 
 import json
@@ -12,11 +13,13 @@ import pytest
 
 from bench.surfaces import FAMILIES, make_surface, user_config
 from scheduler.errors import ConfigError
-from scheduler.inputs.config import load_config
+from scheduler.inputs.batch_keys import BatchKeys, cli_batch, global_batch, on_gpus, parse_batch_keys
+from scheduler.inputs.config import load_config, parse_config
+from scheduler.inputs.search_keys import parse_search_keys
 from scheduler.report.outputs import summary_text
 from scheduler.search.confirm import KEPT_BATCH_LAUNCHES, READ_ONCE_GRACE
 from scheduler.search.fast_search import PROFILE, fast_search, search_notes
-from scheduler.search.global_batch import GlobalBatch, cli_batch, global_batch, kept_sizes, largest_kept
+from scheduler.search.global_batch import GlobalBatch, kept_sizes, largest_kept
 from scheduler.search.memory import ModelInfo
 from scheduler.search.phases import drive
 from scheduler.search.ranking import best
@@ -77,7 +80,7 @@ def test_the_command_lines_batch(args: list[str], mappings: dict[str, str], expe
 ])
 def test_what_is_kept(config: dict[str, Any], dp: int, search: str, command_line: tuple[int, int] | None,
                       expected: GlobalBatch) -> None:
-    assert global_batch(config, "cfg.json", dp, search, command_line) == expected
+    assert kept_of(config, dp, search, command_line) == expected
 
 
 @pytest.mark.parametrize(("config", "dp", "message"), [
@@ -87,7 +90,39 @@ def test_what_is_kept(config: dict[str, Any], dp: int, search: str, command_line
 ])
 def test_a_batch_that_cannot_be_kept_is_refused_naming_the_fix(config: dict[str, Any], dp: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        global_batch(config, "cfg.json", dp, "sampled")
+        kept_of(config, dp, "sampled")
+
+
+def kept_of(config: dict[str, Any], dp: int, search: str, command_line: tuple[int, int] | None = None) -> GlobalBatch:
+    """`global_batch` of a config section by section, through the keys' own parsers."""
+    path = Path("cfg.json")
+    keys = parse_search_keys(path, {**config.get("autotuning", {}), "search": search})
+    return global_batch(parse_batch_keys(path, config, (1,)), keys, path, dp, command_line)
+
+
+def test_the_batch_keys_are_typed_where_the_config_is_read(tmp_path: Path) -> None:
+    def keys_of(**config: Any) -> BatchKeys:
+        return parse_config({**USER_CONFIG, **config}, tmp_path / "cfg.json").batch_keys
+
+    assert keys_of(train_batch_size=96, train_micro_batch_size_per_gpu=[8, 2, 8]) == BatchKeys(96, None, (2, 8))
+    assert keys_of(train_batch_size="auto", train_micro_batch_size_per_gpu=4) == BatchKeys()
+    assert keys_of(autotuning={**USER_CONFIG["autotuning"], "keep_train_batch_size": False}).keep is False
+    with pytest.raises(ConfigError) as refused:  # the schema says it first on a whole config
+        parse_batch_keys(Path("cfg.json"), {"autotuning": {"keep_train_batch_size": "no"}}, (1,))
+    assert str(refused.value) == "cfg.json: autotuning.keep_train_batch_size must be true or false (a JSON boolean), got 'no'"
+
+
+def test_on_an_experiments_gpus_mp_size_divides_them_and_listed_sizes_keep_the_batch() -> None:
+    path = Path("cfg.json")
+    keys = parse_search_keys(path, {"mp_size": 2})
+    batch = BatchKeys(96, None, (5, 6, 8, 48))
+    found = on_gpus(path, batch, keys, 8)  # 4 data-parallel ranks: 24 samples each
+    assert found.global_batch == GlobalBatch(96, "train_batch_size 96 in the config")
+    assert found.micro_batch_sizes == (6, 8)
+    assert on_gpus(path, BatchKeys(listed_sizes=(5, 7)), keys, 8).micro_batch_sizes == (5, 7)  # nothing kept
+    with pytest.raises(ConfigError) as refused:
+        on_gpus(path, batch, keys, 5)
+    assert str(refused.value) == "cfg.json: autotuning.mp_size (2) must divide the GPUs of one experiment (5)"
 
 
 def test_from_config_keeps_a_number_and_the_option_frees_it(tmp_path: Path) -> None:
