@@ -20,9 +20,9 @@ import pytest
 import redis
 
 from integration_helpers import ROOT, SCRIPTS, processes_with_marker, wait_for
-from scheduler.inputs.folders import MARKER
-from tests.unit.test_op_prebuild import failing_compiler
 from scheduler.embedded.local_cluster import free_tcp_port, redis_config
+from scheduler.inputs.folders import MARKER
+from test_op_prebuild_child import failing_compiler
 
 pytestmark = pytest.mark.integration
 
