@@ -34,11 +34,15 @@ of the memory model rather than a guess:
    activations it keeps: `strategies.measured_keep_share`). A run at its line's top that reads
    better than the leader measures the sizes the safety margin kept out once (up to the line's own
    top: the curve still rises where the margin cuts it). `STRATEGY_PROBES` runs per strategy at
-   most. The normal confirmation ranks every run with the rest.
+   most. The best strategy run, when it beat the leader, is measured once more at the stage whose line
+holds the largest size with it (`_roomier_stage`: the leader's stage was chosen on the sizes the
+stages held without a strategy; one that shards more of the states has more room for a larger
+micro-batch with it). The normal confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy is the stage's own measured line (or the analytical
-model without measurements), its slope at least what the stage's runs out of memory prove, less what
-the offload frees, with its slope times the keep share.
+model without measurements), its slope at least what any stage's runs out of memory prove (a
+sample's activations are the same at every stage), less what the offload frees, with its slope
+times the keep share.
 """
 from __future__ import annotations
 
@@ -64,6 +68,8 @@ TOP_SLACK = 1.25
 #: A strategy's first size more than this many times the size the stage holds without it is
 #: measured at their geometric middle first: its memory line there is mostly the prior's.
 CAUTIOUS_SPAN = 2.0
+#: Runs of the best strategy at the stage with more room for it (`_roomier_stage`) at most.
+ROOMIER_PROBES = 1
 #: Runs per strategy at most: its line's top, then bisection between what ran and what ran out of memory.
 STRATEGY_PROBES = 3
 
@@ -150,6 +156,39 @@ def try_strategies(session: Session) -> Step:
             yield from _measure_strategy(session, exp, strategy, room)
         exp, record = _stacking_base(session, exp, record) or (None, None)
         room = exp.micro_batch_size if exp is not None else room
+    yield from _roomier_stage(session, *leader)
+
+
+def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) -> Step:
+    """The best strategy run, if it beat the leader, measured once more at the stage whose memory
+    line holds the largest size with its strategy, where that is `TOP_GAIN` above the run's own: a
+    strategy frees the same bytes at every stage, but a stage that shards more of the states has
+    more room left for them (the leader's stage was chosen before any strategy, on the sizes the
+    stages held without one)."""
+    st = session.settings
+    runs = [(exp, record) for exp, record in _strategy_records(session, leader.stage, None)
+            if exp.strategy != st.strategy and succeeded(record)]
+    winner = best([leader_record] + [record for _, record in runs], st.metric, st.maximize)
+    found = next((exp for exp, record in runs if record is winner), None)
+    if found is None:
+        return
+    options = []
+    for stage in st.stages:
+        base = _stage_leader(session, stage)
+        if stage != leader.stage and base is not None and applies(found.strategy, stage):
+            size = _size(session, base, found.strategy)
+            if size >= TOP_GAIN * found.micro_batch_size:
+                options.append((size, -stage, base))
+    if options:
+        yield from _measure_strategy(session, max(options)[2], found.strategy, found.micro_batch_size, ROOMIER_PROBES)
+
+
+def _stage_leader(session: Session, stage: int) -> Experiment | None:
+    """The stage's best run with the search's own strategy (None: none ran)."""
+    st = session.settings
+    pairs = [(exp, record) for exp, record in session.stage_records(stage) if not exp.tuning_space]
+    winner = best([record for _, record in pairs], st.metric, st.maximize)
+    return next((exp for exp, record in pairs if record is winner), None)
 
 
 def _stacking_base(session: Session, below: Experiment, below_record: dict) -> tuple[Experiment, dict] | None:
@@ -166,7 +205,8 @@ def _stacking_base(session: Session, below: Experiment, below_record: dict) -> t
     return found
 
 
-def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str, ...], room: int) -> Step:
+def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str, ...], room: int,
+                      probes: int | None = None) -> Step:
     """The strategy's largest size above the leader's by its memory line, then, up to
     `STRATEGY_PROBES` runs in all, the line's next size (with the keep share a run measured) kept
     below the geometric middle between the largest size that ran (the leader's at first) and the
@@ -177,7 +217,7 @@ def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str,
         return  # it holds no size the stage does not hold without it
     if size > CAUTIOUS_SPAN * room:  # a line that far past anything measured is mostly prior: half way first
         size = _step_size(session, leader, round(math.sqrt(room * size)))
-    for _ in range(STRATEGY_PROBES):
+    for _ in range(STRATEGY_PROBES if probes is None else probes):
         if size <= ran or (failed is not None and size >= failed):
             return
         record = yield from _run(session, leader, strategy, size)
@@ -251,19 +291,26 @@ def _gas(session: Session, leader: Experiment, mbs: int) -> int:
 
 def _line(session: Session, stage: int) -> tuple[float, float]:
     """(intercept, slope) of the stage's memory under the search's own strategy: fitted to its
-    measured peaks, else the analytical model; the slope at least what the smallest size that ran
-    out of memory proves (that size's line must pass the budget: a profile's activation figure, or a
-    fit of a few small sizes, can be well below the real one, and a strategy's top is read off it)."""
+    measured peaks, else the analytical model; the slope at least what any stage's smallest size
+    that ran out of memory proves (that size's line must pass the budget; a sample's activations
+    are the same at every stage, only the states differ): a profile's activation figure, or a fit
+    of a few small sizes, can be well below the real one, and a strategy's top is read off it."""
+    intercept, slope = _measured_line(session, stage)
+    budget = session.settings.budget_bytes
+    for other in session.settings.stages:
+        failed = _failed_sizes(session, other)
+        if failed:
+            slope = max(slope, (budget - _measured_line(session, other)[0]) / min(failed))
+    return intercept, slope
+
+
+def _measured_line(session: Session, stage: int) -> tuple[float, float]:
+    """(intercept, slope) fitted to the stage's measured peaks, else the analytical model's."""
     model = session.model
     fitted = calibrate(session.observations().get(stage, []), model.info.activation_mem_per_gpu)
     if fitted is not None:
-        intercept, slope = fitted.intercept, fitted.slope
-    else:
-        intercept, slope = float(model.fixed_bytes(stage)), float(model.info.activation_mem_per_gpu)
-    failed = _failed_sizes(session, stage)
-    if failed:
-        slope = max(slope, (session.settings.budget_bytes - intercept) / min(failed))
-    return intercept, slope
+        return fitted.intercept, fitted.slope
+    return float(model.fixed_bytes(stage)), float(model.info.activation_mem_per_gpu)
 
 
 def _keep_share(session: Session, stage: int, strategy: tuple[str, ...]) -> float:

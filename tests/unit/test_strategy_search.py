@@ -306,3 +306,14 @@ def test_a_strategys_top_is_read_off_a_line_no_steeper_than_the_failures_prove()
                     if exp.strategy and "_r" not in exp.name]
     assert sum(status == "oom" for _, status in checkpointed) <= 1, checkpointed
     assert max(size for size, status in checkpointed if status == "ok") >= 30, checkpointed
+
+
+def test_a_strategy_that_paid_is_measured_once_at_the_stage_with_more_room_for_it() -> None:
+    """The leader sits at ZeRO-0's memory top and checkpointing pays there (7, then 14): ZeRO-1
+    shards the optimizer's 12 bytes per parameter, so its checkpointed line holds a size above
+    TOP_GAIN x 14, measured once at its top (15)."""
+    law = Law(num_params=100_000_000, activation=3_000_000_000, keep=0.3)
+    experiments, records = run(law, settings(law, ["activation_checkpointing"]))
+    checkpointed = [(exp.stage, exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
+                    if exp.strategy and "_r" not in exp.name]
+    assert checkpointed == [(0, 7, "ok"), (0, 14, "ok"), (1, 15, "ok")]
