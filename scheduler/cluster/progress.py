@@ -31,7 +31,7 @@ from scheduler.inputs.arguments import STRATEGY_KEY, checkpointing_given, with_c
 from scheduler.inputs.config import TuningConfig, parse_config
 from scheduler.errors import ConfigError, UsageError
 from scheduler.search.fast_search import SearchSettings, fast_search, search_notes
-from scheduler.search.global_batch import cli_batch
+from scheduler.inputs.batch_keys import cli_batch
 from scheduler.cluster.job_store import JobStore, StepReads, reserve_seqs
 from scheduler.cluster.jobs import JobSpec, end, publish
 from scheduler.cluster.launches import QueuedLaunch

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# cli_batch: scheduler.cluster.progress reads the script's batch flags through this module
-from scheduler.inputs.batch_keys import KEEP_KEY, GlobalBatch, cli_batch, kept_sizes  # noqa: F401
+from scheduler.inputs.batch_keys import KEEP_KEY, GlobalBatch, kept_sizes  # noqa: F401
 
 #: How the note of a kept batch begins (the summary's space line reads it).
 KEPT_NOTE = "Global batch kept"
