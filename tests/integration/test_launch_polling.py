@@ -1,7 +1,8 @@
 """How often `workers.process.launch` reads a rank's memory: ten times a second against a memory cap (a CPU
 slot's), once a second where there is none (a GPU slot's: only the record's figure), and the peer
 abort flag at most twice a second either way; the costly PSS reading only when
-the cheap RSS one could change the answer (`workers.process.tree_memory`), without missing a peak."""
+the cheap RSS one could change the answer (`workers.process.tree_memory`), without missing a peak.
+Every test watches real child processes for seconds, so they run with the integration tests."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from workers.process import launch, tree_memory
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(("cap", "cheap", "full"), [(1 << 40, range(8, 40), range(1, 9)),
