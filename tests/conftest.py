@@ -19,9 +19,9 @@ none of them.
 - **The longest tests start first, one pile per process.** xdist's worksteal hands each process an
   equal share of the collection, in order, and an idle process takes the back half of a busy one's
   share; a long test near the back of a share starts late and the run waits for it. The collection
-  is reordered (`pytest_collection_modifyitems`): the tests `LONG_TESTS` names are dealt, longest
-  first, to the share with the fewest seconds so far, each at the front of its share, and the rest
-  fill the shares in their own order.
+  is reordered (`pytest_collection_modifyitems`): the files holding the tests `LONG_TESTS` names
+  are dealt whole, longest first, each to the front of the share with the fewest seconds so far,
+  and the rest fill the shares in their own order.
 - **No test hands its environment to the next.** Every command a test starts inherits this
   process's environment, so a test that changed it (MLflow's `set_tracking_uri` writes
   MLFLOW_TRACKING_URI) made every later command in the same process log its job to MLflow, in a
@@ -147,14 +147,18 @@ LONG_TESTS = {
     "tests/integration/test_warm_start.py::test_what_a_rank_imported_itself_is_preloaded_for_the_next": 6,
     "tests/integration/test_tuning.py::test_a_port_taken_before_rank_0_binds_it_is_launched_again_and_never_a_result": 6,
     "tests/integration/test_op_prebuild_child.py::test_an_op_that_cannot_be_built_is_reported_before_any_training": 8,
-    "tests/unit/test_oom_entry.py::test_an_oom_is_read_from_stderr_only_as_the_last_tracebacks_exception": 6,
+    "tests/integration/test_oom_entry_process.py::test_an_oom_is_read_from_stderr_only_as_the_last_tracebacks_exception": 6,
     "tests/integration/test_op_prebuild_child.py::test_a_child_that_loads_every_op_is_not_started_again": 5,
-    "tests/unit/test_launch_polling.py::test_a_killed_group_is_gone_when_kill_group_returns": 5,
+    "tests/integration/test_launch_polling.py::test_a_killed_group_is_gone_when_kill_group_returns": 5,
     "tests/unit/test_gpus.py::test_the_worker_reads_memory_in_use_and_bus_ids_through_a_real_subprocess": 4,
     "tests/unit/test_docs.py::test_each_readme_celery_command_parses": 4,
-    "tests/unit/test_launch_polling.py::test_a_peak_between_the_slow_readings_is_in_the_figure": 3,
+    "tests/integration/test_launch_polling.py::test_a_peak_between_the_slow_readings_is_in_the_figure": 3,
     "tests/unit/test_build_locks.py::test_an_aborted_launch_stops_the_rebuild_and_releases_the_lock": 3,
     "tests/unit/test_op_build.py::test_a_compile_error_inside_the_rank_is_an_op_that_cannot_be_built": 3,
+    "tests/unit/test_tuners.py::test_model_based_finds_the_best_region_in_a_few_trials": 8,
+    "tests/unit/test_tuners.py::test_model_based_still_explores_every_config": 4,
+    "tests/unit/test_architecture.py::test_the_checks_see_a_planted_upward_import_and_cycle": 4,
+    "tests/unit/test_run_cli.py::test_sigusr1_prints_every_threads_stack_and_the_run_goes_on": 3,
 }
 
 
@@ -166,9 +170,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 def dealt(items: list, workers: int, seconds) -> list:
     """`items` reordered for `workers` processes that each take the next equal share, in order, as
     worksteal hands them out. A file that holds a long test (seconds > 0) is dealt whole, so its
-    module's fixtures start once: the files with the most seconds first, each to the front of the
-    share with the fewest seconds so far, its long tests first; the other files fill the shares in
-    collection order."""
+    module's fixtures start once and its tests keep their order: the files with the most seconds
+    first, each to the front of the share with the fewest seconds so far; the other files fill the
+    shares in collection order."""
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
@@ -182,7 +186,7 @@ def dealt(items: list, workers: int, seconds) -> list:
     loads = [0.0] * workers
     for group in long_files:
         share = min(range(workers), key=lambda i: loads[i])
-        shares[share].extend(sorted(group, key=seconds, reverse=True))
+        shares[share].extend(group)
         loads[share] += sum(map(seconds, group))
     dealt_ids = {id(item) for share in shares for item in share}
     rest = iter([item for item in items if id(item) not in dealt_ids])
