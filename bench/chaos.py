@@ -104,7 +104,7 @@ from scheduler.report.outputs import OFF_PATH  # noqa: E402
 from workers.process.launch import group_alive  # noqa: E402
 from scheduler.embedded.local_cluster import CLUSTER_USER, cluster_user_rules, cold_stop, free_tcp_port, redis_config  # noqa: E402
 from scheduler.embedded.worker_command import worker_argv  # noqa: E402
-from workers.process.process_identity import owns_group, recorded_ranks  # noqa: E402
+from workers.process.process_identity import owns_group, recorded_groups, recorded_ranks  # noqa: E402
 from workers.state.registry import control_alive, live_slots  # noqa: E402
 from workers.process.shared_memory import SHM_DIR, segment_name  # noqa: E402
 
@@ -636,10 +636,9 @@ class Soak:
                 found += (f"{where} (group {record.pgid} alive)",)
             else:
                 self.notes.append(f"note: {where} names process group {record.pgid}, gone (a stale record)")
-        for key in client.scan_iter(match=keys.pgid_pattern()):  # an op build's group has no rank record
-            pgid = int(client.get(key) or 0)
+        for key, pgid in recorded_groups(client).items():  # an op build's group has no rank record
             if pgid and pgid not in {record.pgid for record in recorded} and group_alive(pgid):
-                found += (f"{key.decode()} (group {pgid} alive)",)
+                found += (f"{key} (group {pgid} alive)",)
         return found
 
     def training_left(self) -> tuple[str, ...]:

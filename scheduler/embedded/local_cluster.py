@@ -35,11 +35,10 @@ from pathlib import Path
 
 import redis
 
-from workers.state import keys
 from workers.process.launch import kill_groups
 from workers.files.layout import PIDS, cluster_file
 from workers.files.paths import write_json
-from workers.process.process_identity import RankProcess, kill_titled, recorded_ranks
+from workers.process.process_identity import RankProcess, kill_titled, recorded_groups, recorded_ranks
 from workers.state.redis_url import REDIS_URL_VARIABLE
 from workers.state.registry import connect, control_alive, live_slots
 from workers.device.slot import HOST_MEMORY_CAP_ENV
@@ -344,7 +343,6 @@ def _recorded_groups(client: redis.Redis) -> list[int] | None:
     that died before cleaning up leaves the record); this Redis is ours. None when Redis cannot say,
     so the caller takes the careful way."""
     try:
-        names = list(client.scan_iter(match=keys.pgid_pattern()))
-        return [int(pgid) for pgid in client.mget(names) if pgid] if names else []
+        return [pgid for pgid in recorded_groups(client).values() if pgid]
     except redis.RedisError:
         return None

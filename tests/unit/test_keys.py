@@ -27,6 +27,7 @@ BUILT = [
     (keys.rank_process, ("n0.gpu1", "t1"), "autotune:rankproc:n0.gpu1:t1"),
     (keys.rank_process_pattern, (), "autotune:rankproc:*:*"),
     (keys.rank_process_pattern, ("n0.gpu1",), "autotune:rankproc:n0.gpu1:*"),
+    (keys.rank_index, ("n0.gpu1",), "autotune:rankkeys:n0.gpu1"),
     (keys.job_events, ("j",), "autotune:job:j:events"),
     (keys.job_attempts, ("j",), "autotune:job:j:attempts"),
     (keys.job_state, ("j",), "autotune:job:j:state"),
@@ -42,7 +43,8 @@ BUILT = [
 
 CONSTANTS = {"PREFIX": "autotune:", "SLOT_INDEX": "autotune:slots", "SLOT_EPOCH": "autotune:slots:epoch",
              "SERVER_EPOCH": "autotune:server", "JOB_STATE_PATTERN": "autotune:job:*:state",
-             "SEQUENCE": "autotune:seq", "JOBS": "autotune:jobs", "DISPATCH_LOCK": "autotune:lock:dispatch"}
+             "SEQUENCE": "autotune:seq", "JOBS": "autotune:jobs", "DISPATCH_LOCK": "autotune:lock:dispatch",
+             "RANK_SLOTS": "autotune:rankslots"}
 
 
 def _builders() -> set[str]:

@@ -16,7 +16,9 @@ job, experiment, rank or launch it is, and a check that reads them mistakes one 
   on the operator's machine, which cannot read a node's files; the control worker cleans up lost
   launches from there too), and a record is scoped to its cluster, so two embedded clusters on one
   machine, whose slots have the same names, never see each other's ranks. A record that outlives its
-  rank (its worker was killed) expires with the pgid key.
+  rank (its worker was killed) expires with the pgid key. Both keys' names are kept in the slot's
+  index (`keys.rank_index`, and the slots that have one in `keys.RANK_SLOTS`), which every reader
+  walks: a rank's start reads its own slot's few records, not a shared Redis's whole keyspace.
 
 A record is a hint until checked (`owns_group`): the group's leader must still be the process that
 was started then (a PID the kernel gave to another process has another start time); with the leader
@@ -38,7 +40,8 @@ from workers.state import keys
 from workers.in_rank.entry import TITLE_ENV
 
 __all__ = ["TITLE_ENV", "RankIdentity", "RankProcess", "forget_rank", "kill_titled", "leftover_groups", "owns_group",
-           "record_rank", "recorded_ranks", "start_time", "title_of", "titled_ranks"]
+           "rank_records", "record_rank", "recorded_groups", "recorded_ranks", "start_time", "title_of",
+           "titled_ranks"]
 
 TITLE_WORD = "autotune rank"
 #: A title cut short (it replaces the command line in place) still names the rank, slot and launch.
@@ -113,32 +116,98 @@ def start_time(pid: int) -> int:
 
 def record_rank(client: redis.Redis, task_id: str, identity: RankIdentity, pid: int, ttl_s: int) -> RankProcess:
     """Record a rank that just started as the leader of its own group (`pid` is its group) under
-    `keys.rank_process`, beside its pgid under `keys.pgid` (which the slot's leftover scan reads)."""
+    `keys.rank_process`, beside its pgid under `keys.pgid` (which the slot's leftover scan reads),
+    both named in the slot's index (`keys.rank_index`, itself in `keys.RANK_SLOTS`): one transaction.
+    The index takes the record's TTL; a slot's records all have one (the rank's), so it lasts as
+    long as the newest of them."""
     record = RankProcess(identity, pid, pid, start_time(pid))
-    client.set(keys.rank_process(identity.slot, task_id), record.to_json(), ex=ttl_s)
+    slot, names = identity.slot, (keys.rank_process(identity.slot, task_id), keys.pgid(identity.slot, task_id))
+    with client.pipeline(transaction=True) as pipe:
+        pipe.set(names[0], record.to_json(), ex=ttl_s)
+        pipe.set(names[1], pid, ex=ttl_s)
+        pipe.sadd(keys.rank_index(slot), *names)
+        pipe.expire(keys.rank_index(slot), ttl_s)
+        pipe.sadd(keys.RANK_SLOTS, slot)
+        pipe.expire(keys.RANK_SLOTS, ttl_s)
+        pipe.execute()
     return record
 
 
 def forget_rank(client: redis.Redis, slot: str, task_id: str) -> None:
-    """The rank's group has ended: drop its record and its pgid key."""
-    client.delete(keys.pgid(slot, task_id), keys.rank_process(slot, task_id))
+    """The rank's group has ended: drop its record and its pgid key, and their names from the slot's index."""
+    names = (keys.pgid(slot, task_id), keys.rank_process(slot, task_id))
+    with client.pipeline(transaction=True) as pipe:
+        pipe.delete(*names)
+        pipe.srem(keys.rank_index(slot), *names)
+        pipe.execute()
 
 
-#: Keys a SCAN step looks at: a rank's start reads its slot's records, so few round trips on a large keyspace.
-SCAN_COUNT = 1000
+_INDEXED = """
+-- KEYS[1] the slots that have an index (keys.RANK_SLOTS); ARGV[1] the prefix of a slot's index
+-- (keys.rank_index), ARGV[2] the prefix of the names wanted (rank records' or pgids'), ARGV[3] one
+-- slot, or none for every slot in KEYS[1]. Returns {name, value, ...} of the live keys wanted;
+-- a name whose key is gone (expired, deleted) leaves its index, a slot whose index is gone KEYS[1]
+local slots = ARGV[3] and {ARGV[3]} or redis.call('SMEMBERS', KEYS[1])
+local found = {}
+for _, slot in ipairs(slots) do
+  local index = ARGV[1] .. slot
+  for _, name in ipairs(redis.call('SMEMBERS', index)) do
+    local value = redis.call('GET', name)
+    if not value then
+      redis.call('SREM', index, name)
+    elseif string.sub(name, 1, #ARGV[2]) == ARGV[2] then
+      found[#found + 1] = name
+      found[#found + 1] = value
+    end
+  end
+  if redis.call('EXISTS', index) == 0 then
+    redis.call('SREM', KEYS[1], slot)
+  end
+end
+return found
+"""
 
 
-def recorded_ranks(client: redis.Redis, slot: str = "*") -> list[RankProcess]:
+def _indexed(client: redis.Redis, prefix: str, slot: str | None) -> dict[str, bytes]:
+    """name -> value of the indexed keys starting with `prefix`, of `slot` or of every slot: one
+    script walks the index inside Redis (a read costs the slot's few records, not the keyspace) and
+    prunes what expired, atomically, so a name recorded again meanwhile is never dropped."""
+    found = client.register_script(_INDEXED)(keys=[keys.RANK_SLOTS],
+                                             args=[keys.rank_index(""), prefix, *([slot] if slot else [])])
+    return {name.decode(): value for name, value in zip(found[::2], found[1::2])}
+
+
+def rank_records(client: redis.Redis, slot: str | None = None) -> dict[str, RankProcess]:
+    """key name -> rank record of `slot` (every slot by default), unchecked, read through the index."""
+    parsed = {name: RankProcess.from_json(value) for name, value in
+              _indexed(client, keys.rank_process_pattern().split("*")[0], slot).items()}
+    return {name: record for name, record in parsed.items() if record is not None}
+
+
+def recorded_ranks(client: redis.Redis, slot: str | None = None) -> list[RankProcess]:
     """Every rank record of `slot` (all slots by default), unchecked."""
-    names = list(client.scan_iter(match=keys.rank_process_pattern(slot), count=SCAN_COUNT))
-    values = client.mget(names) if names else []
-    return [record for record in (RankProcess.from_json(value) for value in values if value) if record]
+    return list(rank_records(client, slot).values())
+
+
+def recorded_groups(client: redis.Redis, slot: str | None = None) -> dict[str, int]:
+    """key name -> process group of every pgid key of `slot` (all slots by default), unchecked."""
+    found = {}
+    for name, value in _indexed(client, keys.pgid_pattern().split("*")[0], slot).items():
+        try:
+            found[name] = int(value)
+        except ValueError:
+            continue
+    return found
 
 
 def leftover_groups(client: redis.Redis, slot: str) -> list[int]:
     """The slot's leftover scan (a restarted worker's: its predecessor was killed before its ranks'
     groups were): the groups the slot recorded that are still those ranks (`owns_group`, by the
-    record's start time where there is one), every record of the slot dropped."""
+    record's start time where there is one), every record of the slot dropped, with its index.
+
+    A SCAN, not the index: it runs once per worker start, not per rank, and must find every key the
+    predecessor left under the slot, one it never indexed too (`workers.slot.rank.record_started`
+    sets the pgid key before `record_rank`: a worker killed between the two left it in no index)."""
     found, names = set(), []
     for name in client.scan_iter(match=keys.rank_process_pattern(slot)):
         names.append(name)
@@ -150,8 +219,10 @@ def leftover_groups(client: redis.Redis, slot: str) -> list[int]:
         pgid = int(client.get(name) or 0)
         if pgid and pgid not in found and owns_group(pgid, slot):
             found.add(pgid)
-    if names:
-        client.delete(*names)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.delete(*names, keys.rank_index(slot))
+        pipe.srem(keys.RANK_SLOTS, slot)
+        pipe.execute()
     return sorted(found)
 
 

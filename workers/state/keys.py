@@ -31,6 +31,11 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:rankproc:<node>.gpu<i>:<task> str the same rank's record (JSON): pid, pgid, start time, job,
                                               experiment, rank, launch (workers.process.process_identity): what
                                               a reader checks a live process against, not its environment
+    autotune:rankkeys:<node>.gpu<i>     set   the names of that slot's rankproc and pgid keys (what a reader
+                                              walks instead of scanning the keyspace; expires with them, and
+                                              a name whose key is gone is pruned)
+    autotune:rankslots                  set   the slots that have a rankkeys set (what a reader of every
+                                              slot walks; a slot whose set is gone is pruned)
     autotune:seq                        str   counter: submission order of jobs and of queued experiments
     autotune:jobs                       zset  active jobs, scored by submission order
     autotune:lock:dispatch              str   held while one control process plans and launches
@@ -107,6 +112,10 @@ pgid_pattern = Key("pgid:{queue}:*", queue="*")
 rank_claim = Key("claim:{queue}:{task_id}")
 rank_process = Key("rankproc:{queue}:{task_id}")
 rank_process_pattern = Key("rankproc:{queue}:*", queue="*")
+#: The names of a slot's `rank_process` and `pgid` keys: what their readers walk instead of a SCAN.
+rank_index = Key("rankkeys:{queue}")
+#: The slots that have a `rank_index`: what a reader of every slot walks.
+RANK_SLOTS = PREFIX + "rankslots"
 
 # A job's keys.
 job_spec = Key("job:{job}:spec")
