@@ -4,13 +4,13 @@ start time) or by that title, never by /proc/<pid>/environ, which a rank forked 
 process shows as the warm process's."""
 from __future__ import annotations
 
-from dataclasses import replace
-
-import multiprocessing
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,8 +18,8 @@ import pytest
 from workers.in_rank.entry import TITLE_ENV
 from workers.process.launch import group_runs_slot, marked_processes
 from workers.process.process_identity import RankIdentity, RankProcess, owns_group, start_time, titled_ranks
-from workers.warm.warm_rank import run_forked_rank
 
+ROOT = Path(__file__).resolve().parents[2]
 IDENTITY = RankIdentity("n1.gpu3", "0123456789abcdef", "z1_gas1_tmbspg4", 1, 2, "f" * 32)
 
 
@@ -43,36 +43,58 @@ def test_a_record_reads_back_and_a_bad_one_is_none():
     assert RankProcess.from_json(b"{}") is None and RankProcess.from_json(b"not json") is None
 
 
+#: Forks a rank as the warm process does (`run_forked_rank`, the request on stdin) and prints its pid.
+FORKS = """
+import json, multiprocessing, sys, time
+from workers.warm.warm_rank import run_forked_rank
+request = json.loads(sys.stdin.readline())
+context = multiprocessing.get_context("fork")
+receive, send = context.Pipe(duplex=False)
+process = context.Process(target=run_forked_rank, args=(request, send), daemon=True)
+process.start()
+print(json.dumps([process.pid, *receive.recv()]), flush=True)
+time.sleep(120)
+"""
+
+
 @pytest.fixture
 def forked_rank(tmp_path):
-    """A rank forked as the warm process forks one: this process's environment (no AUTOTUNE_SLOT,
-    no title) is what /proc shows for it; the rank's own is set after the fork."""
+    """A rank forked as the warm process forks one: the forking process's environment (no
+    AUTOTUNE_SLOT, no title) is what /proc shows for it; the rank's own is set after the fork.
+
+    The forking process is started here with a known command line, as long as a title, and
+    SPT_NOENV (the warm process's, `workers.warm.warm_preload.take_title`): a title has the room of
+    that command line only, whatever launched the test (a pytest-xdist worker's is too short for
+    the experiment)."""
     script = tmp_path / "train.py"
     script.write_text("import time\nopen('up', 'w').close()\ntime.sleep(60)\n")
-    env = {**{k: v for k, v in os.environ.items() if k != "AUTOTUNE_SLOT"}, "AUTOTUNE_SLOT": IDENTITY.slot,
-           "RANK": "1", TITLE_ENV: IDENTITY.title()}
+    parent_env = {**{k: v for k, v in os.environ.items() if k != "AUTOTUNE_SLOT"}, "SPT_NOENV": "1"}
+    env = {**parent_env, "AUTOTUNE_SLOT": IDENTITY.slot, "RANK": "1", TITLE_ENV: IDENTITY.title()}
     request = {"script_argv": [str(script)], "env": env, "cwd": str(tmp_path), "stdout": str(tmp_path / "out"),
                "stderr": str(tmp_path / "err"), "cpus": []}
     (tmp_path / "out").touch()
     (tmp_path / "err").touch()
-    assert "AUTOTUNE_SLOT" not in os.environ
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=run_forked_rank, args=(request, send), daemon=True)
-    process.start()
+    room = "#" * len(IDENTITY.title())  # the command line alone is as long as the whole title
+    parent = subprocess.Popen([sys.executable, "-c", FORKS, room], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              cwd=ROOT, env=parent_env, start_new_session=True)
+    pid = 0
     try:
-        assert receive.recv() == ("ok", "")
+        parent.stdin.write(json.dumps(request).encode() + b"\n")
+        parent.stdin.close()
+        pid, status, why = json.loads(parent.stdout.readline())
+        assert status == "ok", why
         deadline = time.monotonic() + 10
         while not (tmp_path / "up").exists():
             assert time.monotonic() < deadline, (tmp_path / "err").read_text()
             time.sleep(0.02)
-        yield process.pid
+        yield pid
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.join(5)
+        for group in {pid, parent.pid} - {0}:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        parent.wait(5)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
@@ -81,10 +103,10 @@ def test_a_forked_rank_is_named_by_its_title_and_its_record_not_by_its_environme
     shown = psutil.Process(pid)
     assert "AUTOTUNE_SLOT" not in shown.environ(), "a forked rank shows the environment it was forked with"
     [(found_pid, found)] = titled_ranks([shown]).items()
-    # the title has the room of the command line it replaces: the experiment, last, may be cut
-    shown_in_full = RankIdentity.from_title(IDENTITY.title())  # a title carries the launch's first 12 characters
-    assert found_pid == pid and replace(found, experiment="") == replace(shown_in_full, experiment="")
-    assert found.experiment and IDENTITY.experiment.startswith(found.experiment)
+    # with the room of a command line as long as the title: all of it (the launch's first 12 characters)
+    assert found_pid == pid and found == RankIdentity.from_title(IDENTITY.title())
+    assert (found.slot, found.job, found.experiment, found.rank) == \
+        (IDENTITY.slot, IDENTITY.job, IDENTITY.experiment, IDENTITY.rank)
     assert os.getpgid(pid) == pid
     assert group_runs_slot(pid, IDENTITY.slot), "its title says it runs that slot"
     assert not group_runs_slot(pid, "n1.gpu0"), "another slot's group is not it"
@@ -96,8 +118,6 @@ def test_a_forked_rank_is_named_by_its_title_and_its_record_not_by_its_environme
 
 def test_an_untitled_group_without_a_record_is_not_taken_for_a_rank(tmp_path):
     """A process carrying AUTOTUNE_SLOT in its environment but no title and no record: not ours."""
-    import subprocess
-
     proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
                             env={**os.environ, "AUTOTUNE_SLOT": IDENTITY.slot}, stdout=subprocess.PIPE,
                             start_new_session=True)
