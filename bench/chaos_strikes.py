@@ -36,7 +36,7 @@ import redis
 
 from bench.chaos_checks import Seen
 from workers.state import keys
-from workers.process.process_identity import RankProcess, start_time, title_of
+from workers.process.process_identity import RankProcess, rank_records, start_time, title_of
 from workers.warm.warm_server import shows_warm
 
 #: Modules every warm process of the soak imported (`import torch` imports the other two): the
@@ -108,11 +108,8 @@ def warm_parents(live: Mapping[int, Seen], processes: Mapping[int, tuple[int, st
 
 def read_pools(client: redis.Redis, live: Mapping[int, Seen]) -> list[Struck]:
     """`pools_running` over the slots' rank records and the tasks' claims in Redis, now."""
-    records = {}
-    for name in client.scan_iter(match=keys.rank_process_pattern()):
-        record = RankProcess.from_json(client.get(name) or b"")
-        if record is not None:  # the key ends "<slot>:<task id>", neither holding a colon
-            records[":".join(name.decode().rsplit(":", 2)[1:])] = record
+    # the key ends "<slot>:<task id>", neither holding a colon
+    records = {":".join(name.rsplit(":", 2)[1:]): record for name, record in rank_records(client).items()}
     slot_tasks = sorted(records)
     values = client.mget([keys.rank_claim(*key.split(":", 1)) for key in slot_tasks]) if slot_tasks else []
     claims = dict(zip(slot_tasks, values))

@@ -13,7 +13,7 @@ from bench.chaos_checks import (MAX_GAP_S, MIN_EACH, MIN_GAP_S, Fault, JobRecord
                                 Seen, duplicated_experiments, failed_after_strikes, fault_made, fault_schedule,
                                 identify, lost_experiments, overlap_seconds, sampled_overlap_seconds, summary_line,
                                 verdict)
-from bench.chaos_strikes import Struck, bump_candidates, pools_running, read_pools, warm_parents
+from bench.chaos_strikes import Struck, bump_candidates, pools_running, warm_parents
 from workers.state import keys
 from workers.process.process_identity import RankIdentity, RankProcess
 
@@ -273,32 +273,6 @@ def test_the_pool_process_struck_is_the_live_claimant_of_a_running_ranks_task():
     processes = {150: (1000.004, POOL), 160: (1234.0, "bash"), 170: (1000.0, POOL)}
     assert pools_running(records, claims, live, processes) == [Struck(150, POOL, 200, RANK_200)]
     assert pools_running(records, claims, {}, processes) == []  # nothing running: nothing struck
-
-
-class PlantedRedis:
-    """What read_pools asks of a Redis client, over a dict."""
-
-    def __init__(self, values: dict[str, str]) -> None:
-        self.values = values
-
-    def scan_iter(self, match: str):
-        prefix = match.split("*")[0]
-        return [key.encode() for key in self.values if key.startswith(prefix)]
-
-    def get(self, key):
-        value = self.values.get(key.decode() if isinstance(key, bytes) else key)
-        return value.encode() if value is not None else None
-
-    def mget(self, names):
-        return [self.get(name) for name in names]
-
-
-def test_read_pools_pairs_each_rank_record_with_its_tasks_claim():
-    me = psutil.Process()
-    client = PlantedRedis({keys.rank_process("chaos.gpu0", "0f3c-task"): record(200).to_json(),
-                           keys.rank_claim("chaos.gpu0", "0f3c-task"): claim(me.pid, me.create_time()),
-                           keys.rank_claim("chaos.gpu1", "0f3c-task"): claim(1, 0.0)})
-    assert [(s.pid, s.rank_pid, s.seen) for s in read_pools(client, {200: RANK_200})] == [(me.pid, 200, RANK_200)]
 
 
 def test_the_warm_process_struck_is_the_forkserver_a_running_rank_was_forked_from():

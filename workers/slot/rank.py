@@ -94,7 +94,6 @@ def record_started(client: redis.Redis, pgid_key: str, task_id: str, identity: R
     (`keys.pgid`, and `keys.rank_process` with its leader's start time, which recognises a group
     that carries no rank title, as an op build's does) and a redelivery of this task (its claim)
     find it."""
-    client.set(pgid_key, pgid, ex=PGID_TTL_S)
     record_rank(client, task_id or identity.launch, identity, pgid, PGID_TTL_S)
     if task_id:
         rank_claim.note_group(client, identity.slot, task_id, pgid)
