@@ -7,8 +7,8 @@ min above max micro-batch, `--min-slot-memory` above every slot, no `redis-serve
 the folders were marked and the embedded cluster had started. Here they are one function, `check`,
 which returns everything the command needs next, so a check cannot slip behind the side effects again.
 
-In order: the flags' bounds, the numeric `AUTOTUNE_*` variables and the Redis URL, the config file,
-full mode's spaces, the training script and `arg_mappings`; then the cluster: a deployed one is
+In order: the flags' bounds, the numeric `AUTOTUNE_*` variables and the Redis URL, the config file
+(full mode's spaces among it), the training script and `arg_mappings`; then the cluster: a deployed one is
 connected to and its live slots read (a control worker must run; one still starting is waited for,
 up to AUTOTUNE_CLUSTER_WAIT_S, `wait_for_cluster`); for the embedded one, `redis-server`
 must be on PATH and its slots are predicted from the GPUs or `--slots`/`--slot-memory` exactly as its
@@ -48,7 +48,6 @@ from scheduler.inputs.config import TuningConfig, load_config
 from scheduler.launch.environment import check_numeric_variables, check_redis_url
 from scheduler.launch.hostfile import MAX_SLOTS_PER_HOST, SLOT_WORKER_BYTES, max_local_slots, read_hostfile
 from scheduler.launch.pool import PoolRequest, check_counts, select_slots
-from scheduler.search.full_space import check_full_mode
 from workers.device.gpus import GpuListingError, local_gpus, refuse_mig
 from scheduler.embedded.local_cluster import redis_server
 from workers.state.redis_tls import describe_tls_failure
@@ -92,7 +91,6 @@ def check(args: argparse.Namespace, script_args: list[str]) -> Checked:
         check_redis_url(url)
     pool = pool_request(args)
     cfg = load_config(args.config)
-    check_full_mode(cfg)
     script, base_args = script_of(cfg, script_args)
     mappings = parse_arg_mappings(cfg.ds_config["autotuning"].get("arg_mappings"), str(cfg.path))
     check_arg_mappings(mappings, base_args, str(cfg.path))

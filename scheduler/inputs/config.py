@@ -22,6 +22,7 @@ from scheduler.inputs.batch_keys import BatchKeys, parse_batch_keys
 from scheduler.inputs.config_file import read_config
 from scheduler.inputs.config_schema import (MAX_GRADIENT_ACCUMULATION, MAX_MICRO_BATCH, check_known_keys,
                                             check_path_text, check_schema, shown)
+from scheduler.inputs.full_mode import FullModeKeys, parse_full_mode
 from scheduler.inputs.memory_strategies import check_memory_strategies
 from scheduler.inputs.search_keys import SearchKeys, non_negative_int, parse_search_keys, positive_int
 
@@ -50,6 +51,7 @@ class TuningConfig:
     user_args: tuple[str, ...]
     search_keys: SearchKeys = field(default_factory=SearchKeys)  #: the autotuning keys that shape the search
     batch_keys: BatchKeys = field(default_factory=BatchKeys)  #: the keys that decide the global batch kept
+    full_mode: FullModeKeys = field(default_factory=FullModeKeys)  #: the zero section as full mode searches it
 
     @property
     def maximize(self) -> bool:
@@ -109,6 +111,7 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
         user_args=tuple(str(a) for a in user_args),
         search_keys=parse_search_keys(path, autotuning),
         batch_keys=parse_batch_keys(path, raw, sizes),
+        full_mode=parse_full_mode(path, raw, stages, fast=autotuning.get("fast", True)),
     )
 
 

@@ -1,4 +1,5 @@
-"""Full mode's search spaces (`scheduler.search.full_space`): DeepSpeed's names, spaces and grid order."""
+"""Full mode's search spaces (`scheduler.inputs.full_mode`, checked as the config is read) and experiments
+(`scheduler.search.full_space`): DeepSpeed's names, spaces and grid order."""
 from __future__ import annotations
 
 import copy
@@ -10,9 +11,10 @@ import pytest
 
 from scheduler.inputs.config import load_config
 from scheduler.errors import ConfigError
-from scheduler.search.full_space import (
-    DEFAULT_SPACES, TEMPLATES, abbreviation, canonical_name, check_full_mode, full_experiments, space_name, zero_space,
-)
+from scheduler.inputs.experiment_names import abbreviation, canonical_name
+from scheduler.inputs.full_mode import DEFAULT_SPACES, TEMPLATES, zero_overrides, zero_space
+from scheduler.search.full_space import full_experiments, space_name
+from scheduler.search.session import SearchAborted
 
 AUTOTUNING = {"enabled": True, "fast": False, "user_script": "train.py", "start_profile_step": 2,
               "end_profile_step": 4}
@@ -97,7 +99,7 @@ def test_abbreviation(key: str, short: str) -> None:
     [(1, "z1_rbs_abs_tmbspg"), (2, "z2_oc_rs_rbs_abs_cg_tmbspg"), (3, "z3_oc_rs_rbs_ap_abs_cg_tmbspg")],
 )
 def test_default_space_names(stage: int, name: str) -> None:
-    assert space_name({"zero_optimization": {"stage": stage}}, stage, [30, 60]) == name
+    assert space_name(zero_overrides({"stage": stage}), stage, [30, 60]) == name
     assert space_name({}, stage, [30]) == name  # one mbs is still a tuning key, as in DeepSpeed
 
 
@@ -178,7 +180,7 @@ def test_user_null_removes_a_template_key(tmp_path: Path) -> None:
 
 
 def test_zero_space_ignores_the_users_stage() -> None:
-    space = zero_space({"zero_optimization": {"stage": [1, 2], "overlap_comm": False}}, 2)
+    space = zero_space(zero_overrides({"stage": [1, 2], "overlap_comm": False}), 2)
     assert space["stage"] == 2
     assert space["overlap_comm"] is False
     assert space["reduce_bucket_size"] == [5e7, 5e8, 1e9]
@@ -277,10 +279,32 @@ def test_defaults_are_read_only() -> None:
 )
 def test_a_value_that_cannot_name_an_experiment_is_refused_up_front(tmp_path: Path, zero: dict[str, Any], fast: bool,
                                                                     refused: str | None) -> None:
-    cfg = tuning_config(tmp_path, zero, autotuning={**AUTOTUNING, "fast": fast})
     if refused is None:
-        check_full_mode(cfg)
+        tuning_config(tmp_path, zero, autotuning={**AUTOTUNING, "fast": fast})
         return
     with pytest.raises(ConfigError, match="cannot be part of an experiment name") as caught:
-        check_full_mode(cfg)
+        tuning_config(tmp_path, zero, autotuning={**AUTOTUNING, "fast": fast})
     assert refused in str(caught.value) and str(tmp_path / "ds_config.json") in str(caught.value)
+
+
+def test_a_name_that_cannot_be_a_folder_is_refused_naming_it(tmp_path: Path) -> None:
+    zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}
+    with pytest.raises(ConfigError, match="full mode would name an experiment 'z2_.*_oo_dnvme_np/local_nvme_.*"
+                                          "which cannot be a folder name"):
+        tuning_config(tmp_path, zero)
+    tuning_config(tmp_path, zero, autotuning={**AUTOTUNING, "fast": True})  # fast mode names no knob
+
+
+def test_an_empty_list_is_refused_in_full_mode_only(tmp_path: Path) -> None:
+    zero = {"stage": 1, "offload_optimizer": {"device": ["cpu", "nvme"], "buffer_count": []}}
+    with pytest.raises(ConfigError, match="^zero_optimization.offload_optimizer.buffer_count is an empty list"):
+        tuning_config(tmp_path, zero)
+    tuning_config(tmp_path, zero, autotuning={**AUTOTUNING, "fast": True})
+    tuning_config(tmp_path, {"stage": 0, "reduce_bucket_size": []})  # no full-mode stage
+
+
+def test_sizes_that_name_alike_end_the_search(tmp_path: Path) -> None:
+    """Micro-batch sizes above 9000 keep two significant digits in a name: the config's check, at
+    size 1, cannot see it; the search refuses rather than merge two experiments."""
+    with pytest.raises(SearchAborted, match="same name z1_rbs5.0e\\+07_abs5.0e\\+07_tmbspg1.0e\\+04_gas1"):
+        full_experiments(tuning_config(tmp_path), 1, [10000, 10001], 1, 1, 1)
