@@ -167,13 +167,14 @@ def template(stage: int, hidden_size: int | None, overrides: Mapping[str, Any]) 
 
 
 def zero_section(base: Mapping[str, Any], chosen: Mapping[str, Any]) -> dict[str, Any]:
-    """Template keys first (DeepSpeed's order, which names follow), then the user's extra keys."""
-    zero = copy.deepcopy(dict(base))
+    """Template keys first (DeepSpeed's order, which names follow), then the user's extra keys; a new
+    dict holding `chosen`'s values themselves (each of `points` holds its own copies)."""
+    zero = dict(base)
     for key, value in chosen.items():
         if value is None:
             zero.pop(key, None)
         else:
-            zero[key] = copy.deepcopy(value)
+            zero[key] = value
     return zero
 
 
