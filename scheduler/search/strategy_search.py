@@ -174,21 +174,12 @@ def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) ->
         return
     options = []
     for stage in st.stages:
-        base = _stage_leader(session, stage)
-        if stage != leader.stage and base is not None and applies(found.strategy, stage):
-            size = _size(session, base, found.strategy)
-            if size >= TOP_GAIN * found.micro_batch_size:
-                options.append((size, -stage, base))
+        base = _leader(session, stage) if stage != leader.stage and applies(found.strategy, stage) else None
+        size = _size(session, base[0], found.strategy) if base is not None else 0
+        if size >= TOP_GAIN * found.micro_batch_size:
+            options.append((size, -stage, base[0]))
     if options:
         yield from _measure_strategy(session, max(options)[2], found.strategy, found.micro_batch_size, ROOMIER_PROBES)
-
-
-def _stage_leader(session: Session, stage: int) -> Experiment | None:
-    """The stage's best run with the search's own strategy (None: none ran)."""
-    st = session.settings
-    pairs = [(exp, record) for exp, record in session.stage_records(stage) if not exp.tuning_space]
-    winner = best([record for _, record in pairs], st.metric, st.maximize)
-    return next((exp for exp, record in pairs if record is winner), None)
 
 
 def _stacking_base(session: Session, below: Experiment, below_record: dict) -> tuple[Experiment, dict] | None:
@@ -351,11 +342,13 @@ def _too_slow(session: Session, leader: Experiment, record: dict, name: str) -> 
     return step_cost_s((name,), facts) >= step_s
 
 
-def _leader(session: Session) -> tuple[Experiment, dict] | None:
-    """The best experiment so far with the search's own strategy (repeats pooled), and its record."""
+def _leader(session: Session, stage: int | None = None) -> tuple[Experiment, dict] | None:
+    """The best experiment so far with the search's own strategy (repeats pooled), of `stage` or of
+    any, and its record."""
     st = session.settings
     pairs = [(exp, record) for exp, record in session.measured.values()
-             if exp.name != PROFILE and not exp.tuning_space and exp.strategy == st.strategy]
+             if exp.name != PROFILE and not exp.tuning_space and exp.strategy == st.strategy
+             and (stage is None or exp.stage == stage)]
     winner = best([record for _, record in pairs], st.metric, st.maximize)
     return next(((exp, record) for exp, record in pairs if record is winner), None)
 
