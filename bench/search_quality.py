@@ -60,7 +60,8 @@ from bench.surfaces import (  # noqa: E402
     FAMILIES, STRATEGY_FAMILIES, WORLD, Surface, at_world, checkpoints, classic, make_surface, strategy_combinations,
     user_config, with_buckets,
 )
-from scheduler.search.space import STRATEGY_SUFFIX  # noqa: E402
+from scheduler.inputs.memory_strategies import MemoryStrategyKeys  # noqa: E402
+from scheduler.search.space import STRATEGY_SUFFIX, strategy_of  # noqa: E402
 from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.search.phases import Phase, drive  # noqa: E402
 from scheduler.search.ranking import best  # noqa: E402
@@ -106,7 +107,8 @@ def ours(surface: Surface) -> Outcome:
     settings = SearchSettings(
         ds_config=user_config(surface), capacity_bytes=surface.capacity, stages=(0, 1, 2, 3),
         num_gpus=surface.world, max_train_batch_size=surface.max_train_batch_size,
-        peak_memory_key="peak_device_bytes", host_memory=False, concurrency=1)
+        peak_memory_key="peak_device_bytes", host_memory=False, concurrency=1,
+        memory_strategies=MemoryStrategyKeys(allowed=strategy_of(surface.allowed)))
     launches: list[dict[str, Any]] = []
 
     def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:

@@ -23,7 +23,7 @@ from scheduler.inputs.config_file import read_config
 from scheduler.inputs.config_schema import (MAX_GRADIENT_ACCUMULATION, MAX_MICRO_BATCH, check_known_keys,
                                             check_path_text, check_schema, shown)
 from scheduler.inputs.full_mode import FullModeKeys, parse_full_mode
-from scheduler.inputs.memory_strategies import check_memory_strategies
+from scheduler.inputs.memory_strategies import MemoryStrategyKeys, parse_memory_strategies
 from scheduler.inputs.search_keys import SearchKeys, non_negative_int, parse_search_keys, positive_int
 
 #: Metric name -> whether bigger is better. `flops` is accepted for FLOPS_per_gpu (DeepSpeed crashes).
@@ -52,6 +52,7 @@ class TuningConfig:
     search_keys: SearchKeys = field(default_factory=SearchKeys)  #: the autotuning keys that shape the search
     batch_keys: BatchKeys = field(default_factory=BatchKeys)  #: the keys that decide the global batch kept
     full_mode: FullModeKeys = field(default_factory=FullModeKeys)  #: the zero section as full mode searches it
+    memory_strategies: MemoryStrategyKeys = field(default_factory=MemoryStrategyKeys)  #: what the search may use
 
     @property
     def maximize(self) -> bool:
@@ -86,7 +87,7 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
         raise ConfigError(f"{path}: autotuning.user_args must be a list of strings, e.g. "
                           '["--steps", "50"]')
     stages = _stages(path, raw.get("zero_optimization", {}))
-    check_memory_strategies(path, autotuning, stages)
+    strategies = parse_memory_strategies(path, autotuning, stages)
     start = non_negative_int(path, autotuning, "start_profile_step", 3)
     end = non_negative_int(path, autotuning, "end_profile_step", 5)
     if start > end:
@@ -112,6 +113,7 @@ def parse_config(raw: dict[str, Any], path: Path, cwd: Path | None = None) -> Tu
         search_keys=parse_search_keys(path, autotuning),
         batch_keys=parse_batch_keys(path, raw, sizes),
         full_mode=parse_full_mode(path, raw, stages, fast=autotuning.get("fast", True)),
+        memory_strategies=strategies,
     )
 
 

@@ -1,8 +1,9 @@
-"""The `autotuning.memory_strategies` key: which memory strategies the search may use, checked against
-the config's stages and its script's flags.
+"""The `autotuning.memory_strategies` and `nvme_path` keys: which memory strategies the search may use,
+checked against the config's stages and its script's flags, and typed once (`MemoryStrategyKeys`).
 
 Apart from the schema (`scheduler.inputs.config_schema`) because the check spans keys (the ZeRO
-stages, `arg_mappings`), and the search reads these names (`scheduler.search.strategies`).
+stages, `arg_mappings`); the search reads the typed keys (`scheduler.search.strategies`), never the
+raw section.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import difflib
 import json
 from pathlib import Path
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from scheduler.errors import ConfigError
@@ -19,6 +21,22 @@ from scheduler.inputs.config_schema import shown
 MEMORY_STRATEGIES = ("offload_optimizer", "offload_param", "activation_checkpointing")
 #: The arg_mappings key naming the script's flag that turns activation checkpointing on.
 CHECKPOINTING_FLAG_KEY = "activation_checkpointing"
+
+
+@dataclass(frozen=True)
+class MemoryStrategyKeys:
+    """The strategies one config allows the search, and where its offload goes."""
+
+    allowed: tuple[str, ...] = ()  #: autotuning.memory_strategies, in MEMORY_STRATEGIES' order
+    nvme_path: str | None = None  #: autotuning.nvme_path: offload to NVMe there, not to the CPU
+
+
+def parse_memory_strategies(path: Path, autotuning: Mapping[str, Any], stages: tuple[int, ...]) -> MemoryStrategyKeys:
+    """The autotuning section's strategy keys, checked (`check_memory_strategies`; nvme_path by the schema)."""
+    check_memory_strategies(path, autotuning, stages)
+    given = set(autotuning.get("memory_strategies") or ())
+    return MemoryStrategyKeys(allowed=tuple(name for name in MEMORY_STRATEGIES if name in given),
+                              nvme_path=autotuning.get("nvme_path") or None)
 
 
 def check_memory_strategies(path: Path, autotuning: Mapping[str, Any], stages: tuple[int, ...]) -> None:

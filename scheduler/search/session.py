@@ -18,6 +18,7 @@ from typing import Any
 from scheduler.errors import UsageError
 from scheduler.inputs.batch_keys import GlobalBatch, on_gpus
 from scheduler.inputs.config import TuningConfig
+from scheduler.inputs.memory_strategies import MemoryStrategyKeys
 from scheduler.search.deepspeed_memory import deepspeed_fp16, deepspeed_max_micro_batch_size, deepspeed_stage_fits
 from scheduler.search.memory import (
     SAFETY, MemoryModel, ModelInfo, Observation, StageFit, TrainingSetup, untracked_reserve_bytes,
@@ -86,6 +87,8 @@ class SearchSettings:
     global_batch: GlobalBatch = GlobalBatch()
     strategy: tuple[str, ...] = ()  #: every experiment's memory strategies (`strategy_search.stages_that_fit`)
     checkpointing_fixed: bool = False  #: the script's own arguments turn activation checkpointing on
+    #: the strategies the user allows and where offload goes (`inputs.memory_strategies`)
+    memory_strategies: MemoryStrategyKeys = MemoryStrategyKeys()
 
     @property
     def world_size(self) -> int:
@@ -168,6 +171,7 @@ class SearchSettings:
             search=keys.search, fast=keys.fast, tuner_type=keys.tuner_type, tuner_num_trials=keys.tuner_num_trials,
             tuner_early_stopping=keys.tuner_early_stopping, tuner_seed=keys.tuner_seed, concurrency=max(1, concurrency),
             tuning_config=cfg, global_batch=batch.global_batch, checkpointing_fixed=checkpointing_fixed,
+            memory_strategies=cfg.memory_strategies,
         )
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 from typing import Any
 
+from scheduler.inputs.memory_strategies import MemoryStrategyKeys
 from scheduler.search.memory import MemoryModel, ModelInfo, TrainingSetup
 from scheduler.search.space import strategy_of
 
@@ -58,12 +59,6 @@ MIN_STAGE = {"activation_checkpointing": 0, "offload_optimizer": 1, "offload_par
 _FREEING_DEVICES = ("cpu", "nvme")
 
 
-def requested(ds_config: Mapping[str, Any]) -> tuple[str, ...]:
-    """The strategies `autotuning.memory_strategies` allows (checked by `scheduler.inputs.memory_strategies`)."""
-    section = ds_config.get("autotuning") or {}
-    return strategy_of(section.get("memory_strategies") or ())
-
-
 def fixed_by_user(ds_config: Mapping[str, Any], checkpointing_fixed: bool = False) -> tuple[str, ...]:
     """The strategies the user's own config sets: an offload section with device cpu or nvme, and
     checkpointing when the script's arguments already turn it on."""
@@ -80,13 +75,14 @@ def fixed_by_user(ds_config: Mapping[str, Any], checkpointing_fixed: bool = Fals
     return strategy_of(fixed)
 
 
-def searchable(ds_config: Mapping[str, Any], host_memory: bool, checkpointing_fixed: bool = False,
-               names: Sequence[str] | None = None) -> tuple[str, ...]:
-    """The strategies that are dimensions of the search: `names` (default: the allowed ones) less
-    those the user fixed, and less CPU offload where the capacity is host memory (it frees nothing)."""
-    names = requested(ds_config) if names is None else strategy_of(names)
+def searchable(keys: MemoryStrategyKeys, ds_config: Mapping[str, Any], host_memory: bool,
+               checkpointing_fixed: bool = False, names: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The strategies that are dimensions of the search: `names` (default: the ones `keys` allows) less
+    those the user's config fixed, and less CPU offload where the capacity is host memory (it frees
+    nothing) unless `keys` sends offload to NVMe."""
+    names = keys.allowed if names is None else strategy_of(names)
     fixed = fixed_by_user(ds_config, checkpointing_fixed)
-    nvme = bool((ds_config.get("autotuning") or {}).get("nvme_path"))
+    nvme = bool(keys.nvme_path)
     return tuple(name for name in names if name not in fixed
                  and not (host_memory and not nvme and name.startswith("offload_")))
 

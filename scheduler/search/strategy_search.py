@@ -87,8 +87,9 @@ def stages_that_fit(session: Session, feasible: Callable[[Session], tuple[int, .
         st = session.settings
         if st.estimator != "calibrated":
             raise
-        allowed = searchable(st.ds_config, st.host_memory, st.checkpointing_fixed)
-        possible = searchable(st.ds_config, st.host_memory, st.checkpointing_fixed, names=MEMORY_STRATEGIES)
+        allowed = searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed)
+        possible = searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed,
+                              names=MEMORY_STRATEGIES)
         base = session.model
         for strategy in ordered_combinations(possible):
             if offloaded is not None and not any(name.startswith("offload_") for name in strategy):
@@ -121,7 +122,7 @@ def profile_offloaded(session: Session) -> Step:
     peak it would have had without the offload (for the overhead: `memory.overhead_from_profile`), or
     None when no offload is allowed."""
     st = session.settings
-    allowed = searchable(st.ds_config, st.host_memory, st.checkpointing_fixed)
+    allowed = searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed)
     strategy = tuple(name for name in allowed if name.startswith("offload_"))
     if not strategy:
         return None
@@ -149,7 +150,7 @@ def try_strategies(session: Session) -> Step:
         return  # not at its stage's memory top: a larger size ran and read worse, or much more fits
     while exp is not None:
         base = exp.strategy
-        for name in searchable(st.ds_config, st.host_memory, st.checkpointing_fixed):
+        for name in searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed):
             strategy = strategy_of((*base, name))
             if name in base or not applies(strategy, exp.stage) or _too_slow(session, exp, record, name):
                 continue

@@ -28,6 +28,15 @@ def load(tmp_path: Path, autotuning: dict[str, Any], stage: Any = "all"):
 def test_allowed_strategies_load_as_written(tmp_path: Path, autotuning: dict[str, Any]) -> None:
     _, cfg = load(tmp_path, autotuning)
     assert cfg.ds_config["autotuning"]["memory_strategies"] == autotuning["memory_strategies"]
+    assert set(cfg.memory_strategies.allowed) == set(autotuning["memory_strategies"])
+    assert cfg.memory_strategies.nvme_path == autotuning.get("nvme_path")
+
+
+def test_the_typed_keys_list_the_strategies_in_one_order(tmp_path: Path) -> None:
+    _, cfg = load(tmp_path, {"memory_strategies": ["activation_checkpointing", "offload_optimizer"],
+                             "arg_mappings": FLAG})
+    assert cfg.memory_strategies.allowed == ("offload_optimizer", "activation_checkpointing")
+    assert cfg.memory_strategies.nvme_path is None
 
 
 @pytest.mark.parametrize(("autotuning", "stage", "expected"), [

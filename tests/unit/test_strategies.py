@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler.inputs.memory_strategies import MemoryStrategyKeys
 from scheduler.search.memory import MemoryModel, ModelInfo, TrainingSetup
 from scheduler.search.strategies import (
     CHECKPOINT_KEEP_PRIOR, CPU_ADAM_PARAMS_PER_S, PCIE_BYTES_PER_S, StepFacts, allow_line, applies,
@@ -15,21 +16,23 @@ INFO = ModelInfo(num_params=1_000_000_000, trainable_num_params=1_000_000_000, a
 MODEL = MemoryModel(INFO, TrainingSetup(world_size=4, mixed_precision=True), overhead_bytes=0)
 
 
-def config(strategies=ALL, **zero) -> dict:
-    return {"zero_optimization": {"stage": "all", **zero}, "autotuning": {"memory_strategies": strategies}}
+def config(**zero) -> dict:
+    return {"zero_optimization": {"stage": "all", **zero}, "autotuning": {}}
 
 
 def test_searchable_leaves_out_what_the_user_fixed_and_cpu_offload_on_host_memory() -> None:
-    assert searchable(config(), host_memory=False) == tuple(ALL)
+    allowed = MemoryStrategyKeys(allowed=tuple(ALL))
+    assert searchable(allowed, config(), host_memory=False) == tuple(ALL)
     user_offload = config(offload_optimizer={"device": "cpu"}, offload_param={"device": "none"})
     assert fixed_by_user(user_offload) == ("offload_optimizer",)
-    assert searchable(user_offload, host_memory=False) == ("offload_param", "activation_checkpointing")
-    assert searchable(config(), host_memory=False, checkpointing_fixed=True) == ("offload_optimizer", "offload_param")
-    assert searchable(config(), host_memory=True) == ("activation_checkpointing",)
-    nvme = config()
-    nvme["autotuning"]["nvme_path"] = "/nvme"
-    assert searchable(nvme, host_memory=True) == tuple(ALL)
-    assert searchable({"autotuning": {}}, host_memory=False) == ()
+    assert searchable(allowed, user_offload, host_memory=False) == ("offload_param", "activation_checkpointing")
+    assert searchable(allowed, config(), host_memory=False, checkpointing_fixed=True) == ("offload_optimizer",
+                                                                                          "offload_param")
+    assert searchable(allowed, config(), host_memory=True) == ("activation_checkpointing",)
+    nvme = MemoryStrategyKeys(allowed=tuple(ALL), nvme_path="/nvme")
+    assert searchable(nvme, config(), host_memory=True) == tuple(ALL)
+    assert searchable(MemoryStrategyKeys(), config(), host_memory=False) == ()
+    assert searchable(MemoryStrategyKeys(), config(), host_memory=False, names=ALL[:1]) == ("offload_optimizer",)
 
 
 def test_combinations_are_cheapest_first_and_stages_bound_them() -> None:

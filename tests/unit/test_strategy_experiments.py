@@ -3,11 +3,14 @@ the winner's files (`scheduler.search.space`, `scheduler.inputs.arguments`)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from scheduler.inputs.arguments import check_arg_mappings, checkpointing_given, with_mapped_args
 from scheduler.errors import ConfigError
+from scheduler.inputs.config import load_config
+from scheduler.inputs.memory_strategies import MemoryStrategyKeys
 from scheduler.search.memory import TrainingSetup
 from scheduler.search.session import SearchSettings, Session
 from scheduler.search.space import Experiment, experiment_config, experiment_name, optimal_config
@@ -42,6 +45,14 @@ def test_offload_strategies_write_the_sections_and_the_marker() -> None:
         "offload_optimizer"] == {"device": "nvme", "nvme_path": "/nvme"}
     plain = experiment_config(USER, 3, 4, 2, 2, 1, 2)
     assert "memory_strategy" not in plain["autotuning"] and "offload_optimizer" not in plain["zero_optimization"]
+
+
+def test_the_search_settings_carry_the_configs_strategy_keys(tmp_path: Path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({**USER, "autotuning": {**USER["autotuning"], "nvme_path": "/nvme"}}))
+    settings = SearchSettings.from_config(load_config(path, cwd=tmp_path), capacity_bytes=1 << 34, num_nodes=1,
+                                          num_gpus=1)
+    assert settings.memory_strategies == MemoryStrategyKeys(("offload_optimizer", "activation_checkpointing"), "/nvme")
 
 
 def test_a_strategy_experiment_survives_json_and_old_records_load() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from scheduler.inputs.memory_strategies import MemoryStrategyKeys
 from scheduler.search.fast_search import fast_search
 from scheduler.search.global_batch import GlobalBatch
 from scheduler.search.memory import GiB, MemoryModel, ModelInfo
@@ -15,7 +16,7 @@ from scheduler.search import strategy_search
 from scheduler.search.phases import drive
 from scheduler.search.ranking import best
 from scheduler.search.session import NoStageFits, SearchAborted, SearchSettings, Session
-from scheduler.search.space import PROFILE, Experiment
+from scheduler.search.space import PROFILE, Experiment, strategy_of
 from scheduler.search.strategy_search import try_strategies
 
 CAPACITY = 16 * GiB
@@ -68,7 +69,8 @@ def settings(law: Law, strategies: list[str], kept: int | None = None, profile: 
     info = ModelInfo(law.num_params, law.num_params, law.activation)
     return SearchSettings(ds_config=config, capacity_bytes=CAPACITY, stages=(0, 1, 2, 3), num_gpus=4,
                           model_info=None if profile else info, overhead_bytes=GiB, peak_memory_key="peak_device_bytes",
-                          global_batch=GlobalBatch(kept, f"train_batch_size {kept}") if kept else GlobalBatch())
+                          global_batch=GlobalBatch(kept, f"train_batch_size {kept}") if kept else GlobalBatch(),
+                          memory_strategies=MemoryStrategyKeys(allowed=strategy_of(strategies)))
 
 
 def run(law: Law, search_settings: SearchSettings) -> tuple[list[Experiment], dict[str, dict]]:
