@@ -57,7 +57,7 @@ def test_an_op_builds_untitled_group_is_recorded_so_the_scan_finds_it(client):
     identity = RankIdentity(SLOT, "job", "z1", 0, 1, "b" * 32)
     build = _process()  # untitled, as an op build's compiler is
     try:
-        record_started(client, keys.pgid(SLOT, "t-build"), "t-build", identity, build.pid)
+        record_started(client, "t-build", identity, build.pid)
         assert leftover_groups(client, SLOT) == [build.pid]
     finally:
         os.killpg(build.pid, signal.SIGKILL)

@@ -206,8 +206,7 @@ def leftover_groups(client: redis.Redis, slot: str) -> list[int]:
     record's start time where there is one), every record of the slot dropped, with its index.
 
     A SCAN, not the index: it runs once per worker start, not per rank, and must find every key the
-    predecessor left under the slot, one it never indexed too (`workers.slot.rank.record_started`
-    sets the pgid key before `record_rank`: a worker killed between the two left it in no index)."""
+    predecessor left under the slot, one whose index expired or was lost with a Redis restart too."""
     found, names = set(), []
     for name in client.scan_iter(match=keys.rank_process_pattern(slot)):
         names.append(name)

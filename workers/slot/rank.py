@@ -89,7 +89,7 @@ def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "")
             rank_claim.release(client, slot.queue, task_id)
 
 
-def record_started(client: redis.Redis, pgid_key: str, task_id: str, identity: RankIdentity, pgid: int) -> None:
+def record_started(client: redis.Redis, task_id: str, identity: RankIdentity, pgid: int) -> None:
     """A group the rank started (an op build's or the script's): where the slot's clean-ups
     (`keys.pgid`, and `keys.rank_process` with its leader's start time, which recognises a group
     that carries no rank title, as an op build's does) and a redelivery of this task (its claim)
@@ -143,7 +143,6 @@ class _RankStages:
     master: tuple[str, int]
     stderr_path: Path
     exit_report: Path
-    pgid_key: str
     identity: RankIdentity  #: what `ps` shows and the slot records of this rank (workers.process.process_identity)
     cwd: str
     env: dict[str, str]
@@ -202,7 +201,6 @@ class _RankStages:
         self.stderr_path = self.files.log(spec.rank, "stderr")  # this launch's own: its failure class is read there
         exit_report = self.exit_report = self.files.exit_report(spec.rank)
         exit_report.unlink(missing_ok=True)
-        pgid_key = self.pgid_key = keys.pgid(slot.queue, task_id or spec.attempt)
         identity = self.identity = RankIdentity(slot.queue, spec.job, spec.name, spec.rank, spec.world_size,
                                                 spec.attempt)
         self.cwd = spec.cwd if spec.cwd and os.path.isdir(spec.cwd) else os.getcwd()
@@ -213,7 +211,7 @@ class _RankStages:
         prebuild_log = self.files.log(spec.rank, "op_prebuild")
         self.prebuild_failed = prebuild_ops(
             builders, _build_env(env, slot), prebuild_log, stop_check,
-            on_start=lambda pgid: record_started(client, pgid_key, task_id, identity, pgid))
+            on_start=lambda pgid: record_started(client, task_id, identity, pgid))
         self.files.show_while_running(self.files.rank_logs(spec.rank, ("op_prebuild",)))
         if builders and not ops_ready_everywhere(spec, client, stop_check):
             forget_rank(client, slot.queue, task_id or spec.attempt)
@@ -225,7 +223,7 @@ class _RankStages:
         """Run the script watched, warm or cold (`workers.warm.warm_start`), then wait for its GPU to be idle."""
         spec, slot, client, task_id = self.spec, self.slot, self.client, self.task_id
         stop_check, command, env, cwd, master = self.stop_check, self.command, self.env, self.cwd, self.master
-        describe, pgid_key, metric_path = self.describe, self.pgid_key, self.metric_path
+        describe, metric_path = self.describe, self.metric_path
         start = Start()  # warm or cold, and why (workers.warm.warm_start)
         identity = self.identity
         script_argv = command[3:] if command[1:3] == ["-m", "workers.in_rank.entry"] else command
@@ -243,7 +241,7 @@ class _RankStages:
                 stderr_path=self.stderr_path,
                 timeout_s=spec.timeout_s - warm_wait_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
                 should_abort=stop_check,
-                on_start=lambda pgid: (record_started(client, pgid_key, task_id, identity, pgid), describe()),
+                on_start=lambda pgid: (record_started(client, task_id, identity, pgid), describe()),
                 title=identity.title(),  # what `ps` shows the rank as (workers.process.process_identity)
                 measured=Measured(client, keys.measured(spec.attempt),
                                   metric_path if spec.rank == 0 and spec.metric_file else None),
