@@ -34,10 +34,10 @@ of the memory model rather than a guess:
    activations it keeps: `strategies.measured_keep_share`). A run at its line's top that reads
    better than the leader measures the sizes the safety margin kept out once (up to the line's own
    top: the curve still rises where the margin cuts it). `STRATEGY_PROBES` runs per strategy at
-   most. The best strategy run, when it beat the leader, is measured once more at the stage whose line
-holds the largest size with it (`_roomier_stage`: the leader's stage was chosen on the sizes the
-stages held without a strategy; one that shards more of the states has more room for a larger
-micro-batch with it). The normal confirmation ranks every run with the rest.
+   most. The best strategy run, when it beat the leader, is measured once more at the stage whose
+   line holds the largest size with it (`_roomier_stage`: the leader's stage was chosen on the sizes
+   the stages held without a strategy; one that shards more of the states has more room for a
+   larger micro-batch with it). The normal confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy is the stage's own measured line (or the analytical
 model without measurements), its slope at least what any stage's runs out of memory prove (a
