@@ -53,11 +53,12 @@ def test_an_op_builds_untitled_group_is_recorded_so_the_scan_finds_it(client):
     records it with its leader's start time, so a restarted worker's scan recognises it (a pgid
     alone would need a title)."""
     from workers.slot.rank import record_started
+    from workers.slot.rank_peers import StopCheck
 
     identity = RankIdentity(SLOT, "job", "z1", 0, 1, "b" * 32)
     build = _process()  # untitled, as an op build's compiler is
     try:
-        record_started(client, "t-build", identity, build.pid)
+        record_started(client, "t-build", identity, build.pid, StopCheck(client, "abort", SLOT, "", 30.0))
         assert leftover_groups(client, SLOT) == [build.pid]
     finally:
         os.killpg(build.pid, signal.SIGKILL)

@@ -121,16 +121,25 @@ def record_rank(client: redis.Redis, task_id: str, identity: RankIdentity, pid: 
     The index takes the record's TTL; a slot's records all have one (the rank's), so it lasts as
     long as the newest of them."""
     record = RankProcess(identity, pid, pid, start_time(pid))
-    slot, names = identity.slot, (keys.rank_process(identity.slot, task_id), keys.pgid(identity.slot, task_id))
+    write_record(client, task_id, record, ttl_s)
+    return record
+
+
+def write_record(client: redis.Redis, task_id: str, record: RankProcess, ttl_s: int) -> None:
+    """Write `record` as `record_rank` does (idempotent): a running rank writes it again after Redis
+    was away (`workers.slot.rank_peers.StopCheck.keep_record`), since a restart can come back without
+    it (its data wiped, or the last second of an append-only file lost), and a rank nobody can find
+    is one no later launch on its slot ends."""
+    slot = record.identity.slot
+    names = (keys.rank_process(slot, task_id), keys.pgid(slot, task_id))
     with client.pipeline(transaction=True) as pipe:
         pipe.set(names[0], record.to_json(), ex=ttl_s)
-        pipe.set(names[1], pid, ex=ttl_s)
+        pipe.set(names[1], record.pgid, ex=ttl_s)
         pipe.sadd(keys.rank_index(slot), *names)
         pipe.expire(keys.rank_index(slot), ttl_s)
         pipe.sadd(keys.RANK_SLOTS, slot)
         pipe.expire(keys.RANK_SLOTS, ttl_s)
         pipe.execute()
-    return record
 
 
 def forget_rank(client: redis.Redis, slot: str, task_id: str) -> None:

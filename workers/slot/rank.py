@@ -45,7 +45,7 @@ from workers.in_rank.failure import Status
 from workers.slot.op_prebuild import needed_op_builders, prebuild_ops
 from workers.process.launch_files import LaunchFiles
 from workers.process.launch import MEASURED_GRACE_ENV, MEASURED_GRACE_S, run_watched
-from workers.process.process_identity import RankIdentity, forget_rank, record_rank
+from workers.process.process_identity import RankIdentity, forget_rank, record_rank, write_record
 from workers.files.paths import write_atomic, write_json
 from workers.slot.rank_peers import Measured, StopCheck, meet_peers, ops_ready_everywhere, signal_abort
 from workers.slot.rank_record import RankRun, outcome, rank_record
@@ -89,12 +89,14 @@ def run_rank(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str = "")
             rank_claim.release(client, slot.queue, task_id)
 
 
-def record_started(client: redis.Redis, task_id: str, identity: RankIdentity, pgid: int) -> None:
+def record_started(client: redis.Redis, task_id: str, identity: RankIdentity, pgid: int,
+                   stop_check: StopCheck) -> None:
     """A group the rank started (an op build's or the script's): where the slot's clean-ups
     (`keys.pgid`, and `keys.rank_process` with its leader's start time, which recognises a group
-    that carries no rank title, as an op build's does) and a redelivery of this task (its claim)
-    find it."""
-    record_rank(client, task_id or identity.launch, identity, pgid, PGID_TTL_S)
+    that carries no rank title, as an op build's does), a later launch on the slot and a redelivery
+    of this task (its claim) find it; `stop_check` writes the record again while the group runs."""
+    record = record_rank(client, task_id or identity.launch, identity, pgid, PGID_TTL_S)
+    stop_check.keep_record(lambda: write_record(client, task_id or identity.launch, record, PGID_TTL_S))
     if task_id:
         rank_claim.note_group(client, identity.slot, task_id, pgid)
 
@@ -211,9 +213,10 @@ class _RankStages:
         prebuild_log = self.files.log(spec.rank, "op_prebuild")
         self.prebuild_failed = prebuild_ops(
             builders, _build_env(env, slot), prebuild_log, stop_check,
-            on_start=lambda pgid: record_started(client, task_id, identity, pgid))
+            on_start=lambda pgid: record_started(client, task_id, identity, pgid, stop_check))
         self.files.show_while_running(self.files.rank_logs(spec.rank, ("op_prebuild",)))
         if builders and not ops_ready_everywhere(spec, client, stop_check):
+            stop_check.keep_record(None)
             forget_rank(client, slot.queue, task_id or spec.attempt)
             self.describe()
             return not_started(Status.ABORTED, "stopped while the ops DeepSpeed needs were built")
@@ -241,13 +244,14 @@ class _RankStages:
                 stderr_path=self.stderr_path,
                 timeout_s=spec.timeout_s - warm_wait_s, memory_cap_bytes=slot.host_memory_cap, cpus=slot.cpus,
                 should_abort=stop_check,
-                on_start=lambda pgid: (record_started(client, task_id, identity, pgid), describe()),
+                on_start=lambda pgid: (record_started(client, task_id, identity, pgid, stop_check), describe()),
                 title=identity.title(),  # what `ps` shows the rank as (workers.process.process_identity)
                 measured=Measured(client, keys.measured(spec.attempt),
                                   metric_path if spec.rank == 0 and spec.metric_file else None),
                 measured_grace_s=seconds_setting(os.environ.get(MEASURED_GRACE_ENV), MEASURED_GRACE_S),
             )
         finally:
+            stop_check.keep_record(None)
             forget_rank(client, slot.queue, task_id or spec.attempt)
             remove_rank_segment(master[0], master[1], spec.rank)  # DeepSpeed's CPU all-reduce never does
             describe()  # where the script did not start

@@ -7,6 +7,8 @@ rank shares with the other ranks of its launch, each tolerant of a Redis outage.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -45,16 +47,21 @@ class Measured:
 
 
 class StopCheck:
-    """Polled while the script runs: stop when a peer rank failed, and keep this slot's lease alive.
+    """Polled while the script runs: stop when a peer rank failed, and keep this slot's lease and
+    this rank's record alive.
 
     Renewal happens here, in the rank, rather than in a scheduler process: the lease then lapses
     exactly when the rank's worker or node is gone, which is what frees the slot and tells the
     control worker's sweep that the experiment was lost. A Redis outage is not a reason to stop.
+    The rank's record (`keep_record`) is written again with every renewal and at the first poll
+    that reaches Redis after one that did not: a restart can come back without it.
     """
 
     def __init__(self, client: redis.Redis, abort_key: str, queue: str, token: str, lease_s: float) -> None:
         self._client, self._abort_key = client, abort_key
         self._lease = SlotLease(client, queue, token, lease_s) if token else None
+        self._record: Callable[[], object] | None = None
+        self._record_every_s, self._record_at = max(1.0, lease_s / 3), 0.0
 
     def __call__(self) -> bool:
         try:
@@ -62,12 +69,21 @@ class StopCheck:
         except redis.RedisError:
             return False
 
+    def keep_record(self, write: Callable[[], object] | None) -> None:
+        """Write this rank's record with `write` from now on (None: no more, the rank has ended)."""
+        self._record, self._record_at = write, time.monotonic() + self._record_every_s
+
     def slot_taken(self) -> bool:
         """Renew the lease when due; True when another launch owns the slot now (this one was given
         up). The check for after the run, when a failed peer no longer matters."""
         try:
-            return self._lease is not None and self._lease.renew()
+            taken = self._lease is not None and self._lease.renew()
+            if self._record is not None and time.monotonic() >= self._record_at:
+                self._record()
+                self._record_at = time.monotonic() + self._record_every_s
+            return taken
         except redis.RedisError:  # tried again at a later poll (workers.state.gang.SlotLease)
+            self._record_at = 0.0
             return False
 
 
