@@ -93,7 +93,7 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages (wor
 import psutil  # noqa: E402
 import redis  # noqa: E402
 
-from bench.chaos_checks import (SAMPLE_S, Fault, JobRecords, Leftovers, ProcessRow, Sample, Seen, Verdict,  # noqa: E402
+from bench.chaos_checks import (SAMPLE_S, STALE, Fault, JobRecords, Leftovers, ProcessRow, Sample, Seen, Verdict,  # noqa: E402
                                 fault_made, fault_schedule, identify, summary_line, verdict)
 from bench.chaos_strikes import (bump, bump_candidates, read_pools, read_warm, warm_identities,  # noqa: E402
                                  warm_processes)
@@ -671,7 +671,7 @@ class Soak:
             on_disk = {}
             for name in sorted(folders | {name for name, _ in listed}):
                 record = read_record(job.results / name / "result.json")
-                on_disk[name] = record.get("status") if record else None
+                on_disk[name] = (STALE if record.get("stale") else record.get("status")) if record else None
                 for rank in (record or {}).get("ranks") or []:
                     if rank.get("slot") and rank.get("started_at") and rank.get("ended_at"):
                         spans.append((rank["slot"], f"{job.name}/{name}", rank["started_at"], rank["ended_at"]))

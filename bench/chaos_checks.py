@@ -21,6 +21,9 @@ SAMPLE_S = 0.25  #: how often the soak samples the process table
 #: A record's final statuses: how an experiment ended. `lost` is final only for a job that gave up;
 #: a resume runs it again, so after the soak's resume pass none may be left.
 FINAL = frozenset({"ok", "oom", "timeout", "crashed", "no_metrics", "bad_metrics", "rendezvous_failed"})
+#: The status the soak gives a result.json marked `stale`: the record of a launch that no longer held
+#: its experiment, kept in a folder the job went on without (`tasks.experiment.finish_experiment`).
+STALE = "stale"
 
 
 class Fault(str, Enum):
@@ -131,7 +134,8 @@ class JobRecords:
     name: str
     finished: bool  #: its command ended with status 0
     listed: tuple[tuple[str, str], ...]  #: (name, status) per results.jsonl line, in order
-    on_disk: dict[str, str | None]  #: every experiment folder -> the status in its result.json (None: none)
+    #: every experiment folder -> the status in its result.json (None: none; STALE: a launch not counted)
+    on_disk: dict[str, str | None]
     reference: dict[str, str]  #: experiment -> status in the fault-free run of the same config
     #: listed lines marked `off_path`: an earlier run of the job measured them, its resume took another path
     off_path: frozenset[str] = frozenset()
@@ -167,8 +171,9 @@ def lost_experiments(jobs: Iterable[JobRecords]) -> list[str]:
     """Experiments a user would miss: unfinished jobs' reference experiments, listed experiments
     without a final record on disk (or with another status than listed), experiment folders the
     job's results do not list (but a `lost` one: given up, it holds no measurement, and a resume
-    whose path no longer needs it leaves it), and the fault-free run's experiments a job without
-    fault-made failures lacks."""
+    whose path no longer needs it leaves it; and a STALE one: a launch that no longer held its
+    experiment, never counted by design, `scheduler.cluster.fencing`), and the fault-free run's
+    experiments a job without fault-made failures lacks."""
     lost = []
     for job in jobs:
         listed = dict(job.listed)
@@ -180,7 +185,7 @@ def lost_experiments(jobs: Iterable[JobRecords]) -> list[str]:
             if status not in FINAL or disk != status:
                 lost.append(f"{job.name}/{name}: listed {status}, on disk {disk}")
         lost += [f"{job.name}/{name}: ran (on disk {status}) but the job's results lack it"
-                 for name, status in job.on_disk.items() if name not in listed and status != "lost"]
+                 for name, status in job.on_disk.items() if name not in listed and status not in ("lost", STALE)]
         if not fault_made(job):
             lost += [f"{job.name}/{name}: the fault-free run has it" for name in job.reference if name not in listed]
     return lost

@@ -68,7 +68,9 @@ def run_rank(self, spec: dict[str, Any]) -> dict[str, Any]:
 def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str, Any]) -> dict[str, Any]:
     """Aggregate the ranks, write result.json and metrics.json (model_info.json for the profile run),
     show the counted launch's exp.json, cmd.txt and logs under their plain names, then take the
-    job's next step."""
+    job's next step. A launch that no longer holds its experiment is not counted: where the folder
+    has no result yet, its record goes there marked `stale` (never ranked, never listed), so a
+    folder the job went on without says why it holds a launch's files."""
     from scheduler.cluster.co_runners import co_runners_of
     from scheduler.cluster.dispatch import cluster_lock, dispatch
     from scheduler.cluster.finish import record_and_read, requeue_for_busy_gpu
@@ -97,6 +99,10 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
             GangReservations(client).release(finish.slots, finish.gang_token)
             log.warning("%s: a record of launch %s, which no longer holds the experiment, is not counted",
                         finish.name, finish.attempt)
+            stale = {**record.to_json(), "stale": True, "attempt": finish.attempt}
+            result = experiment_file(result_dir, layout.RESULT)
+            if not result.exists():  # the folder says why it holds files no result counts
+                write_json(result, stale)  # a later launch that holds the experiment writes over it
             return {"name": finish.name, "status": record.status.value, "stale": True}
         if record.ok and record.metrics is not None and \
                 finish.metric_file in (layout.METRICS, layout.MODEL_INFO):  # DeepSpeed's name for the counted launch's

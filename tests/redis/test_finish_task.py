@@ -1,7 +1,8 @@
 """The chord callback (`tasks.experiment.finish_experiment`) run in this process against a real
 redis-server: the record goes to disk before anything else, field by field as the ranks reported it,
-and a callback whose ranks were all stale, or whose launch no longer holds its experiment (a newer
-launch does, `scheduler.cluster.fencing`), writes nothing."""
+a callback whose ranks were all stale writes nothing, and one whose launch no longer holds its
+experiment (a newer launch does, `scheduler.cluster.fencing`) is not counted: its record, marked
+stale, goes only into a folder that has none."""
 from __future__ import annotations
 
 import json
@@ -112,5 +113,18 @@ def test_a_launch_that_no_longer_holds_its_experiment_is_not_counted(callback, c
     before = {key: client.dump(key) for key in client.keys("*")}
     returned = callback([rank(1), rank(0, metrics={"throughput": 99.0})], finish(tmp_path))
     assert returned == {"name": "z1_gas1_tmbspg4", "status": "ok", "stale": True}
-    assert list(tmp_path.iterdir()) == []  # no result.json, no metrics.json
+    folder = tmp_path / "z1_gas1_tmbspg4"
+    assert sorted(path.name for path in folder.iterdir()) == ["result.json"]  # no metrics.json
+    written = json.loads((folder / "result.json").read_text())
+    assert written["stale"] is True and written["attempt"] == "att-1", "marked: never ranked, never listed"
     assert {key: client.dump(key) for key in client.keys("*")} == before  # not recorded, nothing published
+
+
+def test_a_launch_not_counted_never_writes_over_the_record_of_the_launch_that_was(callback, client: redis.Redis,
+                                                                                  tmp_path: Path) -> None:
+    hold(client, "att-2")
+    folder = tmp_path / "z1_gas1_tmbspg4"
+    folder.mkdir()
+    (folder / "result.json").write_text(json.dumps({"name": "z1_gas1_tmbspg4", "status": "ok", "attempt": "att-2"}))
+    callback([rank(1), rank(0, metrics={"throughput": 99.0})], finish(tmp_path))
+    assert json.loads((folder / "result.json").read_text())["attempt"] == "att-2"

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from bench.chaos import main
-from bench.chaos_checks import (MAX_GAP_S, MIN_EACH, MIN_GAP_S, Fault, JobRecords, Leftovers, ProcessRow, Sample,
+from bench.chaos_checks import (STALE, MAX_GAP_S, MIN_EACH, MIN_GAP_S, Fault, JobRecords, Leftovers, ProcessRow, Sample,
                                 Seen, duplicated_experiments, failed_after_strikes, fault_made, fault_schedule,
                                 identify, lost_experiments, overlap_seconds, sampled_overlap_seconds, summary_line,
                                 verdict)
@@ -84,6 +84,16 @@ def test_a_resume_that_took_another_path_keeps_what_its_first_run_measured():
     assert duplicated_experiments([unmarked], []) == ["j1/z0_b_r2: the fault-free run has no such experiment"]
     dropped = JobRecords("j1", True, tuple(REFERENCE.items()), resumed.on_disk, REFERENCE)
     assert lost_experiments([dropped]) == ["j1/z0_b_r2: ran (on disk ok) but the job's results lack it"]
+
+
+def test_a_folder_of_a_launch_that_was_not_counted_is_no_lost_result():
+    """A resubmitted job went on without `z0_b_r2` while a launch of it ran: that launch's record is
+    in the folder marked stale (`finish_experiment`), never counted; a folder that ran and holds no
+    record at all is still a lost result."""
+    fenced = JobRecords("j1", True, tuple(REFERENCE.items()), {**REFERENCE, "z0_b_r2": STALE}, REFERENCE)
+    assert lost_experiments([fenced]) == []
+    unrecorded = JobRecords("j1", True, tuple(REFERENCE.items()), {**REFERENCE, "z0_b_r2": None}, REFERENCE)
+    assert lost_experiments([unrecorded]) == ["j1/z0_b_r2: ran (on disk None) but the job's results lack it"]
 
 
 def test_a_reference_failure_is_not_a_fault():
