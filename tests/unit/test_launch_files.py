@@ -134,3 +134,16 @@ def test_once_a_record_is_written_a_late_launch_shows_nothing(tmp_path: Path) ->
     late = _launch(tmp_path, "a" * 12, {"stderr.{launch}.log": "late"})
     late.show_while_running(late.rank_logs(0))
     assert (tmp_path / "stderr.log").read_text() == "counted"
+
+
+def test_a_stale_record_does_not_hide_the_launch_that_holds_the_experiment(tmp_path: Path) -> None:
+    """A fenced launch leaves its record marked stale where nothing was counted yet; the launch that
+    replaced it, still running, shows its own logs under the plain names all the same."""
+    (tmp_path / layout.RESULT).write_text('{"name": "x", "status": "ok", "stale": true}')
+    holder = _launch(tmp_path, "c" * 12, {"stderr.{launch}.log": "holder"})
+    holder.show_while_running(holder.rank_logs(0, ("stderr",)))
+    assert (tmp_path / "stderr.log").read_text() == "holder"
+    (tmp_path / layout.RESULT).write_text('{"name": "x", "status": "ok"}')  # counted: the names are its
+    late = _launch(tmp_path, "d" * 12, {"stderr.{launch}.log": "late"})
+    late.show_while_running(late.rank_logs(0, ("stderr",)))
+    assert (tmp_path / "stderr.log").read_text() == "holder"

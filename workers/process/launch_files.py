@@ -35,7 +35,7 @@ from typing import Any
 
 from workers.files import layout
 from workers.files.layout import experiment_file
-from workers.files.paths import write_json
+from workers.files.paths import read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,11 @@ class LaunchFiles:
 
     def show_while_running(self, pairs: list[tuple[Path, Path]]) -> None:
         """A rank shows its launch's `pairs` (own file, plain name) as it starts, where no launch's
-        record is written yet (after that, the plain names are the counted launch's: `adopt`). By
-        hard link only: a copy of a log being written would stop at the copy's moment."""
-        if experiment_file(self.result_dir, layout.RESULT).exists():
+        record is written yet (after that, the plain names are the counted launch's: `adopt`). A
+        `stale` record (a fenced launch's, left where nothing was counted yet) does not stop it: the
+        launch that holds the experiment now is the one the folder should show. By hard link only: a
+        copy of a log being written would stop at the copy's moment."""
+        if counted_record_written(self.result_dir):
             return
         for own, plain in pairs:
             if own.exists():
@@ -142,6 +144,16 @@ class LaunchFiles:
                 arg = f"{head}={self.config_path}"
             swapped.append(arg)
         return swapped
+
+
+def counted_record_written(result_dir: Path) -> bool:
+    """Whether the experiment's folder holds a counted record: a result.json not marked `stale`
+    (an unreadable one counts, so nothing is shown over a record being written)."""
+    result = experiment_file(result_dir, layout.RESULT)
+    if not result.exists():
+        return False
+    record = read_json(result)
+    return not (isinstance(record, dict) and record.get("stale") is True)
 
 
 def show(own: Path, plain: Path, *, or_copy: bool) -> None:
