@@ -201,14 +201,14 @@ class Session:
     def experiment(self, stage: int, mbs: int, gas: int, strategy: tuple[str, ...] | None = None) -> Experiment:
         st, strategy = self.settings, self.settings.strategy if strategy is None else strategy
         config = experiment_config(st.ds_config, stage, mbs, gas, st.dp_size, st.start_profile_step,
-                                   st.end_profile_step, strategy)
+                                   st.end_profile_step, strategy, st.memory_strategies.nvme_path)
         return Experiment(experiment_name(stage, gas, mbs, strategy), stage, mbs, gas, config, st.num_nodes,
                           st.num_gpus, strategy=strategy_of(strategy))
 
     def profile_experiment(self, strategy: tuple[str, ...] = ()) -> Experiment:
         st = self.settings
         config = experiment_config(st.ds_config, 3, 1, 1, st.dp_size, st.start_profile_step, st.end_profile_step,
-                                   strategy)
+                                   strategy, st.memory_strategies.nvme_path)
         config["memory_breakdown"] = False
         config["autotuning"]["model_info"] = {"profile": True}
         return Experiment(profile_name(strategy), 3, 1, 1, config, st.num_nodes, st.num_gpus, tuning_space=PROFILE,

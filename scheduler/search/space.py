@@ -92,18 +92,19 @@ def profile_name(strategy: tuple[str, ...] = ()) -> str:
     return PROFILE + "".join(f"_{STRATEGY_SUFFIX[name]}" for name in strategy_of(strategy))
 
 
-def offload_section(user_config: dict[str, Any]) -> dict[str, Any]:
-    """The offload section a strategy writes: to the CPU, or to NVMe under `autotuning.nvme_path`."""
-    path = (user_config.get("autotuning") or {}).get("nvme_path")
-    return {"device": "nvme", "nvme_path": path} if path else {"device": "cpu"}
+def offload_section(nvme_path: str | None = None) -> dict[str, Any]:
+    """The offload section a strategy writes: to the CPU, or to NVMe under `nvme_path`
+    (`autotuning.nvme_path`, parsed by `scheduler.inputs.memory_strategies`)."""
+    return {"device": "nvme", "nvme_path": nvme_path} if nvme_path else {"device": "cpu"}
 
 
 def experiment_config(user_config: dict[str, Any], stage: int, mbs: int, gas: int,
                       dp_size: int, start_profile_step: int, end_profile_step: int,
-                      strategy: tuple[str, ...] = ()) -> dict[str, Any]:
+                      strategy: tuple[str, ...] = (), nvme_path: str | None = None) -> dict[str, Any]:
     """The user's config pinned to one point of the search, with profiling switched on.
 
     `dp_size` is the data-parallel degree (ranks / mp_size): train_batch_size = mbs * gas * dp_size.
+    `strategy`'s offloads go to `nvme_path` when given (`MemoryStrategyKeys.nvme_path`), else to the CPU.
     The result is a new top-level dict with new `zero_optimization` and `autotuning` sections; its
     other sections are the user's own objects, shared, not copied (a search builds thousands of
     these): treat them as read-only and replace a section rather than change it in place.
@@ -117,7 +118,7 @@ def experiment_config(user_config: dict[str, Any], stage: int, mbs: int, gas: in
     strategy = strategy_of(strategy)
     for name in ("offload_optimizer", "offload_param"):
         if name in strategy:
-            zero[name] = offload_section(user_config)
+            zero[name] = offload_section(nvme_path)
     config["zero_optimization"] = zero
     autotuning = {k: v for k, v in config.get("autotuning", {}).items() if k not in _OURS}
     autotuning.update(enabled=True, start_profile_step=start_profile_step,

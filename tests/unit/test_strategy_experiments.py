@@ -40,9 +40,8 @@ def test_offload_strategies_write_the_sections_and_the_marker() -> None:
     assert "offload_optimizer" not in USER["zero_optimization"]  # the user's config is not touched
     setup = TrainingSetup.from_ds_config(config, world_size=2)
     assert setup.offload_optimizer and setup.offload_param
-    nvme = {**USER, "autotuning": {**USER["autotuning"], "nvme_path": "/nvme"}}
-    assert experiment_config(nvme, 3, 4, 2, 2, 1, 2, ("offload_optimizer",))["zero_optimization"][
-        "offload_optimizer"] == {"device": "nvme", "nvme_path": "/nvme"}
+    assert experiment_config(USER, 3, 4, 2, 2, 1, 2, ("offload_optimizer",), nvme_path="/nvme")[
+        "zero_optimization"]["offload_optimizer"] == {"device": "nvme", "nvme_path": "/nvme"}
     plain = experiment_config(USER, 3, 4, 2, 2, 1, 2)
     assert "memory_strategy" not in plain["autotuning"] and "offload_optimizer" not in plain["zero_optimization"]
 
@@ -53,6 +52,12 @@ def test_the_search_settings_carry_the_configs_strategy_keys(tmp_path: Path) -> 
     settings = SearchSettings.from_config(load_config(path, cwd=tmp_path), capacity_bytes=1 << 34, num_nodes=1,
                                           num_gpus=1)
     assert settings.memory_strategies == MemoryStrategyKeys(("offload_optimizer", "activation_checkpointing"), "/nvme")
+    # the search's experiments and its profile run offload where the parsed keys say
+    session = Session(settings)
+    for exp in (session.experiment(3, 4, 2, ("offload_optimizer", "offload_param")),
+                session.profile_experiment(("offload_param",))):
+        zero = exp.ds_config["zero_optimization"]
+        assert [zero[name] for name in exp.strategy] == [{"device": "nvme", "nvme_path": "/nvme"}] * len(exp.strategy)
 
 
 def test_a_strategy_experiment_survives_json_and_old_records_load() -> None:
