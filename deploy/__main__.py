@@ -38,7 +38,7 @@ from deploy.redis_user import ADMIN_ENV, connected, create_cluster_user, may_rec
 from scheduler.errors import OneLineArgumentParser, UsageError
 from scheduler.launch.hostfile import read_hostfile
 from scheduler.launch.resources import ResourceRequest, resolve_resources
-from workers.state import keys
+from workers.state.gang import GangReservations
 from workers.state.redis_tls import TLS_ENV
 from workers.state.registry import live_slots
 from workers.warm.warm_plan import SWITCH_ENV as WARM_SWITCH_ENV
@@ -164,12 +164,13 @@ def status(args: argparse.Namespace, url: str) -> int:
             for name, launch in launches.items() for queue in launch.get("queues", [])}
     answers = _hosts(args).run_many({h: ("status", ["--run-dir", args.run_dir, "--node", h], None)
                                      for h in hosts_devices})
+    reserved_slots = GangReservations(client).held([plan.slot for plan in plans if plan.slot in live])
     for plan in plans:
         answer = answers[plan.host]
         proc = answer.data.get(plan.label) if answer.ok and isinstance(answer.data, dict) else None
         if plan.slot in live:
-            reserved = client.exists(keys.gang(plan.slot))
-            state = (f"busy: {busy[plan.slot]}" if plan.slot in busy else "reserved" if reserved else "idle")
+            state = (f"busy: {busy[plan.slot]}" if plan.slot in busy
+                     else "reserved" if plan.slot in reserved_slots else "idle")
             pid = proc["pid"] if proc else "?" if answer.ok else f"? ({plan.host} did not answer: {answer.error})"
             print(f"{plan.slot}: {state} (worker {live[plan.slot].worker}, pid {pid})")
         elif not answer.ok:

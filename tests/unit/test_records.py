@@ -171,7 +171,7 @@ def test_a_rank_delivered_after_its_reservation_went_is_a_stale_not_started_reco
     spec = mock.Mock(gang_token="t1", attempt="a1", result_dir=tmp_path)
     slot = mock.Mock(queue="n.gpu0")
     client = mock.Mock()
-    client.get.return_value = b"t2"  # a newer launch holds the slot
+    client.mget.return_value = [b"t2"]  # a newer launch holds the slot (GangReservations.holds reads it)
     record = rank._run(spec, slot, client, "task")
     assert (record.status, record.stale, record.exit) == (Status.LOST, True, "not started")
     assert not list(tmp_path.iterdir())  # nothing of the newer launch's folder touched

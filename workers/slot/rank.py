@@ -53,6 +53,7 @@ from workers.slot.records import RankRecord, not_started
 from workers.slot.rank_spec import RankSpec, rank_env, script_command
 from workers.process.shared_memory import remove_rank_segment
 from workers.device.slot import Slot
+from workers.state.gang import GangReservations
 from workers.state.slot_health import mark_unhealthy
 from workers.warm.rank_start import Start
 from workers.warm.warm_start import WARM
@@ -103,7 +104,7 @@ def record_started(client: redis.Redis, task_id: str, identity: RankIdentity, pg
 
 def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> RankRecord:
     """The rank after its claim, stage by stage (`_RankStages`); a stage that stops it returns its record."""
-    if spec.gang_token and client.get(keys.gang(slot.queue)) != spec.gang_token.encode():
+    if spec.gang_token and not GangReservations(client).holds([slot.queue], spec.gang_token):
         # Redelivered long after its launch was given up (a worker died holding the message):
         # running it now would overwrite the folder of a newer launch of the same experiment.
         return not_started(Status.LOST, "the reservation of this launch is gone", stale=True)
