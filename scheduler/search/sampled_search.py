@@ -36,7 +36,11 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   hold the size filling the step with one accumulation step less and this stage can
   (`_fuller_step`: that size is measured once, and wins or rules the stage out), or, without
   max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step);
-  otherwise the measurement rules it out. Without max_train_batch_size a stage whose predicted top
+  otherwise the measurement rules it out. ZeRO-0 beside a ZeRO-1 incumbent (or the reverse) is
+  measured once at the incumbent's own size and accumulation and never explored
+  (`_same_micro_steps`: both reduce gradients only at the accumulation boundary, so their
+  micro-steps are the same work and their best sizes over one space coincide: its own top and a
+  refinement would cost launches and tell nothing the incumbent's stage did not). Without max_train_batch_size a stage whose predicted top
   fills less than half the incumbent's step is not measured at all (`_half_step`: ZeRO-0 of a large
   model, whose top probes mostly fail). ZeRO-3 moves more data than ZeRO-1/2 at equal size: on
   fewer than `ZERO3_AT_SCALE` data-parallel ranks it is measured only when it can hold larger sizes
@@ -135,6 +139,10 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         fuller = _fuller_step(session, incumbent, top)
         if not upside and _half_step(session, stage, incumbent[0]):
             continue
+        if _same_micro_steps(stage, incumbent[0]) and stage_top(session, stage, cautious=True) >= inc_mbs:
+            yield from _leads_at(session, stage, incumbent)
+            explored.append(stage)
+            continue
         if not (yield from _anchor(session, stage)):
             continue
         size = min(inc_mbs, stage_top(session, stage, cautious=True))
@@ -145,6 +153,14 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             upside = value is not None and _wins(session, stage, value, bounded=True)
         if value is not None and (upside or _wins(session, stage, value)):
             yield from _explore(session, stage, floor=size)
+
+
+def _same_micro_steps(stage: int, other: int) -> bool:
+    """Whether `stage` and `other` are ZeRO-0 and ZeRO-1: both reduce gradients only at the
+    accumulation boundary, so their micro-steps are the same work and they differ by a cost per
+    optimizer step (ZeRO-1 shards the optimizer and gathers the parameters after it). Over the same
+    space their best sizes coincide: one reading at the other's leading config tells which leads."""
+    return {stage, other} == {0, 1}
 
 
 def _leads_at(session: Session, stage: int, incumbent: tuple[int, int]) -> Step:
@@ -315,9 +331,10 @@ def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
 
 def widen_step(session: Session, stages: Sequence[int]) -> Step:
     """Without max_train_batch_size, before the winner is confirmed: when the leader accumulates
-    (gas >= 2) and its stage's top is predicted above the largest size known to run, probe that top
-    once, and if it runs measure the leader's accumulation at the largest size that fills the wider
-    step. The step every size fills is the largest size that ran (DeepSpeed's rule), and the stage's
+    (gas >= 2) and its stage's top is predicted above the largest size known to run, and the step
+    that top gives is wider than the one the leader fills (a leader measured at another stage's
+    config may fill it already), probe that top once, and if it runs measure the leader's
+    accumulation at the largest size that fills the wider step. The step every size fills is the largest size that ran (DeepSpeed's rule), and the stage's
     first probes bracket the top only to a halving: a leader at gas 2 then runs at half a step that
     is short of the top, where the optimum is half the top (bench/surfaces.py's cliff family)."""
     st = session.settings
@@ -329,7 +346,7 @@ def widen_step(session: Session, stages: Sequence[int]) -> Step:
     stage, mbs = leader
     gas = gas_for(session, stage, mbs)
     top, known = stage_top(session, stage), known_feasible(session, stage)
-    if gas < 2 or top <= known:
+    if gas < 2 or top <= known or max(1, st.gradient_accumulation_steps) * top // gas <= mbs:
         return
     if (yield from _measure(session, stage, top, f"z{stage}_widen_{top}")) is None:
         return

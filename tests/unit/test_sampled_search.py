@@ -406,7 +406,7 @@ def test_other_stages_are_compared_at_the_incumbents_size_and_zero_3_at_scale() 
     speed = {**PEAKED, (3, 16): 95.0, (3, 32): 75.0}
     launched, phases, _ = play(stages_of((0, 1, 2, 3)), speed, fits, scripted_settings())
     assert launched == [(1, 8, 4), (1, 32, 1), (1, 16, 2), (1, 10, 3), (0, 16, 2), (2, 16, 2)]
-    assert [p.name for p in phases][-2:] == ["z0_follow_16", "z2_follow_16"]
+    assert [p.name for p in phases][-2:] == ["z0_compare_16", "z2_follow_16"]
     launched, phases, session = play(stages_of((0, 1, 2, 3)), speed, fits,
                                      scripted_settings(num_gpus=4, max_train_batch_size=128))
     assert launched[-2:] == [(3, 16, 2), (3, 32, 1)]
@@ -689,12 +689,13 @@ def test_with_a_step_limit_a_followed_stage_is_measured_at_the_incumbent_alone()
 
 
 def test_blind_failures_end_a_stage_sooner_once_the_job_ran_something() -> None:
-    """ZeRO-1 runs (top 16). ZeRO-0 is predicted to hold 40 but holds nothing: its top 40 fails, then
-    20; with a success elsewhere in the job MAX_FAILURES (2) blind failures end it (no third halving)."""
+    """ZeRO-1 runs (top 16, the curve still rising there). ZeRO-2 is predicted to hold 40 but holds
+    nothing: its top 40 fails, then 20; with a success elsewhere in the job MAX_FAILURES (2) blind
+    failures end it (no third halving)."""
     speed = {(1, m): float(m) for m in range(1, 17)}
-    launched, _, _ = play(stages_of((1, 0)), speed, {1: 16, 0: 0},
-                          scripted_settings(stages=(1, 0), max_train_batch_size=None), predicted={1: 16, 0: 40})
-    assert [(s, m) for s, m, _ in launched if s == 0] == [(0, 40), (0, 20)]
+    launched, _, _ = play(stages_of((1, 2)), speed, {1: 16, 2: 0},
+                          scripted_settings(stages=(1, 2), max_train_batch_size=None), predicted={1: 16, 2: 40})
+    assert [(s, m) for s, m, _ in launched if s == 2] == [(2, 40), (2, 20)]
 
 
 def test_a_straggler_s_reading_is_measured_again_and_the_refinement_follows_the_better_one() -> None:
