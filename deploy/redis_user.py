@@ -28,6 +28,7 @@ import redis
 from deploy.plan import check_redis_url
 from scheduler.errors import UsageError
 from scheduler.embedded.local_cluster import cluster_user_rules
+from workers.state import keys
 from workers.state.redis_tls import describe_tls_failure
 from workers.state.redis_url import masked_url
 from workers.state.registry import connect
@@ -110,7 +111,7 @@ def _persist(admin: redis.Redis) -> str:
 def _check_as_user(url: str) -> None:
     """As the new user: a key written and read and a Lua script run work, CONFIG is refused."""
     client = connected(url)
-    probe = "autotune:redis-user-check"
+    probe = keys.REDIS_USER_CHECK
     try:
         client.set(probe, "1", ex=10)
         ok = client.eval("return redis.call('GET', KEYS[1])", 1, probe) == b"1"

@@ -5,9 +5,11 @@ Each launch of an experiment carries its attempt token (with its gang reservatio
 from Redis or froze for longer than its lease, or Redis lost its data, and the sweep launched the
 experiment again elsewhere. Its ranks may still finish (they run on through a Redis outage by
 design), and their chord callback still comes; `finish_experiment` asks `holds_experiment` under
-the cluster lock before it writes anything, so such a launch never writes the experiment's
-result.json or metrics.json and is never recorded. Its ranks wrote only files named after their
-own launch (`workers.files.layout.LAUNCH_FILES`), so neither launch read the other's metrics.
+the cluster lock before it writes anything, so such a launch is never recorded and never writes
+metrics.json; its record goes to result.json, marked `stale`, only where the folder has none yet
+(the replay skips it; a launch that holds the experiment writes over it). Its ranks wrote only
+files named after their own launch (`workers.files.layout.LAUNCH_FILES`), so neither launch read
+the other's metrics.
 
 A launch the job does not know at all is the one case adopted without being the running launch:
 after Redis lost its data the job was submitted again, and a launch that ran on through the restart

@@ -44,7 +44,7 @@ BUILT = [
 CONSTANTS = {"PREFIX": "autotune:", "SLOT_INDEX": "autotune:slots", "SLOT_EPOCH": "autotune:slots:epoch",
              "SERVER_EPOCH": "autotune:server", "JOB_STATE_PATTERN": "autotune:job:*:state",
              "SEQUENCE": "autotune:seq", "JOBS": "autotune:jobs", "DISPATCH_LOCK": "autotune:lock:dispatch",
-             "RANK_SLOTS": "autotune:rankslots"}
+             "RANK_SLOTS": "autotune:rankslots", "REDIS_USER_CHECK": "autotune:redis-user-check"}
 
 
 def _builders() -> set[str]:

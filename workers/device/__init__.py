@@ -5,6 +5,6 @@ GPUs and which a process may use), `topology` (a GPU's NUMA node and cores), `cu
 CUDA open the slot's own GPU), `device_idle` (waiting for memory others hold on the device).
 
 Imports: the standard library and this package; nothing of the slots' Redis state.
-Imported by: `workers.state` (a slot's registration), `workers.device.slot`, the embedded cluster, the
+Imported by: `workers.state` (a slot's registration), `workers.slot`, the embedded cluster, the
 scheduler and the Celery tasks.
 """

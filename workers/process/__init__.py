@@ -6,6 +6,6 @@ is from its title and its slot's record; `launch_files` names what one launch wr
 `shared_memory` removes the /dev/shm segments DeepSpeed's CPU all-reduce leaves.
 
 Imports: the standard library, psutil, redis, `workers.in_rank`, `workers.files`, `workers.state` and
-this package; never `workers.warm` or `workers.device.slot`.
-Imported by: `workers.warm`, `workers.device.slot`, the embedded cluster, `deploy` and the Celery tasks.
+this package; never `workers.warm` or `workers.slot`.
+Imported by: `workers.warm`, `workers.slot`, the embedded cluster, `deploy` and the Celery tasks.
 """

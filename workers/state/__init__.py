@@ -8,7 +8,7 @@ the live slots as dispatch sees them; `slot_health` reports a slot's device memo
 `RedisSlotStore`), and `memory_store` is its in-memory twin, which the decisions' unit tests use.
 
 Imports: the standard library, redis, `workers.device` (what a slot is), `workers.in_rank` (the
-failure vocabulary) and this package; never `workers.process`, `workers.warm` or `workers.device.slot`.
+failure vocabulary) and this package; never `workers.process`, `workers.warm` or `workers.slot`.
 Imported by: the slot worker's packages, the embedded cluster, `scheduler.cluster`, `deploy`, the
 Celery app's settings and tasks.
 """

@@ -42,7 +42,7 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
     autotune:job:<job>:spec             str   the job (JSON): what to run and how; its presence = active
     autotune:job:<job>:queue            hash  experiment name -> waiting launch (JSON, with its order)
     autotune:job:<job>:shapes           set   the shapes of its waiting launches ("<nodes>x<slots>:<memory>")
-    autotune:job:<job>:queue:<shape>    zset  waiting launches of one shape, by order (scheduler.job_queue)
+    autotune:job:<job>:queue:<shape>    zset  waiting launches of one shape, by order (scheduler.cluster.job_store)
     autotune:job:<job>:running          hash  experiment name -> running launch (JSON): attempt, slots,
                                               gang token, rank task ids, deadline, worker instances
     autotune:job:<job>:walls            hash  "<stage>/<mbs>" -> wall times of finished runs (estimates)
@@ -54,6 +54,8 @@ The keyspace (all under one prefix, so a shared Redis can be inspected and clean
                                               the head experiment and why it waits
     autotune:job:<job>:settling         str   set for a few seconds when the job is submitted again after
                                               Redis lost its data: nothing is queued meanwhile (PX)
+    autotune:redis-user-check           str   `python -m deploy redis-user`'s probe as the new user:
+                                              written, read from Lua and deleted at once (EX 10)
 
 `attempt` is a fresh token per launch of an experiment, so a retried experiment never meets the
 rendezvous or abort flag of an earlier launch. Celery's own broker and result keys are Celery's.
@@ -95,6 +97,7 @@ SEQUENCE = PREFIX + "seq"
 JOBS = PREFIX + "jobs"
 DISPATCH_LOCK = PREFIX + "lock:dispatch"
 JOB_STATE_PATTERN = PREFIX + "job:*:state"
+REDIS_USER_CHECK = PREFIX + "redis-user-check"
 
 # A slot's and a rank's keys (queue: "<node>.gpu<i>", task_id: the rank task's Celery id).
 slot = Key("slot:{queue}")

@@ -8,5 +8,5 @@ a forked process does to become the rank before `workers.in_rank.entry` runs the
 Imports: `warm_preload` and `warm_rank` (the forkserver and the ranks it forks carry what they
 import): the standard library, torch and `workers.in_rank` only (tests/unit/test_architecture.py
 checks). The others: also psutil and `workers.process` (a rank's launch environment).
-Imported by: `workers.device.slot` (the rank task), the Celery tasks, `deploy` and bench/.
+Imported by: `workers.slot` (the rank task), the Celery tasks, `deploy` and bench/.
 """
