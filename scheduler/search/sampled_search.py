@@ -40,9 +40,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   measured once at the incumbent's own size and accumulation and never explored
   (`_same_micro_steps`: both reduce gradients only at the accumulation boundary, so their
   micro-steps are the same work and their best sizes over one space coincide: its own top and a
-  refinement would cost launches and tell nothing the incumbent's stage did not). Without max_train_batch_size a stage whose predicted top
-  fills less than half the incumbent's step is not measured at all (`_half_step`: ZeRO-0 of a large
-  model, whose top probes mostly fail). ZeRO-3 moves more data than ZeRO-1/2 at equal size: on
+  refinement would cost launches and tell nothing the incumbent's stage did not). Without
+  max_train_batch_size a stage whose predicted top fills less than half the incumbent's step is not
+  measured at all (`_half_step`: ZeRO-0 of a large model, whose top probes mostly fail). ZeRO-3 moves more data than ZeRO-1/2 at equal size: on
   fewer than `ZERO3_AT_SCALE` data-parallel ranks it is measured only when it can hold larger sizes
   that matter (the curve was still rising at the cap, or it holds `ZERO3_ROOM` times what ZeRO-1/2
   hold, so memory pressure may have turned their curves), or no ZeRO-1/2 stage was measured; from
@@ -334,9 +334,10 @@ def widen_step(session: Session, stages: Sequence[int]) -> Step:
     (gas >= 2) and its stage's top is predicted above the largest size known to run, and the step
     that top gives is wider than the one the leader fills (a leader measured at another stage's
     config may fill it already), probe that top once, and if it runs measure the leader's
-    accumulation at the largest size that fills the wider step. The step every size fills is the largest size that ran (DeepSpeed's rule), and the stage's
-    first probes bracket the top only to a halving: a leader at gas 2 then runs at half a step that
-    is short of the top, where the optimum is half the top (bench/surfaces.py's cliff family)."""
+    accumulation at the largest size that fills the wider step. The step every size fills is the
+    largest size that ran (DeepSpeed's rule), and the stage's first probes bracket the top only to a
+    halving: a leader at gas 2 then runs at half a step that is short of the top, where the optimum
+    is half the top (bench/surfaces.py's cliff family)."""
     st = session.settings
     if st.samples_per_step or st.kept_per_gpu:
         return
