@@ -51,12 +51,19 @@ def samples_per_step(session: Session, stage: int) -> int:
     largest feasible micro-batch times the user's gas, so a size below the top gets the accumulation
     that fills the same step. Feasible means known to run (`known_feasible`): every stage runs
     its top first (`_anchor`, at the user's gas, which the predicted top stands in for until then),
-    so the step never outgrows what the stage can hold.
+    so the step never outgrows what the stage can hold. A stage measured only at another stage's
+    config (`sampled_search._leads_at`) fills that config's step until its own top ran.
     """
     st = session.settings
     if st.samples_per_step:
         return st.samples_per_step
-    return max(1, st.gradient_accumulation_steps) * max(1, known_feasible(session, stage) or stage_top(session, stage))
+    top = known_feasible(session, stage)
+    if not top:  # measured only at another stage's config (its top not run yet): the step it filled there
+        filled = [exp.micro_batch_size * exp.gradient_accumulation_steps for exp, record in session.stage_records(stage)
+                  if record.get("status") == "ok" and not exp.tuning_space]
+        if filled:
+            return max(filled)
+    return max(1, st.gradient_accumulation_steps) * max(1, top or stage_top(session, stage))
 
 
 def known_feasible(session: Session, stage: int) -> int:
