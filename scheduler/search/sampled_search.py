@@ -42,10 +42,11 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   micro-steps are the same work and their best sizes over one space coincide: its own top and a
   refinement would cost launches and tell nothing the incumbent's stage did not). Without
   max_train_batch_size a stage whose predicted top fills less than half the incumbent's step is not
-  measured at all (`_half_step`: ZeRO-0 of a large model, whose top probes mostly fail). ZeRO-3 moves more data than ZeRO-1/2 at equal size: on
-  fewer than `ZERO3_AT_SCALE` data-parallel ranks it is measured only when it can hold larger sizes
-  that matter (the curve was still rising at the cap, or it holds `ZERO3_ROOM` times what ZeRO-1/2
-  hold, so memory pressure may have turned their curves), or no ZeRO-1/2 stage was measured; from
+  measured at all (`_half_step`: ZeRO-0 of a large model, whose top probes mostly fail). ZeRO-3
+  moves more data than ZeRO-1/2 at equal size: on fewer than `ZERO3_AT_SCALE` data-parallel ranks
+  it is measured only when it can hold larger sizes that matter (the curve was still rising at the
+  cap, or it holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so memory pressure may have turned their
+  curves), or no ZeRO-1/2 stage was measured; from
   `ZERO3_AT_SCALE` ranks on, where its sharding and prefetch let it lead, it is always measured once,
   at the incumbent's own size and accumulation (`_leads_at`: no probe of its top), and explored if
   it reads better there;
