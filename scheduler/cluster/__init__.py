@@ -2,9 +2,11 @@
 
 - `job_store`, `jobs`: a job's spec, queue, running launches and records, in Redis (Lua where two
   control workers could race); submitting, cancelling, ending a job;
-- `stores`, `memory_store`: the job store's interface and its in-memory twin, over which the
-  decisions of dispatch, finish and sweep are tested without Redis;
-- `dispatch_reads`: what a dispatch pass reads and writes across every active job, in one round trip;
+- `stores`, `memory_store`: the job store's interfaces (one job; every active job at once) and their
+  in-memory twins, over which the decisions of dispatch (whole passes), finish and sweep are tested
+  without Redis;
+- `dispatch_reads`: what a dispatch pass reads and writes across every active job, in one round trip
+  (`RedisActiveJobs`);
 - `progress`: a job's step: replay its search over the records so far and queue what it asks next;
 - `dispatch`, `placement`, `backfill`: which queued experiment starts on which free slots now
   (gang reservations across nodes, EASY backfill, topology);

@@ -5,14 +5,14 @@ those starting beside it later; its record names them (`co_runners_of`), so an e
 beside others can be told from one measured alone. The holders are the gang keys' owners
 ("job/experiment", workers.state.gang).
 
-Why one script: at each start the owners of the busy slots beside it and their running launches
-are read in one round trip (`beside`); the updates of those launches go into the starting launch's
-own transaction (`scheduler.cluster.dispatch._start`). Reading each owner job's whole running hash
+Why one read: at each start the owners of the busy slots beside it and their running launches
+are read in one round trip (`beside`, through `stores.BaseActiveJobs.lease_owners`: one script over
+Redis); the updates of those launches go into the starting launch's own transaction
+(`stores.BaseActiveJobs.start_beside`). Reading each owner job's whole running hash
 (as this did first) cost a pass after a completion 10 ms a start at 1,024 slots (bench/scale.py).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
@@ -20,26 +20,8 @@ import redis
 
 from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.launches import FinishSpec, RunningLaunch
-from workers.state import keys
+from scheduler.cluster.stores import BaseActiveJobs
 from workers.device.slot import Slot
-
-_BESIDE = """
--- KEYS      the gang keys of the busy slots beside a starting launch
--- ARGV[1]   the running hash's key before the job's name, ARGV[2] after it
--- returns {owner, its running launch (JSON) or false, ...}, once per owner "job/experiment"
-local seen, found = {}, {}
-for i = 1, #KEYS do
-  local token = redis.call('GET', KEYS[i])
-  local owner = token and string.match(token, '^(.*)#[^#]*$')
-  if owner and not seen[owner] then
-    seen[owner] = true
-    local job, name = string.match(owner, '^(.*)/([^/]*)$')
-    found[#found + 1] = owner
-    found[#found + 1] = job and redis.call('HGET', ARGV[1] .. job .. ARGV[2], name) or false
-  end
-end
-return found
-"""
 
 
 def queues_by_node(slots: Iterable[Slot]) -> dict[str, list[str]]:
@@ -50,7 +32,7 @@ def queues_by_node(slots: Iterable[Slot]) -> dict[str, list[str]]:
     return found
 
 
-def beside(client: redis.Redis, key: str, placement: Sequence[Sequence[Slot]], by_node: Mapping[str, list[str]],
+def beside(jobs: BaseActiveJobs, key: str, placement: Sequence[Sequence[Slot]], by_node: Mapping[str, list[str]],
            busy: Collection[str]) -> tuple[list[str], list[tuple[str, RunningLaunch]]]:
     """For launch `key` ("job/experiment") starting on `placement`: its co-runners (the owners of
     the busy slots on its nodes, `by_node`: `queues_by_node`), and the running launches among them
@@ -61,15 +43,11 @@ def beside(client: redis.Redis, key: str, placement: Sequence[Sequence[Slot]], b
     mates = sorted(queue for node in nodes for queue in by_node.get(node, ()) if queue in busy and queue not in taken)
     if not mates:
         return [], []
-    before, _, after = keys.job_running("\0").partition("\0")
-    found = client.register_script(_BESIDE)(keys=[keys.gang(queue) for queue in mates], args=[before, after])
     owners, updates = [], []
-    for owner_raw, raw in zip(found[::2], found[1::2]):
-        owner = owner_raw.decode()
+    for owner, other in jobs.lease_owners(mates):
         if owner == key:
             continue
         owners.append(owner)
-        other = RunningLaunch.from_json(json.loads(raw)) if raw is not None else None
         if other is not None and key not in other.co_runners:
             updates.append((owner.rpartition("/")[0], replace(other, co_runners=[*other.co_runners, key])))
     return sorted(owners), updates

@@ -20,6 +20,10 @@ for it. A job pinned to named slots (`python -m scheduler.run` with a hostfile) 
 those. Estimates: a waiting experiment's time limit; a running one ends at its start plus the mean
 wall time of finished experiments of the same (stage, micro batch) in its job, or its time limit.
 
+A pass reads and writes through the stores only (`dispatch_in`: the slots' `BaseSlotStore`, the
+jobs' `stores.BaseActiveJobs`) and sends through `Work`, so its decisions run over the in-memory
+twins in tests/unit; `dispatch` is the pass over Redis.
+
 The other ends of a launch are apart: `scheduler.cluster.finish` records how it ended (the chord
 callback), `scheduler.cluster.sweep` finds the launches that will never report (lost).
 """
@@ -38,12 +42,11 @@ import redis
 from scheduler.cluster.backfill import POLICIES, Policy, Waiting, estimate_run_s
 from scheduler.errors import ClusterError
 from scheduler.cluster.co_runners import beside, queues_by_node
-from scheduler.cluster.dispatch_reads import Heads, job_heads, running_by_job, show_all, walls_by_job
-from scheduler.cluster.job_store import JobStore
-from scheduler.cluster.jobs import JobSpec, active_specs, end, load_spec
+from scheduler.cluster.dispatch_reads import RedisActiveJobs
+from scheduler.cluster.jobs import JobSpec
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.report.outputs import write_experiment_descriptions
-from scheduler.cluster.stores import BaseJobStore
+from scheduler.cluster.stores import BaseActiveJobs, BaseJobStore, Heads
 from scheduler.cluster.placement import fits_ever, gang_link, is_loopback, largest_shape, pinned_placement
 from scheduler.search.space import Experiment
 from scheduler.cluster.work import RankLaunch, Work
@@ -76,19 +79,24 @@ def cluster_lock(client: redis.Redis):
 
 
 def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = POLICIES) -> None:
-    """Start every queued experiment the policy allows now (module docstring). `policies` are the
-    placement policies by the name a job asks for (bench/scale.py passes timed ones).
+    """Start every queued experiment the policy allows now (module docstring), over Redis. `policies`
+    are the placement policies by the name a job asks for (bench/scale.py passes timed ones)."""
+    dispatch_in(RedisSlotStore(client), RedisActiveJobs(client), work, policies)
+
+
+def dispatch_in(state: BaseSlotStore, jobs_store: BaseActiveJobs, work: Work,
+                policies: Mapping[str, Policy] = POLICIES) -> None:
+    """`dispatch` over the stores given: the slots' (`state`) and the active jobs' (`jobs_store`).
 
     A pass that finds fewer free slots than the smallest waiting gang needs decides nothing: it only
     checks that each waiting shape could run on the cluster at all (memoised per registration epoch,
     workers.state.slot_view) and publishes the jobs' states, so its cost does not grow with the slots."""
-    specs = active_specs(client)
+    specs = [JobSpec.from_json(raw) for raw in jobs_store.active_spec_jsons()]
     if not specs:
         return
-    state = RedisSlotStore(client)
     view = state.read_view()  # free slots, slots marked out of tuning (others' memory: no known end)
     slots, sick = view.slots, view.sick
-    read = job_heads(client, [spec.job for spec in specs], len(view.free))  # only what could matter now
+    read = jobs_store.heads([spec.job for spec in specs], len(view.free))  # only what could matter now
     queued = {job: found.launches for job, found in read.items()}
     waiting = sorted(((launch.seq, spec, launch) for spec in specs for launch in queued[spec.job]),
                      key=lambda item: item[0])
@@ -102,17 +110,17 @@ def dispatch(client: redis.Redis, work: Work, policies: Mapping[str, Policy] = P
         if spec.job in refused:
             continue
         if spec.pinned is not None:
-            if not _start_pinned(client, state, work, spec, launch, slots, busy, started):
+            if not _start_pinned(jobs_store, state, work, spec, launch, slots, busy, started):
                 refused.add(spec.job)
-        elif _fits_or_refused(JobStore(client, spec.job), spec, launch, slots, view.memo, cleared, sick):
+        elif _fits_or_refused(jobs_store.store(spec.job), spec, launch, slots, view.memo, cleared, sick):
             free_waiting.append((spec, launch))
-        elif load_spec(client, spec.job) is None:
+        elif not jobs_store.store(spec.job).spec_json():
             refused.add(spec.job)
     jobs = {spec.job: spec for spec in specs if spec.job not in refused}
     if placing and free_waiting:
         assert busy is not None
-        _place_and_start(client, state, work, policies, specs, jobs, free_waiting, slots, busy, sick, started)
-    _publish_states(client, jobs, read, started, sick, [job for job, pending in cleared.items() if pending])
+        _place_and_start(jobs_store, state, work, policies, specs, jobs, free_waiting, slots, busy, sick, started)
+    _publish_states(jobs_store, jobs, read, started, sick, [job for job, pending in cleared.items() if pending])
 
 
 def _gang_size(spec: JobSpec, launch: QueuedLaunch) -> int:
@@ -122,7 +130,7 @@ def _gang_size(spec: JobSpec, launch: QueuedLaunch) -> int:
     return launch.exp["num_nodes"] * launch.exp["num_gpus"]
 
 
-def _place_and_start(client: redis.Redis, state: BaseSlotStore, work: Work, policies: Mapping[str, Policy],
+def _place_and_start(jobs_store: BaseActiveJobs, state: BaseSlotStore, work: Work, policies: Mapping[str, Policy],
                      specs: list[JobSpec],
                      jobs: dict[str, JobSpec], free_waiting: list[tuple[JobSpec, QueuedLaunch]], slots: list[Slot],
                      busy: set[str], sick: Mapping[str, dict], started: set[tuple[str, str]]) -> None:
@@ -135,7 +143,7 @@ def _place_and_start(client: redis.Redis, state: BaseSlotStore, work: Work, poli
                      launch.exp.get("min_memory", 0), spec.slot_kind, bool(launch.exp.get("exclusive")),
                      pool_of(spec))
              for key, (spec, launch) in by_key.items()]
-    frees_at = {**_frees_at(client, jobs, busy, slots), **dict.fromkeys(sick, math.inf)}
+    frees_at = {**_frees_at(jobs_store, jobs, busy, slots), **dict.fromkeys(sick, math.inf)}
     by_node = queues_by_node(slots)
     for key, placement in policy(items, slots, frees_at, time.time()):
         spec, launch = by_key[key]
@@ -143,12 +151,12 @@ def _place_and_start(client: redis.Redis, state: BaseSlotStore, work: Work, poli
         token = state.reserve(queues, spec.lease_s, owner=key)
         if token is None:
             break  # taken between our read and now (cannot happen under the lock; be safe)
-        _start(client, work, spec, launch, placement, token, by_node, busy)
+        _start(jobs_store, work, spec, launch, placement, token, by_node, busy)
         busy.update(queues)
         started.add((spec.job, launch.name))
 
 
-def _publish_states(client: redis.Redis, jobs: dict[str, JobSpec], read: Mapping[str, Heads],
+def _publish_states(jobs_store: BaseActiveJobs, jobs: dict[str, JobSpec], read: Mapping[str, Heads],
                     started: set[tuple[str, str]], sick: Mapping[str, dict], misfits_cleared: list[str]) -> None:
     """What `python -m scheduler.autotune --status` shows for each active job (its queue and running
     launches as the pass read them, with those it started), and the misfits this pass cleared: one
@@ -165,10 +173,10 @@ def _publish_states(client: redis.Redis, jobs: dict[str, JobSpec], read: Mapping
                 describe(queue, mark) for queue, mark in sorted(sick.items()))
         shown[job] = {"results_dir": spec.results_root, "pending": depth, "running": ",".join(sorted(running)) or "-",
                       "head": head["name"] if head else "-", "head_waits": waits, "updated": round(time.time(), 1)}
-    show_all(client, shown, misfits_cleared)
+    jobs_store.show_all(shown, misfits_cleared)
 
 
-def _start_pinned(client: redis.Redis, state: BaseSlotStore, work: Work, spec: JobSpec, launch: QueuedLaunch,
+def _start_pinned(jobs_store: BaseActiveJobs, state: BaseSlotStore, work: Work, spec: JobSpec, launch: QueuedLaunch,
                   slots: list[Slot], busy: set[str] | None, started: set[tuple[str, str]]) -> bool:
     """Every experiment of a pinned job wants the same named slots: they run one after another.
     False when the job was refused (a named slot has no live worker). `busy` None: too few slots
@@ -177,7 +185,7 @@ def _start_pinned(client: redis.Redis, state: BaseSlotStore, work: Work, spec: J
     try:
         placement = pinned_placement(slots, {q for node in named for q in node} if busy is None else busy, named)
     except ClusterError as exc:
-        end(client, spec.job, {"kind": "failed", "error": str(exc), "usage": True})
+        jobs_store.store(spec.job).end({"kind": "failed", "error": str(exc), "usage": True})
         return False
     if placement is None:
         return True
@@ -185,7 +193,7 @@ def _start_pinned(client: redis.Redis, state: BaseSlotStore, work: Work, spec: J
     token = state.reserve(queues, spec.lease_s, owner=f"{spec.job}/{launch.name}")
     if token is not None:
         assert busy is not None  # a pass that places nothing has no placement here
-        _start(client, work, spec, launch, placement, token, queues_by_node(slots), busy)
+        _start(jobs_store, work, spec, launch, placement, token, queues_by_node(slots), busy)
         busy.update(queues)
         started.add((spec.job, launch.name))
     return True
@@ -272,14 +280,14 @@ def refusal(exp: dict[str, Any], slots: list[Slot], kind: str = "") -> str:
             + f"; use --num_nodes {min(nodes, exp['num_nodes'])} --num_gpus {per_node} or fewer")
 
 
-def _frees_at(client: redis.Redis, jobs: dict[str, JobSpec], busy: set[str],
+def _frees_at(jobs_store: BaseActiveJobs, jobs: dict[str, JobSpec], busy: set[str],
               slots: Sequence[Slot]) -> dict[str, float]:
     """When each busy slot should free: our jobs' running experiments from their start plus their
     shape's mean wall time (or the time limit); slots held by anything else: unknown (infinite).
     While an exclusive experiment runs (a finalist re-measured with its nodes otherwise idle), every
     slot of its nodes counts as busy until it ends, so nothing is placed beside it."""
-    running = running_by_job(client, list(jobs))
-    walls = walls_by_job(client, {job: sorted({_shape(launch.exp) for launch in launches})
+    running = jobs_store.running_by_job(list(jobs))
+    walls = jobs_store.walls_by_job({job: sorted({_shape(launch.exp) for launch in launches})
                                   for job, launches in running.items()})
     return _estimated_frees_at(jobs, running, walls, busy, slots)
 
@@ -308,12 +316,11 @@ def _shape(exp: dict[str, Any]) -> str:
     return f"{exp['stage']}/{exp['micro_batch_size']}"
 
 
-def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch, placement: list[list[Slot]],
+def _start(jobs_store: BaseActiveJobs, work: Work, spec: JobSpec, queued: QueuedLaunch, placement: list[list[Slot]],
            token: str, by_node: Mapping[str, list[str]], busy: set[str]) -> None:
     """Send the experiment's chord to its reserved slots; the launch is recorded in Redis first (its
     exp_id taken there), in one transaction with the launches beside it that now name it as a co-runner."""
     exp = Experiment.from_json(queued.exp)
-    store = JobStore(client, spec.job)
     queues = [slot.queue for node in placement for slot in node]
     attempt = uuid.uuid4().hex
     task_ids = {queue: uuid.uuid4().hex for queue in queues}
@@ -321,14 +328,11 @@ def _start(client: redis.Redis, work: Work, spec: JobSpec, queued: QueuedLaunch,
     build_s = PREBUILD_TIMEOUT_S if needed_op_builders(exp.ds_config) else 0.0  # before the script: workers.slot.op_prebuild
     if any(slot.kind == "cuda" for node in placement for slot in node):  # a wait for a free GPU before and after
         build_s += 2 * gpu_wait_s(os.environ.get("AUTOTUNE_GPU_WAIT_S"))  # the script (workers.device.device_idle)
-    co_runners, beside_updates = beside(client, f"{spec.job}/{exp.name}", placement, by_node, busy)
-    pipe = client.pipeline(transaction=True)
-    for job, other in beside_updates:
-        JobStore(client, job).update_running(other, pipe)
-    exp_id = store.start(queued, RunningLaunch(
+    co_runners, beside_updates = beside(jobs_store, f"{spec.job}/{exp.name}", placement, by_node, busy)
+    exp_id = jobs_store.start_beside(spec.job, queued, RunningLaunch(
         seq=queued.seq, exp=queued.exp, argv=queued.argv, attempt=attempt, queues=queues, token=token,
         rank_tasks=task_ids, started=now, deadline=now + spec.timeout_s + spec.lost_grace_s + build_s,
-        instances={slot.queue: slot.instance for node in placement for slot in node}, co_runners=co_runners), pipe)
+        instances={slot.queue: slot.instance for node in placement for slot in node}, co_runners=co_runners), beside_updates)
     description = {"name": exp.name, "exp_id": exp_id, "ds_config": exp.ds_config, "num_gpus": exp.num_gpus,
                    "num_nodes": exp.num_nodes, "result_dir": str(safe_child(spec.results_root, exp.name)),
                    "slots": queues, "user_script": queued.argv[0], "user_args": queued.argv[1:]}

@@ -1,6 +1,7 @@
 """What a dispatch pass reads and writes across every active job, one round trip each: the waiting
 launches that can matter, the running launches and their shapes' wall times, the states `--status`
-shows.
+shows, the owners of the leases beside a starting launch, and its start with theirs. `RedisActiveJobs`
+is `stores.BaseActiveJobs` over these; its in-memory twin is `memory_store.InMemoryActiveJobs`.
 
 Apart from `scheduler.cluster.job_store` (one job's keys) because these span jobs and exist for
 one reader, `scheduler.cluster.dispatch`, whose cost they bound.
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis
 
+from scheduler.cluster.job_store import JobStore, active_spec_jsons
 from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
+from scheduler.cluster.stores import Heads
 from workers.state import keys
 
 
@@ -47,12 +50,23 @@ return found
 """
 
 
-class Heads(NamedTuple):
-    """What a dispatch pass reads of one job's queue (`job_heads`)."""
-
-    launches: list[QueuedLaunch]  #: the waiting launches that can matter, in submission order
-    depth: int  #: how many wait in all
-    running: set[str]  #: the names of its running launches
+_BESIDE = """
+-- KEYS      the gang keys of the busy slots beside a starting launch
+-- ARGV[1]   the running hash's key before the job's name, ARGV[2] after it
+-- returns {owner, its running launch (JSON) or false, ...}, once per owner "job/experiment"
+local seen, found = {}, {}
+for i = 1, #KEYS do
+  local token = redis.call('GET', KEYS[i])
+  local owner = token and string.match(token, '^(.*)#[^#]*$')
+  if owner and not seen[owner] then
+    seen[owner] = true
+    local job, name = string.match(owner, '^(.*)/([^/]*)$')
+    found[#found + 1] = owner
+    found[#found + 1] = job and redis.call('HGET', ARGV[1] .. job .. ARGV[2], name) or false
+  end
+end
+return found
+"""
 
 
 def heads(client: redis.Redis, jobs: list[str], free_slots: int) -> dict[str, list[QueuedLaunch]]:
@@ -101,3 +115,48 @@ def show_all(client: redis.Redis, shown: dict[str, dict[str, Any]], misfits_clea
     for job, fields in shown.items():
         pipe.hset(keys.job_state(job), mapping=fields)
     pipe.execute()
+
+
+def lease_owners(client: redis.Redis, queues: list[str]) -> list[tuple[str, RunningLaunch | None]]:
+    """`stores.BaseActiveJobs.lease_owners`, in one script."""
+    if not queues:
+        return []
+    before, _, after = keys.job_running("\0").partition("\0")
+    found = client.register_script(_BESIDE)(keys=[keys.gang(queue) for queue in queues], args=[before, after])
+    return [(owner.decode(), RunningLaunch.from_json(json.loads(raw)) if raw is not None else None)
+            for owner, raw in zip(found[::2], found[1::2])]
+
+
+class RedisActiveJobs:
+    """`stores.BaseActiveJobs` in Redis: the functions above, and one transaction for a start."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+
+    def store(self, job: str) -> JobStore:
+        return JobStore(self.client, job)
+
+    def active_spec_jsons(self) -> list[bytes]:
+        return active_spec_jsons(self.client)
+
+    def heads(self, jobs: list[str], free_slots: int) -> dict[str, Heads]:
+        return job_heads(self.client, jobs, free_slots)
+
+    def running_by_job(self, jobs: list[str]) -> dict[str, list[RunningLaunch]]:
+        return running_by_job(self.client, jobs)
+
+    def walls_by_job(self, shapes: dict[str, list[str]]) -> dict[str, dict[str, list[float]]]:
+        return walls_by_job(self.client, shapes)
+
+    def show_all(self, shown: dict[str, dict[str, Any]], misfits_cleared: Iterable[str] = ()) -> None:
+        show_all(self.client, shown, misfits_cleared)
+
+    def lease_owners(self, queues: list[str]) -> list[tuple[str, RunningLaunch | None]]:
+        return lease_owners(self.client, queues)
+
+    def start_beside(self, job: str, queued: QueuedLaunch, launch: RunningLaunch,
+                     beside: list[tuple[str, RunningLaunch]]) -> int:
+        pipe = self.client.pipeline(transaction=True)
+        for other_job, other in beside:
+            JobStore(self.client, other_job).update_running(other, pipe)
+        return JobStore(self.client, job).start(queued, launch, pipe)

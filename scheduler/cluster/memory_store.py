@@ -1,5 +1,6 @@
 """The job store in memory: `stores.BaseJobStore` over plain dicts, the twin of the Redis
-`scheduler.cluster.job_store.JobStore`.
+`scheduler.cluster.job_store.JobStore`; and `stores.BaseActiveJobs` over it, the twin of
+`scheduler.cluster.dispatch_reads.RedisActiveJobs`.
 
 Why a twin: the control path's decisions (dispatch's refusals and misfit grace, the sweep's retry or
 give-up, finish's uncounted requeue, the estimates of when busy slots free) are tested with it in
@@ -16,7 +17,9 @@ How it keeps the Redis store's semantics:
   which a test passes and moves on; a key past its time reads as absent, as in Redis;
 - the shape index: a queued launch is also filed under its shape (`QueuedLaunch.shape`) and taken out
   of it on unqueue, the shape itself staying known, as in Redis (dispatch's heads read it);
-- `next_event` does not block: nothing else can push an event while it waits.
+- `next_event` does not block: nothing else can push an event while it waits;
+- the leases' owners beside a start are read from the slots' store the twin is given
+  (`BaseSlotStore.owners`), where Redis reads the gang keys in the same script.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from typing import Any
 
 from scheduler.cluster import job_store
 from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
-from scheduler.cluster.stores import StepReads
+from scheduler.cluster.stores import Heads, StepReads
+from workers.state.store import BaseSlotStore
 
 
 @dataclass
@@ -270,3 +274,59 @@ class InMemoryJobStore:
 
     def shown(self) -> dict[str, str]:
         return dict(self._k.state)
+
+
+class InMemoryActiveJobs:
+    """Every active job of a `MemoryJobs` at once (`stores.BaseActiveJobs`), with the slots' store
+    whose leases name the launches' owners."""
+
+    def __init__(self, db: MemoryJobs, slots: BaseSlotStore) -> None:
+        self.db, self.slots = db, slots
+
+    def store(self, job: str) -> InMemoryJobStore:
+        return self.db.store(job)
+
+    def active_spec_jsons(self) -> list[bytes]:
+        order = sorted(self.db.order, key=lambda job: (self.db.order[job], job))
+        return [spec for job in order if (spec := self.store(job).spec_json()) is not None]
+
+    def heads(self, jobs: list[str], free_slots: int) -> dict[str, Heads]:
+        found = {}
+        for job in jobs:
+            held = self.db._job(job)
+            names: list[str] = []
+            for shape, seqs in held.shapes.items():
+                nodes, _, rest = shape.partition("x")
+                per_launch = max(1, int(nodes) * int(rest.partition(":")[0]))
+                names += sorted(seqs, key=lambda name: (seqs[name], name))[:free_slots // per_launch + 1]
+            launches = self.store(job).queued(names)
+            found[job] = Heads(sorted(launches, key=lambda launch: launch.seq), len(held.queue), set(held.running))
+        return found
+
+    def running_by_job(self, jobs: list[str]) -> dict[str, list[RunningLaunch]]:
+        return {job: list(self.store(job).running().values()) for job in jobs}
+
+    def walls_by_job(self, shapes: dict[str, list[str]]) -> dict[str, dict[str, list[float]]]:
+        return {job: self.store(job).walls(wanted) for job, wanted in shapes.items() if wanted}
+
+    def show_all(self, shown: dict[str, dict[str, Any]], misfits_cleared: Iterable[str] = ()) -> None:
+        for job in misfits_cleared:
+            self.store(job).clear_misfit()
+        for job, fields in shown.items():
+            self.store(job).show(fields)
+
+    def lease_owners(self, queues: list[str]) -> list[tuple[str, RunningLaunch | None]]:
+        owners = self.slots.owners(queues)
+        found = {}
+        for queue in queues:
+            owner = owners.get(queue)
+            if owner is not None and owner not in found:
+                job, slash, name = owner.rpartition("/")
+                found[owner] = self.store(job).running_of([name]).get(name) if slash else None
+        return list(found.items())
+
+    def start_beside(self, job: str, queued: QueuedLaunch, launch: RunningLaunch,
+                     beside: list[tuple[str, RunningLaunch]]) -> int:
+        for other_job, other in beside:
+            self.store(other_job).update_running(other)
+        return self.store(job).start(queued, launch)

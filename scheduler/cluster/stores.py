@@ -6,6 +6,9 @@ and they are tested without a redis-server through the in-memory twin
 (`scheduler.cluster.memory_store.InMemoryJobStore`); the Redis store (`scheduler.cluster.job_store.JobStore`)
 keeps the same contract, checked against both by tests/redis/test_job_store_contract.py. The slots'
 state (registrations, leases, health) has its own store beside this one, `workers.state.store.BaseSlotStore`.
+What a dispatch pass reads and writes across every active job at once is `BaseActiveJobs`, with the
+Redis `scheduler.cluster.dispatch_reads.RedisActiveJobs` and the twin
+`scheduler.cluster.memory_store.InMemoryActiveJobs`.
 
 What each implementation promises is written once, on the methods below. Every method is atomic: no
 other reader sees half of it (Redis: one command, a MULTI transaction or one Lua script; in memory:
@@ -29,6 +32,14 @@ class StepReads(NamedTuple):
     order: float | None  #: `BaseJobStore.order`
     queued: set[str]  #: `BaseJobStore.queued_names`
     running: set[str]  #: `BaseJobStore.running_names`
+
+
+class Heads(NamedTuple):
+    """What a dispatch pass reads of one job's queue (`BaseActiveJobs.heads`)."""
+
+    launches: list[QueuedLaunch]  #: the waiting launches that can matter, in submission order
+    depth: int  #: how many wait in all
+    running: set[str]  #: the names of its running launches
 
 
 class BaseJobStore(Protocol):
@@ -161,3 +172,38 @@ class BaseJobStore(Protocol):
 
     def shown(self) -> dict[str, str]:
         """The job's state fields: what `show`, `set_phase`, `announce`, `start` and the misfit clock wrote."""
+
+
+class BaseActiveJobs(Protocol):
+    """Every active job at once: what a dispatch pass reads and writes across jobs, each in one
+    round trip over Redis (`scheduler.cluster.dispatch_reads`), and each job's own store."""
+
+    def store(self, job: str) -> BaseJobStore:
+        """The job's store."""
+
+    def active_spec_jsons(self) -> list[bytes]:
+        """The active jobs' specs (JSON), in submission order."""
+
+    def heads(self, jobs: list[str], free_slots: int) -> dict[str, Heads]:
+        """Per job: the waiting launches that can matter to a pass with `free_slots` free slots (of
+        each shape, the first `free_slots // slots per launch + 1` by submission order), in
+        submission order; its queue's depth; its running names."""
+
+    def running_by_job(self, jobs: list[str]) -> dict[str, list[RunningLaunch]]:
+        """Each job's running launches."""
+
+    def walls_by_job(self, shapes: dict[str, list[str]]) -> dict[str, dict[str, list[float]]]:
+        """job -> shape -> wall times, for the asked shapes that have any (a job asking none: absent)."""
+
+    def show_all(self, shown: dict[str, dict[str, Any]], misfits_cleared: Iterable[str] = ()) -> None:
+        """`clear_misfit` of each job in `misfits_cleared`, then `show` of each job's fields."""
+
+    def lease_owners(self, queues: list[str]) -> list[tuple[str, RunningLaunch | None]]:
+        """The owners ("job/experiment", named at `BaseSlotStore.reserve`) of the leases on `queues`,
+        once each in the order of `queues`, each with its job's running launch of that name (None:
+        none, or an owner that names no job)."""
+
+    def start_beside(self, job: str, queued: QueuedLaunch, launch: RunningLaunch,
+                     beside: list[tuple[str, RunningLaunch]]) -> int:
+        """`update_running` of each (job, launch) in `beside`, then `store(job).start(queued, launch)`,
+        as one atomic step; returns the exp_id."""

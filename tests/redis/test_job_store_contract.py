@@ -16,7 +16,6 @@ from dataclasses import replace
 import pytest
 
 from scheduler.cluster import job_store
-from scheduler.cluster.dispatch_reads import running_by_job, walls_by_job
 from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
 from scheduler.cluster.memory_store import MemoryJobs
@@ -278,20 +277,3 @@ class TestJobStoreContract:
         assert two.step_reads() == StepReads(None, set(), {}, None, set(), set())
         assert two.walls(["s"]) == {} and two.shown() == {} and two.next_event(0.01) is None
 
-
-def test_the_cross_job_reads_agree_with_each_jobs_store(client) -> None:
-    """Dispatch reads the running launches and wall times of every active job in one round trip
-    (`dispatch_reads`); its decisions are tested over one store per job (tests/unit), so the
-    cross-job reads must return what each job's store does."""
-    one, two, idle = JobStore(client, "one"), JobStore(client, "two"), JobStore(client, "idle")
-    for store, names in ((one, ("a", "b")), (two, ("c",))):
-        for seq, name in enumerate(names):
-            store.update_running(running(queued(name, seq)))
-    one.add_wall("0/1", 1.5)
-    one.add_wall("0/1", 2.5)
-    two.add_wall("2/8", 4.0)
-    found = running_by_job(client, ["one", "two", "idle"])
-    assert {job: {launch.name: launch for launch in launches} for job, launches in found.items()} == {
-        "one": one.running(), "two": two.running(), "idle": idle.running()}
-    assert walls_by_job(client, {"one": ["0/1", "x"], "two": ["2/8"], "idle": []}) == {
-        "one": one.walls(["0/1", "x"]), "two": two.walls(["2/8"])} == {"one": {"0/1": [1.5, 2.5]}, "two": {"2/8": [4.0]}}
