@@ -1,7 +1,7 @@
-"""Dispatch, finish and sweep (`scheduler.cluster.dispatch`, `.finish`, `.sweep`) against a real redis-server, with no Celery: slots are registered
-by writing their keys, `RecordedWork` (conftest) keeps what would be sent, and every expectation is
-read back from the raw keys (running hash, gang keys and their TTLs, state hash, events list) and
-compared with values worked out by hand.
+"""Dispatch, finish and sweep (`scheduler.cluster.dispatch`, `.finish`, `.sweep`) against a real
+redis-server, with no Celery: slots are registered by writing their keys, `RecordedWork` (conftest)
+keeps what would be sent, and every expectation is read back from the raw keys (running hash, gang
+keys and their TTLs, state hash, events list) and compared with values worked out by hand.
 
 Here: what only Redis shows: a pass's raw keys (gang keys and their TTLs, the queue's shape index),
 the beside script across jobs, the cluster lock, the chord callback's pipeline and its round trip,
@@ -9,13 +9,12 @@ the sweep over Redis, and a launch Redis forgot. The decisions are tested over t
 (their contracts with Redis: tests/redis/*_contract.py): whole dispatch passes
 (tests/unit/test_dispatch_passes.py, test_dispatch_refusals.py), a shape's refusal and grace, when busy
 slots free (test_dispatch_decisions.py); why a launch is lost, its retry or give-up, its requeue for a
-busy GPU (test_sweep_decisions.py)."""
+busy GPU, whole sweeps over every job (test_sweep_decisions.py)."""
 from __future__ import annotations
 
 import json
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -286,39 +285,6 @@ def test_the_attempt_cap_ends_in_lost(client: redis.Redis, work, tmp_path: Path)
     assert client.smembers(keys.job_recorded("capped")) == {launch.name.encode()}
     # recorded once; with nothing running or queued its step is due at every sweep (and would end it)
     assert sweep(client, work) == {"capped"} and len(events(client, "capped")) == 1
-
-
-def test_sweep_checks_every_running_launch_of_every_job(client: redis.Redis, work, tmp_path: Path) -> None:
-    register(client, make_slot("n0", 0), make_slot("n0", 1), make_slot("n0", 2))
-    now = time.time()
-    specs = {job: make_spec(tmp_path, job, max_attempts=1, lease_s=120.0) for job in ("j1", "j2", "j3")}
-    gangs = GangReservations(client)
-    for i, (job, spec) in enumerate(specs.items()):
-        submit(client, work, spec)
-        token = gangs.reserve([f"n0.gpu{i}"], 60)
-        due = now - 1 if job != "j2" else now + 500
-        JobStore(client, job).update_running(RunningLaunch(1, exp(f"e{i}"), ["t.py"], "att", [f"n0.gpu{i}"], token,
-                                                           {f"n0.gpu{i}": f"t{i}"}, now, due,
-                                                           {f"n0.gpu{i}": f"inst-n0-{i}"}))
-    client.hset(keys.job_attempts("j3"), "e2", 1)
-    assert sweep(client, work) == {"j3"}  # j1's first attempt waits again; j3's is recorded lost
-    assert sorted(work.revoked) == ["t0", "t2"] and gangs.held(["n0.gpu0", "n0.gpu1", "n0.gpu2"]) == {"n0.gpu1"}
-    assert client.hkeys(keys.job_queue("j1")) == [b"e0"] and client.smembers(keys.job_recorded("j3")) == {b"e2"}
-    assert list(running(client, "j2")) == ["e1"]
-    # a launch whose lease lapsed while its rank stayed silent is lost too
-    client.delete(keys.gang("n0.gpu1"))
-    JobStore(client, "j2").update_running(replace(running(client, "j2")["e1"], started=now - 200))
-    client.hset(keys.job_attempts("j2"), "e1", 1)
-    assert sweep(client, work) == {"j2", "j3"} and work.revoked[-1] == "t1"  # j3: nothing running or queued
-    assert json.loads((tmp_path / "j2" / "e1" / "result.json").read_text())["cause"]["error"] == (
-        "the lease of n0.gpu1 expired: its rank stopped renewing it (worker or node gone); gave up after 1 attempts")
-    JobStore(client, "j2").update_running(RunningLaunch(1, exp("e1"), ["t.py"], "att2", ["n0.gpu1"], "x",
-                                                        {"n0.gpu1": "t1"}, time.time(), now + 500,
-                                                        {"n0.gpu1": "inst-n0-1"}))
-    # a slot whose worker vanished is noted in the running launch by the sweep itself
-    client.delete(keys.slot("n0.gpu1"))
-    assert sweep(client, work) == {"j3"}  # not j2: its launch is not lost yet
-    assert running(client, "j2")["e1"].missing_since is not None
 
 
 def test_the_record_of_a_launch_redis_forgot_answers_its_experiment(client: redis.Redis, work, tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """The ends of a launch decided over the in-memory job store (`scheduler.cluster.memory_store`), with
 no redis-server: which running launch is lost and why (`sweep._why_lost`), a lost launch's retry or
 give-up (`sweep._lose`), the uncounted requeue of a launch that found its GPU busy
-(`finish.requeue_uncounted`).
+(`finish.requeue_uncounted`), and whole sweeps over every job (`sweep.sweep_jobs`).
 
 tests/redis/test_job_store_contract.py runs the store's contract against the twin and Redis alike;
 what these decisions meet only in Redis (the slot registry, the gang leases' Lua, a sweep's round
@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from memory_cluster import Cluster, make_slot
 from scheduler.cluster.finish import requeue_uncounted
+from scheduler.cluster.jobs import JobSpec
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.cluster.memory_store import MemoryJobs
-from scheduler.cluster.sweep import SLOT_GONE_S, _lose, _why_lost
+from scheduler.cluster.sweep import SLOT_GONE_S, _lose, _why_lost, sweep_jobs
 from test_dispatch_decisions import events, exp, make_spec
 
 GiB = 2**30
@@ -190,3 +193,63 @@ def test_a_launch_not_started_for_a_busy_gpu_waits_again_uncounted(tmp_path: Pat
     assert store.attempts_of("a") == 0 and events(store) == []
     store.start(launch.queued(), launch.__class__.from_json({**launch.to_json(), "attempt": "newer"}))
     assert requeue_uncounted(store, finish, busy) is False and store.running_names() == {"a"}  # another attempt's
+
+
+# ---------------------------------------------------------------- whole sweeps over the in-memory stores
+
+
+class Stopped:
+    """The message layer as a sweep's stop uses it (`jobs.stop_launch`): the revoked rank tasks."""
+
+    def __init__(self) -> None:
+        self.revoked: list[str] = []
+
+    def finished(self, task_id: str) -> bool:
+        return False
+
+
+def test_sweep_checks_every_running_launch_of_every_job(tmp_path: Path) -> None:
+    """`sweep.sweep_jobs` over the slots' and the jobs' stores: three jobs with one launch each; j1's
+    and j3's are past their deadline, j2's is due later. j1 has an attempt left, j3 none."""
+    cluster = Cluster()
+    cluster.register(make_slot("n0", 0), make_slot("n0", 1), make_slot("n0", 2))
+    work = Stopped()
+
+    def stop(launch: RunningLaunch) -> None:  # jobs.stop_launch, without the hosts' clean-up
+        work.revoked.extend(launch.rank_tasks.values())
+        cluster.slots.release(launch.queues, launch.token)
+
+    def sweep(now: float) -> set[str]:
+        specs = [JobSpec.from_json(raw) for raw in cluster.jobs.active_spec_jsons()]
+        return sweep_jobs(cluster.slots, specs, cluster.jobs.store, work, stop, now)
+
+    now = 5000.0
+    for i, job in enumerate(("j1", "j2", "j3")):
+        cluster.submit(make_spec(tmp_path, job, max_attempts=1, lease_s=120.0))
+        token = cluster.slots.reserve([f"n0.gpu{i}"], 60)
+        due = now - 1 if job != "j2" else now + 500
+        launch = RunningLaunch(1, exp(f"e{i}"), ["t.py"], "att", [f"n0.gpu{i}"], token, {f"n0.gpu{i}": f"t{i}"},
+                               now, due, {f"n0.gpu{i}": f"inst-n0-{i}"})
+        if job == "j3":
+            cluster.jobs.store(job).start(launch.queued(), launch)  # its one attempt counted
+        else:
+            cluster.jobs.store(job).update_running(launch)
+    assert sweep(now) == {"j3"}  # j1's first attempt waits again; j3's is recorded lost
+    assert sorted(work.revoked) == ["t0", "t2"]
+    assert cluster.slots.held(["n0.gpu0", "n0.gpu1", "n0.gpu2"]) == {"n0.gpu1"}
+    assert cluster.jobs.store("j1").queued_names() == {"e0"} and cluster.jobs.store("j3").recorded() == {"e2"}
+    assert list(cluster.running("j2")) == ["e1"]
+    # a launch whose lease lapsed while its rank stayed silent is lost too
+    e1 = cluster.running("j2")["e1"]
+    cluster.slot_db.leases.delete("n0.gpu1")
+    cluster.jobs.store("j2").start(e1.queued(), replace(e1, started=now - 200))
+    assert sweep(now) == {"j2", "j3"} and work.revoked[-1] == "t1"  # j3: nothing running or queued
+    assert json.loads((tmp_path / "j2" / "e1" / "result.json").read_text())["cause"]["error"] == (
+        "the lease of n0.gpu1 expired: its rank stopped renewing it (worker or node gone); gave up after 1 attempts")
+    cluster.jobs.store("j2").update_running(RunningLaunch(1, exp("e1"), ["t.py"], "att2", ["n0.gpu1"], "x",
+                                                          {"n0.gpu1": "t1"}, now, now + 500,
+                                                          {"n0.gpu1": "inst-n0-1"}))
+    # a slot whose worker vanished is noted in the running launch by the sweep itself
+    cluster.slot_db.registrations.delete("n0.gpu1")
+    assert sweep(now) == {"j3"}  # not j2: its launch is not lost yet
+    assert cluster.running("j2")["e1"].missing_since == now
