@@ -32,7 +32,12 @@
 #      stderr): the slot worker built the ops the config needs before the script
 #      (workers/slot/op_prebuild.py; its log is op_prebuild.log).
 #      On one H200 (bench/README.md): FusedAdam refused in one line; the other two not yet run.
-# GPU_SMOKE_EXTRAS names which of the three to run (default all).
+#   8. `warm_kill` (an extra too): bench/strike_warm.py tunes a short list job (micro-batch [2, 8],
+#      ZeRO-1) and SIGKILLs, once, the warm process a running rank was forked from; the launch must
+#      be recorded lost and run again (its own files, its stderr saying so), the experiment `ok` or
+#      `oom`, never `crashed`, and the job exit 0. It runs on CPU too (bench/README.md).
+# GPU_SMOKE_EXTRAS names which of the four extras to run (default all: fused_adam cpu_offload
+# forced_oom warm_kill).
 # GPU_SMOKE_CONFIG and GPU_SMOKE_ARGS override the config and the autotuner's extra flags;
 # GPU_SMOKE_SKIP_FINAL=1 skips step 6 (for a dry run of the checks with tests/fake_gpu on PATH and
 # FAKE_NVIDIA_SMI_USED_FILE naming a "index, MiB" listing of used memory);
@@ -138,7 +143,7 @@ if [ "${GPU_SMOKE_SKIP_FINAL:-0}" != 1 ]; then
     grep "final loss" final.log || { echo "gpu_smoke: FAILED: no final loss in final.log"; exit 1; }
 fi
 if [ "${GPU_SMOKE_SKIP_EXTRAS:-0}" != 1 ]; then
-    for extra in ${GPU_SMOKE_EXTRAS:-fused_adam cpu_offload forced_oom}; do
+    for extra in ${GPU_SMOKE_EXTRAS:-fused_adam cpu_offload forced_oom warm_kill}; do
         mkdir -p "$work/$extra" && cd "$work/$extra"
         "$root/.venv/bin/python" - "$config" "$extra" "$root/examples/train_gpt.py" > cfg.json <<'EOF'
 import json, sys
@@ -151,12 +156,18 @@ elif extra == "cpu_offload":
     config["optimizer"]["params"].pop("torch_adam", None)
     config.update(train_micro_batch_size_per_gpu=[2, 8],
                   zero_optimization={"stage": [2], "offload_optimizer": {"device": "cpu"}})
-else:
+elif extra == "forced_oom":
     config.update(train_micro_batch_size_per_gpu=[65536], zero_optimization={"stage": [0]})
+# warm_kill: as it is; bench/strike_warm.py narrows it to micro-batch [2, 8], ZeRO-1
 print(json.dumps(config))
 EOF
         set +e
-        timeout 1800 "$root/.venv/bin/python" -m scheduler.autotune cfg.json --num_gpus "$ranks" > tune.log 2> tune.err
+        if [ "$extra" = warm_kill ]; then  # it runs the autotuner itself (tune.log, tune.err) and strikes
+            timeout 1800 "$root/.venv/bin/python" "$root/bench/strike_warm.py" cfg.json --num_gpus "$ranks" \
+                --work . --timeout 1780
+        else
+            timeout 1800 "$root/.venv/bin/python" -m scheduler.autotune cfg.json --num_gpus "$ranks" > tune.log 2> tune.err
+        fi
         code=$?
         set -e
         "$root/.venv/bin/python" - "$extra" "$code" <<'EOF'

@@ -7,9 +7,10 @@ passes its timed policies through `scheduler.cluster.dispatch.dispatch`'s own se
 So each script runs here with tiny inputs (seconds) and its key figure lines are matched.
 
 The benches that need minutes of real DeepSpeed training, a GPU or mutmut (vs_deepspeed.py,
-collect_traces.py, chaos.py, oom_probes.py on a run's results, gpu_smoke.sh, mutation.sh,
-mutation_scores.py) cannot run at a smoke size; for them the test checks that they still import
-and refuse a bad flag with one `error:` line, exit 2, which a broken import or argument parser fails.
+collect_traces.py, chaos.py, strike_warm.py, oom_probes.py on a run's results, gpu_smoke.sh,
+mutation.sh, mutation_scores.py) cannot run at a smoke size; for them the test checks that they
+still import and refuse a bad flag with one `error:` line, exit 2, which a broken import or argument
+parser fails.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ HEAVY = [
     ["bench/vs_deepspeed.py", "--repeats", "0"],
     ["bench/collect_traces.py", "--launches", "0"],
     ["bench/chaos.py", "--seconds", "-1"],
+    ["bench/strike_warm.py", "examples/cfg.json", "--after", "-1"],
     ["bench/oom_probes.py", str(ROOT / "no_such_results_folder"), "--config", "examples/cfg.json"],
 ]
 
