@@ -39,27 +39,27 @@ of the memory model rather than a guess:
    the stages held without a strategy; one that shards more of the states has more room for a
    larger micro-batch with it). The normal confirmation ranks every run with the rest.
 
-The memory line of a stage under a strategy is the stage's own measured line (or the analytical
-model without measurements), its slope at least what any stage's runs out of memory prove (a
-sample's activations are the same at every stage), less what the offload frees, with its slope
-times the keep share.
+The memory line of a stage under a strategy, which each probe is read off, is
+`scheduler.search.strategy_lines`'s: one slope for every stage, each stage's intercept through its own peaks.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 
 from scheduler.inputs.memory_strategies import MEMORY_STRATEGIES
+from scheduler.search.confirm import SEPARATION_Z
 from scheduler.search.global_batch import largest_kept
-from scheduler.search.memory import SAFETY, MemoryModel, ModelInfo, calibrate
+from scheduler.search.memory import SAFETY, MemoryModel, ModelInfo
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.session import NoStageFits, Session, Step, peak_of, succeeded
 from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
+from scheduler.search.stage_readings import reading_noise
 from scheduler.search.strategies import (
-    CHECKPOINT_KEEP_PRIOR, StepFacts, allow_line, applies, freed_bytes, measured_keep_share,
-    ordered_combinations, searchable, step_cost_s, strategy_model,
+    StepFacts, allow_line, applies, freed_bytes, ordered_combinations, searchable, step_cost_s, strategy_model,
 )
+from scheduler.search.strategy_lines import failed_sizes, keep_share, line, strategy_records
 
 #: After a strategy's run that ran, its next size is measured only when this much larger.
 TOP_GAIN = 1.05
@@ -144,7 +144,7 @@ def try_strategies(session: Session) -> Step:
     exp, record = leader
     top = _largest_ok(session, exp.stage)
     #: what the stage holds without a further strategy: a strategy is measured where it holds more
-    room = min([session.predicted_max(exp.stage, SAFETY)] + [m - 1 for m in _failed_sizes(session, exp.stage)])
+    room = min([session.predicted_max(exp.stage, SAFETY)] + [m - 1 for m in failed_sizes(session, exp.stage)])
     room = max(exp.micro_batch_size, _step_size(session, exp, room))
     if exp.micro_batch_size < top or room > TOP_SLACK * exp.micro_batch_size:
         return  # not at its stage's memory top: a larger size ran and read worse, or much more fits
@@ -167,7 +167,7 @@ def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) ->
     more room left for them (the leader's stage was chosen before any strategy, on the sizes the
     stages held without one)."""
     st = session.settings
-    runs = [(exp, record) for exp, record in _strategy_records(session, leader.stage, None)
+    runs = [(exp, record) for exp, record in strategy_records(session, leader.stage, None)
             if exp.strategy != st.strategy and succeeded(record)]
     winner = best([leader_record] + [record for _, record in runs], st.metric, st.maximize)
     found = next((exp for exp, record in runs if record is winner), None)
@@ -188,7 +188,7 @@ def _stacking_base(session: Session, below: Experiment, below_record: dict) -> t
     its own memory line's top, so one more strategy on top of its own may hold a larger size again:
     strategies are stacked one at a time while each pays (module docstring, 2); None otherwise."""
     st = session.settings
-    pairs = [(exp, record) for exp, record in _strategy_records(session, below.stage, None)
+    pairs = [(exp, record) for exp, record in strategy_records(session, below.stage, None)
              if len(exp.strategy) == len(below.strategy) + 1 and set(below.strategy) < set(exp.strategy)]
     winner = best([below_record] + [record for _, record in pairs], st.metric, st.maximize)
     found = next(((exp, record) for exp, record in pairs if record is winner), None)
@@ -213,6 +213,8 @@ def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str,
         if size <= ran or (failed is not None and size >= failed):
             return
         record = yield from _run(session, leader, strategy, size)
+        if succeeded(record) and ran > leader.micro_batch_size and _reads_below(session, record, leader, strategy, ran):
+            record = yield from _run(session, leader, strategy, size, again=True)
         if succeeded(record):
             ran = size
         elif record.get("status") == "oom":
@@ -241,11 +243,32 @@ def _beats(session: Session, record: dict, leader: Experiment) -> bool:
     return value > max(ours) if st.maximize else value < min(ours)
 
 
-def _run(session: Session, leader: Experiment, strategy: tuple[str, ...], mbs: int) -> Step:
+def _reads_below(session: Session, record: dict, leader: Experiment, strategy: tuple[str, ...], smaller: int) -> bool:
+    """Whether `record`, the strategy's run at a larger size than its run at `smaller`, reads worse
+    than that run by more than two readings' noise can explain: with the step's samples held (or one
+    micro-step a step), a larger micro-batch runs fewer micro-steps for the same strategy costs, so
+    the reading contradicts the line and is a straggler's until a second reading says otherwise."""
+    st = session.settings
+    value = metric_value(record, st.metric)
+    gas = _gas(session, leader, smaller)
+    before = [metric_value(r, st.metric) for exp, r in session.measured.values()
+              if exp.ds_config == session.experiment(leader.stage, smaller, gas, strategy).ds_config]
+    before = [v for v in before if v is not None]
+    if value is None or not before:
+        return False
+    margin = SEPARATION_Z * math.sqrt(2) * reading_noise(session)
+    return value < max(before) * (1 - margin) if st.maximize else value > min(before) * (1 + margin)
+
+
+def _run(session: Session, leader: Experiment, strategy: tuple[str, ...], mbs: int, again: bool = False) -> Step:
+    """The strategy's run at `mbs`; `again`: its second reading (`<name>_r2`), the first taken."""
     gas = _gas(session, leader, mbs)
     exp = session.experiment(leader.stage, mbs, gas, strategy)
     suffix = "_".join(STRATEGY_SUFFIX[name] for name in strategy)
-    [record] = yield from session.measure(f"z{leader.stage}_strategy_{suffix}_{mbs}", [exp])
+    label = f"z{leader.stage}_strategy_{suffix}_{mbs}"
+    if again:
+        exp, label = replace(exp, name=f"{exp.name}_r2"), f"{label}_recheck"
+    [record] = yield from session.measure(label, [exp])
     return record
 
 
@@ -254,13 +277,13 @@ def _size(session: Session, leader: Experiment, strategy: tuple[str, ...], safet
     within the cap, below the strategy's own failures, filling the leader's step."""
     st = session.settings
     stage = leader.stage
-    intercept, slope = _line(session, stage)
+    intercept, slope = line(session, stage)
     intercept -= freed_bytes(session.model, [n for n in strategy if n not in st.strategy], stage)
     if "activation_checkpointing" in strategy and "activation_checkpointing" not in st.strategy:
-        slope *= _keep_share(session, stage, strategy)
+        slope *= keep_share(session)
     budget = st.budget_bytes * safety
     fits = int((budget - intercept) // slope) if slope > 0 else st.micro_batch_cap
-    failed = _failed_sizes(session, stage, strategy)
+    failed = failed_sizes(session, stage, strategy)
     limit = min([st.micro_batch_cap, fits] + [m - 1 for m in failed])
     return _step_size(session, leader, limit)
 
@@ -279,48 +302,6 @@ def _gas(session: Session, leader: Experiment, mbs: int) -> int:
     if st.samples_per_step:
         return st.gas_for(mbs)
     return max(1, leader.micro_batch_size * leader.gradient_accumulation_steps // mbs)
-
-
-def _line(session: Session, stage: int) -> tuple[float, float]:
-    """(intercept, slope) of the stage's memory under the search's own strategy: fitted to its
-    measured peaks, else the analytical model; the slope at least what any stage's smallest size
-    that ran out of memory proves (that size's line must pass the budget; a sample's activations
-    are the same at every stage, only the states differ): a profile's activation figure, or a fit
-    of a few small sizes, can be well below the real one, and a strategy's top is read off it."""
-    intercept, slope = _measured_line(session, stage)
-    budget = session.settings.budget_bytes
-    for other in session.settings.stages:
-        failed = _failed_sizes(session, other)
-        if failed:
-            slope = max(slope, (budget - _measured_line(session, other)[0]) / min(failed))
-    return intercept, slope
-
-
-def _measured_line(session: Session, stage: int) -> tuple[float, float]:
-    """(intercept, slope) fitted to the stage's measured peaks, else the analytical model's."""
-    model = session.model
-    fitted = calibrate(session.observations().get(stage, []), model.info.activation_mem_per_gpu)
-    if fitted is not None:
-        return fitted.intercept, fitted.slope
-    return float(model.fixed_bytes(stage)), float(model.info.activation_mem_per_gpu)
-
-
-def _keep_share(session: Session, stage: int, strategy: tuple[str, ...]) -> float:
-    """The prior share of activations checkpointing keeps, or the mean of what checkpointed runs of
-    the stage measured (their peak above the line's intercept less the offload they add)."""
-    st = session.settings
-    intercept, slope = _line(session, stage)
-    shares = []
-    for exp, record in session.measured.values():
-        if exp.stage != stage or "activation_checkpointing" not in exp.strategy or not succeeded(record):
-            continue
-        added = [n for n in exp.strategy if n not in st.strategy]
-        peak = peak_of(record, st.peak_memory_key)
-        share = measured_keep_share(peak or 0, intercept - freed_bytes(session.model, added, stage), slope,
-                                    exp.micro_batch_size)
-        if share is not None:
-            shares.append(share)
-    return sum(shares) / len(shares) if shares else CHECKPOINT_KEEP_PRIOR
 
 
 def _too_slow(session: Session, leader: Experiment, record: dict, name: str) -> bool:
@@ -354,18 +335,5 @@ def _leader(session: Session, stage: int | None = None) -> tuple[Experiment, dic
     return next(((exp, record) for exp, record in pairs if record is winner), None)
 
 
-def _failed_sizes(session: Session, stage: int, strategy: Sequence[str] | None = None) -> list[int]:
-    """The sizes that ran out of memory at the stage with `strategy` (the search's own by default)."""
-    strategy = session.settings.strategy if strategy is None else strategy
-    return [exp.micro_batch_size for exp, record in _strategy_records(session, stage, strategy)
-            if record.get("status") == "oom"]
-
-
 def _largest_ok(session: Session, stage: int) -> int:
     return max((exp.micro_batch_size for exp, record in session.stage_records(stage) if succeeded(record)), default=0)
-
-
-def _strategy_records(session: Session, stage: int, strategy: Sequence[str] | None) -> list[tuple[Experiment, dict]]:
-    """The stage's runs with `strategy` (with any strategy when None)."""
-    return [(exp, record) for exp, record in session.measured.values()
-            if exp.stage == stage and exp.name != PROFILE and (strategy is None or exp.strategy == tuple(strategy))]

@@ -319,3 +319,36 @@ def test_a_strategy_that_paid_is_measured_once_at_the_stage_with_more_room_for_i
     checkpointed = [(exp.stage, exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
                     if exp.strategy and "_r" not in exp.name]
     assert checkpointed == [(0, 7, "ok"), (0, 14, "ok"), (1, 15, "ok")]
+
+
+@dataclass(frozen=True)
+class Straggler(Law):
+    """`Law`, but the first reading of checkpointing's run at `slow_size` is a straggler's (half)."""
+
+    slow_size: int = 0
+
+    def run(self, exp: Experiment) -> dict[str, Any]:
+        record = super().run(exp)
+        if exp.strategy and exp.micro_batch_size == self.slow_size and not exp.name.endswith("_r2") and "metrics" in record:
+            record["metrics"] = {"throughput": record["metrics"]["throughput"] / 2}
+        return record
+
+
+def test_a_larger_strategy_run_reading_below_a_smaller_one_is_read_again() -> None:
+    """Checkpointing runs 16, then 32 (the step's samples held, fewer micro-steps): 32's first reading
+    is a straggler's, half its own, below 16's. The line says a larger size cannot be that much
+    slower, so it is read again at once, inside the strategy's probes (before confirmation); an
+    honest reading is not."""
+    def phases(law: Law) -> list[str]:
+        names: list[str] = []
+
+        def run_phase(phase) -> dict[str, dict]:
+            names.append(phase.name)
+            return {exp.name: law.run(exp) for exp in phase.experiments}
+
+        drive(fast_search(settings(law, ["activation_checkpointing"], kept=256)), run_phase)
+        return names
+
+    straggling = phases(Straggler(**{**TALL.__dict__, "slow_size": 32}))
+    assert straggling[straggling.index("z0_strategy_ac_32") + 1] == "z0_strategy_ac_32_recheck", straggling
+    assert "z0_strategy_ac_32_recheck" not in phases(TALL)
