@@ -140,7 +140,7 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         fuller = _fuller_step(session, incumbent, top)
         if not upside and _half_step(session, stage, incumbent[0]):
             continue
-        if _same_micro_steps(stage, incumbent[0]) and stage_top(session, stage, cautious=True) >= inc_mbs:
+        if _same_micro_steps(stage, incumbent[0]) and not upside and stage_top(session, stage, cautious=True) >= inc_mbs:
             yield from _leads_at(session, stage, incumbent)
             explored.append(stage)
             continue

@@ -11,7 +11,9 @@ measured at one size the profile's slope, often well below the real one, and an 
 makes up the difference: the checkpointed line read off it promised twice the sizes that fit.
 Under a strategy the line drops by what its offload frees and its slope is times the share of
 activations checkpointing keeps, measured by any checkpointed run that reports its peak (at any
-stage: what it keeps of a sample is the same everywhere).
+stage: what it keeps of a sample is the same everywhere), and at least what a checkpointed run out
+of memory proves: without peaks the prior's line can promise a stacked strategy sizes that its own
+checkpointed failures already rule out.
 """
 from __future__ import annotations
 
@@ -64,19 +66,22 @@ def intercept(session: Session, observations: dict[int, list[Observation]], stag
 def keep_share(session: Session) -> float:
     """The share of activations checkpointing keeps: the mean of what checkpointed runs that report
     their peak measured (each above its stage's line's intercept less the offload it adds), else the
-    prior."""
+    prior; at least what a checkpointed run out of memory proves (its size's line must pass the
+    budget), the way the slope is at least what the plain runs out of memory prove."""
     st = session.settings
-    shares = []
+    shares, proven = [], 0.0
     for exp, record in session.measured.values():
-        if "activation_checkpointing" not in exp.strategy or not succeeded(record) or exp.space == PROFILE:
+        if "activation_checkpointing" not in exp.strategy or exp.space == PROFILE:
             continue
         fixed, slope = line(session, exp.stage)
-        added = [n for n in exp.strategy if n not in st.strategy]
-        share = measured_keep_share(peak_of(record, st.peak_memory_key) or 0,
-                                    fixed - freed_bytes(session.model, added, exp.stage), slope, exp.micro_batch_size)
-        if share is not None:
-            shares.append(share)
-    return sum(shares) / len(shares) if shares else CHECKPOINT_KEEP_PRIOR
+        fixed -= freed_bytes(session.model, [n for n in exp.strategy if n not in st.strategy], exp.stage)
+        if record.get("status") == "oom" and slope > 0:
+            proven = max(proven, (st.budget_bytes - fixed) / (slope * exp.micro_batch_size))
+        elif succeeded(record):
+            share = measured_keep_share(peak_of(record, st.peak_memory_key) or 0, fixed, slope, exp.micro_batch_size)
+            if share is not None:
+                shares.append(share)
+    return min(1.0, max(proven, sum(shares) / len(shares) if shares else CHECKPOINT_KEEP_PRIOR))
 
 
 def failed_sizes(session: Session, stage: int, strategy: Sequence[str] | None = None) -> list[int]:

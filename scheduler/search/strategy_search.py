@@ -71,7 +71,7 @@ CAUTIOUS_SPAN = 2.0
 #: Runs of the best strategy at the stage with more room for it (`_roomier_stage`) at most.
 ROOMIER_PROBES = 1
 #: Runs per strategy at most: its line's top, then bisection between what ran and what ran out of memory.
-STRATEGY_PROBES = 3
+STRATEGY_PROBES = 4
 
 
 def stages_that_fit(session: Session, feasible: Callable[[Session], tuple[int, ...]]) -> tuple[int, ...]:

@@ -50,3 +50,17 @@ def test_without_a_checkpointed_run_the_keep_share_is_the_prior() -> None:
     assert keep_share(session) == pytest.approx(0.3)
     assert line(session, 1)[1] == pytest.approx(LAW.activation, rel=1e-6)
     assert LAW.memory(session.experiment(1, 2, 1)) < 15 * GiB  # the runs above did run
+
+
+def test_a_checkpointed_run_out_of_memory_raises_the_keep_share_to_what_it_proves() -> None:
+    """No checkpointed run reports its peak (the prior 0.3 stands), but one ran out of memory at a
+    size the prior says fits: the share is at least what makes that size's line pass the budget, so
+    a strategy stacked on checkpointing is not read off the prior's line again."""
+    session = session_with((1, 1, ()), (1, 2, ()))
+    fixed, slope = line(session, 1)
+    budget = session.settings.budget_bytes
+    fits_by_prior = int((budget - fixed) // (0.3 * slope))
+    failed = session.experiment(1, fits_by_prior, 1, ("activation_checkpointing",))
+    session.measured[failed.name] = (failed, {"name": failed.name, "status": "oom", "ds_config": failed.ds_config})
+    assert keep_share(session) == pytest.approx((budget - fixed) / (slope * fits_by_prior), rel=1e-6)
+    assert keep_share(session) > 0.3

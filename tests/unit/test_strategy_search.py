@@ -233,13 +233,13 @@ def test_a_strategys_probes_bisect_between_what_ran_and_what_ran_out_of_memory(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Without measured peaks the prior share (0.3) stays the line's: its top, 30 (run first here,
     whatever its span), runs out of memory (the real share is 0.6), then sqrt(9 x 30) = 16 does, then
-    sqrt(9 x 16) = 12 runs."""
+    sqrt(9 x 16) = 12 runs, and the fourth probe splits what is left: sqrt(12 x 16) = 14 runs."""
     monkeypatch.setattr(strategy_search, "CAUTIOUS_SPAN", 100.0)
     law = Law(num_params=100_000_000, activation=1_500_000_000, keep=0.6, peaks=False)
     experiments, records = run(law, settings(law, ["activation_checkpointing"]))
     checkpointed = [(exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
                     if exp.strategy and "_r" not in exp.name]
-    assert checkpointed == [(30, "oom"), (16, "oom"), (12, "ok")]
+    assert checkpointed == [(30, "oom"), (16, "oom"), (12, "ok"), (14, "ok")]
 
 
 def test_a_kept_batch_that_nothing_holds_after_an_offloaded_profile_is_refused_in_one_line() -> None:
