@@ -24,7 +24,7 @@ from pathlib import Path
 from scheduler.cluster.backfill import Policy, backfill, strict_fifo
 from scheduler.search.space import Experiment, experiment_config
 from scheduler.embedded.local_cluster import LocalCluster
-from workers.state.registry import connect
+from workers.state.connection import connect
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "integration" / "scripts" / "fake_train.py"

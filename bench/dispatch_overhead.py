@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from scheduler.embedded.local_cluster import LocalCluster
-from workers.state.registry import connect
+from workers.state.connection import connect
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "integration" / "scripts" / "fake_train.py"

@@ -38,9 +38,8 @@ from deploy.redis_user import ADMIN_ENV, connected, create_cluster_user, may_rec
 from scheduler.errors import OneLineArgumentParser, UsageError
 from scheduler.launch.hostfile import read_hostfile
 from scheduler.launch.resources import ResourceRequest, resolve_resources
-from workers.state.gang import GangReservations
 from workers.state.redis_tls import TLS_ENV
-from workers.state.registry import live_slots
+from workers.state.store import RedisSlotStore
 from workers.warm.warm_plan import SWITCH_ENV as WARM_SWITCH_ENV
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -115,7 +114,7 @@ def up(args: argparse.Namespace, url: str) -> int:
     deadline = time.monotonic() + args.timeout
     next_check = time.monotonic() + 2.0
     while True:
-        live = {slot.queue for slot in live_slots(client)}
+        live = {slot.queue for slot in RedisSlotStore(client).live_slots()}
         waiting = [q for q in expected if q not in live and q not in exits]
         if not waiting or time.monotonic() > deadline:
             break
@@ -159,12 +158,13 @@ def status(args: argparse.Namespace, url: str) -> int:
     hosts_devices = selected_hosts(args)
     plans = plan_workers(hosts_devices)
     client = connected(url)
-    live = {slot.queue: slot for slot in live_slots(client)}
+    slots = RedisSlotStore(client)
+    live = {slot.queue: slot for slot in slots.live_slots()}
     busy = {queue: name for launches in running_launches(client).values()
             for name, launch in launches.items() for queue in launch.get("queues", [])}
     answers = _hosts(args).run_many({h: ("status", ["--run-dir", args.run_dir, "--node", h], None)
                                      for h in hosts_devices})
-    reserved_slots = GangReservations(client).held([plan.slot for plan in plans if plan.slot in live])
+    reserved_slots = slots.held([plan.slot for plan in plans if plan.slot in live])
     for plan in plans:
         answer = answers[plan.host]
         proc = answer.data.get(plan.label) if answer.ok and isinstance(answer.data, dict) else None

@@ -31,7 +31,7 @@ from scheduler.embedded.local_cluster import cluster_user_rules
 from workers.state import keys
 from workers.state.redis_tls import describe_tls_failure
 from workers.state.redis_url import masked_url
-from workers.state.registry import connect
+from workers.state.connection import connect
 
 ADMIN_ENV = "AUTOTUNE_REDIS_ADMIN_URL"
 

@@ -51,7 +51,8 @@ from scheduler.launch.pool import PoolRequest, check_counts, select_slots
 from workers.device.gpus import GpuListingError, local_gpus, refuse_mig
 from scheduler.embedded.local_cluster import redis_server
 from workers.state.redis_tls import describe_tls_failure
-from workers.state.registry import connect, control_alive, live_slots
+from workers.state.connection import connect
+from workers.state.store import RedisSlotStore
 from workers.device.slot import HOST_MEMORY_CAP_ENV, Slot, cpu_slot_memory, parse_size
 
 RUN_TIMEOUT_S = 7 * 24 * 3600.0  #: a real training run: the limit only guards against a hang forever
@@ -224,11 +225,12 @@ def embedded_slots(count: int, slot_memory: str | None) -> list[Slot]:
 
 def live_usable_slots(client: redis.Redis) -> list[Slot]:
     """A deployed cluster's registered slots; it needs a control worker."""
-    slots = live_slots(client)
+    store = RedisSlotStore(client)
+    slots = store.live_slots()
     if not slots:
         raise ClusterError("no slot workers are registered in Redis; start one per device with "
                            "`celery -A tasks worker -Q gpu0 -n gpu0@%h`")
-    if not control_alive(client):
+    if not store.control_alive():
         raise ClusterError("no control worker is running; start one with "
                            "`celery -A tasks worker -Q control -n control@%h`")
     return slots

@@ -78,7 +78,8 @@ from scheduler.search.space import Experiment
 from workers.process.launch import kill_group
 from scheduler.embedded.local_cluster import LocalCluster, cluster_client
 from workers.files.paths import read_json, safe_child
-from workers.state.registry import connect, control_alive, live_slots
+from workers.state.connection import connect
+from workers.state.store import RedisSlotStore
 from workers.device.slot import slot_queue
 
 RUN_NAME = "run"
@@ -214,13 +215,15 @@ def run_experiment(client: redis.Redis, argv: list[str], queues: list[list[str]]
     from tasks import app  # imports the Celery app, which reads AUTOTUNE_REDIS_URL
     from tasks.work import CeleryWork
 
+    slots = RedisSlotStore(client)
+
     def ready() -> str | None:
-        if not control_alive(client):
+        if not slots.control_alive():
             return "no control worker is running; start one with `celery -A tasks worker -Q control -n control@%h`"
-        return None if live_slots(client) else "no slot workers are registered in Redis"
+        return None if slots.live_slots() else "no slot workers are registered in Redis"
 
     wait_for_cluster(ready)  # a cluster still starting; a started one lacking a selected slot is an error
-    live = {slot.queue for slot in live_slots(client)}
+    live = {slot.queue for slot in slots.live_slots()}
     missing = [queue for node in queues for queue in node if queue not in live]
     if missing:
         raise UsageError(f"no live slot worker for {', '.join(missing)}; start `celery -A tasks worker -Q gpu<i> "

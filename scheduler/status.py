@@ -14,8 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scheduler.cluster.job_store import shown_states
-from workers.state.slot_health import describe
-from workers.state.store import BaseSlotStore, RedisSlotStore
+from workers.state.store import BaseSlotStore, RedisSlotStore, describe
 
 
 def collect(client: redis.Redis) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from tasks.work import CeleryWork
 from tasks.worker_hooks import task_client
 from workers.files import layout
 from workers.in_rank.failure import Status
-from workers.state.gang import GangReservations
+from workers.state.store import RedisSlotStore
 from workers.process.launch_files import LaunchFiles
 from workers.files.layout import experiment_file
 from workers.files.paths import safe_child, write_json
@@ -96,7 +96,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     result_dir = safe_child(finish.results_root, finish.name)
     with cluster_lock(client):
         if not holds_experiment(client, finish):  # fenced: a newer launch holds it (scheduler.cluster.fencing)
-            GangReservations(client).release(finish.slots, finish.gang_token)
+            RedisSlotStore(client).release(finish.slots, finish.gang_token)
             log.warning("%s: a record of launch %s, which no longer holds the experiment, is not counted",
                         finish.name, finish.attempt)
             stale = {**record.to_json(), "stale": True, "attempt": finish.attempt}

@@ -38,15 +38,14 @@ from workers.device.gpus import GpuListingError, memory_used
 from workers.process.launch import group_runs_slot, kill_group
 from workers.process.process_identity import leftover_groups
 from workers.state.redis_tls import describe_tls_failure
-from workers.state.registry import Heartbeat, connect, register_control, register_slot
-from workers.state.slot_health import HealthWatch
-from workers.state.store import RedisSlotStore
+from workers.state.connection import connect
+from workers.state.store import RedisSlotStore, Running
 from workers.device.slot import Slot, address_towards, describe_local_slot, node_name, parse_queue, slot_queue
 from workers.warm.warm_start import WARM
 from scheduler.embedded.worker_command import CONTROL_QUEUE
 
 log = logging.getLogger(__name__)
-_heartbeats: list[Heartbeat | HealthWatch] = []
+_heartbeats: list[Running] = []
 _stop_sweeping = threading.Event()
 
 
@@ -140,21 +139,22 @@ def bind_and_register(sender: str, instance, conf, **_: object) -> None:
         if orphans:
             log.warning("killed %d training process group(s) left by an earlier worker of %s",
                         orphans, slot.queue)
-        twin = RedisSlotStore(client).claim_gpu(slot)
+        slots = RedisSlotStore(client)
+        twin = slots.claim_gpu(slot)
         if twin is not None:
             _refuse(f"slot worker {sender}: GPU {slot.cuda_index} ({slot.gpu_uuid}) is already served by slot "
                     f"{twin.get('queue')} (worker {twin.get('worker')}) on this machine; one slot worker per GPU: "
                     "stop one, or give each worker its own GPU (gpu<i>, CUDA_VISIBLE_DEVICES)")
         watch = ConsumerWatch(waiting=lambda queue=slot.queue: client.llen(queue), busy=_holds_a_task,
                               stuck_s=seconds_setting(os.environ.get(STUCK_ENV), STUCK_S))
-        _heartbeats.append(register_slot(client, slot, withheld=watch))
+        _heartbeats.append(slots.register_slot(slot, withheld=watch))
         if slot.kind == "cuda" and slot.cuda_index >= 0:  # lifts the slot's mark when its GPU is free
-            _heartbeats.append(HealthWatch(client, slot.queue, slot.nvidia_smi_id, memory_used).start())
+            _heartbeats.append(slots.watch_health(slot.queue, slot.nvidia_smi_id, memory_used))
         log.info("slot %s registered: %s", slot.queue, slot)
         print(f"slot {slot.queue} registered: {slot.kind} device {slot.device}, "
               f"{slot.memory_bytes / 2**30:.1f} GiB, address {slot.address}", flush=True)
     if CONTROL_QUEUE in queues.consume_from:
-        _heartbeats.append(register_control(client, node, sender))
+        _heartbeats.append(RedisSlotStore(client).register_control(node, sender))
         print(f"control worker {sender} registered", flush=True)
     parent = os.environ.get("AUTOTUNE_EXIT_WITH_PARENT")
     if parent:

@@ -56,8 +56,7 @@ from workers.slot.op_prebuild import PREBUILD_TIMEOUT_S, needed_op_builders
 from workers.files.paths import safe_child
 from workers.slot.rank_spec import RankSpec
 from workers.device.slot import Slot
-from workers.state.slot_health import describe
-from workers.state.store import BaseSlotStore, RedisSlotStore
+from workers.state.store import BaseSlotStore, RedisSlotStore, describe
 from workers.device.topology import worst_link
 
 LOCK_TIMEOUT_S = 120.0

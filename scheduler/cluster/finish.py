@@ -17,8 +17,7 @@ from scheduler.cluster.fencing import adopted
 from scheduler.cluster.job_store import JobStore, StepReads, step_reads_from
 from scheduler.cluster.launches import FinishSpec
 from scheduler.cluster.stores import BaseJobStore
-from workers.state.gang import GangReservations
-from workers.state.slot_health import describe
+from workers.state.store import RedisSlotStore, describe
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ def record_and_read(client: redis.Redis, finish: FinishSpec, record: dict[str, A
     ok = record.get("status") == "ok" and record.get("wall_s")
     wall = (finish.shape, record["wall_s"]) if ok and finish.shape else None
     pipe = client.pipeline(transaction=False)
-    GangReservations(client).release_in(pipe, finish.slots, finish.gang_token)
+    RedisSlotStore(client).release_in(pipe, finish.slots, finish.gang_token)
     store.finish_recorded_in(pipe, finish.name, finish.attempt, {"kind": "record", "record": record}, wall)
     store.step_reads_in(pipe)
     results = pipe.execute()
@@ -52,7 +51,7 @@ def requeue_for_busy_gpu(client: redis.Redis, finish: FinishSpec, busy_ranks: li
     workers.state.slot_health): its slots are freed and it waits again at its old place, on other slots
     or later; not counted as an attempt (it never ran). The submitter is told which slots left
     tuning. False for a stale launch."""
-    GangReservations(client).release(finish.slots, finish.gang_token)
+    RedisSlotStore(client).release(finish.slots, finish.gang_token)
     return requeue_uncounted(JobStore(client, finish.job), finish, busy_ranks)
 
 

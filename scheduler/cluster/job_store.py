@@ -19,11 +19,11 @@ import redis
 from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
 from scheduler.cluster.stores import StepReads
 from workers.state import keys
-from workers.state.registry import HEARTBEAT_S
+from workers.state.store import HEARTBEAT_S
 
 EVENTS_TTL_S = ATTEMPTS_TTL_S = 7 * 24 * 3600
 #: After Redis lost its data, how long a job submitted again queues nothing (`settling`): every
-#: live slot worker has announced itself twice (`workers.state.registry.HEARTBEAT_S`) and every rank still
+#: live slot worker has announced itself twice (`workers.state.store.HEARTBEAT_S`) and every rank still
 #: running has retried its renewal (`workers.state.gang.SlotLease.RETRY_S`), taking its slot back, by then.
 RESUME_SETTLE_S = 2 * HEARTBEAT_S
 

@@ -39,10 +39,9 @@ from scheduler.errors import AutotuneError, UsageError
 from scheduler.cluster.job_store import JobStore, active_spec_jsons
 from scheduler.cluster.launches import RunningLaunch
 from scheduler.cluster.work import Work
-from workers.state.gang import GangReservations
 from workers.files.layout import RESULT
 from workers.files.paths import read_json, safe_child
-from workers.state.registry import control_alive
+from workers.state.store import RedisSlotStore
 
 LEASE_S = env_number("AUTOTUNE_LEASE_S", 60.0)  #: how long a dead rank can hold its slot
 LOST_GRACE_S = env_number("AUTOTUNE_LOST_GRACE_S", 120.0)
@@ -134,7 +133,7 @@ def stop_launch(client: redis.Redis, work: Work, launch: RunningLaunch) -> None:
     free its slots, token-checked. A worker that died for good kills nothing, so the groups its
     ranks recorded are also killed on their hosts (`Work.clean_up`), in the background."""
     work.revoke(list(launch.rank_tasks.values()))
-    GangReservations(client).release(launch.queues, launch.token)
+    RedisSlotStore(client).release(launch.queues, launch.token)
     work.clean_up(client, launch.name, launch.to_json())
 
 
@@ -192,7 +191,7 @@ def watch(client: redis.Redis, work: Work, spec: JobSpec, on_event: Callable[[di
                             spec.job)
                 submit(client, work, spec, launched_before=True)
             if event is None:
-                control_down = not control_alive(client)
+                control_down = not RedisSlotStore(client).control_alive()
                 if control_down and not warned_no_control:
                     log.warning("no control worker is alive: the job waits until one starts "
                                 "(`celery -A tasks worker -Q control -n control@%s`)", "%h")

@@ -39,10 +39,9 @@ from scheduler.search.live_search import LiveSearches
 from scheduler.report.outputs import write_results
 from scheduler.search.phases import Phase, Search, replay
 from scheduler.search.space import PROFILE, Experiment
-from workers.state.gang import GangReservations
 from workers.files.layout import DS_CONFIG, EXP_JSON, RESULT
 from workers.files.paths import read_json, safe_child
-from workers.state.registry import live_slots
+from workers.state.store import RedisSlotStore
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +193,8 @@ def launches_holding_slots(client: redis.Redis, job: str) -> set[str]:
     it), or, if that never comes, its leases lapse and it is queued then. The resubmitted job queues
     nothing for its first `job_store.RESUME_SETTLE_S`, so the ranks have taken their slots back when
     this is read."""
-    owners = GangReservations(client).owners([slot.queue for slot in live_slots(client)])
+    slots = RedisSlotStore(client)
+    owners = slots.owners([slot.queue for slot in slots.live_slots()])
     return {name for owner in owners.values() for owning_job, _, name in [owner.rpartition("/")] if owning_job == job}
 
 

@@ -29,8 +29,7 @@ from scheduler.cluster.stores import BaseJobStore
 from scheduler.cluster.work import Work
 from workers.files.layout import RESULT, experiment_file
 from workers.files.paths import safe_child, write_json
-from workers.state.registry import HEARTBEAT_S, TTL_S
-from workers.state.store import BaseSlotStore, RedisSlotStore
+from workers.state.store import HEARTBEAT_S, TTL_S, BaseSlotStore, RedisSlotStore
 
 SWEEP_S = 2.0  #: how often the control worker sweeps
 SLOT_GONE_S = TTL_S + HEARTBEAT_S  #: a slot unregistered this long has lost its worker (not a blip)

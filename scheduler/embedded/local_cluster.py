@@ -40,7 +40,8 @@ from workers.files.layout import PIDS, cluster_file
 from workers.files.paths import write_json
 from workers.process.process_identity import RankProcess, kill_titled, recorded_groups, recorded_ranks
 from workers.state.redis_url import REDIS_URL_VARIABLE
-from workers.state.registry import connect, control_alive, live_slots
+from workers.state.connection import connect
+from workers.state.store import RedisSlotStore
 from workers.device.slot import HOST_MEMORY_CAP_ENV
 from scheduler.embedded.worker_command import CONTROL_QUEUE, control_worker_argv, flower_argv, slot_names, slot_worker_argv
 
@@ -141,6 +142,7 @@ class LocalCluster:
         self._redis.stdin.close()
         self.url = f"redis://{CLUSTER_USER}:{password}@127.0.0.1:{port}/0"
         client = connect(self.url)
+        slots = RedisSlotStore(client)
         self._wait(lambda: _pings(client), "redis-server", cluster_file(self.log_dir, "redis.log"))
 
         # SPT_NOENV: where setproctitle is installed, Celery retitles its processes; without this it
@@ -159,7 +161,7 @@ class LocalCluster:
                                         {**env, "FLOWER_BASIC_AUTH": self.flower_auth}, death_signal=signal.SIGTERM))
         write_json(cluster_file(self.log_dir, PIDS), {"redis-server": self._redis.pid,
                                                     "workers": [w.pid for w in self._workers]})
-        self._wait(lambda: len(live_slots(client)) >= self.slots and control_alive(client),
+        self._wait(lambda: len(slots.live_slots()) >= self.slots and slots.control_alive(),
                    f"{self.slots} slot workers and a control worker",
                    cluster_file(self.log_dir, f"{CONTROL_QUEUE}.log"))
 

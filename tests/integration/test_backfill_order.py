@@ -24,7 +24,7 @@ from scheduler.cluster.jobs import JobSpec, run_fixed
 from scheduler.search.space import Experiment, experiment_config
 from tasks import app
 from tasks.work import CeleryWork
-from workers.state.registry import connect
+from workers.state.connection import connect
 import os
 
 policy, results, fake = sys.argv[1], Path(sys.argv[2]), sys.argv[3]

@@ -100,7 +100,8 @@ def test_the_cluster_user_cannot_take_over_redis(tmp_path):
     import redis
 
     from scheduler.embedded.local_cluster import CLUSTER_USER, LocalCluster
-    from workers.state.registry import connect, live_slots
+    from workers.state.connection import connect
+    from workers.state.registry import live_slots
 
     with LocalCluster(1, tmp_path / "cluster") as cluster:
         assert cluster.url.startswith(f"redis://{CLUSTER_USER}:")
@@ -130,7 +131,7 @@ def test_stop_kills_every_worker_and_a_rank_recorded_as_running(tmp_path, settle
     cluster are gone when stop returns."""
     from workers.state import keys
     from scheduler.embedded.local_cluster import LocalCluster
-    from workers.state.registry import connect
+    from workers.state.connection import connect
 
     from workers.process.process_identity import RankIdentity, record_rank
 

@@ -21,7 +21,8 @@ from tls_pki import Pki, make_pki
 from scheduler.embedded.local_cluster import free_tcp_port
 from scheduler.embedded.worker_command import worker_argv
 from workers.state.redis_tls import CA_ENV, CERT_ENV, KEY_ENV
-from workers.state.registry import connect, control_alive, live_slots
+from workers.state.connection import connect
+from workers.state.registry import control_alive, live_slots
 
 pytestmark = pytest.mark.integration
 

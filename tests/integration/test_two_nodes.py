@@ -44,11 +44,11 @@ REGISTER_TIMEOUT_S = 60.0
 #: each client started through `ip netns exec` costs an interpreter start.
 PROBE = r"""
 import json, os, sys, time
-from workers.state import keys
-from workers.state.registry import connect, control_alive, live_slots
+from workers.state import connection, keys
+from workers.state.registry import control_alive, live_slots
 
 timeout, want_slots, want_control = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "control"
-client = connect(os.environ["AUTOTUNE_REDIS_URL"])
+client = connection.connect(os.environ["AUTOTUNE_REDIS_URL"])
 deadline = time.monotonic() + timeout
 while True:
     try:

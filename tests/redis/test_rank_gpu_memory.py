@@ -103,6 +103,6 @@ def test_redis_failing_as_the_slot_is_marked_keeps_the_record(client: redis.Redi
     def refused(*args: object) -> None:
         raise redis.ConnectionError("Redis is restarting")
 
-    monkeypatch.setattr(rank_module, "mark_unhealthy", refused)
+    monkeypatch.setattr(rank_module.RedisSlotStore, "mark_unhealthy", refused)
     record = run_rank(spec(tmp_path, script(tmp_path, f'echo "0, 8192" >> {gpu}')), SLOT, client)
     assert record["status"] == "ok" and record["device_foreign_after_bytes"] == 8 * GiB

@@ -53,8 +53,7 @@ from workers.slot.records import RankRecord, not_started
 from workers.slot.rank_spec import RankSpec, rank_env, script_command
 from workers.process.shared_memory import remove_rank_segment
 from workers.device.slot import Slot
-from workers.state.gang import GangReservations
-from workers.state.slot_health import mark_unhealthy
+from workers.state.store import RedisSlotStore
 from workers.warm.rank_start import Start
 from workers.warm.warm_start import WARM
 
@@ -104,7 +103,7 @@ def record_started(client: redis.Redis, task_id: str, identity: RankIdentity, pg
 
 def _run(spec: RankSpec, slot: Slot, client: redis.Redis, task_id: str) -> RankRecord:
     """The rank after its claim, stage by stage (`_RankStages`); a stage that stops it returns its record."""
-    if spec.gang_token and not GangReservations(client).holds([slot.queue], spec.gang_token):
+    if spec.gang_token and not RedisSlotStore(client).holds([slot.queue], spec.gang_token):
         # Redelivered long after its launch was given up (a worker died holding the message):
         # running it now would overwrite the folder of a newer launch of the same experiment.
         return not_started(Status.LOST, "the reservation of this launch is gone", stale=True)
@@ -296,7 +295,7 @@ def _build_env(env: dict[str, str], slot: Slot) -> dict[str, str]:
 def _take_out_of_tuning(client: redis.Redis, slot: Slot, used_bytes: int, why: str) -> None:
     """Mark the slot (workers.state.slot_health); Redis being away loses the mark, never the record."""
     try:
-        mark_unhealthy(client, slot.queue, used_bytes, why)
+        RedisSlotStore(client).mark_unhealthy(slot.queue, used_bytes, why)
     except redis.RedisError as exc:
         log.warning("slot %s: could not take it out of tuning (%s): %s", slot.queue, why, exc)
 

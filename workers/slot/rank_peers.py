@@ -14,7 +14,7 @@ from pathlib import Path
 import redis
 
 from workers.state import keys, rendezvous
-from workers.state.gang import SlotLease
+from workers.state.store import RedisSlotStore
 from workers.slot.op_prebuild import PREBUILD_TIMEOUT_S
 from workers.slot.rank_spec import RankSpec
 from workers.device.slot import Slot
@@ -59,7 +59,7 @@ class StopCheck:
 
     def __init__(self, client: redis.Redis, abort_key: str, queue: str, token: str, lease_s: float) -> None:
         self._client, self._abort_key = client, abort_key
-        self._lease = SlotLease(client, queue, token, lease_s) if token else None
+        self._lease = RedisSlotStore(client).lease(queue, token, lease_s) if token else None
         self._record: Callable[[], object] | None = None
         self._record_every_s, self._record_at = max(1.0, lease_s / 3), 0.0
 

@@ -1,11 +1,14 @@
 """The slots' state in Redis: its keyspace, the slots' registration, gang leases, rendezvous, views, health.
 
-`keys` is the one place every Redis key is named; `redis_tls` and `redis_url` connect to the
-cluster's Redis and check and mask its URL; `registry` registers a slot and keeps its heartbeat;
-`gang` holds a gang's slot leases (Lua); `rendezvous` lets a launch's ranks meet; `slot_view` is
-the live slots as dispatch sees them; `slot_health` reports a slot's device memory held by others.
-`store` puts what callers do with these behind one interface (`BaseSlotStore`, in Redis
-`RedisSlotStore`), and `memory_store` is its in-memory twin, which the decisions' unit tests use.
+`keys` is the one place every Redis key is named; `connection` opens the cluster's Redis, and
+`redis_tls` and `redis_url` check its TLS files and its URL and mask it; `registry` registers a slot
+and keeps its heartbeat; `gang` holds a gang's slot leases (Lua); `rendezvous` lets a launch's ranks
+meet; `slot_view` is the live slots as dispatch sees them; `slot_health` reports a slot's device
+memory held by others. `store` puts what callers do with these behind one interface (`BaseSlotStore`,
+in Redis `RedisSlotStore`, which also holds what only Redis has: pipelined releases, the heartbeat,
+lease and health threads), and `memory_store` is its in-memory twin, which the decisions' unit tests
+use. From outside this package the slots' state is reached through `store` only: `registry`, `gang`,
+`slot_view` and `slot_health` are its insides (tests/unit/test_architecture.py holds that).
 
 Imports: the standard library, redis, `workers.device` (what a slot is), `workers.in_rank` (the
 failure vocabulary) and this package; never `workers.process`, `workers.warm` or `workers.slot`.

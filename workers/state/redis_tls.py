@@ -2,7 +2,7 @@
 
 Why: on a real cluster every node reaches the Redis that holds the jobs over the network, and the
 slots run whatever command a job gives them. A `rediss://` URL makes every connection (Celery's
-broker and result backend, our own clients through `workers.state.registry.connect`, Flower, `deploy`)
+broker and result backend, our own clients through `workers.state.connection.connect`, Flower, `deploy`)
 verify the server's certificate against a CA and its name against the URL's host, and present a
 client certificate to a server that asks for one. The files come from the environment, like the URL
 (never a command line, never a log):

@@ -23,12 +23,8 @@ from collections.abc import Callable, Iterable
 import redis
 
 from workers.state import keys
-from workers.state.redis_tls import redis_options
 from workers.device.slot import Slot
 
-#: Longer than any blocking call we make (BLPOP waits at most BLOCK_S), so a quiet wait is not an error.
-SOCKET_TIMEOUT_S = 30.0
-BLOCK_S = 10.0
 HEARTBEAT_S = 3.0
 TTL_S = 10.0
 
@@ -65,13 +61,6 @@ for _, queue in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return found
 """
-
-
-def connect(url: str) -> redis.Redis:
-    """The one way this project opens Redis: bounded connect, reads that outlast BLPOP waits, and for
-    a rediss:// URL the certificates of `workers.state.redis_tls` (verified, the host's name checked)."""
-    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=SOCKET_TIMEOUT_S,
-                                health_check_interval=30, **redis_options(url))
 
 
 def announce(client: redis.Redis | redis.client.Pipeline, queue: str, registration: str,

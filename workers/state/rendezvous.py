@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 
 from workers.state import keys
-from workers.state.registry import BLOCK_S
+from workers.state.connection import BLOCK_S
 
 KEY_TTL_S = 3600
 LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")

@@ -12,12 +12,19 @@ What each implementation promises is written once, on `BaseSlotStore`'s methods.
 atomic (Redis: one command, a MULTI transaction or one Lua script; in memory: one uninterrupted
 call). `RedisSlotStore` adds nothing of its own: it calls the modules that own each piece
 (`registry`, `gang`, `slot_view`, `slot_health`), so their scripts stay the one place each atomic step
-is written. What only Redis has (a release queued in a caller's pipeline, `GangReservations.release_in`;
-the heartbeat and health threads, which hold a client) stays on those modules.
+is written. What only Redis has (a release queued in a caller's pipeline; the heartbeat, lease and
+health threads, which hold a client; whether a control worker is registered) is on `RedisSlotStore`
+alone, as the Redis job store keeps its pipelines to itself.
+
+Why one owner: outside this package the slots' state is reached only through this module (the
+architecture test holds every other module of the package but `keys`, `connection`, `redis_url`,
+`redis_tls` and `rendezvous` to it), so a change to a registration, a lease or a mark has one place
+to look at. The timings callers size their own waits by (`HEARTBEAT_S`, `TTL_S`) and how a health
+mark reads (`describe`) are named here for them.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import redis
@@ -25,7 +32,27 @@ import redis
 from workers.device.slot import Slot
 from workers.state import gang, registry, slot_health, slot_view
 from workers.state.gang import Renewal
+from workers.state.registry import HEARTBEAT_S, TTL_S
+from workers.state.slot_health import describe
 from workers.state.slot_view import SlotView
+
+__all__ = ["HEARTBEAT_S", "TTL_S", "BaseSlotStore", "Lease", "RedisSlotStore", "Renewal", "Running", "SlotView",
+           "describe"]
+
+
+class Running(Protocol):
+    """A thread the store started for a worker (a heartbeat, a health watch), stopped at its shutdown."""
+
+    def stop(self) -> None:
+        """Stop the thread (a heartbeat also deletes what it kept alive)."""
+
+
+class Lease(Protocol):
+    """A running rank's hold on its own slot (`gang.SlotLease`), renewed from the rank's polls."""
+
+    def renew(self) -> bool:
+        """Renew when due; True when the launch no longer holds its slot. Raises redis.RedisError
+        when Redis did not answer."""
 
 
 class BaseSlotStore(Protocol):
@@ -167,3 +194,32 @@ class RedisSlotStore:
 
     def held(self, queues: list[str]) -> set[str]:
         return self.gangs.held(queues)
+
+    # ------------------------------------------------------------ what only Redis has
+
+    def release_in(self, pipe: redis.client.Pipeline, queues: list[str], token: str) -> None:
+        """`release`, queued in `pipe` (its answer in the pipeline's results), so a caller frees the
+        slots in the round trip of what it does next."""
+        self.gangs.release_in(pipe, queues, token)
+
+    def lease(self, queue: str, token: str, lease_s: float) -> Lease:
+        """A running rank's hold on slot `queue` under `token`, renewed every `lease_s`/3 (`gang.SlotLease`)."""
+        return gang.SlotLease(self.client, queue, token, lease_s)
+
+    def register_slot(self, slot: Slot, withheld: Callable[[], str | None] = lambda: None) -> Running:
+        """Announce `slot` (after `claim_gpu`) and keep announcing it, with its GPU's claim, while
+        `withheld` gives no reason not to (`registry.register_slot`)."""
+        return registry.register_slot(self.client, slot, withheld)
+
+    def register_control(self, node: str, worker: str) -> Running:
+        """Announce `node`'s control worker and keep announcing it (`control_alive` reads it)."""
+        return registry.register_control(self.client, node, worker)
+
+    def watch_health(self, queue: str, gpu: str, read_used: Callable[[str], int | None]) -> Running:
+        """Start the watch that keeps slot `queue`'s health mark while others hold memory on `gpu` and
+        lifts it once the GPU is free (`slot_health.HealthWatch`)."""
+        return slot_health.HealthWatch(self.client, queue, gpu, read_used).start()
+
+    def control_alive(self) -> bool:
+        """Whether any control worker is registered now."""
+        return registry.control_alive(self.client)
