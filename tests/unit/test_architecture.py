@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("workers",),  # the package itself: its `__init__` only describes the subpackages below
     ("workers.in_rank", "workers.files"),  # in the training process; what a folder holds (neither imports the other)
     ("workers.device",),  # what a slot is: its device, capacity and binding
-    ("workers.state",),  # the slots' state in Redis: keys, registration, gang leases, views, health
+    ("workers.state",),  # the slots' state in Redis behind its store: keys, registration, leases, views, health
     ("workers.process",),  # the training processes a slot starts: launch, memory, names, files
     ("workers.warm",),  # the slot's warm interpreter and the ranks it forks
     ("workers.slot",),  # the slot worker's rank task
@@ -156,6 +156,61 @@ def test_the_checks_see_a_planted_upward_import_and_cycle() -> None:
     planted["scheduler.search.ranking"].add("scheduler.search.space")
     planted["scheduler.search.space"].add("scheduler.search.ranking")
     assert ["scheduler.search.ranking", "scheduler.search.space", "scheduler.search.ranking"] in cycles(planted)
+
+
+#: The slots' state has one owner: from outside `workers.state`, only its store (and the store's twin) is
+#: imported, beside what holds no slot state: the keyspace, how to connect, the URL and TLS rules, and
+#: where a launch's ranks meet. Registrations, gang leases, views and health marks stay behind the store.
+STATE_DOORS = {"workers.state", "workers.state.store", "workers.state.memory_store", "workers.state.keys",
+               "workers.state.connection", "workers.state.redis_url", "workers.state.redis_tls",
+               "workers.state.rendezvous"}
+
+
+def past_the_slot_store(graph: dict[str, set[str]]) -> list[str]:
+    """Every import, from a module outside `workers.state`, of one of its modules that is no door."""
+    return sorted(f"{module} -> {target}" for module, targets in graph.items()
+                  if not module.startswith("workers.state") for target in targets
+                  if target.startswith("workers.state.") and target not in STATE_DOORS)
+
+
+def test_the_slots_state_is_reached_only_through_its_store() -> None:
+    assert past_the_slot_store(GRAPH) == []
+
+
+def test_the_store_check_sees_a_planted_reach_past_the_store() -> None:
+    planted = {name: set(targets) for name, targets in GRAPH.items()}
+    planted["scheduler.cluster.finish"].add("workers.state.gang")  # a lease released past the store
+    planted["workers.state.store"].add("workers.state.slot_view")  # the store itself may
+    assert past_the_slot_store(planted) == ["scheduler.cluster.finish -> workers.state.gang"]
+
+
+#: An import of one of the store's insides, as Python written inside a script or template says it.
+_INSIDE_IMPORT = re.compile(r"(?:from|import) workers\.state\.(?:registry|gang|slot_view|slot_health)\b"
+                            r"|from workers\.state import [^\n]*\b(?:registry|gang|slot_view|slot_health)\b")
+
+
+def scripts_past_the_slot_store(texts: dict[str, str]) -> list[str]:
+    """The scripts (path -> text) whose embedded Python imports the store's insides."""
+    return sorted(path for path, text in texts.items() if _INSIDE_IMPORT.search(text))
+
+
+#: The product's scripts and templates: path -> text.
+SCRIPTS = {str(path.relative_to(ROOT)): path.read_text() for source in SOURCES[:-1]
+           for path in sorted((ROOT / source).rglob("*")) if path.suffix in (".sh", ".sbatch", ".service", ".conf")}
+
+
+def test_scripts_beside_the_code_reach_the_slots_state_through_its_store() -> None:
+    """Python embedded in a shell script or a template (the Slurm job's wait for its workers) is no
+    module the import graph sees; it is held to the same doors by what it names."""
+    assert "deploy/templates/autotune.sbatch" in SCRIPTS and scripts_past_the_slot_store(SCRIPTS) == []
+
+
+def test_the_script_check_sees_a_planted_import() -> None:
+    sbatch = "deploy/templates/autotune.sbatch"
+    planted = {**SCRIPTS, sbatch: SCRIPTS[sbatch].replace("from workers.state.store import",
+                                                          "from workers.state.registry import")}
+    assert scripts_past_the_slot_store(planted) == [sbatch]
+    assert scripts_past_the_slot_store({"a.sh": "# the mark (workers.state.slot_health) lapses"}) == []
 
 
 @pytest.mark.parametrize("package", sorted(name for name, path in MODULES.items() if path.name == "__init__.py"))
