@@ -37,10 +37,11 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   (`_fuller_step`: that size is measured once, and wins or rules the stage out), or, without
   max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step);
   otherwise the measurement rules it out. ZeRO-0 beside a ZeRO-1 incumbent (or the reverse) is
-  measured once at the incumbent's own size and accumulation and never explored
-  (`_same_micro_steps`: both reduce gradients only at the accumulation boundary, so their
+  measured once at the incumbent's own size and accumulation, and explored only for the first
+  reason (`_same_micro_steps`: both reduce gradients only at the accumulation boundary, so their
   micro-steps are the same work and their best sizes over one space coincide: its own top and a
-  refinement would cost launches and tell nothing the incumbent's stage did not). Without
+  refinement would cost launches and tell nothing the incumbent's stage did not, unless it holds
+  sizes the incumbent's stage could not, where that stage's curve still rose). Without
   max_train_batch_size a stage whose predicted top fills less than half the incumbent's step is not
   measured at all (`_half_step`: ZeRO-0 of a large model, whose top probes mostly fail). ZeRO-3
   moves more data than ZeRO-1/2 at equal size: on fewer than `ZERO3_AT_SCALE` data-parallel ranks
@@ -140,7 +141,8 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         fuller = _fuller_step(session, incumbent, top)
         if not upside and _half_step(session, stage, incumbent[0]):
             continue
-        if _same_micro_steps(stage, incumbent[0]) and not upside and stage_top(session, stage, cautious=True) >= inc_mbs:
+        same = _same_micro_steps(stage, incumbent[0]) and not upside
+        if same and stage_top(session, stage, cautious=True) >= inc_mbs:
             yield from _leads_at(session, stage, incumbent)
             explored.append(stage)
             continue
