@@ -32,8 +32,10 @@ near the memory cap; measurements are noisy, some configs far more than others. 
 - another stage is first measured at the incumbent's size (without max_train_batch_size, after its
   own top), which tells how it compares. It is explored further only if the incumbent was the
   largest size its own stage could hold and this stage holds more (the curve was still rising at
-  the cap), or, with max_train_batch_size, if the incumbent accumulates because its stage cannot
-  hold the size filling the step with one accumulation step less and this stage can
+  the cap; or the fit of that stage's readings rises there by more than the noise, a reading's
+  noise having put the best just below the cap: `rising_at_cap`), or, with max_train_batch_size,
+  if the incumbent accumulates because its stage cannot hold the size filling the step with one
+  accumulation step less and this stage can
   (`_fuller_step`: that size is measured once, and wins or rules the stage out), or, without
   max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step);
   otherwise the measurement rules it out. ZeRO-0 beside a ZeRO-1 incumbent (or the reverse) is
@@ -91,7 +93,9 @@ from scheduler.search.repeats import says_nothing
 from scheduler.search.sampling import lead_first, next_size, sawtooth_neighbour, snap
 from scheduler.search.session import Session, Step
 from scheduler.search.space import PROFILE
-from scheduler.search.stage_readings import at_cap, leader_of, predicted_better, stage_values, suspect_size
+from scheduler.search.stage_readings import (
+    at_cap, leader_of, predicted_better, rising_at_cap, stage_values, suspect_size,
+)
 from scheduler.search.stage_space import (
     gas_for, known_feasible, samples_per_step, sizes_ran, stage_candidates, stage_top,
 )
@@ -130,7 +134,9 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             explored.append(stage)
             continue
         inc_mbs = incumbent[1]
-        upside = at_cap(session, explored, inc_mbs) and top > inc_mbs
+        cap = max(m for m, v in stage_values(session, incumbent[0]).items() if v is not None)
+        upside = (at_cap(session, explored, inc_mbs) and top > inc_mbs) or \
+            (top > cap and rising_at_cap(session, incumbent[0]))
         if stage == 3 and any(s in (1, 2) for s in explored):
             lighter = max(stage_top(session, s) for s in explored if s in (1, 2))
             roomy = top >= ZERO3_ROOM * lighter  # near the top pressure slows the lighter stages
