@@ -1,6 +1,6 @@
 """ZeRO-0 beside a ZeRO-1 incumbent: both reduce gradients only at the accumulation boundary, so
 their micro-steps are the same work and their best sizes coincide; ZeRO-0 is measured once, at the
-incumbent's own config, and never explored or widened from there."""
+incumbent's own config, and explored only where it holds more than the incumbent's stage at that stage's cap."""
 from __future__ import annotations
 
 import math
@@ -42,3 +42,20 @@ def test_a_zero_0_leader_measured_at_zero_1s_config_does_not_probe_its_own_top()
     assert (0, 1, 32) in launched
     assert [(mbs, gas) for stage, mbs, gas in launched if stage == 0] == [(1, 32)]
     assert not [p.name for p in phases if "widen" in p.name]
+
+
+class Rising(dict):
+    """Throughput by (stage, mbs): rising with the micro-batch up to every stage's memory top."""
+
+    def __missing__(self, key: tuple[int, int]) -> float:
+        return 10.0 * key[1]
+
+
+def test_zero_0_holding_more_than_a_zero_1_incumbent_at_its_cap_is_explored() -> None:
+    """ZeRO-1 tops out at 8 with its curve still rising there; ZeRO-0 holds 16 (the model counts
+    ZeRO-1's gradient bucket): like any stage holding larger sizes where the curve still rose, it is
+    explored, and the larger size it holds wins."""
+    launched, _, session = play(stages_of((0, 1)), Rising(), {0: 16, 1: 8}, scripted_settings(stages=(0, 1)))
+    assert max(mbs for stage, mbs, _ in launched if stage == 0) == 16
+    winner = best([record for _, record in session.measured.values()], "throughput", True)
+    assert winner["name"].startswith("z0_") and "tmbspg16" in winner["name"], winner["name"]
