@@ -23,6 +23,7 @@ _ORDINALS = "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|el
 #: Each pattern: a phrase that dates or points into the project's past.
 PATTERNS: dict[str, re.Pattern[str]] = {
     "issue number": re.compile(r"\b[Ii]ssue #?\d+"),
+    "issue pointer": re.compile(r"\([Ii]ssue\b"),
     "session dating": re.compile(rf"\b(?:{_ORDINALS}) session\b", re.IGNORECASE),
     "path outside the repository": re.compile(r"\.\./shared/"),
     "date of a change": re.compile(r"\bsince (?:19|20)\d\d-\d\d"),
@@ -56,6 +57,7 @@ def history_hits(text: str) -> list[tuple[int, str, str]]:
 def test_history_hits_tells_the_past_from_a_purpose() -> None:
     assert history_hits("a\nSee issue 21 item 8.\nIssue #3") == [
         (2, "issue number", "issue 21"), (3, "issue number", "Issue #3")]
+    assert history_hits("a bound (issue: GPU OOMs classed crashed)") == [(1, "issue pointer", "(issue")]
     assert [h[1] for h in history_hits("it used to rebuild the search")] == ["'used to' of the past"]
     assert [h[1] for h in history_hits("Used to be dicts")] == ["'used to' of the past"]
     assert history_hits("the fit is used to pick probes; it can be\nused to tell them apart") == []

@@ -1,7 +1,7 @@
 """Whether an exception raised inside a training process means "out of memory", in any of its forms.
 
 Why a module of its own: on a GPU an OOM reaches the top of a script in many shapes, and each one
-misread as a crash costs the search a bound (issue: GPU OOMs classed `crashed`). The forms seen:
+misread as a crash costs the search a memory bound (the config is recorded `crashed`). The forms seen:
 - `torch.OutOfMemoryError` (alias `torch.cuda.OutOfMemoryError`) raised by the caching allocator;
 - a plain `RuntimeError` carrying the allocator's text (TorchScript, older torch, libraries that
   re-raise), or cuBLAS's `CUBLAS_STATUS_ALLOC_FAILED`;

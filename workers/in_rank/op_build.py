@@ -3,8 +3,8 @@
 Why: DeepSpeed compiles its ops (FusedAdam, CPUAdam, the CPU all-reduce, ...) on first use, inside
 the experiment. On a node without a CUDA toolkit (`nvcc`), without a compiler, or with a toolkit
 that does not match torch's CUDA, the build fails the same way in every experiment of the job: each
-one is recorded `crashed`, retried, and the search spends its whole budget learning nothing (issue
-21 item 1). Recognised here, the job stops at its first such experiment with one line that names
+one is recorded `crashed`, retried, and the search spends its whole budget learning nothing.
+Recognised here, the job stops at its first such experiment with one line that names
 the op and the fix (`scheduler.search.fast_search`), and a resumed job launches that experiment again once
 the node can build it.
 
