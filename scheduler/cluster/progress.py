@@ -41,6 +41,8 @@ from scheduler.search.phases import Phase, Search, replay
 from scheduler.search.space import PROFILE, Experiment
 from workers.files.layout import DS_CONFIG, EXP_JSON, RESULT
 from workers.files.paths import read_json, safe_child
+from workers.in_rank.failure import Status
+from workers.slot.records import ExperimentRecord
 from workers.state.store import RedisSlotStore
 
 log = logging.getLogger(__name__)
@@ -217,14 +219,15 @@ def record_lookup(client: redis.Redis, spec: JobSpec, recorded: set[str] | None 
     def _answer(exp: Experiment) -> dict[str, Any] | None:
         if spec.tune is None and exp.name not in recorded:
             return None
-        record = read_json(safe_child(spec.results_root, exp.name) / RESULT)
-        if not isinstance(record, dict) or record.get("stale") or record.get("ds_config") != exp.ds_config:
+        written = read_json(safe_child(spec.results_root, exp.name) / RESULT)
+        record = read_record(written)
+        if record is None or record.stale or record.ds_config != exp.ds_config:
             return None
-        if record.get("status") == "lost" and attempts.get(exp.name, 0) < spec.max_attempts:
+        if record.status is Status.LOST and attempts.get(exp.name, 0) < spec.max_attempts:
             return None
-        if record.get("op_build_failed") and exp.name not in recorded:
+        if record.op_build_failed and exp.name not in recorded:
             return None  # an earlier job's: the node may build the op now (workers.in_rank.op_build)
-        return record
+        return written  # the search reads records as their JSON
     return lookup
 
 
@@ -283,20 +286,30 @@ def measured_off_path(results_root: Path, on_path: set[str]) -> list[tuple[Exper
     found = []
     for exp_file in sorted(results_root.glob(f"*/{EXP_JSON}")):
         name = exp_file.parent.name
-        record = read_json(exp_file.parent / RESULT)
-        if (name in on_path or name == PROFILE or not isinstance(record, dict) or record.get("stale")
-                or record.get("status") == "lost"):
+        written = read_json(exp_file.parent / RESULT)
+        record = read_record(written)
+        if name in on_path or name == PROFILE or record is None or record.stale or record.status is Status.LOST:
             continue
         exp = described_experiment(name, read_json(exp_file), record)
         if exp is not None:
-            found.append((exp, {**record, "name": name}))
+            found.append((exp, {**written, "name": name}))
     return found
 
 
-def described_experiment(name: str, described: Any, record: dict[str, Any]) -> Experiment | None:
+def read_record(written: Any) -> ExperimentRecord | None:
+    """A result.json's record typed; None where the file held none (missing, torn, not a record)."""
+    if not isinstance(written, dict):
+        return None
+    try:
+        return ExperimentRecord.from_json(written)
+    except (TypeError, ValueError):  # no name, or a status no release wrote
+        return None
+
+
+def described_experiment(name: str, described: Any, record: ExperimentRecord) -> Experiment | None:
     """The experiment a folder holds, from its exp.json (DeepSpeed's description: the shape) and its
     record's config (stage, sizes, strategy); None when they do not describe one."""
-    config = record.get("ds_config")
+    config = record.ds_config
     if not isinstance(described, dict) or not isinstance(config, dict):
         return None
     try:
@@ -312,9 +325,9 @@ def _check_metric_key(spec: JobSpec, phases: list[Phase], lookup: Lookup) -> Non
     """A script that never writes the metric asked for would make every experiment look failed."""
     metric = tuning_config(spec).metric
     for exp in (e for phase in phases for e in phase.experiments if e.name != PROFILE):
-        record = lookup(exp) or {}
-        metrics = record.get("metrics")
-        if record.get("status") == "ok" and isinstance(metrics, dict) and metric not in metrics:
+        record = read_record(lookup(exp))
+        metrics = record.metrics if record is not None else None
+        if record is not None and record.ok and isinstance(metrics, dict) and metric not in metrics:
             raise ConfigError(f"{spec.tune.config_path}: autotuning.metric is \"{metric}\" but the script's "
                               f"metrics file has only {sorted(metrics)}; choose one of those (every experiment then runs "
                               f"again) or write \"{metric}\" and start afresh with \"overwrite\": true (known only "

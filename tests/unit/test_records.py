@@ -109,6 +109,22 @@ def test_keys_the_type_does_not_name_are_kept() -> None:
     assert record.to_json() == written
 
 
+def test_a_fenced_launchs_record_reads_stale() -> None:
+    """What a launch that no longer held its experiment leaves in result.json (tasks.experiment): the
+    readers skip it by `stale`; the launch's attempt stays in `extra`."""
+    written = {**sample("tuning_ok"), "stale": True, "attempt": 2}
+    record = ExperimentRecord.from_json(written)
+    assert record.stale is True and record.extra == {"attempt": 2} and record.to_json() == written
+    assert ExperimentRecord.from_json(sample("tuning_ok")).stale is None
+
+
+def test_the_ranks_read_typed() -> None:
+    record = ExperimentRecord.from_json(sample("run_rank_crashed"))
+    ranks = record.rank_records
+    assert [rank.slot for rank in ranks] == record.slots and [rank.rank for rank in ranks] == [0, 1]
+    assert [rank.status for rank in ranks] == [Status.ABORTED, Status.CRASHED]
+
+
 def full_record() -> ExperimentRecord:
     """An experiment with every optional field set: a tolerated failure after the measurement, device
     figures, an op build, the GPU link, the engine's figures, warm and cold ranks."""
@@ -123,7 +139,7 @@ def full_record() -> ExperimentRecord:
     record = experiment_record({"name": "z2", "exp_id": 4, "ds_config": {"train_batch_size": 8}, "world_size": 2,
                                 "gpu_link": "NV12"},
                                [r1, r0])
-    return dataclasses.replace(record, op_build_failed="fused_adam", co_runners=[{"name": "b"}],
+    return dataclasses.replace(record, op_build_failed="fused_adam", co_runners=[{"name": "b"}], stale=True,
                                cause={"rank": 1}, extra={"note": 1})
 
 

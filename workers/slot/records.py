@@ -141,6 +141,9 @@ class ExperimentRecord:
     step_seconds: list[float] | None = None  #: the profiled window's step times
     start_path: str | None = None  #: "warm", "cold" or "cold+warm" (`workers.warm.warm_start`)
     co_runners: list[Any] | None = None  #: launches that held a slot on its nodes while it ran
+    #: True: a launch that no longer held the experiment wrote it (`scheduler.cluster.fencing`); it answers
+    #: nothing, and the readers of result.json (the replay, the off-path listing) skip it
+    stale: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     #: Written even when None.
@@ -150,6 +153,13 @@ class ExperimentRecord:
     @property
     def ok(self) -> bool:
         return self.status is Status.OK
+
+    @property
+    def rank_records(self) -> list[RankRecord]:
+        """`ranks` typed, for readers of a rank's who and how (its slot, node, device, threads);
+        what only some ranks' records hold (their timeline, how their interpreter started) is in each one's
+        `extra`."""
+        return [RankRecord.from_json(rank) for rank in self.ranks]
 
     def to_json(self) -> dict[str, Any]:
         return _to_json(self, self.ALWAYS)
