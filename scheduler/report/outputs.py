@@ -56,6 +56,7 @@ from workers.in_rank.failure import Status
 from workers.files.layout import (MODEL_PLOT, OPTIMAL_FILES, PARTIAL_FILES, RESULTS_CSV, RESULTS_JSONL, SUMMARY,
                             TIMELINE_PLOT, TUNING_PLOT, result_file)
 from workers.files.paths import safe_child, write_atomic, write_json
+from workers.slot.records import ExperimentRecord
 
 #: The classes an experiment's record can have (`gpu_busy` is a rank's "not started": never recorded).
 FAILURE_CLASSES = [s.value for s in Status if s not in (Status.OK, Status.GPU_BUSY)]
@@ -104,7 +105,7 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     elapsed = datetime.timedelta(seconds=round(elapsed_s))
     kept = any(note.startswith(KEPT_NOTE) for note in notes)
     table += ("\n\n" + "".join(f"{note}.\n" for note in notes) + space_text(experiments, kept)
-              + winner_text(tuned, metric, maximize) + startup_text(tuned)
+              + winner_text(tuned, metric, maximize) + startup_text([ExperimentRecord.from_json(r) for r in tuned])
               + fit_text(fit_checks(experiments, records, metric, maximize)))
     if cancelled is None:
         return (f"{table}\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."

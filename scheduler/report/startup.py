@@ -13,22 +13,22 @@ import statistics
 from typing import Any, Mapping
 
 from workers.in_rank.metrics import AutotuningSettings
+from workers.slot.records import ExperimentRecord
 from workers.slot.timeline import startup_seconds, startup_share
 
 
-def startup_summary(records: list[Mapping[str, Any]]) -> dict[str, Any] | None:
+def startup_summary(records: list[ExperimentRecord]) -> dict[str, Any] | None:
     """Medians over the measured experiments (status ok, with a latency); None when there is none."""
     shares, seconds, paths = [], [], {"warm": 0, "cold": 0}
     for record in records:
-        metrics = record.get("metrics") or {}
-        if record.get("status") != "ok" or not isinstance(metrics, dict):
+        if not record.ok or not isinstance(record.metrics, dict):
             continue
-        settings = AutotuningSettings.from_ds_config(record.get("ds_config") or {})
-        share = startup_share(record.get("wall_s"), metrics.get("latency"), settings.end_profile_step)
+        settings = AutotuningSettings.from_ds_config(record.ds_config or {})
+        share = startup_share(record.wall_s, record.metrics.get("latency"), settings.end_profile_step)
         if share is None:
             continue
         shares.append(share)
-        ranks = [r for r in record.get("ranks", []) if isinstance(r, Mapping)]
+        ranks = [r for r in record.ranks if isinstance(r, Mapping)]  # each rank's JSON: its phases are its own
         ready = [startup_seconds(r["timeline"]) for r in ranks if isinstance(r.get("timeline"), Mapping)]
         if ready and None not in ready:
             seconds.append(max(ready))
@@ -42,7 +42,7 @@ def startup_summary(records: list[Mapping[str, Any]]) -> dict[str, Any] | None:
             "ranks_cold": paths["cold"]}
 
 
-def startup_text(records: list[Mapping[str, Any]]) -> str:
+def startup_text(records: list[ExperimentRecord]) -> str:
     """The summary's line about start-up ('' when nothing was measured)."""
     summary = startup_summary(records)
     if summary is None:

@@ -73,16 +73,16 @@ def test_aggregate_writes_what_the_samples_hold() -> None:
 
 def test_an_older_record_reads_with_defaults() -> None:
     """A record from before a key was written (here: exp_id, slots, start_path, the ranks, the
-    costs) reads as the key's default and is written back with it."""
+    costs) reads as the key's default (None for a cost: not measured) and is written back with it."""
     written = sample("tuning_ok")
     old = {key: value for key, value in written.items()
            if key not in ("exp_id", "slots", "start_path", "ranks", "wall_s", "peak_rss_bytes")}
     record = ExperimentRecord.from_json(old)
     assert (record.exp_id, record.slots, record.start_path, record.ranks) == (None, [], None, [])
-    assert (record.wall_s, record.peak_rss_bytes) == (0.0, 0)
+    assert (record.wall_s, record.peak_rss_bytes) == (None, None)  # not measured, rather than zero
     assert record.metrics == written["metrics"] and record.ok
     again = record.to_json()
-    assert again == {**old, "exp_id": None, "slots": [], "wall_s": 0.0, "peak_rss_bytes": 0, "ranks": []}
+    assert again == {**old, "exp_id": None, "slots": [], "wall_s": None, "peak_rss_bytes": None, "ranks": []}
     assert "start_path" not in again  # an optional key is not made up
 
 

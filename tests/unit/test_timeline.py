@@ -13,6 +13,7 @@ import pytest
 from scheduler.report.plot import startup_of
 from scheduler.report.startup import startup_summary, startup_text
 from workers.in_rank.device_memory import read_exit_report
+from workers.slot.records import ExperimentRecord
 from workers.slot.timeline import launch_timeline, rank_timeline, startup_share
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,16 +47,17 @@ def test_the_start_up_share_is_what_the_profiled_steps_do_not_explain() -> None:
     assert startup_share(0.0, 1.5e6, 1) is None and startup_share(10.0, None, 1) is None
 
 
-def _record(name: str, wall: float, latency_us: float, readies: list[float], path: str = "cold") -> dict:
-    return {"name": name, "status": "ok", "wall_s": wall, "started_at": 50.0, "metrics": {"latency": latency_us},
+def _record(name: str, wall: float, latency_us: float, readies: list[float], path: str = "cold") -> ExperimentRecord:
+    return ExperimentRecord.from_json({"name": name, "status": "ok", "wall_s": wall, "started_at": 50.0, "metrics": {"latency": latency_us},
             "ds_config": {"autotuning": {"start_profile_step": 1, "end_profile_step": 1}},
             "ranks": [{"rank": r, "started_at": 50.0 + r, "start_path": path,
-                       "timeline": {"launched": 0.0, "engine": ready}} for r, ready in enumerate(readies)]}
+                       "timeline": {"launched": 0.0, "engine": ready}} for r, ready in enumerate(readies)]})
 
 
 def test_the_summary_gives_the_jobs_medians_and_the_slowest_ranks_start_up() -> None:
     records = [_record("a", 10.0, 1e6, [6.0, 7.0]), _record("b", 20.0, 2e6, [12.0], "warm"),
-               _record("c", 4.0, 1e6, [1.0]), {"name": "d", "status": "oom", "metrics": None, "wall_s": 3.0}]
+               _record("c", 4.0, 1e6, [1.0]),
+               ExperimentRecord.from_json({"name": "d", "status": "oom", "metrics": None, "wall_s": 3.0})]
     summary = startup_summary(records)
     assert summary == {"measured": 3, "startup_share": pytest.approx(0.8), "startup_s": 7.0,
                        "ranks_warm": 1, "ranks_cold": 3}
@@ -64,7 +66,7 @@ def test_the_summary_gives_the_jobs_medians_and_the_slowest_ranks_start_up() -> 
 
 
 def test_the_timeline_hatches_up_to_the_slowest_ranks_engine() -> None:
-    assert startup_of(_record("a", 10.0, 1e6, [6.0, 7.0])) == 8.0  # rank 1 launched 1 s later
+    assert startup_of(_record("a", 10.0, 1e6, [6.0, 7.0]).to_json()) == 8.0  # rank 1 launched 1 s later
     assert startup_of({"started_at": 1.0, "ranks": [{"started_at": 1.0, "timeline": {"launched": 0.0}}]}) is None
 
 

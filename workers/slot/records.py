@@ -118,10 +118,12 @@ class ExperimentRecord:
     metrics: dict[str, Any] | None = None  #: rank 0's, when the experiment counts (`status` ok)
     ds_config: dict[str, Any] | None = None
     slots: list[str | None] = field(default_factory=list)  #: one per rank, in rank order
-    started_at: float = 0.0
-    ended_at: float = 0.0
-    wall_s: float = 0.0
-    peak_rss_bytes: int = 0  #: the busiest rank's
+    #: The times and the cost: None where the record lacks them (a lost launch's, an older one), so a
+    #: reader tells a cost never measured from a zero one (MLflow logs only the figures a record holds)
+    started_at: float | None = None
+    ended_at: float | None = None
+    wall_s: float | None = None
+    peak_rss_bytes: int | None = None  #: the busiest rank's
     ranks: list[dict[str, Any]] = field(default_factory=list)  #: each rank's record (`RankRecord.to_json`)
     peak_device_bytes: int | None = None
     peak_device_allocated_bytes: int | None = None
