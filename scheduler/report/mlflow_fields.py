@@ -19,12 +19,14 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from scheduler.search.ranking import pooled_best
 from scheduler.search.repeats import REPEAT_NAME
+from workers.slot.records import ExperimentRecord
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"  #: MLflow's own switch: set, the command logs there
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"  #: MLflow's own: the experiment our runs go into
 DEFAULT_EXPERIMENT = "celery-autotune"
 #: The record's figures logged as metrics beside the script's own (throughput, latency, FLOPS_per_gpu):
-#: what the experiment cost and the peaks its busiest rank reached (`workers.slot.records.aggregate`).
+#: what the experiment cost and the peaks its busiest rank reached (`workers.slot.records.aggregate`);
+#: each names a field of `ExperimentRecord`, None where the record lacks it (then not logged).
 RECORD_METRICS = ("wall_s", "peak_rss_bytes", "peak_device_bytes", "peak_device_allocated_bytes",
                   "device_total_bytes", "device_alloc_retries")
 MAX_VALUE_CHARS = 500  #: MLflow 2.10's limit for a param value (later versions allow more)
@@ -125,39 +127,39 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def experiment_params(record: Mapping[str, Any]) -> dict[str, str]:
+def experiment_params(record: ExperimentRecord) -> dict[str, str]:
     """The config the experiment measured: ZeRO stage, micro-batch, gas, the global batch, its ranks,
     and every ZeRO knob it set (`zero.<knob>`, nested ones dotted: `zero.offload_optimizer.device`)."""
-    ds_config = record.get("ds_config") or {}
+    ds_config = record.ds_config or {}
     zero = ds_config.get("zero_optimization") or {}
     params: dict[str, Any] = {
         "zero_stage": zero.get("stage"),
         "micro_batch_size": ds_config.get("train_micro_batch_size_per_gpu"),
         "gradient_accumulation_steps": ds_config.get("gradient_accumulation_steps"),
         "train_batch_size": ds_config.get("train_batch_size"),
-        "world_size": len(record.get("ranks") or []) or None,
+        "world_size": len(record.ranks) or None,
     }
     params.update({key: value for key, value in _flat("zero", zero).items() if key != "zero.stage"})
     return {key: _text(value) for key, value in params.items() if value is not None}
 
 
-def experiment_metrics(record: Mapping[str, Any]) -> dict[str, float]:
+def experiment_metrics(record: ExperimentRecord) -> dict[str, float]:
     """The script's metrics (a measured experiment's: throughput, latency, FLOPS_per_gpu, ...) and what
     the experiment cost (`RECORD_METRICS`); a failed one has no metrics of the script's."""
-    metrics = {key: number for key, value in (record.get("metrics") or {}).items()
-               if record.get("status") == "ok" and (number := _number(value)) is not None}
-    metrics.update({key: number for key in RECORD_METRICS if (number := _number(record.get(key))) is not None})
+    metrics = {key: number for key, value in (record.metrics or {}).items()
+               if record.ok and (number := _number(value)) is not None}
+    metrics.update({key: number for key in RECORD_METRICS if (number := _number(getattr(record, key))) is not None})
     return metrics
 
 
-def experiment_tags(record: Mapping[str, Any]) -> dict[str, str]:
+def experiment_tags(record: ExperimentRecord) -> dict[str, str]:
     """How it ended and where it ran; a failure's cause in one line; a re-measurement's original."""
-    tags = {EXPERIMENT: str(record.get("name")), STATUS: str(record.get("status", "lost")),
-            SLOTS: ",".join(str(slot) for slot in record.get("slots") or [])}
-    match = REPEAT_NAME.match(str(record.get("name")))
+    tags = {EXPERIMENT: str(record.name), STATUS: record.status.value,
+            SLOTS: ",".join(str(slot) for slot in record.slots or [])}
+    match = REPEAT_NAME.match(str(record.name))
     if match:
         tags[REPEAT_OF] = match["original"]
-    cause = record.get("cause")
+    cause = record.cause
     if isinstance(cause, Mapping):
         words = [str(cause[key]) for key in ("exit", "error") if cause.get(key)]
         tail = next((line.strip() for line in reversed(str(cause.get("stderr_tail") or "").splitlines())
@@ -168,10 +170,10 @@ def experiment_tags(record: Mapping[str, Any]) -> dict[str, str]:
     return tags
 
 
-def run_status(record: Mapping[str, Any]) -> str:
+def run_status(record: ExperimentRecord) -> str:
     """MLflow's status of the child run: FINISHED for a measured experiment, FAILED for any failure
     (the class itself is the `autotune.status` tag)."""
-    return "FINISHED" if record.get("status") == "ok" else "FAILED"
+    return "FINISHED" if record.ok else "FAILED"
 
 
 def job_params(ds_config: Mapping[str, Any], metric: str, script: str, num_nodes: int, num_gpus: int) -> dict[str, str]:

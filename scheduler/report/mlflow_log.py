@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.report import mlflow_fields as fields
+from workers.slot.records import ExperimentRecord
 from workers.files.layout import MLFLOW_RUN, OPTIMAL_FILES, RESULTS_CSV, SUMMARY, TIMELINE_PLOT, TUNING_PLOT, result_file
 from workers.files.paths import read_json, write_json
 
@@ -113,7 +114,7 @@ class MlflowLog:
 
     def record(self, record: Mapping[str, Any]) -> None:
         """An experiment's record, as its event arrives: its child run, unless it has one already."""
-        self._guarded(self._log_child, record)
+        self._guarded(lambda: self._log_child(ExperimentRecord.from_json(dict(record))))
 
     def finish(self, records: Mapping[str, Mapping[str, Any]], winner: str | None, metric: str,
                maximize: bool, elapsed_s: float, interrupted: bool = False) -> None:
@@ -167,11 +168,11 @@ class MlflowLog:
         self.client.log_batch(run_id, metrics=[Metric(key, value, stamp, 0) for key, value in (metrics or {}).items()],
                               params=[Param(key, value) for key, value in (params or {}).items()])
 
-    def _log_child(self, record: Mapping[str, Any]) -> None:
-        name = str(record.get("name"))
+    def _log_child(self, record: ExperimentRecord) -> None:
+        name = record.name
         children: dict[str, Any] = self.state["children"]
         logged = children.get(name)
-        if logged is not None and logged.get("ended_at") == record.get("ended_at"):
+        if logged is not None and logged.get("ended_at") == record.ended_at:
             return
         client = self.client
         if logged is not None:  # measured again (a lost launch relaunched): the new reading is the record
@@ -180,15 +181,15 @@ class MlflowLog:
                 client.delete_tag(logged["run_id"], fields.WINNER)
                 self.state["winner"] = None
         tags = {PARENT_TAG: self.state["parent_run_id"], **fields.experiment_tags(record)}
-        run = client.create_run(self.state["experiment_id"], start_time=_ms(record.get("started_at")),
+        run = client.create_run(self.state["experiment_id"], start_time=_ms(record.started_at),
                                 tags=tags, run_name=name)
         self._send(run.info.run_id, params=fields.experiment_params(record),
-                   metrics=fields.experiment_metrics(record), at=record.get("ended_at"))
-        client.set_terminated(run.info.run_id, status=fields.run_status(record), end_time=_ms(record.get("ended_at")))
-        children[name] = {"run_id": run.info.run_id, "ended_at": record.get("ended_at")}
+                   metrics=fields.experiment_metrics(record), at=record.ended_at)
+        client.set_terminated(run.info.run_id, status=fields.run_status(record), end_time=_ms(record.ended_at))
+        children[name] = {"run_id": run.info.run_id, "ended_at": record.ended_at}
         self._save()
 
-    def _settle_cut_off(self, child: Any, records: Mapping[str, Mapping[str, Any]]) -> None:
+    def _settle_cut_off(self, child: Any, records: Mapping[str, ExperimentRecord]) -> None:
         """A child whose logging was cut off (Ctrl-C, a killed command) before the state kept it:
         still RUNNING, it goes (its record is logged again); already ended, it is the record's run
         and is kept as logged, not logged twice. Every child this module ended is in the state."""
@@ -197,25 +198,26 @@ class MlflowLog:
             self.client.delete_run(info.run_id)
             return
         record, logged = records.get(name), self.state["children"].get(name)
-        if record is None or info.end_time != _ms(record.get("ended_at")) or fields.SUPERSEDED in child.data.tags:
+        if record is None or info.end_time != _ms(record.ended_at) or fields.SUPERSEDED in child.data.tags:
             return
-        if logged is not None and (logged["run_id"] == info.run_id or logged.get("ended_at") == record.get("ended_at")):
+        if logged is not None and (logged["run_id"] == info.run_id or logged.get("ended_at") == record.ended_at):
             return
         if logged is not None:  # the cut-off run was a newer reading than the one kept
             self.client.set_tag(logged["run_id"], fields.SUPERSEDED, "true")
             if self.state.get("winner") == name:
                 self.client.delete_tag(logged["run_id"], fields.WINNER)
                 self.state["winner"] = None
-        self.state["children"][name] = {"run_id": info.run_id, "ended_at": record.get("ended_at")}
+        self.state["children"][name] = {"run_id": info.run_id, "ended_at": record.ended_at}
         self._save()
 
     def _finish(self, records: Mapping[str, Mapping[str, Any]], winner: str | None, metric: str, maximize: bool,
                 elapsed_s: float, interrupted: bool) -> None:
         client, parent = self.client, self.state["parent_run_id"]
+        typed = {name: ExperimentRecord.from_json(dict(record)) for name, record in records.items()}
         for child in client.search_runs([self.state["experiment_id"]], max_results=1000,
                                         filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"):
-            self._settle_cut_off(child, records)
-        for record in records.values():
+            self._settle_cut_off(child, typed)
+        for record in typed.values():
             self._log_child(record)
         children = self.state["children"]
         previous = self.state.get("winner")

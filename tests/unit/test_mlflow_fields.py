@@ -12,6 +12,7 @@ import pytest
 
 from scheduler.report import mlflow_fields as fields
 from scheduler.report.mlflow_log import HTTP_DEFAULTS, INSTALL_HINT, JobRun, MlflowLog
+from workers.slot.records import ExperimentRecord
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 16,
@@ -22,11 +23,17 @@ CONFIG = {
 
 
 def record(name: str = "z2_gas2_tmbspg4", status: str = "ok", **extra: Any) -> dict[str, Any]:
+    """A record as its JSON (what the job's events and result.json carry)."""
     base = {"name": name, "status": status, "ds_config": CONFIG, "slots": ["n1.gpu0", "n1.gpu1"],
             "started_at": 100.0, "ended_at": 112.5, "wall_s": 12.5, "peak_rss_bytes": 2**30,
             "peak_device_bytes": 3 * 2**30, "device_total_bytes": 80 * 2**30, "ranks": [{"rank": 0}, {"rank": 1}],
             "metrics": {"throughput": 250.0, "latency": 0.032, "FLOPS_per_gpu": 1.5e12} if status == "ok" else None}
     return {**base, **extra}
+
+
+def typed(name: str = "z2_gas2_tmbspg4", status: str = "ok", **extra: Any) -> ExperimentRecord:
+    """`record` as the child run's fields read it: parsed once where the event or the file arrives."""
+    return ExperimentRecord.from_json(record(name, status, **extra))
 
 
 @pytest.mark.parametrize(("setting", "environ", "expected"), [
@@ -101,39 +108,47 @@ def test_the_config_key_ignores_where_it_logs_and_nothing_else() -> None:
 
 
 def test_params_are_the_knobs_the_experiment_measured() -> None:
-    assert fields.experiment_params(record()) == {
+    assert fields.experiment_params(typed()) == {
         "zero_stage": "2", "micro_batch_size": "4", "gradient_accumulation_steps": "2", "train_batch_size": "16",
         "world_size": "2", "zero.overlap_comm": "true", "zero.reduce_bucket_size": "500000000.0",
         "zero.offload_optimizer.device": "cpu", "zero.offload_optimizer.pin_memory": "false",
     }
-    long = fields.experiment_params(record(ds_config={"zero_optimization": {"stage": 0, "x": "y" * 900}}))
+    long = fields.experiment_params(typed(ds_config={"zero_optimization": {"stage": 0, "x": "y" * 900}}))
     assert len(long["zero.x"]) == fields.MAX_VALUE_CHARS and long["zero.x"].endswith("...")
 
 
 def test_metrics_are_the_scripts_and_what_the_experiment_cost() -> None:
-    assert fields.experiment_metrics(record()) == {
+    assert fields.experiment_metrics(typed()) == {
         "throughput": 250.0, "latency": 0.032, "FLOPS_per_gpu": 1.5e12, "wall_s": 12.5,
         "peak_rss_bytes": float(2**30), "peak_device_bytes": float(3 * 2**30), "device_total_bytes": float(80 * 2**30),
     }
     # a failure has no metrics of the script's, only its cost; nothing that is no finite number is logged
-    assert fields.experiment_metrics(record(status="oom")) == {
+    assert fields.experiment_metrics(typed(status="oom")) == {
         "wall_s": 12.5, "peak_rss_bytes": float(2**30), "peak_device_bytes": float(3 * 2**30),
         "device_total_bytes": float(80 * 2**30)}
-    odd = record(metrics={"throughput": float("nan"), "latency": True, "master": "h:1", "rank": 0}, wall_s=None)
+    odd = typed(metrics={"throughput": float("nan"), "latency": True, "master": "h:1", "rank": 0}, wall_s=None)
     assert set(fields.experiment_metrics(odd)) == {"rank", "peak_rss_bytes", "peak_device_bytes", "device_total_bytes"}
 
 
+def test_a_lost_launchs_record_logs_no_cost_it_never_measured() -> None:
+    """The sweep's record of a launch given up holds no times and no costs: none is logged as a zero."""
+    lost = ExperimentRecord.from_json({"name": "z1", "status": "lost", "metrics": None, "ds_config": CONFIG,
+                                       "slots": ["n1.gpu0"], "cause": {"error": "its worker is gone"}})
+    assert fields.experiment_metrics(lost) == {}
+    assert fields.experiment_tags(lost)["autotune.status"] == "lost" and fields.run_status(lost) == "FAILED"
+
+
 def test_tags_say_how_it_ended_where_it_ran_and_what_it_repeats() -> None:
-    assert fields.experiment_tags(record()) == {
+    assert fields.experiment_tags(typed()) == {
         "autotune.experiment": "z2_gas2_tmbspg4", "autotune.status": "ok", "autotune.slots": "n1.gpu0,n1.gpu1"}
-    failed = record(name="z2_gas2_tmbspg4_r2", status="crashed",
+    failed = typed(name="z2_gas2_tmbspg4_r2", status="crashed",
                     cause={"exit": "exit 3", "error": None, "stderr_tail": "Traceback\nRuntimeError: boom\n\n"})
     assert fields.experiment_tags(failed) == {
         "autotune.experiment": "z2_gas2_tmbspg4_r2", "autotune.status": "crashed",
         "autotune.slots": "n1.gpu0,n1.gpu1", "autotune.repeat_of": "z2_gas2_tmbspg4",
         "autotune.cause": "exit 3; RuntimeError: boom"}
-    assert len(fields.experiment_tags(record(status="oom", cause={"error": "e" * 999}))["autotune.cause"]) == 250
-    assert fields.run_status(record()) == "FINISHED" and fields.run_status(record(status="oom")) == "FAILED"
+    assert len(fields.experiment_tags(typed(status="oom", cause={"error": "e" * 999}))["autotune.cause"]) == 250
+    assert fields.run_status(typed()) == "FINISHED" and fields.run_status(typed(status="oom")) == "FAILED"
 
 
 def test_the_parent_shows_the_job_and_the_winners_mean() -> None:
