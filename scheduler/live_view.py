@@ -28,6 +28,7 @@ from rich.text import Text
 
 from scheduler.cluster.job_store import JobStore
 from scheduler.search.ranking import best, metric_value
+from workers.slot.records import ExperimentRecord
 
 POLL_S = 1.0  #: Redis is read at most this often for the panel
 
@@ -55,7 +56,7 @@ class LiveView:
     concurrency: int
     started: float = field(default_factory=time.time)
     phases: list[PhaseCount] = field(default_factory=list)
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[ExperimentRecord] = field(default_factory=list)  #: the job's, typed as their events arrive
     _live: Live | None = None
     _polled_at: float = 0.0
     _running: list[dict[str, Any]] = field(default_factory=list)
@@ -84,18 +85,19 @@ class LiveView:
                                f"{', '.join(event['slots'])}; out of tuning until it frees, queued again",
                                markup=False, soft_wrap=True)
         elif event["kind"] == "record":
-            record = event["record"]
+            record = ExperimentRecord.from_json(event["record"])
             self.records.append(record)
             if self.phases:
                 self.phases[-1].done += 1
             self._polled_at = 0.0  # a slot just freed: show it at the next refresh
-            value = metric_value(record, self.metric)
-            shown = f"{self.metric}={value:,.2f}" if value is not None else record.get("status")
-            self.console.print(f"  {record['name']:<28} {record.get('status', '?'):<10} {shown}  "
-                               f"{record.get('wall_s') or 0:.1f}s on {','.join(record.get('slots') or [])}",
+            value = metric_value(event["record"], self.metric)  # the search's reading of the record's JSON
+            shown = f"{self.metric}={value:,.2f}" if value is not None else record.status.value
+            self.console.print(f"  {record.name:<28} {record.status.value:<10} {shown}  "
+                               f"{record.wall_s or 0:.1f}s on {','.join(str(slot) for slot in record.slots)}",
                                markup=False, soft_wrap=True)
+            # each rank's JSON: what its GPU still held after the run is a rank's own figure
             left = [f"{rank.get('slot')} ({rank['device_foreign_after_bytes'] / 2**30:.1f} GiB)"
-                    for rank in record.get("ranks") or [] if rank.get("device_foreign_after_bytes")]
+                    for rank in record.ranks if rank.get("device_foreign_after_bytes")]
             if left:  # workers.state.slot_health: the slot is out of tuning until that memory goes
                 self.console.print(f"  {'':<28} still used a wait after the run: {', '.join(left)}; "
                                    "out of tuning until it frees", markup=False, soft_wrap=True)
@@ -114,7 +116,7 @@ class LiveView:
 
     def estimate_s(self, now: float) -> float | None:
         """Seconds the current phase still needs, or None before any experiment finished."""
-        walls = [float(r["wall_s"]) for r in self.records if r.get("wall_s")]
+        walls = [float(r.wall_s) for r in self.records if r.wall_s]
         if not walls:
             return None
         mean = sum(walls) / len(walls)
@@ -132,16 +134,24 @@ class LiveView:
             current = index == len(self.phases) - 1
             table.add_row(phase.name, str(phase.done), str(len(self._running)) if current else "0",
                           str(self._queued) if current else "0", str(phase.total))
-        winner = best(self.records, self.metric, self.maximize)
         busy = sum(len(r.get("queues") or []) for r in self._running)
         estimate = self.estimate_s(now)
         lines = [
-            f"best so far: {winner['name']} {self.metric}={metric_value(winner, self.metric):,.2f}"
-            if winner is not None else "best so far: none yet",
+            self._best_so_far(),
             f"slots busy {busy}/{self.total_slots}   elapsed {_duration(now - self.started)}   "
             + (f"this phase ~{_duration(estimate)} left" if estimate is not None else "estimate after the first result"),
         ]
         return Group(table, *(Text(line, overflow="ellipsis", no_wrap=True) for line in lines))
+
+
+    def _best_so_far(self) -> str:
+        """The panel's best line: the search's ranking (`scheduler.search.ranking`), which reads records
+        as their JSON."""
+        written = best([record.to_json() for record in self.records], self.metric, self.maximize)
+        if written is None:
+            return "best so far: none yet"
+        winner = ExperimentRecord.from_json(written)
+        return f"best so far: {winner.name} {self.metric}={metric_value(written, self.metric):,.2f}"
 
 
 def _duration(seconds: float) -> str:
