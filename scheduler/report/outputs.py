@@ -199,7 +199,7 @@ def separation_sentence(decided: Verdict) -> str:
             f"{pooled_word(decided.winner.count)}.")
 
 
-def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, record: dict[str, Any] | None = None,
+def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, record: ExperimentRecord | None = None,
                    local_rank_arg: bool = True, hostfile: Path | None = None,
                    name_hosts: bool = False) -> tuple[list[str], str | None]:
     """DeepSpeed's launcher command that trains as the winner was tuned, and the hostfile it needs.
@@ -222,12 +222,12 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
     them in `.deepspeed_env` as well (docs/gpus.md, on `cmd_optimal.txt`).
     """
     by_node: dict[str, list[int]] = {}
-    ranks = sorted((record or {}).get("ranks") or [], key=lambda r: r.get("rank", 0))
+    ranks = sorted(record.rank_records if record is not None else [], key=lambda r: r.rank or 0)
     for rank in ranks:
-        device = rank.get("cuda_index", rank.get("device"))
-        if isinstance(rank.get("node"), str) and isinstance(device, int):
-            by_node.setdefault(rank["node"], []).append(device)
-    cuda = bool(ranks) and all(isinstance(r.get("cuda_index"), int) for r in ranks) and len(by_node) == num_nodes
+        device = rank.extra.get("cuda_index", rank.device)  # `workers.slot.rank_record`: a CUDA slot's GPU index
+        if isinstance(rank.node, str) and isinstance(device, int):
+            by_node.setdefault(rank.node, []).append(device)
+    cuda = bool(ranks) and all(isinstance(r.extra.get("cuda_index"), int) for r in ranks) and len(by_node) == num_nodes
     argv, hostfile_text = ["deepspeed"], None
     if (num_nodes > 1 or name_hosts) and len(by_node) == num_nodes and hostfile is not None:
         hostfile_text = "".join(f"{node} slots={max(devices) + 1 if cuda else len(devices)}\n"
@@ -241,12 +241,12 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
         argv += ["--num_nodes", str(num_nodes), "--num_gpus", str(num_gpus)]
     if not local_rank_arg:
         argv.append("--no_local_rank")
-    interfaces = {rank.get("nccl_socket_ifname") for rank in ranks}
+    interfaces = {rank.extra.get("nccl_socket_ifname") for rank in ranks}
     if cuda and num_nodes > 1 and len(interfaces) == 1 and isinstance(next(iter(interfaces)), str):
         argv = [f"NCCL_SOCKET_IFNAME={next(iter(interfaces))}", *argv]  # the network the winner was measured on
     if cuda:  # --include names nvidia-smi (PCI bus order) indices; CUDA's own default order may differ
         argv = ["CUDA_DEVICE_ORDER=PCI_BUS_ID", *argv]
-    threads = {rank.get("threads") for rank in ranks}
+    threads = {rank.threads for rank in ranks}
     if len(threads) == 1 and isinstance(next(iter(threads)), int):
         count = next(iter(threads))
         argv = [f"OMP_NUM_THREADS={count}", f"MKL_NUM_THREADS={count}", *argv]
@@ -300,12 +300,13 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     if winner is None:
         return None
     config_name, command_name, hostfile_name = PARTIAL_FILES if partial else OPTIMAL_FILES
-    exp = by_name[winner["name"]]
+    chosen = ExperimentRecord.from_json(winner)  # the search ranked the JSON; its pick is read typed
+    exp = by_name[chosen.name]
     optimal_path = result_file(results_dir, config_name).resolve()
-    write_json(optimal_path, optimal_config(winner["ds_config"]))
+    write_json(optimal_path, optimal_config(chosen.ds_config))
     hostfile = result_file(results_dir, hostfile_name).resolve()
     command, hostfile_text = launch_command(optimal_argv(exp, optimal_path), exp.num_nodes, exp.num_gpus,
-                                            record=winner, local_rank_arg=local_rank_arg, hostfile=hostfile,
+                                            record=chosen, local_rank_arg=local_rank_arg, hostfile=hostfile,
                                             name_hosts=name_hosts)
     if hostfile_text is not None:
         write_atomic(hostfile, hostfile_text)

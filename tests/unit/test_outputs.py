@@ -306,19 +306,20 @@ def test_write_results_overwrites_previous_winner(tmp_path: Path) -> None:
 
 def _ranks(*placed: tuple[str, int, int | None]) -> dict[str, Any]:
     """A winner's record whose rank i ran on node placed[i][0], slot device placed[i][1], GPU placed[i][2]."""
-    return {"ranks": [{"rank": i, "node": node, "device": device,
+    return {"name": "winner", "ranks": [{"rank": i, "node": node, "device": device,
                        **({"cuda_index": cuda} if cuda is not None else {})}
                       for i, (node, device, cuda) in enumerate(placed)]}
 
 
 def _threads(record: dict[str, Any], *threads: int) -> dict[str, Any]:
     """`record` with rank i's slot giving it threads[i] CPU threads."""
-    return {"ranks": [{**rank, "threads": count} for rank, count in zip(record["ranks"], threads)]}
+    return {**record, "ranks": [{**rank, "threads": count} for rank, count in zip(record["ranks"], threads)]}
 
 
 def _nccl(record: dict[str, Any], *interfaces: str) -> dict[str, Any]:
     """`record` with rank i's NCCL_SOCKET_IFNAME interfaces[i]."""
-    return {"ranks": [{**rank, "nccl_socket_ifname": name} for rank, name in zip(record["ranks"], interfaces)]}
+    return {**record, "ranks": [{**rank, "nccl_socket_ifname": name}
+                                for rank, name in zip(record["ranks"], interfaces)]}
 
 
 @pytest.mark.parametrize(
@@ -361,13 +362,15 @@ def _nccl(record: dict[str, Any], *interfaces: str) -> dict[str, Any]:
 )
 def test_launch_command(argv: list[str], nodes: int, gpus: int, record: dict[str, Any] | None,
                         local_rank_arg: bool, expected: list[str], hostfile: str | None) -> None:
-    assert launch_command(argv, nodes, gpus, record=record, local_rank_arg=local_rank_arg,
+    typed = ExperimentRecord.from_json(record) if record is not None else None
+    assert launch_command(argv, nodes, gpus, record=typed, local_rank_arg=local_rank_arg,
                           hostfile=Path("/r/hostfile_optimal")) == (expected, hostfile)
 
 
 def test_write_results_writes_the_hostfile_the_command_names(tmp_path: Path) -> None:
     exps = [make_exp(2, 8, gas=2, num_nodes=2, num_gpus=1)]
-    records = {exps[0].name: {**make_record(exps[0], "ok", throughput=1.0), **_ranks(("n2", 0, 1), ("n1", 0, 0))}}
+    placed = _ranks(("n2", 0, 1), ("n1", 0, 0))["ranks"]
+    records = {exps[0].name: {**make_record(exps[0], "ok", throughput=1.0), "ranks": placed}}
     write_results(tmp_path, exps, records, "throughput", True, 1.0, optimal_argv, local_rank_arg=False)
     command = shlex.split((tmp_path / "cmd_optimal.txt").read_text())
     assert command[:7] == ["CUDA_DEVICE_ORDER=PCI_BUS_ID", "deepspeed", "--hostfile",
@@ -544,7 +547,8 @@ def test_a_pool_bounded_winner_names_its_host_even_on_one_node(record: dict[str,
                                                                hostfile: str) -> None:
     """A tuning bounded by --hostfile/--include/--exclude may win on another node than this
     one; cmd_optimal.txt names it (not localhost), as DeepSpeed's names its pool's hosts."""
-    assert launch_command(["t.py"], 1, 1, record=record, hostfile=Path("/r/hostfile_optimal"),
+    assert launch_command(["t.py"], 1, 1, record=ExperimentRecord.from_json(record), hostfile=Path("/r/hostfile_optimal"),
                           name_hosts=True) == (expected, hostfile)
-    assert "localhost" in " ".join(launch_command(["t.py"], 1, 1, record=_ranks(("node2", 1, 3)),
+    winner = ExperimentRecord.from_json(_ranks(("node2", 1, 3)))
+    assert "localhost" in " ".join(launch_command(["t.py"], 1, 1, record=winner,
                                                   hostfile=Path("/r/hostfile_optimal"))[0])
