@@ -274,7 +274,7 @@ def write_outputs(spec: JobSpec, experiments: list[Experiment], records: dict[st
                            time.time() - spec.submitted_at, optimal_argv(spec), spec.local_rank_arg,
                            cancelled=cancelled, notes=search_notes(settings_of(spec)),
                            name_hosts=spec.allowed is not None, off_path=off_path)
-    return winner["name"] if winner else None
+    return winner.name if winner else None
 
 
 def measured_off_path(results_root: Path, on_path: set[str]) -> list[tuple[Experiment, dict[str, Any]]]:

@@ -259,8 +259,8 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
                   local_rank_arg: bool = True,
                   cancelled: dict[str, dict[str, Any]] | None = None,
                   notes: Sequence[str] = (), name_hosts: bool = False,
-                  off_path: Sequence[tuple[Experiment, dict[str, Any]]] = ()) -> dict[str, Any] | None:
-    """Write every output file; returns the best record (None if no experiment succeeded). `notes`
+                  off_path: Sequence[tuple[Experiment, dict[str, Any]]] = ()) -> ExperimentRecord | None:
+    """Write every output file; returns the best record, typed (None if no experiment succeeded). `notes`
     go into summary.txt after its table (`summary_text`).
 
     `off_path`: experiments an earlier run of the job measured that this run's search did not reach
@@ -311,7 +311,7 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     if hostfile_text is not None:
         write_atomic(hostfile, hostfile_text)
     write_atomic(result_file(results_dir, command_name), shlex.join(command) + "\n")
-    return winner
+    return chosen
 
 
 def results_jsonl(listed: list[dict[str, Any]], off_path: set[str]) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from scheduler.cluster.progress import measured_off_path
 from scheduler.report.outputs import write_results
 from scheduler.search.space import PROFILE
+from workers.slot.records import ExperimentRecord
 from test_outputs import make_exp, make_record, optimal_argv
 
 
@@ -56,7 +57,7 @@ def test_off_path_readings_are_listed_and_named_but_never_win(tmp_path: Path) ->
     winner = write_results(tmp_path, [kept], records, "throughput", True, 5.0, optimal_argv,
                            off_path=[(rechecked, earlier)])
 
-    assert winner is records[kept.name]
+    assert winner == ExperimentRecord.from_json(records[kept.name])
     listed = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(line["name"], line["status"], line.get("off_path")) for line in listed] == [
         (kept.name, "ok", None), (rechecked.name, "ok", True)]

@@ -197,7 +197,7 @@ def test_results_lines_hold_fields_of_the_record_type(tmp_path: Path) -> None:
 def test_write_results_files(tmp_path: Path) -> None:
     results_dir = tmp_path / "deep" / "results"
     winner = write_results(results_dir, EXPS, RECORDS, "throughput", True, 12.0, optimal_argv)
-    assert winner is RECORDS[EXPS[3].name]
+    assert winner == ExperimentRecord.from_json(RECORDS[EXPS[3].name])
 
     lines = (results_dir / "results.jsonl").read_text().splitlines()
     assert len(lines) == len(EXPS)
@@ -246,7 +246,7 @@ def test_write_results_latency_winner_and_argv_arguments(tmp_path: Path) -> None
         return ["train.py", "--deepspeed_config", str(path)]
 
     winner = write_results(tmp_path, EXPS, RECORDS, "latency", False, 1.0, argv)
-    assert winner is RECORDS[EXPS[0].name]
+    assert winner == ExperimentRecord.from_json(RECORDS[EXPS[0].name])
     assert len(calls) == 1
     assert calls[0][0] is EXPS[0]
     assert calls[0][1] == (tmp_path / "ds_config_optimal.json").resolve()
