@@ -143,7 +143,6 @@ class LiveView:
         ]
         return Group(table, *(Text(line, overflow="ellipsis", no_wrap=True) for line in lines))
 
-
     def _best_so_far(self) -> str:
         """The panel's best line: the search's ranking (`scheduler.search.ranking`), which reads records
         as their JSON."""

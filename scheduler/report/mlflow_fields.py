@@ -154,9 +154,9 @@ def experiment_metrics(record: ExperimentRecord) -> dict[str, float]:
 
 def experiment_tags(record: ExperimentRecord) -> dict[str, str]:
     """How it ended and where it ran; a failure's cause in one line; a re-measurement's original."""
-    tags = {EXPERIMENT: str(record.name), STATUS: record.status.value,
+    tags = {EXPERIMENT: record.name, STATUS: record.status.value,
             SLOTS: ",".join(str(slot) for slot in record.slots or [])}
-    match = REPEAT_NAME.match(str(record.name))
+    match = REPEAT_NAME.match(record.name)
     if match:
         tags[REPEAT_OF] = match["original"]
     cause = record.cause

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.report import mlflow_fields as fields
-from workers.slot.records import ExperimentRecord
 from workers.files.layout import MLFLOW_RUN, OPTIMAL_FILES, RESULTS_CSV, SUMMARY, TIMELINE_PLOT, TUNING_PLOT, result_file
 from workers.files.paths import read_json, write_json
+from workers.slot.records import ExperimentRecord
 
 #: The parent run's artifacts, those of them that exist when the job ends.
 ARTIFACTS = (SUMMARY, *OPTIMAL_FILES, TUNING_PLOT, TIMELINE_PLOT, RESULTS_CSV)
