@@ -32,18 +32,18 @@ near the memory cap; measurements are noisy, some configs far more than others. 
 - another stage is first measured at the incumbent's size (without max_train_batch_size, after its
   own top), which tells how it compares. It is explored further only if the incumbent was the
   largest size its own stage could hold and this stage holds more (the curve was still rising at
-  the cap; or the fit of that stage's readings rises there by more than the noise, a reading's
-  noise having put the best just below the cap: `rising_at_cap`), or, with max_train_batch_size,
-  if the incumbent accumulates because its stage cannot hold the size filling the step with one
-  accumulation step less and this stage can
+  the cap), or, with max_train_batch_size, if the incumbent accumulates because its stage cannot
+  hold the size filling the step with one accumulation step less and this stage can
   (`_fuller_step`: that size is measured once, and wins or rules the stage out), or, without
   max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step);
   otherwise the measurement rules it out. ZeRO-0 beside a ZeRO-1 incumbent (or the reverse) is
   measured once at the incumbent's own size and accumulation, and explored only for the first
-  reason (`_same_micro_steps`: both reduce gradients only at the accumulation boundary, so their
-  micro-steps are the same work and their best sizes over one space coincide: its own top and a
-  refinement would cost launches and tell nothing the incumbent's stage did not, unless it holds
-  sizes the incumbent's stage could not, where that stage's curve still rose). Without
+  reason with a top `sampling.TOP_GAIN` above the incumbent's (`_same_micro_steps`: both reduce
+  gradients only at the accumulation boundary, so their micro-steps are the same work and their
+  best sizes over one space coincide: its own top and a refinement would cost launches and tell
+  nothing the incumbent's stage did not, unless it holds clearly larger sizes where that stage's
+  curve still rose; a top predicted a few percent above is mostly the model's error, and its
+  probes fail). Without
   max_train_batch_size a stage whose predicted top fills less than half the incumbent's step is not
   measured at all (`_half_step`: ZeRO-0 of a large model, whose top probes mostly fail). ZeRO-3
   moves more data than ZeRO-1/2 at equal size: on fewer than `ZERO3_AT_SCALE` data-parallel ranks
@@ -90,12 +90,10 @@ from typing import Any
 
 from scheduler.search.ranking import metric_value
 from scheduler.search.repeats import says_nothing
-from scheduler.search.sampling import lead_first, next_size, sawtooth_neighbour, snap
+from scheduler.search.sampling import TOP_GAIN, lead_first, next_size, sawtooth_neighbour, snap
 from scheduler.search.session import Session, Step
 from scheduler.search.space import PROFILE
-from scheduler.search.stage_readings import (
-    at_cap, leader_of, predicted_better, rising_at_cap, stage_values, suspect_size,
-)
+from scheduler.search.stage_readings import at_cap, leader_of, predicted_better, stage_values, suspect_size
 from scheduler.search.stage_space import (
     gas_for, known_feasible, samples_per_step, sizes_ran, stage_candidates, stage_top,
 )
@@ -134,9 +132,7 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             explored.append(stage)
             continue
         inc_mbs = incumbent[1]
-        cap = max(m for m, v in stage_values(session, incumbent[0]).items() if v is not None)
-        upside = (at_cap(session, explored, inc_mbs) and top > inc_mbs) or \
-            (top > cap and rising_at_cap(session, incumbent[0]))
+        upside = at_cap(session, explored, inc_mbs) and top > inc_mbs
         if stage == 3 and any(s in (1, 2) for s in explored):
             lighter = max(stage_top(session, s) for s in explored if s in (1, 2))
             roomy = top >= ZERO3_ROOM * lighter  # near the top pressure slows the lighter stages
@@ -147,7 +143,7 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         fuller = _fuller_step(session, incumbent, top)
         if not upside and _half_step(session, stage, incumbent[0]):
             continue
-        same = _same_micro_steps(stage, incumbent[0]) and not upside
+        same = _same_micro_steps(stage, incumbent[0]) and not (upside and top >= TOP_GAIN * inc_mbs)
         if same and stage_top(session, stage, cautious=True) >= inc_mbs:
             yield from _leads_at(session, stage, incumbent)
             explored.append(stage)

@@ -122,23 +122,6 @@ def at_cap(session: Session, stages: Sequence[int], mbs: int) -> bool:
     return mbs >= largest
 
 
-def rising_at_cap(session: Session, stage: int) -> bool:
-    """Whether the cost model fitted to the stage's readings (three or more) predicts its largest
-    size that ran beats every smaller size it ran, and the next smaller by more than one reading's
-    noise: the curve still rises where memory cut it, though a reading's noise may have put the best
-    single reading just below that size (`at_cap` reads the readings alone). A stage holding larger
-    sizes then has an upside; on a plateau it has none worth its probes."""
-    if not session.settings.maximize:
-        return False
-    ok = {m: v for m, v in stage_values(session, stage).items() if v is not None and v > 0}
-    model = fit([Reading(m, gas_for(session, stage, m), v) for m, v in ok.items()]) if len(ok) >= 3 else None
-    if model is None:
-        return False
-    predicted = {m: model.predict(m, gas_for(session, stage, m)) for m in ok}
-    cap, below = max(ok), max(m for m in ok if m < max(ok))
-    return predicted[cap] >= max(predicted.values()) and predicted[cap] > predicted[below] * (1 + reading_noise(session))
-
-
 def predicted_better(session: Session, stage: int, values: Mapping[int, float | None],
                      sizes: Sequence[int]) -> int | None:
     """When the refinement has nothing left to split: the unmeasured size of `sizes` the cost model,

@@ -59,3 +59,12 @@ def test_zero_0_holding_more_than_a_zero_1_incumbent_at_its_cap_is_explored() ->
     assert max(mbs for stage, mbs, _ in launched if stage == 0) == 16
     winner = best([record for _, record in session.measured.values()], "throughput", True)
     assert winner["name"].startswith("z0_") and "tmbspg16" in winner["name"], winner["name"]
+
+
+def test_zero_0_predicted_a_few_percent_above_the_incumbents_cap_is_not_explored() -> None:
+    """ZeRO-1 tops out at 16, ZeRO-0 is predicted to hold 17 (and really holds 16): a top less than
+    `sampling.TOP_GAIN` above the incumbent's is mostly the model's error, so ZeRO-0 is measured once
+    at the incumbent's config and its top is not probed."""
+    launched, _, _ = play(stages_of((0, 1)), Rising(), {0: 16, 1: 16},
+                          scripted_settings(stages=(0, 1), max_train_batch_size=None), predicted={0: 17, 1: 16})
+    assert [mbs for stage, mbs, _ in launched if stage == 0] == [16], launched
