@@ -111,7 +111,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
         LaunchFiles.of(result_dir, finish.attempt, finish.metric_file).adopt(finish.world_size)
         written = record.to_json()
         write_json(experiment_file(result_dir, layout.RESULT), written)  # the durable record, before Redis's
-        _, read = record_and_read(client, finish, written)  # with the step's reads: one round trip
+        _, read = record_and_read(client, finish, record)  # with the step's reads: one round trip
         advance(client, finish.job, lambda: dispatch(client, WORK), read)  # the pass before the step when it can
     return written
 

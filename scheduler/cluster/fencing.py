@@ -18,13 +18,12 @@ has it neither running, queued nor recorded (`progress.launches_holding_slots` m
 """
 from __future__ import annotations
 
-from typing import Any
-
 import redis
 
 from scheduler.cluster.job_store import JobStore
 from scheduler.cluster.jobs import load_spec
 from scheduler.cluster.launches import FinishSpec
+from workers.slot.records import ExperimentRecord
 
 
 def holds_experiment(client: redis.Redis, finish: FinishSpec) -> bool:
@@ -42,12 +41,12 @@ def _adoptable(client: redis.Redis, store: JobStore, name: str) -> bool:
         and name not in store.recorded()
 
 
-def adopted(client: redis.Redis, store: JobStore, finish: FinishSpec, record: dict[str, Any]) -> bool:
+def adopted(client: redis.Redis, store: JobStore, finish: FinishSpec, record: ExperimentRecord) -> bool:
     """Record a launch its job does not know, when it may adopt it (module docstring): a launch
     that was retried or given up finds its experiment running, queued or recorded and stays stale."""
     name = finish.name
     if name in store.running_names() or not _adoptable(client, store, name):
         return False
     store.mark_recorded(name)
-    store.publish({"kind": "record", "record": record})
+    store.publish({"kind": "record", "record": record.to_json()})
     return True

@@ -17,28 +17,29 @@ from scheduler.cluster.fencing import adopted
 from scheduler.cluster.job_store import JobStore, StepReads, step_reads_from
 from scheduler.cluster.launches import FinishSpec
 from scheduler.cluster.stores import BaseJobStore
+from workers.slot.records import ExperimentRecord
 from workers.state.store import RedisSlotStore, describe
 
 log = logging.getLogger(__name__)
 
 
-def record_finished(client: redis.Redis, finish: FinishSpec, record: dict[str, Any]) -> bool:
+def record_finished(client: redis.Redis, finish: FinishSpec, record: ExperimentRecord) -> bool:
     """The chord callback's bookkeeping: free the launch's slots, close it, tell the job's submitter.
     False for a stale launch (retried or given up meanwhile, or Redis lost the job)."""
     return record_and_read(client, finish, record)[0]
 
 
-def record_and_read(client: redis.Redis, finish: FinishSpec, record: dict[str, Any]) -> tuple[bool, StepReads | None]:
+def record_and_read(client: redis.Redis, finish: FinishSpec,
+                    record: ExperimentRecord) -> tuple[bool, StepReads | None]:
     """`record_finished`, and the job step's reads after it (`JobStore.step_reads`), in one round
     trip: each was a round trip of its own between a rank's end and the next experiment's start
     (bench/dispatch_overhead.py). The reads are None where the launch was stale (adopting a record
     writes more, so the step reads again)."""
     store = JobStore(client, finish.job)
-    ok = record.get("status") == "ok" and record.get("wall_s")
-    wall = (finish.shape, record["wall_s"]) if ok and finish.shape else None
+    wall = (finish.shape, record.wall_s) if record.ok and record.wall_s and finish.shape else None
     pipe = client.pipeline(transaction=False)
     RedisSlotStore(client).release_in(pipe, finish.slots, finish.gang_token)
-    store.finish_recorded_in(pipe, finish.name, finish.attempt, {"kind": "record", "record": record}, wall)
+    store.finish_recorded_in(pipe, finish.name, finish.attempt, {"kind": "record", "record": record.to_json()}, wall)
     store.step_reads_in(pipe)
     results = pipe.execute()
     if results[1] is None:  # the finish script's answer: that attempt is not the running launch

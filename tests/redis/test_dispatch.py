@@ -28,6 +28,7 @@ from scheduler.cluster.job_store import JobStore, reserve_seqs
 from scheduler.cluster.jobs import JobSpec, cancel, load_spec, run_fixed, submit
 from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.search.space import Experiment
+from workers.slot.records import ExperimentRecord
 from workers.state import keys
 from workers.state.gang import GangReservations
 from workers.state.registry import announce_slot
@@ -190,14 +191,14 @@ def _dispatched(client: redis.Redis, work, tmp_path: Path, name: str = "a") -> F
 
 def test_record_finished_frees_closes_and_tells_once(client: redis.Redis, work, tmp_path: Path) -> None:
     finish = _dispatched(client, work, tmp_path)
-    record = {"name": "a", "status": "ok", "wall_s": 12.5, "metrics": {"throughput": 3.0}}
+    record = ExperimentRecord.from_json({"name": "a", "status": "ok", "wall_s": 12.5, "metrics": {"throughput": 3.0}})
     assert record_finished(client, finish, record) is True
     assert not client.exists(keys.gang("n0.gpu0"), keys.gang("n0.gpu1"))
     assert client.hlen(keys.job_running("j")) == 0 and client.smembers(keys.job_recorded("j")) == {b"a"}
     assert client.hgetall(keys.job_walls("j")) == {b"2/8": b"[12.5]"}
-    assert events(client, "j") == [{"kind": "record", "record": record}]
+    assert events(client, "j") == [{"kind": "record", "record": record.to_json()}]
     assert record_finished(client, finish, record) is False  # stale: closed already
-    assert events(client, "j") == [{"kind": "record", "record": record}]
+    assert events(client, "j") == [{"kind": "record", "record": record.to_json()}]
     assert client.hgetall(keys.job_walls("j")) == {b"2/8": b"[12.5]"}
 
 
@@ -210,33 +211,37 @@ def test_recording_and_the_steps_reads_are_one_round_trip(client: redis.Redis, w
     original = redis.connection.AbstractConnection.send_packed_command
     monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command",
                         lambda self, command, *args, **kwargs: (sends.append(1), original(self, command, *args, **kwargs)))
-    recorded, read = record_and_read(client, finish, {"name": "a", "status": "ok", "wall_s": 2.0})
+    measured = ExperimentRecord.from_json({"name": "a", "status": "ok", "wall_s": 2.0})
+    recorded, read = record_and_read(client, finish, measured)
     monkeypatch.undo()
     assert recorded and len(sends) == 1
     assert read is not None and read.spec is not None and "a" in read.recorded and "a" not in read.running
     assert read == JobStore(client, "j").step_reads()
     assert not client.exists(keys.gang("n0.gpu0")) and client.hgetall(keys.job_walls("j")) == {b"2/8": b"[2.0]"}
-    assert record_and_read(client, finish, {"name": "a", "status": "ok", "wall_s": 2.0}) == (False, None)
+    assert record_and_read(client, finish, measured) == (False, None)
 
 
-@pytest.mark.parametrize("record", [{"status": "oom", "wall_s": 3.0}, {"status": "ok", "wall_s": 0},
-                                    {"status": "ok"}, {"wall_s": 4.0}])
-def test_only_a_measured_ok_run_counts_as_a_wall_time(client: redis.Redis, work, tmp_path: Path, record) -> None:
+@pytest.mark.parametrize("written", [{"status": "oom", "wall_s": 3.0}, {"status": "ok", "wall_s": 0},
+                                     {"status": "ok"}, {"wall_s": 4.0}])
+def test_only_a_measured_ok_run_counts_as_a_wall_time(client: redis.Redis, work, tmp_path: Path, written) -> None:
     finish = _dispatched(client, work, tmp_path)
+    record = ExperimentRecord.from_json({"name": "a", **written})
     assert record_finished(client, finish, record) is True
-    assert not client.exists(keys.job_walls("j")) and events(client, "j") == [{"kind": "record", "record": record}]
+    assert not client.exists(keys.job_walls("j")) and events(client, "j") == [{"kind": "record",
+                                                                                "record": record.to_json()}]
 
 
 def test_a_stale_finish_frees_only_its_own_slots(client: redis.Redis, work, tmp_path: Path) -> None:
     finish = _dispatched(client, work, tmp_path)
     client.set(keys.gang("n0.gpu1"), "newer#1")  # its slot was given to a newer launch meanwhile
     JobStore(client, "j").give_up(running(client, "j")["a"])
-    assert record_finished(client, finish, {"status": "ok", "wall_s": 1.0}) is False
+    late = ExperimentRecord.from_json({"name": "a", "status": "ok", "wall_s": 1.0})
+    assert record_finished(client, finish, late) is False
     assert client.keys(keys.gang("*")) == [keys.gang("n0.gpu1").encode()]
     assert client.get(keys.gang("n0.gpu1")) == b"newer#1" and events(client, "j") == []
     other = FinishSpec.from_json({**finish.to_json(), "attempt": "another"})
     JobStore(client, "j").update_running(RunningLaunch(1, exp("a", 2, 8), [], "current", [], "t", {}, 0, 0))
-    assert record_finished(client, other, {"status": "ok", "wall_s": 1.0}) is False
+    assert record_finished(client, other, late) is False
     assert "a" in running(client, "j") and not client.exists(keys.job_walls("j"))
 
 
@@ -293,16 +298,17 @@ def test_the_record_of_a_launch_redis_forgot_answers_its_experiment(client: redi
     finish of an experiment the job runs, queues or recorded itself is not."""
     finish = _dispatched(client, work, tmp_path)
     client.delete(keys.job_running("j"))  # what Redis lost; the job spec is back (submitted again)
-    record = {"name": "a", "status": "ok", "wall_s": 2.0, "metrics": {"throughput": 3.0}}
+    record = ExperimentRecord.from_json({"name": "a", "status": "ok", "wall_s": 2.0, "metrics": {"throughput": 3.0}})
     assert record_finished(client, finish, record) is True
     assert client.smembers(keys.job_recorded("j")) == {b"a"} and events(client, "j")[-1] == {"kind": "record",
-                                                                                           "record": record}
+                                                                                           "record": record.to_json()}
     assert record_finished(client, finish, record) is False  # recorded: once
     assert len([e for e in events(client, "j") if e["kind"] == "record"]) == 1
     spec = make_spec(tmp_path)
     enqueue(client, spec, exp("b", 2, 8))
     other = FinishSpec.from_json({**finish.to_json(), "name": "b"})
-    assert record_finished(client, other, {"name": "b", "status": "ok"}) is False  # queued: a newer launch will run
+    queued = ExperimentRecord.from_json({"name": "b", "status": "ok"})
+    assert record_finished(client, other, queued) is False  # queued: a newer launch will run
 
 
 def test_a_job_waiting_only_for_a_launch_redis_forgot_is_stepped_by_the_sweep(client: redis.Redis, work,
