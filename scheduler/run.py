@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds (default: a week)")
     add("--slots", type=int, help="without --hostfile: devices of this machine (default: GPUs, else cores)")
     add("--log_dir", help="celery: where ranks log (default ./run_logs/<UTC time>-<pid>)")
-    add("--no_ssh_check", action="store_true", help="skip the passwordless ssh check of every host")
+    add("--no_ssh_check", action="store_true",
+        help="non-celery launches across hosts: skip the passwordless ssh check of each host")
     add("--elastic_training", action="store_true", help="torchrun with --min/--max_elastic_nodes")
     add("--min_elastic_nodes", type=int)
     add("--max_elastic_nodes", type=int)

@@ -11,6 +11,8 @@
 - `dispatch`, `placement`, `backfill`: which queued experiment starts on which free slots now
   (gang reservations across nodes, EASY backfill, topology);
 - `finish`: a finished launch's bookkeeping in the chord callback (free its slots, close it);
+- `fencing`: which launch's result counts (only the one that holds its experiment now);
+- `co_runners`: which launches ran beside which, recorded as each starts;
 - `sweep`: the control worker's search for lost launches (what no event announces);
 - `launches`: what a running launch and its finish message carry;
 - `work`: the one seam to the outside (`Work`: launch, revoke, clean up hosts, ask for a step),
