@@ -4,8 +4,9 @@
 `step_clock` times its steps, `device_memory` reads its peak, `oom` and `failure` classify how it
 ended, `op_build` refuses an op that cannot be built, `metrics` serves scripts that do not use DeepSpeed.
 
-Imports: the standard library, torch, and this package only: never Celery, Redis, psutil or another
-package of the project, so a training process carries nothing it did not ask for
+Imports: the standard library, torch, and this package only (and, when installed, `setproctitle` for
+the rank's title and `hjson` for an hjson config): never Celery, Redis, psutil or another package of
+the project, so a training process carries nothing it did not ask for
 (tests/unit/test_architecture.py checks, transitively).
 Imported by: the training process (through `entry`), the warm rank (`workers.warm`), the slot worker
 (to read what a rank wrote), the scheduler and tests.
