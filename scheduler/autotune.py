@@ -72,7 +72,8 @@ def add_tuning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slot-memory", help="embedded cluster on CPU: memory cap per slot, e.g. 3GiB "
                         "(default: total RAM / slots); GPU slots hold their GPU's memory and ignore it")
     parser.add_argument("--host-memory-cap", help="embedded cluster on GPUs: cap each rank's host memory "
-                        "(RSS) at this, e.g. 64GiB (default: no cap; CPU slots are capped by --slot-memory)")
+                        "(its process tree's PSS) at this, e.g. 64GiB (default: no cap; CPU slots are "
+                        "capped by --slot-memory)")
     parser.add_argument("-H", "--hostfile", help="resource pool: 'NODE slots=N' per line, NODE a worker's node "
                         "name (localhost: this machine); experiments use only these slots (default: all)")
     parser.add_argument("-i", "--include", default="", help="resource pool: NODE[:ID[,ID...]][@NODE...], only these")

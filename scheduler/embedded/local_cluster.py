@@ -107,7 +107,7 @@ class LocalCluster:
         self.slots = len(self.devices)
         self.log_dir = Path(log_dir)
         self.slot_memory = slot_memory  #: CPU slots' memory (AUTOTUNE_SLOT_MEMORY); GPU slots ignore it
-        self.host_memory_cap = host_memory_cap  #: GPU ranks' RSS cap (AUTOTUNE_HOST_MEMORY_CAP), when asked
+        self.host_memory_cap = host_memory_cap  #: GPU ranks' PSS cap (AUTOTUNE_HOST_MEMORY_CAP), when asked
         self.node = node or socket.gethostname()
         self.url = ""
         self._redis: subprocess.Popen | None = None

@@ -358,7 +358,7 @@ def print_table(console: Console, experiments: list[Experiment], records: dict[s
                 metric: str, winner: dict[str, Any] | None) -> None:
     """The results table for the terminal: every experiment, its status and metric, the winner marked."""
     table = Table(title=f"celery-autotune results ({metric})")
-    for column in ("experiment", "stage", "mbs", "gas", "status", metric, "wall s", "peak RSS MiB"):
+    for column in ("experiment", "stage", "mbs", "gas", "status", metric, "wall s", "peak PSS MiB"):
         table.add_column(column, justify="left" if column in ("experiment", "status") else "right")
     for exp in experiments:
         record = records.get(exp.name)

@@ -1,7 +1,7 @@
 """Run one command in its own process group, watched: memory cap, wall-clock limit, peer abort.
 
 The training script may fork (DataLoader workers, compilers, launchers), so everything is done to
-the process group: RSS is summed over the whole tree, and every kill is a group kill, TERM then
+the process group: the cap counts the whole tree's PSS, and every kill is a group kill, TERM then
 KILL. The group is also killed after a normal exit, so stragglers never outlive an experiment.
 Any BaseException while waiting (billiard's SystemExit on SIGTERM, a revoke, a time limit) kills the
 group before it propagates: a worker that stops never leaves a training process behind.
