@@ -29,8 +29,9 @@ Deliberate differences from DeepSpeed's runner, and why:
 - the control worker relaunches a run lost with its worker or node (AUTOTUNE_MAX_ATTEMPTS, default 3, as
   torchrun restarts); DeepSpeed never does. A run lost for good exits 1.
 - MASTER_ADDR defaults to the first host's name (one host: 127.0.0.1), not its `hostname -I` via ssh.
-- ssh is checked in BatchMode on every host (DeepSpeed: the first); an interrupt exits 130 (DeepSpeed:
-  1); a rank killed by signal N exits 128+N (DeepSpeed: 256-N); no remote `pkill -f` after pdsh.
+- a multi-host launch checks ssh in BatchMode on every host (DeepSpeed: the first); an interrupt
+  exits 130 (DeepSpeed: 1); a rank killed by signal N exits 128+N (DeepSpeed: 256-N); no remote
+  `pkill -f` after pdsh.
 - the embedded cluster starts a worker for exactly each selected device id, no
   RAM cap per CPU rank (training, not a probe), AUTOTUNE_VISIBILITY_TIMEOUT = --timeout + 1 h;
   external workers need theirs above the run's length too, or Redis redelivers a rank.
