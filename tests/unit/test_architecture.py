@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -110,21 +111,32 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The import cycles among modules (each once, from its smallest module), by depth-first search."""
+    """The import cycles among modules: for each module on one, its shortest cycle (a breadth-first
+    search back to it), each cycle once and from its smallest module. Every elementary cycle would
+    be exponentially many in a planted graph's tangles; one shortest cycle per module names each
+    tangle's edges all the same."""
     found, seen = [], set()
     for start in sorted(graph):
-        stack = [(start, [start])]
-        while stack:
-            node, path = stack.pop()
+        parents: dict[str, str] = {}
+        queue = deque([start])
+        while queue and start not in parents:
+            node = queue.popleft()
             for target in sorted(graph.get(node, ())):
-                if target == start:
-                    cycle = path
-                    key = frozenset(cycle)
-                    if key not in seen and min(cycle) == start:
-                        seen.add(key)
-                        found.append(cycle + [start])
-                elif target not in path and target > start:
-                    stack.append((target, path + [target]))
+                if target not in parents:
+                    parents[target] = node
+                    queue.append(target)
+        if start not in parents:
+            continue
+        cycle, node = [], parents[start]
+        while node != start:
+            cycle.append(node)
+            node = parents[node]
+        cycle = [start] + cycle[::-1]
+        first = cycle.index(min(cycle))
+        cycle = cycle[first:] + cycle[:first]
+        if tuple(cycle) not in seen:
+            seen.add(tuple(cycle))
+            found.append(cycle + [cycle[0]])
     return found
 
 
