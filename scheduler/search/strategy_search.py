@@ -250,9 +250,8 @@ def _reads_below(session: Session, record: dict, leader: Experiment, strategy: t
     the reading contradicts the line and is a straggler's until a second reading says otherwise."""
     st = session.settings
     value = metric_value(record, st.metric)
-    gas = _gas(session, leader, smaller)
-    before = [metric_value(r, st.metric) for exp, r in session.measured.values()
-              if exp.ds_config == session.experiment(leader.stage, smaller, gas, strategy).ds_config]
+    config = session.experiment(leader.stage, smaller, _gas(session, leader, smaller), strategy).ds_config
+    before = [metric_value(r, st.metric) for exp, r in session.measured.values() if exp.ds_config == config]
     before = [v for v in before if v is not None]
     if value is None or not before:
         return False
