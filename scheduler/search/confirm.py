@@ -20,7 +20,9 @@ than the runner-up. So a winner is confirmed before it is named, as noise-aware 
   `READ_ONCE_GRACE` launches more go to a leader still read once, or to a config whose two readings
   are `torn` (one a straggler's or a lucky one: their mean says neither, a third reading's median
   does) while its better reading beats the leader, the leader's own pair included (not with a kept
-  global batch, whose budget already runs to the job's launch cap);
+  global batch, whose budget already runs to the job's launch cap); past those, a leader still read
+  once is measured again until none is (each config once more at most: `read_once_leader`), so a
+  torn pair's third reading that drops its config behind one read once cannot name that one;
 - with a kept global batch (`scheduler.search.global_batch`) the budget is what is left of
   `KEPT_BATCH_LAUNCHES` when that is more (`repeat_budget`), and a config read once whose reading
   is at least half the leader's is a rival until read twice (`doubtful`): the divisors of the batch
@@ -213,6 +215,15 @@ def past_budget(groups: Sequence[Readings[K]], maximize: bool, kept_batch: bool)
     if not split:
         return None
     return (max if maximize else min)(split, key=lambda group: (max if maximize else min)(group.values)).key
+
+
+def read_once_leader(groups: Sequence[Readings[K]], maximize: bool = True) -> K | None:
+    """The leader when it was read once, else None: past every budget, no config is named on one
+    reading (a third reading of a torn pair can drop it behind a config read once)."""
+    if not groups:
+        return None
+    leader = ordered(groups, maximize)[0]
+    return leader.key if leader.count < 2 else None
 
 
 #: Why a winner is or is not separated from its runner-up (`Verdict.reason`).

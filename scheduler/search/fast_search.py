@@ -168,7 +168,7 @@ def search_notes(settings: SearchSettings) -> list[str]:
                 f"again, <name>_r<n>, {budget} and {READ_ONCE_GRACE} more while the leader was read once"
                 + ("" if settings.kept_per_gpu else
                    f" or a contender's two readings are over {TORN_RATIO:g}x apart (a straggler's or a lucky one)")
-                + "; "
+                + ", then any leader still read once; "
                 "a config read three times or more is judged on the median of its readings, else their mean); "
                 "a crash, timeout or failed rendezvous is launched once more (<name>_r2)")
     else:

@@ -65,7 +65,8 @@ def test_deepspeed_example_through_the_embedded_cluster(tmp_path):
     total = int(re.search(r"Total number of experiments: (\d+)", proc.stdout)[1])
     relaunched = sum(1 for folder in results.glob("z*_r2") if (results / folder.name[:-3]).is_dir()
                      and json.loads((results / folder.name[:-3] / "result.json").read_text())["status"] != "ok")
-    assert 5 + relaunched <= total <= 4 + relaunched + REPEAT_BUDGET + READ_ONCE_GRACE
+    # past the grace, each config read once at most once more (`confirm.read_once_leader`)
+    assert 5 + relaunched <= total <= 4 + relaunched + REPEAT_BUDGET + READ_ONCE_GRACE + 4
     # read at least twice: the mean of two readings, or the median of three or more (ranking.pooled_word)
     assert re.search(r"^Winner: \S+: \S+ throughput, (mean of 2|median of [3-9]) readings", proc.stdout, re.M), \
         proc.stdout[-3000:]

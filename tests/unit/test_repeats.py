@@ -130,6 +130,35 @@ def test_no_winner_on_one_reading_when_each_repeat_dethrones_the_leader() -> Non
     assert count == 2, winner["name"]
 
 
+class Sequenced(Runner):
+    """mbs 8, 4 and 2 read their `values` in launch order: the original first, then _r2, _r3."""
+
+    values = {8: (100.0, 60.0, 60.0), 4: (95.0, 60.0, 60.0), 2: (75.0, 75.0)}
+
+    def __call__(self, phase: Phase) -> dict[str, dict[str, Any]]:
+        out = super().__call__(phase)
+        for name, record in out.items():
+            if record["status"] == "ok" and record.get("metrics"):
+                match = REPEAT_NAME.match(name)
+                index = int(match["index"]) - 1 if match else 0
+                value = self.values[record["ds_config"]["train_micro_batch_size_per_gpu"]][index]
+                record["metrics"] = {**record["metrics"], "throughput": value}
+        return out
+
+
+def test_no_winner_on_one_reading_when_the_grace_ends_on_a_torn_pairs_third_reading() -> None:
+    """The budget reads mbs 8 and mbs 4 again (100 then 60, 95 then 60: torn pairs); the grace reads
+    each a third time (60: medians 60), which drops both behind mbs 2's one reading of 75. Past the
+    grace that leader, read once, is measured again: the winner has two readings (the embedded CI
+    run that named a config on one reading after its grace went to two torn pairs)."""
+    runner = Sequenced()
+    phases = drive(fast_search(listed(stages=(0,))), runner)
+    assert [e.name for p in phases if p.name.startswith("confirm_") for e in p.experiments] == [
+        "z0_gas1_tmbspg8_r2", "z0_gas2_tmbspg4_r2", "z0_gas1_tmbspg8_r3", "z0_gas2_tmbspg4_r3", "z0_gas4_tmbspg2_r2"]
+    winner, value, count = pooled_best([r for r in runner.records.values()], "throughput", True)
+    assert (winner["name"], value, count) == ("z0_gas4_tmbspg2", 75.0, 2)
+
+
 class Straggler(Runner):
     """mbs 8, 4 and 2 read `values` every time, except mbs 8's first repeat: a straggler's `slow`.
     By default throughput: mbs 8 is the best (100) and its repeat reads 50."""
