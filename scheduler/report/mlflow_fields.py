@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from scheduler.report.rows import row_of
 from scheduler.search.ranking import pooled_best
 from scheduler.search.repeats import REPEAT_NAME
 from workers.slot.records import ExperimentRecord
@@ -193,10 +194,11 @@ def job_params(ds_config: Mapping[str, Any], metric: str, script: str, num_nodes
 def job_metrics(records: Mapping[str, Mapping[str, Any]], metric: str, maximize: bool,
                 elapsed_s: float) -> dict[str, float]:
     """The parent run's figures: the winner's metric as it was picked (the mean of its readings, as
-    summary.txt shows it), how many experiments ran and failed, and the tuning's wall time."""
-    measured = [dict(r) for r in records.values() if r.get("status") != "cancelled"]
+    summary.txt shows it), how many experiments ran and failed, and the tuning's wall time. An experiment
+    an interrupt cut off (`scheduler.report.rows.CancelledRecord`) did not run."""
+    measured = [row for row in map(row_of, records.values()) if isinstance(row, ExperimentRecord)]
     figures = {"experiments": float(len(measured)),
-               "failed_experiments": float(sum(r.get("status") != "ok" for r in measured)),
+               "failed_experiments": float(sum(not row.ok for row in measured)),
                "tuning_s": round(elapsed_s, 3)}
     _, mean, readings = pooled_best(measured, metric, maximize)
     if mean is not None:

@@ -30,12 +30,9 @@ make overwrite refuse the folder this module just filled.
 """
 from __future__ import annotations
 
-import csv
 import datetime
-import io
-import json
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +44,13 @@ from scheduler.search.confirm import (
     ALONE, MIN_NOISE, PRIOR_NOISE, READ_ONCE, SEPARATED, SEPARATION_Z, Readings, Verdict, step_noise, verdict,
 )
 from scheduler.search.global_batch import KEPT_NOTE
-from scheduler.search.ranking import best, config_key, metric_value, pooled_best, pooled_word, status_counts
+from scheduler.search.ranking import (
+    best, config_key, metric_value, pooled_best, pooled_word, status_counts, status_word,
+)
 from scheduler.report.model_fit import fit_text, write_fit_plot
+from scheduler.report.rows import (  # OFF_PATH, RECORD_KEYS, cancelled_record: named here for the report's callers
+    OFF_PATH, RECORD_KEYS, CancelledRecord, Row, cancelled_record, results_csv, results_jsonl, row_of,
+)
 from scheduler.report.startup import startup_text
 from scheduler.search.fit_check import fit_checks
 from scheduler.search.space import PROFILE, Experiment, optimal_config
@@ -60,13 +62,6 @@ from workers.slot.records import ExperimentRecord
 
 #: The classes an experiment's record can have (`gpu_busy` is a rank's "not started": never recorded).
 FAILURE_CLASSES = [s.value for s in Status if s not in (Status.OK, Status.GPU_BUSY)]
-#: The results.jsonl key (true) of a line an earlier run of the job measured off this run's path.
-OFF_PATH = "off_path"
-#: An experiment that was running or queued when the search was interrupted: not a measurement.
-CANCELLED = "cancelled"
-#: results.jsonl's columns: fields of the experiment's record (`workers.slot.records.ExperimentRecord`).
-RECORD_KEYS = ("name", "status", "metrics", "ds_config", "wall_s", "started_at", "ended_at",
-               "peak_rss_bytes", "slots", "cause", "exit_after_metrics")
 
 
 def write_experiment_descriptions(exps_dir: Path, experiments: list[Experiment]) -> None:
@@ -77,7 +72,7 @@ def write_experiment_descriptions(exps_dir: Path, experiments: list[Experiment])
         })
 
 
-def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any]], metric: str,
+def summary_text(experiments: list[Experiment], records: Mapping[str, dict[str, Any]], metric: str,
                  maximize: bool, elapsed_s: float, cancelled: list[str] | None = None,
                  notes: Sequence[str] = ()) -> str:
     """DeepSpeed's summary table (one row per ZeRO stage, then global) and our extra columns. The best
@@ -86,26 +81,26 @@ def summary_text(experiments: list[Experiment], records: dict[str, dict[str, Any
     With `cancelled` (an interrupted search) the closing line says so and names what was cut off.
     `notes` (`scheduler.search.fast_search.search_notes`: the global batch kept or not, how the
     winner is named) follow the table."""
-    spaces: dict[str, list[dict[str, Any]]] = {}
+    spaces: dict[str, list[ExperimentRecord]] = {}
     for exp in experiments:
         if exp.name in records and exp.space != PROFILE:
-            spaces.setdefault(exp.space, []).append(records[exp.name])
+            spaces.setdefault(exp.space, []).append(ExperimentRecord.from_json(records[exp.name]))
     tuned = [r for space_records in spaces.values() for r in space_records]
     rows = []
     for space, space_records in [*spaces.items(), ("global", tuned)]:
         winner, pooled, measured = pooled_best(space_records, metric, maximize)
         counts = status_counts(space_records)
         rows.append([space, len(space_records), pooled,
-                     f"{winner['name']} ({pooled_word(measured)} of {measured})" if measured > 1
-                     else winner["name"] if winner else None,
-                     round(sum(r.get("wall_s", 0.0) or 0.0 for r in space_records), 1),
+                     f"{winner.name} ({pooled_word(measured)} of {measured})" if winner and measured > 1
+                     else winner.name if winner else None,
+                     round(sum(r.wall_s or 0.0 for r in space_records), 1),
                      ", ".join(f"{k}={counts[k]}" for k in FAILURE_CLASSES if counts[k]) or "-"])
     table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val",
                                     "best_exp_name", "experiment_s", "failures"], tablefmt="pipe")
     elapsed = datetime.timedelta(seconds=round(elapsed_s))
     kept = any(note.startswith(KEPT_NOTE) for note in notes)
     table += ("\n\n" + "".join(f"{note}.\n" for note in notes) + space_text(experiments, kept)
-              + winner_text(tuned, metric, maximize) + startup_text([ExperimentRecord.from_json(r) for r in tuned])
+              + winner_text(tuned, metric, maximize) + startup_text(tuned)
               + fit_text(fit_checks(experiments, records, metric, maximize)))
     if cancelled is None:
         return (f"{table}\nTuning completed in {elapsed}. Total number of experiments: {len(tuned)}."
@@ -147,7 +142,7 @@ def space_text(experiments: list[Experiment], kept: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def winner_text(records: list[dict[str, Any]], metric: str, maximize: bool) -> str:
+def winner_text(records: Sequence[ExperimentRecord], metric: str, maximize: bool) -> str:
     """The winner and the runner-up as pooled value (the mean, the median from three readings), spread and
     number of readings, and whether the gap between them is more than the measured noise
     (scheduler.search.confirm)."""
@@ -155,9 +150,9 @@ def winner_text(records: list[dict[str, Any]], metric: str, maximize: bool) -> s
     for record in records:
         value = metric_value(record, metric)
         if value is not None:
-            name, values, steps = groups.setdefault(config_key(record), (record["name"], [], []))
+            name, values, steps = groups.setdefault(config_key(record), (record.name, [], []))
             values.append(value)
-            steps.append(record.get("step_seconds"))
+            steps.append(record.step_seconds)
     decided = verdict([Readings(name, tuple(values), step_noise(steps)) for name, values, steps in groups.values()],
                       maximize)
     if decided is None:
@@ -253,11 +248,11 @@ def launch_command(script_argv: list[str], num_nodes: int, num_gpus: int, *, rec
     return [*argv, *script_argv], hostfile_text
 
 
-def write_results(results_dir: Path, experiments: list[Experiment], records: dict[str, dict[str, Any]],
+def write_results(results_dir: Path, experiments: list[Experiment], records: Mapping[str, dict[str, Any]],
                   metric: str, maximize: bool, elapsed_s: float,
                   optimal_argv: Callable[[Experiment, Path], list[str]],
                   local_rank_arg: bool = True,
-                  cancelled: dict[str, dict[str, Any]] | None = None,
+                  cancelled: Mapping[str, CancelledRecord] | None = None,
                   notes: Sequence[str] = (), name_hosts: bool = False,
                   off_path: Sequence[tuple[Experiment, dict[str, Any]]] = ()) -> ExperimentRecord | None:
     """Write every output file; returns the best record, typed (None if no experiment succeeded). `notes`
@@ -268,17 +263,18 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     results.jsonl (with `"off_path": true`) and results.csv, so nothing measured is dropped, and named
     in a note; they are not in the summary's table nor candidates for the winner, which the search
     alone confirms.
-    `cancelled` (an interrupted search: name -> a `cancelled` record, see `cancelled_record`) makes
-    the outputs partial, as the module docstring says; `name_hosts`: see `launch_command`."""
+    `cancelled` (an interrupted search: name -> its row, see `cancelled_record`) makes the outputs partial, as
+    the module docstring says; `name_hosts`: see `launch_command`. The records come as JSON, read typed here."""
     results_dir.mkdir(parents=True, exist_ok=True)
     partial = cancelled is not None
     cancelled = cancelled or {}
-    ordered = [records[e.name] for e in experiments if e.name in records]
-    listed = [records.get(e.name) or cancelled[e.name] for e in experiments
-              if e.name in records or e.name in cancelled] + [record for _, record in off_path]
+    typed = {name: ExperimentRecord.from_json(record) for name, record in records.items()}
+    ordered = [typed[e.name] for e in experiments if e.name in typed]
+    listed: list[Row] = [typed.get(e.name) or cancelled[e.name] for e in experiments if e.name in typed or
+                         e.name in cancelled] + [ExperimentRecord.from_json(record) for _, record in off_path]
     write_atomic(result_file(results_dir, RESULTS_JSONL), results_jsonl(listed, {e.name for e, _ in off_path}))
     by_name = {e.name: e for e in experiments} | {e.name: e for e, _ in off_path}
-    write_atomic(result_file(results_dir, RESULTS_CSV), results_csv([(by_name[r["name"]], r) for r in listed], metric))
+    write_atomic(result_file(results_dir, RESULTS_CSV), results_csv([(by_name[r.name], r) for r in listed], metric))
     if off_path:
         notes = [*notes, f"measured by an earlier run of this job, off this run's path (listed in "
                          f"{RESULTS_JSONL}, not ranked): {', '.join(e.name for e, _ in off_path)}"]
@@ -292,7 +288,7 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     else:
         from scheduler.report.plot import write_plot, write_timeline  # matplotlib is imported only when a job ends
 
-        write_plot(result_file(results_dir, TUNING_PLOT), experiments, records, metric, winner)
+        write_plot(result_file(results_dir, TUNING_PLOT), experiments, typed, metric, winner)
         write_timeline(result_file(results_dir, TIMELINE_PLOT), ordered, winner)
         write_fit_plot(result_file(results_dir, MODEL_PLOT), fit_checks(experiments, records, metric, maximize), metric)
     for stale in (*OPTIMAL_FILES, *PARTIAL_FILES):
@@ -300,75 +296,35 @@ def write_results(results_dir: Path, experiments: list[Experiment], records: dic
     if winner is None:
         return None
     config_name, command_name, hostfile_name = PARTIAL_FILES if partial else OPTIMAL_FILES
-    chosen = ExperimentRecord.from_json(winner)  # the search ranked the JSON; its pick is read typed
-    exp = by_name[chosen.name]
+    exp = by_name[winner.name]
     optimal_path = result_file(results_dir, config_name).resolve()
-    write_json(optimal_path, optimal_config(chosen.ds_config))
+    write_json(optimal_path, optimal_config(winner.ds_config))
     hostfile = result_file(results_dir, hostfile_name).resolve()
     command, hostfile_text = launch_command(optimal_argv(exp, optimal_path), exp.num_nodes, exp.num_gpus,
-                                            record=chosen, local_rank_arg=local_rank_arg, hostfile=hostfile,
+                                            record=winner, local_rank_arg=local_rank_arg, hostfile=hostfile,
                                             name_hosts=name_hosts)
     if hostfile_text is not None:
         write_atomic(hostfile, hostfile_text)
     write_atomic(result_file(results_dir, command_name), shlex.join(command) + "\n")
-    return chosen
+    return winner
 
 
-def results_jsonl(listed: list[dict[str, Any]], off_path: set[str]) -> str:
-    """One line per listed record (RECORD_KEYS), those of `off_path` marked `"off_path": true`."""
-    return "".join(json.dumps({key: record.get(key) for key in RECORD_KEYS}
-                              | ({OFF_PATH: True} if record.get("name") in off_path else {})) + "\n"
-                   for record in listed)
-
-
-def cancelled_record(exp: Experiment, running: dict[str, Any] | None, now: float) -> dict[str, Any]:
-    """The results line of an experiment cut off by an interrupt: where and since when it ran
-    (`running`: its launch as dispatch recorded it), or only its config when it was still queued."""
-    started = float(running["started"]) if running and running.get("started") else None
-    return {"name": exp.name, "status": CANCELLED, "metrics": None, "ds_config": exp.ds_config,
-            "slots": list(running.get("queues") or []) if running else [],
-            "started_at": started, "ended_at": now if started is not None else None,
-            "wall_s": round(now - started, 3) if started is not None else None,
-            "cause": {"error": "cancelled while running" if running else "cancelled while queued"}}
-
-
-def results_csv(rows: list[tuple[Experiment, dict[str, Any]]], metric: str) -> str:
-    """results.jsonl flattened to one row per experiment: the tuned knobs, the outcome, every metric."""
-    metric_keys = sorted({key for _, record in rows for key, value in (record.get("metrics") or {}).items()
-                          if isinstance(value, (int, float)) and not isinstance(value, bool)})
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["name", "space", "zero_stage", "micro_batch_size", "gradient_accumulation_steps",
-                     "num_nodes", "num_gpus", "status", metric, "wall_s", "started_at", "ended_at",
-                     "peak_rss_mib", "slots", *(f"metrics.{key}" for key in metric_keys)])
-    for exp, record in rows:
-        value = metric_value(record, metric)
-        metrics = record.get("metrics") or {}
-        writer.writerow([exp.name, exp.space, exp.stage, exp.micro_batch_size, exp.gradient_accumulation_steps,
-                         exp.num_nodes, exp.num_gpus, record.get("status"), "" if value is None else value,
-                         record.get("wall_s") if record.get("wall_s") is not None else "",
-                         record.get("started_at") or "", record.get("ended_at") or "",
-                         round((record.get("peak_rss_bytes") or 0) / 2**20, 1),
-                         " ".join(record.get("slots") or []),
-                         *(metrics.get(key, "") for key in metric_keys)])
-    return out.getvalue()
-
-
-def print_table(console: Console, experiments: list[Experiment], records: dict[str, dict[str, Any]],
-                metric: str, winner: dict[str, Any] | None) -> None:
-    """The results table for the terminal: every experiment, its status and metric, the winner marked."""
+def print_table(console: Console, experiments: list[Experiment], records: Mapping[str, dict[str, Any] | Row],
+                metric: str, winner: dict[str, Any] | Row | None) -> None:
+    """The results table for the terminal: every experiment, its status and metric, the winner (one of
+    `records`' values) marked. A record is its JSON or typed (`scheduler.report.rows.row_of`)."""
     table = Table(title=f"celery-autotune results ({metric})")
     for column in ("experiment", "stage", "mbs", "gas", "status", metric, "wall s", "peak PSS MiB"):
         table.add_column(column, justify="left" if column in ("experiment", "status") else "right")
     for exp in experiments:
-        record = records.get(exp.name)
-        if record is None:
+        written = records.get(exp.name)
+        if written is None:
             continue
-        value = metric_value(record, metric)
-        mark = " *" if winner is not None and record is winner else ""
+        row = row_of(written)
+        value = metric_value(row, metric)
+        mark = " *" if winner is not None and written is winner else ""
         table.add_row(exp.name + mark, str(exp.stage), str(exp.micro_batch_size),
-                      str(exp.gradient_accumulation_steps), record.get("status", "?"),
+                      str(exp.gradient_accumulation_steps), status_word(row),
                       f"{value:,.2f}" if value is not None else "-",
-                      f"{record.get('wall_s') or 0:.1f}",
-                      f"{(record.get('peak_rss_bytes') or 0) / 2**20:,.0f}")
+                      f"{row.wall_s or 0:.1f}", f"{(row.peak_rss_bytes or 0) / 2**20:,.0f}")
     console.print(table)

@@ -5,7 +5,8 @@ them, so it picks the slowest config when asked for latency). Ties keep the earl
 A config measured more than once (the sampled search confirms its winner with repeats `<name>_r2`,
 `<name>_r3`, ...: scheduler.search.confirm) is judged on its pooled value (`pooled_value`: the mean of
 one or two readings, the median of three or more), and the winner named is its first experiment, so
-the optimal config is always one that ran under its own name.
+the optimal config is always one that ran under its own name. Each helper reads a record's JSON (the
+searches') or its type (`Ranked`: the report's), and `best` answers with one of the records it was given.
 
 Why the median from three readings on: readings of real training runs have rare outliers (one
 config of the GPT trace read 17.7-42.4; bench/surfaces.py's heavy-tailed scripts read a straggler's
@@ -20,19 +21,48 @@ import json
 import math
 import statistics
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from typing import Any, Protocol, TypeVar, Union
 
 #: From this many readings on, a config's pooled value is their median (a straggler's or a lucky
 #: reading among them moves it no more than its neighbour's); below, their mean.
 MEDIAN_FROM = 3
 
 
-def metric_value(record: dict[str, Any], metric: str) -> float | None:
+class Ranked(Protocol):
+    """A record as the ranking reads it, typed (`workers.slot.records.ExperimentRecord`, or a report's row
+    of an experiment that never ran): the searches rank the records' JSON, the report their types."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def status(self) -> str: ...  # `workers.in_rank.failure.Status` is a str
+
+    @property
+    def metrics(self) -> Mapping[str, Any] | None: ...
+
+    @property
+    def ds_config(self) -> Mapping[str, Any] | None: ...
+
+
+#: A record the helpers below rank: its JSON or its type; `best` answers with one of those it was given.
+Record = TypeVar("Record", bound=Union[Mapping[str, Any], Ranked])
+
+
+def _field(record: Mapping[str, Any] | Ranked, key: str) -> Any:
+    """One of `Ranked`'s fields, from the record's JSON (None where it lacks the key) or its type."""
+    if isinstance(record, (dict, Mapping)):  # a dict first: the searches' hot path skips the ABC's check
+        return record.get(key)
+    return getattr(record, key)
+
+
+def metric_value(record: Mapping[str, Any] | Ranked, metric: str) -> float | None:
     """The experiment's value for `metric`, or None if it failed or did not report it."""
-    if record.get("status") != "ok":
+    if _field(record, "status") != "ok":
         return None
-    value = (record.get("metrics") or {}).get(metric)
+    value = (_field(record, "metrics") or {}).get(metric)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
@@ -48,16 +78,15 @@ def pooled_word(count: int) -> str:
     return "median" if count >= MEDIAN_FROM else "mean"
 
 
-def best(records: list[dict[str, Any]], metric: str, maximize: bool) -> dict[str, Any] | None:
+def best(records: Sequence[Record], metric: str, maximize: bool) -> Record | None:
     """The first record of the config with the best pooled metric (`pooled_value`), or None if none succeeded."""
     return pooled_best(records, metric, maximize)[0]
 
 
-def pooled_best(records: list[dict[str, Any]], metric: str,
-                maximize: bool) -> tuple[dict[str, Any] | None, float | None, int]:
+def pooled_best(records: Sequence[Record], metric: str, maximize: bool) -> tuple[Record | None, float | None, int]:
     """(the first record of the best config, its pooled metric, how many measurements it pools):
     what a summary must show, since the winner was picked on the pooled value, not on one measurement."""
-    groups: dict[str, list[Any]] = {}  #: config -> [first successful record, values]
+    groups: dict[str, tuple[Record, list[float]]] = {}  #: config -> (first successful record, values)
     for record in records:
         value = metric_value(record, metric)
         if value is None:
@@ -66,7 +95,7 @@ def pooled_best(records: list[dict[str, Any]], metric: str,
         if key in groups:
             groups[key][1].append(value)
         else:
-            groups[key] = [record, [value]]
+            groups[key] = (record, [value])
     best_record, best_value, count = None, None, 0
     for record, values in groups.values():
         value = pooled_value(values)
@@ -75,13 +104,19 @@ def pooled_best(records: list[dict[str, Any]], metric: str,
     return best_record, best_value, count
 
 
-def config_key(record: dict[str, Any]) -> str:
+def config_key(record: Mapping[str, Any] | Ranked) -> str:
     """The identity of a record's config: repeats of one config share it."""
-    config = record.get("ds_config")
+    config = _field(record, "ds_config")
     if isinstance(config, dict):
         return "c:" + json.dumps(config, sort_keys=True, default=str)
-    return "n:" + str(record.get("name"))
+    return "n:" + str(_field(record, "name"))
 
 
-def status_counts(records: list[dict[str, Any]]) -> Counter:
-    return Counter(record.get("status", "lost") for record in records)
+def status_word(record: Mapping[str, Any] | Ranked) -> str:
+    """The record's status as its JSON says it ("lost" where the JSON has none)."""
+    status = record.get("status", "lost") if isinstance(record, Mapping) else record.status
+    return status.value if isinstance(status, Enum) else status
+
+
+def status_counts(records: Sequence[Mapping[str, Any] | Ranked]) -> Counter[str]:
+    return Counter(status_word(record) for record in records)

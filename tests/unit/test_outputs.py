@@ -422,7 +422,7 @@ def assert_drawn_png(path: Path) -> None:
 def test_plot_without_any_success_is_still_drawn(tmp_path: Path) -> None:
     from scheduler.report.plot import write_plot
 
-    failed = {e.name: {"name": e.name, "status": "oom", "metrics": None} for e in EXPS}
+    failed = {e.name: ExperimentRecord.from_json({"name": e.name, "status": "oom", "metrics": None}) for e in EXPS}
     write_plot(tmp_path / "tuning.png", EXPS, failed, "throughput", None)
     write_plot(tmp_path / "empty.png", [], {}, "latency", None)
     assert_drawn_png(tmp_path / "tuning.png")

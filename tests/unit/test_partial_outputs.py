@@ -6,8 +6,13 @@ import csv
 import json
 from pathlib import Path
 
-from scheduler.report.outputs import OPTIMAL_FILES, PARTIAL_FILES, cancelled_record, write_results
+from rich.console import Console
+
+from scheduler.report.outputs import OPTIMAL_FILES, PARTIAL_FILES, cancelled_record, print_table, write_results
+from scheduler.report.rows import CancelledRecord, row_of
+from scheduler.search.ranking import best, metric_value, status_counts
 from test_outputs import EXPS, RECORDS, make_exp, make_record, optimal_argv
+from workers.slot.records import ExperimentRecord
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -87,9 +92,10 @@ def test_timeline_draws_one_row_per_slot(tmp_path: Path) -> None:
     from scheduler.report import plot
 
     exps = [make_exp(0, 1), make_exp(0, 2), make_exp(1, 1)]
-    records = [make_record(exps[0], "ok", 5.0, throughput=1.0), make_record(exps[1], "oom", 3.0),
+    oom = {**make_record(exps[1], "oom", 3.0), "slots": ["n.gpu1"], "started_at": 106.0, "ended_at": 109.0}
+    ok = make_record(exps[0], "ok", 5.0, throughput=1.0)
+    records = [ExperimentRecord.from_json(ok), ExperimentRecord.from_json(oom),
                cancelled_record(exps[2], {"started": 101.0, "queues": ["n.gpu2"]}, 109.0)]
-    records[1]["slots"], records[1]["started_at"], records[1]["ended_at"] = ["n.gpu1"], 106.0, 109.0
     drawn: list = []
     original = pyplot.Figure.savefig
     pyplot.Figure.savefig = lambda self, *a, **k: (drawn.append(self), original(self, *a, **k))[1]
@@ -105,3 +111,40 @@ def test_timeline_draws_one_row_per_slot(tmp_path: Path) -> None:
     assert sorted((round(y), x, w) for y, x, w in bars) == [(0, 0.0, 5.0), (1, 0.0, 5.0), (1, 6.0, 3.0), (2, 1.0, 8.0)]
     colours = {round(p.get_y() + p.get_height() / 2) * 100 + int(p.get_x()): p.get_facecolor()[:3] for p in axes.patches}
     assert colours[106] != colours[100] and colours[201] != colours[100]  # oom, cancelled, ok: three classes
+
+
+def test_a_cancelled_row_is_typed_and_round_trips_through_its_json() -> None:
+    running = cancelled_record(EXPS[2], {"started": 150.0, "queues": ["n.gpu0", "n.gpu1"]}, 160.0)
+    queued = cancelled_record(EXPS[3], None, 160.0)
+    assert running.to_json() == {"name": EXPS[2].name, "status": "cancelled", "metrics": None,
+                                 "ds_config": EXPS[2].ds_config, "slots": ["n.gpu0", "n.gpu1"], "started_at": 150.0,
+                                 "ended_at": 160.0, "wall_s": 10.0, "cause": {"error": "cancelled while running"}}
+    assert queued.to_json() == {"name": EXPS[3].name, "status": "cancelled", "metrics": None,
+                                "ds_config": EXPS[3].ds_config, "slots": [], "started_at": None, "ended_at": None,
+                                "wall_s": None, "cause": {"error": "cancelled while queued"}}
+    launched_unstarted = cancelled_record(EXPS[1], {"started": None, "queues": None}, 1.0)
+    for row in (running, queued, launched_unstarted):
+        assert CancelledRecord.from_json(row.to_json()) == row
+        assert row_of(row.to_json()) == row and row_of(row) is row
+    assert launched_unstarted.cause == {"error": "cancelled while running"} and launched_unstarted.slots == []
+    assert isinstance(row_of(RECORDS[EXPS[0].name]), ExperimentRecord)
+
+
+def test_a_cancelled_row_is_never_ranked_nor_counted_as_a_failure() -> None:
+    row = cancelled_record(EXPS[0], {"started": 1.0, "queues": ["n.gpu0"]}, 2.0)
+    measured = ExperimentRecord.from_json(RECORDS[EXPS[3].name])
+    assert metric_value(row, "throughput") is None and row.metrics is None and row.peak_rss_bytes is None
+    assert best([row, measured], "throughput", True) is measured
+    assert best([row], "throughput", True) is None
+    assert status_counts([row, measured]) == {"cancelled": 1, "ok": 1}
+
+
+def test_the_terminal_table_lists_cancelled_rows_beside_the_records_json() -> None:
+    records = {name: RECORDS[name] for name in (EXPS[0].name, EXPS[1].name)}
+    cancelled = {EXPS[2].name: cancelled_record(EXPS[2], {"started": 150.0, "queues": ["n.gpu0"]}, 160.0)}
+    console = Console(record=True, width=200, color_system=None)
+    print_table(console, EXPS, {**records, **cancelled}, "throughput", records[EXPS[0].name])
+    lines = {line.split()[1]: line for line in console.export_text().splitlines() if "z" in line[:4]}
+    assert "cancelled" in lines[EXPS[2].name] and "10.0" in lines[EXPS[2].name]
+    assert "*" in lines[EXPS[0].name] and "10.50" in lines[EXPS[0].name]
+    assert "oom" in lines[EXPS[1].name] and "*" not in lines[EXPS[1].name] + lines[EXPS[2].name]

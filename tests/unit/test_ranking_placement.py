@@ -490,3 +490,35 @@ def test_pinned_placement_names_every_slot_with_no_worker() -> None:
         pinned_placement([slot("a", 0)], set(), [["a.gpu0", "a.gpu1"], ["c.gpu0"]])
     assert str(caught.value) == ("no live slot worker for a.gpu1, c.gpu0: start `celery -A tasks worker -Q gpu<i> "
                                  "-n gpu<i>@<host>` there, or change the selection")
+
+
+# ---------------------------------------------------------------- ranking: typed records read as their JSON
+
+from workers.slot.records import ExperimentRecord  # noqa: E402
+from scheduler.search.ranking import config_key, status_word  # noqa: E402
+
+TYPED_CASES = [
+    measured("a", {"k": 1}, 10.0), measured("b", {"k": 2}, 13.0), measured("a_r2", {"k": 1}, 14.0),
+    measured("c", {"k": 3}, 99.0, "crashed"), measured("b_r2", {"k": 2}, 9.0), measured("d", None, 12.0),
+    {"name": "e", "status": "ok", "metrics": {"throughput": float("nan")}}, {"name": "f", "status": "timeout"},
+    {"name": "g", "status": "ok", "metrics": {"throughput": True}}, measured("a_r3", {"k": 1}, 11.0, "oom"),
+]
+
+
+@pytest.mark.parametrize("maximize", [True, False])
+@pytest.mark.parametrize("cut", [len(TYPED_CASES), 4, 1, 0])
+def test_the_ranking_reads_a_typed_record_as_its_json(maximize: bool, cut: int) -> None:
+    """The report ranks `ExperimentRecord`s, the searches the JSON: the same pick (the same position),
+    pooled value and readings, and the same value, config and status word per record."""
+    written = TYPED_CASES[:cut]
+    typed = [ExperimentRecord.from_json(record) for record in written]
+    winner, value, count = pooled_best(written, "throughput", maximize)
+    typed_winner, typed_value, typed_count = pooled_best(typed, "throughput", maximize)
+    assert (typed_value, typed_count) == (value, count)
+    assert (winner is None and typed_winner is None) or typed_winner is typed[written.index(winner)]
+    assert best(typed, "throughput", maximize) is typed_winner
+    for record, typed_record in zip(written, typed):
+        assert metric_value(typed_record, "throughput") == metric_value(record, "throughput")
+        assert config_key(typed_record) == config_key(record)
+        assert str(status_word(typed_record)) == record["status"]
+    assert {str(key): n for key, n in status_counts(typed).items()} == status_counts(written)

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from scheduler.report.plot import startup_of
+from scheduler.report.rows import cancelled_record
 from scheduler.report.startup import startup_summary, startup_text
+from scheduler.search.space import Experiment
 from workers.in_rank.device_memory import read_exit_report
 from workers.slot.records import ExperimentRecord
 from workers.slot.timeline import launch_timeline, rank_timeline, startup_share
@@ -66,8 +68,11 @@ def test_the_summary_gives_the_jobs_medians_and_the_slowest_ranks_start_up() -> 
 
 
 def test_the_timeline_hatches_up_to_the_slowest_ranks_engine() -> None:
-    assert startup_of(_record("a", 10.0, 1e6, [6.0, 7.0]).to_json()) == 8.0  # rank 1 launched 1 s later
-    assert startup_of({"started_at": 1.0, "ranks": [{"started_at": 1.0, "timeline": {"launched": 0.0}}]}) is None
+    assert startup_of(_record("a", 10.0, 1e6, [6.0, 7.0])) == 8.0  # rank 1 launched 1 s later
+    assert startup_of(ExperimentRecord.from_json(
+        {"name": "b", "started_at": 1.0, "ranks": [{"started_at": 1.0, "timeline": {"launched": 0.0}}]})) is None
+    cut_off = cancelled_record(Experiment("c", 0, 1, 1, {}), {"started": 1.0, "queues": ["n.gpu0"]}, 9.0)
+    assert startup_of(cut_off) is None  # an experiment an interrupt cut off recorded no rank
 
 
 def test_a_rank_notes_when_it_was_up_had_deepspeed_and_its_engine(tmp_path: Path) -> None:
