@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from scheduler.cluster.jobs import JobSpec, end, publish
 from scheduler.cluster.launches import QueuedLaunch
 from scheduler.search.live_search import LiveSearches
 from scheduler.report.outputs import write_results
+from scheduler.report.rows import CancelledRecord
 from scheduler.search.phases import Phase, Search, replay
 from scheduler.search.space import PROFILE, Experiment
 from workers.files.layout import DS_CONFIG, EXP_JSON, RESULT
@@ -264,7 +265,7 @@ def outcome(client: redis.Redis, spec: JobSpec) -> tuple[list[Experiment], dict[
 
 
 def write_outputs(spec: JobSpec, experiments: list[Experiment], records: dict[str, dict[str, Any]],
-                  cancelled: dict[str, dict[str, Any]] | None = None) -> str | None:
+                  cancelled: Mapping[str, CancelledRecord] | None = None) -> str | None:
     """summary.txt, results.jsonl, ds_config_optimal.json, cmd_optimal.txt, tuning.png; returns the
     winner's name. Elapsed time is counted from the job's submission. `cancelled` (an interrupted
     search) makes them partial (`scheduler.report.outputs`)."""
