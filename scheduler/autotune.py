@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,11 +41,13 @@ from scheduler.report.outputs import cancelled_record, print_table
 from scheduler.cluster.progress import optimal_argv, outcome, settings_of, write_outputs
 from scheduler.cluster.work import Work
 from scheduler.search.fast_search import search_notes
-from scheduler.search.ranking import best
+from scheduler.search.ranking import best, status_word
 from scheduler.search.space import PROFILE, Experiment, optimal_config
 from workers.files.layout import CLUSTER_DIR, DS_CONFIG, OPTIMAL_FILES, PARTIAL_FILES, SUMMARY
 from scheduler.embedded.local_cluster import LocalCluster, cluster_client
 from workers.files.paths import read_json, safe_child
+from workers.in_rank.failure import Status
+from workers.slot.records import ExperimentRecord
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
 
@@ -189,10 +191,10 @@ def tune(checked: preflight.Checked, args: argparse.Namespace, client: redis.Red
         raise
     winner, records = _report(cfg, spec, client)
     if tracking is not None:
-        tracking.finish(records, winner["name"] if winner else None, cfg.metric, cfg.maximize,
+        tracking.finish(records, winner.name if winner else None, cfg.metric, cfg.maximize,
                         time.time() - spec.submitted_at)
     if winner is None:
-        return 2 if never_reported(list(records.values())) else 1
+        return 2 if never_reported(typed(records.values())) else 1
     if args.run:
         experiments, _ = outcome(client, spec)
         return _train_with_optimal(cfg, args, client, work, spec,
@@ -232,10 +234,10 @@ def _train_with_optimal(cfg: TuningConfig, args: argparse.Namespace, client: red
                    local_rank_arg=tuned_spec.local_rank_arg, allowed=tuned_spec.allowed)
     console.print(f"training with the optimal config {best.name} on {best.num_nodes} node(s) x "
                   f"{best.num_gpus} slot(s); logs in {cfg.results_dir / optimal.name}")
-    [outcome_record] = run_fixed(client, work, spec)
-    console.print(f"training {outcome_record.get('status')}: "
-                  + ", ".join(f"rank {r.get('rank')} {r.get('exit')}" for r in outcome_record.get("ranks", [])))
-    return 0 if outcome_record.get("status") == "ok" else 1
+    [trained] = typed(run_fixed(client, work, spec))
+    console.print(f"training {status_word(trained)}: "
+                  + ", ".join(f"rank {r.rank} {r.exit}" for r in trained.rank_records))
+    return 0 if trained.ok else 1
 
 
 def show_status() -> int:
@@ -249,8 +251,9 @@ def show_status() -> int:
 
 def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
             interrupted: dict[str, dict[str, Any]] | None = None,
-            ) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
-    """Print the results table and summary; returns the winner (None: none) and the records read.
+            ) -> tuple[ExperimentRecord | None, dict[str, dict[str, Any]]]:
+    """Print the results table and summary; returns the winner (None: none) and the records read (their
+    JSON, as MLflow's log takes them).
     The control worker wrote the outputs of a finished job; an interrupted one (`interrupted`: its
     launches that were running, by name) gets partial outputs written here from what was measured,
     every other experiment of it `cancelled`."""
@@ -259,12 +262,13 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
         return _report_interrupted(cfg, spec, experiments, records, interrupted), records
     summary = cfg.results_dir / SUMMARY
     optimal = read_json(cfg.results_dir / OPTIMAL_FILES[0])
-    winner = best(list(records.values()), cfg.metric, cfg.maximize) if optimal is not None else None
-    print_table(console, experiments, records, cfg.metric, winner)
+    rows = dict(zip(records, typed(records.values())))
+    winner = best(list(rows.values()), cfg.metric, cfg.maximize) if optimal is not None else None
+    print_table(console, experiments, rows, cfg.metric, winner)
     if summary.exists():
         console.print(summary.read_text(), markup=False, soft_wrap=True)
     if winner is None:
-        failed = list(records.values())
+        failed = list(rows.values())
         print("error: no experiment succeeded; one example per failure class (all in each experiment's "
               "result.json):", file=sys.stderr)
         for line in failure_examples(failed):
@@ -276,7 +280,7 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
                   "ran: its records stay and a rerun would reuse them, so after fixing the script start "
                   "afresh with \"overwrite\": true", file=sys.stderr)
     else:
-        console.print(f"best: {winner['name']} -> {cfg.results_dir / OPTIMAL_FILES[0]}", soft_wrap=True)
+        console.print(f"best: {winner.name} -> {cfg.results_dir / OPTIMAL_FILES[0]}", soft_wrap=True)
         # a command meant to be pasted is never wrapped, whatever the terminal's (or log's) width
         console.print(f"run it: {(cfg.results_dir / OPTIMAL_FILES[1]).read_text().strip()}",
                       soft_wrap=True, markup=False)
@@ -284,14 +288,16 @@ def _report(cfg: TuningConfig, spec: JobSpec, client: redis.Redis,
 
 
 def _report_interrupted(cfg: TuningConfig, spec: JobSpec, experiments: list[Experiment],
-                        records: dict[str, dict[str, Any]], running: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+                        records: dict[str, dict[str, Any]], running: dict[str, dict[str, Any]],
+                        ) -> ExperimentRecord | None:
     """An interrupted search: say so, list what was measured and what was cut off, and name the best
     measured config as partial (never as the optimum)."""
     now = time.time()
     cancelled = {e.name: cancelled_record(e, running.get(e.name), now) for e in experiments if e.name not in records}
     write_outputs(spec, experiments, records, cancelled)
-    winner = best(list(records.values()), cfg.metric, cfg.maximize)
-    print_table(console, experiments, {**records, **cancelled}, cfg.metric, winner)
+    rows = dict(zip(records, typed(records.values())))
+    winner = best(list(rows.values()), cfg.metric, cfg.maximize)
+    print_table(console, experiments, {**rows, **cancelled}, cfg.metric, winner)
     summary = cfg.results_dir / SUMMARY
     if summary.exists():
         console.print(summary.read_text(), markup=False, soft_wrap=True)
@@ -301,41 +307,47 @@ def _report_interrupted(cfg: TuningConfig, spec: JobSpec, experiments: list[Expe
                   + f"; cancelled {len(cancelled)} that were running or queued"
                   + (f" ({', '.join(cancelled)})" if cancelled else ""), soft_wrap=True, markup=False)
     if winner is not None:
-        console.print(f"best so far (partial search, not an optimum): {winner['name']} -> "
+        console.print(f"best so far (partial search, not an optimum): {winner.name} -> "
                       f"{cfg.results_dir / PARTIAL_FILES[0]}; its command: {cfg.results_dir / PARTIAL_FILES[1]}",
                       soft_wrap=True, markup=False)
     return winner
 
 
 #: Failures of the script's reporting, not of the config: every experiment ending so is bad input.
-UNREPORTED = frozenset({"no_metrics", "bad_metrics"})
+UNREPORTED = frozenset({Status.NO_METRICS, Status.BAD_METRICS})
 
 
-def never_reported(records: list[dict[str, Any]]) -> bool:
+def typed(records: Iterable[dict[str, Any]]) -> list[ExperimentRecord]:
+    """The records' JSON (result.json's, as the control worker wrote them) typed once, so the report
+    reads their fields by name."""
+    return [ExperimentRecord.from_json(record) for record in records]
+
+
+def never_reported(records: list[ExperimentRecord]) -> bool:
     """Whether the experiments all ran and none reported a usable metric (`UNREPORTED`): the script
     does not report what the config asks for, which is the user's input to fix (exit 2), whereas
     configs that all ran out of memory or crashed are a finished tuning run without a winner (exit 1)."""
-    failed = [record for record in records if record.get("status") != "ok"]  # the profile run's is ok
-    return bool(failed) and all(record.get("status") in UNREPORTED for record in failed)
+    failed = [record for record in records if not record.ok]  # the profile run's is ok
+    return bool(failed) and all(record.status in UNREPORTED for record in failed)
 
 
-def failure_examples(records: list[dict[str, Any]]) -> list[str]:
+def failure_examples(records: list[ExperimentRecord]) -> list[str]:
     """One line per failure class: how many, and one experiment's cause (exit status, the error, the
     last line of its stderr), so a run where nothing succeeded says why without opening a file."""
-    by_class: dict[str, list[dict[str, Any]]] = {}
+    by_class: dict[str, list[ExperimentRecord]] = {}
     for record in records:
-        by_class.setdefault(str(record.get("status", "lost")), []).append(record)
+        by_class.setdefault(status_word(record), []).append(record)
     lines = []
     for outcome_class, members in by_class.items():
         example = members[0]
-        cause = example.get("cause") or example.get("exit_after_metrics") or {}
+        cause = example.cause or example.exit_after_metrics or {}
         last_err = next((line.strip() for line in reversed(str(cause.get("stderr_tail") or "").splitlines())
                          if line.strip()), "")
         parts = [str(cause.get("exit") or ""), str(cause.get("error") or ""), last_err]
         why = "; ".join(part for part in parts if part) or "no cause recorded"
         if len(why) > 300:
             why = why[:300] + "..."
-        lines.append(f"{outcome_class} ({len(members)}): e.g. {example.get('name')}: {why}")
+        lines.append(f"{outcome_class} ({len(members)}): e.g. {example.name}: {why}")
     return lines
 
 

@@ -80,6 +80,7 @@ from workers.process.launch import kill_group
 from scheduler.embedded.local_cluster import LocalCluster, cluster_client
 from workers.files.paths import read_json, safe_child
 from workers.state.connection import connect
+from workers.slot.records import ExperimentRecord
 from workers.state.store import RedisSlotStore
 from workers.device.slot import slot_queue
 
@@ -239,23 +240,22 @@ def run_experiment(client: redis.Redis, argv: list[str], queues: list[list[str]]
     slots = [queue for node in queues for queue in node]
     print(f"running {argv[0]} as {len(slots)} rank(s) on {', '.join(slots)}; "
           f"logs in {safe_child(log_dir, RUN_NAME)}", flush=True)
-    [record] = run_fixed(client, CeleryWork(app), spec)
-    for rank in record.get("ranks", []):
-        print(f"rank {rank.get('rank')} on {rank.get('slot')}: {rank.get('status')} "
-              f"({rank.get('exit')}, {rank.get('wall_s', 0):.1f}s)")
-    cause = record.get("cause") or {}
+    [record] = [ExperimentRecord.from_json(result) for result in run_fixed(client, CeleryWork(app), spec)]
+    for rank in record.rank_records:
+        print(f"rank {rank.rank} on {rank.slot}: {rank.status.value} ({rank.exit}, {rank.wall_s:.1f}s)")
+    cause = record.cause or {}
     if cause:
-        print(f"run {record['status']}: root cause rank {cause.get('rank')} ({cause.get('exit')}); its "
+        print(f"run {record.status.value}: root cause rank {cause.get('rank')} ({cause.get('exit')}); its "
               f"stderr ends with:\n{cause.get('stderr_tail', '')}", file=sys.stderr)
     return exit_status(record)
 
 
-def exit_status(record: dict[str, Any]) -> int:
+def exit_status(record: ExperimentRecord) -> int:
     """0 when every rank succeeded, else the root-cause rank's exit code (signal N: 128+N; none: 1)."""
-    if record.get("status") == "ok":
+    if record.ok:
         return 0
-    cause_rank = (record.get("cause") or {}).get("rank")
-    codes = [r.get("exit_code") for r in record.get("ranks", []) if r.get("rank") == cause_rank]
+    cause_rank = (record.cause or {}).get("rank")
+    codes = [rank.exit_code for rank in record.rank_records if rank.rank == cause_rank]
     return shell_status(codes[0]) if codes and codes[0] else 1
 
 

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from scheduler import run as run_cli
+from workers.slot.records import ExperimentRecord
 
 USER_ARGS = ["--name", "two words", "--quote", 'say "hi"', "it's", "$HOME;`x`"]
 
@@ -225,12 +226,15 @@ def test_elastic_on_one_host_runs_torchrun_locally(capsys):
 
 
 def test_exit_status_is_the_root_cause_ranks_code():
+    def status(**record):
+        return run_cli.exit_status(ExperimentRecord.from_json({"name": "run", **record}))
+
     ranks = [{"rank": 0, "exit_code": -15, "status": "aborted"}, {"rank": 1, "exit_code": 7, "status": "crashed"}]
-    assert run_cli.exit_status({"status": "crashed", "cause": {"rank": 1}, "ranks": ranks}) == 7
+    assert status(status="crashed", cause={"rank": 1}, ranks=ranks) == 7
     killed = [{"rank": 0, "exit_code": -9, "status": "crashed"}]
-    assert run_cli.exit_status({"status": "crashed", "cause": {"rank": 0}, "ranks": killed}) == 137
-    assert run_cli.exit_status({"status": "lost", "ranks": []}) == 1
-    assert run_cli.exit_status({"status": "ok", "ranks": [{"rank": 0, "exit_code": 0}]}) == 0
+    assert status(status="crashed", cause={"rank": 0}, ranks=killed) == 137
+    assert status(status="lost", ranks=[]) == 1
+    assert status(status="ok", ranks=[{"rank": 0, "exit_code": 0}]) == 0
 
 
 def test_user_ds_config_is_read_from_either_flag(tmp_path):
