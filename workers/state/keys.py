@@ -120,18 +120,12 @@ rank_index = Key("rankkeys:{queue}")
 #: The slots that have a `rank_index`: what a reader of every slot walks.
 RANK_SLOTS = PREFIX + "rankslots"
 
-# A job's keys.
-job_spec = Key("job:{job}:spec")
-job_queue = Key("job:{job}:queue")
-job_shapes = Key("job:{job}:shapes")
+# A job's keys: `job:{job}:<part>`, each named `job_<part>`, built from one list of parts so that
+# every key of a job stays under the one prefix a reader of all jobs matches (`JOB_STATE_PATTERN`).
+(job_spec, job_queue, job_shapes, job_running, job_walls, job_recorded, job_events, job_attempts, job_state,
+ job_settling) = (Key("job:{job}:" + part) for part in ("spec", "queue", "shapes", "running", "walls", "recorded",
+                                                          "events", "attempts", "state", "settling"))
 job_queue_shape = Key("job:{job}:queue:{shape}")
-job_running = Key("job:{job}:running")
-job_walls = Key("job:{job}:walls")
-job_recorded = Key("job:{job}:recorded")
-job_events = Key("job:{job}:events")
-job_attempts = Key("job:{job}:attempts")
-job_state = Key("job:{job}:state")
-job_settling = Key("job:{job}:settling")
 
 
 def job_keys(job: str) -> list[str]:
