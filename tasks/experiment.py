@@ -73,6 +73,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     folder the job went on without says why it holds a launch's files."""
     from scheduler.cluster.co_runners import co_runners_of
     from scheduler.cluster.dispatch import cluster_lock, dispatch
+    from scheduler.cluster.dispatch_reads import RedisActiveJobs
     from scheduler.cluster.finish import record_and_read, requeue_for_busy_gpu
     from scheduler.cluster.launches import FinishSpec
     from scheduler.cluster.fencing import holds_experiment
@@ -83,10 +84,11 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     if ranks and all(r.stale for r in ranks):
         return {"name": finish.name, "status": "lost", "stale": True}  # a newer launch owns the folder
     client = task_client(app.conf)
+    jobs, slots = RedisActiveJobs(client), RedisSlotStore(client)
     busy = [r for r, typed in zip(rank_records, ranks) if typed.status is Status.GPU_BUSY]
     if busy:  # not started beside others' memory: no record, queued again (workers.state.slot_health)
         with cluster_lock(client):
-            requeued = requeue_for_busy_gpu(client, finish, busy)
+            requeued = requeue_for_busy_gpu(slots, jobs.store(finish.job), finish, busy)
             dispatch(client, WORK)
         return {"name": finish.name, "status": Status.GPU_BUSY.value, "requeued": requeued}
     record = experiment_record(finish.to_json(), rank_records)
@@ -95,8 +97,8 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
         record = replace(record, co_runners=co_runners)
     result_dir = safe_child(finish.results_root, finish.name)
     with cluster_lock(client):
-        if not holds_experiment(client, finish):  # fenced: a newer launch holds it (scheduler.cluster.fencing)
-            RedisSlotStore(client).release(finish.slots, finish.gang_token)
+        if not holds_experiment(jobs.store(finish.job), finish):  # fenced: a newer launch holds it
+            slots.release(finish.slots, finish.gang_token)
             log.warning("%s: a record of launch %s, which no longer holds the experiment, is not counted",
                         finish.name, finish.attempt)
             stale = {**record.to_json(), "stale": True, "attempt": finish.attempt}
@@ -111,7 +113,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
         LaunchFiles.of(result_dir, finish.attempt, finish.metric_file).adopt(finish.world_size)
         written = record.to_json()
         write_json(experiment_file(result_dir, layout.RESULT), written)  # the durable record, before Redis's
-        _, read = record_and_read(client, finish, record)  # with the step's reads: one round trip
+        _, read = record_and_read(jobs, finish, record)  # with the step's reads: one round trip
         advance(client, finish.job, lambda: dispatch(client, WORK), read)  # the pass before the step when it can
     return written
 

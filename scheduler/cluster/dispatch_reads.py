@@ -1,7 +1,9 @@
 """What a dispatch pass reads and writes across every active job, one round trip each: the waiting
 launches that can matter, the running launches and their shapes' wall times, the states `--status`
 shows, the owners of the leases beside a starting launch, and its start with theirs. `RedisActiveJobs`
-is `stores.BaseActiveJobs` over these; its in-memory twin is `memory_store.InMemoryActiveJobs`.
+is `stores.BaseActiveJobs` over these, and over the other end of a launch, its close with its slots'
+release and its job step's reads (`scheduler.cluster.finish`); its in-memory twin is
+`memory_store.InMemoryActiveJobs`.
 
 Apart from `scheduler.cluster.job_store` (one job's keys) because these span jobs and exist for
 one reader, `scheduler.cluster.dispatch`, whose cost they bound.
@@ -21,10 +23,11 @@ from typing import Any
 
 import redis
 
-from scheduler.cluster.job_store import JobStore, active_spec_jsons
-from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
-from scheduler.cluster.stores import Heads
+from scheduler.cluster.job_store import JobStore, active_spec_jsons, step_reads_from
+from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
+from scheduler.cluster.stores import Heads, StepReads
 from workers.state import keys
+from workers.state.store import RedisSlotStore
 
 
 _HEADS = """
@@ -160,3 +163,15 @@ class RedisActiveJobs:
         for other_job, other in beside:
             JobStore(self.client, other_job).update_running(other, pipe)
         return JobStore(self.client, job).start(queued, launch, pipe)
+
+    def finish_launch(self, finish: FinishSpec, event: dict[str, Any],
+                      wall: tuple[str, float] | None) -> StepReads | None:
+        """One pipeline: the slots' release, the finish script (its answer None: not the running
+        launch) and the step's reads."""
+        store = JobStore(self.client, finish.job)
+        pipe = self.client.pipeline(transaction=False)
+        RedisSlotStore(self.client).release_in(pipe, finish.slots, finish.gang_token)
+        store.finish_recorded_in(pipe, finish.name, finish.attempt, event, wall)
+        store.step_reads_in(pipe)
+        results = pipe.execute()
+        return None if results[1] is None else step_reads_from(results)

@@ -15,37 +15,36 @@ A launch the job does not know at all is the one case adopted without being the 
 after Redis lost its data the job was submitted again, and a launch that ran on through the restart
 (its ranks took their slots back, `workers.state.gang.SlotLease`) answers its experiment when the job
 has it neither running, queued nor recorded (`progress.launches_holding_slots` made it wait).
+
+Both decisions read and write only the job's store (`stores.BaseJobStore`), so they are unit-tested
+over its in-memory twin (tests/unit/test_finish_decisions.py).
 """
 from __future__ import annotations
 
-import redis
-
-from scheduler.cluster.job_store import JobStore
-from scheduler.cluster.jobs import load_spec
 from scheduler.cluster.launches import FinishSpec
+from scheduler.cluster.stores import BaseJobStore
 from workers.slot.records import ExperimentRecord
 
 
-def holds_experiment(client: redis.Redis, finish: FinishSpec) -> bool:
-    """Whether `finish`'s launch holds its experiment now: it is the job's running launch of it
-    (one read), or the job lost track of it and may adopt it (module docstring)."""
-    store = JobStore(client, finish.job)
+def holds_experiment(store: BaseJobStore, finish: FinishSpec) -> bool:
+    """Whether `finish`'s launch holds its experiment now in its job's `store`: it is the job's
+    running launch of it (one read), or the job lost track of it and may adopt it (module docstring)."""
     launch = store.running_of([finish.name]).get(finish.name)
     if launch is not None:
         return launch.attempt == finish.attempt
-    return _adoptable(client, store, finish.name)
+    return _adoptable(store, finish.name)
 
 
-def _adoptable(client: redis.Redis, store: JobStore, name: str) -> bool:
-    return load_spec(client, store.job) is not None and name not in store.queued_names() \
-        and name not in store.recorded()
+def _adoptable(store: BaseJobStore, name: str) -> bool:
+    """The job is active (its spec stored) and has the experiment neither queued nor recorded."""
+    return bool(store.spec_json()) and name not in store.queued_names() and name not in store.recorded()
 
 
-def adopted(client: redis.Redis, store: JobStore, finish: FinishSpec, record: ExperimentRecord) -> bool:
+def adopted(store: BaseJobStore, finish: FinishSpec, record: ExperimentRecord) -> bool:
     """Record a launch its job does not know, when it may adopt it (module docstring): a launch
     that was retried or given up finds its experiment running, queued or recorded and stays stale."""
     name = finish.name
-    if name in store.running_names() or not _adoptable(client, store, name):
+    if name in store.running_names() or not _adoptable(store, name):
         return False
     store.mark_recorded(name)
     store.publish({"kind": "record", "record": record.to_json()})

@@ -4,56 +4,52 @@ because others held memory on their GPUs, queue it again uncounted.
 
 Apart from `scheduler.cluster.dispatch` because it is the other end of a launch: dispatch decides
 where a queued experiment starts, this records how it ended (and a record of a launch Redis forgot
-is adopted, `scheduler.cluster.fencing`).
+is adopted, `scheduler.cluster.fencing`). Like dispatch it reads and writes only through the stores
+(`stores.BaseActiveJobs`, `workers.state.store.BaseSlotStore`), so its decisions are unit-tested over
+the in-memory twins (tests/unit/test_finish_decisions.py); the Redis stores' pipeline and round trip
+stay in tests/redis/test_dispatch.py.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-import redis
-
 from scheduler.cluster.fencing import adopted
-from scheduler.cluster.job_store import JobStore, StepReads, step_reads_from
 from scheduler.cluster.launches import FinishSpec
-from scheduler.cluster.stores import BaseJobStore
+from scheduler.cluster.stores import BaseActiveJobs, BaseJobStore, StepReads
 from workers.slot.records import ExperimentRecord
-from workers.state.store import RedisSlotStore, describe
+from workers.state.store import BaseSlotStore, describe
 
 log = logging.getLogger(__name__)
 
 
-def record_finished(client: redis.Redis, finish: FinishSpec, record: ExperimentRecord) -> bool:
+def record_finished(jobs: BaseActiveJobs, finish: FinishSpec, record: ExperimentRecord) -> bool:
     """The chord callback's bookkeeping: free the launch's slots, close it, tell the job's submitter.
     False for a stale launch (retried or given up meanwhile, or Redis lost the job)."""
-    return record_and_read(client, finish, record)[0]
+    return record_and_read(jobs, finish, record)[0]
 
 
-def record_and_read(client: redis.Redis, finish: FinishSpec,
+def record_and_read(jobs: BaseActiveJobs, finish: FinishSpec,
                     record: ExperimentRecord) -> tuple[bool, StepReads | None]:
-    """`record_finished`, and the job step's reads after it (`JobStore.step_reads`), in one round
-    trip: each was a round trip of its own between a rank's end and the next experiment's start
-    (bench/dispatch_overhead.py). The reads are None where the launch was stale (adopting a record
-    writes more, so the step reads again)."""
-    store = JobStore(client, finish.job)
+    """`record_finished`, and the job step's reads after it (`BaseJobStore.step_reads`), in one round
+    trip (`BaseActiveJobs.finish_launch`): each was a round trip of its own between a rank's end and the
+    next experiment's start. Only a measured, successful run's wall time feeds the estimates. The reads
+    are None where the launch was stale (adopting a record writes more, so the step reads again)."""
     wall = (finish.shape, record.wall_s) if record.ok and record.wall_s and finish.shape else None
-    pipe = client.pipeline(transaction=False)
-    RedisSlotStore(client).release_in(pipe, finish.slots, finish.gang_token)
-    store.finish_recorded_in(pipe, finish.name, finish.attempt, {"kind": "record", "record": record.to_json()}, wall)
-    store.step_reads_in(pipe)
-    results = pipe.execute()
-    if results[1] is None:  # the finish script's answer: that attempt is not the running launch
-        return adopted(client, store, finish, record), None
-    return True, step_reads_from(results)
+    read = jobs.finish_launch(finish, {"kind": "record", "record": record.to_json()}, wall)
+    if read is None:  # that attempt is not the running launch
+        return adopted(jobs.store(finish.job), finish, record), None
+    return True, read
 
 
-def requeue_for_busy_gpu(client: redis.Redis, finish: FinishSpec, busy_ranks: list[dict[str, Any]]) -> bool:
+def requeue_for_busy_gpu(slots: BaseSlotStore, store: BaseJobStore, finish: FinishSpec,
+                         busy_ranks: list[dict[str, Any]]) -> bool:
     """A launch that a rank did not start because others held memory on its GPU (`gpu_busy`,
     workers.state.slot_health): its slots are freed and it waits again at its old place, on other slots
     or later; not counted as an attempt (it never ran). The submitter is told which slots left
-    tuning. False for a stale launch."""
-    RedisSlotStore(client).release(finish.slots, finish.gang_token)
-    return requeue_uncounted(JobStore(client, finish.job), finish, busy_ranks)
+    tuning. False for a stale launch (its slots freed all the same, token-checked)."""
+    slots.release(finish.slots, finish.gang_token)
+    return requeue_uncounted(store, finish, busy_ranks)
 
 
 def requeue_uncounted(store: BaseJobStore, finish: FinishSpec, busy_ranks: list[dict[str, Any]]) -> bool:

@@ -3,9 +3,9 @@
 `scheduler.cluster.dispatch_reads.RedisActiveJobs`.
 
 Why a twin: the control path's decisions (dispatch's refusals and misfit grace, the sweep's retry or
-give-up, finish's uncounted requeue, the estimates of when busy slots free) are tested with it in
-tests/unit, without a redis-server; tests/redis/test_job_store_contract.py runs one contract against
-both stores, so a decision tested here behaves the same over Redis.
+give-up, finish's close, fencing and uncounted requeue, the estimates of when busy slots free) are
+tested with it in tests/unit, without a redis-server; tests/redis/test_job_store_contract.py runs one
+contract against both stores, so a decision tested here behaves the same over Redis.
 
 How it keeps the Redis store's semantics:
 - atomicity: each method runs to its end before any other call can read (one process, no threads
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.cluster import job_store
-from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
+from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.cluster.stores import Heads, StepReads
 from workers.state.store import BaseSlotStore
 
@@ -330,3 +330,12 @@ class InMemoryActiveJobs:
         for other_job, other in beside:
             self.store(other_job).update_running(other)
         return self.store(job).start(queued, launch)
+
+    def finish_launch(self, finish: FinishSpec, event: dict[str, Any],
+                      wall: tuple[str, float] | None) -> StepReads | None:
+        self.slots.release(finish.slots, finish.gang_token)
+        store = self.store(finish.job)
+        if store.finish(finish.name, finish.attempt) is None:
+            return None
+        store.recorded_event(event, wall)
+        return store.step_reads()

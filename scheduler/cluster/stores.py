@@ -1,8 +1,8 @@
 """The job store's interface: every operation the control path performs on one job's state.
 
 Why an interface: the decisions of the control path (a misfit's grace, a lost launch's retry or
-give-up, a launch queued again for a busy GPU, when busy slots free) read and write a job's state,
-and they are tested without a redis-server through the in-memory twin
+give-up, which finished launch counts, a launch queued again for a busy GPU, when busy slots free)
+read and write a job's state, and they are tested without a redis-server through the in-memory twin
 (`scheduler.cluster.memory_store.InMemoryJobStore`); the Redis store (`scheduler.cluster.job_store.JobStore`)
 keeps the same contract, checked against both by tests/redis/test_job_store_contract.py. The slots'
 state (registrations, leases, health) has its own store beside this one, `workers.state.store.BaseSlotStore`.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple, Protocol
 
-from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
+from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 
 
 class StepReads(NamedTuple):
@@ -176,7 +176,8 @@ class BaseJobStore(Protocol):
 
 class BaseActiveJobs(Protocol):
     """Every active job at once: what a dispatch pass reads and writes across jobs, each in one
-    round trip over Redis (`scheduler.cluster.dispatch_reads`), and each job's own store."""
+    round trip over Redis (`scheduler.cluster.dispatch_reads`), each job's own store, and the close of
+    a finished launch with its slots (`scheduler.cluster.finish`)."""
 
     def store(self, job: str) -> BaseJobStore:
         """The job's store."""
@@ -207,3 +208,10 @@ class BaseActiveJobs(Protocol):
                      beside: list[tuple[str, RunningLaunch]]) -> int:
         """`update_running` of each (job, launch) in `beside`, then `store(job).start(queued, launch)`,
         as one atomic step; returns the exp_id."""
+
+    def finish_launch(self, finish: FinishSpec, event: dict[str, Any],
+                      wall: tuple[str, float] | None) -> StepReads | None:
+        """Free `finish`'s slots (`BaseSlotStore.release`, token-checked), then `store(finish.job).finish`
+        of its attempt and, only when that closed it, `recorded_event(event, wall)`; returns the job's
+        `step_reads` after them, or None when that attempt was not the running one (its slots freed all
+        the same). One round trip over Redis: between a rank's end and the next experiment's start."""

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from scheduler.cluster.dispatch_reads import RedisActiveJobs
-from scheduler.cluster.launches import QueuedLaunch, RunningLaunch
+from scheduler.cluster.launches import FinishSpec, QueuedLaunch, RunningLaunch
 from scheduler.cluster.memory_store import InMemoryActiveJobs, MemoryJobs
 from scheduler.cluster.stores import BaseActiveJobs, Heads
 from workers.state.memory_store import MemorySlots
@@ -125,3 +125,31 @@ def test_a_start_beside_others_writes_theirs_and_its_own(stores) -> None:
     assert store.attempts() == {"b": 1} and store.shown()["dispatched"] == "1"
     assert jobs.heads(["k"], 4)["k"] == Heads([queued("c", 3)], 1, {"b"})
     assert jobs.start_beside("k", queued("c", 3), running(queued("c", 3)), []) == 2
+
+
+def test_a_finished_launch_frees_its_slots_closes_once_and_reads_the_step(stores) -> None:
+    """`finish_launch`: the launch's slots freed (token-checked), its attempt closed with its event and
+    wall time, and the step's reads after that; a second finish, or one of another attempt, closes
+    nothing and adds no event or wall time, but still frees what its token holds."""
+    jobs, slots = stores
+    store = jobs.store("j")
+    store.activate('{"job": "j"}')
+    token = slots.reserve(["n.gpu0", "n.gpu1"], 30.0, "j/a")
+    assert token is not None
+    launch = replace(running(queued("a", 1, gpus=2), queues=("n.gpu0", "n.gpu1")), token=token)
+    store.update_running(launch)
+    finish = FinishSpec(job="j", name="a", exp_id=1, attempt="a1", slots=["n.gpu0", "n.gpu1"], gang_token=token,
+                        results_root="/r", world_size=2, ds_config={}, timeout_s=60.0, shape="0/1")
+    event = {"kind": "record", "record": {"name": "a", "status": "ok"}}
+    assert jobs.finish_launch(finish, event, ("0/1", 2.5)) == store.step_reads()
+    read = store.step_reads()
+    assert read.recorded == {"a"} and read.running == set() and read.spec == b'{"job": "j"}'
+    assert slots.held(["n.gpu0", "n.gpu1"]) == set()
+    assert store.walls(["0/1"]) == {"0/1": [2.5]} and store.next_event(0.01) == event
+    assert slots.reserve(["n.gpu1"], 30.0, "k/b") is not None  # the slot's next launch
+    assert jobs.finish_launch(finish, event, ("0/1", 9.0)) is None  # closed already
+    assert slots.held(["n.gpu1"]) == {"n.gpu1"}  # another token's lease stays
+    assert store.walls(["0/1"]) == {"0/1": [2.5]} and store.next_event(0.01) is None
+    store.update_running(launch)
+    other = replace(finish, attempt="a0")
+    assert jobs.finish_launch(other, event, None) is None and store.running_names() == {"a"}

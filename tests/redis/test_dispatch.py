@@ -9,7 +9,8 @@ the sweep over Redis, and a launch Redis forgot. The decisions are tested over t
 (their contracts with Redis: tests/redis/*_contract.py): whole dispatch passes
 (tests/unit/test_dispatch_passes.py, test_dispatch_refusals.py), a shape's refusal and grace, when busy
 slots free (test_dispatch_decisions.py); why a launch is lost, its retry or give-up, its requeue for a
-busy GPU, whole sweeps over every job (test_sweep_decisions.py)."""
+busy GPU, whole sweeps over every job (test_sweep_decisions.py); a finished launch's close, which
+launch's record counts and the adoption of one Redis forgot (test_finish_decisions.py)."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ import redis
 
 from scheduler.cluster.co_runners import co_runners_of
 from scheduler.cluster.dispatch import cluster_lock, dispatch
+from scheduler.cluster.dispatch_reads import RedisActiveJobs
 from scheduler.cluster.finish import record_and_read, record_finished, requeue_for_busy_gpu
 from scheduler.cluster.sweep import sweep
 from scheduler.cluster.job_store import JobStore, reserve_seqs
@@ -32,6 +34,7 @@ from workers.slot.records import ExperimentRecord
 from workers.state import keys
 from workers.state.gang import GangReservations
 from workers.state.registry import announce_slot
+from workers.state.store import RedisSlotStore
 from workers.device.slot import Slot
 
 GiB = 2**30
@@ -192,12 +195,12 @@ def _dispatched(client: redis.Redis, work, tmp_path: Path, name: str = "a") -> F
 def test_record_finished_frees_closes_and_tells_once(client: redis.Redis, work, tmp_path: Path) -> None:
     finish = _dispatched(client, work, tmp_path)
     record = ExperimentRecord.from_json({"name": "a", "status": "ok", "wall_s": 12.5, "metrics": {"throughput": 3.0}})
-    assert record_finished(client, finish, record) is True
+    assert record_finished(RedisActiveJobs(client), finish, record) is True
     assert not client.exists(keys.gang("n0.gpu0"), keys.gang("n0.gpu1"))
     assert client.hlen(keys.job_running("j")) == 0 and client.smembers(keys.job_recorded("j")) == {b"a"}
     assert client.hgetall(keys.job_walls("j")) == {b"2/8": b"[12.5]"}
     assert events(client, "j") == [{"kind": "record", "record": record.to_json()}]
-    assert record_finished(client, finish, record) is False  # stale: closed already
+    assert record_finished(RedisActiveJobs(client), finish, record) is False  # stale: closed already
     assert events(client, "j") == [{"kind": "record", "record": record.to_json()}]
     assert client.hgetall(keys.job_walls("j")) == {b"2/8": b"[12.5]"}
 
@@ -212,13 +215,13 @@ def test_recording_and_the_steps_reads_are_one_round_trip(client: redis.Redis, w
     monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command",
                         lambda self, command, *args, **kwargs: (sends.append(1), original(self, command, *args, **kwargs)))
     measured = ExperimentRecord.from_json({"name": "a", "status": "ok", "wall_s": 2.0})
-    recorded, read = record_and_read(client, finish, measured)
+    recorded, read = record_and_read(RedisActiveJobs(client), finish, measured)
     monkeypatch.undo()
     assert recorded and len(sends) == 1
     assert read is not None and read.spec is not None and "a" in read.recorded and "a" not in read.running
     assert read == JobStore(client, "j").step_reads()
     assert not client.exists(keys.gang("n0.gpu0")) and client.hgetall(keys.job_walls("j")) == {b"2/8": b"[2.0]"}
-    assert record_and_read(client, finish, measured) == (False, None)
+    assert record_and_read(RedisActiveJobs(client), finish, measured) == (False, None)
 
 
 @pytest.mark.parametrize("written", [{"status": "oom", "wall_s": 3.0}, {"status": "ok", "wall_s": 0},
@@ -226,7 +229,7 @@ def test_recording_and_the_steps_reads_are_one_round_trip(client: redis.Redis, w
 def test_only_a_measured_ok_run_counts_as_a_wall_time(client: redis.Redis, work, tmp_path: Path, written) -> None:
     finish = _dispatched(client, work, tmp_path)
     record = ExperimentRecord.from_json({"name": "a", **written})
-    assert record_finished(client, finish, record) is True
+    assert record_finished(RedisActiveJobs(client), finish, record) is True
     assert not client.exists(keys.job_walls("j")) and events(client, "j") == [{"kind": "record",
                                                                                 "record": record.to_json()}]
 
@@ -236,12 +239,12 @@ def test_a_stale_finish_frees_only_its_own_slots(client: redis.Redis, work, tmp_
     client.set(keys.gang("n0.gpu1"), "newer#1")  # its slot was given to a newer launch meanwhile
     JobStore(client, "j").give_up(running(client, "j")["a"])
     late = ExperimentRecord.from_json({"name": "a", "status": "ok", "wall_s": 1.0})
-    assert record_finished(client, finish, late) is False
+    assert record_finished(RedisActiveJobs(client), finish, late) is False
     assert client.keys(keys.gang("*")) == [keys.gang("n0.gpu1").encode()]
     assert client.get(keys.gang("n0.gpu1")) == b"newer#1" and events(client, "j") == []
     other = FinishSpec.from_json({**finish.to_json(), "attempt": "another"})
     JobStore(client, "j").update_running(RunningLaunch(1, exp("a", 2, 8), [], "current", [], "t", {}, 0, 0))
-    assert record_finished(client, other, late) is False
+    assert record_finished(RedisActiveJobs(client), other, late) is False
     assert "a" in running(client, "j") and not client.exists(keys.job_walls("j"))
 
 
@@ -253,11 +256,11 @@ def test_a_launch_not_started_for_a_busy_gpu_frees_its_slots_and_waits_again(cli
     finish = _dispatched(client, work, tmp_path)
     assert client.hget(keys.job_attempts("j"), "a") == b"1"
     busy = [{"slot": "n0.gpu1", "status": "gpu_busy", "device_foreign_bytes": 20 * GiB}]
-    assert requeue_for_busy_gpu(client, finish, busy) is True
+    assert requeue_for_busy_gpu(RedisSlotStore(client), JobStore(client, "j"), finish, busy) is True
     assert not client.keys(keys.gang("*")) and client.hlen(keys.job_running("j")) == 0
     assert client.hget(keys.job_attempts("j"), "a") == b"0" and client.hexists(keys.job_queue("j"), "a")
     assert len(events(client, "j")) == 1
-    assert requeue_for_busy_gpu(client, finish, busy) is False
+    assert requeue_for_busy_gpu(RedisSlotStore(client), JobStore(client, "j"), finish, busy) is False
     assert client.hget(keys.job_attempts("j"), "a") == b"0" and len(events(client, "j")) == 1
 
 
@@ -299,16 +302,16 @@ def test_the_record_of_a_launch_redis_forgot_answers_its_experiment(client: redi
     finish = _dispatched(client, work, tmp_path)
     client.delete(keys.job_running("j"))  # what Redis lost; the job spec is back (submitted again)
     record = ExperimentRecord.from_json({"name": "a", "status": "ok", "wall_s": 2.0, "metrics": {"throughput": 3.0}})
-    assert record_finished(client, finish, record) is True
+    assert record_finished(RedisActiveJobs(client), finish, record) is True
     assert client.smembers(keys.job_recorded("j")) == {b"a"} and events(client, "j")[-1] == {"kind": "record",
                                                                                            "record": record.to_json()}
-    assert record_finished(client, finish, record) is False  # recorded: once
+    assert record_finished(RedisActiveJobs(client), finish, record) is False  # recorded: once
     assert len([e for e in events(client, "j") if e["kind"] == "record"]) == 1
     spec = make_spec(tmp_path)
     enqueue(client, spec, exp("b", 2, 8))
     other = FinishSpec.from_json({**finish.to_json(), "name": "b"})
     queued = ExperimentRecord.from_json({"name": "b", "status": "ok"})
-    assert record_finished(client, other, queued) is False  # queued: a newer launch will run
+    assert record_finished(RedisActiveJobs(client), other, queued) is False  # queued: a newer launch will run
 
 
 def test_a_job_waiting_only_for_a_launch_redis_forgot_is_stepped_by_the_sweep(client: redis.Redis, work,
