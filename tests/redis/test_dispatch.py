@@ -224,16 +224,6 @@ def test_recording_and_the_steps_reads_are_one_round_trip(client: redis.Redis, w
     assert record_and_read(RedisActiveJobs(client), finish, measured) == (False, None)
 
 
-@pytest.mark.parametrize("written", [{"status": "oom", "wall_s": 3.0}, {"status": "ok", "wall_s": 0},
-                                     {"status": "ok"}, {"wall_s": 4.0}])
-def test_only_a_measured_ok_run_counts_as_a_wall_time(client: redis.Redis, work, tmp_path: Path, written) -> None:
-    finish = _dispatched(client, work, tmp_path)
-    record = ExperimentRecord.from_json({"name": "a", **written})
-    assert record_finished(RedisActiveJobs(client), finish, record) is True
-    assert not client.exists(keys.job_walls("j")) and events(client, "j") == [{"kind": "record",
-                                                                                "record": record.to_json()}]
-
-
 def test_a_stale_finish_frees_only_its_own_slots(client: redis.Redis, work, tmp_path: Path) -> None:
     finish = _dispatched(client, work, tmp_path)
     client.set(keys.gang("n0.gpu1"), "newer#1")  # its slot was given to a newer launch meanwhile
