@@ -17,7 +17,10 @@ of the memory model rather than a guess:
    fits (it ran at ZeRO-3).
 2. **The leader sits at its stage's memory top** (`try_strategies`, after the sampled search and
    before the winner is confirmed). When the leader is the largest size its stage ran at, the curve
-   was still rising where memory cut it. Each allowed strategy (one at a time, on top of the leader's
+   was still rising where memory cut it; when the cost model fitted to the stage's readings
+   predicts that largest size within the noise of the stage's best (`_flat_to_top`: the curve is
+   flat to the top, and a leader below it leads on noise, a lucky reading), the strategies start
+   from the top's run, whose larger step a strategy's larger size extends. Each allowed strategy (one at a time, on top of the leader's
    own; the leader within `TOP_SLACK` of the largest size its stage holds) whose memory line holds a size at least `TOP_GAIN` above what the stage holds without it
    (its measured failures and the model) is measured at its line's top, keeping the leader's samples
    per step (a larger micro-batch with less accumulation; the kept global batch's share when one is
@@ -37,7 +40,8 @@ of the memory model rather than a guess:
    most. The best strategy run, when it beat the leader, is measured once more at the stage whose
    line holds the largest size with it (`_roomier_stage`: the leader's stage was chosen on the sizes
    the stages held without a strategy; one that shards more of the states has more room for a
-   larger micro-batch with it). The normal confirmation ranks every run with the rest.
+   larger micro-batch with it; a stage the search never measured, such as ZeRO-3 on few ranks,
+   counts, its line the model's). The normal confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy, which each probe is read off, is
 `scheduler.search.strategy_lines`'s: one slope for every stage, each stage's intercept through its own peaks.
@@ -50,12 +54,15 @@ from dataclasses import replace
 
 from scheduler.inputs.memory_strategies import MEMORY_STRATEGIES
 from scheduler.search.confirm import SEPARATION_Z
+from scheduler.search.cost_model import Reading, fit
 from scheduler.search.global_batch import largest_kept
 from scheduler.search.memory import SAFETY, MemoryModel, ModelInfo
 from scheduler.search.ranking import best, metric_value
+from scheduler.search.repeats import is_repeat
 from scheduler.search.session import NoStageFits, Session, Step, peak_of, succeeded
 from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
-from scheduler.search.stage_readings import reading_noise
+from scheduler.search.stage_readings import reading_noise, stage_values
+from scheduler.search.stage_space import gas_for
 from scheduler.search.strategies import (
     StepFacts, allow_line, applies, freed_bytes, ordered_combinations, searchable, step_cost_s, strategy_model,
 )
@@ -143,6 +150,8 @@ def try_strategies(session: Session) -> Step:
         return
     exp, record = leader
     top = _largest_ok(session, exp.stage)
+    if exp.micro_batch_size < top:
+        exp, record = _flat_to_top(session, exp.stage, top) or (exp, record)
     #: what the stage holds without a further strategy: a strategy is measured where it holds more
     room = min([session.predicted_max(exp.stage, SAFETY)] + [m - 1 for m in failed_sizes(session, exp.stage)])
     room = max(exp.micro_batch_size, _step_size(session, exp, room))
@@ -176,6 +185,9 @@ def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) ->
     options = []
     for stage in st.stages:
         base = _leader(session, stage) if stage != leader.stage and applies(found.strategy, stage) else None
+        if base is None and stage != leader.stage and applies(found.strategy, stage) \
+                and not session.stage_records(stage):
+            base = (replace(found, stage=stage), {})  # a stage never measured: its line is the model's
         size = _size(session, base[0], found.strategy) if base is not None else 0
         if size >= TOP_GAIN * found.micro_batch_size:
             options.append((size, -stage, base[0]))
@@ -332,6 +344,27 @@ def _leader(session: Session, stage: int | None = None) -> tuple[Experiment, dic
              and (stage is None or exp.stage == stage)]
     winner = best([record for _, record in pairs], st.metric, st.maximize)
     return next(((exp, record) for exp, record in pairs if record is winner), None)
+
+
+def _flat_to_top(session: Session, stage: int, top: int) -> tuple[Experiment, dict] | None:
+    """The stage's run at its largest size that ran, when the cost model fitted to the stage's
+    readings predicts it within SEPARATION_Z readings' noise (or the fit's misfit) of the stage's
+    best prediction: the curve is flat up to the memory top, where the leader's lead is noise, and a
+    strategy's larger size (a larger step, its fixed costs spread over more samples) may pay. None
+    otherwise, or with fewer than three sizes read."""
+    st = session.settings
+    if not st.maximize:
+        return None
+    values = {m: v for m, v in stage_values(session, stage).items() if v is not None and v > 0}
+    model = fit([Reading(m, gas_for(session, stage, m), v) for m, v in values.items()]) if len(values) >= 3 else None
+    if model is None or top not in values:
+        return None
+    predicted = {m: model.predict(m, gas_for(session, stage, m)) for m in values}
+    if predicted[top] * (1 + SEPARATION_Z * max(reading_noise(session), model.misfit)) < max(predicted.values()):
+        return None
+    return next(((exp, record) for exp, record in session.stage_records(stage)
+                 if exp.micro_batch_size == top and exp.gradient_accumulation_steps == gas_for(session, stage, top)
+                 and not exp.tuning_space and succeeded(record) and not is_repeat(exp.name, session.measured)), None)
 
 
 def _largest_ok(session: Session, stage: int) -> int:

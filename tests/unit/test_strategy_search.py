@@ -17,6 +17,7 @@ from scheduler.search.phases import drive
 from scheduler.search.ranking import best
 from scheduler.search.session import NoStageFits, SearchAborted, SearchSettings, Session
 from scheduler.search.space import PROFILE, Experiment, strategy_of
+from scheduler.search.stage_space import gas_for
 from scheduler.search.strategy_search import try_strategies
 
 CAPACITY = 16 * GiB
@@ -352,3 +353,47 @@ def test_a_larger_strategy_run_reading_below_a_smaller_one_is_read_again() -> No
     straggling = phases(Straggler(**{**TALL.__dict__, "slow_size": 32}))
     assert straggling[straggling.index("z0_strategy_ac_32") + 1] == "z0_strategy_ac_32_recheck", straggling
     assert "z0_strategy_ac_32_recheck" not in phases(TALL)
+
+
+
+#: 1e8 parameters, 375 MB of activations per sample: ZeRO-0 tops out at 35.
+ROOMY = Law(num_params=100_000_000, activation=375_000_000)
+
+
+def _strategies_from(readings: dict[int, float], law: Law = ROOMY) -> list[tuple[int, int, int]]:
+    """(stage, micro-batch, accumulation) of the checkpointed runs `try_strategies` measures after ZeRO-0
+    read `readings` (size -> throughput), each size at its accumulation in the space."""
+    search_settings = settings(law, ["activation_checkpointing"])
+    session = Session(search_settings)
+    session.model = MemoryModel(search_settings.model_info, search_settings.setup, GiB)
+    for mbs, value in readings.items():
+        exp = session.experiment(0, mbs, gas_for(session, 0, mbs))
+        session.measured[exp.name] = (exp, {**law.run(exp), "metrics": {"throughput": value}})
+    measured: list[tuple[int, int, int]] = []
+
+    def run_phase(phase) -> dict[str, dict]:
+        measured.extend((exp.stage, exp.micro_batch_size, exp.gradient_accumulation_steps) for exp in phase.experiments)
+        return {exp.name: law.run(exp) for exp in phase.experiments}
+
+    drive(try_strategies(session), run_phase)
+    return measured
+
+
+def test_a_lucky_reading_below_a_flat_top_does_not_keep_strategies_out() -> None:
+    """ZeRO-0 ran up to 32 and reads the same at every size, but for a lucky reading at 10 that
+    makes 10 the leader, below its stage's top. The cost model fitted to the stage's readings
+    predicts the top within the noise of its best size: the curve is flat to the memory top, so
+    checkpointing is measured from the top's run (a larger size, the step kept). A curve that
+    turns down before the top keeps them out: a larger size would read worse."""
+    first = _strategies_from({4: 100.0, 8: 101.0, 10: 130.0, 16: 99.0, 32: 100.0})[0]
+    assert first[0] == 0 and first[1] > 32
+    assert _strategies_from({4: 80.0, 8: 110.0, 10: 125.0, 16: 120.0, 32: 70.0}) == []
+
+def test_a_strategy_that_paid_is_measured_once_at_a_stage_never_measured_with_more_room() -> None:
+    """Only ZeRO-0 was measured (its curve rising to its top, 27); checkpointing pays there. The
+    other stages were never measured (a search leaves ZeRO-3 out below 4 data-parallel ranks), but
+    the memory model shards 3e8 parameters' states there: ZeRO-3's checkpointed line holds the most,
+    so the best checkpointed run is measured there once, at the size its line holds."""
+    runs = _strategies_from({4: 60.0, 9: 80.0, 13: 90.0, 27: 100.0}, Law(num_params=300_000_000, activation=375_000_000))
+    assert {stage for stage, _, _ in runs[:-1]} == {0} and runs[-1][0] == 3
+    assert runs[-1][1] > max(mbs for _, mbs, _ in runs[:-1])
