@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import redis
 
 from scheduler.cluster.job_store import JobStore, active_jobs
-from deploy.plan import RecordedGroup, kill_options, launches_matching, record_keys, recorded_groups
+from deploy.plan import RecordedGroup, kill_options, launches_matching, recorded_groups
+from workers.state.store import BaseSlotStore, RedisSlotStore
 
 if TYPE_CHECKING:  # fabric and paramiko: imported where hosts are reached, not by every worker and command
     from deploy.fabric_hosts import Hosts
@@ -35,10 +36,10 @@ def running_launches(client: redis.Redis) -> dict[str, dict[str, dict]]:
             for job in active_jobs(client)}
 
 
-def groups_of(client: redis.Redis, launches: list[tuple[str, dict]]) -> list[RecordedGroup]:
-    names = record_keys(launches)
-    values = client.mget(names) if names else []
-    return recorded_groups(launches, {name: value for name, value in zip(names, values) if value})
+def groups_of(slots: BaseSlotStore, launches: list[tuple[str, dict]]) -> list[RecordedGroup]:
+    """The groups these (experiment, launch) pairs' ranks recorded, as their slots' store keeps them."""
+    ranks = [rank for _, launch in launches for rank in sorted(launch.get("rank_tasks", {}).items())]
+    return recorded_groups(launches, slots.read_rank_groups(ranks))
 
 
 def kill_recorded(hosts: Hosts, groups: list[RecordedGroup], grace_s: float = DEFAULT_GRACE_S) -> dict[str, object]:
@@ -54,13 +55,14 @@ def kill_recorded(hosts: Hosts, groups: list[RecordedGroup], grace_s: float = DE
 def cleanup(client: redis.Redis, hosts: Hosts, target: str, grace_s: float = DEFAULT_GRACE_S) -> dict[str, object]:
     """Clean up the groups of one job, or of one experiment of it (`deploy.plan.cleanup_scope`)."""
     launches = launches_matching(running_launches(client), target)
-    return kill_recorded(hosts, groups_of(client, launches), grace_s)
+    return kill_recorded(hosts, groups_of(RedisSlotStore(client), launches), grace_s)
 
 
-def clean_launch_in_background(client: redis.Redis, name: str, launch: dict) -> None:
+def clean_launch_in_background(slots: BaseSlotStore, name: str, launch: dict) -> None:
     """For the scheduler: kill a stopped launch's recorded groups on their hosts (SSH for remote
-    nodes, directly for this one) without blocking the caller; problems are logged, not raised."""
-    groups = groups_of(client, [(name, launch)])
+    nodes, directly for this one) without blocking the caller; problems are logged, not raised.
+    The groups are read from `slots` before it returns; only the kills run in the background."""
+    groups = groups_of(slots, [(name, launch)])
     if not groups:
         return
 

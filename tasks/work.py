@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
 from celery import Celery, chord
 
 from deploy.cleanup import clean_launch_in_background, wait_for_background_cleanups
@@ -12,6 +11,7 @@ from deploy.cleanup import clean_launch_in_background, wait_for_background_clean
 from scheduler.cluster.launches import FinishSpec
 from scheduler.cluster.work import RankLaunch
 from scheduler.embedded.worker_command import CONTROL_QUEUE
+from workers.state.store import BaseSlotStore
 
 
 class CeleryWork:
@@ -33,8 +33,8 @@ class CeleryWork:
     def revoke(self, task_ids: list[str]) -> None:
         self.app.control.revoke(task_ids, terminate=True, signal="SIGTERM")
 
-    def clean_up(self, client: redis.Redis, name: str, launch: dict[str, Any]) -> None:
-        clean_launch_in_background(client, name, launch)
+    def clean_up(self, slots: BaseSlotStore, name: str, launch: dict[str, Any]) -> None:
+        clean_launch_in_background(slots, name, launch)
 
     def wait_for_clean_ups(self, timeout_s: float) -> bool:
         return wait_for_background_cleanups(timeout_s)

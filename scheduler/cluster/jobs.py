@@ -132,9 +132,10 @@ def stop_launch(client: redis.Redis, work: Work, launch: RunningLaunch) -> None:
     """Stop one running launch: revoke its rank tasks (their workers kill the training groups) and
     free its slots, token-checked. A worker that died for good kills nothing, so the groups its
     ranks recorded are also killed on their hosts (`Work.clean_up`), in the background."""
+    slots = RedisSlotStore(client)
     work.revoke(list(launch.rank_tasks.values()))
-    RedisSlotStore(client).release(launch.queues, launch.token)
-    work.clean_up(client, launch.name, launch.to_json())
+    slots.release(launch.queues, launch.token)
+    work.clean_up(slots, launch.name, launch.to_json())
 
 
 def submit(client: redis.Redis, work: Work, spec: JobSpec, launched_before: bool = False) -> bool:

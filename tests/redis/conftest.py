@@ -79,7 +79,7 @@ class RecordedWork:
     def revoke(self, task_ids: list[str]) -> None:
         self.revoked.extend(task_ids)
 
-    def clean_up(self, client: Any, name: str, launch: dict[str, Any]) -> None:
+    def clean_up(self, slots: Any, name: str, launch: dict[str, Any]) -> None:
         self.cleaned.append(name)
 
     def wait_for_clean_ups(self, timeout_s: float) -> bool:

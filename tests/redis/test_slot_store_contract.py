@@ -19,7 +19,7 @@ import pytest
 
 from test_job_store_contract import Clock
 from workers.device.slot import Slot
-from workers.state import registry, slot_health
+from workers.state import keys, registry, slot_health
 from workers.state.memory_store import MemorySlots
 from workers.state.store import BaseSlotStore, RedisSlotStore
 
@@ -218,3 +218,28 @@ class TestGangLeases:
         assert store.held(["a"]) == set()
         back = store.keep("a", token, 60.0, renewal.server)
         assert back.held and back.server != renewal.server and store.holds(["a"], token)
+
+
+class TestRankGroups:
+    def test_a_ranks_record_and_group_are_read_for_the_ranks_asked_only(self, backend: Backend) -> None:
+        store = backend.store
+        assert store.read_rank_groups([]) == {} and store.read_rank_groups([("n.gpu0", "t1")]) == {}
+        store.write_rank_group("n.gpu0", "t1", '{"pgid": 41}', 41, 600)
+        store.write_rank_group("n.gpu1", "t2", '{"pgid": 42}', 42, 600)
+        assert store.read_rank_groups(iter([("n.gpu0", "t1"), ("n.gpu0", "t2")])) == {
+            keys.rank_process("n.gpu0", "t1"): '{"pgid": 41}', keys.pgid("n.gpu0", "t1"): "41"}
+        store.write_rank_group("n.gpu0", "t1", '{"pgid": 43}', 43, 600)  # written again: replaced
+        store.write_rank_group("n.gpu1", "t3", "", 44, 600)  # no record: the pgid alone is read
+        assert store.read_rank_groups([("n.gpu0", "t1"), ("n.gpu1", "t3")]) == {
+            keys.rank_process("n.gpu0", "t1"): '{"pgid": 43}', keys.pgid("n.gpu0", "t1"): "43",
+            keys.pgid("n.gpu1", "t3"): "44"}
+
+    def test_they_lapse_with_their_ttl_and_go_with_the_data(self, backend: Backend) -> None:
+        store = backend.store
+        store.write_rank_group("n.gpu0", "short", "{}", 7, 1)  # whole seconds: Redis's EX
+        store.write_rank_group("n.gpu0", "long", "{}", 8, 600)
+        backend.later(1.2)
+        assert store.read_rank_groups([("n.gpu0", "short"), ("n.gpu0", "long")]) == {
+            keys.rank_process("n.gpu0", "long"): "{}", keys.pgid("n.gpu0", "long"): "8"}
+        backend.lose_data()
+        assert store.read_rank_groups([("n.gpu0", "long")]) == {}

@@ -21,7 +21,7 @@ def slow_kill(monkeypatch):
         killed.append(groups)
         return {}
 
-    monkeypatch.setattr(cleanup, "groups_of", lambda client, launches: [f"group of {launches[0][0]}"])
+    monkeypatch.setattr(cleanup, "groups_of", lambda slots, launches: [f"group of {launches[0][0]}"])
     monkeypatch.setattr(cleanup, "kill_recorded", kill_recorded)
     return release, killed
 

@@ -37,6 +37,7 @@ import psutil
 import redis
 
 from workers.state import keys
+from workers.state.store import RedisSlotStore
 from workers.in_rank.entry import TITLE_ENV
 
 __all__ = ["TITLE_ENV", "RankIdentity", "RankProcess", "forget_rank", "kill_titled", "leftover_groups", "owns_group",
@@ -117,8 +118,8 @@ def start_time(pid: int) -> int:
 def record_rank(client: redis.Redis, task_id: str, identity: RankIdentity, pid: int, ttl_s: int) -> RankProcess:
     """Record a rank that just started as the leader of its own group (`pid` is its group) under
     `keys.rank_process`, beside its pgid under `keys.pgid` (which the slot's leftover scan reads),
-    both named in the slot's index (`keys.rank_index`, itself in `keys.RANK_SLOTS`): one transaction.
-    The index takes the record's TTL; a slot's records all have one (the rank's), so it lasts as
+    both named in the slot's index (`keys.rank_index`, itself in `keys.RANK_SLOTS`): one transaction,
+    through the slots' store (`workers.state.rank_groups`). The index takes the record's TTL; a slot's records all have one (the rank's), so it lasts as
     long as the newest of them."""
     record = RankProcess(identity, pid, pid, start_time(pid))
     write_record(client, task_id, record, ttl_s)
@@ -130,16 +131,7 @@ def write_record(client: redis.Redis, task_id: str, record: RankProcess, ttl_s: 
     was away (`workers.slot.rank_peers.StopCheck.keep_record`), since a restart can come back without
     it (its data wiped, or the last second of an append-only file lost), and a rank nobody can find
     is one no later launch on its slot ends."""
-    slot = record.identity.slot
-    names = (keys.rank_process(slot, task_id), keys.pgid(slot, task_id))
-    with client.pipeline(transaction=True) as pipe:
-        pipe.set(names[0], record.to_json(), ex=ttl_s)
-        pipe.set(names[1], record.pgid, ex=ttl_s)
-        pipe.sadd(keys.rank_index(slot), *names)
-        pipe.expire(keys.rank_index(slot), ttl_s)
-        pipe.sadd(keys.RANK_SLOTS, slot)
-        pipe.expire(keys.RANK_SLOTS, ttl_s)
-        pipe.execute()
+    RedisSlotStore(client).write_rank_group(record.identity.slot, task_id, record.to_json(), record.pgid, ttl_s)
 
 
 def forget_rank(client: redis.Redis, slot: str, task_id: str) -> None:

@@ -9,13 +9,14 @@ here behaves the same over Redis.
 How it keeps the Redis store's semantics:
 - atomicity: each method runs to its end before any other call can read (one process, no threads
   here), which is what the Redis store gets from its scripts and transactions;
-- keys with a TTL (registrations and claims, withdrawals, health marks, gang leases) are kept with
-  when they lapse, timed by `MemorySlots.clock`, which a test passes and moves on; a key past its
+- keys with a TTL (registrations and claims, withdrawals, health marks, gang leases, ranks' groups)
+  are kept with when they lapse, timed by `MemorySlots.clock`, which a test passes and moves on; a key past its
   time reads as absent, as in Redis. The TTLs are read from their modules at each call
   (`registry.TTL_S`, `slot_health.MARK_TTL_S`), so a test that shortens them shortens both stores';
 - the index and its epoch: a registration stays indexed until it is unregistered or a view finds it
   lapsed while unreserved (`slot_view`'s script), and the epoch changes exactly when Redis's does;
   the parsed slots and the caller's memo are kept per epoch, as `slot_view` keeps them per process;
+  the ranks' groups need no index (`rank_groups`' is for the slot workers' own readers, in Redis only);
 - the server's data token (`keys.SERVER_EPOCH`) is set by the first renewal, and `MemorySlots.flush`
   forgets everything, as a Redis restart without its data does.
 """
@@ -27,7 +28,7 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from workers.device.slot import Slot
-from workers.state import registry, slot_health
+from workers.state import keys, registry, slot_health
 from workers.state.gang import Renewal
 from workers.state.slot_view import SlotView, _Parsed
 
@@ -74,6 +75,7 @@ class MemorySlots:
         self.withdrawals = _Expiring(self.clock)  #: queue -> why
         self.marks = _Expiring(self.clock)  #: queue -> health mark JSON
         self.leases = _Expiring(self.clock)  #: queue -> owner token
+        self.rank_groups = _Expiring(self.clock)  #: a rank's record or pgid key name -> its value
         self.index: set[str] = set()
         self.epoch: bytes | None = None
         self.server: str | None = None
@@ -207,6 +209,17 @@ class InMemorySlotStore:
 
     def held(self, queues: list[str]) -> set[str]:
         return set(self._tokens(queues))
+
+    # ------------------------------------------------------------ ranks' training groups
+
+    def write_rank_group(self, queue: str, task_id: str, record: str, pgid: int, ttl_s: int) -> None:
+        self.db.rank_groups.set(keys.rank_process(queue, task_id), record, ttl_s)
+        self.db.rank_groups.set(keys.pgid(queue, task_id), str(pgid), ttl_s)
+
+    def read_rank_groups(self, ranks: Iterable[tuple[str, str]]) -> dict[str, str]:
+        names = [name for queue, task_id in ranks
+                 for name in (keys.rank_process(queue, task_id), keys.pgid(queue, task_id))]
+        return {name: value for name in names if (value := self.db.rank_groups.get(name))}
 
     def _tokens(self, queues: list[str]) -> dict[str, str]:
         return {queue: token for queue in sorted(set(queues)) if (token := self.db.leases.get(queue)) is not None}

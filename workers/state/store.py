@@ -1,20 +1,21 @@
 """The slots' store: every operation the control path and the slot workers perform on the slots'
 shared state (registrations and their index, withdrawals, GPU claims, health marks, gang leases,
-the dispatch view), behind one interface.
+the dispatch view, the training groups ranks recorded), behind one interface.
 
 Why an interface: the decisions that read the slots (which launch is lost and why, where a waiting
-experiment may start, what `--status` shows) are tested without a redis-server through the in-memory
-twin (`workers.state.memory_store.InMemorySlotStore`); the Redis store (`RedisSlotStore`, here) keeps
+experiment may start, what `--status` shows, which training groups a stopped launch's clean-up
+kills) are tested without a redis-server through the in-memory twin
+(`workers.state.memory_store.InMemorySlotStore`); the Redis store (`RedisSlotStore`, here) keeps
 the same contract, checked against both by tests/redis/test_slot_store_contract.py. It is the slots'
 side of what `scheduler.cluster.stores.BaseJobStore` is for a job.
 
 What each implementation promises is written once, on `BaseSlotStore`'s methods. Every method is
 atomic (Redis: one command, a MULTI transaction or one Lua script; in memory: one uninterrupted
 call). `RedisSlotStore` adds nothing of its own: it calls the modules that own each piece
-(`registry`, `gang`, `slot_view`, `slot_health`), so their scripts stay the one place each atomic step
-is written. What only Redis has (a release queued in a caller's pipeline; the heartbeat, lease and
-health threads, which hold a client; whether a control worker is registered) is on `RedisSlotStore`
-alone, as the Redis job store keeps its pipelines to itself.
+(`registry`, `gang`, `slot_view`, `slot_health`, `rank_groups`), so their scripts stay the one place
+each atomic step is written. What only Redis has (a release queued in a caller's pipeline; the
+heartbeat, lease and health threads, which hold a client; whether a control worker is registered) is
+on `RedisSlotStore` alone, as the Redis job store keeps its pipelines to itself.
 
 Why one owner: outside this package the slots' state is reached only through this module (the
 architecture test holds every other module of the package but `keys`, `connection`, `redis_url`,
@@ -30,7 +31,7 @@ from typing import Protocol
 import redis
 
 from workers.device.slot import Slot
-from workers.state import gang, registry, slot_health, slot_view
+from workers.state import gang, rank_groups, registry, slot_health, slot_view
 from workers.state.gang import Renewal
 from workers.state.registry import HEARTBEAT_S, TTL_S
 from workers.state.slot_health import describe
@@ -125,6 +126,16 @@ class BaseSlotStore(Protocol):
     def held(self, queues: list[str]) -> set[str]:
         """Which of `queues` anyone holds now."""
 
+    # ------------------------------------------------------------ ranks' training groups
+
+    def write_rank_group(self, queue: str, task_id: str, record: str, pgid: int, ttl_s: int) -> None:
+        """Keep, for `ttl_s`, rank `task_id`'s process `record` (JSON, opaque here) and its training
+        group `pgid` on slot `queue` (`rank_groups.write`); written again, both are replaced."""
+
+    def read_rank_groups(self, ranks: Iterable[tuple[str, str]]) -> dict[str, str]:
+        """Of these (slot queue, task id) ranks, what their slots keep: key name (`keys.rank_process`,
+        `keys.pgid`) -> value, for the non-empty ones; a rank never written or lapsed has neither."""
+
 
 class RedisSlotStore:
     """`BaseSlotStore` in Redis, through the modules that own each key and script."""
@@ -194,6 +205,14 @@ class RedisSlotStore:
 
     def held(self, queues: list[str]) -> set[str]:
         return self.gangs.held(queues)
+
+    # ------------------------------------------------------------ ranks' training groups
+
+    def write_rank_group(self, queue: str, task_id: str, record: str, pgid: int, ttl_s: int) -> None:
+        rank_groups.write(self.client, queue, task_id, record, pgid, ttl_s)
+
+    def read_rank_groups(self, ranks: Iterable[tuple[str, str]]) -> dict[str, str]:
+        return rank_groups.read(self.client, ranks)
 
     # ------------------------------------------------------------ what only Redis has
 
