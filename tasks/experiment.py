@@ -42,7 +42,7 @@ from workers.files.layout import experiment_file
 from workers.files.paths import safe_child, write_json
 from workers.slot.rank import run_rank as run_rank_body, slot_from_env
 from workers.slot.rank_spec import RankSpec
-from workers.slot.records import RankRecord, experiment_record
+from workers.slot.records import ExperimentRecord, RankRecord, experiment_record
 
 log = logging.getLogger(__name__)
 #: The control path's messages, sent through this app (`scheduler.cluster.work.Work`).
@@ -82,7 +82,7 @@ def finish_experiment(rank_records: list[dict[str, Any]], finish_json: dict[str,
     finish = FinishSpec.from_json(finish_json)
     ranks = [RankRecord.from_json(r) for r in rank_records]
     if ranks and all(r.stale for r in ranks):
-        return {"name": finish.name, "status": "lost", "stale": True}  # a newer launch owns the folder
+        return ExperimentRecord.lost(finish.name, stale=True).to_json()  # a newer launch owns the folder
     client = task_client(app.conf)
     jobs, slots = RedisActiveJobs(client), RedisSlotStore(client)
     busy = [r for r, typed in zip(rank_records, ranks) if typed.status is Status.GPU_BUSY]

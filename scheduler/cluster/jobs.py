@@ -41,6 +41,7 @@ from scheduler.cluster.launches import RunningLaunch
 from scheduler.cluster.work import Work
 from workers.files.layout import RESULT
 from workers.files.paths import read_json, safe_child
+from workers.slot.records import ExperimentRecord
 from workers.state.store import RedisSlotStore
 
 LEASE_S = env_number("AUTOTUNE_LEASE_S", 60.0)  #: how long a dead rank can hold its slot
@@ -233,4 +234,4 @@ def run_fixed(client: redis.Redis, work: Work, spec: JobSpec,
         cancel(client, work, spec.job)
         raise
     return [read_json(safe_child(spec.results_root, exp["name"]) / RESULT) or
-            {"name": exp["name"], "status": "lost"} for exp in spec.experiments or []]
+            ExperimentRecord.lost(exp["name"]).to_json() for exp in spec.experiments or []]

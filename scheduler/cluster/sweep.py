@@ -29,6 +29,7 @@ from scheduler.cluster.stores import BaseJobStore
 from scheduler.cluster.work import Work
 from workers.files.layout import RESULT, experiment_file
 from workers.files.paths import safe_child, write_json
+from workers.slot.records import ExperimentRecord
 from workers.state.store import HEARTBEAT_S, TTL_S, BaseSlotStore, RedisSlotStore
 
 SWEEP_S = 2.0  #: how often the control worker sweeps
@@ -103,8 +104,8 @@ def _lose(store: BaseJobStore, spec: JobSpec, launch: RunningLaunch, why: str,
         log.warning("%s lost (%s); retrying, attempt %d of %d", launch.name, why, attempts + 1, spec.max_attempts)
         store.requeue(launch)
         return False
-    record = {"name": launch.name, "status": "lost", "metrics": None, "ds_config": launch.exp["ds_config"],
-              "slots": launch.queues, "cause": {"error": f"{why}; gave up after {attempts} attempts"}}
+    record = ExperimentRecord.lost(launch.name, f"{why}; gave up after {attempts} attempts", metrics=None,
+                                   ds_config=launch.exp["ds_config"], slots=launch.queues).to_json()
     write_json(experiment_file(safe_child(spec.results_root, launch.name), RESULT), record)
     store.give_up(launch)
     store.publish({"kind": "record", "record": record})

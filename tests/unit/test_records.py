@@ -95,6 +95,28 @@ def test_a_lost_launchs_record_reads() -> None:
     assert {key: value for key, value in record.to_json().items() if key in lost} == lost
 
 
+def test_a_lost_record_writes_what_its_builder_was_told_and_nothing_it_never_had() -> None:
+    """`ExperimentRecord.lost` as its three callers build it, compared as text with the JSON each
+    wrote as a literal: the sweep's give-up (result.json), a fixed job's experiment without a result,
+    and a fenced launch's answer."""
+    given_up = ExperimentRecord.lost("z1", "its worker is gone; gave up after 2 attempts", metrics=None,
+                                     ds_config={"train_batch_size": 2}, slots=["n.gpu0", "n.gpu1"])
+    assert json.dumps(given_up.to_json(), indent=2) == json.dumps(
+        {"name": "z1", "status": "lost", "metrics": None, "ds_config": {"train_batch_size": 2},
+         "slots": ["n.gpu0", "n.gpu1"], "cause": {"error": "its worker is gone; gave up after 2 attempts"}}, indent=2)
+    unknown = ExperimentRecord.lost("z1", metrics=None, ds_config=None, slots=[])  # told: written, even empty
+    assert json.dumps(unknown.to_json()) == '{"name": "z1", "status": "lost", "metrics": null, "ds_config": null, ' \
+                                           '"slots": []}'
+    assert json.dumps(ExperimentRecord.lost("z1").to_json()) == '{"name": "z1", "status": "lost"}'
+    assert json.dumps(ExperimentRecord.lost("z1", stale=True).to_json()) == \
+        '{"name": "z1", "status": "lost", "stale": true}'
+    for record in (given_up, unknown, ExperimentRecord.lost("z1", stale=True)):
+        assert ExperimentRecord.from_json(record.to_json()) == record  # read back: the same record
+    assert "ranks" in ExperimentRecord.from_json(given_up.to_json()).to_json()  # read back, written in full
+    with pytest.raises(TypeError):
+        ExperimentRecord.lost("z1", metric=None)  # no such field
+
+
 def test_a_record_without_a_status_is_lost_and_without_a_name_is_refused() -> None:
     assert ExperimentRecord.from_json({"name": "x"}).status is Status.LOST
     assert RankRecord.from_json({"rank": 1}).status is Status.LOST
@@ -147,10 +169,10 @@ def test_every_field_is_written_and_read_back() -> None:
     """A field `to_json` leaves out, or `from_json` does not read, fails here."""
     record = full_record()
     unset = [spec.name for spec in dataclasses.fields(record) if getattr(record, spec.name) in (None, {}, [])]
-    assert unset == []
+    assert unset == ["written"]  # no key of the JSON: which keys `ExperimentRecord.lost` writes
     assert record.exit_after_metrics["rank"] == 1 and record.start_path == "cold+warm"
     written = json.loads(json.dumps(record.to_json()))
-    assert set(written) == {spec.name for spec in dataclasses.fields(record)} - {"extra"} | {"note"}
+    assert set(written) == {spec.name for spec in dataclasses.fields(record)} - {"extra", "written"} | {"note"}
     assert ExperimentRecord.from_json(written) == record
 
 

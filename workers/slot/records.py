@@ -5,7 +5,8 @@ The records travel as JSON (a Celery result, result.json, the job's stream, the 
 `ExperimentRecord` and `RankRecord` are their typed form, with `to_json`/`from_json` at those
 boundaries. `from_json` reads any record a release of the tool wrote: a key it lacks takes its
 default, and a key the type does not name is kept in `extra`, so a round trip loses nothing.
-`not_started` is the record of a rank whose script never ran.
+`not_started` is the record of a rank whose script never ran, `ExperimentRecord.lost` the record of an
+experiment no launch measured.
 
 The experiment takes its root cause's status (see `workers.in_rank.failure.experiment_status`), rank 0's
 metrics, and the sum of what it cost. The record is what `result.json` holds and what the tuner
@@ -32,23 +33,34 @@ DEVICE_KEYS = ("peak_device_bytes", "peak_device_allocated_bytes", "device_alloc
 CAUSE_KEYS = ("rank", "slot", "exit", "error", "oom", "oom_from", "probable_oom", "stderr_tail")
 
 _Record = TypeVar("_Record", "RankRecord", "ExperimentRecord")
+#: A record's fields that are no key of its JSON: what it holds beyond its fields, which keys it writes.
+_NOT_JSON = frozenset({"extra", "written"})
 
 
-def _to_json(record: ExperimentRecord | RankRecord, always: frozenset[str]) -> dict[str, Any]:
-    """The fields in order: those in `always` written even when None, the others only when set."""
+def _to_json(record: ExperimentRecord | RankRecord, always: frozenset[str], only_set: bool = False) -> dict[str, Any]:
+    """The fields in order: those in `always` written even when None, the others only when set (not
+    None; with `only_set`, not their default either: an empty list is then left out too)."""
     out: dict[str, Any] = {}
     for spec in dataclasses.fields(record):
         value = getattr(record, spec.name)
-        if spec.name == "extra" or (value is None and spec.name not in always):
+        unset = value is None or (only_set and _default(spec, value))
+        if spec.name in _NOT_JSON or (unset and spec.name not in always):
             continue
         out[spec.name] = value.value if isinstance(value, Status) else value
     out.update(record.extra)
     return out
 
 
+def _default(spec: dataclasses.Field, value: Any) -> bool:
+    """Whether `value` is the field's default."""
+    if spec.default_factory is not dataclasses.MISSING:
+        return bool(value == spec.default_factory())
+    return spec.default is not dataclasses.MISSING and bool(value == spec.default)
+
+
 def _from_json(kind: type[_Record], data: dict[str, Any]) -> _Record:
     """`kind` from its JSON: a missing key takes its default, an unnamed one goes to `extra`."""
-    named = {spec.name for spec in dataclasses.fields(kind)} - {"extra"}
+    named = {spec.name for spec in dataclasses.fields(kind)} - _NOT_JSON
     values = {key: value for key, value in data.items() if key in named}
     extra = {key: value for key, value in data.items() if key not in named}
     status = data.get("status")
@@ -109,8 +121,8 @@ class ExperimentRecord:
     """One experiment's record: what result.json holds, the job's stream carries and the search reads.
 
     The fields up to `ranks` are in every record `experiment_record` makes (None included); the others only
-    where they say something. A lost launch's record (`scheduler.cluster.sweep`) or an older one may
-    lack any but `name`: they read as their defaults."""
+    where they say something. A record of an experiment no launch measured (`lost`) or an older one
+    may lack any but `name`: they read as their defaults."""
 
     name: str
     exp_id: int | None = None
@@ -147,10 +159,23 @@ class ExperimentRecord:
     #: nothing, and the readers of result.json (the replay, the off-path listing) skip it
     stale: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Where `lost` built the record: the fields written even when None (the others only when they
+    #: differ from their default); None: `ALWAYS`, the others when not None.
+    written: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     #: Written even when None.
     ALWAYS = frozenset({"name", "exp_id", "status", "metrics", "ds_config", "slots", "started_at", "ended_at",
                         "wall_s", "peak_rss_bytes", "ranks"})
+
+    @classmethod
+    def lost(cls, name: str, error: str | None = None, *, stale: bool = False, **known: Any) -> ExperimentRecord:
+        """The record of an experiment no launch measured: its launches were lost (`error` says why), it
+        has no result to read, or the launch that answers no longer owns it (`stale`). Its JSON holds
+        `name`, `status` and the fields in `known` (its `ds_config`, the `slots` it held; `metrics=None`
+        to say outright it has none), each even when None, then `cause` and `stale` where set: never
+        the times, cost and ranks it did not have, which every reader takes for None or empty."""
+        return cls(name=name, status=Status.LOST, cause={"error": error} if error else None,
+                   stale=True if stale else None, written=frozenset({"name", "status", *known}), **known)
 
     @property
     def ok(self) -> bool:
@@ -164,7 +189,9 @@ class ExperimentRecord:
         return [RankRecord.from_json(rank) for rank in self.ranks]
 
     def to_json(self) -> dict[str, Any]:
-        return _to_json(self, self.ALWAYS)
+        if self.written is None:
+            return _to_json(self, self.ALWAYS)
+        return _to_json(self, self.written, only_set=True)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ExperimentRecord:
