@@ -135,9 +135,10 @@ def launches_matching(running: Mapping[str, Mapping[str, dict]], target: str) ->
 
 
 def recorded_groups(launches: Iterable[tuple[str, dict]], recorded: Mapping[str, Any]) -> list[RecordedGroup]:
-    """The groups of these launches that their slots recorded (`recorded`: key -> value, as
-    `record_keys` names them): a rank's record (`keys.rank_process`: its pgid and start time) where
-    there is one, else its bare pgid (`keys.pgid`: an op build before the script started)."""
+    """The groups of these launches that their slots recorded (`recorded`: key -> value, as the
+    slots' store reads them, `workers.state.store.BaseSlotStore.read_rank_groups`): a rank's record
+    (`keys.rank_process`: its pgid and start time) where there is one, else its bare pgid
+    (`keys.pgid`: an op build before the script started)."""
     groups = []
     for name, launch in launches:
         for queue, task_id in sorted(launch.get("rank_tasks", {}).items()):
@@ -151,12 +152,6 @@ def recorded_groups(launches: Iterable[tuple[str, dict]], recorded: Mapping[str,
             elif recorded.get(keys.pgid(queue, task_id)):
                 groups.append(RecordedGroup(parsed[0], queue, int(recorded[keys.pgid(queue, task_id)]), name))
     return groups
-
-
-def record_keys(launches: Iterable[tuple[str, dict]]) -> list[str]:
-    """The keys `recorded_groups` reads: each rank's record and its pgid."""
-    return [key for _, launch in launches for queue, task in sorted(launch.get("rank_tasks", {}).items())
-            for key in (keys.rank_process(queue, task), keys.pgid(queue, task))]
 
 
 def kill_options(groups: Sequence[RecordedGroup], grace_s: float) -> list[str]:

@@ -15,10 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import redis
-
 from scheduler.cluster.launches import FinishSpec
 from workers.slot.rank_spec import RankSpec
+from workers.state.store import BaseSlotStore
 
 
 @dataclass(frozen=True)
@@ -41,9 +40,9 @@ class Work(Protocol):
     def revoke(self, task_ids: list[str]) -> None:
         """Stop these rank tasks (their workers kill the training groups)."""
 
-    def clean_up(self, client: redis.Redis, name: str, launch: dict[str, Any]) -> None:
+    def clean_up(self, slots: BaseSlotStore, name: str, launch: dict[str, Any]) -> None:
         """Kill, on their hosts and without blocking, the training groups a stopped launch's ranks
-        recorded: a worker that died for good kills nothing itself."""
+        recorded (read from `slots` before returning): a worker that died for good kills nothing itself."""
 
     def wait_for_clean_ups(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the clean-ups this process started; whether all ended (a

@@ -197,8 +197,8 @@ def test_the_store_check_sees_a_planted_reach_past_the_store() -> None:
 
 
 #: An import of one of the store's insides, as Python written inside a script or template says it.
-_INSIDE_IMPORT = re.compile(r"(?:from|import) workers\.state\.(?:registry|gang|slot_view|slot_health)\b"
-                            r"|from workers\.state import [^\n]*\b(?:registry|gang|slot_view|slot_health)\b")
+_INSIDE_IMPORT = re.compile(r"(?:from|import) workers\.state\.(?:registry|gang|slot_view|slot_health|rank_groups)\b"
+                            r"|from workers\.state import [^\n]*\b(?:registry|gang|slot_view|slot_health|rank_groups)\b")
 
 
 def scripts_past_the_slot_store(texts: dict[str, str]) -> list[str]:

@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from deploy.plan import (check_redis_url, cleanup_scope, kill_options, launches_matching, plan_workers,
-                         record_keys, recorded_groups, registration_report, remote_command, up_request)
+                         recorded_groups, registration_report, remote_command, up_request)
 from scheduler.errors import UsageError
 from workers.state import keys
 from workers.process.process_identity import RankIdentity, RankProcess
@@ -59,8 +59,6 @@ def test_cleanup_targets_exactly_the_named_job_or_one_experiment_of_it():
     assert [name for name, _ in launches_matching(running, "job2:e2")] == ["e2"]
     assert launches_matching(running, "job1:e2") == [], "job1 runs no e2: job2's is not its"
     launches = launches_matching(running, "job1:e1")
-    assert record_keys(launches) == [keys.rank_process("n1.gpu0", "t1"), keys.pgid("n1.gpu0", "t1"),
-                                     keys.rank_process("n2.gpu0", "t2"), keys.pgid("n2.gpu0", "t2")]
     record = RankProcess(RankIdentity("n1.gpu0", "job1", "e1", 0, 2, "a" * 32), 4141, 4141, 123456).to_json()
     groups = recorded_groups(launches, {keys.rank_process("n1.gpu0", "t1"): record, keys.pgid("n2.gpu0", "t2"): b"4242"})
     assert [(g.node, g.queue, g.pgid, g.started) for g in groups] == [("n1", "n1.gpu0", 4141, 123456),
