@@ -25,8 +25,12 @@ def test_hf_trainer_example_tuned_through_arg_mappings(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg_hf.json"
     cfg.write_text(json.dumps(data))
     # one slot: the launches are short, each slot's warm interpreter preloads torch, DeepSpeed and
-    # transformers (a third of the test's CPU with two), and nothing here depends on two at once
-    proc = run_autotune([str(cfg), "--slots", "1", "--num_gpus", "1", "--slot-memory", "3GiB"], tmp_path, timeout=300)
+    # transformers (a third of the test's CPU with two), and nothing here depends on two at once;
+    # its rank on one thread, as a user's OMP_NUM_THREADS has it: the slot would give it both cores,
+    # and beside the suite's other busy processes a two-thread rank waits on whichever thread is
+    # descheduled (under a bursty load: 38-42 s and 34-40 CPU-s, against 26-28 s and 21-22 on one)
+    proc = run_autotune([str(cfg), "--slots", "1", "--num_gpus", "1", "--slot-memory", "3GiB"], tmp_path,
+                        {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = tmp_path / "autotuning_results"
     for mbs, gas in ((2, 2), (4, 1)):
