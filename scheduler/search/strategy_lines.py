@@ -95,3 +95,11 @@ def strategy_records(session: Session, stage: int, strategy: Sequence[str] | Non
     """The stage's runs with `strategy` (with any strategy when None)."""
     return [(exp, record) for exp, record in session.measured.values()
             if exp.stage == stage and exp.name != PROFILE and (strategy is None or exp.strategy == tuple(strategy))]
+
+
+def unchecked(session: Session, stage: int, strategy: tuple[str, ...], but: dict | None = None) -> bool:
+    """Whether no run of `strategy` at `stage` (`but` aside) measured its peak or ran out of memory:
+    its line is the prior's (without a peak, a checkpointed run measures no keep share)."""
+    key = session.settings.peak_memory_key
+    return not any(peak_of(record, key) is not None or record.get("status") == "oom"
+                   for _, record in strategy_records(session, stage, strategy) if record is not but)

@@ -36,7 +36,9 @@ of the memory model rather than a guess:
    run that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of
    activations it keeps: `strategies.measured_keep_share`). A run at its line's top that reads
    better than the leader measures the sizes the safety margin kept out once (up to the line's own
-   top: the curve still rises where the margin cuts it). `STRATEGY_PROBES` runs per strategy at
+   top: the curve still rises where the margin cuts it); on a line neither a peak nor a failure
+   checked (`strategy_lines.unchecked`: the prior's), a size `UNBOUNDED_STEP` larger, then the
+   middle if it failed. `STRATEGY_PROBES` runs per strategy at
    most. The best strategy run, when it beat the leader, is measured once more at the stage whose
    line holds the largest size with it (`_roomier_stage`: the leader's stage was chosen on the sizes
    the stages held without a strategy; one that shards more of the states has more room for a
@@ -66,7 +68,7 @@ from scheduler.search.stage_space import gas_for
 from scheduler.search.strategies import (
     StepFacts, allow_line, applies, freed_bytes, ordered_combinations, searchable, step_cost_s, strategy_model,
 )
-from scheduler.search.strategy_lines import failed_sizes, keep_share, line, strategy_records
+from scheduler.search.strategy_lines import failed_sizes, keep_share, line, strategy_records, unchecked
 
 #: After a strategy's run that ran, its next size is measured only when this much larger.
 TOP_GAIN = 1.05
@@ -77,6 +79,9 @@ TOP_SLACK = 1.25
 CAUTIOUS_SPAN = 2.0
 #: Runs of the best strategy at the stage with more room for it (`_roomier_stage`) at most.
 ROOMIER_PROBES = 1
+#: A strategy run that paid at its line's top, where no peak was measured and no size failed, is
+#: followed by a size this much larger: the line is the prior's, and only a failure bounds it.
+UNBOUNDED_STEP = 1.25
 #: Runs per strategy at most: its line's top, then bisection between what ran and what ran out of memory.
 STRATEGY_PROBES = 4
 
@@ -233,15 +238,7 @@ def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str,
             failed = size
         else:
             return
-        size = _size(session, leader, strategy)
-        if failed is not None:
-            size = min(size, _step_size(session, leader, round(math.sqrt(ran * failed))))
-        if succeeded(record) and size < TOP_GAIN * ran:
-            if not _beats(session, record, leader):
-                return
-            size = _size(session, leader, strategy, safety=1.0)  # it pays: the margin's sizes, up to the line's top
-            if size <= ran or (failed is not None and size >= failed):
-                return
+        size = _next_size(session, leader, strategy, record, ran, failed)
 
 
 def _beats(session: Session, record: dict, leader: Experiment) -> bool:
@@ -297,6 +294,37 @@ def _size(session: Session, leader: Experiment, strategy: tuple[str, ...], safet
     failed = failed_sizes(session, stage, strategy)
     limit = min([st.micro_batch_cap, fits] + [m - 1 for m in failed])
     return _step_size(session, leader, limit)
+
+
+def _next_size(session: Session, leader: Experiment, strategy: tuple[str, ...], record: dict, ran: int,
+               failed: int | None) -> int:
+    """The strategy's size after `record` (0: none): its line's top, kept below the geometric middle
+    between `ran` and `failed`; after a run that ran, only a size TOP_GAIN larger, and where the
+    line holds none, the sizes its safety margin kept out when the run paid. A line neither a peak
+    nor a failure checked (`strategy_lines.unchecked`) is the prior's: once a run paid at its top, a size
+    UNBOUNDED_STEP larger is measured, and if that fails, the middle between it and what ran."""
+    size = _size(session, leader, strategy)
+    if failed is not None:
+        middle = _step_size(session, leader, round(math.sqrt(ran * failed)))
+        size = middle if unchecked(session, leader.stage, strategy, but=record) else min(size, middle)
+    if succeeded(record) and size < TOP_GAIN * ran:
+        if not _beats(session, record, leader):
+            return 0
+        size = _size(session, leader, strategy, safety=1.0)  # it pays: the margin's sizes, up to the line's top
+        if failed is None and unchecked(session, leader.stage, strategy):
+            size = max(size, _unbounded_size(session, leader, strategy, ran))
+    return size
+
+
+def _unbounded_size(session: Session, leader: Experiment, strategy: tuple[str, ...], ran: int) -> int:
+    """The size after `ran`, a run that paid at its line's top where no peak was measured and no
+    size failed: UNBOUNDED_STEP larger (the line is the prior's; with a kept global batch, the next
+    size dividing its share), within the cap and below the strategy's failures at the stage."""
+    kept = session.settings.kept_per_gpu
+    step = min((m for m in range(ran + 1, kept + 1) if kept % m == 0), default=ran) if kept else \
+        math.ceil(UNBOUNDED_STEP * ran)
+    failed = failed_sizes(session, leader.stage, strategy)
+    return _step_size(session, leader, min([session.settings.micro_batch_cap, step] + [m - 1 for m in failed]))
 
 
 def _step_size(session: Session, leader: Experiment, limit: int) -> int:

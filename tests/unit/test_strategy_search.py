@@ -300,14 +300,17 @@ def test_a_strategys_top_is_read_off_a_line_no_steeper_than_the_failures_prove()
     """The profile reports 30 % of the real activations and no run reports its peak, so the
     analytical line promises about three times the sizes that fit: the sampled search's own runs
     out of memory (9 at its stage) prove the line steeper, and the checkpointing line read off the
-    steeper one runs out of memory once at most (off the profile's: at 100, then 55), and its
-    largest run holds at least what the profile's line reached."""
+    steeper one holds its first probes (off the profile's: 100, then 55, out of memory), and its
+    largest run holds at least what the profile's line reached. No peak checks the keep share
+    (the prior's 0.3), so past the line's top the search brackets the top: one size larger, then
+    the middle, out of memory twice at most."""
     law = Law(num_params=100_000_000, activation=1_500_000_000, keep=0.3, peaks=False)
     understated = ModelInfo(law.num_params, law.num_params, int(law.activation * 0.3))
     experiments, records = run(law, replace(settings(law, ["activation_checkpointing"]), model_info=understated))
     checkpointed = [(exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
                     if exp.strategy and "_r" not in exp.name]
-    assert sum(status == "oom" for _, status in checkpointed) <= 1, checkpointed
+    assert [status for _, status in checkpointed[:2]] == ["ok", "ok"], checkpointed
+    assert sum(status == "oom" for _, status in checkpointed) <= 2, checkpointed
     assert max(size for size, status in checkpointed if status == "ok") >= 30, checkpointed
 
 
@@ -397,3 +400,20 @@ def test_a_strategy_that_paid_is_measured_once_at_a_stage_never_measured_with_mo
     runs = _strategies_from({4: 60.0, 9: 80.0, 13: 90.0, 27: 100.0}, Law(num_params=300_000_000, activation=375_000_000))
     assert {stage for stage, _, _ in runs[:-1]} == {0} and runs[-1][0] == 3
     assert runs[-1][1] > max(mbs for _, mbs, _ in runs[:-1])
+
+
+def test_a_checkpointed_line_no_peak_checked_is_followed_past_its_top_until_a_size_fails() -> None:
+    """6 GB of activations per sample: every stage holds 2 without a strategy. Without measured peaks
+    the checkpointed line is the prior's (a keep share of 0.3 where the script keeps 0.25), so its
+    top (7) is short of what fits (8). Its runs pay, and only a failure bounds such a line: past
+    its top a size UNBOUNDED_STEP larger is measured (9: it does not fit), then the middle between
+    what ran and what failed (8, the true top). With peaks the measured keep share reads the true
+    top off the line: nothing fails."""
+    def checkpointed(peaks: bool) -> list[tuple[int, str]]:
+        law = Law(num_params=100_000_000, activation=6_000_000_000, peaks=peaks)
+        experiments, records = run(law, settings(law, ["activation_checkpointing"]))
+        return [(exp.micro_batch_size, records[exp.name]["status"]) for exp in experiments
+                if exp.strategy and "_r" not in exp.name]
+    unchecked, checked = checkpointed(False), checkpointed(True)
+    assert unchecked == [(4, "ok"), (7, "ok"), (9, "oom"), (8, "ok")], unchecked
+    assert [status for _, status in checked] == ["ok"] * len(checked) and max(checked)[0] >= 8, checked
