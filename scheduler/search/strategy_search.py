@@ -36,9 +36,9 @@ of the memory model rather than a guess:
    run that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of
    activations it keeps: `strategies.measured_keep_share`). A run at its line's top that reads
    better than the leader measures the sizes the safety margin kept out once (up to the line's own
-   top: the curve still rises where the margin cuts it); on a line neither a peak nor a failure
-   checked (`strategy_lines.unchecked`: the prior's), a size `UNBOUNDED_STEP` larger, then the
-   middle if it failed. `STRATEGY_PROBES` runs per strategy at
+   top: the curve still rises where the margin cuts it); on a checkpointed line neither a peak nor
+   a failure checked (`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP`
+   larger, then the middle if it failed (offload's bytes the model counts exactly). `STRATEGY_PROBES` runs per strategy at
    most. The best strategy run, when it beat the leader, is measured once more at the stage whose
    line holds the largest size with it (`_roomier_stage`: the leader's stage was chosen on the sizes
    the stages held without a strategy; one that shards more of the states has more room for a
@@ -79,8 +79,8 @@ TOP_SLACK = 1.25
 CAUTIOUS_SPAN = 2.0
 #: Runs of the best strategy at the stage with more room for it (`_roomier_stage`) at most.
 ROOMIER_PROBES = 1
-#: A strategy run that paid at its line's top, where no peak was measured and no size failed, is
-#: followed by a size this much larger: the line is the prior's, and only a failure bounds it.
+#: A checkpointed run that paid at its line's top, where no peak was measured and no size failed,
+#: is followed by a size this much larger: the keep share is the prior's, and only a failure bounds it.
 UNBOUNDED_STEP = 1.25
 #: Runs per strategy at most: its line's top, then bisection between what ran and what ran out of memory.
 STRATEGY_PROBES = 4
@@ -300,9 +300,9 @@ def _next_size(session: Session, leader: Experiment, strategy: tuple[str, ...], 
                failed: int | None) -> int:
     """The strategy's size after `record` (0: none): its line's top, kept below the geometric middle
     between `ran` and `failed`; after a run that ran, only a size TOP_GAIN larger, and where the
-    line holds none, the sizes its safety margin kept out when the run paid. A line neither a peak
-    nor a failure checked (`strategy_lines.unchecked`) is the prior's: once a run paid at its top, a size
-    UNBOUNDED_STEP larger is measured, and if that fails, the middle between it and what ran."""
+    line holds none, the sizes its safety margin kept out when the run paid. On a checkpointed line
+    neither a peak nor a failure checked (`strategy_lines.unchecked`: the prior's keep share), once
+    a run paid at its top, a size UNBOUNDED_STEP larger, then the middle if that failed."""
     size = _size(session, leader, strategy)
     if failed is not None:
         middle = _step_size(session, leader, round(math.sqrt(ran * failed)))
@@ -311,7 +311,7 @@ def _next_size(session: Session, leader: Experiment, strategy: tuple[str, ...], 
         if not _beats(session, record, leader):
             return 0
         size = _size(session, leader, strategy, safety=1.0)  # it pays: the margin's sizes, up to the line's top
-        if failed is None and unchecked(session, leader.stage, strategy):
+        if failed is None and "activation_checkpointing" in strategy and unchecked(session, leader.stage, strategy):
             size = max(size, _unbounded_size(session, leader, strategy, ran))
     return size
 

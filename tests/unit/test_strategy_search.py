@@ -3,6 +3,7 @@ runner: a model that fits only with a strategy, the refusal naming one when none
 the leader at its stage's memory top measured with checkpointing at a larger micro-batch."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -417,3 +418,27 @@ def test_a_checkpointed_line_no_peak_checked_is_followed_past_its_top_until_a_si
     unchecked, checked = checkpointed(False), checkpointed(True)
     assert unchecked == [(4, "ok"), (7, "ok"), (9, "oom"), (8, "ok")], unchecked
     assert [status for _, status in checked] == ["ok"] * len(checked) and max(checked)[0] >= 8, checked
+
+
+def test_only_a_checkpointed_line_no_peak_checked_is_bracketed_past_its_top() -> None:
+    """Without peaks, a run at its line's top that paid: the checkpointed line rests on the prior's
+    keep share, so the next size is UNBOUNDED_STEP larger; offload frees the states' bytes the model
+    counts exactly, so its line's top stands and the next size is only its safety margin's."""
+    law = Law(num_params=400_000_000, activation=375_000_000, peaks=False)
+    search_settings = settings(law, ["offload_optimizer", "activation_checkpointing"])
+    session = Session(search_settings)
+    session.model = MemoryModel(search_settings.model_info, search_settings.setup, GiB)
+    leader = session.experiment(1, 8, 1)
+    session.measured[leader.name] = (leader, {**law.run(leader), "metrics": {"throughput": 100.0}})
+    following = {}
+    for strategy in (("offload_optimizer",), ("activation_checkpointing",)):
+        top = strategy_search._size(session, leader, strategy)
+        exp = session.experiment(1, top, 1, strategy)
+        session.measured[exp.name] = (exp, {**law.run(exp), "metrics": {"throughput": 200.0}})  # it paid
+        margin = strategy_search._size(session, leader, strategy, safety=1.0)
+        following[strategy[0]] = (top, margin, strategy_search._next_size(session, leader, strategy,
+                                                                          session.measured[exp.name][1], top, None))
+    top, margin, after = following["offload_optimizer"]
+    assert after == margin < math.ceil(strategy_search.UNBOUNDED_STEP * top), following
+    top, margin, after = following["activation_checkpointing"]
+    assert after == math.ceil(strategy_search.UNBOUNDED_STEP * top) > margin, following
