@@ -17,18 +17,18 @@ of the memory model rather than a guess:
    fits (it ran at ZeRO-3).
 2. **The leader sits at its stage's memory top** (`try_strategies`, after the sampled search and
    before the winner is confirmed). When the leader is the largest size its stage ran at, the curve
-   was still rising where memory cut it; when the cost model fitted to the stage's readings
-   predicts that largest size within the noise of the stage's best (`_flat_to_top`: the curve is
-   flat to the top, and a leader below it leads on noise, a lucky reading), the strategies start
-   from the top's run, whose larger step a strategy's larger size extends. Each allowed strategy (one at a time, on top of the leader's
-   own; the leader within `TOP_SLACK` of the largest size its stage holds) whose memory line holds a size at least `TOP_GAIN` above what the stage holds without it
-   (its measured failures and the model) is measured at its line's top, keeping the leader's samples
-   per step (a larger micro-batch with less accumulation; the kept global batch's share when one is
+   was still rising where memory cut it; when the cost model fitted to the stage's readings predicts
+   that largest size within the noise of the stage's best (`_flat_to_top`: a leader below a flat top
+   leads on noise), the strategies start from the top's run. Each allowed strategy (one at a time,
+   on top of the leader's own; the leader within `TOP_SLACK` of the largest size its stage holds)
+   whose memory line holds a size at least `TOP_GAIN` above what the stage holds without it (its
+   measured failures and the model) is measured at its line's top, keeping the leader's samples per
+   step (a larger micro-batch with less accumulation; the kept global batch's share when one is
    kept). A top more than `CAUTIOUS_SPAN` times that room is mostly the prior's: its geometric
    middle is measured first. Strategies stack: when the best run with one more strategy beats the
-   run it was added to and sits at its own line's top, each remaining strategy is tried on top of
-   it (offload of the optimizer, then of the parameters, then checkpointing each free memory the
-   others do not). Where the samples per step are held, a strategy whose time prior
+   run it was added to and sits at its own line's top, each remaining strategy is tried on top of it
+   (offload of the optimizer, then of the parameters, then checkpointing each free memory the others
+   do not). Where the samples per step are held, a strategy whose time prior
    (`strategies.step_cost_s`, with the leader's own step time as its compute) already adds the
    leader's whole step is not measured: a larger micro-batch then saves at most the step's
    per-micro-step costs. Each strategy's next size is its line's top again, kept below the geometric
@@ -36,14 +36,13 @@ of the memory model rather than a guess:
    run that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of
    activations it keeps: `strategies.measured_keep_share`). A run at its line's top that reads
    better than the leader measures the sizes the safety margin kept out once (up to the line's own
-   top: the curve still rises where the margin cuts it); on a checkpointed line neither a peak nor
-   a failure checked (`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP`
-   larger, then the middle if it failed (offload's bytes the model counts exactly). `STRATEGY_PROBES` runs per strategy at
-   most. The best strategy run, when it beat the leader, is measured once more at the stage whose
-   line holds the largest size with it (`_roomier_stage`: the leader's stage was chosen on the sizes
-   the stages held without a strategy; one that shards more of the states has more room for a
-   larger micro-batch with it; a stage the search never measured, such as ZeRO-3 on few ranks,
-   counts, its line the model's). The normal confirmation ranks every run with the rest.
+   top: the curve still rises where the margin cuts it); on a checkpointed line neither a peak nor a
+   failure checked (`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP`
+   larger, then the middle if it failed. `STRATEGY_PROBES` runs per strategy at most. The best
+   strategy run, when it beat the leader, is measured once more at the stage whose line holds the
+   largest size with it (`_roomier_stage`: one that shards more of the states has more room for a
+   larger micro-batch with it; a stage never measured, such as ZeRO-3 on few ranks, counts, its line
+   the model's). The normal confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy, which each probe is read off, is
 `scheduler.search.strategy_lines`'s: one slope for every stage, each stage's intercept through its own peaks.
