@@ -70,10 +70,13 @@ def keep_share(session: Session) -> float:
     budget), the way the slope is at least what the plain runs out of memory prove."""
     st = session.settings
     shares, proven = [], 0.0
+    lines: dict[int, tuple[float, float]] = {}  # one fit per stage: the observations do not change here
     for exp, record in session.measured.values():
         if "activation_checkpointing" not in exp.strategy or exp.space == PROFILE:
             continue
-        fixed, slope = line(session, exp.stage)
+        if exp.stage not in lines:
+            lines[exp.stage] = line(session, exp.stage)
+        fixed, slope = lines[exp.stage]
         fixed -= freed_bytes(session.model, [n for n in exp.strategy if n not in st.strategy], exp.stage)
         if record.get("status") == "oom" and slope > 0:
             proven = max(proven, (st.budget_bytes - fixed) / (slope * exp.micro_batch_size))
