@@ -175,10 +175,9 @@ def try_strategies(session: Session) -> Step:
 
 def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) -> Step:
     """The best strategy run, if it beat the leader, measured once more at the stage whose memory
-    line holds the largest size with its strategy, where that is `TOP_GAIN` above the run's own: a
-    strategy frees the same bytes at every stage, but a stage that shards more of the states has
-    more room left for them (the leader's stage was chosen before any strategy, on the sizes the
-    stages held without one)."""
+    line holds the largest size with its strategy, `TOP_GAIN` above what its own stage's line holds
+    at the same safety margin: a strategy frees the same bytes at every stage, but one sharding more
+    of the states has more room left (the leader's stage was chosen on sizes without a strategy)."""
     st = session.settings
     runs = [(exp, record) for exp, record in strategy_records(session, leader.stage, None)
             if exp.strategy != st.strategy and succeeded(record)]
@@ -186,6 +185,7 @@ def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) ->
     found = next((exp for exp, record in runs if record is winner), None)
     if found is None:
         return
+    own = min(found.micro_batch_size, _size(session, found, found.strategy))  # its line's, at the same margin
     options = []
     for stage in st.stages:
         base = _leader(session, stage) if stage != leader.stage and applies(found.strategy, stage) else None
@@ -193,10 +193,10 @@ def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) ->
                 and not session.stage_records(stage):
             base = (replace(found, stage=stage), {})  # a stage never measured: its line is the model's
         size = _size(session, base[0], found.strategy) if base is not None else 0
-        if size >= TOP_GAIN * found.micro_batch_size:
+        if size >= TOP_GAIN * own:
             options.append((size, -stage, base[0]))
     if options:
-        yield from _measure_strategy(session, max(options)[2], found.strategy, found.micro_batch_size, ROOMIER_PROBES)
+        yield from _measure_strategy(session, max(options)[2], found.strategy, own, ROOMIER_PROBES)
 
 
 def _stacking_base(session: Session, below: Experiment, below_record: dict) -> tuple[Experiment, dict] | None:

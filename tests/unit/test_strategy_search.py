@@ -442,3 +442,30 @@ def test_only_a_checkpointed_line_no_peak_checked_is_bracketed_past_its_top() ->
     assert after == margin < math.ceil(strategy_search.UNBOUNDED_STEP * top), following
     top, margin, after = following["activation_checkpointing"]
     assert after == math.ceil(strategy_search.UNBOUNDED_STEP * top) > margin, following
+
+
+def test_the_roomier_stage_is_judged_on_lines_at_one_safety_margin() -> None:
+    """ZeRO-0 and ZeRO-1 allowed. ZeRO-0's checkpointed run paid at 28, its line's top without the
+    safety margin (26 with it). ZeRO-1's checkpointed line holds 29 with the margin: more room than ZeRO-0's 26 at the same
+    margin (by TOP_GAIN), so the run is measured there once, though 29 is not TOP_GAIN past 28."""
+    law = Law(num_params=150_000_000, activation=1_500_000_000, keep=0.3)
+    search_settings = replace(settings(law, ["activation_checkpointing"]), stages=(0, 1))
+    session = Session(search_settings)
+    session.model = MemoryModel(search_settings.model_info, search_settings.setup, GiB)
+    for stage in (0, 1):
+        exp = session.experiment(stage, 8, gas_for(session, 0, 8))
+        session.measured[exp.name] = (exp, law.run(exp))
+    leader = session.experiment(0, 8, gas_for(session, 0, 8))
+    checkpointing = ("activation_checkpointing",)
+    assert (strategy_search._size(session, leader, checkpointing),
+            strategy_search._size(session, leader, checkpointing, safety=1.0)) == (26, 28)
+    paid = session.experiment(0, 28, 1, checkpointing)
+    session.measured[paid.name] = (paid, law.run(paid))
+    measured: list[tuple[int, int]] = []
+
+    def run_phase(phase) -> dict[str, dict]:
+        measured.extend((exp.stage, exp.micro_batch_size) for exp in phase.experiments)
+        return {exp.name: law.run(exp) for exp in phase.experiments}
+
+    drive(strategy_search._roomier_stage(session, leader, session.measured[leader.name][1]), run_phase)
+    assert measured == [(1, 29)], measured
