@@ -145,6 +145,22 @@ def test_every_module_belongs_to_a_layer() -> None:
         layer_of(module)
 
 
+def packages_missing_from(layers: list[tuple[str, ...]]) -> list[str]:
+    """The tree's packages that no entry of `layers` names: such a package would silently take the
+    rules of the package above it."""
+    entries = {entry for layer in layers for entry in layer}
+    return sorted(name for name, path in MODULES.items() if path.name == "__init__.py" and name not in entries)
+
+
+def test_every_package_has_its_own_layer_entry() -> None:
+    assert packages_missing_from(LAYERS) == []
+
+
+def test_the_layer_check_sees_a_package_left_out() -> None:
+    dropped = [tuple(entry for entry in layer if entry != "workers.warm") for layer in LAYERS]
+    assert packages_missing_from(dropped) == ["workers.warm"]
+
+
 def test_imports_only_go_downward() -> None:
     assert upward_imports(GRAPH) == []
 
