@@ -9,5 +9,5 @@ cannot escape, a marker so a folder is never taken from another tool).
 Its own package, below the search, because every layer reads the user's input and none may reach
 up into another to do it.
 
-Imports: `scheduler.errors`, `workers.files`. Imported by: search, report, cluster and the commands.
+Imports: `scheduler.errors`, `workers.files`. Imported by: search, cluster and the commands.
 """

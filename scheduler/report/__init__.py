@@ -6,6 +6,7 @@ results files' rows, typed: a record, or an experiment an interrupt cut off) and
 against the readings, a summary section and a plot); `mlflow_log` (the job as MLflow runs, when
 MLFLOW_TRACKING_URI is set) with `mlflow_fields` (what those runs show, pure).
 
-Imports: `scheduler.search` (ranking, the space), `scheduler.inputs`, `scheduler.errors`.
+Imports: `scheduler.search` (ranking, the space), `scheduler.inputs`, `scheduler.errors`, `workers` (the
+typed records, the results folder's file names, the failure vocabulary, the start-up timeline).
 Imported by: cluster (records are written as they arrive) and the commands (MLflow: the tuning command).
 """

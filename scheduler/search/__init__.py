@@ -24,5 +24,6 @@ leaves, so it runs the same on a cluster, in a replay after a crash and in bench
   (full mode's knob points: grid, random, model-based); `ranking` (the best config from records: the mean of its readings, the median from three);
   `live_search` (what the live view shows of a running search).
 
-Imports: `scheduler.inputs`, `scheduler.errors`. Imported by: report, cluster and the commands.
+Imports: `scheduler.inputs`, `scheduler.errors`, `workers.files` (the names of what a run writes).
+Imported by: report, cluster and the commands.
 """

@@ -6,5 +6,5 @@ CUDA open the slot's own GPU), `device_idle` (waiting for memory others hold on 
 
 Imports: the standard library and this package; nothing of the slots' Redis state.
 Imported by: `workers.state` (a slot's registration), `workers.slot`, the embedded cluster, the
-scheduler and the Celery tasks.
+scheduler, `deploy` and the Celery tasks.
 """

@@ -9,5 +9,5 @@ the rank's title and `hjson` for an hjson config): never Celery, Redis, psutil o
 the project, so a training process carries nothing it did not ask for
 (tests/unit/test_architecture.py checks, transitively).
 Imported by: the training process (through `entry`), the warm rank (`workers.warm`), the slot worker
-(to read what a rank wrote), the scheduler and tests.
+and `workers.process` (to read what a rank wrote), the scheduler, the Celery tasks and tests.
 """

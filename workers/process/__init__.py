@@ -7,5 +7,6 @@ is from its title and its slot's record; `launch_files` names what one launch wr
 
 Imports: the standard library, psutil, redis, `workers.in_rank`, `workers.files`, `workers.state` and
 this package; never `workers.warm` or `workers.slot`.
-Imported by: `workers.warm`, `workers.slot`, the embedded cluster, `deploy` and the Celery tasks.
+Imported by: `workers.warm`, `workers.slot`, the embedded cluster, `python -m scheduler.run`, `deploy`
+and the Celery tasks.
 """

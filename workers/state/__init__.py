@@ -14,6 +14,6 @@ only: `registry`, `gang`, `slot_view`, `slot_health` and `rank_groups` are its i
 
 Imports: the standard library, redis, `workers.device` (what a slot is), `workers.in_rank` (the
 failure vocabulary) and this package; never `workers.process`, `workers.warm` or `workers.slot`.
-Imported by: the slot worker's packages, the embedded cluster, `scheduler.cluster`, `deploy`, the
-Celery app's settings and tasks.
+Imported by: the slot worker's packages, the embedded cluster, `scheduler.cluster`, `scheduler.launch`
+(the Redis URL's rules), the commands, `deploy`, the Celery app's settings and tasks.
 """
