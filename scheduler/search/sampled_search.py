@@ -266,13 +266,18 @@ def _sample_smallest(session: Session, stage: int) -> Step:
 def _anchor(session: Session, stage: int) -> Step:
     """Without max_train_batch_size, probe the stage's top (at the user's gas) until a size runs, as
     DeepSpeed's max probes do, so its space is bounded by a size it can hold; True once it is,
-    False when the stage gave up (`stage_top` came to 0)."""
+    False when the stage gave up (`stage_top` came to 0). A top whose config was measured already
+    (its space's accumulation above the user's, so `known_feasible` does not count it) ends the
+    probing: True when it ran, as measuring it again would change nothing."""
     if session.settings.samples_per_step:
         return True
     while not known_feasible(session, stage):
         top = stage_top(session, stage, cautious=True)
         if top < 1:
             return False
+        done = session.measured.get(session.experiment(stage, top, gas_for(session, stage, top)).name)
+        if done is not None:
+            return done[1].get("status") == "ok"
         yield from _measure(session, stage, top, f"z{stage}_top_{top}")
     return True
 

@@ -3,6 +3,7 @@ the synthetic law of test_fast_search (16 GiB, 4 ranks) and by bench surfaces.""
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -762,3 +763,28 @@ def test_a_stage_filling_under_half_the_incumbents_step_is_not_measured(zero_0_f
                           scripted_settings(stages=(0, 1), max_train_batch_size=None))
     assert launched[0] == (1, 32, 1)
     assert any(stage == 0 for stage, _, _ in launched) == measured
+
+
+def test_a_top_probe_measured_already_at_its_spaces_accumulation_ends_the_probing(monkeypatch) -> None:
+    """ZeRO-0 ran micro-batch 2 at accumulation 2 (its space's at that size), above the user's 1,
+    so `known_feasible` does not count it; when the stage's top comes back to 2, the probe's config is
+    the one measured: `_anchor` ends (True: it ran) instead of asking for it again forever."""
+    session = Session(replace(sampled(), max_train_batch_size=None))
+    ran = session.experiment(0, 2, 2)
+    session.measured[ran.name] = (ran, {"name": ran.name, "status": "ok", "metrics": {"throughput": 1.0}})
+    monkeypatch.setattr(sampled_search, "stage_top", lambda *args, **kwargs: 2)
+    monkeypatch.setattr(sampled_search, "gas_for", lambda *args: 2)
+    outcome: list[bool] = []
+
+    def anchor() -> None:
+        try:
+            next(sampled_search._anchor(session, 0))  # a phase: it asked for a run
+            outcome.append("measured again")
+        except StopIteration as done:
+            outcome.append(done.value)
+
+    thread = threading.Thread(target=anchor, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive(), "_anchor spun on a config it had measured"
+    assert outcome == [True]
