@@ -208,9 +208,10 @@ def past_budget(groups: Sequence[Readings[K]], maximize: bool, kept_batch: bool)
     `torn` config whose better reading is best, else nothing (the winner stands). With a kept global
     batch the budget already runs to KEPT_BATCH_LAUNCHES, the launches its goal allows: no torn
     config goes past it."""
+    once = read_once_leader(groups, maximize)
+    if once is not None:
+        return once
     leader = ordered(groups, maximize)[0]
-    if leader.count < 2:
-        return leader.key
     split = [] if kept_batch else [group for group in groups if torn(group, leader, maximize)]
     if not split:
         return None
