@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from scheduler.search.confirm import MIN_NOISE, PRIOR_NOISE, group_readings, pooled_noise
-from scheduler.search.cost_model import Reading, closest_reading, contradicted, fit
+from scheduler.search.cost_model import Reading, StageModel, closest_reading, contradicted, fit
 from scheduler.search.ranking import metric_value
 from scheduler.search.repeats import is_repeat, original_name
 from scheduler.search.sampling import RIVAL_SHARE
@@ -64,12 +64,17 @@ def settled_reading(session: Session, stage: int, values: Mapping[int, float | N
     st = session.settings
     if not st.maximize:
         return min(readings)
-    others = [Reading(m, gas_for(session, stage, m), v) for m, v in values.items()
-              if m != mbs and v is not None and v > 0]
-    model = fit(others) if len(others) >= 3 else None
+    model = stage_fit(session, stage, {m: v for m, v in values.items() if m != mbs})
     if model is None:
         return max(readings)
     return closest_reading(readings, model.predict(mbs, gas_for(session, stage, mbs)))
+
+
+def stage_fit(session: Session, stage: int, values: Mapping[int, float | None]) -> StageModel | None:
+    """The cost model fitted to the stage's readings `values` (size -> metric; failed and
+    non-positive ones left out), each at its accumulation in the space; None below three readings."""
+    readings = [Reading(m, gas_for(session, stage, m), v) for m, v in values.items() if v is not None and v > 0]
+    return fit(readings) if len(readings) >= 3 else None
 
 
 def suspect_size(session: Session, stage: int, values: Mapping[int, float | None]) -> int | None:
@@ -133,7 +138,7 @@ def predicted_better(session: Session, stage: int, values: Mapping[int, float | 
     if not session.settings.maximize:
         return None
     ok = {m: v for m, v in values.items() if v is not None and v > 0}
-    model = fit([Reading(m, gas_for(session, stage, m), v) for m, v in ok.items()]) if len(ok) >= 3 else None
+    model = stage_fit(session, stage, ok)
     if model is None:
         return None
     noise = reading_noise(session)

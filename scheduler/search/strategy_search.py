@@ -55,14 +55,13 @@ from dataclasses import replace
 
 from scheduler.inputs.memory_strategies import MEMORY_STRATEGIES
 from scheduler.search.confirm import SEPARATION_Z
-from scheduler.search.cost_model import Reading, fit
 from scheduler.search.global_batch import largest_kept
 from scheduler.search.memory import SAFETY, MemoryModel, ModelInfo
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.repeats import is_repeat
 from scheduler.search.session import NoStageFits, Session, Step, peak_of, succeeded
 from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
-from scheduler.search.stage_readings import reading_noise, stage_values
+from scheduler.search.stage_readings import reading_noise, stage_fit, stage_values
 from scheduler.search.stage_space import gas_for
 from scheduler.search.strategies import (
     StepFacts, allow_line, applies, freed_bytes, ordered_combinations, searchable, step_cost_s, strategy_model,
@@ -383,7 +382,7 @@ def _flat_to_top(session: Session, stage: int, top: int) -> tuple[Experiment, di
     if not st.maximize:
         return None
     values = {m: v for m, v in stage_values(session, stage).items() if v is not None and v > 0}
-    model = fit([Reading(m, gas_for(session, stage, m), v) for m, v in values.items()]) if len(values) >= 3 else None
+    model = stage_fit(session, stage, values)
     if model is None or top not in values:
         return None
     predicted = {m: model.predict(m, gas_for(session, stage, m)) for m in values}
