@@ -20,7 +20,8 @@ leaves, so it runs the same on a cluster, in a replay after a crash and in bench
   contradicts is measured again, and of two readings the one it agrees with is read) with
   `fit_check` (its leave-one-out predictions against what a job read, for the report);
   `repeats` (one policy for every search of ours: a crash launched once more, the winner confirmed)
-  with `confirm` (re-measuring the leaders until they are told apart); `full_space` and `tuners`
+  with `confirm` (re-measuring the leaders until they are told apart); `second_round` (a stage
+  refined again when confirming moved its lead); `full_space` and `tuners`
   (full mode's knob points: grid, random, model-based); `ranking` (the best config from records: the mean of its readings, the median from three);
   `live_search` (what the live view shows of a running search).
 

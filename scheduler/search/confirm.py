@@ -21,8 +21,9 @@ than the runner-up. So a winner is confirmed before it is named, as noise-aware 
   are `torn` (one a straggler's or a lucky one: their mean says neither, a third reading's median
   does) while its better reading beats the leader, the leader's own pair included (not with a kept
   global batch, whose budget already runs to the job's launch cap); past those, a leader still read
-  once is measured again until none is (each config once more at most: `read_once_leader`), so a
-  torn pair's third reading that drops its config behind one read once cannot name that one;
+  once, or read twice more than TORN_RATIO apart, is measured again until none is (each config once
+  more at most: `unsettled_leader`), so a torn pair's third reading that drops its config behind one
+  read once cannot name that one, nor can a torn pair whose mean says neither reading be named;
 - with a kept global batch (`scheduler.search.global_batch`) the budget is what is left of
   `KEPT_BATCH_LAUNCHES` when that is more (`repeat_budget`), and a config read once whose reading
   is at least half the leader's is a rival until read twice (`doubtful`): the divisors of the batch
@@ -216,6 +217,18 @@ def past_budget(groups: Sequence[Readings[K]], maximize: bool, kept_batch: bool)
     if not split:
         return None
     return (max if maximize else min)(split, key=lambda group: (max if maximize else min)(group.values)).key
+
+
+def unsettled_leader(groups: Sequence[Readings[K]], maximize: bool = True) -> K | None:
+    """The leader when its readings cannot name it: read once (`read_once_leader`), or read twice
+    more than TORN_RATIO apart (a straggler's or a lucky reading among them: their mean says
+    neither, a third reading's median does); else None."""
+    once = read_once_leader(groups, maximize)
+    if once is not None or not groups:
+        return once
+    leader = ordered(groups, maximize)[0]
+    low, high = min(leader.values), max(leader.values)
+    return leader.key if leader.count == 2 and low > 0 and high / low > TORN_RATIO else None
 
 
 def read_once_leader(groups: Sequence[Readings[K]], maximize: bool = True) -> K | None:

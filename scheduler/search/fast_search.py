@@ -39,6 +39,7 @@ from scheduler.search.phases import Phase, Search
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.repeats import confirm, relaunch
 from scheduler.search.sampled_search import sampled_stages, stages_near_leader, try_sawtooth, widen_step
+from scheduler.search.second_round import confirm_and_refine
 from scheduler.search.session import (
     NoStageFits, SearchAborted, SearchSettings, Session, measured_capacity, measured_reserve, peak_of, succeeded,
 )
@@ -142,7 +143,7 @@ def fast_search(settings: SearchSettings) -> Search:
         if not settings.fast:
             for stage, mbs, gas in stages_near_leader(session, stages):
                 yield from tune_full_space(session, stage, [mbs], mbs * gas)
-        yield from confirm(session)
+        yield from confirm_and_refine(session, stages)
         _refuse_if_nothing_kept(session)
         return
     carried_best = carried_max = 0
@@ -168,7 +169,7 @@ def search_notes(settings: SearchSettings) -> list[str]:
                 f"again, <name>_r<n>, {budget} and {READ_ONCE_GRACE} more while the leader was read once"
                 + ("" if settings.kept_per_gpu else
                    f" or a contender's two readings are over {TORN_RATIO:g}x apart (a straggler's or a lucky one)")
-                + ", then any leader still read once; "
+                + f", then any leader still read once or read twice over {TORN_RATIO:g}x apart; "
                 "a config read three times or more is judged on the median of its readings, else their mean); "
                 "a crash, timeout or failed rendezvous is launched once more (<name>_r2)")
     else:

@@ -16,8 +16,8 @@ behaviour (a crash is that config's result, the best single reading wins), and t
   kept global batch, up to `KEPT_BATCH_LAUNCHES` launches in all: `confirm.repeat_budget`, and a
   config read once at half the leader's reading or more is a rival too: `confirm.doubtful`), and a
   leader still read once, or a config whose two readings are `confirm.torn` (not with a kept batch:
-  `confirm.past_budget`), gets up to `READ_ONCE_GRACE` launches more; past those a leader read once
-  is measured again until none is (`confirm.read_once_leader`); the winner is the best pooled value of every reading
+  `confirm.past_budget`), gets up to `READ_ONCE_GRACE` launches more; past those a leader read once,
+  or twice and torn, is measured again until none is (`confirm.unsettled_leader`); the winner is the best pooled value of every reading
   (`scheduler.search.ranking.best` pools repeats: a mean, a median from three).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from scheduler.search.confirm import (READ_ONCE_GRACE, group_readings, next_repeat, past_budget, read_once_leader,
+from scheduler.search.confirm import (READ_ONCE_GRACE, group_readings, next_repeat, past_budget, unsettled_leader,
                                       repeat_budget)
 from scheduler.search.ranking import metric_value
 from scheduler.search.session import Session, Step, under_foreign_memory
@@ -86,8 +86,9 @@ def confirm(session: Session) -> Step:
     spent; past it, only a leader read once or a `torn` config is measured again (`confirm.past_budget`, up
     to READ_ONCE_GRACE launches more; a torn pair is looked for even where `next_repeat` is
     satisfied: on a lower-is-better metric a straggler's reading can make its config look separated);
-    past those, a leader still read once and launched once is measured again (`confirm.read_once_leader`:
-    no winner on one reading; each config at most once, so it ends). One at a time: the originals
+    past those, a leader still read once, or read twice and torn, is measured again
+    (`confirm.unsettled_leader`: no winner on one reading nor on a torn pair; each config at most
+    once, so it ends). One at a time: the originals
     ran alone, so must the repeats."""
     st = session.settings
     budget = repeat_budget(len(session.measured), bool(st.kept_per_gpu))
@@ -112,8 +113,8 @@ def confirm(session: Session) -> Step:
         if spent > budget and groups:
             key = past_budget(groups, st.maximize, bool(st.kept_per_gpu))
         if spent > budget + READ_ONCE_GRACE:
-            key = read_once_leader(groups, st.maximize)
-            key = key if key is not None and launched[key] == 1 else None
+            key = unsettled_leader(groups, st.maximize)
+            key = key if key is not None and launched[key] == len(readings[key]) < 3 else None
         if key is None:
             return
         exp = originals[key]

@@ -128,7 +128,7 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             continue
         incumbent = leader_of(session, explored)
         if incumbent is None:
-            yield from _explore(session, stage)
+            yield from explore_stage(session, stage)
             explored.append(stage)
             continue
         inc_mbs = incumbent[1]
@@ -157,7 +157,7 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             value = yield from _measure(session, stage, fuller, f"z{stage}_step_{fuller}")
             upside = value is not None and _wins(session, stage, value, bounded=True)
         if value is not None and (upside or _wins(session, stage, value)):
-            yield from _explore(session, stage, floor=size)
+            yield from explore_stage(session, stage, floor=size)
 
 
 def _same_micro_steps(stage: int, other: int) -> bool:
@@ -208,7 +208,7 @@ def _wins(session: Session, stage: int, value: float, bounded: bool = False) -> 
     return bool(best) and (value > max(best) if st.maximize else value < min(best))
 
 
-def _explore(session: Session, stage: int, floor: int = 0) -> Step:
+def explore_stage(session: Session, stage: int, floor: int = 0) -> Step:
     """Sample and refine one stage, above `floor`, until `next_size` says done and the cost model
     predicts no unmeasured size better (`stage_readings.predicted_better`), or the guards."""
     st = session.settings

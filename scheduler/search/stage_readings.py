@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from scheduler.search.confirm import MIN_NOISE, PRIOR_NOISE, group_readings, pooled_noise
 from scheduler.search.cost_model import Reading, StageModel, closest_reading, contradicted, fit
-from scheduler.search.ranking import metric_value
+from scheduler.search.ranking import MEDIAN_FROM, metric_value, pooled_value
 from scheduler.search.repeats import is_repeat, original_name
 from scheduler.search.sampling import RIVAL_SHARE
 from scheduler.search.session import Session
@@ -27,9 +27,9 @@ def stage_values(session: Session, stage: int) -> dict[int, float | None]:
     """size -> metric (None: failed) of the stage's measured sizes at their gas in the space. Without
     max_train_batch_size only sizes that fill the step count (a size between the top probes, run at
     the user's gas below a top that ran, leaves part of the step empty). A config whose first launch
-    failed (`says_nothing`) reads its retry's metric; a config measured again by `_recheck` reads
-    the reading the stage's other sizes agree with (`settled_reading`); other repeats are the confirm
-    phase's."""
+    failed (`says_nothing`) reads its retry's metric; a config read twice (`_recheck`, or the confirm
+    phase) reads the reading the stage's other sizes agree with (`settled_reading`), and one read
+    three times or more their median, as the winner is ranked (`ranking.pooled_value`)."""
     st = session.settings
     filling = None if st.samples_per_step else set(stage_candidates(session, stage))
     out: dict[int, float | None] = {}
@@ -42,17 +42,26 @@ def stage_values(session: Session, stage: int) -> dict[int, float | None]:
             continue
         if exp.gradient_accumulation_steps == gas_for(session, stage, exp.micro_batch_size):
             out[exp.micro_batch_size] = value
-            again = recheck_reading(session, exp.name)
-            if value is not None and again is not None:
-                rechecked[exp.micro_batch_size] = [value, again]
+            again = repeat_readings(session, exp.name)
+            if value is not None and again:
+                rechecked[exp.micro_batch_size] = [value, *again]
     for mbs, readings in rechecked.items():
-        out[mbs] = settled_reading(session, stage, out, mbs, readings)
+        out[mbs] = pooled_value(readings) if len(readings) >= MEDIAN_FROM else \
+            settled_reading(session, stage, out, mbs, readings)
     return out
 
 
-def recheck_reading(session: Session, name: str) -> float | None:
-    again = session.measured.get(f"{name}_r2")
-    return None if again is None else metric_value(again[1], session.settings.metric)
+def repeat_readings(session: Session, name: str) -> list[float]:
+    """The readings of `name`'s repeats (`_recheck`'s and the confirm phase's: `<name>_r2`, `_r3`, ...)."""
+    out = []
+    for index in range(2, len(session.measured) + 2):
+        again = session.measured.get(f"{name}_r{index}")
+        if again is None:
+            return out
+        value = metric_value(again[1], session.settings.metric)
+        if value is not None:
+            out.append(value)
+    return out
 
 
 def settled_reading(session: Session, stage: int, values: Mapping[int, float | None], mbs: int,

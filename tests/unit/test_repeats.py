@@ -120,14 +120,15 @@ class Lucky(Runner):
 def test_no_winner_on_one_reading_when_each_repeat_dethrones_the_leader() -> None:
     """After the budget's two repeats (mbs 8 then 4, each read low), mbs 2 leads on one reading: it is
     measured once more (READ_ONCE_GRACE), and the winner then has two readings. The grace's last
-    launch goes to the leader's torn pair (100 then 50): a third reading, 50, and the winner is
-    still read at least twice."""
+    launch goes to the leader's torn pair (100 then 50): a third reading, 50; past the grace the
+    torn leaders after it (mbs 4, 2) are read a third time too, and the winner is named on three."""
     runner = Lucky()
     phases = drive(fast_search(listed(stages=(0,))), runner)
-    assert [p.name for p in phases if p.name.startswith("confirm_")] == [f"confirm_{i}" for i in range(1, 5)]
-    assert [e.name for e in phases[-1].experiments] == ["z0_gas1_tmbspg8_r3"]
+    assert [p.name for p in phases if p.name.startswith("confirm_")] == [f"confirm_{i}" for i in range(1, 7)]
+    assert [e.name for p in phases[-3:] for e in p.experiments] == [
+        "z0_gas1_tmbspg8_r3", "z0_gas2_tmbspg4_r3", "z0_gas4_tmbspg2_r3"]
     winner, _, count = pooled_best([r for r in runner.records.values()], "throughput", True)
-    assert count == 2, winner["name"]
+    assert count == 3, winner["name"]
 
 
 class Sequenced(Runner):
@@ -206,3 +207,24 @@ def test_on_a_lower_is_better_metric_a_straggler_is_outvoted_too() -> None:
     assert [e.name for p in phases if p.name.startswith("confirm_") for e in p.experiments][-1] == "z0_gas1_tmbspg8_r3"
     winner, value, count = pooled_best([r for r in runner.records.values()], "latency", False)
     assert (winner["name"], value, count) == ("z0_gas1_tmbspg8", 60.0, 3)
+
+
+class TornEverywhere(Sequenced):
+    """Every repeat of mbs 8, 4, 2 and 1 reads far below its first reading: each pair is torn."""
+
+    values = {8: (100.0, 40.0, 40.0), 4: (95.0, 45.0, 45.0), 2: (90.0, 40.0, 40.0), 1: (85.0, 30.0, 30.0)}
+
+
+def test_no_winner_on_a_torn_pair_when_the_grace_is_spent() -> None:
+    """The budget and the grace go to four leaders read once, each of whose repeats reads less than
+    half its first reading. The leader left, mbs 4 (95 and 45, measured before mbs 8's equal mean),
+    would be named on a pair whose mean says neither reading: past the grace it is read a third
+    time, and so is each torn leader after it (each config once more at most), so the winner is
+    named on a median of three."""
+    runner = TornEverywhere()
+    phases = drive(fast_search(listed(stages=(0,), micro_batch_sizes=(1, 2, 4, 8))), runner)
+    assert [e.name for p in phases if p.name.startswith("confirm_") for e in p.experiments] == [
+        "z0_gas1_tmbspg8_r2", "z0_gas2_tmbspg4_r2", "z0_gas4_tmbspg2_r2", "z0_gas8_tmbspg1_r2",
+        "z0_gas2_tmbspg4_r3", "z0_gas1_tmbspg8_r3", "z0_gas4_tmbspg2_r3", "z0_gas8_tmbspg1_r3"]
+    winner, value, count = pooled_best([r for r in runner.records.values()], "throughput", True)
+    assert (winner["name"], value, count) == ("z0_gas2_tmbspg4", 45.0, 3)
