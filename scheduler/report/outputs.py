@@ -44,8 +44,10 @@ from scheduler.search.confirm import (
     ALONE, MIN_NOISE, PRIOR_NOISE, READ_ONCE, SEPARATED, SEPARATION_Z, Readings, Verdict, step_noise, verdict,
 )
 from scheduler.search.global_batch import KEPT_NOTE
+from scheduler.search.ceilings import FLOOR as CEILING_FLOOR
 from scheduler.search.ranking import (
-    best, config_key, metric_value, pooled_best, pooled_word, status_counts, status_word,
+    best, config_key, curve_ceilings, metric_value, pooled_best, pooled_value, pooled_word, status_counts,
+    status_word,
 )
 from scheduler.report.model_fit import fit_text, write_fit_plot
 from scheduler.report.rows import (  # OFF_PATH, RECORD_KEYS, cancelled_record: named here for the report's callers
@@ -147,14 +149,17 @@ def winner_text(records: Sequence[ExperimentRecord], metric: str, maximize: bool
     number of readings, and whether the gap between them is more than the measured noise
     (scheduler.search.confirm)."""
     groups: dict[str, tuple[str, list[float], list[Any]]] = {}
+    configs: dict[str, Any] = {}
     for record in records:
         value = metric_value(record, metric)
         if value is not None:
             name, values, steps = groups.setdefault(config_key(record), (record.name, [], []))
             values.append(value)
             steps.append(record.step_seconds)
-    decided = verdict([Readings(name, tuple(values), step_noise(steps)) for name, values, steps in groups.values()],
-                      maximize)
+            configs.setdefault(config_key(record), record.ds_config)
+    caps = curve_ceilings({key: (configs[key], values) for key, (_, values, _) in groups.items()}, maximize)
+    decided = verdict([Readings(name, tuple(values), step_noise(steps), caps.get(key))
+                       for key, (name, values, steps) in groups.items()], maximize)
     if decided is None:
         return ""
 
@@ -162,8 +167,11 @@ def winner_text(records: Sequence[ExperimentRecord], metric: str, maximize: bool
         low, high = min(readings.values), max(readings.values)
         within = ("" if readings.step_noise is None else
                   f", {100 * readings.step_noise:.1f} % error of one reading from its step times")
-        return (f"{readings.key}: {readings.value:.6g} {metric}, {pooled_word(readings.count)} of {readings.count} "
-                f"reading{'s' if readings.count > 1 else ''} (range {low:.6g}-{high:.6g}{within})")
+        capped = ("" if readings.ceiling is None else
+                  f"; ranked at {readings.value:.6g}, what its stage's other sizes predict: its readings beat "
+                  f"that curve by over {100 * CEILING_FLOOR:.0f} %, a lucky run's mark")
+        return (f"{readings.key}: {pooled_value(readings.values):.6g} {metric}, {pooled_word(readings.count)} of "
+                f"{readings.count} reading{'s' if readings.count > 1 else ''} (range {low:.6g}-{high:.6g}{within}{capped})")
 
     lines = [f"Winner: {described(decided.winner)}"]
     if decided.runner_up is not None:

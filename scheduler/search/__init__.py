@@ -18,6 +18,8 @@ leaves, so it runs the same on a cluster, in a replay after a crash and in bench
   `stage_space` (what a stage holds, the sizes worth measuring) and `stage_readings` (what a stage's
   readings say); `cost_model` (seconds per sample fitted to a stage's readings: the reading it
   contradicts is measured again, and of two readings the one it agrees with is read) with
+  `ceilings` (a config whose readings its stage's curve contradicts is ranked at the curve until
+  they settle) and
   `fit_check` (its leave-one-out predictions against what a job read, for the report);
   `repeats` (one policy for every search of ours: a crash launched once more, the winner confirmed)
   with `confirm` (re-measuring the leaders until they are told apart); `second_round` (a stage

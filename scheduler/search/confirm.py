@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from scheduler.search.ranking import pooled_value
@@ -84,6 +84,7 @@ class Readings(Generic[K]):
     key: K
     values: tuple[float, ...]
     step_noise: float | None = None  #: relative standard error of one reading from its step times
+    ceiling: float | None = None  #: what its stage's curve predicts, where that contradicts its readings
 
     @property
     def mean(self) -> float:
@@ -91,8 +92,10 @@ class Readings(Generic[K]):
 
     @property
     def value(self) -> float:
-        """What the readings say together, the figure configs are ranked on (`ranking.pooled_value`)."""
-        return pooled_value(self.values)
+        """What the readings say together, the figure configs are ranked on (`ranking.pooled_value`),
+        capped at the `ceiling` its stage's curve sets (`scheduler.search.ceilings`)."""
+        value = pooled_value(self.values)
+        return value if self.ceiling is None else min(value, self.ceiling)
 
     @property
     def count(self) -> int:
@@ -222,13 +225,18 @@ def past_budget(groups: Sequence[Readings[K]], maximize: bool, kept_batch: bool)
 def unsettled_leader(groups: Sequence[Readings[K]], maximize: bool = True) -> K | None:
     """The leader when its readings cannot name it: read once (`read_once_leader`), or read twice
     more than TORN_RATIO apart (a straggler's or a lucky reading among them: their mean says
-    neither, a third reading's median does); else None."""
+    neither, a third reading's median does); else the config that would lead on its readings but
+    is ranked at its stage's curve (`Readings.ceiling`), whose further readings may settle it
+    (`scheduler.search.ceilings.settled`); else None."""
     once = read_once_leader(groups, maximize)
     if once is not None or not groups:
         return once
     leader = ordered(groups, maximize)[0]
     low, high = min(leader.values), max(leader.values)
-    return leader.key if leader.count == 2 and low > 0 and high / low > TORN_RATIO else None
+    if leader.count == 2 and low > 0 and high / low > TORN_RATIO:
+        return leader.key
+    contender = ordered([replace(group, ceiling=None) for group in groups], maximize)[0]
+    return contender.key if contender.key != leader.key else None
 
 
 def read_once_leader(groups: Sequence[Readings[K]], maximize: bool = True) -> K | None:
@@ -290,8 +298,11 @@ def verdict(groups: Sequence[Readings[K]], maximize: bool = True) -> Verdict[K] 
 
 
 def group_readings(values: Mapping[K, Sequence[float]],
-                   steps: Mapping[K, Sequence[Sequence[float] | None]] | None = None) -> list[Readings[K]]:
+                   steps: Mapping[K, Sequence[Sequence[float] | None]] | None = None,
+                   caps: Mapping[K, float] | None = None) -> list[Readings[K]]:
     """`Readings` per key, in the mapping's order, keys without a reading left out; `steps` holds the
-    per-step times of each key's runs (None for a run that gave none)."""
-    steps = steps or {}
-    return [Readings(key, tuple(vals), step_noise(steps.get(key, ()))) for key, vals in values.items() if vals]
+    per-step times of each key's runs (None for a run that gave none), `caps` the ceiling of each
+    config its stage's curve contradicts (`scheduler.search.ceilings`)."""
+    steps, caps = steps or {}, caps or {}
+    return [Readings(key, tuple(vals), step_noise(steps.get(key, ())), caps.get(key))
+            for key, vals in values.items() if vals]

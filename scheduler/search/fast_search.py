@@ -170,7 +170,9 @@ def search_notes(settings: SearchSettings) -> list[str]:
                 + ("" if settings.kept_per_gpu else
                    f" or a contender's two readings are over {TORN_RATIO:g}x apart (a straggler's or a lucky one)")
                 + f", then any leader still read once or read twice over {TORN_RATIO:g}x apart; "
-                "a config read three times or more is judged on the median of its readings, else their mean); "
+                "a config read three times or more is judged on the median of its readings, else their mean, "
+                "and one whose readings beat the curve of its stage's other sizes by over a fifth on the curve "
+                "until three readings agree); "
                 "a crash, timeout or failed rendezvous is launched once more (<name>_r2)")
     else:
         rule = ('Search: "search": "deepspeed" keeps DeepSpeed\'s behaviour: every config is read once and the '

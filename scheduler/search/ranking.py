@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any, Protocol, TypeVar, Union
 
+from scheduler.search.ceilings import ceilings, point, settled
+
 #: From this many readings on, a config's pooled value is their median (a straggler's or a lucky
 #: reading among them moves it no more than its neighbour's); below, their mean.
 MEDIAN_FROM = 3
@@ -49,6 +51,7 @@ class Ranked(Protocol):
 
 #: A record the helpers below rank: its JSON or its type; `best` answers with one of those it was given.
 Record = TypeVar("Record", bound=Union[Mapping[str, Any], Ranked])
+K = TypeVar("K")
 
 
 def _field(record: Mapping[str, Any] | Ranked, key: str) -> Any:
@@ -85,7 +88,9 @@ def best(records: Sequence[Record], metric: str, maximize: bool) -> Record | Non
 
 def pooled_best(records: Sequence[Record], metric: str, maximize: bool) -> tuple[Record | None, float | None, int]:
     """(the first record of the best config, its pooled metric, how many measurements it pools):
-    what a summary must show, since the winner was picked on the pooled value, not on one measurement."""
+    what a summary must show, since the winner was picked on the pooled value, not on one measurement.
+    A config whose stage's curve contradicts its readings is ranked, and answered, at that curve's
+    prediction (`curve_ceilings`)."""
     groups: dict[str, tuple[Record, list[float]]] = {}  #: config -> (first successful record, values)
     for record in records:
         value = metric_value(record, metric)
@@ -96,12 +101,28 @@ def pooled_best(records: Sequence[Record], metric: str, maximize: bool) -> tuple
             groups[key][1].append(value)
         else:
             groups[key] = (record, [value])
+    caps = curve_ceilings({key: (_field(record, "ds_config"), values) for key, (record, values) in groups.items()},
+                          maximize)
     best_record, best_value, count = None, None, 0
-    for record, values in groups.values():
-        value = pooled_value(values)
+    for key, (record, values) in groups.items():
+        value = min(pooled_value(values), caps.get(key, math.inf))
         if best_value is None or (value > best_value if maximize else value < best_value):
             best_record, best_value, count = record, value, len(values)
     return best_record, best_value, count
+
+
+def curve_ceilings(configs: Mapping[K, tuple[Mapping[str, Any] | None, Sequence[float]]],
+                   maximize: bool) -> dict[K, float]:
+    """key -> the value a config read more than once is ranked at when its stage's curve contradicts
+    its pooled readings and they are not `settled` (`scheduler.search.ceilings`), from each config's
+    DeepSpeed config and readings; none for a metric minimised (the cost model is of seconds per
+    sample). A config read once is left as read: our searches measure a leader again before naming
+    it (`scheduler.search.confirm`), and `"search": "deepspeed"` keeps DeepSpeed's best single reading."""
+    if not maximize:
+        return {}
+    caps = ceilings([p for key, (ds_config, values) in configs.items()
+                     if values and (p := point(key, ds_config, pooled_value(values))) is not None])
+    return {key: cap for key, cap in caps.items() if len(configs[key][1]) >= 2 and not settled(configs[key][1])}
 
 
 def config_key(record: Mapping[str, Any] | Ranked) -> str:

@@ -30,7 +30,8 @@ from typing import Any
 
 from scheduler.search.confirm import (READ_ONCE_GRACE, group_readings, next_repeat, past_budget, unsettled_leader,
                                       repeat_budget)
-from scheduler.search.ranking import metric_value
+from scheduler.search.ceilings import SETTLED_READINGS
+from scheduler.search.ranking import curve_ceilings, metric_value
 from scheduler.search.session import Session, Step, under_foreign_memory
 from scheduler.search.space import PROFILE, Experiment
 
@@ -108,13 +109,17 @@ def confirm(session: Session) -> Step:
             if value is not None:
                 readings.setdefault(original, []).append(value)
                 steps.setdefault(original, []).append(record.get("step_seconds"))
-        groups = group_readings(readings, steps)
+        caps = curve_ceilings({key: (originals[key].ds_config, values) for key, values in readings.items()},
+                              st.maximize)
+        groups = group_readings(readings, steps, caps)
         key = next_repeat(groups, st.maximize, doubt_once=bool(st.kept_per_gpu))
         if spent > budget and groups:
             key = past_budget(groups, st.maximize, bool(st.kept_per_gpu))
         if spent > budget + READ_ONCE_GRACE:
+            key = None
+        if key is None and groups:
             key = unsettled_leader(groups, st.maximize)
-            key = key if key is not None and launched[key] == len(readings[key]) < 3 else None
+            key = key if key is not None and launched[key] == len(readings[key]) < SETTLED_READINGS else None
         if key is None:
             return
         exp = originals[key]

@@ -552,3 +552,22 @@ def test_a_pool_bounded_winner_names_its_host_even_on_one_node(record: dict[str,
     winner = ExperimentRecord.from_json(_ranks(("node2", 1, 3)))
     assert "localhost" in " ".join(launch_command(["t.py"], 1, 1, record=winner,
                                                   hostfile=Path("/r/hostfile_optimal"))[0])
+
+
+def test_the_summary_says_a_config_was_ranked_at_its_stages_curve() -> None:
+    """ZeRO-1 at micro-batch 1, 2, 4 and 16 reads 10, 18, 30 and 30; 8 reads 80 and 78, far above
+    what the four others predict (in the thirties): it is ranked there, behind ZeRO-2's 8 (60 and
+    61), and the summary says why the config with the best readings did not win."""
+    exps, records = [], {}
+    for stage, mbs, values in ((1, 1, [10.0]), (1, 2, [18.0]), (1, 4, [30.0]), (1, 16, [30.0]),
+                               (1, 8, [80.0, 78.0]), (2, 8, [60.0, 61.0])):
+        base = make_exp(stage, mbs)
+        for index, value in enumerate(values):
+            exp = base if index == 0 else Experiment(f"{base.name}_r{index + 1}", stage, mbs, 1, base.ds_config, 1, 2)
+            exps.append(exp)
+            records[exp.name] = make_record(exp, "ok", throughput=value)
+    lines = summary_text(exps, records, "throughput", True, 1.0).splitlines()
+    assert "Winner: z2_gas1_tmbspg8: 60.5 throughput, mean of 2 readings (range 60-61)" in lines
+    [runner_up] = [line for line in lines if line.startswith("Runner-up:")]
+    assert runner_up.startswith("Runner-up: z1_gas1_tmbspg8: 79 throughput, mean of 2 readings (range 78-80; ranked at ")
+    assert "what its stage's other sizes predict: its readings beat that curve by over 20 %" in runner_up

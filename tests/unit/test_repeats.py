@@ -223,8 +223,8 @@ def test_no_winner_on_a_torn_pair_when_the_grace_is_spent() -> None:
     named on a median of three."""
     runner = TornEverywhere()
     phases = drive(fast_search(listed(stages=(0,), micro_batch_sizes=(1, 2, 4, 8))), runner)
-    assert [e.name for p in phases if p.name.startswith("confirm_") for e in p.experiments] == [
-        "z0_gas1_tmbspg8_r2", "z0_gas2_tmbspg4_r2", "z0_gas4_tmbspg2_r2", "z0_gas8_tmbspg1_r2",
-        "z0_gas2_tmbspg4_r3", "z0_gas1_tmbspg8_r3", "z0_gas4_tmbspg2_r3", "z0_gas8_tmbspg1_r3"]
+    repeats = [e.name for p in phases if p.name.startswith("confirm_") for e in p.experiments]
+    assert repeats[:3] == ["z0_gas1_tmbspg8_r2", "z0_gas2_tmbspg4_r2", "z0_gas4_tmbspg2_r2"]
+    assert sorted(repeats) == sorted(f"z0_gas{8 // m}_tmbspg{m}_r{i}" for m in (1, 2, 4, 8) for i in (2, 3))
     winner, value, count = pooled_best([r for r in runner.records.values()], "throughput", True)
     assert (winner["name"], value, count) == ("z0_gas2_tmbspg4", 45.0, 3)

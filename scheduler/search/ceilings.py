@@ -1,0 +1,98 @@
+"""A config whose readings its own stage's curve contradicts is ranked at what that curve predicts.
+
+Why: a stage whose readings are sometimes lucky (1.3-1.8x its true throughput: a timing window
+that missed steps, a neighbour's load lifted for one run) can read one config lucky twice in a row.
+Two lucky readings agree with each other, so repeating them (`scheduler.search.confirm`) does not
+expose them, and their mean beats an honest, better config of another stage: the winner's curse
+(bench/lucky_stage.py). The readings of the same stage at other sizes tell: training time has the
+structure `scheduler.search.cost_model` fits, and a smooth curve does not jump by a fifth at one
+size while its neighbours stay below. So a config whose pooled value exceeds the fit of its stage's
+other configs (three or more, leave one out) by more than `FLOOR` and by more than `Z` standard
+errors of that prediction (which grow away from the measured sizes: an optimum at the edge of the
+range, the real GPT example's micro-batch 1, is extrapolated and not contradicted) is ranked at the
+prediction instead, until its own readings settle it: from `SETTLED_READINGS` readings on, all
+within `AGREE_RATIO` of each other, they are believed over the curve (a real spike at one size reads
+the same every time; a lucky stage's readings of one config disagree, as only some runs are lucky),
+so `scheduler.search.confirm` measures a contradicted contender until they do or it has that many.
+Below the floor the curve is trusted to have features of its own (tiles, waves, the allocator near
+the memory top). Only throughput-like metrics: the model is of seconds per sample.
+
+Pure: values in, ceilings out.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.search.cost_model import Reading, fit
+
+#: A config's pooled value is contradicted only when it beats its stage's prediction by more than this.
+FLOOR = 0.2
+#: ... and by more than this many standard errors of the prediction.
+Z = 3.0
+#: The relative noise of one reading the prediction's error is computed with (at least the fit's misfit).
+NOISE = 0.03
+#: Readings of one config that settle it against its curve: at least this many ...
+SETTLED_READINGS = 3
+#: ... each within this ratio of the others (`scheduler.search.confirm.TORN_RATIO`: two readings
+#: further apart are a straggler's or a lucky one and a real one).
+AGREE_RATIO = 1.4
+#: The keys of a config that place it on its stage's curve, not on another curve.
+SIZE_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+@dataclass(frozen=True)
+class Point:
+    """A config's pooled value, where it lies on its curve (`curve`: its stage and everything else)."""
+
+    key: Hashable
+    curve: str
+    mbs: int
+    gas: int
+    value: float
+
+
+def settled(values: Sequence[float]) -> bool:
+    """Whether a config's readings settle its value whatever its curve predicts (module docstring)."""
+    return len(values) >= SETTLED_READINGS and min(values) > 0 and max(values) / min(values) <= AGREE_RATIO
+
+
+def point(key: Hashable, ds_config: Mapping[str, Any] | None, value: float) -> Point | None:
+    """The `Point` of a config from its DeepSpeed config, or None without a micro-batch size."""
+    if not isinstance(ds_config, Mapping):
+        return None
+    mbs = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps") or 1
+    if not isinstance(mbs, int) or not isinstance(gas, int) or mbs < 1 or gas < 1:
+        return None
+    curve = json.dumps({k: v for k, v in ds_config.items() if k not in SIZE_KEYS}, sort_keys=True, default=str)
+    return Point(key, curve, mbs, gas, value)
+
+
+def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
+    """key -> the value a contradicted config is ranked at (its curve's prediction), for each
+    config the fit of its curve's other configs contradicts (module docstring)."""
+    out: dict[Hashable, float] = {}
+    curves: dict[str, list[Point]] = {}
+    for p in points:
+        if p.value > 0:
+            curves.setdefault(p.curve, []).append(p)
+    for members in curves.values():
+        if len(members) < 4:
+            continue
+        best = max(p.value for p in members)
+        for p in members:
+            if p.value < best / (1 + FLOOR):
+                continue  # too far behind its curve's best to lead
+            model = fit([Reading(o.mbs, o.gas, o.value) for o in members if o is not p])
+            predicted = model.predict(p.mbs, p.gas) if model is not None else 0.0
+            if predicted <= 0:
+                continue
+            spread = math.hypot(max(NOISE, model.misfit), model.error(p.mbs, p.gas, NOISE))
+            gap = p.value / predicted - 1
+            if gap > FLOOR and gap > Z * spread:
+                out[p.key] = predicted
+    return out
