@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from scheduler.search.confirm import MIN_NOISE, PRIOR_NOISE, group_readings, pooled_noise
+from scheduler.search.confirm import MIN_NOISE, PRIOR_NOISE, SEPARATION_Z, group_readings, pooled_noise
 from scheduler.search.cost_model import Reading, StageModel, closest_reading, contradicted, fit
 from scheduler.search.ranking import MEDIAN_FROM, metric_value, pooled_value
 from scheduler.search.repeats import is_repeat, original_name
@@ -134,6 +134,25 @@ def at_cap(session: Session, stages: Sequence[int], mbs: int) -> bool:
     rising where memory stopped it, so a stage holding larger sizes may do better."""
     largest = max((m for stage in stages for m, v in stage_values(session, stage).items() if v is not None), default=0)
     return mbs >= largest
+
+
+def flat_to_top(session: Session, stage: int) -> int | None:
+    """The stage's largest size measured ok, when the cost model fitted to its readings predicts it
+    within SEPARATION_Z readings' noise (or the fit's misfit) of the stage's best prediction: the
+    curve is flat or rising up to the memory top, so a leader below that top leads on noise, and a
+    stage (or a strategy) holding larger sizes may do better. None otherwise, with fewer than three
+    sizes read, or for a metric minimised (the model is of seconds per sample)."""
+    if not session.settings.maximize:
+        return None
+    values = {m: v for m, v in stage_values(session, stage).items() if v is not None and v > 0}
+    model = stage_fit(session, stage, values)
+    if model is None:
+        return None
+    top = max(values)
+    predicted = {m: model.predict(m, gas_for(session, stage, m)) for m in values}
+    if predicted[top] * (1 + SEPARATION_Z * max(reading_noise(session), model.misfit)) < max(predicted.values()):
+        return None
+    return top
 
 
 def predicted_better(session: Session, stage: int, values: Mapping[int, float | None],

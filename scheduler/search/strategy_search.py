@@ -61,7 +61,7 @@ from scheduler.search.ranking import best, metric_value
 from scheduler.search.repeats import is_repeat
 from scheduler.search.session import NoStageFits, Session, Step, peak_of, succeeded
 from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
-from scheduler.search.stage_readings import reading_noise, stage_fit, stage_values
+from scheduler.search.stage_readings import flat_to_top, reading_noise
 from scheduler.search.stage_space import gas_for
 from scheduler.search.strategies import (
     StepFacts, allow_line, applies, freed_bytes, ordered_combinations, searchable, step_cost_s, strategy_model,
@@ -373,20 +373,10 @@ def _leader(session: Session, stage: int | None = None) -> tuple[Experiment, dic
 
 
 def _flat_to_top(session: Session, stage: int, top: int) -> tuple[Experiment, dict] | None:
-    """The stage's run at its largest size that ran, when the cost model fitted to the stage's
-    readings predicts it within SEPARATION_Z readings' noise (or the fit's misfit) of the stage's
-    best prediction: the curve is flat up to the memory top, where the leader's lead is noise, and a
-    strategy's larger size (a larger step, its fixed costs spread over more samples) may pay. None
-    otherwise, or with fewer than three sizes read."""
-    st = session.settings
-    if not st.maximize:
-        return None
-    values = {m: v for m, v in stage_values(session, stage).items() if v is not None and v > 0}
-    model = stage_fit(session, stage, values)
-    if model is None or top not in values:
-        return None
-    predicted = {m: model.predict(m, gas_for(session, stage, m)) for m in values}
-    if predicted[top] * (1 + SEPARATION_Z * max(reading_noise(session), model.misfit)) < max(predicted.values()):
+    """The stage's run at its largest size that ran, `top`, when the curve is flat up to it
+    (`stage_readings.flat_to_top`): the leader's lead is noise, and a strategy's larger size (a
+    larger step, its fixed costs spread over more samples) may pay. None otherwise."""
+    if flat_to_top(session, stage) != top:
         return None
     return next(((exp, record) for exp, record in session.stage_records(stage)
                  if exp.micro_batch_size == top and exp.gradient_accumulation_steps == gas_for(session, stage, top)
