@@ -20,10 +20,12 @@ than the runner-up. So a winner is confirmed before it is named, as noise-aware 
   `READ_ONCE_GRACE` launches more go to a leader still read once, or to a config whose two readings
   are `torn` (one a straggler's or a lucky one: their mean says neither, a third reading's median
   does) while its better reading beats the leader, the leader's own pair included (not with a kept
-  global batch, whose budget already runs to the job's launch cap); past those, a leader still read
-  once, or read twice more than TORN_RATIO apart, is measured again until none is (each config once
-  more at most: `unsettled_leader`), so a torn pair's third reading that drops its config behind one
-  read once cannot name that one, nor can a torn pair whose mean says neither reading be named;
+  global batch, whose budget already runs to the job's launch cap); whenever nothing else is due, a
+  leader still read once, or read twice more than TORN_RATIO apart, or a config that would lead on
+  its readings but is ranked at its stage's curve (`ceiling`: `scheduler.search.ceilings`), is
+  measured again, up to three readings each (`unsettled_leader`), so a torn pair's third reading that
+  drops its config behind one read once cannot name that one, nor can a torn pair whose mean says
+  neither reading be named;
 - with a kept global batch (`scheduler.search.global_batch`) the budget is what is left of
   `KEPT_BATCH_LAUNCHES` when that is more (`repeat_budget`), and a config read once whose reading
   is at least half the leader's is a rival until read twice (`doubtful`): the divisors of the batch

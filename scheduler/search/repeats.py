@@ -16,9 +16,12 @@ behaviour (a crash is that config's result, the best single reading wins), and t
   kept global batch, up to `KEPT_BATCH_LAUNCHES` launches in all: `confirm.repeat_budget`, and a
   config read once at half the leader's reading or more is a rival too: `confirm.doubtful`), and a
   leader still read once, or a config whose two readings are `confirm.torn` (not with a kept batch:
-  `confirm.past_budget`), gets up to `READ_ONCE_GRACE` launches more; past those a leader read once,
-  or twice and torn, is measured again until none is (`confirm.unsettled_leader`); the winner is the best pooled value of every reading
-  (`scheduler.search.ranking.best` pools repeats: a mean, a median from three).
+  `confirm.past_budget`), gets up to `READ_ONCE_GRACE` launches more; whenever nothing else is due
+  (the leader confirmed, or those launches spent), a leader read once, or twice and torn, or a config
+  ranked at its stage's curve that would lead on its own readings (`scheduler.search.ceilings`) is
+  measured again, up to three readings each (`confirm.unsettled_leader`); the winner is the best
+  pooled value of every reading (`scheduler.search.ranking.best` pools repeats: a mean, a median
+  from three, capped at its stage's curve where that contradicts them).
 """
 from __future__ import annotations
 
@@ -87,10 +90,11 @@ def confirm(session: Session) -> Step:
     spent; past it, only a leader read once or a `torn` config is measured again (`confirm.past_budget`, up
     to READ_ONCE_GRACE launches more; a torn pair is looked for even where `next_repeat` is
     satisfied: on a lower-is-better metric a straggler's reading can make its config look separated);
-    past those, a leader still read once, or read twice and torn, is measured again
-    (`confirm.unsettled_leader`: no winner on one reading nor on a torn pair; each config at most
-    once, so it ends). One at a time: the originals
-    ran alone, so must the repeats."""
+    whenever nothing else is due (the leader confirmed, or those launches spent), a leader read once,
+    or read twice and torn, or a config ranked at its stage's curve that would lead on its readings,
+    is measured again (`confirm.unsettled_leader`: no winner on one reading nor on a torn pair, and a
+    lucky pair settled or not; up to SETTLED_READINGS readings each, so it ends). One at a time: the
+    originals ran alone, so must the repeats."""
     st = session.settings
     budget = repeat_budget(len(session.measured), bool(st.kept_per_gpu))
     for spent in itertools.count(1):

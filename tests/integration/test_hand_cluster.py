@@ -30,7 +30,7 @@ def test_every_failure_class_and_the_others_still_run(hand_cluster, tmp_path):
 
     script = tmp_path / "train.py"
     script.write_text((SCRIPTS / "fake_train.py").read_text())
-    proc = run_autotune([str(cfg), "--num_gpus", "1", "--exp-timeout", "6", "--", str(script),
+    proc = run_autotune([str(cfg), "--num_gpus", "1", "--exp-timeout", "12", "--", str(script),
                          "--behaviour", behaviour], tmp_path, {"AUTOTUNE_REDIS_URL": hand_cluster["url"]})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = tmp_path / "autotuning_results"
