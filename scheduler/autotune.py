@@ -333,9 +333,12 @@ def never_reported(records: list[ExperimentRecord]) -> bool:
 
 def failure_examples(records: list[ExperimentRecord]) -> list[str]:
     """One line per failure class: how many, and one experiment's cause (exit status, the error, the
-    last line of its stderr), so a run where nothing succeeded says why without opening a file."""
+    last line of its stderr), so a run where nothing succeeded says why without opening a file. A
+    record `ok` with nothing after its metrics (the profile run) failed in nothing: it is not listed."""
     by_class: dict[str, list[ExperimentRecord]] = {}
     for record in records:
+        if status_word(record) == "ok" and not (record.cause or record.exit_after_metrics):
+            continue
         by_class.setdefault(status_word(record), []).append(record)
     lines = []
     for outcome_class, members in by_class.items():

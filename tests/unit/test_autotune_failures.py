@@ -29,7 +29,7 @@ def test_failure_examples_give_one_line_per_status_with_the_first_ones_cause():
                                                   "stderr_tail": "first\nlast line\n\n"}},
         {"name": "e2", "status": "oom", "cause": {"exit": "other"}},
         {"name": "e3", "status": "ok", "exit_after_metrics": {"error": "teardown abort"}},
-        {"name": "e4"})
+        {"name": "e4"}, {"name": "profile_model_info", "status": "ok"})
     assert failure_examples(records) == [
         "oom (2): e.g. e1: killed (SIGKILL); over the cap; last line",
         "ok (1): e.g. e3: teardown abort",
