@@ -21,7 +21,8 @@ than the runner-up. So a winner is confirmed before it is named, as noise-aware 
   are `torn` (one a straggler's or a lucky one: their mean says neither, a third reading's median
   does) while its better reading beats the leader, the leader's own pair included (not with a kept
   global batch, whose budget already runs to the job's launch cap); whenever nothing else is due, a
-  leader still read once, or read twice more than TORN_RATIO apart, or a config that would lead on
+  leader still read once, or read twice more than TORN_RATIO apart or with its worse reading
+  trailing the runner-up by over `MATERIAL_LOSS` (its lead rests on one reading), or a config that would lead on
   its readings but is ranked at its stage's curve (`ceiling`: `scheduler.search.ceilings`), is
   measured again, up to three readings each (`unsettled_leader`), so a torn pair's third reading that
   drops its config behind one read once cannot name that one, nor can a torn pair whose mean says
@@ -71,6 +72,9 @@ STRAGGLER_SHARE = 0.5
 #: CPU traces (bench/traces) differ by 1.10-1.17x at the median and 1.3-1.5x at the 90th percentile,
 #: and at 1.15 the third readings there went to that noise and moved picks for the worse.
 TORN_RATIO = 1.4
+#: A leader read twice is read a third time when its worse reading trails the runner-up by more than
+#: this share (`_rests_on_one_reading`): a smaller loss is not worth a launch.
+MATERIAL_LOSS = 0.05
 #: Relative noise assumed before any config was measured twice.
 PRIOR_NOISE = 0.03
 #: Relative noise never taken below this (two equal readings do not prove a noiseless machine).
@@ -233,12 +237,22 @@ def unsettled_leader(groups: Sequence[Readings[K]], maximize: bool = True) -> K 
     once = read_once_leader(groups, maximize)
     if once is not None or not groups:
         return once
-    leader = ordered(groups, maximize)[0]
+    leader, *others = ordered(groups, maximize)
     low, high = min(leader.values), max(leader.values)
     if leader.count == 2 and low > 0 and high / low > TORN_RATIO:
         return leader.key
+    if leader.count == 2 and others and _rests_on_one_reading(leader, others[0], maximize):
+        return leader.key
     contender = ordered([replace(group, ceiling=None) for group in groups], maximize)[0]
     return contender.key if contender.key != leader.key else None
+
+
+def _rests_on_one_reading(leader: Readings[K], runner_up: Readings[K], maximize: bool) -> bool:
+    """Whether a leader read twice leads only by its better reading: its worse one loses to the
+    runner-up's pooled value. Its mean then says which reading to believe no more than a torn pair's."""
+    worse = min(leader.values) if maximize else max(leader.values)
+    loss = (runner_up.value - worse) / runner_up.value if maximize else (worse - runner_up.value) / worse
+    return loss > MATERIAL_LOSS
 
 
 def read_once_leader(groups: Sequence[Readings[K]], maximize: bool = True) -> K | None:

@@ -31,7 +31,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from scheduler.search.confirm import KEPT_BATCH_LAUNCHES, READ_ONCE_GRACE, REPEAT_BUDGET, TORN_RATIO
+from scheduler.search.confirm import KEPT_BATCH_LAUNCHES, MATERIAL_LOSS, READ_ONCE_GRACE, REPEAT_BUDGET, TORN_RATIO
 from scheduler.search.full_space import full_experiments
 from scheduler.search.global_batch import batch_notes, no_fit_message
 from scheduler.search.memory import SAFETY, GiB, MemoryModel, ModelInfo, overhead_from_profile, prior_overhead_bytes
@@ -169,7 +169,8 @@ def search_notes(settings: SearchSettings) -> list[str]:
                 f"again, <name>_r<n>, {budget} and {READ_ONCE_GRACE} more while the leader was read once"
                 + ("" if settings.kept_per_gpu else
                    f" or a contender's two readings are over {TORN_RATIO:g}x apart (a straggler's or a lucky one)")
-                + f", then any leader still read once or read twice over {TORN_RATIO:g}x apart; "
+                + f", then any leader still read once, or read twice over {TORN_RATIO:g}x apart or with one reading "
+                f"over {MATERIAL_LOSS:.0%} behind the runner-up; "
                 "a config read three times or more is judged on the median of its readings, else their mean, "
                 "and one whose readings beat the curve of its stage's other sizes by over a fifth on the curve "
                 "until three readings agree); "
