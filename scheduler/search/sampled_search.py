@@ -35,7 +35,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   the cap), or, with max_train_batch_size, if the incumbent accumulates because its stage cannot
   hold the size filling the step with one accumulation step less and this stage can
   (`_fuller_step`: that size is measured once, and wins or rules the stage out), or, without
-  max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step);
+  max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step),
+  or, when it holds less than the incumbent's size (measured at the size it holds), if it beat the
+  incumbent's stage at that size (`stage_readings.beats_at_equal_size`: like for like);
   otherwise the measurement rules it out. ZeRO-0 beside a ZeRO-1 incumbent (or the reverse) is
   measured once at the incumbent's own size and accumulation, and explored only for the first
   reason with a top `sampling.TOP_GAIN` above the incumbent's (`_same_micro_steps`: both reduce
@@ -92,8 +94,9 @@ from scheduler.search.ranking import metric_value
 from scheduler.search.repeats import says_nothing
 from scheduler.search.sampling import TOP_GAIN, lead_first, next_size, sawtooth_neighbour, snap
 from scheduler.search.session import Session, Step
-from scheduler.search.space import PROFILE
-from scheduler.search.stage_readings import at_cap, leader_of, predicted_better, stage_values, suspect_size
+from scheduler.search.stage_readings import (
+    at_cap, beats_at_equal_size, beats_other_stages, leader_of, predicted_better, stage_values, suspect_size,
+)
 from scheduler.search.stage_space import (
     gas_for, known_feasible, samples_per_step, sizes_ran, stage_candidates, stage_top,
 )
@@ -155,8 +158,9 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         explored.append(stage)
         if value is not None and fuller and not upside:
             value = yield from _measure(session, stage, fuller, f"z{stage}_step_{fuller}")
-            upside = value is not None and _wins(session, stage, value, bounded=True)
-        if value is not None and (upside or _wins(session, stage, value)):
+            upside = value is not None and beats_other_stages(session, stage, value, bounded=True)
+        if value is not None and (upside or beats_other_stages(session, stage, value)
+                                  or beats_at_equal_size(session, stage, size, value, incumbent)):
             yield from explore_stage(session, stage, floor=size)
 
 
@@ -193,19 +197,6 @@ def _half_step(session: Session, stage: int, incumbent_stage: int) -> bool:
     if session.settings.samples_per_step:
         return False
     return 2 * samples_per_step(session, stage) < samples_per_step(session, incumbent_stage)
-
-
-def _wins(session: Session, stage: int, value: float, bounded: bool = False) -> bool:
-    """Whether the followed stage's reading `value` beats every other stage's: without
-    max_train_batch_size, its reading at the incumbent's size (its space fills a step of its own
-    top, so at equal size it may accumulate more and lead); with it (`bounded`), its reading at the
-    size filling the step the incumbent's stage could not hold (`_fuller_step`)."""
-    st = session.settings
-    if st.samples_per_step and not bounded:
-        return False
-    measured = {exp.stage for exp, _ in session.measured.values() if exp.space != PROFILE} - {stage}
-    best = [v for s in measured for v in stage_values(session, s).values() if v is not None]
-    return bool(best) and (value > max(best) if st.maximize else value < min(best))
 
 
 def explore_stage(session: Session, stage: int, floor: int = 0) -> Step:

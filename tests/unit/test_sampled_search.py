@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from bench.search_quality import ours
 from bench.surfaces import classic, make_surface, user_config
 from scheduler.search.confirm import REPEAT_BUDGET
 from scheduler.search.memory_facts import SharedFacts
@@ -788,3 +789,12 @@ def test_a_top_probe_measured_already_at_its_spaces_accumulation_ends_the_probin
     thread.join(5)
     assert not thread.is_alive(), "_anchor spun on a config it had measured"
     assert outcome == [True]
+
+
+def test_a_stage_followed_below_the_incumbents_size_is_compared_there_like_for_like() -> None:
+    """bench/search_quality.py's needs-strategy script 6048: ZeRO-2, followed at 2 x 4 (all it was
+    thought to hold), read 0.45 of the optimum against ZeRO-0's 0.48 at 3 x 2, but ZeRO-0 read 0.41
+    at 2 x 4 itself: at equal size ZeRO-2 is the faster curve. It is explored, and its checkpointed
+    8 x 1, the optimum, is found (0.81 named when its reading was set against ZeRO-0's larger size)."""
+    outcome = ours(make_surface("needs-strategy", 6048))
+    assert outcome.fraction > 0.99 and outcome.launches <= 14
