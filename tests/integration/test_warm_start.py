@@ -180,7 +180,8 @@ def test_a_preload_that_initialises_cuda_is_dropped_and_said_so(warm: WarmStarts
     assert result.exit_code == 0, err
     assert start.path == "warm", start.why_cold
     assert out == "cuda True\n"  # imported in the rank, where it belongs
-    assert "preloading grabs_cuda initialised CUDA" in caplog.text
+    assert "preloading grabs_cuda initialised CUDA in the warm process (seen: torch.cuda.is_initialized())" \
+        in caplog.text
 
 
 def test_cuda_initialised_in_the_warm_process_after_its_preload_stops_the_fork(warm: WarmStarts,
@@ -218,7 +219,7 @@ def test_a_preload_that_initialises_cuda_without_torch_is_dropped(warm: WarmStar
         result, start, out, err = _launch(warm, tmp_path, script)
     assert result.exit_code == 0 and out == "ran\n", err
     assert start.path == "warm", start.why_cold
-    assert "preloading grabs_driver initialised CUDA" in caplog.text
+    assert "preloading grabs_driver initialised CUDA in the warm process (seen: /dev/nvidia-uvm open)" in caplog.text
 
 
 def test_the_warm_process_is_started_again_when_its_code_changed_on_disk(warm: WarmStarts, tmp_path: Path) -> None:

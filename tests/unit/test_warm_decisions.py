@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from workers.process.launch import CONTAINER_ENV
-from workers.warm.warm_preload import code_stamp, driver_initialised
+from workers.warm.warm_preload import code_stamp, driver_evidence, driver_initialised
 from workers.warm.warm_rank import rank_sys_path
 from workers.warm.warm_plan import (DEEPSPEED_PRELOAD, SWITCH_ENV, beyond_the_standard_library, code_changed,
                                import_time_env, installed_roots, preload_modules, top_level_imports, why_cold)
@@ -185,3 +185,13 @@ def test_the_warm_processs_code_changes_with_an_upgrade_a_reinstall_or_an_edit(
     os.utime(mine, ns=(later, later))  # the user's own module edited
     assert code_changed(stamp) == f"{mine.resolve()} was modified"
     assert code_changed(None) == "" and code_changed({}) == ""
+
+
+def test_the_evidence_of_cudas_initialisation_names_what_was_seen() -> None:
+    """The warm process's log says why it dropped a preload: which device was open or mapped, beside
+    which driver library, so a false alarm on another machine's driver can be told from a real one."""
+    assert driver_evidence(TORCH, ["/dev/nvidia-uvm"]) == "/dev/nvidia-uvm open"
+    assert driver_evidence(UVM_MAP, []) == "/dev/nvidia-uvm mapped"
+    assert driver_evidence(LIBCUDA + GPU_NODE, []).startswith("/dev/nvidia0 mapped beside ")
+    assert "libcuda.so" in driver_evidence(LIBCUDA + GPU_NODE, [])
+    assert driver_evidence(TORCH + LIBCUDA, ["/dev/nvidiactl", "/dev/nvidia0"]) == ""

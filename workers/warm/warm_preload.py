@@ -42,22 +42,34 @@ _state = {"cuda_at_fork": ""}
 
 
 def cuda_initialised() -> bool:
-    """Whether CUDA is initialised in this process: by torch (its own flag), or by any other library
-    (pycuda.autoinit, CuPy, a driver call through ctypes), which torch's flag does not see: the
-    driver's state in /proc (`driver_initialised`)."""
+    """Whether CUDA is initialised in this process (`cuda_evidence`)."""
+    return bool(cuda_evidence())
+
+
+def cuda_evidence() -> str:
+    """What shows CUDA initialised in this process ("" where nothing does): torch's own flag, or, for
+    any other library (pycuda.autoinit, CuPy, a driver call through ctypes), which that flag does not
+    see, the driver's state in /proc (`driver_evidence`). The warm process's log names it, so a
+    false alarm on a machine of another driver or sandbox can be told from a real one."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     try:
         if cuda is not None and cuda.is_initialized():
-            return True
+            return "torch.cuda.is_initialized()"
     except Exception:  # noqa: BLE001 - a half-imported torch: not initialised by torch
         pass
-    return driver_initialised(*_proc_view())
+    return driver_evidence(*_proc_view())
 
 
 def driver_initialised(maps: str, fd_targets: list[str]) -> bool:
     """Whether the CUDA driver was initialised (`cuInit`) in the process whose /proc/<pid>/maps text
-    and open file descriptors' targets these are. Pure. `cuInit` opens the unified-memory device,
+    and open file descriptors' targets these are (`driver_evidence`). Pure."""
+    return bool(driver_evidence(maps, fd_targets))
+
+
+def driver_evidence(maps: str, fd_targets: list[str]) -> str:
+    """What in a process's /proc/<pid>/maps text and open descriptors' targets shows the CUDA driver
+    initialised (`cuInit`), "" where nothing does. Pure. `cuInit` opens the unified-memory device,
     /dev/nvidia-uvm, and keeps it open (without the nvidia_uvm module it fails: CUDA's 'unknown
     error'); NVML, which torch's CUDA check uses here (PYTORCH_NVML_BASED_CUDA_CHECK) and
     DeepSpeed's accelerator asks, opens /dev/nvidiactl and the GPUs' nodes but never that one, and
@@ -65,15 +77,16 @@ def driver_initialised(maps: str, fd_targets: list[str]) -> bool:
     open or mapped, or a GPU's node (/dev/nvidia<N>) mapped into memory beside libcuda.so, which a
     context's set-up does and a query through NVML does not."""
     if any(target == UVM_DEVICE for target in fd_targets):
-        return True
+        return f"{UVM_DEVICE} open"
     if "/dev/nvidia" not in maps:  # before every fork: the common answer without parsing the map
-        return False
+        return ""
     mapped = {fields[5].strip() for line in maps.splitlines() if ("/dev/nvidia" in line or "libcuda" in line)
               and len(fields := line.split(maxsplit=5)) == 6}
     if UVM_DEVICE in mapped:
-        return True
-    driver = any(os.path.basename(path).startswith("libcuda.so") for path in mapped)
-    return driver and any(_GPU_NODE.fullmatch(path) for path in mapped)
+        return f"{UVM_DEVICE} mapped"
+    drivers = sorted(path for path in mapped if os.path.basename(path).startswith("libcuda.so"))
+    nodes = sorted(path for path in mapped if _GPU_NODE.fullmatch(path))
+    return f"{', '.join(nodes)} mapped beside {', '.join(drivers)}" if drivers and nodes else ""
 
 
 def _proc_view() -> tuple[str, list[str]]:
@@ -112,8 +125,10 @@ def preload(names: list[str]) -> dict[str, object]:
         except BaseException as exc:  # noqa: BLE001 - any failure, SystemExit included, is reported
             report["failed"][name] = f"{type(exc).__name__}: {exc}"[:500]  # type: ignore[index]
             continue
-        if cuda_initialised():
+        evidence = cuda_evidence()
+        if evidence:
             report["cuda_initialised_by"] = name
+            report["cuda_evidence"] = evidence
             break
         report["imported"].append(name)  # type: ignore[union-attr]
     if "deepspeed" in report["imported"] and not report["cuda_initialised_by"]:  # type: ignore[operator]

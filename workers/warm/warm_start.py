@@ -329,8 +329,9 @@ class WarmStarts:
         failed = outcome.get("failed") or {}
         if culprit or failed and set(failed) <= learned:
             if culprit:
-                log.warning("warm start: preloading %s initialised CUDA in the warm process; dropped from the "
-                            "preload (ranks import it themselves)", culprit)
+                log.warning("warm start: preloading %s initialised CUDA in the warm process (seen: %s); dropped "
+                            "from the preload (ranks import it themselves)", culprit,
+                            outcome.get("cuda_evidence") or "no evidence recorded")
             else:
                 log.warning("warm start: learned preloads failed, dropped: %s", failed)
             self._stop_server()
