@@ -136,6 +136,9 @@ if problems:
 print(f"gpu_smoke: {len(records)} experiments checked; cmd_optimal: {' '.join(command[:3])}")
 EOF
 
+# a preload the warm process dropped (its ranks then import torch and DeepSpeed themselves: seconds each)
+grep -h "initialised CUDA" autotuning_results/cluster/*.log 2>/dev/null | head -3 || true
+
 if [ "${GPU_SMOKE_SKIP_FINAL:-0}" != 1 ]; then
     echo "gpu_smoke: running cmd_optimal.txt with DeepSpeed's launcher"
     bash -c "$(cat autotuning_results/cmd_optimal.txt)" > final.log 2>&1 \
