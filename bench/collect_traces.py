@@ -20,7 +20,8 @@ rank's torch take every core, and ZeRO-0 then slows 2-3x: bench/README.md). The 
 resident set of any rank of each launch (host memory, as a CPU slot's cap sees it).
 
     .venv/bin/python bench/collect_traces.py [--script gpt|hf] [--stages 0 1] [--max-mbs 16] [--launches 1]
-        [--windows 6] [--model "--n-layers 4 --seq-len 256"] [--out bench/traces/train_gpt.json]
+        [--windows 6] [--model "--n-layers 4 --seq-len 256"] [--checkpointing] [--every-gas]
+        [--out bench/traces/train_gpt.json]
 
 `--add-to TRACE --within F --launches N` tops an existing trace up instead: N more launches of each
 config whose mean throughput is within F (e.g. 0.10) of the trace's best, in round-robin order, with
@@ -30,6 +31,12 @@ away from the trace's mean: only some configs get the new launches, so a slower 
 would move exactly those (seen: a later machine read every topped-up config at 0.5x). Where it matters, a
 config is then measured as often as issue 20 asks (>= 5 launches), so the trace's optimum is known
 better than the 3 % a replay is judged by; far from the best a few launches already place a config.
+
+`--checkpointing` traces every config a second time with the script's activation checkpointing
+switch (its arg_mappings flag), the config listing it (`"strategy"`), so that a replay under a
+memory cap (`trace_replay.py --capacity-gib`) can tell what the recompute costs and the memory it
+frees buys. `--every-gas` traces every accumulation up to `--max-mbs` samples a step: under a cap
+the stage's top, and DeepSpeed's rule for the step with it, is what fits there, not `--max-mbs`.
 
 `--script hf` traces examples/train_hf.py instead (the Hugging Face Trainer: the sizes also go as its
 `--per_device_train_batch_size` / `--gradient_accumulation_steps` flags, as examples/cfg_hf.json maps
@@ -65,15 +72,22 @@ class Script:
     extra_args: tuple[str, ...]  #: every launch's (enough steps for the windows)
     batch_flags: bool  #: the sizes also go as the HF Trainer's flags (examples/cfg_hf.json's arg_mappings)
 
-    def argv(self, ds_config: Path, mbs: int, gas: int, model: list[str]) -> list[str]:
+    checkpointing_flag: str  #: the script's switch for activation checkpointing (its arg_mappings entry)
+
+    def argv(self, ds_config: Path, mbs: int, gas: int, model: list[str], checkpointing: bool = False) -> list[str]:
+        flag = [self.checkpointing_flag] if checkpointing else []
         if self.batch_flags:
             return [str(ROOT / self.path), "--deepspeed", str(ds_config), "--per_device_train_batch_size", str(mbs),
-                    "--gradient_accumulation_steps", str(gas), *self.extra_args, *model]
-        return [str(ROOT / self.path), "--deepspeed_config", str(ds_config), *self.extra_args, *model]
+                    "--gradient_accumulation_steps", str(gas), *self.extra_args, *model, *flag]
+        return [str(ROOT / self.path), "--deepspeed_config", str(ds_config), *self.extra_args, *model, *flag]
 
 
-SCRIPTS = {"gpt": Script("examples/train_gpt.py", ("--steps", "50"), batch_flags=False),
-           "hf": Script("examples/train_hf.py", ("--max_steps", "50"), batch_flags=True)}
+SCRIPTS = {"gpt": Script("examples/train_gpt.py", ("--steps", "50"), batch_flags=False,
+                          checkpointing_flag="--activation_checkpointing"),
+           "hf": Script("examples/train_hf.py", ("--max_steps", "50"), batch_flags=True,
+                         checkpointing_flag="--gradient_checkpointing")}
+#: How a traced config with activation checkpointing lists it (`"strategy"`; none: an empty list).
+CHECKPOINTING = "activation_checkpointing"
 WARMUP_STEPS = 2
 WINDOW_STEPS = 3
 WORLD = 2
@@ -88,11 +102,21 @@ def base_config(stage: int, mbs: int, gas: int) -> dict[str, Any]:
             "zero_optimization": {"stage": stage}}
 
 
-def space(stages: list[int], max_mbs: int) -> list[tuple[int, int, int]]:
-    """(stage, mbs, gas) of every config traced."""
-    return [(stage, mbs, gas) for stage in stages
-            for mbs, gas in sorted({(m, 1) for m in range(1, max_mbs + 1)}
-                                   | {(m, max(1, max_mbs // m)) for m in range(1, max_mbs + 1)})]
+def space(stages: list[int], max_mbs: int, checkpointing: bool = False,
+          every_gas: bool = False) -> list[tuple[int, int, int, bool]]:
+    """(stage, mbs, gas, checkpointed) of every config traced: each also checkpointed with
+    `checkpointing`. The gas of each size is 1 and what fills max_mbs samples, or with `every_gas`
+    every gas filling at most that many (the spaces of every stage top a memory cap may set)."""
+    if every_gas:
+        shapes = {(m, g) for m in range(1, max_mbs + 1) for g in range(1, max_mbs // m + 1)}
+    else:
+        shapes = {(m, 1) for m in range(1, max_mbs + 1)} | {(m, max(1, max_mbs // m)) for m in range(1, max_mbs + 1)}
+    return [(stage, mbs, gas, checkpointed) for checkpointed in ((False, True) if checkpointing else (False,))
+            for stage in stages for mbs, gas in sorted(shapes)]
+
+
+def config_name(stage: int, mbs: int, gas: int, checkpointed: bool) -> str:
+    return f"z{stage}_gas{gas}_tmbspg{mbs}" + ("_ac" if checkpointed else "")
 
 
 _MEASURE = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
@@ -124,13 +148,15 @@ def launch(work: Path, ds_config: dict[str, Any], port: int, threads: int,
 
 
 def trace_config(work: Path, stage: int, mbs: int, gas: int, windows: int, port: int, threads: int,
-                 script: Script, model: list[str]) -> dict[str, Any]:
-    """One launch of one config: its windows' step times and readings."""
+                 script: Script, model: list[str], checkpointing: bool = False) -> dict[str, Any]:
+    """One launch of one config (`checkpointing`: with the script's switch): its windows' step times
+    and readings."""
     end = WARMUP_STEPS + WINDOW_STEPS * windows - 1
     config = base_config(stage, mbs, gas)
     config["autotuning"] = {"enabled": True, "metric": "throughput", "start_profile_step": WARMUP_STEPS,
                             "end_profile_step": end, "metric_path": str(work / "metrics.json")}
-    rc, report, max_rss = launch(work, config, port, threads, script.argv(work / "ds_config.json", mbs, gas, model))
+    rc, report, max_rss = launch(work, config, port, threads,
+                                 script.argv(work / "ds_config.json", mbs, gas, model, checkpointing))
     steps = window_seconds(report.get("step_ends") or [], WARMUP_STEPS, end)
     samples = mbs * gas * WORLD
     if rc != 0 or len(steps) != WINDOW_STEPS * windows:
@@ -173,6 +199,10 @@ def main() -> int:
                         help="examples/train_gpt.py (default) or examples/train_hf.py (the HF Trainer)")
     parser.add_argument("--model", default="", help="model-size flags for the script, e.g. \"--n-layers 4\"")
     parser.add_argument("--out", type=Path, help="default bench/traces/train_<script>.json")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="every config also with the script's activation checkpointing switch")
+    parser.add_argument("--every-gas", action="store_true",
+                        help="every gas with at most --max-mbs samples per step (a replay under a memory cap)")
     parser.add_argument("--add-to", type=Path, metavar="TRACE", help="top up this trace (module docstring)")
     parser.add_argument("--within", type=float, default=0.10, help="with --add-to: configs within this of the best")
     args = parser.parse_args()
@@ -190,18 +220,19 @@ def main() -> int:
     started = time.monotonic()
     trace: dict[str, Any] = {
         "script": script.path, "script_args": [*script.extra_args, *model], "world": WORLD, "max_mbs": args.max_mbs,
-        "stages": args.stages, "threads_per_rank": args.threads, "warmup_steps": WARMUP_STEPS, "window_steps": WINDOW_STEPS,
+        "stages": args.stages, "strategies": [CHECKPOINTING] if args.checkpointing else [], "threads_per_rank": args.threads, "warmup_steps": WARMUP_STEPS, "window_steps": WINDOW_STEPS,
         "machine": f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') >> 30} GiB",
         "collected": time.strftime("%Y-%m-%d"), "profile": profile(root / "profile", 29900, args.threads, script, model), "configs": []}
-    configs = space(args.stages, args.max_mbs)
+    configs = space(args.stages, args.max_mbs, args.checkpointing, args.every_gas)
     for launch_no in range(args.launches):  # round-robin: drift of the machine hits every config alike
-        for index, (stage, mbs, gas) in enumerate(configs):
-            name = f"z{stage}_gas{gas}_tmbspg{mbs}"
+        for index, (stage, mbs, gas, checkpointed) in enumerate(configs):
+            name = config_name(stage, mbs, gas, checkpointed)
             print(f"[{time.monotonic() - started:6.0f}s] {name} launch {launch_no + 1}/{args.launches}", flush=True)
             result = trace_config(root / f"{name}_{launch_no}", stage, mbs, gas, args.windows, 29901 + index % 50,
-                                  args.threads, script, model)
+                                  args.threads, script, model, checkpointed)
             if launch_no == 0:
-                trace["configs"].append({"stage": stage, "mbs": mbs, "gas": gas, "launches": []})
+                trace["configs"].append({"stage": stage, "mbs": mbs, "gas": gas,
+                                         "strategy": [CHECKPOINTING] if checkpointed else [], "launches": []})
             trace["configs"][index]["launches"].append(result)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(trace, indent=1) + "\n")  # every launch kept if stopped
@@ -233,7 +264,7 @@ def top_up(path: Path, within: float, launches: int) -> int:
     top = max(chosen, key=lambda index: means[index])
     config = trace["configs"][top]
     check = trace_config(root / "speed_check", config["stage"], config["mbs"], config["gas"], windows, 29900,
-                         trace["threads_per_rank"], script, model)
+                         trace["threads_per_rank"], script, model, CHECKPOINTING in config.get("strategy", []))
     ratio = mean_throughput({"launches": [check]}) or 0.0
     ratio /= means[top]
     if not 1 - MAX_DRIFT <= ratio <= 1 + MAX_DRIFT:
@@ -246,11 +277,12 @@ def top_up(path: Path, within: float, launches: int) -> int:
     for launch_no in range(launches):
         for index in chosen:
             config = trace["configs"][index]
-            name = f"z{config['stage']}_gas{config['gas']}_tmbspg{config['mbs']}"
+            checkpointed = CHECKPOINTING in config.get("strategy", [])
+            name = config_name(config["stage"], config["mbs"], config["gas"], checkpointed)
             print(f"[{time.monotonic() - started:6.0f}s] {name} extra launch {launch_no + 1}/{launches}", flush=True)
             config["launches"].append(trace_config(root / f"{name}_{launch_no}", config["stage"], config["mbs"],
                                                    config["gas"], windows, 29901 + index % 50,
-                                                   trace["threads_per_rank"], script, model))
+                                                   trace["threads_per_rank"], script, model, checkpointed))
             path.write_text(json.dumps(trace, indent=1) + "\n")
     trace.setdefault("top_ups", []).append({"within": within, "launches": launches, "configs": len(chosen),
                                             "collected": time.strftime("%Y-%m-%d")})

@@ -8,7 +8,11 @@ traced top, no max_train_batch_size). Every launch of a config draws one of that
 windows at random (seeded by the replay's seed and the experiment's name, so a re-measurement draws
 its own): ours reads the window's mean step time as throughput and its step times (as
 `workers.in_rank.entry` gives them), DeepSpeed reads its engine metric (the window's last step). A config
-the trace lacks ends that replay as "untraced" (counted, never guessed).
+the trace lacks ends that replay as "untraced" (counted, never guessed). Under `--capacity-gib` a
+config whose traced peak (host memory, the largest of its launches) is above it runs out of memory,
+as under a slot's cap, and is no candidate for the optimum. A trace collected with checkpointing
+(`collect_traces.py --checkpointing`) allows that strategy in the user's config: our search may
+run the script's switch where memory stops it; DeepSpeed's tunes no strategy.
 
 A config's true value is the mean throughput over all its recorded windows; the optimum the best
 such mean. A replay's pick is right (issue 32's answer 3: judged against the trace as it is, with its
@@ -18,7 +22,7 @@ per search: the share of replays whose pick is right, the share within 3 % alone
 10th percentile of the fraction of the optimum, the median launches (profile run and
 re-measurements included), and the configs named most often.
 
-    .venv/bin/python bench/trace_replay.py [bench/traces/train_gpt.json] [--replays 200] [--seed 0]
+    .venv/bin/python bench/trace_replay.py [bench/traces/train_gpt.json] [--replays 200] [--seed 0] [--capacity-gib 24]
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
+from scheduler.inputs.memory_strategies import MemoryStrategyKeys  # noqa: E402
 from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.search.phases import Phase, drive  # noqa: E402
 from scheduler.search.ranking import best  # noqa: E402
@@ -53,14 +58,23 @@ class Untraced(Exception):
     """A search asked for a config the trace does not hold."""
 
 
-Key = tuple[int, int, int]  #: (stage, mbs, gas)
+Key = tuple[int, int, int, bool]  #: (stage, mbs, gas, with activation checkpointing)
+CHECKPOINTING = "activation_checkpointing"
+
+
+def key_of(config: Mapping[str, Any]) -> Key:
+    """A traced config's key (bench/collect_traces.py's "strategy" lists checkpointing)."""
+    return (int(config["stage"]), int(config["mbs"]), int(config["gas"]), CHECKPOINTING in config.get("strategy", ()))
 
 
 @dataclass(frozen=True)
 class Trace:
-    """One collected trace: every window of every config, and the profile run."""
+    """One collected trace: every window of every config, and the profile run. `capacity`: the slot
+    memory a replay runs under; a config whose traced peak is above it runs out of memory there and
+    is no candidate for the optimum (None: the machine's own, where every traced config ran)."""
 
     data: Mapping[str, Any]
+    capacity: int | None = None
 
     @property
     def world(self) -> int:
@@ -68,15 +82,18 @@ class Trace:
 
     def windows(self, key: Key) -> list[dict[str, Any]]:
         for config in self.data["configs"]:
-            if (config["stage"], config["mbs"], config["gas"]) == key:
+            if key_of(config) == key:
                 return [w for launch in config["launches"] if launch["status"] == "ok" for w in launch["readings"]]
-        raise Untraced(f"z{key[0]} mbs {key[1]} gas {key[2]}")
+        raise Untraced(label(key))
 
     def peak(self, key: Key) -> int:
         for config in self.data["configs"]:
-            if (config["stage"], config["mbs"], config["gas"]) == key:
+            if key_of(config) == key:
                 return max(launch["peak_rss_bytes"] for launch in config["launches"])
-        raise Untraced(f"z{key[0]} mbs {key[1]} gas {key[2]}")
+        raise Untraced(label(key))
+
+    def fits(self, key: Key) -> bool:
+        return self.capacity is None or self.peak(key) <= self.capacity
 
     def true_value(self, key: Key) -> float:
         return statistics.fmean(w["throughput"] for w in self.windows(key))
@@ -90,8 +107,25 @@ class Trace:
         return mean - INTERVAL_Z * error, mean + INTERVAL_Z * error
 
     def optimum(self) -> tuple[float, Key]:
-        keys = [(c["stage"], c["mbs"], c["gas"]) for c in self.data["configs"]]
-        return max((self.true_value(key), key) for key in keys if self.windows(key))
+        """The best mean over the configs both searches choose from: without a capacity every traced
+        config; under one, those that fit in the space DeepSpeed's rule sets there (`in_space`)."""
+        keys = [key_of(c) for c in self.data["configs"]]
+        return max((self.true_value(key), key) for key in keys
+                   if self.windows(key) and self.fits(key) and self.in_space(key))
+
+    def in_space(self, key: Key) -> bool:
+        """Whether `key` is in its stage's space under the capacity: the samples a step are the
+        largest size that fits at gas 1 (plain, else checkpointed when nothing plain fits: the
+        search's own strategy), and each size runs the gas filling them (gas 1 above them: a
+        strategy's larger micro-batch)."""
+        if self.capacity is None:
+            return True
+        stage, mbs, gas, _ = key
+        tops = {checkpointed: max((k[1] for k in map(key_of, self.data["configs"])
+                                   if k[0] == stage and k[2] == 1 and k[3] == checkpointed and self.fits(k)), default=0)
+                for checkpointed in (False, True)}
+        samples = tops[False] or tops[True]
+        return gas == max(1, samples // mbs)
 
     def user_config(self) -> dict[str, Any]:
         """The config a user tunes this script with (bench/vs_deepspeed.py's)."""
@@ -100,7 +134,13 @@ class Trace:
                 "zero_optimization": {"stage": list(self.data["stages"])},
                 "autotuning": {"enabled": True, "fast": True, "metric": "throughput", "start_profile_step": 2,
                                "end_profile_step": 4, "max_train_micro_batch_size_per_gpu": self.data["max_mbs"],
-                               "num_tuning_micro_batch_sizes": 3}}
+                               "num_tuning_micro_batch_sizes": 3,
+                               **({"memory_strategies": list(self.strategies)} if self.strategies else {})}}
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """The memory strategies the trace holds runs of, which the user's config allows."""
+        return tuple(self.data.get("strategies", ()))
 
     def run(self, seed: int, name: str, ds_config: Mapping[str, Any], profile: bool, engine: bool) -> dict[str, Any]:
         """The record a real launch would leave, one recorded window drawn for it."""
@@ -110,10 +150,11 @@ class Trace:
             record["metrics"] = dict(info["model_info"])
             record["peak_rss_bytes"] = info["peak_rss_bytes"]
             return record
-        zero = ds_config.get("zero_optimization") or {}
-        key = (int(zero.get("stage", 0)), int(ds_config["train_micro_batch_size_per_gpu"]),
-               int(ds_config.get("gradient_accumulation_steps", 1)))
+        key = _key(ds_config)
         windows = self.windows(key)
+        if not self.fits(key):
+            record.update(status="oom", exit_code=1)
+            return record
         window = random.Random(f"{seed}:{name}").choice(windows)
         throughput = window["engine_throughput"] if engine else window["throughput"]
         samples = key[1] * key[2] * self.world
@@ -145,17 +186,22 @@ class Outcome:
 
 
 def _key(config: Mapping[str, Any]) -> Key:
+    """An experiment's config's key (the search lists its strategies in autotuning.memory_strategy)."""
     zero = config.get("zero_optimization") or {}
+    listed = (config.get("autotuning") or {}).get("memory_strategy") or ()
     return (int(zero.get("stage", 0)), int(config["train_micro_batch_size_per_gpu"]),
-            int(config.get("gradient_accumulation_steps", 1)))
+            int(config.get("gradient_accumulation_steps", 1)), CHECKPOINTING in listed)
+
+
+def label(key: Key) -> str:
+    return f"z{key[0]} mbs {key[1]} gas {key[2]}" + (" checkpointed" if key[3] else "")
 
 
 def _outcome(trace: Trace, launches: int, config: Mapping[str, Any] | None) -> Outcome:
     if not config:
         return Outcome(0.0, launches, "none")
     key = _key(config)
-    return Outcome(trace.true_value(key) / trace.optimum()[0], launches, f"z{key[0]} mbs {key[1]} gas {key[2]}",
-                   right=right(trace, key))
+    return Outcome(trace.true_value(key) / trace.optimum()[0], launches, label(key), right=right(trace, key))
 
 
 def ours(trace: Trace, seed: int, capacity: int) -> Outcome:
@@ -163,7 +209,8 @@ def ours(trace: Trace, seed: int, capacity: int) -> Outcome:
     settings = SearchSettings(
         ds_config=trace.user_config(), capacity_bytes=capacity, stages=stages, num_gpus=trace.world,
         max_micro_batch_size=int(trace.data["max_mbs"]), start_profile_step=2, end_profile_step=4,
-        peak_memory_key="peak_rss_bytes", host_memory=True, concurrency=1)
+        peak_memory_key="peak_rss_bytes", host_memory=True, concurrency=1,
+        memory_strategies=MemoryStrategyKeys(allowed=trace.strategies))
     launches: list[dict[str, Any]] = []
 
     def run_phase(phase: Phase) -> dict[str, dict[str, Any]]:
@@ -209,24 +256,24 @@ def main() -> int:
     if args.replays < 1 or args.capacity_gib <= 0:
         print("error: --replays >= 1 and --capacity-gib > 0", file=sys.stderr)
         return 2
+    capacity = int(args.capacity_gib * GiB)
     try:
-        trace = Trace(json.loads(args.trace.read_text()))
+        trace = Trace(json.loads(args.trace.read_text()), capacity=capacity)
     except (OSError, ValueError) as problem:
         print(f"error: {args.trace}: {problem}; collect one with bench/collect_traces.py", file=sys.stderr)
         return 2
-    capacity = int(args.capacity_gib * GiB)
     optimum, where = trace.optimum()
     low, high = trace.interval(where)
     print(f"{trace.data['script']} trace of {trace.data['collected']} ({trace.data['machine']}): "
-          f"{len(trace.data['configs'])} configs; optimum z{where[0]} mbs {where[1]} gas {where[2]}, "
+          f"{len(trace.data['configs'])} configs; optimum {label(where)} in {args.capacity_gib:g} GiB, "
           f"{optimum:.1f} samples/s (mean of its windows, 95 % interval {low:.1f}-{high:.1f}: "
           f"{100 * (1 - low / optimum):.1f} % below)")
     seeds = range(args.seed, args.seed + args.replays)
-    for label, search in (("celery-autotune", ours), ("deepspeed", deepspeed)):
+    for tool, search in (("celery-autotune", ours), ("deepspeed", deepspeed)):
         outcomes = [search(trace, seed, capacity) for seed in seeds]
         fractions = [o.fraction for o in outcomes]
         named = Counter(o.named for o in outcomes).most_common(4)
-        print(f"{label:>16}: right (within {100 * (1 - GOOD):.0f} % of the best's mean or inside its 95 % interval) "
+        print(f"{tool:>16}: right (within {100 * (1 - GOOD):.0f} % of the best's mean or inside its 95 % interval) "
               f"in {100 * sum(o.right for o in outcomes) / len(outcomes):.1f} % of {len(outcomes)} replays; within "
               f"{100 * (1 - GOOD):.0f} % alone {100 * sum(f >= GOOD for f in fractions) / len(fractions):.1f} %; "
               f"fraction median {statistics.median(fractions):.3f}, p10 {_quantile(fractions, 0.1):.3f}; "

@@ -34,6 +34,7 @@ from typing import Any
 from scheduler.search.confirm import KEPT_BATCH_LAUNCHES, MATERIAL_LOSS, READ_ONCE_GRACE, REPEAT_BUDGET, TORN_RATIO
 from scheduler.search.full_space import full_experiments
 from scheduler.search.global_batch import batch_notes, no_fit_message
+from scheduler.search.measured_fit import strategy_after_failures
 from scheduler.search.memory import SAFETY, GiB, MemoryModel, ModelInfo, overhead_from_profile, prior_overhead_bytes
 from scheduler.search.phases import Phase, Search
 from scheduler.search.ranking import best, metric_value
@@ -137,6 +138,7 @@ def fast_search(settings: SearchSettings) -> Search:
         return
     if settings.search == "sampled":
         yield from sampled_stages(session, stages)
+        stages = (yield from strategy_after_failures(session, stages)) or stages
         yield from try_sawtooth(session, stages)
         yield from widen_step(session, stages)
         yield from try_strategies(session)

@@ -19,7 +19,7 @@ def _window(step_s: float, last_s: float, samples: int) -> dict[str, Any]:
 def _trace(best: tuple[int, int, int]) -> Trace:
     """Every config 1 s a step except `best` (0.5 s); every last step reads 2x fast (a lucky engine)."""
     configs = []
-    for stage, mbs, gas in space([0, 1], 8):
+    for stage, mbs, gas, _ in space([0, 1], 8):
         step = 0.5 if (stage, mbs, gas) == best else 1.0
         samples = mbs * gas * 2
         windows = [_window(step, step / 2 if (stage, mbs) == (0, 2) else step, samples) for _ in range(3)]
@@ -39,7 +39,7 @@ def test_each_search_reads_what_its_tool_measures() -> None:
     assert ours_record["metrics"]["throughput"] == pytest.approx(16 * 3 / 2.5)
     assert ours_record["step_seconds"] == [1.0, 1.0, 0.5]
     assert ds_record["metrics"]["throughput"] == pytest.approx(32.0) and "step_seconds" not in ds_record
-    assert trace.optimum() == (pytest.approx(32.0), (1, 1, 8))
+    assert trace.optimum() == (pytest.approx(32.0), (1, 1, 8, False))
     with pytest.raises(Untraced):
         trace.run(0, "z2_gas1_tmbspg1", {**config, "zero_optimization": {"stage": 2}}, profile=False, engine=False)
 
@@ -67,7 +67,48 @@ def test_a_pick_is_right_within_3_percent_of_the_best_or_inside_its_95_percent_i
     14.1 / sqrt(2) = 10): the 95 % interval 100 +- 19.6 holds a pick at 95, right though 5 % behind. With
     steady windows (100, 100) the interval is 100 itself: 95 is wrong, 97 right (within 3 %)."""
     wide = _two_configs([90.0, 110.0], [95.0, 95.0])
-    assert wide.interval((1, 1, 1)) == pytest.approx((100 - 1.96 * 10, 100 + 1.96 * 10))
-    assert right(wide, (1, 2, 1)) and right(wide, (1, 1, 1))
-    assert not right(_two_configs([100.0, 100.0], [95.0, 95.0]), (1, 2, 1))
-    assert right(_two_configs([100.0, 100.0], [97.0, 97.0]), (1, 2, 1))
+    assert wide.interval((1, 1, 1, False)) == pytest.approx((100 - 1.96 * 10, 100 + 1.96 * 10))
+    assert right(wide, (1, 2, 1, False)) and right(wide, (1, 1, 1, False))
+    assert not right(_two_configs([100.0, 100.0], [95.0, 95.0]), (1, 2, 1, False))
+    assert right(_two_configs([100.0, 100.0], [97.0, 97.0]), (1, 2, 1, False))
+
+
+def _checkpointed_trace(capacity: int) -> Trace:
+    """Every config of ZeRO 0-1 up to 8 samples a step, each also checkpointed (collect_traces.py
+    --checkpointing --every-gas: a memory cap moves the stage's top, and its space with it): 0.5 GiB
+    a sample without checkpointing, 0.1 with, over 1 GiB; a step of gas x (0.1 + 0.05 mbs) s, 1.3x
+    that checkpointed (the recompute), plus 0.2 s: the largest micro-batch that fits is the fastest."""
+    configs = []
+    for stage, mbs, gas, checkpointed in space([0, 1], 8, checkpointing=True, every_gas=True):
+        samples = mbs * gas * 2
+        step = gas * (0.1 + 0.05 * mbs) * (1.3 if checkpointed else 1.0) + 0.2
+        peak = GiB + mbs * (GiB // 10 if checkpointed else GiB // 2)
+        configs.append({"stage": stage, "mbs": mbs, "gas": gas,
+                        "strategy": ["activation_checkpointing"] if checkpointed else [],
+                        "launches": [{"status": "ok", "peak_rss_bytes": peak,
+                                      "readings": [_window(step, step, samples) for _ in range(3)]}]})
+    return Trace({"script": "t", "world": 2, "max_mbs": 8, "stages": [0, 1], "strategies": ["activation_checkpointing"],
+                  "profile": {"model_info": {"num_params": 1_000_000, "trainable_num_params": 1_000_000,
+                                             "activation_mem_per_gpu": GiB // 2},
+                              "peak_rss_bytes": GiB + GiB // 2}, "configs": configs}, capacity=capacity)
+
+
+def test_a_config_above_the_replays_memory_runs_out_of_it_and_is_no_optimum() -> None:
+    trace = _checkpointed_trace(capacity=2 * GiB)
+    plain = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}
+    assert trace.run(0, "z1_gas2_tmbspg4", plain, profile=False, engine=False)["status"] == "oom"
+    checkpointed = {**plain, "autotuning": {"memory_strategy": ["activation_checkpointing"]}}
+    assert trace.run(0, "z1_gas2_tmbspg4_ac", checkpointed, profile=False, engine=False)["status"] == "ok"
+    assert trace.optimum()[1][1:] == (8, 1, True)  # plain, 8 x 1 needs 5 GiB
+    assert trace.user_config()["autotuning"]["memory_strategies"] == ["activation_checkpointing"]
+    assert _trace((1, 1, 8)).optimum()[1] == (1, 1, 8, False)  # no capacity: every traced config ran
+
+
+def test_a_replay_where_only_checkpointing_fits_the_fast_shape_names_it() -> None:
+    """In 2 GiB micro-batch 2 is the largest plain size; checkpointed, 8 fits and trains 17 % faster
+    despite the recompute: our search tries the strategy and names it; DeepSpeed's, which tunes no
+    strategy, cannot."""
+    trace = _checkpointed_trace(capacity=2 * GiB)
+    found = ours(trace, 0, 2 * GiB)
+    assert found.named.endswith("checkpointed") and found.fraction > 0.9, found
+    assert deepspeed(trace, 0, 2 * GiB).fraction < found.fraction
