@@ -46,3 +46,11 @@ def test_a_config_read_three_times_reads_its_median() -> None:
     its median (95), as the winner is ranked, not the first, lucky reading."""
     session = _session({"4": 60.0, "8": 80.0, "16": 150.0, "16_r2": 90.0, "16_r3": 95.0, "32": 85.0})
     assert stage_values(session, 1)[16] == 95.0
+
+
+def test_strategies_are_tried_again_from_the_leader_confirming_names() -> None:
+    """needs-strategy script 2021: a lucky 0.82 at ZeRO-2's micro-batch 4 leads when the strategies
+    are tried, and it is below its stage's top, so none is; confirming puts ZeRO-0's top ahead.
+    From that leader checkpointing is tried, and a checkpointed size near the optimum is named
+    (0.60 before)."""
+    assert ours(make_surface("needs-strategy", 2021)).fraction > 0.95
