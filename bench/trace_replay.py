@@ -35,11 +35,13 @@ import sys
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.collect_traces import CHECKPOINTING  # noqa: E402
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
 from scheduler.inputs.memory_strategies import MemoryStrategyKeys  # noqa: E402
 from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
@@ -59,7 +61,6 @@ class Untraced(Exception):
 
 
 Key = tuple[int, int, int, bool]  #: (stage, mbs, gas, with activation checkpointing)
-CHECKPOINTING = "activation_checkpointing"
 
 
 def key_of(config: Mapping[str, Any]) -> Key:
@@ -80,17 +81,22 @@ class Trace:
     def world(self) -> int:
         return int(self.data["world"])
 
+    @cached_property
+    def configs(self) -> dict[Key, Mapping[str, Any]]:
+        """Each traced config by its key."""
+        return {key_of(config): config for config in self.data["configs"]}
+
+    def config(self, key: Key) -> Mapping[str, Any]:
+        try:
+            return self.configs[key]
+        except KeyError:
+            raise Untraced(label(key)) from None
+
     def windows(self, key: Key) -> list[dict[str, Any]]:
-        for config in self.data["configs"]:
-            if key_of(config) == key:
-                return [w for launch in config["launches"] if launch["status"] == "ok" for w in launch["readings"]]
-        raise Untraced(label(key))
+        return [w for launch in self.config(key)["launches"] if launch["status"] == "ok" for w in launch["readings"]]
 
     def peak(self, key: Key) -> int:
-        for config in self.data["configs"]:
-            if key_of(config) == key:
-                return max(launch["peak_rss_bytes"] for launch in config["launches"])
-        raise Untraced(label(key))
+        return max(launch["peak_rss_bytes"] for launch in self.config(key)["launches"])
 
     def fits(self, key: Key) -> bool:
         return self.capacity is None or self.peak(key) <= self.capacity
@@ -109,8 +115,7 @@ class Trace:
     def optimum(self) -> tuple[float, Key]:
         """The best mean over the configs both searches choose from: without a capacity every traced
         config; under one, those that fit in the space DeepSpeed's rule sets there (`in_space`)."""
-        keys = [key_of(c) for c in self.data["configs"]]
-        return max((self.true_value(key), key) for key in keys
+        return max((self.true_value(key), key) for key in self.configs
                    if self.windows(key) and self.fits(key) and self.in_space(key))
 
     def in_space(self, key: Key) -> bool:
@@ -121,11 +126,17 @@ class Trace:
         if self.capacity is None:
             return True
         stage, mbs, gas, _ = key
-        tops = {checkpointed: max((k[1] for k in map(key_of, self.data["configs"])
-                                   if k[0] == stage and k[2] == 1 and k[3] == checkpointed and self.fits(k)), default=0)
-                for checkpointed in (False, True)}
-        samples = tops[False] or tops[True]
+        samples = self.top_sizes.get((stage, False)) or self.top_sizes.get((stage, True), 0)
         return gas == max(1, samples // mbs)
+
+    @cached_property
+    def top_sizes(self) -> dict[tuple[int, bool], int]:
+        """The largest micro-batch that fits at gas 1, per (stage, with checkpointing)."""
+        tops: dict[tuple[int, bool], int] = {}
+        for stage, mbs, gas, checkpointed in self.configs:
+            if gas == 1 and self.fits((stage, mbs, gas, checkpointed)):
+                tops[stage, checkpointed] = max(mbs, tops.get((stage, checkpointed), 0))
+        return tops
 
     def user_config(self) -> dict[str, Any]:
         """The config a user tunes this script with (bench/vs_deepspeed.py's)."""
