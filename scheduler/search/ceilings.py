@@ -17,6 +17,12 @@ so `scheduler.search.confirm` measures a contradicted contender until they do or
 Below the floor the curve is trusted to have features of its own (tiles, waves, the allocator near
 the memory top). Only throughput-like metrics: the model is of seconds per sample.
 
+A curve of two or three configs is too short to fit, but one bound holds on any curve: a step of
+more samples (a larger micro-batch, more accumulation, or both) never takes less time, so a config
+cannot read faster than a smaller one of its curve by more than their ratio of samples per step
+(`dominance_bound`). A pooled value past that bound by more than `FLOOR` is ranked at the bound,
+until its readings settle it as above (a lucky stage read 26 x 1 at 1.44 beside 20 x 1 at 0.69).
+
 Pure: values in, ceilings out.
 """
 from __future__ import annotations
@@ -81,6 +87,10 @@ def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
         if p.value > 0:
             curves.setdefault(p.curve, []).append(p)
     for members in curves.values():
+        for p in members:
+            bound = dominance_bound(p, members)
+            if bound is not None and p.value > bound * (1 + FLOOR):
+                out[p.key] = bound
         if len(members) < 4:
             continue
         best = max(p.value for p in members)
@@ -94,5 +104,14 @@ def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
             spread = math.hypot(max(NOISE, model.misfit), model.error(p.mbs, p.gas, NOISE))
             gap = p.value / predicted - 1
             if gap > FLOOR and gap > Z * spread:
-                out[p.key] = predicted
+                out[p.key] = min(predicted, out.get(p.key, math.inf))
     return out
+
+
+def dominance_bound(p: Point, members: Sequence[Point]) -> float | None:
+    """The most `p` can read given its curve's smaller configs (no larger micro-batch, no more
+    accumulation): each one's value times the ratio of samples per step, since `p`'s step takes at
+    least as long; None when its curve has no smaller config."""
+    bounds = [o.value * (p.mbs * p.gas) / (o.mbs * o.gas) for o in members
+              if o is not p and o.mbs <= p.mbs and o.gas <= p.gas]
+    return min(bounds, default=None)

@@ -43,6 +43,25 @@ def test_a_curve_of_three_configs_caps_nothing() -> None:
     assert ceilings(points) == {}
 
 
+def test_a_config_reading_faster_than_a_smaller_one_allows_is_capped_at_the_bound() -> None:
+    """A short curve: 26 x 1 reads 1.44 beside 20 x 1's 0.69. A step of 26 samples takes no less
+    time than one of 20, so 26 x 1 is ranked at 0.69 x 26/20; 14 x 2 bounds nothing (fewer samples
+    a micro-step but more accumulation), and a reading within the floor past the bound stands."""
+    short = [Point("20x1", CURVE, 20, 1, 0.69), Point("26x1", CURVE, 26, 1, 1.44), Point("14x2", CURVE, 14, 2, 1.0)]
+    assert ceilings(short) == {"26x1": pytest.approx(0.69 * 26 / 20)}
+    near = [Point("20x1", CURVE, 20, 1, 0.69), Point("26x1", CURVE, 26, 1, 0.69 * 1.3 * 1.15)]
+    assert ceilings(near) == {}
+    other_stage = [Point("20x1", '{"zero_optimization": {"stage": 2}}', 20, 1, 0.69), Point("26x1", CURVE, 26, 1, 1.44)]
+    assert ceilings(other_stage) == {}
+
+
+def test_a_lucky_pair_faster_than_its_smaller_neighbour_allows_is_not_named() -> None:
+    """bench/lucky_stage.py's large-model script 19: ZeRO-2's 26 x 1 reads 0.85, 1.44 and 1.47 of the
+    optimum (two lucky of three) beside its 20 x 1's 0.69; named on its median it was 0.86 of the
+    optimum. Ranked at the bound 20 x 1 sets, ZeRO-3 leads."""
+    assert ours(lucky("large-model", 19, 0.3)).fraction > 0.9
+
+
 def test_settled_readings_are_three_that_agree() -> None:
     assert settled([150.0, 148.0, 152.0]) and not settled([150.0, 150.0])
     assert not settled([150.0, 140.0, 100.0])  # one honest run among lucky ones: 1.5x apart
