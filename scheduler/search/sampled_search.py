@@ -26,9 +26,11 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   a per-sample, a per-step and a growing per-sample cost, fitted to the stage's readings) is a
   straggler's or a lucky one: that config is measured once more (`_recheck`) and the refinement
   reads the reading the fit agrees with, so one slow run does not hide the region around the
-  optimum and one lucky run does not pull the refinement to it. When the refinement has no gap
-  left to split, a size the fit predicts better than the stage's best by more than the noise,
-  where its prediction is trusted, is measured (`stage_readings.predicted_better`);
+  optimum and one lucky run does not pull the refinement to it. A size the refinement would split
+  at whose trusted prediction stays below the stage's best reading even at its upper bound is read
+  off the fit instead of measured (`stage_readings.predicted_worse`: it could not lead). When the
+  refinement has no gap left to split, a size the fit predicts better than the stage's best by more
+  than the noise, where its prediction is trusted, is measured (`stage_readings.predicted_better`);
 - another stage is first measured at the incumbent's size (without max_train_batch_size, after its
   own top), which tells how it compares. It is explored further only if the incumbent was the
   largest size its own stage could hold and this stage holds more (the curve was still rising at
@@ -95,7 +97,8 @@ from scheduler.search.repeats import says_nothing
 from scheduler.search.sampling import TOP_GAIN, lead_first, next_size, sawtooth_neighbour, snap
 from scheduler.search.session import Session, Step
 from scheduler.search.stage_readings import (
-    at_cap, beats_at_equal_size, beats_other_stages, leader_of, predicted_better, stage_values, suspect_size,
+    at_cap, beats_at_equal_size, beats_other_stages, leader_of, predicted_better, predicted_worse, stage_values,
+    suspect_size,
 )
 from scheduler.search.stage_space import (
     gas_for, known_feasible, samples_per_step, sizes_ran, stage_candidates, stage_top,
@@ -213,6 +216,7 @@ def explore_stage(session: Session, stage: int, floor: int = 0) -> Step:
             yield from _measure(session, stage, low, f"z{stage}_sample_{low}")
     elif not st.samples_per_step and not floor:
         yield from _sample_smallest(session, stage)
+    predicted: dict[int, float] = {}  # sizes the refinement reads off the fit instead of measuring
     while True:
         values = stage_values(session, stage)
         if sum(v is not None for v in values.values()) >= MAX_POINTS:
@@ -221,7 +225,10 @@ def explore_stage(session: Session, stage: int, floor: int = 0) -> Step:
         if suspect is not None and (yield from _recheck(session, stage, suspect)):
             continue
         sizes = [m for m in stage_candidates(session, stage) if m >= floor]
-        size = next_size({m: v for m, v in values.items() if m >= floor}, sizes, st.maximize)
+        size = next_size({m: v for m, v in {**predicted, **values}.items() if m >= floor}, sizes, st.maximize)
+        if size is not None and (worse := predicted_worse(session, stage, values, size)) is not None:
+            predicted[size] = worse
+            continue
         if size is None:
             size = predicted_better(session, stage, {m: v for m, v in values.items() if m >= floor}, sizes)
         if size is None:

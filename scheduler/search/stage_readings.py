@@ -7,6 +7,7 @@ model (`scheduler.search.cost_model`) and the noise pooled over the job's repeat
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from scheduler.search.confirm import MIN_NOISE, PRIOR_NOISE, SEPARATION_Z, group_readings, pooled_noise
@@ -175,6 +176,25 @@ def predicted_better(session: Session, stage: int, values: Mapping[int, float | 
                if m not in values and model.error(m, gas_for(session, stage, m), noise) < TRUSTED_ERROR]
     better = [(value, m) for value, m in options if value > bar]
     return max(better)[1] if better else None
+
+
+def predicted_worse(session: Session, stage: int, values: Mapping[int, float | None], size: int) -> float | None:
+    """What the cost model fitted to the stage's readings predicts of `size`, when even its upper
+    bound (the prediction plus SEPARATION_Z of its uncertainty: one reading's noise or the fit's
+    misfit, and the prediction's own error, trusted below TRUSTED_ERROR) stays below the stage's
+    best reading: measuring it could not change the refinement's lead. None otherwise."""
+    if not session.settings.maximize:
+        return None
+    ok = {m: v for m, v in values.items() if v is not None and v > 0}
+    model = stage_fit(session, stage, ok)
+    if model is None:
+        return None
+    noise, gas = reading_noise(session), gas_for(session, stage, size)
+    predicted, error = model.predict(size, gas), model.error(size, gas, noise)
+    if predicted <= 0 or error >= TRUSTED_ERROR:
+        return None
+    upper = predicted * (1 + SEPARATION_Z * math.hypot(max(noise, model.misfit), error))
+    return predicted if upper < max(ok.values()) else None
 
 
 def beats_other_stages(session: Session, stage: int, value: float, bounded: bool = False) -> bool:

@@ -345,8 +345,9 @@ def test_lead_stage_samples_low_top_then_splits_the_gap_at_the_best() -> None:
 
 def test_a_small_top_starts_at_size_1_and_refines_every_gap_wider_than_the_ratio() -> None:
     """Top 4: low = the size nearest max(1, 4 / 4) = 1; then 4; best 4: gap 1-4 split at 2 (nearest
-    sqrt 4 = 2); best still 4: gap 2-4 (ratio 2 > 1.45) split at 3; 3-4 is narrower than the ratio."""
-    speed = {(1, 1): 10.0, (1, 2): 20.0, (1, 3): 30.0, (1, 4): 40.0}
+    sqrt 4 = 2); best still 4: gap 2-4 (ratio 2 > 1.45) split at 3; 3-4 is narrower than the ratio.
+    The curve flattens near the top, so the fit of 1, 2 and 4 cannot rule 3 out."""
+    speed = {(1, 1): 10.0, (1, 2): 30.0, (1, 3): 39.0, (1, 4): 40.0}
     launched, _, _ = play(stages_of((1,)), speed, {1: 4}, scripted_settings(stages=(1,)))
     assert launched == [(1, 1, 32), (1, 4, 8), (1, 2, 16), (1, 3, 10)]
 
@@ -357,8 +358,9 @@ def test_without_a_step_limit_the_space_is_deepspeeds_top_times_the_users_gas() 
     first (gas 3: the user's), so the step is bounded by a size that ran; then the other end of the
     range, 1 (gas 36); best 12: gap 1-12 split at the size nearest sqrt(12) = 3.46, i.e. 3 (gas 12);
     gap 3-12 at sqrt(36) = 6 (gas 6); gap 6-12 at the size nearest sqrt(72) = 8.49, i.e. 9 (gas 4);
-    9-12 (ratio 1.33) is too narrow."""
-    speed = {(1, m): float(m) for m in range(1, 13)}
+    9-12 (ratio 1.33) is too narrow. The curve saturates (12 - 6 / m), so no split is ruled out by
+    the fit of the sizes measured before it."""
+    speed = {(1, m): 12.0 - 6.0 / m for m in range(1, 13)}
     launched, _, _ = play(stages_of((1,)), speed, {1: 12},
                           scripted_settings(stages=(1,), max_train_batch_size=None, gradient_accumulation_steps=3))
     assert launched == [(1, 12, 3), (1, 1, 36), (1, 3, 12), (1, 6, 6), (1, 9, 4)]
@@ -440,7 +442,7 @@ def test_a_stage_that_cannot_hold_more_is_not_explored_even_when_the_incumbent_w
 
 
 def test_a_stage_that_fits_nothing_is_skipped_and_the_next_one_leads() -> None:
-    speed = {(0, m): float(m) for m in (1, 2, 3, 4)}
+    speed = {(0, 1): 10.0, (0, 2): 30.0, (0, 3): 39.0, (0, 4): 40.0}
     launched, _, _ = play(stages_of((1, 0)), speed, {1: 0, 0: 4}, scripted_settings(stages=(1, 0)))
     assert launched == [(0, 1, 32), (0, 4, 8), (0, 2, 16), (0, 3, 10)]
 
@@ -798,3 +800,18 @@ def test_a_stage_followed_below_the_incumbents_size_is_compared_there_like_for_l
     8 x 1, the optimum, is found (0.81 named when its reading was set against ZeRO-0's larger size)."""
     outcome = ours(make_surface("needs-strategy", 6048))
     assert outcome.fraction > 0.99 and outcome.launches <= 14
+
+
+def test_a_size_the_fit_predicts_worse_beyond_its_uncertainty_is_not_measured() -> None:
+    """Seconds per sample 2/m + 0.1 + 0.01 m (64 samples a step): 16, 64, 32 and 21 are measured
+    and fit the model exactly. 4, four times below the best, is measured: that far below every
+    measured size the fit is not trusted. 8, between 4 and 16, is predicted below 16's reading
+    even at its upper bound: read off the fit, not launched. 12, predicted within its uncertainty
+    of 16, is measured."""
+    def speed_of(m: int) -> float:
+        return 1.0 / (2.0 / m + 0.1 + 0.01 * m)
+
+    speed = {(1, m): speed_of(m) for m in range(1, 65)}
+    launched, _, _ = play(stages_of((1,)), speed, {1: 64}, scripted_settings(stages=(1,), max_train_batch_size=128))
+    sizes = [mbs for _, mbs, _ in launched]
+    assert sizes == [16, 64, 32, 21, 4, 12]
