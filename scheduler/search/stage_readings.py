@@ -164,12 +164,10 @@ def predicted_better(session: Session, stage: int, values: Mapping[int, float | 
     error under TRUSTED_ERROR); the best such, or None. It finds what the gaps between measured sizes
     hide, such as a size filling the step with one micro-step less (8 ranks, a step of 512: 128 x 4
     between 102 x 5 and 136 x 3, which differ by less than the refinement's ratio)."""
-    if not session.settings.maximize:
+    fitted = _throughput_fit(session, stage, values)
+    if fitted is None:
         return None
-    ok = {m: v for m, v in values.items() if v is not None and v > 0}
-    model = stage_fit(session, stage, ok)
-    if model is None:
-        return None
+    ok, model = fitted
     noise = reading_noise(session)
     bar = max(ok.values()) * (1 + max(noise, model.misfit))
     options = [(model.predict(m, gas_for(session, stage, m)), m) for m in sizes
@@ -183,18 +181,27 @@ def predicted_worse(session: Session, stage: int, values: Mapping[int, float | N
     bound (the prediction plus SEPARATION_Z of its uncertainty: one reading's noise or the fit's
     misfit, and the prediction's own error, trusted below TRUSTED_ERROR) stays below the stage's
     best reading: measuring it could not change the refinement's lead. None otherwise."""
-    if not session.settings.maximize:
+    fitted = _throughput_fit(session, stage, values)
+    if fitted is None:
         return None
-    ok = {m: v for m, v in values.items() if v is not None and v > 0}
-    model = stage_fit(session, stage, ok)
-    if model is None:
-        return None
+    ok, model = fitted
     noise, gas = reading_noise(session), gas_for(session, stage, size)
     predicted, error = model.predict(size, gas), model.error(size, gas, noise)
     if predicted <= 0 or error >= TRUSTED_ERROR:
         return None
     upper = predicted * (1 + SEPARATION_Z * math.hypot(max(noise, model.misfit), error))
     return predicted if upper < max(ok.values()) else None
+
+
+def _throughput_fit(session: Session, stage: int,
+                    values: Mapping[int, float | None]) -> tuple[dict[int, float], StageModel] | None:
+    """(the stage's positive readings, the cost model fitted to them), for a throughput-like metric
+    (the model is of seconds per sample) with three readings or more; else None."""
+    if not session.settings.maximize:
+        return None
+    ok = {m: v for m, v in values.items() if v is not None and v > 0}
+    model = stage_fit(session, stage, ok)
+    return None if model is None else (ok, model)
 
 
 def beats_other_stages(session: Session, stage: int, value: float, bounded: bool = False) -> bool:
