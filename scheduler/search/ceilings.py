@@ -14,8 +14,10 @@ prediction instead, until its own readings settle it: from `SETTLED_READINGS` re
 within `AGREE_RATIO` of each other, they are believed over the curve (a real spike at one size reads
 the same every time; a lucky stage's readings of one config disagree, as only some runs are lucky),
 so `scheduler.search.confirm` measures a contradicted contender until they do or it has that many.
-Below the floor the curve is trusted to have features of its own (tiles, waves, the allocator near
-the memory top). Only throughput-like metrics: the model is of seconds per sample.
+A config read twice whose readings are further apart than `AGREE_RATIO` (`torn`) is judged but
+judges nothing: the mean of a lucky reading and an honest one says neither, and as evidence it
+would bend its neighbours' fit up to a lucky config beside it. Below the floor the curve is
+trusted to have features of its own (tiles, waves, the allocator near the memory top). Only throughput-like metrics: the model is of seconds per sample.
 
 A curve of two or three configs is too short to fit, but one bound holds on any curve: a step of
 more samples (a larger micro-batch, more accumulation, or both) never takes less time, so a config
@@ -59,6 +61,14 @@ class Point:
     mbs: int
     gas: int
     value: float
+    evidence: bool = True  #: whether its value may judge other configs (`torn`: a mean of two that says neither)
+
+
+def torn(values: Sequence[float]) -> bool:
+    """Whether a config's readings are two further apart than `AGREE_RATIO`: one is a straggler's or a
+    lucky one, so their mean is no estimate of the config, and no evidence against its neighbours
+    (from three readings on, the median is one)."""
+    return len(values) == 2 and min(values) > 0 and max(values) / min(values) > AGREE_RATIO
 
 
 def settled(values: Sequence[float]) -> bool:
@@ -66,7 +76,7 @@ def settled(values: Sequence[float]) -> bool:
     return len(values) >= SETTLED_READINGS and min(values) > 0 and max(values) / min(values) <= AGREE_RATIO
 
 
-def point(key: Hashable, ds_config: Mapping[str, Any] | None, value: float) -> Point | None:
+def point(key: Hashable, ds_config: Mapping[str, Any] | None, value: float, evidence: bool = True) -> Point | None:
     """The `Point` of a config from its DeepSpeed config, or None without a micro-batch size."""
     if not isinstance(ds_config, Mapping):
         return None
@@ -75,7 +85,7 @@ def point(key: Hashable, ds_config: Mapping[str, Any] | None, value: float) -> P
     if not isinstance(mbs, int) or not isinstance(gas, int) or mbs < 1 or gas < 1:
         return None
     curve = json.dumps({k: v for k, v in ds_config.items() if k not in SIZE_KEYS}, sort_keys=True, default=str)
-    return Point(key, curve, mbs, gas, value)
+    return Point(key, curve, mbs, gas, value, evidence)
 
 
 def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
@@ -97,7 +107,7 @@ def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
         for p in members:
             if p.value < best / (1 + FLOOR):
                 continue  # too far behind its curve's best to lead
-            model = fit([Reading(o.mbs, o.gas, o.value) for o in members if o is not p])
+            model = fit([Reading(o.mbs, o.gas, o.value) for o in members if o is not p and o.evidence])
             predicted = model.predict(p.mbs, p.gas) if model is not None else 0.0
             if predicted <= 0:
                 continue
@@ -113,5 +123,5 @@ def dominance_bound(p: Point, members: Sequence[Point]) -> float | None:
     accumulation): each one's value times the ratio of samples per step, since `p`'s step takes at
     least as long; None when its curve has no smaller config."""
     bounds = [o.value * (p.mbs * p.gas) / (o.mbs * o.gas) for o in members
-              if o is not p and o.mbs <= p.mbs and o.gas <= p.gas]
+              if o is not p and o.evidence and o.mbs <= p.mbs and o.gas <= p.gas]
     return min(bounds, default=None)

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any, Protocol, TypeVar, Union
 
-from scheduler.search.ceilings import ceilings, point, settled
+from scheduler.search.ceilings import ceilings, point, settled, torn
 
 #: From this many readings on, a config's pooled value is their median (a straggler's or a lucky
 #: reading among them moves it no more than its neighbour's); below, their mean.
@@ -121,7 +121,7 @@ def curve_ceilings(configs: Mapping[K, tuple[Mapping[str, Any] | None, Sequence[
     if not maximize:
         return {}
     caps = ceilings([p for key, (ds_config, values) in configs.items()
-                     if values and (p := point(key, ds_config, pooled_value(values))) is not None])
+                     if values and (p := point(key, ds_config, pooled_value(values), not torn(values))) is not None])
     return {key: cap for key, cap in caps.items() if len(configs[key][1]) >= 2 and not settled(configs[key][1])}
 
 

@@ -8,7 +8,7 @@ import pytest
 from bench.lucky_stage import lucky
 from bench.search_quality import ours
 from scheduler.search import ceilings as ceilings_module
-from scheduler.search.ceilings import Point, ceilings, point, settled
+from scheduler.search.ceilings import Point, ceilings, point, settled, torn
 from scheduler.search.confirm import TORN_RATIO, Readings, unsettled_leader
 from scheduler.search.ranking import curve_ceilings, pooled_best
 
@@ -41,6 +41,21 @@ def test_a_config_within_the_floor_of_its_curve_is_not_capped() -> None:
 def test_a_curve_of_three_configs_caps_nothing() -> None:
     points = [Point((m, g), CURVE, m, g, speed(m, g) * (1.5 if m == 8 else 1.0)) for m, g in SIZES[1:4]]
     assert ceilings(points) == {}
+
+
+def test_a_torn_pair_is_no_evidence_against_its_neighbours() -> None:
+    """Six sizes on one curve: 8 x 4 read 1.6x, and 16 x 2 read twice, once lucky (1.7x) and once
+    honestly. Their mean (1.35x) would bend the fit of 8 x 4's neighbours up to it; as a torn pair
+    it judges nothing, so 8 x 4 is ranked at the curve."""
+    sizes = SIZES + ((1, 32),)
+    readings = {(m, g): [speed(m, g) * 1.6] if m == 8 else [speed(m, g) * 1.7, speed(m, g)] if m == 16
+                else [speed(m, g)] for m, g in sizes}
+    assert torn(readings[(16, 2)]) and not torn(readings[(2, 16)]) and not torn([1.0, 1.7, 1.0])
+    points = [Point((m, g), CURVE, m, g, sum(v) / len(v), not torn(v)) for (m, g), v in readings.items()]
+    assert ceilings(points)[(8, 4)] == pytest.approx(speed(8, 4), rel=0.05)
+    readings[(8, 4)] *= 2  # read lucky twice: ranked at the curve too when the ranking pools the readings
+    ranked = curve_ceilings({(m, g): (config(m, g), values) for (m, g), values in readings.items()}, True)
+    assert ranked[(8, 4)] == pytest.approx(speed(8, 4), rel=0.05)
 
 
 def test_a_config_reading_faster_than_a_smaller_one_allows_is_capped_at_the_bound() -> None:
