@@ -34,8 +34,10 @@ near the memory cap; measurements are noisy, some configs far more than others. 
 - another stage is first measured at the incumbent's size (without max_train_batch_size, after its
   own top), which tells how it compares. It is explored further only if the incumbent was the
   largest size its own stage could hold and this stage holds more (the curve was still rising at
-  the cap), or, with max_train_batch_size, if the incumbent accumulates because its stage cannot
-  hold the size filling the step with one accumulation step less and this stage can
+  the cap; or the cost model puts that largest size within the noise of the incumbent,
+  `stage_readings.flat_to_top`, and this stage holds more than `FLAT_ROOM` times it), or, with
+  max_train_batch_size, if the incumbent accumulates because its stage cannot hold the size
+  filling the step with one accumulation step less and this stage can
   (`_fuller_step`: that size is measured once, and wins or rules the stage out), or, without
   max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step),
   or, when it holds less than the incumbent's size (measured at the size it holds), if it beat the
@@ -97,8 +99,8 @@ from scheduler.search.repeats import says_nothing
 from scheduler.search.sampling import TOP_GAIN, lead_first, next_size, sawtooth_neighbour, snap
 from scheduler.search.session import Session, Step
 from scheduler.search.stage_readings import (
-    at_cap, beats_at_equal_size, beats_other_stages, leader_of, predicted_better, predicted_worse, stage_values,
-    suspect_size,
+    at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, predicted_better, predicted_worse,
+    stage_values, suspect_size,
 )
 from scheduler.search.stage_space import (
     gas_for, known_feasible, samples_per_step, sizes_ran, stage_candidates, stage_top,
@@ -115,6 +117,9 @@ FULL_MODE_BAND = 0.10
 #: times the largest size ZeRO-1/2 hold: near a stage's memory cap the allocator's pressure slows it,
 #: and ZeRO-3 runs those sizes with that much more memory free.
 ZERO3_ROOM = 1.3
+#: A stage holding more than this many times the top of an incumbent's curve that is flat up to
+#: that top (`stage_readings.flat_to_top`) is explored: the leader below the top leads on noise.
+FLAT_ROOM = 2.0
 #: From this many data-parallel ranks ZeRO-3 is measured at least once whatever it holds: its
 #: parameter sharding frees (1 - 1/dp) of the parameters and its prefetch hides the gathers behind
 #: compute, so at scale it can lead (a 4-rank bf16 script; bench/heldout.py's 4-16 rank families).
@@ -139,6 +144,8 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             continue
         inc_mbs = incumbent[1]
         upside = at_cap(session, explored, inc_mbs) and top > inc_mbs
+        flat = flat_to_top(session, incumbent[0]) or 0  # a leader below a flat top leads on noise
+        upside = upside or (flat > inc_mbs and at_cap(session, explored, flat) and top > FLAT_ROOM * flat)
         if stage == 3 and any(s in (1, 2) for s in explored):
             lighter = max(stage_top(session, s) for s in explored if s in (1, 2))
             roomy = top >= ZERO3_ROOM * lighter  # near the top pressure slows the lighter stages
