@@ -17,7 +17,8 @@ so `scheduler.search.confirm` measures a contradicted contender until they do or
 A config read twice whose readings are further apart than `AGREE_RATIO` (`torn`) is judged but
 judges nothing: the mean of a lucky reading and an honest one says neither, and as evidence it
 would bend its neighbours' fit up to a lucky config beside it. Below the floor the curve is
-trusted to have features of its own (tiles, waves, the allocator near the memory top). Only throughput-like metrics: the model is of seconds per sample.
+trusted to have features of its own (tiles, waves, the allocator near the memory top). Only
+throughput-like metrics: the model is of seconds per sample.
 
 A curve of two or three configs is too short to fit, but one bound holds on any curve: a step of
 more samples (a larger micro-batch, more accumulation, or both) never takes less time, so a config

@@ -19,7 +19,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   that ran), then the smallest size, with the most accumulation (`_sample_smallest`: on CPU slots
   the real GPT example's optimum lay there, below a plateau a quarter of the top would have sat
   on). Then golden-section-like refinement on log(mbs) around the best
-  measured size until its neighbours are within `sampling.REFINE_RATIO` of it, splitting the gaps between
+  measured size (where the cost model explains four or more readings within the noise, the size it
+  predicts best, if its reading is within the noise of the best: `stage_readings.smoothed_best`)
+  until its neighbours are within `sampling.REFINE_RATIO` of it, splitting the gaps between
   measured sizes before going below the smallest; a top that the memory line later moves up is
   probed again only when it is `sampling.TOP_GAIN` larger. A reading the fit of the stage's
   other sizes contradicts (`scheduler.search.cost_model`: seconds per sample as a per-micro-step,
@@ -100,7 +102,7 @@ from scheduler.search.sampling import TOP_GAIN, lead_first, next_size, sawtooth_
 from scheduler.search.session import Session, Step
 from scheduler.search.stage_readings import (
     at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, predicted_better, predicted_worse,
-    stage_values, suspect_size,
+    smoothed_best, stage_values, suspect_size,
 )
 from scheduler.search.stage_space import (
     gas_for, known_feasible, samples_per_step, sizes_ran, stage_candidates, stage_top,
@@ -232,7 +234,8 @@ def explore_stage(session: Session, stage: int, floor: int = 0) -> Step:
         if suspect is not None and (yield from _recheck(session, stage, suspect)):
             continue
         sizes = [m for m in stage_candidates(session, stage) if m >= floor]
-        size = next_size({m: v for m, v in {**predicted, **values}.items() if m >= floor}, sizes, st.maximize)
+        size = next_size({m: v for m, v in {**predicted, **values}.items() if m >= floor}, sizes, st.maximize,
+                         smoothed_best(session, stage, {m: v for m, v in values.items() if m >= floor}))
         if size is not None and (worse := predicted_worse(session, stage, values, size)) is not None:
             predicted[size] = worse
             continue

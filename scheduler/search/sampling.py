@@ -51,14 +51,17 @@ def snap(target: float, sizes: Sequence[int]) -> int:
     return min(sizes, key=lambda m: (abs(math.log(m / target)), m))
 
 
-def next_size(values: Mapping[int, float | None], sizes: Sequence[int], maximize: bool = True) -> int | None:
+def next_size(values: Mapping[int, float | None], sizes: Sequence[int], maximize: bool = True,
+              best: int | None = None) -> int | None:
     """The next micro-batch size to measure in one stage, or None when the stage is done.
 
     `values`: size -> metric (None: failed). `sizes`: the sizes allowed now (`full_step_sizes` up to
     the largest size memory allows, below every failure). The largest is always seen; then the
     larger log-gap next to the best size is split at the allowed size nearest its geometric middle,
     going four times lower when the best is the smallest size measured; a gap narrower than
-    REFINE_RATIO, or with no allowed size inside, is not split.
+    REFINE_RATIO, or with no allowed size inside, is not split. `best`: the size to refine around,
+    when a measured size that ran (the cost model's best among readings the noise cannot order);
+    else the best reading.
     """
     if not sizes:
         return None
@@ -66,7 +69,8 @@ def next_size(values: Mapping[int, float | None], sizes: Sequence[int], maximize
     ok = sorted(m for m, v in values.items() if v is not None and m <= top)
     if not ok or (top >= ok[-1] * TOP_GAIN and top not in values):
         return top if top not in values else None
-    best = max(ok, key=lambda m: (values[m] if maximize else -values[m], -m))
+    if best not in ok:
+        best = max(ok, key=lambda m: (values[m] if maximize else -values[m], -m))
     index = ok.index(best)
     options: list[tuple[float, int]] = []
 

@@ -193,6 +193,22 @@ def predicted_worse(session: Session, stage: int, values: Mapping[int, float | N
     return predicted if upper < max(ok.values()) else None
 
 
+def smoothed_best(session: Session, stage: int, values: Mapping[int, float | None]) -> int | None:
+    """The measured size the cost model fitted to the stage's readings (four or more, its misfit
+    within one reading's noise) predicts best, when its reading is within the noise of the best
+    reading: between readings the noise cannot order, the curve's shape says where the peak is.
+    None otherwise."""
+    fitted = _throughput_fit(session, stage, values)
+    if fitted is None or len(fitted[0]) < 4:
+        return None
+    ok, model = fitted
+    noise = reading_noise(session)
+    if model.misfit > noise:
+        return None
+    size = max(ok, key=lambda m: model.predict(m, gas_for(session, stage, m)))
+    return size if ok[size] * (1 + SEPARATION_Z * math.sqrt(2) * noise) >= max(ok.values()) else None
+
+
 def _throughput_fit(session: Session, stage: int,
                     values: Mapping[int, float | None]) -> tuple[dict[int, float], StageModel] | None:
     """(the stage's positive readings, the cost model fitted to them), for a throughput-like metric
