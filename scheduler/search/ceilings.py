@@ -25,6 +25,11 @@ more samples (a larger micro-batch, more accumulation, or both) never takes less
 cannot read faster than a smaller one of its curve by more than their ratio of samples per step
 (`dominance_bound`). A pooled value past that bound by more than `FLOOR` is ranked at the bound,
 until its readings settle it as above (a lucky stage read 26 x 1 at 1.44 beside 20 x 1 at 0.69).
+Settled readings do not lift a bound set by a smaller config read twice in agreement (`firm_bounds`):
+it is a physical limit, not a fit, and three lucky readings in a row agree with each other too
+(21 x 1 at 1.53, 1.31, 1.52 of its speed beside 19 x 1's 0.91). A bound set by a config read once
+may be a straggler's reading: that config is the leader's witness (`bound_witnesses`), read again
+before the winner is named (`scheduler.search.repeats`).
 
 Pure: values in, ceilings out.
 """
@@ -63,6 +68,7 @@ class Point:
     gas: int
     value: float
     evidence: bool = True  #: whether its value may judge other configs (`torn`: a mean of two that says neither)
+    readings: int = 1  #: how many readings its value pools
 
 
 def torn(values: Sequence[float]) -> bool:
@@ -77,7 +83,8 @@ def settled(values: Sequence[float]) -> bool:
     return len(values) >= SETTLED_READINGS and min(values) > 0 and max(values) / min(values) <= AGREE_RATIO
 
 
-def point(key: Hashable, ds_config: Mapping[str, Any] | None, value: float, evidence: bool = True) -> Point | None:
+def point(key: Hashable, ds_config: Mapping[str, Any] | None, value: float, evidence: bool = True,
+          readings: int = 1) -> Point | None:
     """The `Point` of a config from its DeepSpeed config, or None without a micro-batch size."""
     if not isinstance(ds_config, Mapping):
         return None
@@ -86,18 +93,14 @@ def point(key: Hashable, ds_config: Mapping[str, Any] | None, value: float, evid
     if not isinstance(mbs, int) or not isinstance(gas, int) or mbs < 1 or gas < 1:
         return None
     curve = json.dumps({k: v for k, v in ds_config.items() if k not in SIZE_KEYS}, sort_keys=True, default=str)
-    return Point(key, curve, mbs, gas, value, evidence)
+    return Point(key, curve, mbs, gas, value, evidence, readings)
 
 
 def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
     """key -> the value a contradicted config is ranked at (its curve's prediction), for each
     config the fit of its curve's other configs contradicts (module docstring)."""
     out: dict[Hashable, float] = {}
-    curves: dict[str, list[Point]] = {}
-    for p in points:
-        if p.value > 0:
-            curves.setdefault(p.curve, []).append(p)
-    for members in curves.values():
+    for members in _curves(points).values():
         for p in members:
             bound = dominance_bound(p, members)
             if bound is not None and p.value > bound * (1 + FLOOR):
@@ -119,10 +122,55 @@ def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
     return out
 
 
-def dominance_bound(p: Point, members: Sequence[Point]) -> float | None:
+def dominance_bound(p: Point, members: Sequence[Point], firm: bool = False) -> float | None:
     """The most `p` can read given its curve's smaller configs (no larger micro-batch, no more
     accumulation): each one's value times the ratio of samples per step, since `p`'s step takes at
-    least as long; None when its curve has no smaller config."""
-    bounds = [o.value * (p.mbs * p.gas) / (o.mbs * o.gas) for o in members
-              if o is not p and o.evidence and o.mbs <= p.mbs and o.gas <= p.gas]
+    least as long; None when its curve has no smaller config. `firm`: only smaller configs read
+    twice or more whose readings agree (`confirmed`), whose value no straggler's reading lowered."""
+    bounds = [o.value * (p.mbs * p.gas) / (o.mbs * o.gas) for o in _smaller(p, members)
+              if not firm or confirmed(o)]
     return min(bounds, default=None)
+
+
+def confirmed(p: Point) -> bool:
+    """Whether `p`'s value rests on two readings or more that are not `torn`."""
+    return p.evidence and p.readings >= 2
+
+
+def firm_bounds(points: Sequence[Point]) -> dict[Hashable, float]:
+    """key -> the `dominance_bound` of each config its `firm` bound contradicts (past it by more
+    than `FLOOR`): a physical limit, not a fit, so the config's own readings, settled or not, cannot
+    lift it (three lucky readings in a row agree with each other)."""
+    out: dict[Hashable, float] = {}
+    for members in _curves(points).values():
+        for p in members:
+            bound = dominance_bound(p, members, firm=True)
+            if bound is not None and p.value > bound * (1 + FLOOR):
+                out[p.key] = bound
+    return out
+
+
+def bound_witnesses(points: Sequence[Point]) -> dict[Hashable, Hashable]:
+    """key -> the smaller config read once whose reading bounds it below its value (past the bound
+    by more than `FLOOR`): measured again, it makes the bound `firm`, or shows it was a straggler's."""
+    out: dict[Hashable, Hashable] = {}
+    for members in _curves(points).values():
+        for p in members:
+            witnesses = [(o.value * (p.mbs * p.gas) / (o.mbs * o.gas), o.key) for o in _smaller(p, members)
+                         if o.readings < 2]
+            bound, key = min(witnesses, default=(math.inf, None))
+            if key is not None and p.value > bound * (1 + FLOOR):
+                out[p.key] = key
+    return out
+
+
+def _smaller(p: Point, members: Sequence[Point]) -> list[Point]:
+    return [o for o in members if o is not p and o.evidence and o.mbs <= p.mbs and o.gas <= p.gas]
+
+
+def _curves(points: Sequence[Point]) -> dict[str, list[Point]]:
+    curves: dict[str, list[Point]] = {}
+    for p in points:
+        if p.value > 0:
+            curves.setdefault(p.curve, []).append(p)
+    return curves

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any, Protocol, TypeVar, Union
 
-from scheduler.search.ceilings import ceilings, point, settled, torn
+from scheduler.search.ceilings import Point, ceilings, firm_bounds, point, settled, torn
 
 #: From this many readings on, a config's pooled value is their median (a straggler's or a lucky
 #: reading among them moves it no more than its neighbour's); below, their mean.
@@ -114,15 +114,25 @@ def pooled_best(records: Sequence[Record], metric: str, maximize: bool) -> tuple
 def curve_ceilings(configs: Mapping[K, tuple[Mapping[str, Any] | None, Sequence[float]]],
                    maximize: bool) -> dict[K, float]:
     """key -> the value a config read more than once is ranked at when its stage's curve contradicts
-    its pooled readings and they are not `settled` (`scheduler.search.ceilings`), from each config's
-    DeepSpeed config and readings; none for a metric minimised (the cost model is of seconds per
+    its pooled readings and they are not `settled` (`scheduler.search.ceilings`), or, settled or
+    not, a `firm` dominance bound does, from each config's DeepSpeed config and readings; none for a metric minimised (the cost model is of seconds per
     sample). A config read once is left as read: our searches measure a leader again before naming
     it (`scheduler.search.confirm`), and `"search": "deepspeed"` keeps DeepSpeed's best single reading."""
     if not maximize:
         return {}
-    caps = ceilings([p for key, (ds_config, values) in configs.items()
-                     if values and (p := point(key, ds_config, pooled_value(values), not torn(values))) is not None])
-    return {key: cap for key, cap in caps.items() if len(configs[key][1]) >= 2 and not settled(configs[key][1])}
+    points = curve_points(configs)
+    caps = {key: cap for key, cap in ceilings(points).items()
+            if len(configs[key][1]) >= 2 and not settled(configs[key][1])}
+    for key, bound in firm_bounds(points).items():
+        if len(configs[key][1]) >= 2:
+            caps[key] = min(bound, caps.get(key, math.inf))
+    return caps
+
+
+def curve_points(configs: Mapping[K, tuple[Mapping[str, Any] | None, Sequence[float]]]) -> list[Point]:
+    """The `scheduler.search.ceilings.Point` of each config read, from its DeepSpeed config and readings."""
+    return [p for key, (ds_config, values) in configs.items()
+            if values and (p := point(key, ds_config, pooled_value(values), not torn(values), len(values))) is not None]
 
 
 def config_key(record: Mapping[str, Any] | Ranked) -> str:

@@ -19,7 +19,9 @@ behaviour (a crash is that config's result, the best single reading wins), and t
   `confirm.past_budget`), gets up to `READ_ONCE_GRACE` launches more; whenever nothing else is due
   (the leader confirmed, or those launches spent), a leader read once, or twice and torn, or a config
   ranked at its stage's curve that would lead on its own readings (`scheduler.search.ceilings`) is
-  measured again, up to three readings each (`confirm.unsettled_leader`); the winner is the best
+  measured again, up to three readings each (`confirm.unsettled_leader`); then a smaller config
+  of the leader's curve read once whose reading bounds the leader below its value is read once
+  more (`_leaders_witness`: its bound becomes firm, or its reading was a straggler's); the winner is the best
   pooled value of every reading (`scheduler.search.ranking.best` pools repeats: a mean, a median
   from three, capped at its stage's curve where that contradicts them).
 """
@@ -31,10 +33,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from scheduler.search.confirm import (READ_ONCE_GRACE, group_readings, next_repeat, past_budget, unsettled_leader,
-                                      repeat_budget)
-from scheduler.search.ceilings import SETTLED_READINGS
-from scheduler.search.ranking import curve_ceilings, metric_value
+from scheduler.search.confirm import (READ_ONCE_GRACE, Readings, group_readings, next_repeat, ordered, past_budget,
+                                      repeat_budget, unsettled_leader)
+from scheduler.search.ceilings import SETTLED_READINGS, bound_witnesses
+from scheduler.search.ranking import curve_ceilings, curve_points, metric_value
 from scheduler.search.session import Session, Step, under_foreign_memory
 from scheduler.search.space import PROFILE, Experiment
 
@@ -124,6 +126,8 @@ def confirm(session: Session) -> Step:
         if key is None and groups:
             key = unsettled_leader(groups, st.maximize)
             key = key if key is not None and launched[key] == len(readings[key]) < SETTLED_READINGS else None
+        if key is None and groups:
+            key = _leaders_witness(groups, originals, readings, launched, st.maximize)
         if key is None:
             return
         exp = originals[key]
@@ -131,3 +135,15 @@ def confirm(session: Session) -> Step:
                             exp.gradient_accumulation_steps, exp.ds_config, exp.num_nodes, exp.num_gpus,
                             exp.tuning_space, exclusive=True, strategy=exp.strategy)
         yield from session.measure(f"confirm_{spent}", [repeat])
+
+
+def _leaders_witness(groups: Sequence[Readings[str]], originals: Mapping[str, Experiment],
+                     readings: Mapping[str, Sequence[float]], launched: Mapping[str, int],
+                     maximize: bool) -> str | None:
+    """The config read once whose reading bounds the leader below its value
+    (`scheduler.search.ceilings.bound_witnesses`): read again, its bound is firm and ranks the
+    leader at it, or it was a straggler's and the leader stands. None otherwise."""
+    leader = ordered(groups, maximize)[0].key
+    points = curve_points({key: (originals[key].ds_config, values) for key, values in readings.items()})
+    witness = bound_witnesses(points).get(leader) if maximize else None
+    return witness if witness is not None and launched[witness] == 1 else None
