@@ -99,12 +99,8 @@ def point(key: Hashable, ds_config: Mapping[str, Any] | None, value: float, evid
 def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
     """key -> the value a contradicted config is ranked at (its curve's prediction), for each
     config the fit of its curve's other configs contradicts (module docstring)."""
-    out: dict[Hashable, float] = {}
+    out = _past_bounds(points, firm=False)
     for members in _curves(points).values():
-        for p in members:
-            bound = dominance_bound(p, members)
-            if bound is not None and p.value > bound * (1 + FLOOR):
-                out[p.key] = bound
         if len(members) < 4:
             continue
         best = max(p.value for p in members)
@@ -141,10 +137,15 @@ def firm_bounds(points: Sequence[Point]) -> dict[Hashable, float]:
     """key -> the `dominance_bound` of each config its `firm` bound contradicts (past it by more
     than `FLOOR`): a physical limit, not a fit, so the config's own readings, settled or not, cannot
     lift it (three lucky readings in a row agree with each other)."""
+    return _past_bounds(points, firm=True)
+
+
+def _past_bounds(points: Sequence[Point], firm: bool) -> dict[Hashable, float]:
+    """key -> the `dominance_bound` (`firm` or not) of each config past it by more than `FLOOR`."""
     out: dict[Hashable, float] = {}
     for members in _curves(points).values():
         for p in members:
-            bound = dominance_bound(p, members, firm=True)
+            bound = dominance_bound(p, members, firm)
             if bound is not None and p.value > bound * (1 + FLOOR):
                 out[p.key] = bound
     return out

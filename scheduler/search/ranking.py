@@ -115,9 +115,10 @@ def curve_ceilings(configs: Mapping[K, tuple[Mapping[str, Any] | None, Sequence[
                    maximize: bool) -> dict[K, float]:
     """key -> the value a config read more than once is ranked at when its stage's curve contradicts
     its pooled readings and they are not `settled` (`scheduler.search.ceilings`), or, settled or
-    not, a `firm` dominance bound does, from each config's DeepSpeed config and readings; none for a metric minimised (the cost model is of seconds per
-    sample). A config read once is left as read: our searches measure a leader again before naming
-    it (`scheduler.search.confirm`), and `"search": "deepspeed"` keeps DeepSpeed's best single reading."""
+    not, a `firm` dominance bound does, from each config's DeepSpeed config and readings; none for a
+    metric minimised (the cost model is of seconds per sample). A config read once is left as read:
+    our searches measure a leader again before naming it (`scheduler.search.confirm`), and
+    `"search": "deepspeed"` keeps DeepSpeed's best single reading."""
     if not maximize:
         return {}
     points = curve_points(configs)
@@ -131,8 +132,9 @@ def curve_ceilings(configs: Mapping[K, tuple[Mapping[str, Any] | None, Sequence[
 
 def curve_points(configs: Mapping[K, tuple[Mapping[str, Any] | None, Sequence[float]]]) -> list[Point]:
     """The `scheduler.search.ceilings.Point` of each config read, from its DeepSpeed config and readings."""
-    return [p for key, (ds_config, values) in configs.items()
-            if values and (p := point(key, ds_config, pooled_value(values), not torn(values), len(values))) is not None]
+    points = (point(key, ds_config, pooled_value(values), not torn(values), len(values))
+              for key, (ds_config, values) in configs.items() if values)
+    return [p for p in points if p is not None]
 
 
 def config_key(record: Mapping[str, Any] | Ranked) -> str:

@@ -21,9 +21,9 @@ behaviour (a crash is that config's result, the best single reading wins), and t
   ranked at its stage's curve that would lead on its own readings (`scheduler.search.ceilings`) is
   measured again, up to three readings each (`confirm.unsettled_leader`); then a smaller config
   of the leader's curve read once whose reading bounds the leader below its value is read once
-  more (`_leaders_witness`: its bound becomes firm, or its reading was a straggler's); the winner is the best
-  pooled value of every reading (`scheduler.search.ranking.best` pools repeats: a mean, a median
-  from three, capped at its stage's curve where that contradicts them).
+  more (`_leaders_witness`: its bound becomes firm, or its reading was a straggler's); the winner
+  is the best pooled value of every reading (`scheduler.search.ranking.best` pools repeats: a mean,
+  a median from three, capped at its stage's curve where that contradicts them).
 """
 from __future__ import annotations
 
