@@ -143,12 +143,10 @@ def flat_to_top(session: Session, stage: int) -> int | None:
     curve is flat or rising up to the memory top, so a leader below that top leads on noise, and a
     stage (or a strategy) holding larger sizes may do better. None otherwise, with fewer than three
     sizes read, or for a metric minimised (the model is of seconds per sample)."""
-    if not session.settings.maximize:
+    fitted = _throughput_fit(session, stage, stage_values(session, stage))
+    if fitted is None:
         return None
-    values = {m: v for m, v in stage_values(session, stage).items() if v is not None and v > 0}
-    model = stage_fit(session, stage, values)
-    if model is None:
-        return None
+    values, model = fitted
     top = max(values)
     predicted = {m: model.predict(m, gas_for(session, stage, m)) for m in values}
     if predicted[top] * (1 + SEPARATION_Z * max(reading_noise(session), model.misfit)) < max(predicted.values()):
