@@ -74,7 +74,8 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   the next upward probe is the geometric midpoint, and a stage stops probing upward after
   `MAX_FAILURES` failures above a success (`MAX_BLIND_FAILURES` halvings when nothing in the job
   ran yet);
-- before confirming, the leader's saw-tooth neighbour with max_train_batch_size (`try_sawtooth`);
+- before confirming, the leader's saw-tooth neighbour with max_train_batch_size, and the size
+  filling its step at its own accumulation where it was measured as a provisional top (`try_sawtooth`);
   without it, a leader that accumulates widens its stage's step to the predicted top
   (`widen_step`): one probe of the top, then the leader's gas at the largest size filling it;
 - `scheduler.search.repeats.confirm` (run after this search by `fast_search`): no config is named
@@ -98,7 +99,7 @@ from typing import Any
 
 from scheduler.search.ranking import metric_value
 from scheduler.search.repeats import says_nothing
-from scheduler.search.sampling import TOP_GAIN, lead_first, next_size, sawtooth_neighbour, snap
+from scheduler.search.sampling import TOP_GAIN, filled_size, lead_first, next_size, sawtooth_neighbour, snap
 from scheduler.search.session import Session, Step
 from scheduler.search.stage_readings import (
     at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, predicted_better, predicted_worse,
@@ -332,7 +333,9 @@ def _relative(value: float, reference: float, maximize: bool) -> float:
 def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
     """Before the winner is confirmed, measure the leader's saw-tooth neighbour (`sawtooth_neighbour`)
     once: refinement stops at sizes within sampling.REFINE_RATIO, which a size one smaller always is, though
-    its extra accumulation step may train more samples per step for the same fixed costs. Only with
+    its extra accumulation step may train more samples per step for the same fixed costs. Then, when
+    the leader leaves its step unfilled and its stage holds the size filling it at the leader's own
+    accumulation (`filled_size`: a leader measured as a provisional top), that size once. Only with
     max_train_batch_size: without it every sampled size fills the step, and a kept global batch is
     filled exactly by every size it allows."""
     st = session.settings
@@ -345,6 +348,9 @@ def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
     size = sawtooth_neighbour(mbs, gas_for(session, stage, mbs), st.samples_per_step)
     if size is not None and size not in stage_values(session, stage):
         yield from _measure(session, stage, size, f"z{stage}_sawtooth_{size}")
+    filled = filled_size(mbs, gas_for(session, stage, mbs), st.samples_per_step)
+    if filled is not None and filled <= stage_top(session, stage) and filled not in stage_values(session, stage):
+        yield from _measure(session, stage, filled, f"z{stage}_filled_{filled}")
 
 
 def widen_step(session: Session, stages: Sequence[int]) -> Step:

@@ -99,6 +99,18 @@ def lead_first(stages: Sequence[int], dp_size: int) -> list[int]:
     return ordered
 
 
+def filled_size(mbs: int, gas: int, samples_per_step: int | None) -> int | None:
+    """The size filling the step at the leader's own accumulation (samples_per_step // gas), when it
+    trains at least SAWTOOTH_GAIN times the leader's samples per step (a leader measured as a stage's
+    provisional top, 12 x 2 of a step of 32 before later probes showed the stage holds 16, leaves
+    part of its step unfilled: the same micro-steps could train more samples for the same fixed
+    costs); None when there is no step limit or the leader fills it already."""
+    if not samples_per_step:
+        return None
+    size = samples_per_step // max(1, gas)
+    return size if size >= SAWTOOTH_GAIN * mbs else None
+
+
 def sawtooth_neighbour(mbs: int, gas: int, samples_per_step: int | None) -> int | None:
     """The size one accumulation step further along the saw-tooth from (mbs, gas): the largest that
     fills samples_per_step // (gas + 1) per micro-step, when it is smaller than `mbs` and fills at

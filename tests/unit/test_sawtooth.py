@@ -1,5 +1,6 @@
-"""The leader's neighbour along the accumulation saw-tooth: one size smaller with
-one more accumulation step, tried before the winner is named when it fills more of the step."""
+"""The leader's neighbour along the accumulation saw-tooth (one size smaller with one more
+accumulation step) and the size filling its step at its own accumulation: tried before the winner
+is named when they fill more of the step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from scheduler.search.fast_search import PROFILE, fast_search
 from scheduler.search.global_batch import GlobalBatch
 from scheduler.search.phases import drive
 from scheduler.search.ranking import best
-from scheduler.search.sampling import sawtooth_neighbour
+from scheduler.search.sampling import filled_size, sawtooth_neighbour
 from scheduler.search.session import SearchSettings
 from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner
 
@@ -29,6 +30,18 @@ from tests.unit.test_fast_search import LAW, USER_CONFIG, Law, Runner
 ])
 def test_sawtooth_neighbour(mbs: int, gas: int, step: int | None, expected: int | None) -> None:
     assert sawtooth_neighbour(mbs, gas, step) == expected
+
+
+@pytest.mark.parametrize(("mbs", "gas", "step", "expected"), [
+    (12, 2, 32, 16),  # a provisional top at gas 2: 16 x 2 fills the step of 32
+    (7, 2, 16, 8),  # 8 x 2 = 16 beside 7 x 2 = 14
+    (31, 2, 64, None),  # 32 x 2 = 64 beside 62: under 5 % more, not worth a launch
+    (16, 2, 32, None),  # the leader fills its step already
+    (10, 3, 32, None),  # 32 // 3 = 10: no larger size at gas 3
+    (12, 2, None, None),  # no step limit: every size fills its step already
+])
+def test_filled_size(mbs: int, gas: int, step: int | None, expected: int | None) -> None:
+    assert filled_size(mbs, gas, step) == expected
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,21 @@ def test_the_leaders_sawtooth_neighbour_is_tried_when_its_stage_was_only_followe
     names = [phase.name for phase in phases]
     assert "z0_sawtooth_8" in names
     assert names.index("z0_sawtooth_8") < names.index(next(n for n in names if n.startswith("confirm")))
+
+
+def test_a_leader_measured_as_a_provisional_top_has_its_step_filled_before_confirming() -> None:
+    """Bench surface cliff 49 (max_train_batch_size 64 on 2 ranks: a step of 32): ZeRO-1's top
+    probe at 24 failed, so 12 x 2, the midpoint, was probed as the stage's top; later probes ran
+    17 and 20, and 12 x 2 led on a lucky reading, with 16 x 2 (a full step, the optimum) within
+    REFINE_RATIO of it and never split off. The size filling the leader's step at its own
+    accumulation is measured before the confirmation, and wins."""
+    surface = make_surface("cliff", 49)
+    phases, records = _search_on(surface)
+    names = [phase.name for phase in phases]
+    assert "z1_filled_16" in names
+    assert names.index("z1_filled_16") < names.index(next(n for n in names if n.startswith("confirm")))
+    winner = best([r for r in records if r["name"] != PROFILE], "throughput", True)
+    assert _config_of(winner) == (1, 16, 2) == (1, *surface.optimum()[1][1:])
 
 
 def test_a_kept_global_batch_has_no_sawtooth_to_try() -> None:
