@@ -45,7 +45,8 @@ from scheduler.search.session import (
     NoStageFits, SearchAborted, SearchSettings, Session, measured_capacity, measured_reserve, peak_of, succeeded,
 )
 from scheduler.search.space import PROFILE, experiment_name
-from scheduler.search.strategy_search import profile_offloaded, stages_that_fit, try_strategies
+from scheduler.search.strategy_fit import profile_offloaded, stages_that_fit
+from scheduler.search.strategy_search import try_strategies
 
 #: DeepSpeed's METRIC_PERCENT_DIFF_CONST: a larger batch must improve the metric by more than this.
 PLATEAU = 0.05

@@ -1,6 +1,6 @@
 """A model that fits only with a memory strategy, learned from the probes rather than predicted.
 
-Why: `strategy_search.stages_that_fit` picks a strategy before the search when the memory model
+Why: `strategy_fit.stages_that_fit` picks a strategy before the search when the memory model
 says no allowed stage holds micro-batch 1. The model is calibrated from the profile run, which
 trains no optimizer step: on a real trace of the GPT example (bench/traces/train_gpt_ckpt.json,
 host memory) the profile peaked at 517 MiB and micro-batch 1 at 587, so in a 570 MiB slot the model

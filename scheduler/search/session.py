@@ -85,7 +85,7 @@ class SearchSettings:
     tuning_config: TuningConfig | None = field(default=None, compare=False, repr=False)
     #: the user's global batch, kept by every experiment when `size` is set (`inputs.batch_keys.global_batch`)
     global_batch: GlobalBatch = GlobalBatch()
-    strategy: tuple[str, ...] = ()  #: every experiment's memory strategies (`strategy_search.stages_that_fit`)
+    strategy: tuple[str, ...] = ()  #: every experiment's memory strategies (`strategy_fit.stages_that_fit`)
     checkpointing_fixed: bool = False  #: the script's own arguments turn activation checkpointing on
     #: the strategies the user allows and where offload goes (`inputs.memory_strategies`)
     memory_strategies: MemoryStrategyKeys = MemoryStrategyKeys()

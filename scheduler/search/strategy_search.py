@@ -1,48 +1,37 @@
-"""Memory strategies in a search: the one a model needs to fit, and the larger micro-batch one allows.
+"""Memory strategies in a search: the larger micro-batch one lets a leader at its memory top run.
 
 Why: DeepSpeed's autotuner tunes neither offload nor activation checkpointing (`scheduler.search.
-strategies` has what each frees and costs). Two decisions bring them into our search, each a rule
-of the memory model rather than a guess:
-
-1. **Nothing fits without one** (`stages_that_fit`). When no allowed ZeRO stage fits micro-batch 1,
-   the combinations of the allowed strategies are tried cheapest first (`strategies.ordered_combinations`)
-   and the first the memory model says fits micro-batch 1 at some allowed stage becomes the
-   search's own (`SearchSettings.strategy`): every experiment runs with it, its memory lines are
-   measured under it, and the search goes on as it would on a larger device. Without permission the
-   job ends with one line naming the cheapest combination the model says would fit and the config
-   line that allows it (a `NoStageFits`). A profile run (ZeRO-3, micro-batch 1) that ran out of
-   memory proves that no stage holds the states: it runs once more with every allowed offload
-   (`profile_offloaded`), and only combinations with an offload are candidates (the model, which
-   may have called that profile a fit, is not trusted without); the profile's own offload always
-   fits (it ran at ZeRO-3).
-2. **The leader sits at its stage's memory top** (`try_strategies`, after the sampled search and
-   before the winner is confirmed). When the leader is the largest size its stage ran at, the curve
-   was still rising where memory cut it; when the cost model fitted to the stage's readings predicts
-   that largest size within the noise of the stage's best (`_flat_to_top`: a leader below a flat top
-   leads on noise), the strategies start from the top's run. Each allowed strategy (one at a time,
-   on top of the leader's own; the leader within `TOP_SLACK` of the largest size its stage holds)
-   whose memory line holds a size at least `TOP_GAIN` above what the stage holds without it (its
-   measured failures and the model) is measured at its line's top, keeping the leader's samples per
-   step (a larger micro-batch with less accumulation; the kept global batch's share when one is
-   kept). A top more than `CAUTIOUS_SPAN` times that room is mostly the prior's: its geometric
-   middle is measured first. Strategies stack: when the best run with one more strategy beats the
-   run it was added to and sits at its own line's top, each remaining strategy is tried on top of it
-   (offload of the optimizer, then of the parameters, then checkpointing each free memory the others
-   do not). Where the samples per step are held, a strategy whose time prior
-   (`strategies.step_cost_s`, with the leader's own step time as its compute) already adds the
-   leader's whole step is not measured: a larger micro-batch then saves at most the step's
-   per-micro-step costs. Each strategy's next size is its line's top again, kept below the geometric
-   middle between its largest size that ran and its smallest that ran out of memory, and, after a
-   run that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of
-   activations it keeps: `strategies.measured_keep_share`). A run at its line's top that reads
-   better than the leader measures the sizes the safety margin kept out once (up to the line's own
-   top: the curve still rises where the margin cuts it); on a checkpointed line neither a peak nor a
-   failure checked (`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP`
-   larger, then the middle if it failed. `STRATEGY_PROBES` runs per strategy at most. The best
-   strategy run, when it beat the leader, is measured once more at the stage whose line holds the
-   largest size with it (`_roomier_stage`: one that shards more of the states has more room for a
-   larger micro-batch with it; a stage never measured, such as ZeRO-3 on few ranks, counts, its line
-   the model's). The normal confirmation ranks every run with the rest.
+strategies` has what each frees and costs). The strategy a model needs to fit at all is chosen
+before the search (`scheduler.search.strategy_fit`); here, a rule of the memory model rather than a
+guess brings them in where the leader sits at its stage's memory top (`try_strategies`, after the
+sampled search and before the winner is confirmed). When the leader is the largest size its stage
+ran at, the curve was still rising where memory cut it; when the cost model fitted to the stage's
+readings predicts that largest size within the noise of the stage's best (`_flat_to_top`: a leader
+below a flat top leads on noise), the strategies start from the top's run; a leader below that
+largest size, read once there, has it read again first (`_read_top_again`: one straggler's reading
+would rule every strategy out). Each allowed strategy (one at a time, on top of the leader's own;
+the leader within `TOP_SLACK` of the largest size its stage holds) whose memory line holds a size at
+least `TOP_GAIN` above what the stage holds without it (its measured failures and the model) is
+measured at its line's top, keeping the leader's samples per step (a larger micro-batch with less
+accumulation; the kept global batch's share when one is kept). A top more than `CAUTIOUS_SPAN` times
+that room is mostly the prior's: its geometric middle is measured first. Strategies stack: when the
+best run with one more strategy beats the run it was added to and sits at its own line's top, each
+remaining strategy is tried on top of it (offload of the optimizer, then of the parameters, then
+checkpointing each free memory the others do not). Where the samples per step are held, a strategy
+whose time prior (`strategies.step_cost_s`, with the leader's own step time as its compute) already
+adds the leader's whole step is not measured: a larger micro-batch then saves at most the step's
+per-micro-step costs. Each strategy's next size is its line's top again, kept below the geometric
+middle between its largest size that ran and its smallest that ran out of memory, and, after a run
+that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of activations
+it keeps: `strategies.measured_keep_share`). A run at its line's top that reads better than the
+leader measures the sizes the safety margin kept out once (up to the line's own top: the curve still
+rises where the margin cuts it); on a checkpointed line neither a peak nor a failure checked
+(`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP` larger, then the
+middle if it failed. `STRATEGY_PROBES` runs per strategy at most. The best strategy run, when it
+beat the leader, is measured once more at the stage whose line holds the largest size with it
+(`_roomier_stage`: one that shards more of the states has more room for a larger micro-batch with
+it; a stage never measured, such as ZeRO-3 on few ranks, counts, its line the model's). The normal
+confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy, which each probe is read off, is
 `scheduler.search.strategy_lines`'s: one slope for every stage, each stage's intercept through its own peaks.
@@ -50,22 +39,18 @@ The memory line of a stage under a strategy, which each probe is read off, is
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
 
-from scheduler.inputs.memory_strategies import MEMORY_STRATEGIES
 from scheduler.search.confirm import SEPARATION_Z
 from scheduler.search.global_batch import largest_kept
-from scheduler.search.memory import SAFETY, MemoryModel, ModelInfo
+from scheduler.search.memory import SAFETY
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.repeats import is_repeat
-from scheduler.search.session import NoStageFits, Session, Step, peak_of, succeeded
+from scheduler.search.session import Session, Step, succeeded
 from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
 from scheduler.search.stage_readings import flat_to_top, reading_noise
 from scheduler.search.stage_space import gas_for
-from scheduler.search.strategies import (
-    StepFacts, allow_line, applies, freed_bytes, ordered_combinations, searchable, step_cost_s, strategy_model,
-)
+from scheduler.search.strategies import StepFacts, applies, freed_bytes, searchable, step_cost_s
 from scheduler.search.strategy_lines import failed_sizes, keep_share, line, strategy_records, unchecked
 
 #: After a strategy's run that ran, its next size is measured only when this much larger.
@@ -84,64 +69,10 @@ UNBOUNDED_STEP = 1.25
 STRATEGY_PROBES = 4
 
 
-def stages_that_fit(session: Session, feasible: Callable[[Session], tuple[int, ...]]) -> tuple[int, ...]:
-    """`feasible(session)` (the stages fitting micro-batch 1), or, when it raises `NoStageFits`, the
-    stages that fit with the cheapest allowed strategy, which becomes the search's own (module
-    docstring, 1). Without one allowed, the refusal names the strategy that would fit."""
-    offloaded = _offloaded_profile(session)
-    try:
-        if offloaded is None:
-            return feasible(session)
-        raise NoStageFits("the profile run ran out of memory at ZeRO-3, micro-batch 1", 0)
-    except NoStageFits as refusal:
-        st = session.settings
-        if st.estimator != "calibrated":
-            raise
-        allowed = searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed)
-        possible = searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed,
-                              names=MEMORY_STRATEGIES)
-        base = session.model
-        for strategy in ordered_combinations(possible):
-            if offloaded is not None and not any(name.startswith("offload_") for name in strategy):
-                continue  # no stage holds the states without offload: the profile proved it at ZeRO-3
-            model = strategy_model(base, strategy)
-            stages = tuple(s for s in st.stages if applies(strategy, s) and model.gate(s, st.budget_bytes).feasible)
-            if offloaded is not None and strategy == offloaded.strategy:
-                stages = stages or (3,)  # the offloaded profile ran there
-            if not stages:
-                continue
-            if set(strategy) <= set(allowed):
-                session.settings = replace(st, strategy=strategy)
-                session.model = model
-                return stages
-            raise NoStageFits(f"{refusal}; the memory model says it fits with {' + '.join(strategy)} at ZeRO-"
-                              f"{stages[0]}: allow it with {allow_line(strategy)} in the config",
-                              refusal.shortfall_bytes) from None
-        raise
 
 
-def _offloaded_profile(session: Session) -> Experiment | None:
-    """The offloaded profile run (`profile_offloaded`) when the plain one ran out of memory and it ran."""
-    return next((exp for exp, record in session.measured.values()
-                 if exp.space == PROFILE and exp.strategy and succeeded(record)), None)
 
 
-def profile_offloaded(session: Session) -> Step:
-    """After the profile run ran out of memory, the profile once more with every allowed offload
-    (ZeRO-3's states leave the device; its activation figure is the same). Returns its record with the
-    peak it would have had without the offload (for the overhead: `memory.overhead_from_profile`), or
-    None when no offload is allowed."""
-    st = session.settings
-    allowed = searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed)
-    strategy = tuple(name for name in allowed if name.startswith("offload_"))
-    if not strategy:
-        return None
-    [record] = yield from session.measure("profile_offloaded", [session.profile_experiment(strategy)])
-    info = ModelInfo.from_mapping(record.get("metrics")) if succeeded(record) else None
-    peak = peak_of(record, st.peak_memory_key)
-    if info is None or peak is None:
-        return record
-    return {**record, st.peak_memory_key: peak + freed_bytes(MemoryModel(info, st.setup, 0), strategy, 3)}
 
 
 def try_strategies(session: Session) -> Step:
@@ -151,10 +82,10 @@ def try_strategies(session: Session) -> Step:
     leader = _leader(session)
     if leader is None or st.micro_batch_sizes:
         return
-    exp, record = leader
-    top = _largest_ok(session, exp.stage)
-    if exp.micro_batch_size < top:
-        exp, record = _flat_to_top(session, exp.stage, top) or (exp, record)
+    exp, record, top = _base(session, *leader)
+    if exp.micro_batch_size < top and (yield from _read_top_again(session, exp.stage, top)):
+        leader = _leader(session)
+        exp, record, top = _base(session, *leader)
     #: what the stage holds without a further strategy: a strategy is measured where it holds more
     room = min([session.predicted_max(exp.stage, SAFETY)] + [m - 1 for m in failed_sizes(session, exp.stage)])
     room = max(exp.micro_batch_size, _step_size(session, exp, room))
@@ -170,6 +101,30 @@ def try_strategies(session: Session) -> Step:
         exp, record = _stacking_base(session, exp, record) or (None, None)
         room = exp.micro_batch_size if exp is not None else room
     yield from _roomier_stage(session, *leader)
+
+
+def _base(session: Session, exp: Experiment, record: dict) -> tuple[Experiment, dict, int]:
+    """The run strategies start from, its record, and the largest size its stage ran: the leader, or
+    the run at that size when the stage's curve is flat up to it (`_flat_to_top`)."""
+    top = _largest_ok(session, exp.stage)
+    if exp.micro_batch_size < top:
+        exp, record = _flat_to_top(session, exp.stage, top) or (exp, record)
+    return exp, record, top
+
+
+def _read_top_again(session: Session, stage: int, top: int) -> Step:
+    """Measure once more the stage's run at its largest size that ran, `top`, when it was read once
+    and strategies are allowed: that one reading, below the leader's, says the curve turned before
+    memory cut it and so rules out every strategy; a straggler's reading there (a needs-strategy
+    surface read ZeRO-2's top at 0.65 of its speed) hides checkpointed sizes three times larger.
+    True when it was measured (the leader may have moved)."""
+    st = session.settings
+    found = _top_run(session, stage, top)
+    if found is None or f"{found.name}_r2" in session.measured \
+            or not searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed):
+        return False
+    yield from session.measure(f"z{stage}_top_again_{top}", [replace(found, name=f"{found.name}_r2")])
+    return True
 
 
 def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) -> Step:
@@ -378,7 +333,13 @@ def _flat_to_top(session: Session, stage: int, top: int) -> tuple[Experiment, di
     larger step, its fixed costs spread over more samples) may pay. None otherwise."""
     if flat_to_top(session, stage) != top:
         return None
-    return next(((exp, record) for exp, record in session.stage_records(stage)
+    found = _top_run(session, stage, top)
+    return (found, session.measured[found.name][1]) if found is not None else None
+
+
+def _top_run(session: Session, stage: int, top: int) -> Experiment | None:
+    """The stage's first run at size `top` and its space's accumulation that ran, or None."""
+    return next((exp for exp, record in session.stage_records(stage)
                  if exp.micro_batch_size == top and exp.gradient_accumulation_steps == gas_for(session, stage, top)
                  and not exp.tuning_space and succeeded(record) and not is_repeat(exp.name, session.measured)), None)
 
