@@ -1,7 +1,7 @@
 """Memory strategies when nothing fits without one: the strategy a model needs, before the search.
 
 Why: DeepSpeed's autotuner cannot start tuning a model whose states no stage holds (its estimate
-ignores offload; DeepSpeed issue #3478). The memory model says which of the allowed strategies
+ignores offload: a 30B model cannot start). The memory model says which of the allowed strategies
 would let a stage hold micro-batch 1, so the search runs as it would on a larger device:
 
 **Nothing fits without one** (`stages_that_fit`). When no allowed ZeRO stage fits micro-batch 1,
