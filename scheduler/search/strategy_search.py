@@ -17,9 +17,10 @@ accumulation; the kept global batch's share when one is kept). A top more than `
 that room is mostly the prior's: its geometric middle is measured first. Strategies stack: when the
 best run with one more strategy beats the run it was added to and sits at its own line's top, each
 remaining strategy is tried on top of it (offload of the optimizer, then of the parameters, then
-checkpointing each free memory the others do not). Where the samples per step are held, a strategy
-whose time prior (`strategies.step_cost_s`, with the leader's own step time as its compute) already
-adds the leader's whole step is not measured: a larger micro-batch then saves at most the step's
+checkpointing each free memory the others do not); one that applies only at ZeRO-3 (offload of the
+parameters) is measured once there (`_stack`). Where the samples per step are held, a strategy whose
+time prior (`strategies.step_cost_s`, with the leader's own step time as its compute) already adds
+the leader's whole step is not measured: a larger micro-batch then saves at most the step's
 per-micro-step costs. Each strategy's next size is its line's top again, kept below the geometric
 middle between its largest size that ran and its smallest that ran out of memory, and, after a run
 that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of activations
@@ -30,8 +31,8 @@ rises where the margin cuts it); on a checkpointed line neither a peak nor a fai
 middle if it failed. `STRATEGY_PROBES` runs per strategy at most. The best strategy run, when it
 beat the leader, is measured once more at the stage whose line holds the largest size with it
 (`_roomier_stage`: one that shards more of the states has more room for a larger micro-batch with
-it; a stage never measured, such as ZeRO-3 on few ranks, counts, its line the model's). The normal
-confirmation ranks every run with the rest.
+it; a stage never measured, such as ZeRO-3 on few ranks, counts, its line the model's); when that
+run leads, strategies stack on it too. The normal confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy, which each probe is read off, is
 `scheduler.search.strategy_lines`'s: one slope for every stage, each stage's intercept through its own peaks.
@@ -91,16 +92,30 @@ def try_strategies(session: Session) -> Step:
     room = max(exp.micro_batch_size, _step_size(session, exp, room))
     if exp.micro_batch_size < top or room > TOP_SLACK * exp.micro_batch_size:
         return  # not at its stage's memory top: a larger size ran and read worse, or much more fits
+    yield from _stack(session, exp, record, room)
+    moved = yield from _roomier_stage(session, *leader)
+    if moved is not None:
+        yield from _stack(session, *moved, moved[0].micro_batch_size)
+
+
+def _stack(session: Session, exp: Experiment, record: dict, room: int) -> Step:
+    """Each allowed strategy on top of `exp`'s own at the larger size it lets the stage hold (more
+    than `room`), then on top of the run that paid while it sits at its own line's top (module
+    docstring). One that applies only at ZeRO-3 (offload of the parameters) is measured once there,
+    where it frees the parameters that `exp`'s stage keeps on the device."""
+    st = session.settings
     while exp is not None:
         base = exp.strategy
         for name in searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed):
             strategy = strategy_of((*base, name))
-            if name in base or not applies(strategy, exp.stage) or _too_slow(session, exp, record, name):
+            if name in base or _too_slow(session, exp, record, name):
                 continue
-            yield from _measure_strategy(session, exp, strategy, room)
+            if applies(strategy, exp.stage):
+                yield from _measure_strategy(session, exp, strategy, room)
+            elif 3 in st.stages and applies(strategy, 3):
+                yield from _measure_strategy(session, replace(exp, stage=3), strategy, room, ROOMIER_PROBES)
         exp, record = _stacking_base(session, exp, record) or (None, None)
         room = exp.micro_batch_size if exp is not None else room
-    yield from _roomier_stage(session, *leader)
 
 
 def _base(session: Session, exp: Experiment, record: dict) -> tuple[Experiment, dict, int]:
@@ -131,14 +146,15 @@ def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) ->
     """The best strategy run, if it beat the leader, measured once more at the stage whose memory
     line holds the largest size with its strategy, `TOP_GAIN` above what its own stage's line holds
     at the same safety margin: a strategy frees the same bytes at every stage, but one sharding more
-    of the states has more room left (the leader's stage was chosen on sizes without a strategy)."""
+    of the states has more room left (the leader's stage was chosen on sizes without a strategy).
+    Returns that stage's run with the strategy when it beat every run before, else None."""
     st = session.settings
     runs = [(exp, record) for exp, record in strategy_records(session, leader.stage, None)
             if exp.strategy != st.strategy and succeeded(record)]
     winner = best([leader_record] + [record for _, record in runs], st.metric, st.maximize)
     found = next((exp for exp, record in runs if record is winner), None)
     if found is None:
-        return
+        return None
     own = min(found.micro_batch_size, _size(session, found, found.strategy))  # its line's, at the same margin
     options = []
     for stage in st.stages:
@@ -149,8 +165,14 @@ def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) ->
         size = _size(session, base[0], found.strategy) if base is not None else 0
         if size >= TOP_GAIN * own:
             options.append((size, -stage, base[0]))
-    if options:
-        yield from _measure_strategy(session, max(options)[2], found.strategy, own, ROOMIER_PROBES)
+    if not options:
+        return None
+    roomier = max(options)[2]
+    yield from _measure_strategy(session, roomier, found.strategy, own, ROOMIER_PROBES)
+    runs = [(exp, record) for exp, record in strategy_records(session, roomier.stage, found.strategy)
+            if succeeded(record)]
+    top = best([winner] + [record for _, record in runs], st.metric, st.maximize)
+    return next(((exp, record) for exp, record in runs if record is top), None)
 
 
 def _stacking_base(session: Session, below: Experiment, below_record: dict) -> tuple[Experiment, dict] | None:
