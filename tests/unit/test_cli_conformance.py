@@ -21,8 +21,6 @@ from scheduler.launch.hostfile import read_hostfile
 from scheduler.launch.pool import PoolRequest, check_counts, registered, select_slots
 from workers.device.slot import Slot
 
-runner = pytest.importorskip("deepspeed.launcher.runner")
-autotuner = pytest.importorskip("deepspeed.autotuning.autotuner")
 
 HOSTFILE = "worker-0 slots=4\nworker-1 slots=4\nworker-2 slots=4\n"
 LOCAL_NODE = "this-node"
@@ -63,6 +61,18 @@ LINES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def runner():
+    """DeepSpeed's launcher, imported where a test compares against it: importing DeepSpeed takes
+    seconds, which every pytest-xdist worker would pay at collection."""
+    return pytest.importorskip("deepspeed.launcher.runner")
+
+
+@pytest.fixture(scope="module")
+def autotuner():
+    return pytest.importorskip("deepspeed.autotuning.autotuner")
+
+
 @pytest.fixture()
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
@@ -77,7 +87,8 @@ def _ours_minus_default(value: object, default: object) -> object:
 
 
 @pytest.mark.parametrize("where, line", LINES, ids=[where for where, _ in LINES])
-def test_each_documented_line_parses_as_deepspeed_parses_it(workdir: Path, where: str, line: str) -> None:
+def test_each_documented_line_parses_as_deepspeed_parses_it(workdir: Path, runner, autotuner, where: str,
+                                                            line: str) -> None:
     argv = line.split()
     theirs = runner.parse_args(argv)
     ours = build_parser().parse_args(argv)
@@ -100,7 +111,7 @@ def test_each_documented_line_parses_as_deepspeed_parses_it(workdir: Path, where
 
 @pytest.mark.parametrize("where, line", [(w, l) for w, l in LINES if "include" in l or "exclude" in l
                                          or "hostfile" in l], ids=lambda x: x if " " not in x else None)
-def test_the_resource_pool_is_deepspeeds(workdir: Path, where: str, line: str) -> None:
+def test_the_resource_pool_is_deepspeeds(workdir: Path, runner, where: str, line: str) -> None:
     """The slots experiments may use are the devices DeepSpeed's runner puts in its pool (before the
     --num_nodes/--num_gpus cut, which its autotuner does not apply: they size experiments)."""
     args = build_parser().parse_args(line.split())
@@ -122,7 +133,7 @@ def test_the_resource_pool_is_deepspeeds(workdir: Path, where: str, line: str) -
     assert sorted(selected.queues) == sorted(s.queue for s in selected.slots)
 
 
-def test_sizes_and_a_filter_do_not_mix_as_in_deepspeed(workdir: Path) -> None:
+def test_sizes_and_a_filter_do_not_mix_as_in_deepspeed(workdir: Path, runner) -> None:
     argv = "--autotuning tune --num_gpus 2 --include worker-0:0,1 train.py --deepspeed ds_config.json".split()
     args = build_parser().parse_args(argv)
     with pytest.raises(UsageError, match="cannot be combined"):
