@@ -10,8 +10,8 @@ leaves, so it runs the same on a cluster, in a replay after a crash and in bench
 - `global_batch`: the user's train_batch_size kept by every experiment, or freed;
 - `strategies`: memory strategies (offload, activation checkpointing) the user allows, what each
   frees and costs; `strategy_fit`: the one a model needs to fit at all; `strategy_search`: the
-  larger micro-batch one lets a leader at its memory top run; `strategy_lines`: the memory line of a stage under a strategy,
-  where its probes are read off;
+  larger micro-batch one lets a leader at its memory top run; `strategy_lines`: the memory line of
+  a stage under a strategy, where its probes are read off;
 - `deepspeed_memory`: DeepSpeed's own memory estimate, for `"estimator": "deepspeed"`;
 - `fast_search`: DeepSpeed's fast/full mode with its defects fixed; `sampled_search` (the default),
   with `sampling` (its pure decisions: the next size, the stage order, the saw-tooth neighbour),

@@ -2,19 +2,18 @@
 
 Why: DeepSpeed's autotuner cannot start tuning a model whose states no stage holds (its estimate
 ignores offload: a 30B model cannot start). The memory model says which of the allowed strategies
-would let a stage hold micro-batch 1, so the search runs as it would on a larger device:
+would let a stage hold micro-batch 1:
 
-**Nothing fits without one** (`stages_that_fit`). When no allowed ZeRO stage fits micro-batch 1,
-the combinations of the allowed strategies are tried cheapest first (`strategies.ordered_combinations`)
-and the first the memory model says fits micro-batch 1 at some allowed stage becomes the
-search's own (`SearchSettings.strategy`): every experiment runs with it, its memory lines are
-measured under it, and the search goes on as it would on a larger device. Without permission the
-job ends with one line naming the cheapest combination the model says would fit and the config
-line that allows it (a `NoStageFits`). A profile run (ZeRO-3, micro-batch 1) that ran out of
-memory proves that no stage holds the states: it runs once more with every allowed offload
-(`profile_offloaded`), and only combinations with an offload are candidates (the model, which
-may have called that profile a fit, is not trusted without); the profile's own offload always
-fits (it ran at ZeRO-3).
+**Nothing fits without one** (`stages_that_fit`). When no allowed ZeRO stage fits micro-batch 1, the
+combinations of the allowed strategies are tried cheapest first (`strategies.ordered_combinations`)
+and the first the memory model says fits micro-batch 1 at some allowed stage becomes the search's
+own (`SearchSettings.strategy`): every experiment runs with it, its memory lines are measured under
+it, and the search goes on as it would on a larger device. Without permission the job ends with one
+line naming the cheapest combination the model says would fit and the config line that allows it (a
+`NoStageFits`). A profile run (ZeRO-3, micro-batch 1) that ran out of memory proves that no stage
+holds the states: it runs once more with every allowed offload (`profile_offloaded`), and only
+combinations with an offload are candidates (the model, which may have called that profile a fit, is
+not trusted without); the profile's own offload always fits (it ran at ZeRO-3).
 
 A strategy that lets a leader at its memory top run a larger micro-batch is
 `scheduler.search.strategy_search`'s.
@@ -28,13 +27,15 @@ from scheduler.inputs.memory_strategies import MEMORY_STRATEGIES
 from scheduler.search.memory import MemoryModel, ModelInfo
 from scheduler.search.session import NoStageFits, Session, Step, peak_of, succeeded
 from scheduler.search.space import PROFILE, Experiment
-from scheduler.search.strategies import allow_line, applies, freed_bytes, ordered_combinations, searchable, strategy_model
+from scheduler.search.strategies import (
+    allow_line, applies, freed_bytes, ordered_combinations, searchable, strategy_model,
+)
 
 
 def stages_that_fit(session: Session, feasible: Callable[[Session], tuple[int, ...]]) -> tuple[int, ...]:
     """`feasible(session)` (the stages fitting micro-batch 1), or, when it raises `NoStageFits`, the
     stages that fit with the cheapest allowed strategy, which becomes the search's own (module
-    docstring, 1). Without one allowed, the refusal names the strategy that would fit."""
+    docstring). Without one allowed, the refusal names the strategy that would fit."""
     offloaded = _offloaded_profile(session)
     try:
         if offloaded is None:
@@ -66,10 +67,12 @@ def stages_that_fit(session: Session, feasible: Callable[[Session], tuple[int, .
                               refusal.shortfall_bytes) from None
         raise
 
+
 def _offloaded_profile(session: Session) -> Experiment | None:
     """The offloaded profile run (`profile_offloaded`) when the plain one ran out of memory and it ran."""
     return next((exp for exp, record in session.measured.values()
                  if exp.space == PROFILE and exp.strategy and succeeded(record)), None)
+
 
 def profile_offloaded(session: Session) -> Step:
     """After the profile run ran out of memory, the profile once more with every allowed offload

@@ -70,15 +70,9 @@ UNBOUNDED_STEP = 1.25
 STRATEGY_PROBES = 4
 
 
-
-
-
-
-
-
 def try_strategies(session: Session) -> Step:
     """Measure the leader's stage with each allowed strategy at the larger size it lets the stage
-    hold (module docstring, 2)."""
+    hold (module docstring)."""
     st = session.settings
     leader = _leader(session)
     if leader is None or st.micro_batch_sizes:
@@ -178,7 +172,7 @@ def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) ->
 def _stacking_base(session: Session, below: Experiment, below_record: dict) -> tuple[Experiment, dict] | None:
     """The strategy run that beat `below` (the run whose strategy it adds one to) and still sits at
     its own memory line's top, so one more strategy on top of its own may hold a larger size again:
-    strategies are stacked one at a time while each pays (module docstring, 2); None otherwise."""
+    strategies are stacked one at a time while each pays (module docstring); None otherwise."""
     st = session.settings
     pairs = [(exp, record) for exp, record in strategy_records(session, below.stage, None)
              if len(exp.strategy) == len(below.strategy) + 1 and set(below.strategy) < set(exp.strategy)]

@@ -484,7 +484,8 @@ def _bench_phases(seed: int) -> list[str]:
 
     def run_phase(phase):
         phases.append(phase.name)
-        return {exp.name: surface.run(exp.name, exp.ds_config, profile=exp.space == PROFILE) for exp in phase.experiments}
+        return {exp.name: surface.run(exp.name, exp.ds_config, profile=exp.space == PROFILE)
+                for exp in phase.experiments}
 
     settings = SearchSettings(
         ds_config=user_config(surface), capacity_bytes=surface.capacity, stages=(0, 1, 2, 3), num_gpus=surface.world,
