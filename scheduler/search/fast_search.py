@@ -47,6 +47,7 @@ from scheduler.search.session import (
 from scheduler.search.space import PROFILE, experiment_name
 from scheduler.search.strategy_fit import profile_offloaded, stages_that_fit
 from scheduler.search.strategy_search import try_strategies
+from scheduler.search.strategy_swap import swap_own_offload
 
 #: DeepSpeed's METRIC_PERCENT_DIFF_CONST: a larger batch must improve the metric by more than this.
 PLATEAU = 0.05
@@ -143,6 +144,7 @@ def fast_search(settings: SearchSettings) -> Search:
         yield from try_sawtooth(session, stages)
         yield from widen_step(session, stages)
         yield from try_strategies(session)
+        yield from swap_own_offload(session)
         if not settings.fast:
             for stage, mbs, gas in stages_near_leader(session, stages):
                 yield from tune_full_space(session, stage, [mbs], mbs * gas)

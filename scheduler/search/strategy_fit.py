@@ -16,7 +16,8 @@ combinations with an offload are candidates (the model, which may have called th
 not trusted without); the profile's own offload always fits (it ran at ZeRO-3).
 
 A strategy that lets a leader at its memory top run a larger micro-batch is
-`scheduler.search.strategy_search`'s.
+`scheduler.search.strategy_search`'s; an offloaded optimizer swapped for offloaded parameters at
+ZeRO-3, once the strategies were tried, `scheduler.search.strategy_swap`'s.
 """
 from __future__ import annotations
 

@@ -51,8 +51,9 @@ from scheduler.search.session import Session, Step, succeeded
 from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
 from scheduler.search.stage_readings import flat_to_top, reading_noise
 from scheduler.search.stage_space import gas_for
-from scheduler.search.strategies import StepFacts, applies, freed_bytes, searchable, step_cost_s
+from scheduler.search.strategies import applies, freed_bytes, searchable, step_cost_s
 from scheduler.search.strategy_lines import failed_sizes, keep_share, line, strategy_records, unchecked
+from scheduler.search.strategy_swap import step_facts
 
 #: After a strategy's run that ran, its next size is measured only when this much larger.
 TOP_GAIN = 1.05
@@ -316,20 +317,10 @@ def _too_slow(session: Session, leader: Experiment, record: dict, name: str) -> 
     """Whether the strategy's time prior alone adds the leader's whole step (module docstring). Only
     where the samples per step are held (a kept batch, or accumulation a larger micro-batch replaces):
     at one micro-step per step a larger micro-batch also spreads the step's fixed costs over more samples."""
-    st = session.settings
-    value = metric_value(record, st.metric)
-    if not value or (leader.gradient_accumulation_steps == 1 and not st.kept_per_gpu):
+    if leader.gradient_accumulation_steps == 1 and not session.settings.kept_per_gpu:
         return False
-    samples = leader.micro_batch_size * leader.gradient_accumulation_steps * st.world_size
-    step_s = samples / value if st.metric == "throughput" else value / 1e6 if st.metric == "latency" else None
-    if step_s is None:
-        return False
-    info, setup = session.model.info, session.model.setup
-    shard = -(-info.trainable_num_params // (setup.dp_size * setup.mp_size))
-    rank = -(-info.num_params // (setup.mp_size * (setup.dp_size if leader.stage >= 3 else 1)))
-    facts = StepFacts(compute_s=step_s, micro_steps=leader.gradient_accumulation_steps, shard_params=shard,
-                      rank_params=rank, width=2 if setup.mixed_precision else 4)
-    return step_cost_s((name,), facts) >= step_s
+    facts = step_facts(session, leader, record)
+    return facts is not None and step_cost_s((name,), facts) >= facts.compute_s
 
 
 def _leader(session: Session, stage: int | None = None) -> tuple[Experiment, dict] | None:

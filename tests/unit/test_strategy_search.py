@@ -525,3 +525,15 @@ def test_strategies_stack_on_the_roomier_stages_run_when_it_leads() -> None:
     roomier = phases.index("z3_strategy_oo_ac_165")
     assert "z3_strategy_oo_op_ac_205" in phases[roomier:]
     assert ours(make_surface("needs-strategy", 1007)).fraction > 0.97
+
+
+def test_the_searchs_own_optimizer_offload_is_swapped_for_parameter_offload_at_zero_3_once() -> None:
+    """needs-strategy script 1017: nothing fits without offload, so the optimizer is offloaded in
+    every run, and the best is ZeRO-2's 32 (the cap) at 0.77 of the optimum: ZeRO-3 with the
+    parameters offloaded and checkpointing, the optimizer on the device. The priors put CPU Adam
+    above fetching the parameters and recomputing, and ZeRO-3's line holds 32 that way: measured
+    once, it is named. A search whose own strategy offloads nothing swaps nothing (script 1018)."""
+    phases = _bench_phases(1017)
+    assert phases.count("z3_swap_op_ac_32") == 1
+    assert ours(make_surface("needs-strategy", 1017)).fraction > 0.99
+    assert not [name for name in _bench_phases(1018) if "_swap_" in name]
