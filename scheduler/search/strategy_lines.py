@@ -37,6 +37,20 @@ def line(session: Session, stage: int) -> tuple[float, float]:
     return intercept(session, observations, stage, slope), slope
 
 
+def line_top(session: Session, stage: int, strategy: Sequence[str], safety: float, extra_bytes: float = 0.0) -> int:
+    """The largest micro-batch `stage`'s memory line holds, within the cap, with `strategy` on top of
+    the search's own: what its offload frees taken off the intercept, checkpointing's keep share on
+    the slope, and `extra_bytes` every run holds besides (states the search's own strategy moved
+    off the device, brought back)."""
+    st = session.settings
+    intercept, slope = line(session, stage)
+    intercept += extra_bytes - freed_bytes(session.model, [n for n in strategy if n not in st.strategy], stage)
+    if "activation_checkpointing" in strategy and "activation_checkpointing" not in st.strategy:
+        slope *= keep_share(session)
+    fits = int((st.budget_bytes * safety - intercept) // slope) if slope > 0 else st.micro_batch_cap
+    return min(st.micro_batch_cap, fits)
+
+
 def shared_slope(session: Session, observations: dict[int, list[Observation]]) -> float:
     """The bytes per sample every stage shares: a least-squares slope over the stages measured at two
     sizes or more whose peaks grow as a device's do (`memory.peak_grows`), each about its own mean;

@@ -51,8 +51,8 @@ from scheduler.search.session import Session, Step, succeeded
 from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
 from scheduler.search.stage_readings import flat_to_top, reading_noise
 from scheduler.search.stage_space import gas_for
-from scheduler.search.strategies import applies, freed_bytes, searchable, step_cost_s
-from scheduler.search.strategy_lines import failed_sizes, keep_share, line, strategy_records, unchecked
+from scheduler.search.strategies import applies, searchable, step_cost_s
+from scheduler.search.strategy_lines import failed_sizes, line_top, strategy_records, unchecked
 from scheduler.search.strategy_swap import step_facts
 
 #: After a strategy's run that ran, its next size is measured only when this much larger.
@@ -253,17 +253,9 @@ def _run(session: Session, leader: Experiment, strategy: tuple[str, ...], mbs: i
 def _size(session: Session, leader: Experiment, strategy: tuple[str, ...], safety: float = SAFETY) -> int:
     """The largest size the stage holds with `strategy` by its memory line (module docstring),
     within the cap, below the strategy's own failures, filling the leader's step."""
-    st = session.settings
-    stage = leader.stage
-    intercept, slope = line(session, stage)
-    intercept -= freed_bytes(session.model, [n for n in strategy if n not in st.strategy], stage)
-    if "activation_checkpointing" in strategy and "activation_checkpointing" not in st.strategy:
-        slope *= keep_share(session)
-    budget = st.budget_bytes * safety
-    fits = int((budget - intercept) // slope) if slope > 0 else st.micro_batch_cap
-    failed = failed_sizes(session, stage, strategy)
-    limit = min([st.micro_batch_cap, fits] + [m - 1 for m in failed])
-    return _step_size(session, leader, limit)
+    fits = line_top(session, leader.stage, strategy, safety)
+    failed = failed_sizes(session, leader.stage, strategy)
+    return _step_size(session, leader, min([fits] + [m - 1 for m in failed]))
 
 
 def _next_size(session: Session, leader: Experiment, strategy: tuple[str, ...], record: dict, ran: int,

@@ -21,8 +21,8 @@ from scheduler.search.memory import SAFETY
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.session import Session, Step, succeeded
 from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
-from scheduler.search.strategies import StepFacts, freed_bytes, searchable, step_cost_s
-from scheduler.search.strategy_lines import keep_share, line, strategy_records
+from scheduler.search.strategies import StepFacts, searchable, step_cost_s
+from scheduler.search.strategy_lines import line_top, strategy_records
 
 #: The swapped combination is measured only where its line holds at least this share of the best
 #: run's micro-batch (then at the size it holds): a smaller one trains a different step.
@@ -89,14 +89,6 @@ def _cheaper(session: Session, exp: Experiment, record: dict, strategy: tuple[st
 def _holds(session: Session, strategy: tuple[str, ...]) -> int:
     """The largest size ZeRO-3's memory line holds with `strategy`: the search's own line (the
     optimizer offloaded) with the optimizer's states added back and what `strategy` frees taken off."""
-    st = session.settings
     model = session.model
     on_device = replace(model, setup=replace(model.setup, offload_optimizer=False))
-    intercept, slope = line(session, 3)
-    intercept += on_device.held_bytes(3) - model.held_bytes(3)
-    intercept -= freed_bytes(on_device, [n for n in strategy if n.startswith("offload_")], 3)
-    if "activation_checkpointing" in strategy and "activation_checkpointing" not in st.strategy:
-        slope *= keep_share(session)
-    if slope <= 0:
-        return st.micro_batch_cap
-    return max(0, min(st.micro_batch_cap, int((st.budget_bytes * SAFETY - intercept) // slope)))
+    return max(0, line_top(session, 3, strategy, SAFETY, extra_bytes=on_device.held_bytes(3) - model.held_bytes(3)))
