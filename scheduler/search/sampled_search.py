@@ -73,7 +73,7 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   cautious prediction, halfway from what the others' brackets say it surely holds; after a failure
   the next upward probe is the geometric midpoint, and a stage stops probing upward after
   `MAX_FAILURES` failures above a success (`MAX_BLIND_FAILURES` halvings when nothing in the job
-  ran yet);
+  ran yet); a leading top no measured peak checked is probed above (`above_unchecked_top`);
 - before confirming, the leader's saw-tooth neighbour with max_train_batch_size, and the size
   filling its step at its own accumulation where it was measured as a provisional top (`try_sawtooth`);
   without it, a leader that accumulates widens its stage's step to the predicted top
@@ -102,8 +102,8 @@ from scheduler.search.repeats import says_nothing
 from scheduler.search.sampling import TOP_GAIN, filled_size, lead_first, next_size, sawtooth_neighbour, snap
 from scheduler.search.session import Session, Step
 from scheduler.search.stage_readings import (
-    at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, predicted_better, predicted_worse,
-    smoothed_best, stage_values, suspect_size,
+    above_unchecked_top, at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, predicted_better,
+    predicted_worse, smoothed_best, stage_values, suspect_size,
 )
 from scheduler.search.stage_space import (
     gas_for, known_feasible, samples_per_step, sizes_ran, stage_candidates, stage_top,
@@ -242,6 +242,8 @@ def explore_stage(session: Session, stage: int, floor: int = 0) -> Step:
             continue
         if size is None:
             size = predicted_better(session, stage, {m: v for m, v in values.items() if m >= floor}, sizes)
+        if size is None:
+            size = above_unchecked_top(session, stage, values)
         if size is None:
             return
         yield from _measure(session, stage, size, f"z{stage}_sample_{size}")

@@ -1,5 +1,5 @@
 """What one stage's readings say: its measured sizes, the reading of each, the leader, a reading
-the cost model contradicts.
+the cost model contradicts, a leading top no probe checked.
 
 Why its own module: the sampled search reads a stage through these, and the readings need the cost
 model (`scheduler.search.cost_model`) and the noise pooled over the job's repeats
@@ -14,10 +14,10 @@ from scheduler.search.confirm import MIN_NOISE, PRIOR_NOISE, SEPARATION_Z, group
 from scheduler.search.cost_model import Reading, StageModel, closest_reading, contradicted, fit
 from scheduler.search.ranking import MEDIAN_FROM, metric_value, pooled_value
 from scheduler.search.repeats import is_repeat, original_name
-from scheduler.search.sampling import RIVAL_SHARE
+from scheduler.search.sampling import RIVAL_SHARE, TOP_GAIN, geometric_mid
 from scheduler.search.session import Session
 from scheduler.search.space import PROFILE
-from scheduler.search.stage_space import gas_for, stage_candidates
+from scheduler.search.stage_space import MAX_FAILURES, failures_since_a_success, gas_for, sizes_ran, stage_candidates
 
 #: A size the cost model predicts better is measured only where its prediction's relative standard
 #: error is below this: the model is not trusted far from the sizes it was fitted on.
@@ -128,6 +128,43 @@ def leader_of(session: Session, stages: Sequence[int]) -> tuple[int, int] | None
             if value is not None and (leader is None or sign * value > sign * leader[0]):
                 leader = (value, stage, mbs)
     return None if leader is None else leader[1:]
+
+
+def above_unchecked_top(session: Session, stage: int, values: Mapping[int, float | None]) -> int | None:
+    """A size above the stage's largest that ran, to probe when that size leads the job on a curve
+    still rising there (it beats a smaller size of its stage) and no probe checked the memory above
+    it: no measured peak anywhere in the job, so the stage's top is another stage's ok/failed bracket
+    moved by the analytical difference of their fixed bytes (`memory_facts.SharedFacts`), a bound only
+    when those bytes are right. On a script whose allocator reports nothing they are not (ZeRO-3 of a
+    large model was predicted to hold 10 and held 30, and the search named 10 at 0.64 of the optimum).
+    The size is the geometric middle up to the stage's own smallest failure, or, without one, up to
+    the analytical model's own top (the profile's bytes per sample: optimistic, as the profile's
+    activations are forward-only) below any proven failure; not past `MAX_FAILURES` failures above
+    a success, nor within `TOP_GAIN` of the largest, nor with the search's own memory strategy (whose
+    bytes that top does not count). None when there is nothing to probe."""
+    st = session.settings
+    ok = {m: v for m, v in values.items() if v is not None}
+    if len(ok) < 2 or session.model is None or st.estimator == "deepspeed" or st.strategy:
+        return None
+    largest = max(ok)
+    if leader_of(session, st.stages) != (stage, largest):
+        return None
+    if any(o.peak_bytes for found in session.observations().values() for o in found):
+        return None
+    ran = sizes_ran(session, stage)
+    failed = [m for m, good in ran.items() if not good and m > largest]
+    if failed:
+        if failures_since_a_success(session, stage) >= MAX_FAILURES:
+            return None
+        upper = min(failed)
+    else:
+        upper = min(session.model.max_micro_batch_size(stage, st.budget_bytes), st.micro_batch_cap) + 1
+        proven = session.shared_facts(stage).failure
+        upper = min(upper, proven) if proven else upper
+    if st.samples_per_step:
+        upper = min(upper, st.samples_per_step + 1)
+    size = geometric_mid(largest, upper)
+    return None if size is None or size < TOP_GAIN * largest or size in ran else size
 
 
 def at_cap(session: Session, stages: Sequence[int], mbs: int) -> bool:
