@@ -141,10 +141,11 @@ def above_unchecked_top(session: Session, stage: int, values: Mapping[int, float
     the analytical model's own top (the profile's bytes per sample: optimistic, as the profile's
     activations are forward-only) below any proven failure; not past `MAX_FAILURES` failures above
     a success, nor within `TOP_GAIN` of the largest, nor with the search's own memory strategy (whose
-    bytes that top does not count). None when there is nothing to probe."""
+    bytes that top does not count), nor with a kept global batch (its sizes divide the batch). None
+    when there is nothing to probe."""
     st = session.settings
     ok = {m: v for m, v in values.items() if v is not None}
-    if len(ok) < 2 or session.model is None or st.estimator == "deepspeed" or st.strategy:
+    if len(ok) < 2 or session.model is None or st.estimator == "deepspeed" or st.strategy or st.kept_per_gpu:
         return None
     largest = max(ok)
     if leader_of(session, st.stages) != (stage, largest):
