@@ -12,7 +12,8 @@ leaves, so it runs the same on a cluster, in a replay after a crash and in bench
   frees and costs; `strategy_fit`: the one a model needs to fit at all (`strategy_swap`: its
   optimizer offload swapped for parameter offload at ZeRO-3 once); `strategy_search`: the
   larger micro-batch one lets a leader at its memory top run; `strategy_lines`: the memory line of
-  a stage under a strategy, where its probes are read off;
+  a stage under a strategy, where its probes are read off; `strategy_time`: a run's step as the
+  strategies' time priors read it;
 - `deepspeed_memory`: DeepSpeed's own memory estimate, for `"estimator": "deepspeed"`;
 - `fast_search`: DeepSpeed's fast/full mode with its defects fixed; `sampled_search` (the default),
   with `sampling` (its pure decisions: the next size, the stage order, the saw-tooth neighbour),

@@ -83,13 +83,24 @@ def strategy_of(names: Any) -> tuple[str, ...]:
     return tuple(name for name in MEMORY_STRATEGIES if name in given)
 
 
+def strategy_label(strategy: Any) -> str:
+    """The strategy as run names and phase labels spell it: `oo_ac` for the optimizer offloaded
+    with checkpointing, empty for none."""
+    return "_".join(STRATEGY_SUFFIX[name] for name in strategy_of(strategy))
+
+
+def _suffixed(name: str, strategy: Any) -> str:
+    label = strategy_label(strategy)
+    return f"{name}_{label}" if label else name
+
+
 def experiment_name(stage: int, gas: int, mbs: int, strategy: tuple[str, ...] = ()) -> str:
-    return f"z{stage}_gas{gas}_tmbspg{mbs}" + "".join(f"_{STRATEGY_SUFFIX[name]}" for name in strategy_of(strategy))
+    return _suffixed(f"z{stage}_gas{gas}_tmbspg{mbs}", strategy)
 
 
 def profile_name(strategy: tuple[str, ...] = ()) -> str:
     """The profile run's name, with a suffix per strategy when it runs offloaded (`strategy_search`)."""
-    return PROFILE + "".join(f"_{STRATEGY_SUFFIX[name]}" for name in strategy_of(strategy))
+    return _suffixed(PROFILE, strategy)
 
 
 def offload_section(nvme_path: str | None = None) -> dict[str, Any]:

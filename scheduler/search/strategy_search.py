@@ -48,12 +48,12 @@ from scheduler.search.memory import SAFETY
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.repeats import is_repeat
 from scheduler.search.session import Session, Step, succeeded
-from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
+from scheduler.search.space import PROFILE, Experiment, strategy_label, strategy_of
 from scheduler.search.stage_readings import flat_to_top, reading_noise
 from scheduler.search.stage_space import gas_for
 from scheduler.search.strategies import applies, searchable, step_cost_s
 from scheduler.search.strategy_lines import failed_sizes, line_top, strategy_records, unchecked
-from scheduler.search.strategy_swap import step_facts
+from scheduler.search.strategy_time import step_facts
 
 #: After a strategy's run that ran, its next size is measured only when this much larger.
 TOP_GAIN = 1.05
@@ -242,8 +242,7 @@ def _run(session: Session, leader: Experiment, strategy: tuple[str, ...], mbs: i
     """The strategy's run at `mbs`; `again`: its second reading (`<name>_r2`), the first taken."""
     gas = _gas(session, leader, mbs)
     exp = session.experiment(leader.stage, mbs, gas, strategy)
-    suffix = "_".join(STRATEGY_SUFFIX[name] for name in strategy)
-    label = f"z{leader.stage}_strategy_{suffix}_{mbs}"
+    label = f"z{leader.stage}_strategy_{strategy_label(strategy)}_{mbs}"
     if again:
         exp, label = replace(exp, name=f"{exp.name}_r2"), f"{label}_recheck"
     [record] = yield from session.measure(label, [exp])

@@ -18,34 +18,16 @@ from dataclasses import replace
 
 from scheduler.search.global_batch import largest_kept
 from scheduler.search.memory import SAFETY
-from scheduler.search.ranking import best, metric_value
+from scheduler.search.ranking import best
 from scheduler.search.session import Session, Step, succeeded
-from scheduler.search.space import PROFILE, STRATEGY_SUFFIX, Experiment, strategy_of
-from scheduler.search.strategies import StepFacts, searchable, step_cost_s
+from scheduler.search.space import PROFILE, Experiment, strategy_label, strategy_of
+from scheduler.search.strategies import searchable, step_cost_s
 from scheduler.search.strategy_lines import line_top, strategy_records
+from scheduler.search.strategy_time import step_facts
 
 #: The swapped combination is measured only where its line holds at least this share of the best
 #: run's micro-batch (then at the size it holds): a smaller one trains a different step.
 SIZE_SHARE = 0.8
-
-
-def step_facts(session: Session, exp: Experiment, record: dict, stage: int | None = None) -> StepFacts | None:
-    """What a strategy's time prior needs of `exp`'s step, read from its `record` (None: no step
-    time there), as if run at `stage` (the parameters a ZeRO-3 rank holds are its shard)."""
-    st = session.settings
-    value = metric_value(record, st.metric)
-    if not value:
-        return None
-    samples = exp.micro_batch_size * exp.gradient_accumulation_steps * st.world_size
-    step_s = samples / value if st.metric == "throughput" else value / 1e6 if st.metric == "latency" else None
-    if step_s is None:
-        return None
-    info, setup = session.model.info, session.model.setup
-    stage = exp.stage if stage is None else stage
-    shard = -(-info.trainable_num_params // (setup.dp_size * setup.mp_size))
-    rank = -(-info.num_params // (setup.mp_size * (setup.dp_size if stage >= 3 else 1)))
-    return StepFacts(compute_s=step_s, micro_steps=exp.gradient_accumulation_steps, shard_params=shard,
-                     rank_params=rank, width=2 if setup.mixed_precision else 4)
 
 
 def swap_own_offload(session: Session) -> Step:
@@ -74,8 +56,7 @@ def swap_own_offload(session: Session) -> Step:
     step = exp.micro_batch_size * exp.gradient_accumulation_steps
     gas = st.gas_for(size) if st.samples_per_step else max(1, step // size)
     swapped = session.experiment(3, size, gas, strategy)
-    suffix = "_".join(STRATEGY_SUFFIX[name] for name in strategy)
-    yield from session.measure(f"z3_swap_{suffix}_{size}", [swapped])
+    yield from session.measure(f"z3_swap_{strategy_label(strategy)}_{size}", [swapped])
 
 
 def _cheaper(session: Session, exp: Experiment, record: dict, strategy: tuple[str, ...]) -> bool:
