@@ -15,8 +15,9 @@ leaves, so it runs the same on a cluster, in a replay after a crash and in bench
   a stage under a strategy, where its probes are read off; `strategy_time`: a run's step as the
   strategies' time priors read it;
 - `deepspeed_memory`: DeepSpeed's own memory estimate, for `"estimator": "deepspeed"`;
-- `fast_search`: DeepSpeed's fast/full mode with its defects fixed; `sampled_search` (the default),
-  with `sampling` (its pure decisions: the next size, the stage order, the saw-tooth neighbour),
+- `fast_search`: DeepSpeed's fast/full mode with its defects fixed; `sampled_search` (the default:
+  a stage sampled and refined), `stage_follow` (which later stages it explores, each followed from
+  the incumbent), with `sampling` (its pure decisions: the next size, the stage order, the saw-tooth neighbour),
   `stage_space` (what a stage holds, the sizes worth measuring) and `stage_readings` (what a stage's
   readings say); `cost_model` (seconds per sample fitted to a stage's readings: the reading it
   contradicts is measured again, and of two readings the one it agrees with is read) with

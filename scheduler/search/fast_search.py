@@ -39,12 +39,13 @@ from scheduler.search.memory import SAFETY, GiB, MemoryModel, ModelInfo, overhea
 from scheduler.search.phases import Phase, Search
 from scheduler.search.ranking import best, metric_value
 from scheduler.search.repeats import confirm, relaunch
-from scheduler.search.sampled_search import sampled_stages, stages_near_leader, try_sawtooth, widen_step
+from scheduler.search.sampled_search import stages_near_leader, try_sawtooth, widen_step
 from scheduler.search.second_round import confirm_and_refine
 from scheduler.search.session import (
     NoStageFits, SearchAborted, SearchSettings, Session, measured_capacity, measured_reserve, peak_of, succeeded,
 )
 from scheduler.search.space import PROFILE, experiment_name
+from scheduler.search.stage_follow import sampled_stages
 from scheduler.search.strategy_fit import profile_offloaded, stages_that_fit
 from scheduler.search.strategy_search import try_strategies
 from scheduler.search.strategy_swap import swap_own_offload

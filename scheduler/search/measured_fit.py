@@ -9,14 +9,14 @@ user allowed checkpointing, which holds micro-batch 2 there. So when the sampled
 nothing run but out-of-memory failures, the allowed combinations are tried, cheapest first
 (`strategies.ordered_combinations`), each becoming the search's own strategy as the model's choice
 would (`SearchSettings.strategy`) and the stages searched again with it, until one runs. Pure
-decision logic over a `Session`; the search is `sampled_search.sampled_stages`'.
+decision logic over a `Session`; the search is `stage_follow.sampled_stages`'.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
 
-from scheduler.search.sampled_search import sampled_stages
+from scheduler.search.stage_follow import sampled_stages
 from scheduler.search.session import Session, Step, succeeded
 from scheduler.search.space import PROFILE
 from scheduler.search.strategies import applies, ordered_combinations, searchable, strategy_model

@@ -15,7 +15,7 @@ near the memory cap; measurements are noisy, some configs far more than others. 
 - the lead stage (ZeRO-1 when data parallelism shards anything, `lead_first`; else the lowest that
   fits) samples its range on a geometric scale. With max_train_batch_size, a low size first (a
   quarter of the predicted maximum, so the stage's memory line has two measured points before the
-  top is probed), then the top; without it, the top first (`_anchor`: the step is bounded by a size
+  top is probed), then the top; without it, the top first (`anchor`: the step is bounded by a size
   that ran), then the smallest size, with the most accumulation (`_sample_smallest`: on CPU slots
   the real GPT example's optimum lay there, below a plateau a quarter of the top would have sat
   on). Then golden-section-like refinement on log(mbs) around the best
@@ -33,43 +33,17 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   off the fit instead of measured (`stage_readings.predicted_worse`: it could not lead). When the
   refinement has no gap left to split, a size the fit predicts better than the stage's best by more
   than the noise, where its prediction is trusted, is measured (`stage_readings.predicted_better`);
-- another stage is first measured at the incumbent's size (without max_train_batch_size, after its
-  own top), which tells how it compares. It is explored further only if the incumbent was the
-  largest size its own stage could hold and this stage holds more (the curve was still rising at
-  the cap; or the cost model puts that largest size within the noise of the incumbent,
-  `stage_readings.flat_to_top`, and this stage holds more than `FLAT_ROOM` times it), or, with
-  max_train_batch_size, if the incumbent accumulates because its stage cannot hold the size
-  filling the step with one accumulation step less and this stage can
-  (`_fuller_step`: that size is measured once, and wins or rules the stage out), or, without
-  max_train_batch_size, if it beat the incumbent there (its own top may give it a larger step),
-  or, when it holds less than the incumbent's size (measured at the size it holds), if it beat the
-  incumbent's stage at that size (`stage_readings.beats_at_equal_size`: like for like);
-  otherwise the measurement rules it out. ZeRO-0 beside a ZeRO-1 incumbent (or the reverse) is
-  measured once at the incumbent's own size and accumulation, and explored only for the first
-  reason with a top `sampling.TOP_GAIN` above the incumbent's (`_same_micro_steps`: both reduce
-  gradients only at the accumulation boundary, so their micro-steps are the same work and their
-  best sizes over one space coincide: its own top and a refinement would cost launches and tell
-  nothing the incumbent's stage did not, unless it holds clearly larger sizes where that stage's
-  curve still rose; a top predicted a few percent above is mostly the model's error, and its
-  probes fail). Without
-  max_train_batch_size a stage whose predicted top fills less than half the incumbent's step is not
-  measured at all (`_half_step`: ZeRO-0 of a large model, whose top probes mostly fail). ZeRO-3
-  moves more data than ZeRO-1/2 at equal size: on fewer than `ZERO3_AT_SCALE` data-parallel ranks
-  it is measured only when it can hold larger sizes that matter (the curve was still rising at the
-  cap, or it holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so memory pressure may have turned their
-  curves), or no ZeRO-1/2 stage was measured; from
-  `ZERO3_AT_SCALE` ranks on, where its sharding and prefetch let it lead, it is always measured once,
-  at the incumbent's own size and accumulation (`_leads_at`: no probe of its top), and explored if
-  it reads better there;
+- every later stage is followed from the incumbent (`scheduler.search.stage_follow`): measured at
+  its size, and explored (`explore_stage`, above that size) only where it can lead;
 - a failure that says nothing about the config (`scheduler.search.repeats.says_nothing`: a crash,
   a timeout, a rendezvous that failed, an out-of-memory beside others' memory) is launched once
-  more at once (`_measure`), and so is an out-of-memory at a size the stage already ran at or above
+  more at once (`measure_size`), and so is an out-of-memory at a size the stage already ran at or above
   (`_contradicted`: memory does not shrink as the size grows); a size failing twice is left out of its stage, and is no memory fact;
 - the memory side follows `scheduler.search.memory_facts`: predictions stay between the largest ok and the
   smallest size out of memory, and every stage's probes bound the others (`memory_facts.shared_facts`: a failure
   bounds the stages holding more, a success the stages holding less, a bracket moves the others'
   predicted tops, with or without measured peaks); once the model was caught over-predicting (an
-  out-of-memory at a size it said fits), a stage's first probe (`_anchor`, a followed size) is the
+  out-of-memory at a size it said fits), a stage's first probe (`anchor`, a followed size) is the
   cautious prediction, halfway from what the others' brackets say it surely holds; after a failure
   the next upward probe is the geometric midpoint, and a stage stops probing upward after
   `MAX_FAILURES` failures above a success (`MAX_BLIND_FAILURES` halvings when nothing in the job
@@ -99,11 +73,10 @@ from typing import Any
 
 from scheduler.search.ranking import metric_value
 from scheduler.search.repeats import says_nothing
-from scheduler.search.sampling import TOP_GAIN, filled_size, lead_first, next_size, sawtooth_neighbour, snap
+from scheduler.search.sampling import filled_size, next_size, sawtooth_neighbour, snap
 from scheduler.search.session import Session, Step
 from scheduler.search.stage_readings import (
-    above_unchecked_top, at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, predicted_better,
-    predicted_worse, smoothed_best, stage_values, suspect_size,
+    above_unchecked_top, leader_of, predicted_better, predicted_worse, smoothed_best, stage_values, suspect_size,
 )
 from scheduler.search.stage_space import (
     gas_for, known_feasible, samples_per_step, sizes_ran, stage_candidates, stage_top,
@@ -116,114 +89,21 @@ MAX_POINTS = 7
 FULL_MODE_BAND = 0.10
 
 
-#: ZeRO-3 is explored, although the incumbent's curve had turned, when it holds at least this many
-#: times the largest size ZeRO-1/2 hold: near a stage's memory cap the allocator's pressure slows it,
-#: and ZeRO-3 runs those sizes with that much more memory free.
-ZERO3_ROOM = 1.3
-#: A stage holding more than this many times the top of an incumbent's curve that is flat up to
-#: that top (`stage_readings.flat_to_top`) is explored: the leader below the top leads on noise.
-FLAT_ROOM = 2.0
-#: From this many data-parallel ranks ZeRO-3 is measured at least once whatever it holds: its
-#: parameter sharding frees (1 - 1/dp) of the parameters and its prefetch hides the gathers behind
-#: compute, so at scale it can lead (a 4-rank bf16 script; bench/heldout.py's 4-16 rank families).
-#: On 2 ranks it frees half the parameters and leads only on memory (`ZERO3_ROOM`).
-ZERO3_AT_SCALE = 4
-
-
 # ---------------------------------------------------------------- the generators
-
-
-def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
-    """Every allowed stage, in order: sampled, followed from the incumbent, or ruled out."""
-    explored: list[int] = []
-    for stage in lead_first(stages, session.settings.dp_size):
-        top = stage_top(session, stage)  # what the earlier stages' probes predict; the stage ran nothing yet
-        if top < 1:
-            continue
-        incumbent = leader_of(session, explored)
-        if incumbent is None:
-            yield from explore_stage(session, stage)
-            explored.append(stage)
-            continue
-        inc_mbs = incumbent[1]
-        upside = at_cap(session, explored, inc_mbs) and top > inc_mbs
-        flat = flat_to_top(session, incumbent[0]) or 0  # a leader below a flat top leads on noise
-        upside = upside or (flat > inc_mbs and at_cap(session, explored, flat) and top > FLAT_ROOM * flat)
-        if stage == 3 and any(s in (1, 2) for s in explored):
-            lighter = max(stage_top(session, s) for s in explored if s in (1, 2))
-            roomy = top >= ZERO3_ROOM * lighter  # near the top pressure slows the lighter stages
-            if not (upside or roomy):
-                if session.settings.dp_size < ZERO3_AT_SCALE or not (yield from _leads_at(session, stage, incumbent)):
-                    continue
-            upside = True
-        fuller = _fuller_step(session, incumbent, top)
-        if not upside and _half_step(session, stage, incumbent[0]):
-            continue
-        same = _same_micro_steps(stage, incumbent[0]) and not (upside and top >= TOP_GAIN * inc_mbs)
-        if same and stage_top(session, stage, cautious=True) >= inc_mbs:
-            yield from _leads_at(session, stage, incumbent)
-            explored.append(stage)
-            continue
-        if not (yield from _anchor(session, stage)):
-            continue
-        size = min(inc_mbs, stage_top(session, stage, cautious=True))
-        value = yield from _measure(session, stage, size, f"z{stage}_follow_{size}")
-        explored.append(stage)
-        if value is not None and fuller and not upside:
-            value = yield from _measure(session, stage, fuller, f"z{stage}_step_{fuller}")
-            upside = value is not None and beats_other_stages(session, stage, value, bounded=True)
-        if value is not None and (upside or beats_other_stages(session, stage, value)
-                                  or beats_at_equal_size(session, stage, size, value, incumbent)):
-            yield from explore_stage(session, stage, floor=size)
-
-
-def _same_micro_steps(stage: int, other: int) -> bool:
-    """Whether `stage` and `other` are ZeRO-0 and ZeRO-1: both reduce gradients only at the
-    accumulation boundary, so their micro-steps are the same work and they differ by a cost per
-    optimizer step (ZeRO-1 shards the optimizer and gathers the parameters after it). Over the same
-    space their best sizes coincide: one reading at the other's leading config tells which leads."""
-    return {stage, other} == {0, 1}
-
-
-def _leads_at(session: Session, stage: int, incumbent: tuple[int, int]) -> Step:
-    """Measure `stage` once at the incumbent's own config (its size and accumulation, which the
-    stage holds) and say whether it reads better: a like-for-like comparison that needs no probe
-    of the stage's top."""
-    inc_stage, mbs = incumbent
-    gas = gas_for(session, inc_stage, mbs)
-    exp = session.experiment(stage, mbs, gas)
-    [record] = yield from session.measure(f"z{stage}_compare_{mbs}", [exp])
-    value = metric_value(record, session.settings.metric)
-    lead = stage_values(session, inc_stage).get(mbs)
-    if value is None or lead is None:
-        return False
-    return value > lead if session.settings.maximize else value < lead
-
-
-def _half_step(session: Session, stage: int, incumbent_stage: int) -> bool:
-    """Without max_train_batch_size, whether `stage` can fill less than half the step the incumbent's
-    stage fills (its predicted top against the incumbent's stage's largest size that ran): every
-    config of its space would carry the step's fixed costs (the optimizer step, the gradients'
-    communication) over under half the samples. It is not measured: on bench/search_quality.py
-    this is ZeRO-0 of a large model, whose top probes failed 130 times in 177 launches over 300
-    searches and never came within 1 % of the optimum."""
-    if session.settings.samples_per_step:
-        return False
-    return 2 * samples_per_step(session, stage) < samples_per_step(session, incumbent_stage)
 
 
 def explore_stage(session: Session, stage: int, floor: int = 0) -> Step:
     """Sample and refine one stage, above `floor`, until `next_size` says done and the cost model
     predicts no unmeasured size better (`stage_readings.predicted_better`), or the guards."""
     st = session.settings
-    if not (yield from _anchor(session, stage)):
+    if not (yield from anchor(session, stage)):
         return
     if not stage_values(session, stage):
         top = stage_top(session, stage)
         sizes = stage_candidates(session, stage)
         low = snap(max(1.0, top / 4), sizes) if sizes else top
         if low < top:
-            yield from _measure(session, stage, low, f"z{stage}_sample_{low}")
+            yield from measure_size(session, stage, low, f"z{stage}_sample_{low}")
     elif not st.samples_per_step and not floor:
         yield from _sample_smallest(session, stage)
     predicted: dict[int, float] = {}  # sizes the refinement reads off the fit instead of measuring
@@ -246,7 +126,7 @@ def explore_stage(session: Session, stage: int, floor: int = 0) -> Step:
             size = above_unchecked_top(session, stage, values)
         if size is None:
             return
-        yield from _measure(session, stage, size, f"z{stage}_sample_{size}")
+        yield from measure_size(session, stage, size, f"z{stage}_sample_{size}")
 
 
 def _recheck(session: Session, stage: int, mbs: int) -> Step:
@@ -262,7 +142,7 @@ def _recheck(session: Session, stage: int, mbs: int) -> Step:
 
 def _sample_smallest(session: Session, stage: int) -> Step:
     """Without max_train_batch_size, the lead stage's second sample is the smallest size of its
-    space, the one with the most accumulation, right after the top (`_anchor`): both ends of the
+    space, the one with the most accumulation, right after the top (`anchor`): both ends of the
     range are measured before it is refined. A quarter of the top, the low sample with
     max_train_batch_size, cannot see a curve that rises again below it: on CPU slots the real GPT
     example's optimum was micro-batch 1 with gas 16, 10 % above a plateau from a quarter of the top
@@ -271,10 +151,10 @@ def _sample_smallest(session: Session, stage: int) -> Step:
     values = stage_values(session, stage)
     sizes = stage_candidates(session, stage)
     if sizes and sum(v is not None for v in values.values()) == 1 and sizes[0] not in values:
-        yield from _measure(session, stage, sizes[0], f"z{stage}_sample_{sizes[0]}")
+        yield from measure_size(session, stage, sizes[0], f"z{stage}_sample_{sizes[0]}")
 
 
-def _anchor(session: Session, stage: int) -> Step:
+def anchor(session: Session, stage: int) -> Step:
     """Without max_train_batch_size, probe the stage's top (at the user's gas) until a size runs, as
     DeepSpeed's max probes do, so its space is bounded by a size it can hold; True once it is,
     False when the stage gave up (`stage_top` came to 0). A top whose config was measured already
@@ -289,11 +169,11 @@ def _anchor(session: Session, stage: int) -> Step:
         done = session.measured.get(session.experiment(stage, top, gas_for(session, stage, top)).name)
         if done is not None:
             return done[1].get("status") == "ok"
-        yield from _measure(session, stage, top, f"z{stage}_top_{top}")
+        yield from measure_size(session, stage, top, f"z{stage}_top_{top}")
     return True
 
 
-def _measure(session: Session, stage: int, mbs: int, label: str) -> Step:
+def measure_size(session: Session, stage: int, mbs: int, label: str) -> Step:
     """One config's metric (None: it failed). A failure that says nothing about the config
     (`says_nothing`: not out-of-memory, or out of memory beside others' memory), or an out-of-memory
     a larger success of the stage contradicts (`_contradicted`), is launched once more (`<name>_r2`,
@@ -312,19 +192,6 @@ def _contradicted(session: Session, stage: int, mbs: int, record: Mapping[str, A
     the failure is the GPU's state, not the config's; it is launched once more, not believed
     (`session.too_large` leaves such an out-of-memory out of the memory facts, too)."""
     return record.get("status") == "oom" and any(ran and size >= mbs for size, ran in sizes_ran(session, stage).items())
-
-
-def _fuller_step(session: Session, incumbent: tuple[int, int], top: int) -> int | None:
-    """With a samples-per-step limit: the size filling the step with one accumulation step less than
-    the incumbent's, when the incumbent's stage cannot hold it and a stage whose top is `top` can
-    (the curve along the full-step sizes was cut by memory, not turned); else None."""
-    st = session.settings
-    stage, mbs = incumbent
-    gas = gas_for(session, stage, mbs)
-    if not st.samples_per_step or gas < 2:
-        return None
-    larger = st.samples_per_step // (gas - 1)
-    return larger if stage_top(session, stage) < larger <= top else None
 
 
 def _relative(value: float, reference: float, maximize: bool) -> float:
@@ -349,10 +216,10 @@ def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
     stage, mbs = leader
     size = sawtooth_neighbour(mbs, gas_for(session, stage, mbs), st.samples_per_step)
     if size is not None and size not in stage_values(session, stage):
-        yield from _measure(session, stage, size, f"z{stage}_sawtooth_{size}")
+        yield from measure_size(session, stage, size, f"z{stage}_sawtooth_{size}")
     filled = filled_size(mbs, gas_for(session, stage, mbs), st.samples_per_step)
     if filled is not None and filled <= stage_top(session, stage) and filled not in stage_values(session, stage):
-        yield from _measure(session, stage, filled, f"z{stage}_filled_{filled}")
+        yield from measure_size(session, stage, filled, f"z{stage}_filled_{filled}")
 
 
 def widen_step(session: Session, stages: Sequence[int]) -> Step:
@@ -375,11 +242,11 @@ def widen_step(session: Session, stages: Sequence[int]) -> Step:
     top, known = stage_top(session, stage), known_feasible(session, stage)
     if gas < 2 or top <= known or max(1, st.gradient_accumulation_steps) * top // gas <= mbs:
         return
-    if (yield from _measure(session, stage, top, f"z{stage}_widen_{top}")) is None:
+    if (yield from measure_size(session, stage, top, f"z{stage}_widen_{top}")) is None:
         return
     size = samples_per_step(session, stage) // gas
     if size > mbs and size not in stage_values(session, stage):
-        yield from _measure(session, stage, size, f"z{stage}_widened_{size}")
+        yield from measure_size(session, stage, size, f"z{stage}_widened_{size}")
 
 
 def stages_near_leader(session: Session, stages: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -260,7 +260,7 @@ def beats_other_stages(session: Session, stage: int, value: float, bounded: bool
     """Whether the followed stage's reading `value` beats every other stage's: without
     max_train_batch_size, its reading at the incumbent's size (its space fills a step of its own
     top, so at equal size it may accumulate more and lead); with it (`bounded`), its reading at the
-    size filling the step the incumbent's stage could not hold (`sampled_search._fuller_step`)."""
+    size filling the step the incumbent's stage could not hold (`stage_follow._fuller_step`)."""
     st = session.settings
     if st.samples_per_step and not bounded:
         return False

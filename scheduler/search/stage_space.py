@@ -50,9 +50,9 @@ def samples_per_step(session: Session, stage: int) -> int:
     With max_train_batch_size, what it allows. Without it, DeepSpeed's rule (its mtbpg): the stage's
     largest feasible micro-batch times the user's gas, so a size below the top gets the accumulation
     that fills the same step. Feasible means known to run (`known_feasible`): every stage runs
-    its top first (`_anchor`, at the user's gas, which the predicted top stands in for until then),
+    its top first (`sampled_search.anchor`, at the user's gas, which the predicted top stands in for until then),
     so the step never outgrows what the stage can hold. A stage measured only at another stage's
-    config (`sampled_search._leads_at`) fills that config's step until its own top ran.
+    config (`stage_follow._leads_at`) fills that config's step until its own top ran.
     """
     st = session.settings
     if st.samples_per_step:

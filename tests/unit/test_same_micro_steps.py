@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from scheduler.search.ranking import best
-from scheduler.search.sampled_search import sampled_stages, widen_step
+from scheduler.search.sampled_search import widen_step
+from scheduler.search.stage_follow import sampled_stages
 from scheduler.search.session import Session
 from tests.unit.test_sampled_search import play, scripted_settings, stages_of
 

@@ -14,12 +14,13 @@ from bench.surfaces import classic, make_surface, user_config
 from scheduler.search.confirm import REPEAT_BUDGET
 from scheduler.search.memory_facts import SharedFacts
 from scheduler.search.fast_search import PROFILE, fast_search
-from scheduler.search.session import SearchSettings, Session, too_large
+from scheduler.search.session import SearchSettings, Session
 from scheduler.search.phases import Phase, drive, replay
 from scheduler.search import sampled_search
 from scheduler.search.ranking import best
 from scheduler.search.repeats import REPEAT_NAME, confirm
-from scheduler.search.sampled_search import sampled_stages, stages_near_leader
+from scheduler.search.sampled_search import stages_near_leader
+from scheduler.search.stage_follow import sampled_stages
 from scheduler.search.stage_readings import stage_values
 from scheduler.search.sampling import full_step_sizes, geometric_mid, lead_first, next_size, snap
 from scheduler.search.space import Experiment
@@ -781,7 +782,7 @@ def test_a_stage_filling_under_half_the_incumbents_step_is_not_measured(zero_0_f
 def test_a_top_probe_measured_already_at_its_spaces_accumulation_ends_the_probing(monkeypatch) -> None:
     """ZeRO-0 ran micro-batch 2 at accumulation 2 (its space's at that size), above the user's 1,
     so `known_feasible` does not count it; when the stage's top comes back to 2, the probe's config is
-    the one measured: `_anchor` ends (True: it ran) instead of asking for it again forever."""
+    the one measured: `anchor` ends (True: it ran) instead of asking for it again forever."""
     session = Session(replace(sampled(), max_train_batch_size=None))
     ran = session.experiment(0, 2, 2)
     session.measured[ran.name] = (ran, {"name": ran.name, "status": "ok", "metrics": {"throughput": 1.0}})
@@ -791,7 +792,7 @@ def test_a_top_probe_measured_already_at_its_spaces_accumulation_ends_the_probin
 
     def anchor() -> None:
         try:
-            next(sampled_search._anchor(session, 0))  # a phase: it asked for a run
+            next(sampled_search.anchor(session, 0))  # a phase: it asked for a run
             outcome.append("measured again")
         except StopIteration as done:
             outcome.append(done.value)
@@ -799,7 +800,7 @@ def test_a_top_probe_measured_already_at_its_spaces_accumulation_ends_the_probin
     thread = threading.Thread(target=anchor, daemon=True)
     thread.start()
     thread.join(5)
-    assert not thread.is_alive(), "_anchor spun on a config it had measured"
+    assert not thread.is_alive(), "anchor spun on a config it had measured"
     assert outcome == [True]
 
 

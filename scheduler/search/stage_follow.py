@@ -1,0 +1,151 @@
+"""The stages after the first: each followed from the incumbent, explored only where it can lead.
+
+Why its own module: the sampled search (`scheduler.search.sampled_search`) samples and refines one
+stage at a time; whether a later stage is worth that at all, and from which size, is decided
+against the incumbent (the best config so far). One reading at the incumbent's size tells most of
+how a stage compares, and exploring a stage that cannot lead costs launches and failed top probes.
+
+Another stage is first measured at the incumbent's size (without max_train_batch_size, after its own
+top), which tells how it compares. It is explored further only if the incumbent was the largest size
+its own stage could hold and this stage holds more (the curve was still rising at the cap; or the
+cost model puts that largest size within the noise of the incumbent, `stage_readings.flat_to_top`,
+and this stage holds more than `FLAT_ROOM` times it), or, with max_train_batch_size, if the
+incumbent accumulates because its stage cannot hold the size filling the step with one accumulation
+step less and this stage can (`_fuller_step`: that size is measured once, and wins or rules the
+stage out), or, without max_train_batch_size, if it beat the incumbent there (its own top may give
+it a larger step), or, when it holds less than the incumbent's size (measured at the size it holds),
+if it beat the incumbent's stage at that size (`stage_readings.beats_at_equal_size`: like for like);
+otherwise the measurement rules it out. ZeRO-0 beside a ZeRO-1 incumbent (or the reverse) is
+measured once at the incumbent's own size and accumulation, and explored only for the first reason
+with a top `sampling.TOP_GAIN` above the incumbent's (`_same_micro_steps`: both reduce gradients
+only at the accumulation boundary, so their micro-steps are the same work and their best sizes over
+one space coincide: its own top and a refinement would cost launches and tell nothing the
+incumbent's stage did not, unless it holds clearly larger sizes where that stage's curve still rose;
+a top predicted a few percent above is mostly the model's error, and its probes fail). Without
+max_train_batch_size a stage whose predicted top fills less than half the incumbent's step is not
+measured at all (`_half_step`: ZeRO-0 of a large model, whose top probes mostly fail). ZeRO-3 moves
+more data than ZeRO-1/2 at equal size: on fewer than `ZERO3_AT_SCALE` data-parallel ranks it is
+measured only when it can hold larger sizes that matter (the curve was still rising at the cap, or
+it holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so memory pressure may have turned their curves), or
+no ZeRO-1/2 stage was measured; from `ZERO3_AT_SCALE` ranks on, where its sharding and prefetch let
+it lead, it is always measured once, at the incumbent's own size and accumulation (`_leads_at`: no
+probe of its top), and explored if it reads better there.
+
+Pure decision logic over a `Session`, turned into phases like the sampled search's.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.search.ranking import metric_value
+from scheduler.search.sampled_search import anchor, explore_stage, measure_size
+from scheduler.search.sampling import TOP_GAIN, lead_first
+from scheduler.search.session import Session, Step
+from scheduler.search.stage_readings import at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, stage_values
+from scheduler.search.stage_space import gas_for, samples_per_step, stage_top
+
+
+#: ZeRO-3 is explored, although the incumbent's curve had turned, when it holds at least this many
+#: times the largest size ZeRO-1/2 hold: near a stage's memory cap the allocator's pressure slows it,
+#: and ZeRO-3 runs those sizes with that much more memory free.
+ZERO3_ROOM = 1.3
+#: A stage holding more than this many times the top of an incumbent's curve that is flat up to
+#: that top (`stage_readings.flat_to_top`) is explored: the leader below the top leads on noise.
+FLAT_ROOM = 2.0
+#: From this many data-parallel ranks ZeRO-3 is measured at least once whatever it holds: its
+#: parameter sharding frees (1 - 1/dp) of the parameters and its prefetch hides the gathers behind
+#: compute, so at scale it can lead (a 4-rank bf16 script; bench/heldout.py's 4-16 rank families).
+#: On 2 ranks it frees half the parameters and leads only on memory (`ZERO3_ROOM`).
+ZERO3_AT_SCALE = 4
+
+
+def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
+    """Every allowed stage, in order: sampled, followed from the incumbent, or ruled out."""
+    explored: list[int] = []
+    for stage in lead_first(stages, session.settings.dp_size):
+        top = stage_top(session, stage)  # what the earlier stages' probes predict; the stage ran nothing yet
+        if top < 1:
+            continue
+        incumbent = leader_of(session, explored)
+        if incumbent is None:
+            yield from explore_stage(session, stage)
+            explored.append(stage)
+            continue
+        inc_mbs = incumbent[1]
+        upside = at_cap(session, explored, inc_mbs) and top > inc_mbs
+        flat = flat_to_top(session, incumbent[0]) or 0  # a leader below a flat top leads on noise
+        upside = upside or (flat > inc_mbs and at_cap(session, explored, flat) and top > FLAT_ROOM * flat)
+        if stage == 3 and any(s in (1, 2) for s in explored):
+            lighter = max(stage_top(session, s) for s in explored if s in (1, 2))
+            roomy = top >= ZERO3_ROOM * lighter  # near the top pressure slows the lighter stages
+            if not (upside or roomy):
+                if session.settings.dp_size < ZERO3_AT_SCALE or not (yield from _leads_at(session, stage, incumbent)):
+                    continue
+            upside = True
+        fuller = _fuller_step(session, incumbent, top)
+        if not upside and _half_step(session, stage, incumbent[0]):
+            continue
+        same = _same_micro_steps(stage, incumbent[0]) and not (upside and top >= TOP_GAIN * inc_mbs)
+        if same and stage_top(session, stage, cautious=True) >= inc_mbs:
+            yield from _leads_at(session, stage, incumbent)
+            explored.append(stage)
+            continue
+        if not (yield from anchor(session, stage)):
+            continue
+        size = min(inc_mbs, stage_top(session, stage, cautious=True))
+        value = yield from measure_size(session, stage, size, f"z{stage}_follow_{size}")
+        explored.append(stage)
+        if value is not None and fuller and not upside:
+            value = yield from measure_size(session, stage, fuller, f"z{stage}_step_{fuller}")
+            upside = value is not None and beats_other_stages(session, stage, value, bounded=True)
+        if value is not None and (upside or beats_other_stages(session, stage, value)
+                                  or beats_at_equal_size(session, stage, size, value, incumbent)):
+            yield from explore_stage(session, stage, floor=size)
+
+
+def _same_micro_steps(stage: int, other: int) -> bool:
+    """Whether `stage` and `other` are ZeRO-0 and ZeRO-1: both reduce gradients only at the
+    accumulation boundary, so their micro-steps are the same work and they differ by a cost per
+    optimizer step (ZeRO-1 shards the optimizer and gathers the parameters after it). Over the same
+    space their best sizes coincide: one reading at the other's leading config tells which leads."""
+    return {stage, other} == {0, 1}
+
+
+def _leads_at(session: Session, stage: int, incumbent: tuple[int, int]) -> Step:
+    """Measure `stage` once at the incumbent's own config (its size and accumulation, which the
+    stage holds) and say whether it reads better: a like-for-like comparison that needs no probe
+    of the stage's top."""
+    inc_stage, mbs = incumbent
+    gas = gas_for(session, inc_stage, mbs)
+    exp = session.experiment(stage, mbs, gas)
+    [record] = yield from session.measure(f"z{stage}_compare_{mbs}", [exp])
+    value = metric_value(record, session.settings.metric)
+    lead = stage_values(session, inc_stage).get(mbs)
+    if value is None or lead is None:
+        return False
+    return value > lead if session.settings.maximize else value < lead
+
+
+def _half_step(session: Session, stage: int, incumbent_stage: int) -> bool:
+    """Without max_train_batch_size, whether `stage` can fill less than half the step the incumbent's
+    stage fills (its predicted top against the incumbent's stage's largest size that ran): every
+    config of its space would carry the step's fixed costs (the optimizer step, the gradients'
+    communication) over under half the samples. It is not measured: on bench/search_quality.py
+    this is ZeRO-0 of a large model, whose top probes failed 130 times in 177 launches over 300
+    searches and never came within 1 % of the optimum."""
+    if session.settings.samples_per_step:
+        return False
+    return 2 * samples_per_step(session, stage) < samples_per_step(session, incumbent_stage)
+
+
+def _fuller_step(session: Session, incumbent: tuple[int, int], top: int) -> int | None:
+    """With a samples-per-step limit: the size filling the step with one accumulation step less than
+    the incumbent's, when the incumbent's stage cannot hold it and a stage whose top is `top` can
+    (the curve along the full-step sizes was cut by memory, not turned); else None."""
+    st = session.settings
+    stage, mbs = incumbent
+    gas = gas_for(session, stage, mbs)
+    if not st.samples_per_step or gas < 2:
+        return None
+    larger = st.samples_per_step // (gas - 1)
+    return larger if stage_top(session, stage) < larger <= top else None
