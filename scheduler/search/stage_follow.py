@@ -5,31 +5,33 @@ stage at a time; whether a later stage is worth that at all, and from which size
 against the incumbent (the best config so far). One reading at the incumbent's size tells most of
 how a stage compares, and exploring a stage that cannot lead costs launches and failed top probes.
 
-Another stage is first measured at the incumbent's size (without max_train_batch_size, after its own
-top), which tells how it compares. It is explored further only if the incumbent was the largest size
-its own stage could hold and this stage holds more (the curve was still rising at the cap; or the
-cost model puts that largest size within the noise of the incumbent, `stage_readings.flat_to_top`,
-and this stage holds more than `FLAT_ROOM` times it), or, with max_train_batch_size, if the
-incumbent accumulates because its stage cannot hold the size filling the step with one accumulation
-step less and this stage can (`_fuller_step`: that size is measured once, and wins or rules the
-stage out), or, without max_train_batch_size, if it beat the incumbent there (its own top may give
-it a larger step), or, when it holds less than the incumbent's size (measured at the size it holds),
-if it beat the incumbent's stage at that size (`stage_readings.beats_at_equal_size`: like for like);
-otherwise the measurement rules it out. ZeRO-0 beside a ZeRO-1 incumbent (or the reverse) is
-measured once at the incumbent's own size and accumulation, and explored only for the first reason
-with a top `sampling.TOP_GAIN` above the incumbent's (`_same_micro_steps`: both reduce gradients
-only at the accumulation boundary, so their micro-steps are the same work and their best sizes over
-one space coincide: its own top and a refinement would cost launches and tell nothing the
-incumbent's stage did not, unless it holds clearly larger sizes where that stage's curve still rose;
-a top predicted a few percent above is mostly the model's error, and its probes fail). Without
-max_train_batch_size a stage whose predicted top fills less than half the incumbent's step is not
-measured at all (`_half_step`: ZeRO-0 of a large model, whose top probes mostly fail). ZeRO-3 moves
-more data than ZeRO-1/2 at equal size: on fewer than `ZERO3_AT_SCALE` data-parallel ranks it is
-measured only when it can hold larger sizes that matter (the curve was still rising at the cap, or
-it holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so memory pressure may have turned their curves), or
-no ZeRO-1/2 stage was measured; from `ZERO3_AT_SCALE` ranks on, where its sharding and prefetch let
-it lead, it is always measured once, at the incumbent's own size and accumulation (`_leads_at`: no
-probe of its top), and explored if it reads better there.
+- **Followed**: a stage is first measured at the incumbent's size (without max_train_batch_size,
+  after its own top); that one reading tells how it compares.
+- **Explored further** only when one of these holds, else the reading rules it out:
+  - the incumbent was the largest size its own stage could hold and this stage holds more (the
+    curve was still rising at the cap), or the cost model puts that largest size within the noise
+    of the incumbent (`stage_readings.flat_to_top`) and this stage holds more than `FLAT_ROOM`
+    times it;
+  - with max_train_batch_size, the incumbent accumulates because its stage cannot hold the size
+    filling the step with one accumulation step less, and this stage can (`_fuller_step`: that
+    size is measured once, and wins or rules the stage out);
+  - without it, the stage beat the incumbent there (its own top may give it a larger step);
+  - holding less than the incumbent's size (measured at the size it holds), it beat the
+    incumbent's stage at that size (`stage_readings.beats_at_equal_size`: like for like).
+- **ZeRO-0 beside a ZeRO-1 incumbent** (or the reverse) is measured once at the incumbent's own size
+  and accumulation, and explored only for the first reason with a top `sampling.TOP_GAIN` above the
+  incumbent's (`_same_micro_steps`: both reduce gradients only at the accumulation boundary, so
+  their micro-steps are the same work and their best sizes over one space coincide; a top
+  predicted a few percent above is mostly the model's error, and its probes fail).
+- **Not measured at all**, without max_train_batch_size: a stage whose predicted top fills less than
+  half the incumbent's step (`_half_step`: ZeRO-0 of a large model, whose top probes mostly fail).
+- **ZeRO-3** moves more data than ZeRO-1/2 at equal size. On fewer than `ZERO3_AT_SCALE`
+  data-parallel ranks it is measured only when it can hold larger sizes that matter (the curve was
+  still rising at the cap, or it holds `ZERO3_ROOM` times what ZeRO-1/2 hold, so memory pressure
+  may have turned their curves), or when no ZeRO-1/2 stage was measured. From `ZERO3_AT_SCALE`
+  ranks on, where its sharding and prefetch let it lead, it is always measured once at the
+  incumbent's own size and accumulation (`_leads_at`: no probe of its top), and explored if it
+  reads better there.
 
 Pure decision logic over a `Session`, turned into phases like the sampled search's.
 """
@@ -41,7 +43,9 @@ from scheduler.search.ranking import metric_value
 from scheduler.search.sampled_search import anchor, explore_stage, measure_size
 from scheduler.search.sampling import TOP_GAIN, lead_first
 from scheduler.search.session import Session, Step
-from scheduler.search.stage_readings import at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, stage_values
+from scheduler.search.stage_readings import (
+    at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, stage_values,
+)
 from scheduler.search.stage_space import gas_for, samples_per_step, stage_top
 
 
