@@ -7,7 +7,7 @@ seeds of the synthetic families (bench/surfaces.py; 1000 and above by default) a
 families written apart, or, for the memory strategies' rules, the needs-strategy family. Per rule it
 prints the mean and 10th percentile of the fraction of the optimum (an aborted search counts 0),
 the launches summed, the searches with more than 4 failed probes, and how many searches the rule
-moved by more than 1 % of the optimum either way. A rule that buys nothing on any of them and costs
+moved by more than 1 % of the optimum either way (and how many of bench/heldout.py's). A rule that buys nothing on any of them and costs
 launches is one to remove; one whose removal loses picks stays.
 
     .venv/bin/python bench/rule_ablation.py [--seed 1000] [--surfaces 60] [--heldout 40] [--rule sawtooth ...]
@@ -96,15 +96,22 @@ def switched_off(rule: Rule) -> AbstractContextManager[Any]:
     return mock.patch.object(importlib.import_module(rule.module), rule.attribute, rule.off)
 
 
-def scripts(strategies: bool, seed: int, surfaces: int, held: int) -> list[tuple[Any, Callable[[Any], Any]]]:
-    """(script, our search on it) pairs a rule is measured on (module docstring)."""
+def scripts(strategies: bool, seed: int, surfaces: int, held: int) -> list[tuple[Any, Callable[[Any], Any], bool]]:
+    """(script, our search on it, whether bench/heldout.py wrote it) for each script a rule is
+    measured on (module docstring)."""
     if strategies:
         found = [make_surface("needs-strategy", s) for s in range(seed, seed + surfaces)]
-        return [(surface, search_quality.ours) for surface in found if surface.optimum()[0] > 0]
+        return [(surface, search_quality.ours, False) for surface in found if surface.optimum()[0] > 0]
     synthetic = [make_surface(family, s) for family in FAMILIES for s in range(seed, seed + surfaces)]
     written_apart = [heldout.make_script(family, s) for family in heldout.FAMILIES for s in range(seed, seed + held)]
-    return [(surface, search_quality.ours) for surface in synthetic if surface.optimum()[0] > 0] + \
-        [(script, heldout.ours) for script in written_apart]
+    return [(surface, search_quality.ours, False) for surface in synthetic if surface.optimum()[0] > 0] + \
+        [(script, heldout.ours, True) for script in written_apart]
+
+
+def moved(on: list[Any], off: list[Any]) -> tuple[int, int]:
+    """(searches the rule won, searches it lost): named configs more than MOVED of the optimum apart."""
+    won = sum((a.fraction or 0) > (b.fraction or 0) + MOVED for a, b in zip(on, off))
+    return won, sum((b.fraction or 0) > (a.fraction or 0) + MOVED for a, b in zip(on, off))
 
 
 def summary(outcomes: list[Any]) -> tuple[float, float, int, int]:
@@ -125,20 +132,21 @@ def main() -> None:
     print(f"RULE ABLATION: our search with each rule on, then off, seeds {args.seed}..; synthetic families "
           f"x {args.surfaces} and bench/heldout.py's x {args.heldout}, or needs-strategy x {args.surfaces}")
     print(f"{'rule':<18}{'scripts':>8}{'mean on/off':>15}{'p10 on/off':>14}{'launches on/off':>17}"
-          f"{'>4 failed':>11}{'won':>5}{'lost':>5}  what it does")
+          f"{'>4 failed':>11}{'won/lost':>10}{'heldout.py':>12}  what it does")
     baselines: dict[bool, list[Any]] = {}
     for rule in rules:
-        pairs = scripts(rule.strategies, args.seed, args.surfaces, args.heldout)
+        triples = scripts(rule.strategies, args.seed, args.surfaces, args.heldout)
         if rule.strategies not in baselines:
-            baselines[rule.strategies] = [search(script) for script, search in pairs]
+            baselines[rule.strategies] = [search(script) for script, search, _ in triples]
         on = baselines[rule.strategies]
         with switched_off(rule):
-            off = [search(script) for script, search in pairs]
-        won = sum((a.fraction or 0) > (b.fraction or 0) + MOVED for a, b in zip(on, off))
-        lost = sum((b.fraction or 0) > (a.fraction or 0) + MOVED for a, b in zip(on, off))
+            off = [search(script) for script, search, _ in triples]
+        apart = [i for i, (_, _, written_apart) in enumerate(triples) if written_apart]
+        (won, lost), (won_apart, lost_apart) = moved(on, off), moved([on[i] for i in apart], [off[i] for i in apart])
         (mean_on, p10_on, launch_on, fail_on), (mean_off, p10_off, launch_off, fail_off) = summary(on), summary(off)
-        print(f"{rule.name:<18}{len(pairs):>8}{f'{mean_on:.4f}/{mean_off:.4f}':>15}{f'{p10_on:.3f}/{p10_off:.3f}':>14}"
-              f"{f'{launch_on}/{launch_off}':>17}{f'{fail_on}/{fail_off}':>11}{won:>5}{lost:>5}  {rule.what}")
+        print(f"{rule.name:<18}{len(triples):>8}{f'{mean_on:.4f}/{mean_off:.4f}':>15}{f'{p10_on:.3f}/{p10_off:.3f}':>14}"
+              f"{f'{launch_on}/{launch_off}':>17}{f'{fail_on}/{fail_off}':>11}{f'{won}/{lost}':>10}"
+              f"{f'{won_apart}/{lost_apart}' if apart else '-':>12}  {rule.what}")
 
 
 if __name__ == "__main__":
