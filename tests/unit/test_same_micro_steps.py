@@ -39,7 +39,7 @@ def test_a_zero_0_leader_measured_at_zero_1s_config_does_not_probe_its_own_top()
         yield from widen_step(session, (0, 1))
 
     launched, phases, _ = play(search, Curve(), {0: 32, 1: 32},
-                               scripted_settings(stages=(0, 1), max_train_batch_size=None))
+                               scripted_settings(stages=(0, 1), max_train_batch_size=None, host_memory=True))
     assert (0, 1, 32) in launched
     assert [(mbs, gas) for stage, mbs, gas in launched if stage == 0] == [(1, 32)]
     assert not [p.name for p in phases if "widen" in p.name]

@@ -366,15 +366,26 @@ def test_a_small_top_starts_at_size_1_and_refines_every_gap_wider_than_the_ratio
 def test_without_a_step_limit_the_space_is_deepspeeds_top_times_the_users_gas() -> None:
     """No max_train_batch_size, user gas 3, top 12: every size fills 12 x 3 = 36 samples per step, as
     DeepSpeed's mtbpg does; the full-step sizes are 36 // g: 1, 2, 3, 4, 5, 6, 7, 9, 12. The top runs
-    first (gas 3: the user's), so the step is bounded by a size that ran; then the other end of the
-    range, 1 (gas 36); best 12: gap 1-12 split at the size nearest sqrt(12) = 3.46, i.e. 3 (gas 12);
+    first (gas 3: the user's), so the step is bounded by a size that ran; then, on CPU slots, the other
+    end of the range, 1 (gas 36); best 12: gap 1-12 split at the size nearest sqrt(12) = 3.46, i.e. 3 (gas 12);
     gap 3-12 at sqrt(36) = 6 (gas 6); gap 6-12 at the size nearest sqrt(72) = 8.49, i.e. 9 (gas 4);
     9-12 (ratio 1.33) is too narrow. The curve saturates (12 - 6 / m), so no split is ruled out by
     the fit of the sizes measured before it."""
     speed = {(1, m): 12.0 - 6.0 / m for m in range(1, 13)}
     launched, _, _ = play(stages_of((1,)), speed, {1: 12},
-                          scripted_settings(stages=(1,), max_train_batch_size=None, gradient_accumulation_steps=3))
+                          scripted_settings(stages=(1,), max_train_batch_size=None, gradient_accumulation_steps=3,
+                                            host_memory=True))
     assert launched == [(1, 12, 3), (1, 1, 36), (1, 3, 12), (1, 6, 6), (1, 9, 4)]
+
+
+def test_on_gpu_slots_the_lead_stage_does_not_sample_its_smallest_size() -> None:
+    """The same curve on GPU slots: after the top the refinement starts from the middle of the range
+    (3, gas 12), not its smallest size, which a micro-step's fixed costs make slow on a GPU
+    (`sampled_search._sample_smallest`; bench/rule_ablation.py: as many searches won as lost there)."""
+    speed = {(1, m): 12.0 - 6.0 / m for m in range(1, 13)}
+    launched, _, _ = play(stages_of((1,)), speed, {1: 12},
+                          scripted_settings(stages=(1,), max_train_batch_size=None, gradient_accumulation_steps=3))
+    assert launched == [(1, 12, 3), (1, 3, 12), (1, 6, 6), (1, 9, 4)]
 
 
 def test_without_a_step_limit_a_curve_that_rises_again_below_a_quarter_of_the_top_is_found() -> None:
@@ -385,7 +396,7 @@ def test_without_a_step_limit_a_curve_that_rises_again_below_a_quarter_of_the_to
     space = {1: 58.0, 2: 55.0, 3: 56.0, 4: 51.0, 5: 50.0, 6: 48.0, 7: 51.0, 8: 51.0, 16: 52.0}
     speed = {(1, m): space.get(m, 50.0) for m in range(1, 17)}
     launched, _, session = play(stages_of((1,)), speed, {1: 16},
-                                scripted_settings(stages=(1,), max_train_batch_size=None))
+                                scripted_settings(stages=(1,), max_train_batch_size=None, host_memory=True))
     assert launched[:2] == [(1, 16, 1), (1, 1, 16)]
     assert session.best_mbs(1) == 1
 
@@ -560,14 +571,15 @@ def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
     the whole budget holds is 100. With a step limit (256 samples per GPU per step) the low probe
     comes first: 98 / 4 = 24.5, nearest full-step size 25 (gas 10); then the top at TOP_SAFETY
     (0.98), 98 (gas 2). Without one the top sets every size's step, so it fills the whole budget
-    (TOP_SAFETY_UNBOUNDED): 100 first (gas 1), then the other end of the range, 1 (gas 100)."""
+    (TOP_SAFETY_UNBOUNDED): 100 first (gas 1), then, on CPU slots, the other end of the range, 1 (gas 100)."""
 
     class Budget(Scripted):
         def predicted_max(self, stage: int, safety: float = 0.9, cautious: bool = False) -> int:
             return int(100 * safety)
 
     for limit, first, then in ((512, "z1_gas10_tmbspg25", "z1_gas2_tmbspg98"), (None, "z1_gas1_tmbspg100", "z1_gas100_tmbspg1")):
-        search = sampled_stages(Budget(scripted_settings(stages=(1,), max_train_batch_size=limit), {}), (1,))
+        search = sampled_stages(Budget(scripted_settings(stages=(1,), max_train_batch_size=limit, host_memory=True), {}),
+                                (1,))
         phase = next(search)
         assert phase.experiments[0].name == first
         assert search.send({first: {"status": "ok", "metrics": {"throughput": 1.0}}}).experiments[0].name == then
@@ -675,7 +687,7 @@ def test_zero_2_holding_more_is_explored_above_a_lead_still_rising_at_its_cap() 
 
 
 def test_without_a_step_limit_a_followed_stage_runs_its_own_top_first() -> None:
-    """No max_train_batch_size, user gas 1. ZeRO-1 (top 16, so 16 samples per step): 16 (gas 1), 1
+    """No max_train_batch_size, user gas 1, CPU slots. ZeRO-1 (top 16, so 16 samples per step): 16 (gas 1), 1
     (gas 16: the other end), 4 (gas 4: the gap 1-16 split at sqrt(16)), 8 (gas 2: of the equal gaps
     1-4 and 4-16 the larger sizes', at sqrt(64)), 5 (gas 3: the only full-step size in 4-8); no
     full-step size lies in 5-8 or 8-16: done, best 8. The curve turns more sharply than the cost
@@ -687,7 +699,7 @@ def test_without_a_step_limit_a_followed_stage_runs_its_own_top_first() -> None:
     speed = {(1, 16): 50.0, (1, 1): 30.0, (1, 4): 60.0, (1, 8): 70.0, (1, 5): 65.0, (2, 24): 40.0, (2, 8): 75.0,
              (2, 12): 72.0}
     launched, _, session = play(stages_of((1, 2)), speed, {1: 16, 2: 24},
-                                scripted_settings(stages=(1, 2), max_train_batch_size=None))
+                                scripted_settings(stages=(1, 2), max_train_batch_size=None, host_memory=True))
     assert launched == [(1, 16, 1), (1, 1, 16), (1, 4, 4), (1, 8, 2), (1, 8, 2), (1, 5, 3), (1, 16, 1),
                         (2, 24, 1), (2, 8, 3), (2, 12, 2)]
     assert best([r for _, r in session.measured.values()], "throughput", True)["name"] == "z2_gas3_tmbspg8"
