@@ -77,7 +77,6 @@ RULES = (
     Rule("half-step", _FOLLOW, "_half_step", _false, False, "a stage filling under half the step not measured"),
     Rule("same-micro-steps", _FOLLOW, "_same_micro_steps", _false, False, "ZeRO-0 beside ZeRO-1 measured once"),
     Rule("fuller-step", _FOLLOW, "_fuller_step", _none, False, "the size filling the step with one gas less"),
-    Rule("smallest-sample", _SAMPLED, "_sample_smallest", _no_phases, False, "the lead stage's smallest size"),
     Rule("predicted-worse", _SAMPLED, "predicted_worse", _none, False, "a size the fit says cannot lead, skipped"),
     Rule("predicted-better", _SAMPLED, "predicted_better", _none, False, "a size the fit says leads, measured"),
     Rule("unchecked-top", _SAMPLED, "above_unchecked_top", _none, False, "a leading top no peak checked, probed above"),

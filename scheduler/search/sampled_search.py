@@ -16,8 +16,8 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   fits) samples its range on a geometric scale. With max_train_batch_size, a low size first (a
   quarter of the predicted maximum, so the stage's memory line has two measured points before the
   top is probed), then the top; without it, the top first (`anchor`: the step is bounded by a size
-  that ran), then, on CPU slots, the smallest size, with the most accumulation (`_sample_smallest`:
-  the real GPT example's optimum lay there, below a plateau a quarter of the top would have sat
+  that ran), then, on CPU slots or for a model whose states fill half the device, the smallest
+  size, with the most accumulation (`_sample_smallest`: the real GPT example's optimum lay there, below a plateau a quarter of the top would have sat
   on). Then golden-section-like refinement on log(mbs) around the best
   measured size (where the cost model explains four or more readings within the noise, the size it
   predicts best, if its reading is within the noise of the best: `stage_readings.smoothed_best`)
@@ -87,6 +87,9 @@ from scheduler.search.stage_space import (
 MAX_POINTS = 7
 #: Full mode explores the knobs of every stage whose fast-mode best is within this of the leader.
 FULL_MODE_BAND = 0.10
+#: On GPU slots the lead stage's smallest size is sampled where the model's states take at least
+#: this share of the memory budget: every size near the top then runs with the device nearly full.
+PRESSED_STATES_SHARE = 0.5
 
 
 # ---------------------------------------------------------------- the generators
@@ -147,10 +150,14 @@ def _sample_smallest(session: Session, stage: int) -> Step:
     max_train_batch_size, cannot see a curve that rises again below it: on CPU slots the real GPT
     example's optimum was micro-batch 1 with gas 16, 10 % above a plateau from a quarter of the top
     to the top (bench/trace_replay.py: right in 74.5 % of replays with this sample, 19.5 % without).
-    Not on GPUs, where a micro-step's fixed costs (kernel launches) make the smallest size slow: on
-    bench/rule_ablation.py's GPU scripts it won as many searches as it lost, written-apart ones
-    included, and cost half a launch a search; the refinement starts from the range's middle."""
-    if not session.settings.host_memory:
+    On GPU slots, where a micro-step's fixed costs (kernel launches) make the smallest size slow, only
+    where the model's states take `PRESSED_STATES_SHARE` of the budget: the sizes near the top then
+    run with the device nearly full, and large models' optima lay at small sizes with much
+    accumulation (bench/search_quality.py's large-model family). Elsewhere on GPUs it won as many
+    searches as it lost (bench/rule_ablation.py, written-apart scripts included) for half a launch a
+    search; the refinement starts from the range's middle instead."""
+    st, model = session.settings, session.model
+    if not st.host_memory and (model is None or model.held_bytes(stage) < PRESSED_STATES_SHARE * st.budget_bytes):
         return
     values = stage_values(session, stage)
     sizes = stage_candidates(session, stage)

@@ -388,6 +388,34 @@ def test_on_gpu_slots_the_lead_stage_does_not_sample_its_smallest_size() -> None
     assert launched == [(1, 12, 3), (1, 3, 12), (1, 6, 6), (1, 9, 4)]
 
 
+class StatesHeavy:
+    """A memory model whose states take `share` of any budget (a large model)."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+
+    def held_bytes(self, stage: int) -> int:
+        return int(self.share * scripted_settings().budget_bytes)
+
+    def max_micro_batch_size(self, stage: int, capacity_bytes: int) -> int:
+        return 12
+
+
+def test_on_gpu_slots_a_model_whose_states_fill_half_the_device_samples_its_smallest_size() -> None:
+    """The same curve, the model's states taking half the budget or more: every size near the top
+    runs with the device nearly full, so the smallest size (1, gas 36) is sampled second, as on CPU
+    slots; at a third of the budget it is not."""
+    speed = {(1, m): 12.0 - 6.0 / m for m in range(1, 13)}
+    settings = scripted_settings(stages=(1,), max_train_batch_size=None, gradient_accumulation_steps=3)
+    for share, second in ((0.6, (1, 1, 36)), (0.33, (1, 3, 12))):
+        def search(session: Session, share: float = share):
+            session.model = StatesHeavy(share)
+            yield from stages_of((1,))(session)
+
+        launched, _, _ = play(search, speed, {1: 12}, settings)
+        assert launched[:2] == [(1, 12, 3), second], share
+
+
 def test_without_a_step_limit_a_curve_that_rises_again_below_a_quarter_of_the_top_is_found() -> None:
     """The real GPT example on CPU slots (bench/traces/train_gpt.json, rounded): flat from a quarter of
     the top to the top, and 10 % higher at micro-batch 1 with the most accumulation. Sampling the

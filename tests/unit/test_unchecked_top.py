@@ -26,6 +26,9 @@ class AnalyticalTop:
     def max_micro_batch_size(self, stage: int, capacity_bytes: int) -> int:
         return self.tops[stage]
 
+    def held_bytes(self, stage: int) -> int:
+        return 0  # a small model's states: its activations fill the device
+
 
 def _search_with_model(tops: dict[int, int]):
     def search(session):
