@@ -114,9 +114,10 @@ def moved(on: list[Any], off: list[Any]) -> tuple[int, int]:
 
 
 def summary(outcomes: list[Any]) -> tuple[float, float, int, int]:
-    """(mean fraction, 10th percentile, launches, searches over FAILED_GOAL failed probes)."""
-    fractions = sorted(o.fraction or 0.0 for o in outcomes)
-    return (statistics.mean(fractions), fractions[int(0.1 * (len(fractions) - 1))],
+    """(mean fraction, 10th percentile as bench/search_quality.py takes it, launches, searches over
+    FAILED_GOAL failed probes)."""
+    fractions = [o.fraction or 0.0 for o in outcomes]
+    return (statistics.mean(fractions), search_quality._quantile(fractions, 0.1),
             sum(o.launches for o in outcomes), sum(o.failed > FAILED_GOAL for o in outcomes))
 
 
