@@ -133,12 +133,12 @@ def main() -> None:
           f"x {args.surfaces} and bench/heldout.py's x {args.heldout}, or needs-strategy x {args.surfaces}")
     print(f"{'rule':<18}{'scripts':>8}{'mean on/off':>15}{'p10 on/off':>14}{'launches on/off':>17}"
           f"{'>4 failed':>11}{'won/lost':>10}{'heldout.py':>12}  what it does")
-    baselines: dict[bool, list[Any]] = {}
+    baselines: dict[bool, tuple[list[Any], list[Any]]] = {}  #: strategy rules or not -> (scripts, outcomes on)
     for rule in rules:
-        triples = scripts(rule.strategies, args.seed, args.surfaces, args.heldout)
         if rule.strategies not in baselines:
-            baselines[rule.strategies] = [search(script) for script, search, _ in triples]
-        on = baselines[rule.strategies]
+            found = scripts(rule.strategies, args.seed, args.surfaces, args.heldout)
+            baselines[rule.strategies] = found, [search(script) for script, search, _ in found]
+        triples, on = baselines[rule.strategies]
         with switched_off(rule):
             off = [search(script) for script, search, _ in triples]
         apart = [i for i, (_, _, written_apart) in enumerate(triples) if written_apart]
