@@ -450,22 +450,48 @@ PEAKED = {(1, 8): 80.0, (1, 10): 85.0, (1, 16): 90.0, (1, 32): 70.0,
           (0, 16): 88.0, (2, 16): 86.0, (3, 16): 80.0}
 
 
-def test_other_stages_are_compared_at_the_incumbents_size_and_zero_3_at_scale() -> None:
+def test_other_stages_are_compared_at_the_incumbents_size_and_zero_3_not_on_2_ranks() -> None:
     """ZeRO-1 leads: 8, 32, then 16 (the best's larger gap), then 10 (gap 8-16; 10-16 and 16-32 hold
     no size). The best, 16, is below the largest size measured (32): the curve turned, so ZeRO-0 and
     ZeRO-2 are measured once at 16. On 2 ranks ZeRO-3 is not (it could only win on memory), although
-    it would have won; on 4 ranks (the same 32 samples per GPU per step) it is compared at the
-    incumbent's own config (16 x 2), leads there, and is explored above it (32)."""
+    it would have won."""
     fits = {0: 32, 1: 32, 2: 32, 3: 32}
     speed = {**PEAKED, (3, 16): 95.0, (3, 32): 75.0}
     launched, phases, _ = play(stages_of((0, 1, 2, 3)), speed, fits, scripted_settings())
     assert launched == [(1, 8, 4), (1, 32, 1), (1, 16, 2), (1, 10, 3), (0, 16, 2), (2, 16, 2)]
     assert [p.name for p in phases][-2:] == ["z0_compare_16", "z2_follow_16"]
+
+
+@pytest.mark.parametrize("max_train_batch_size", [128, None])
+def test_at_scale_zero_3_is_compared_at_the_incumbents_step_in_its_fewest_micro_steps(
+        max_train_batch_size: int | None) -> None:
+    """4 ranks, 32 samples per GPU per step (128 over 4 ranks, or ZeRO-1's top 32 without a
+    limit); ZeRO-1 leads at 16 x 2. ZeRO-3's gathers, paid every micro-step, make it slow at 16 x 2
+    (60) and the fastest at 32 x 1 (95), which its first probe size (32) holds: it is compared at
+    32 x 1, leads, and is explored. Compared at the incumbent's 16 x 2 it would read below the
+    incumbent (90) and be ruled out."""
+    fits = {0: 32, 1: 32, 2: 32, 3: 32}
+    speed = {**PEAKED, (0, 32): 70.0, (2, 32): 70.0, (3, 16): 60.0, (3, 32): 95.0}
     launched, phases, session = play(stages_of((0, 1, 2, 3)), speed, fits,
-                                     scripted_settings(num_gpus=4, max_train_batch_size=128))
-    assert launched[-2:] == [(3, 16, 2), (3, 32, 1)]
-    assert [p.name for p in phases][-2:] == ["z3_compare_16", "z3_sample_32"]
-    assert best([r for _, r in session.measured.values()], "throughput", True)["name"] == "z3_gas2_tmbspg16"
+                                     scripted_settings(num_gpus=4, max_train_batch_size=max_train_batch_size))
+    compare = [p for p in phases if p.name.startswith("z3_compare")]
+    assert [p.name for p in compare] == ["z3_compare_32"]
+    assert (compare[0].experiments[0].micro_batch_size, compare[0].experiments[0].gradient_accumulation_steps) == (32, 1)
+    assert best([r for _, r in session.measured.values()], "throughput", True)["name"].startswith("z3_gas1_tmbspg32")
+
+
+def test_at_scale_zero_3_predicted_to_hold_less_is_compared_at_the_incumbents_own_config() -> None:
+    """ZeRO-3's first probe size (12, predicted) is below the incumbent's 16: it is compared at the
+    incumbent's own 16 x 2, as before any of its sizes ran, not at a smaller size with more
+    accumulation, and leads there."""
+    fits = {0: 32, 1: 32, 2: 32, 3: 16}
+    speed = {**PEAKED, (3, 16): 95.0}
+    launched, phases, session = play(stages_of((0, 1, 2, 3)), speed, fits,
+                                     scripted_settings(num_gpus=4, max_train_batch_size=128),
+                                     predicted={0: 32, 1: 32, 2: 32, 3: 12})
+    assert [p.name for p in phases if p.name.startswith("z3_compare")] == ["z3_compare_16"]
+    assert (3, 16, 2) in launched
+    assert best([r for _, r in session.measured.values()], "throughput", True)["name"].startswith("z3_gas2_tmbspg16")
 
 
 def test_zero_3_is_measured_when_no_zero_1_or_2_was() -> None:
@@ -615,15 +641,15 @@ def test_the_top_probe_fills_top_safety_of_the_memory_budget() -> None:
 
 def test_zero_3_is_not_measured_after_zero_1_or_zero_2_alone_on_two_ranks() -> None:
     """The curve turned below the largest size measured: on 2 ranks ZeRO-3 cannot win on memory,
-    whichever of ZeRO-1 or ZeRO-2 led; on 4 ranks it is compared once at the leader's config (16 x
-    2) and, slower there, not explored."""
+    whichever of ZeRO-1 or ZeRO-2 led; on 4 ranks it is compared once at the leader's 32 samples
+    per step in one micro-step (32 x 1) and, slower there, not explored."""
     for lead in (1, 2):
-        speed = {(lead, 8): 80.0, (lead, 10): 85.0, (lead, 16): 90.0, (lead, 32): 70.0, (3, 16): 85.0}
+        speed = {(lead, 8): 80.0, (lead, 10): 85.0, (lead, 16): 90.0, (lead, 32): 70.0, (3, 32): 85.0}
         launched, _, _ = play(stages_of((lead, 3)), speed, {lead: 32, 3: 32}, scripted_settings(stages=(lead, 3)))
         assert [stage for stage, _, _ in launched] == [lead] * 4, lead
         launched, _, _ = play(stages_of((lead, 3)), speed, {lead: 32, 3: 32},
                               scripted_settings(stages=(lead, 3), num_gpus=4, max_train_batch_size=128))
-        assert [stage for stage, _, _ in launched] == [lead] * 4 + [3] and launched[-1] == (3, 16, 2), lead
+        assert [stage for stage, _, _ in launched] == [lead] * 4 + [3] and launched[-1] == (3, 32, 1), lead
 
 
 def test_a_follow_stage_that_wins_becomes_the_incumbent() -> None:
