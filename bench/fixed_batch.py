@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
+from bench.stats import quantile  # noqa: E402
 from bench.surfaces import FAMILIES, Surface, make_surface, user_config  # noqa: E402
 from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.search.global_batch import GlobalBatch, kept_sizes  # noqa: E402
@@ -117,11 +118,6 @@ def deepspeed_keeps(surface: Surface, batch: int) -> bool:
     return bool(result.best_config) and result.best_config.get("train_batch_size") == batch
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--surfaces", type=int, default=60)
@@ -162,10 +158,10 @@ def _row(label: str, rows: list[dict[str, Any]]) -> None:
     fractions = [r["fraction"] for r in rows]
     launches = [r["launches"] for r in rows]
     failed = [r["failed"] for r in rows]
-    print(f"{label:<13}{statistics.median(fractions):>9.3f}{_quantile(fractions, 0.1):>9.3f}"
+    print(f"{label:<13}{statistics.median(fractions):>9.3f}{quantile(fractions, 0.1):>9.3f}"
           f"{sum(f >= GOOD for f in fractions) / len(rows):>8.0%}{sum(r['kept'] for r in rows) / len(rows):>7.0%}"
-          f"{statistics.median(launches):>11.1f}{_quantile(launches, 0.9):>11.0f}"
-          f"{statistics.median(failed):>11.1f}{_quantile(failed, 0.9):>11.0f}"
+          f"{statistics.median(launches):>11.1f}{quantile(launches, 0.9):>11.0f}"
+          f"{statistics.median(failed):>11.1f}{quantile(failed, 0.9):>11.0f}"
           f"{sum(bool(r['refused']) for r in rows):>8}{sum(r['ds_keeps'] for r in rows) / len(rows):>9.0%}")
 
 

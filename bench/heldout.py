@@ -40,6 +40,7 @@ from typing import Any, Mapping, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
+from bench.stats import BELOW, below, quantile  # noqa: E402
 from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.search.phases import Phase, drive  # noqa: E402
 from scheduler.search.ranking import best  # noqa: E402
@@ -360,18 +361,15 @@ def every_config_once(script: Script) -> Outcome:
     return _outcome(script, launches, winner["ds_config"] if winner else None)
 
 
-def _quantile(values: list[float], q: float) -> float:
-    return sorted(values)[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
-
-
-def _row(family: str, label: str, outcomes: list[Outcome]) -> None:
+def _row(family: str, label: str, outcomes: list[Outcome], reference: list[Outcome]) -> None:
     done = [o for o in outcomes if o.fraction is not None]
     fractions = [o.fraction for o in done] or [0.0]
     launches, failed = [o.launches for o in outcomes], [o.failed for o in outcomes]
-    print(f"{family:<13}{label:<11}{statistics.median(fractions):>9.3f}{_quantile(fractions, 0.1):>9.3f}"
+    print(f"{family:<13}{label:<11}{statistics.median(fractions):>9.3f}{quantile(fractions, 0.1):>9.3f}"
           f"{sum(f >= 0.97 for f in fractions) / len(outcomes):>8.0%}{statistics.median(launches):>8.1f}"
-          f"{_quantile(launches, 0.9):>8.0f}{statistics.median(failed):>8.1f}{_quantile(failed, 0.9):>8.0f}"
-          f"{sum(f < 0.9 for f in fractions) if done else 0:>7}{len(outcomes) - len(done):>9}")
+          f"{quantile(launches, 0.9):>8.0f}{statistics.median(failed):>8.1f}{quantile(failed, 0.9):>8.0f}"
+          f"{sum(f < 0.9 for f in fractions) if done else 0:>7}{len(outcomes) - len(done):>9}"
+          f"{below([o.fraction or 0.0 for o in outcomes], [r.fraction or 0.0 for r in reference]):>6}")
 
 
 def main() -> None:
@@ -381,18 +379,20 @@ def main() -> None:
     parser.add_argument("--family", choices=FAMILIES, action="append", help="only these families")
     args = parser.parse_args()
     print(f"HELD-OUT SEARCH BENCH: {args.surfaces} scripts per family from seed {args.seed}; launches include "
-          "the profile run; >=0.97 and <0.9 count searches, aborted ones not at >=0.97")
+          f"the profile run; >=0.97 and <0.9 count searches, aborted ones not at >=0.97; below: picks below "
+          f"{BELOW:g}x the other's on the same script (DeepSpeed's replay's; for it, ours)")
     print(f"{'family':<13}{'search':<11}{'frac med':>9}{'frac p10':>9}{'>=0.97':>8}{'launch':>8}{'l p90':>8}"
-          f"{'failed':>8}{'f p90':>8}{'<0.9':>7}{'aborted':>9}")
+          f"{'failed':>8}{'f p90':>8}{'<0.9':>7}{'aborted':>9}{'below':>6}")
     totals: dict[str, list[Outcome]] = {}
     for family in args.family or FAMILIES:
         scripts = [make_script(family, seed) for seed in range(args.seed, args.seed + args.surfaces)]
-        for label, search in (("ours", ours), ("DeepSpeed", deepspeed), ("all once", every_config_once)):
-            outcomes = [search(script) for script in scripts]
+        rows = {label: [search(script) for script in scripts]
+                for label, search in (("ours", ours), ("DeepSpeed", deepspeed), ("all once", every_config_once))}
+        for label, outcomes in rows.items():
             totals.setdefault(label, []).extend(outcomes)
-            _row(family, label, outcomes)
+            _row(family, label, outcomes, rows["ours" if label == "DeepSpeed" else "DeepSpeed"])
     for label, outcomes in totals.items():
-        _row("all", label, outcomes)
+        _row("all", label, outcomes, totals["ours" if label == "DeepSpeed" else "DeepSpeed"])
 
 
 if __name__ == "__main__":

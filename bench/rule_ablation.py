@@ -29,6 +29,7 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import heldout, search_quality  # noqa: E402
+from bench.stats import quantile  # noqa: E402
 from bench.surfaces import FAMILIES, make_surface  # noqa: E402
 
 #: Searches with more than this many failed probes are counted (issue 32's goal, as search_quality's).
@@ -117,7 +118,7 @@ def summary(outcomes: list[Any]) -> tuple[float, float, int, int]:
     """(mean fraction, 10th percentile as bench/search_quality.py takes it, launches, searches over
     FAILED_GOAL failed probes)."""
     fractions = [o.fraction or 0.0 for o in outcomes]
-    return (statistics.mean(fractions), search_quality._quantile(fractions, 0.1),
+    return (statistics.mean(fractions), quantile(fractions, 0.1),
             sum(o.launches for o in outcomes), sum(o.failed > FAILED_GOAL for o in outcomes))
 
 

@@ -56,6 +56,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
+from bench.stats import quantile  # noqa: E402
 from bench.surfaces import (  # noqa: E402
     FAMILIES, STRATEGY_FAMILIES, WORLD, Surface, at_world, checkpoints, classic, make_surface, strategy_combinations,
     user_config, with_buckets,
@@ -157,11 +158,6 @@ def every_config_once(surface: Surface) -> Outcome:
     return _outcome(surface, launches, winner["ds_config"] if winner else None)
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--surfaces", type=int, default=60, help="surfaces per family (default 60)")
@@ -237,9 +233,9 @@ def _row(family: str, label: str, outcomes: list[Outcome]) -> None:
     launches = [o.launches for o in outcomes]
     failed = [o.failed for o in outcomes]
     share = sum(f >= 0.99 for f in fractions) / len(fractions)
-    print(f"{family:<13}{label:<11}{statistics.median(fractions):>9.3f}{_quantile(fractions, 0.1):>9.3f}"
-          f"{share:>8.0%}{statistics.median(launches):>11.1f}{_quantile(launches, 0.9):>11.0f}"
-          f"{statistics.median(failed):>11.1f}{_quantile(failed, 0.9):>11.0f}"
+    print(f"{family:<13}{label:<11}{statistics.median(fractions):>9.3f}{quantile(fractions, 0.1):>9.3f}"
+          f"{share:>8.0%}{statistics.median(launches):>11.1f}{quantile(launches, 0.9):>11.0f}"
+          f"{statistics.median(failed):>11.1f}{quantile(failed, 0.9):>11.0f}"
           f"{max(o.worst_stage_failed for o in outcomes):>10}{statistics.median(o.repeats for o in outcomes):>5.0f}"
           f"{_median_or_dash([o.fraction for o in outcomes if o.bounded]):>7}"
           f"{_median_or_dash([o.fraction for o in outcomes if not o.bounded]):>7}")

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.collect_traces import CHECKPOINTING  # noqa: E402
 from bench.deepspeed_replay import DeepSpeedFastMode  # noqa: E402
+from bench.stats import quantile  # noqa: E402
 from scheduler.inputs.memory_strategies import MemoryStrategyKeys  # noqa: E402
 from scheduler.search.fast_search import PROFILE, SearchSettings, fast_search  # noqa: E402
 from scheduler.search.phases import Phase, drive  # noqa: E402
@@ -252,11 +253,6 @@ def deepspeed(trace: Trace, seed: int, capacity: int) -> Outcome:
     return _outcome(trace, len(result.launches), result.best_config)
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path, nargs="?", default=ROOT / "bench" / "traces" / "train_gpt.json")
@@ -287,7 +283,7 @@ def main() -> int:
         print(f"{tool:>16}: right (within {100 * (1 - GOOD):.0f} % of the best's mean or inside its 95 % interval) "
               f"in {100 * sum(o.right for o in outcomes) / len(outcomes):.1f} % of {len(outcomes)} replays; within "
               f"{100 * (1 - GOOD):.0f} % alone {100 * sum(f >= GOOD for f in fractions) / len(fractions):.1f} %; "
-              f"fraction median {statistics.median(fractions):.3f}, p10 {_quantile(fractions, 0.1):.3f}; "
+              f"fraction median {statistics.median(fractions):.3f}, p10 {quantile(fractions, 0.1):.3f}; "
               f"launches median {statistics.median(o.launches for o in outcomes):.0f}; "
               f"untraced {sum(o.untraced for o in outcomes)}")
         print(f"{'':>16}  named most: " + ", ".join(f"{name} x{count}" for name, count in named))
