@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from scheduler.search.confirm import MIN_NOISE, PRIOR_NOISE, SEPARATION_Z, group_readings, pooled_noise
+from scheduler.search.confirm import MIN_NOISE, PRIOR_NOISE, SEPARATION_Z, TORN_RATIO, group_readings, pooled_noise
 from scheduler.search.cost_model import Reading, StageModel, closest_reading, contradicted, fit
 from scheduler.search.ranking import MEDIAN_FROM, metric_value, pooled_value
 from scheduler.search.repeats import is_repeat, original_name
@@ -22,6 +22,9 @@ from scheduler.search.stage_space import MAX_FAILURES, failures_since_a_success,
 #: A size the cost model predicts better is measured only where its prediction's relative standard
 #: error is below this: the model is not trusted far from the sizes it was fitted on.
 TRUSTED_ERROR = 0.1
+#: On a curve too short to fit, a reading far below a smaller size's is doubted only when that size
+#: is at least the larger over this (`_torn_pair`): across a wider span a real curve can fall as far.
+TORN_SPAN = 2.0
 
 
 def stage_values(session: Session, stage: int) -> dict[int, float | None]:
@@ -90,14 +93,32 @@ def stage_fit(session: Session, stage: int, values: Mapping[int, float | None]) 
 def suspect_size(session: Session, stage: int, values: Mapping[int, float | None]) -> int | None:
     """The size whose reading the fit of the stage's other sizes contradicts
     (`cost_model.contradicted`: a straggler's or a lucky reading), where it could steer the
-    refinement or lead (at least RIVAL_SHARE of the best reading); None when there is none.
-    Throughput-like metrics only (the model is of seconds per sample)."""
+    refinement or lead (at least RIVAL_SHARE of the best reading); on a curve of fewer than four,
+    too short to fit, a size reading far below a smaller one (`_torn_pair`); None when there is
+    none. Throughput-like metrics only (the model is of seconds per sample)."""
     if not session.settings.maximize:
         return None
     ok = {m: v for m, v in values.items() if v is not None and v > 0}
     readings = [Reading(m, gas_for(session, stage, m), v) for m, v in sorted(ok.items())]
     found = contradicted(readings, reading_noise(session), RIVAL_SHARE * max(ok.values(), default=0.0))
+    if found is None and len(ok) < 4:
+        return _torn_pair(ok)
     return None if found is None else found.mbs
+
+
+def _torn_pair(ok: Mapping[int, float]) -> int | None:
+    """On a curve too short to fit: a size reading below a smaller size's reading by more than
+    TORN_RATIO, where the smaller is within TORN_SPAN of it and reads at least RIVAL_SHARE of the
+    best. A somewhat larger micro-batch shares its per-micro-step costs over more samples, so its
+    rate falls that far only at a memory cliff or a steep peak; more often the reading was a
+    straggler's (bench/heldout.py's drifting machine: ZeRO-3's 72 read 0.60 beside 60's 1.00, and
+    the search named 60, 0.95 of the optimum at 72)."""
+    best = max(ok.values(), default=0.0)
+    for high in sorted(ok, reverse=True):
+        if any(ok[high] * TORN_RATIO < ok[low] and ok[low] >= RIVAL_SHARE * best
+               for low in ok if high / TORN_SPAN <= low < high):
+            return high
+    return None
 
 
 def reading_noise(session: Session) -> float:

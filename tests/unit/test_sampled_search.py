@@ -16,7 +16,7 @@ from scheduler.search.memory_facts import SharedFacts
 from scheduler.search.fast_search import PROFILE, fast_search
 from scheduler.search.session import SearchSettings, Session
 from scheduler.search.phases import Phase, drive, replay
-from scheduler.search import sampled_search
+from scheduler.search import sampled_search, stage_readings
 from scheduler.search.ranking import best
 from scheduler.search.repeats import REPEAT_NAME, confirm
 from scheduler.search.sampled_search import stages_near_leader
@@ -749,14 +749,40 @@ def test_without_a_step_limit_a_followed_stage_runs_its_own_top_first() -> None:
     is) are each measured once more before they count (`z1_recheck_*`). ZeRO-2 holds 24: its top first (24, gas 1:
     its step is 24 samples, not ZeRO-1's 16), then the incumbent's size 8 (gas 24 // 8 = 3). It beats
     the leader there (75 > 70), so it is explored above 8: the gap 8-24 is split at the full-step
-    size nearest sqrt(192) = 13.9, i.e. 12 (gas 2); 8-12 holds none: done."""
+    size nearest sqrt(192) = 13.9, i.e. 12 (gas 2); 8-12 holds none: done. Its curve of three is
+    too short to fit, and 24 reads under 1/1.4 of 12, half its size: measured once more (a
+    straggler's reading, until it reads the same)."""
     speed = {(1, 16): 50.0, (1, 1): 30.0, (1, 4): 60.0, (1, 8): 70.0, (1, 5): 65.0, (2, 24): 40.0, (2, 8): 75.0,
              (2, 12): 72.0}
     launched, _, session = play(stages_of((1, 2)), speed, {1: 16, 2: 24},
                                 scripted_settings(stages=(1, 2), max_train_batch_size=None, host_memory=True))
     assert launched == [(1, 16, 1), (1, 1, 16), (1, 4, 4), (1, 8, 2), (1, 8, 2), (1, 5, 3), (1, 16, 1),
-                        (2, 24, 1), (2, 8, 3), (2, 12, 2)]
+                        (2, 24, 1), (2, 8, 3), (2, 12, 2), (2, 24, 1)]
     assert best([r for _, r in session.measured.values()], "throughput", True)["name"] == "z2_gas3_tmbspg8"
+
+
+def test_on_a_curve_too_short_to_fit_a_size_reading_far_below_a_smaller_one_is_read_again() -> None:
+    """The speeds above, ZeRO-2 at 12 now 80, its first reading a straggler's (40). ZeRO-2's three
+    readings are too few for the cost model's fit, but 12 reads under 1/1.4 of 8 (75), a size within
+    half of it: measured again (z2_recheck_12), it reads 80 and wins. Without the recheck the
+    search named ZeRO-2 at 8."""
+    speed = {(1, 16): 50.0, (1, 1): 30.0, (1, 4): 60.0, (1, 8): 70.0, (1, 5): 65.0, (2, 24): 40.0, (2, 8): 75.0,
+             (2, 12): 80.0}
+    _, phases, session = play(stages_of((1, 2)), speed, {1: 16, 2: 24},
+                              scripted_settings(stages=(1, 2), max_train_batch_size=None, host_memory=True),
+                              stragglers={"z2_gas2_tmbspg12": 0.5})
+    assert [p.name for p in phases][-3:] == ["z2_sample_12", "z2_recheck_12", "z2_recheck_24"]
+    assert best([r for _, r in session.measured.values()], "throughput", True)["name"] == "z2_gas2_tmbspg12_r2"
+
+
+@pytest.mark.parametrize(("readings", "suspect"), [
+    ({60: 1.0, 72: 0.6}, 72),  # a fifth larger, 1.67x slower: a straggler's
+    ({60: 1.0, 130: 0.6}, None),  # over twice the size: a real fall is possible
+    ({60: 1.0, 72: 0.75}, None),  # within 1.4x
+    ({30: 1.0, 60: 0.5, 72: 0.3}, 60),  # 72 is judged only against sizes that could lead
+])
+def test_torn_pair_judges_near_sizes_that_matter(readings: dict[int, float], suspect: int | None) -> None:
+    assert stage_readings._torn_pair(readings) == suspect
 
 
 def test_with_a_step_limit_a_followed_stage_is_measured_at_the_incumbent_alone() -> None:
@@ -881,7 +907,8 @@ def test_a_stage_followed_below_the_incumbents_size_is_compared_there_like_for_l
 
 def test_a_size_the_fit_predicts_worse_beyond_its_uncertainty_is_not_measured() -> None:
     """Seconds per sample 2/m + 0.1 + 0.01 m (64 samples a step): 16, 64, 32 and 21 are measured
-    and fit the model exactly. 4, four times below the best, is measured: that far below every
+    and fit the model exactly (64, reading under 1/1.4 of 32 on a curve of three, too short to fit,
+    is measured once more first). 4, four times below the best, is measured: that far below every
     measured size the fit is not trusted. 8, between 4 and 16, is predicted below 16's reading
     even at its upper bound: read off the fit, not launched. 12, predicted within its uncertainty
     of 16, is measured."""
@@ -891,7 +918,7 @@ def test_a_size_the_fit_predicts_worse_beyond_its_uncertainty_is_not_measured() 
     speed = {(1, m): speed_of(m) for m in range(1, 65)}
     launched, _, _ = play(stages_of((1,)), speed, {1: 64}, scripted_settings(stages=(1,), max_train_batch_size=128))
     sizes = [mbs for _, mbs, _ in launched]
-    assert sizes == [16, 64, 32, 21, 4, 12]
+    assert sizes == [16, 64, 32, 64, 21, 4, 12]
 
 
 @pytest.mark.parametrize("zero_1, explored", [((16.1, 22.7, 26.0, 25.8), True), ((15.2, 19.2, 19.5, 17.2), False)])
