@@ -70,7 +70,7 @@ class Rule:
 
 
 _FOLLOW, _SAMPLED, _FAST = "scheduler.search.stage_follow", "scheduler.search.sampled_search", "scheduler.search.fast_search"
-_STRATEGY = "scheduler.search.strategy_search"
+_STRATEGY, _READINGS = "scheduler.search.strategy_search", "scheduler.search.stage_readings"
 RULES = (
     Rule("zero3-room", _FOLLOW, "ZERO3_ROOM", math.inf, False, "ZeRO-3 explored when it holds 1.3x ZeRO-1/2's top"),
     Rule("zero3-at-scale", _FOLLOW, "ZERO3_AT_SCALE", 10**9, False, "ZeRO-3 measured once from 4 ranks on"),
@@ -81,6 +81,7 @@ RULES = (
     Rule("predicted-worse", _SAMPLED, "predicted_worse", _none, False, "a size the fit says cannot lead, skipped"),
     Rule("predicted-better", _SAMPLED, "predicted_better", _none, False, "a size the fit says leads, measured"),
     Rule("unchecked-top", _SAMPLED, "above_unchecked_top", _none, False, "a leading top no peak checked, probed above"),
+    Rule("short-curve", _READINGS, "_torn_pair", _none, False, "a size far below a smaller one of a short curve, read again"),
     Rule("sawtooth", _FAST, "try_sawtooth", _no_phases, False, "the leader's saw-tooth neighbour"),
     Rule("widen-step", _FAST, "widen_step", _no_phases, False, "an accumulating leader's step widened to the top"),
     Rule("roomier-stage", _STRATEGY, "_roomier_stage", _no_phases, True, "the best strategy at the roomiest stage"),
