@@ -32,7 +32,8 @@ how a stage compares, and exploring a stage that cannot lead costs launches and 
   ranks on, where its sharding and prefetch let it lead, it is always measured once at the
   incumbent's samples per step in the fewest micro-steps its first probe size holds
   (`_fewest_micro_steps`: it gathers every parameter each micro-step, so at the incumbent's
-  smaller size it reads far below its best), and explored if it reads better there (`_leads_at`).
+  smaller size it reads far below its best; out of memory there, at the incumbent's own config),
+  and explored if it reads better there (`_leads_at`).
 
 Pure decision logic over a `Session`, turned into phases like the sampled search's.
 """
@@ -121,12 +122,16 @@ def _leads_at(session: Session, stage: int, incumbent: tuple[int, int],
               config: tuple[int, int] | None = None) -> Step:
     """Measure `stage` once at `config` (micro-batch, accumulation; default: the incumbent's own,
     which the stage holds) and say whether it reads better than the incumbent: a comparison at
-    the incumbent's samples per step that needs no probe of the stage's top."""
+    the incumbent's samples per step that needs no probe of the stage's top. A `config` that
+    fails (its size above what the stage holds) is compared at the incumbent's own instead."""
     inc_stage, inc_mbs = incumbent
-    mbs, gas = config or (inc_mbs, gas_for(session, inc_stage, inc_mbs))
+    own = (inc_mbs, gas_for(session, inc_stage, inc_mbs))
+    mbs, gas = config or own
     exp = session.experiment(stage, mbs, gas)
     [record] = yield from session.measure(f"z{stage}_compare_{mbs}", [exp])
     value = metric_value(record, session.settings.metric)
+    if value is None and (mbs, gas) != own:
+        return (yield from _leads_at(session, stage, incumbent))
     lead = stage_values(session, inc_stage).get(inc_mbs)
     if value is None or lead is None:
         return False

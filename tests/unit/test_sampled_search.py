@@ -480,6 +480,19 @@ def test_at_scale_zero_3_is_compared_at_the_incumbents_step_in_its_fewest_micro_
     assert best([r for _, r in session.measured.values()], "throughput", True)["name"].startswith("z3_gas1_tmbspg32")
 
 
+def test_at_scale_zero_3_failing_at_its_fewest_micro_steps_is_compared_at_the_incumbents_config() -> None:
+    """ZeRO-3 is predicted to hold 32 but holds 16: its comparison at 32 x 1 runs out of memory, so
+    it is compared at the incumbent's own 16 x 2, leads there (95 > 90), and is explored. A failed
+    comparison alone would have ruled out the stage that wins."""
+    fits = {0: 32, 1: 32, 2: 32, 3: 16}
+    speed = {**PEAKED, (0, 32): 70.0, (2, 32): 70.0, (3, 16): 95.0}
+    _, phases, session = play(stages_of((0, 1, 2, 3)), speed, fits,
+                              scripted_settings(num_gpus=4, max_train_batch_size=128),
+                              predicted={0: 32, 1: 32, 2: 32, 3: 32})
+    assert [p.name for p in phases if p.name.startswith("z3_compare")] == ["z3_compare_32", "z3_compare_16"]
+    assert best([r for _, r in session.measured.values()], "throughput", True)["name"] == "z3_gas2_tmbspg16"
+
+
 def test_at_scale_zero_3_predicted_to_hold_less_is_compared_at_the_incumbents_own_config() -> None:
     """ZeRO-3's first probe size (12, predicted) is below the incumbent's 16: it is compared at the
     incumbent's own 16 x 2, as before any of its sizes ran, not at a smaller size with more
