@@ -138,9 +138,10 @@ def _leads_at(session: Session, stage: int, incumbent: tuple[int, int],
     return value > lead if session.settings.maximize else value < lead
 
 
-def _fewest_micro_steps(session: Session, incumbent: tuple[int, int]) -> tuple[int, int]:
+def _fewest_micro_steps(session: Session, incumbent: tuple[int, int]) -> tuple[int, int] | None:
     """ZeRO-3's config for its comparison with the incumbent: the incumbent's samples per step in
-    the fewest micro-steps ZeRO-3's first probe size holds (`stage_top`, cautious). Each ZeRO-3
+    the fewest micro-steps ZeRO-3's first probe size holds (`stage_top`, cautious); None (the
+    incumbent's own config) when that size is no larger than the incumbent's. Each ZeRO-3
     micro-step gathers every parameter (the cost model's per-micro-step term), hidden by its
     prefetch only behind a long enough compute, so at the incumbent's smaller size and longer
     accumulation it reads far below its best (bench/heldout.py's comm-bound scripts: 0.57-0.65
@@ -149,7 +150,7 @@ def _fewest_micro_steps(session: Session, incumbent: tuple[int, int]) -> tuple[i
     samples = inc_mbs * gas_for(session, inc_stage, inc_mbs)
     top = stage_top(session, 3, cautious=True)
     if top <= inc_mbs:
-        return inc_mbs, gas_for(session, inc_stage, inc_mbs)
+        return None
     steps = -(-samples // top)
     size = samples // steps
     return size, gas_for(session, 3, size) if session.settings.samples_per_step else steps
