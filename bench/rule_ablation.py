@@ -7,8 +7,8 @@ seeds of the synthetic families (bench/surfaces.py; 1000 and above by default) a
 families written apart, or, for the memory strategies' rules, the needs-strategy family. Per rule it
 prints the mean and 10th percentile of the fraction of the optimum (an aborted search counts 0),
 the launches summed, the searches with more than 4 failed probes, and how many searches the rule
-moved by more than 1 % of the optimum either way (and how many of bench/heldout.py's). A rule that buys nothing on any of them and costs
-launches is one to remove; one whose removal loses picks stays.
+moved by more than 1 % of the optimum either way (and how many of bench/heldout.py's). A rule that
+buys nothing on any of them and costs launches is one to remove; one whose removal loses picks stays.
 
     .venv/bin/python bench/rule_ablation.py [--seed 1000] [--surfaces 60] [--heldout 40] [--rule sawtooth ...]
 """

@@ -99,10 +99,10 @@ def suspect_size(session: Session, stage: int, values: Mapping[int, float | None
     if not session.settings.maximize:
         return None
     ok = {m: v for m, v in values.items() if v is not None and v > 0}
-    readings = [Reading(m, gas_for(session, stage, m), v) for m, v in sorted(ok.items())]
-    found = contradicted(readings, reading_noise(session), RIVAL_SHARE * max(ok.values(), default=0.0))
-    if found is None and len(ok) < 4:
+    if len(ok) < 4:  # the fit of the others needs three of them
         return _torn_pair(ok)
+    readings = [Reading(m, gas_for(session, stage, m), v) for m, v in sorted(ok.items())]
+    found = contradicted(readings, reading_noise(session), RIVAL_SHARE * max(ok.values()))
     return None if found is None else found.mbs
 
 
