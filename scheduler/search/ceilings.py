@@ -7,7 +7,8 @@ expose them, and their mean beats an honest, better config of another stage: the
 (bench/lucky_stage.py). The readings of the same stage at other sizes tell: training time has the
 structure `scheduler.search.cost_model` fits, and a smooth curve does not jump by a fifth at one
 size while its neighbours stay below. So a config whose pooled value exceeds the fit of its stage's
-other configs (three or more, leave one out) by more than `FLOOR` and by more than `Z` standard
+other configs (three or more, leave one out; one outlier among four or more left out of that fit
+too, `cost_model.trimmed_fit`) by more than `FLOOR` and by more than `Z` standard
 errors of that prediction (which grow away from the measured sizes: an optimum at the edge of the
 range, the real GPT example's micro-batch 1, is extrapolated and not contradicted) is ranked at the
 prediction instead, until its own readings settle it: from `SETTLED_READINGS` readings on, all
@@ -41,7 +42,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.search.cost_model import Reading, fit
+from scheduler.search.cost_model import Reading, trimmed_fit
 
 #: A config's pooled value is contradicted only when it beats its stage's prediction by more than this.
 FLOOR = 0.2
@@ -107,7 +108,8 @@ def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
         for p in members:
             if p.value < best / (1 + FLOOR):
                 continue  # too far behind its curve's best to lead
-            model = fit([Reading(o.mbs, o.gas, o.value) for o in members if o is not p and o.evidence])
+            others = [Reading(o.mbs, o.gas, o.value) for o in members if o is not p and o.evidence]
+            model = trimmed_fit(others, NOISE)
             predicted = model.predict(p.mbs, p.gas) if model is not None else 0.0
             if predicted <= 0:
                 continue

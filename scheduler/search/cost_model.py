@@ -40,6 +40,8 @@ RIDGE = (1e-6, 1e-6, 1e-6, 1e-3)
 CONTRADICTION_Z = 3.0
 #: ... and at least this relative size: a model misfit of a few percent is no outlier.
 CONTRADICTION_FLOOR = 0.12
+#: `trimmed_fit` looks for one outlier only when the fit misses by more than this many times the noise.
+TRIM_MISFIT = 2.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,21 @@ def fit(readings: Sequence[Reading]) -> StageModel | None:
     freedom = len(rows) - used
     misfit = math.sqrt(sum(r * r for r in residuals) / freedom) if freedom > 0 else 0.0
     return StageModel(tuple(theta), tuple(tuple(row) for row in inverse), misfit, len(rows))
+
+
+def trimmed_fit(readings: Sequence[Reading], noise: float) -> StageModel | None:
+    """`fit`, less the one reading whose leaving out most lowers the misfit, when the fit of all
+    misses by more than TRIM_MISFIT times `noise` and leaving it out at least halves that misfit:
+    one lucky reading among a stage's others bends their fit up and widens its misfit, so a lucky
+    contender beside them is no longer contradicted (`scheduler.search.ceilings`). Only fits with a
+    degree of freedom left compete: any few readings fit exactly, which singles out no outlier."""
+    model = fit(readings)
+    if model is None or len(readings) < 4 or model.misfit <= TRIM_MISFIT * noise:
+        return model
+    trimmed = (fit([r for j, r in enumerate(readings) if j != i]) for i in range(len(readings)))
+    best = min((m for m in trimmed if m is not None and m.points > sum(c > 0 for c in m.coefficients)),
+               key=lambda m: m.misfit, default=None)
+    return best if best is not None and best.misfit <= model.misfit / 2 else model
 
 
 def _solve(rows: Sequence[tuple[Sequence[float], float]], scales: Sequence[float],

@@ -33,6 +33,22 @@ def test_a_config_far_above_its_stages_curve_is_capped_at_the_curve() -> None:
     assert ceilings(points) == {(8, 4): pytest.approx(speed(8, 4), rel=0.02)}
 
 
+def test_one_lucky_neighbour_does_not_shield_a_lucky_contender() -> None:
+    """Six sizes on a curve that saturates (seconds per sample 1/m + 0.2 + 2/(m g) + 0.002 m), 8 x 4
+    read 1.5x (the contender) and 4 x 8 read 1.4x too: the fit of the other five bends up to 4 x 8
+    and misses by so much that 8 x 4 is within its error; with 4 x 8 left out
+    (`cost_model.trimmed_fit`), the curve the other four agree on caps 8 x 4, and only it."""
+    def saturating(mbs: int, gas: int) -> float:
+        return 1.0 / (1.0 / mbs + 0.2 + 2.0 / (mbs * gas) + 0.002 * mbs)
+
+    lift = {4: 1.4, 8: 1.5}
+    points = [Point((m, g), CURVE, m, g, saturating(m, g) * lift.get(m, 1.0))
+              for m, g in ((2, 16), (4, 8), (6, 5), (8, 4), (16, 2), (32, 1))]
+    caps = ceilings(points)
+    assert set(caps) == {(8, 4)}
+    assert caps[(8, 4)] == pytest.approx(saturating(8, 4), rel=0.1)
+
+
 def test_a_config_within_the_floor_of_its_curve_is_not_capped() -> None:
     points = [Point((m, g), CURVE, m, g, speed(m, g) * (1.15 if m == 8 else 1.0)) for m, g in SIZES]
     assert ceilings(points) == {}

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from scheduler.search.cost_model import Reading, closest_reading, contradicted, fit
+from scheduler.search.cost_model import Reading, closest_reading, contradicted, fit, trimmed_fit
 
 #: a, b, c, d of seconds per sample: micro-step overhead, per-sample, per-step, per-sample growth.
 TRUE = (0.004, 0.0004, 0.06, 0.000002)
@@ -29,6 +29,20 @@ def test_a_fit_of_the_models_own_readings_predicts_every_size_between_them() -> 
     for mbs, gas in [(2, 128), (8, 32), (24, 10), (100, 2), (200, 1), (48, 1)]:
         assert model.predict(mbs, gas) == pytest.approx(speed(mbs, gas), rel=0.01)
     assert model.misfit < 0.01  # the ridge's share only
+
+
+def test_a_trimmed_fit_leaves_out_one_lucky_reading_and_nothing_from_a_clean_curve() -> None:
+    """One reading 1.5x among six: the fit of all bends to it; the trimmed fit predicts the curve
+    within 1 % again. With readings only as noisy as the job (misfit within TRIM_MISFIT times its
+    noise) it is the plain fit, though leaving one out would lower the misfit."""
+    clean = full_step([1, 4, 16, 64, 256]) + [Reading(32, 1, speed(32, 1))]
+    noisy = [Reading(r.mbs, r.gas, r.value * f) for r, f in zip(clean, (1.02, 0.98, 1, 1, 1, 1))]
+    lucky = [Reading(r.mbs, r.gas, r.value * (1.5 if r.mbs == 16 else 1.0)) for r in clean]
+    bent, trimmed = fit(lucky), trimmed_fit(lucky, 0.02)
+    assert bent is not None and trimmed is not None
+    assert bent.predict(24, 10) > 1.05 * speed(24, 10)
+    assert trimmed.predict(24, 10) == pytest.approx(speed(24, 10), rel=0.01)
+    assert trimmed_fit(noisy, 0.02) == fit(noisy)
 
 
 def test_coefficients_are_never_negative() -> None:
