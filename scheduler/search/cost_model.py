@@ -18,7 +18,9 @@ tell apart (within one stage's space m g is nearly constant, so `b` and `c` trad
 What it is used for (`scheduler.search.sampled_search`): a reading the fit of the stage's other
 readings contradicts by more than the noise allows (`contradicted`: a straggler's or a lucky one) is
 measured again before it steers the refinement or leads, and the two readings are then read where
-the model says (`closest_reading`). The model is only trusted where it was checked: a prediction's
+the model says (`closest_reading`); a config whose readings beat the fit of its stage's others is
+ranked at that fit (`scheduler.search.ceilings`), which leaves out one outlier among them where
+one bends it (`trimmed_fit`). The model is only trusted where it was checked: a prediction's
 uncertainty (`StageModel.error`) grows with the distance from the measured sizes and with the fit's
 own misfit, so where a real script's curve is not this one the search measures instead.
 
