@@ -7,7 +7,7 @@ expose them, and their mean beats an honest, better config of another stage: the
 (bench/lucky_stage.py). The readings of the same stage at other sizes tell: training time has the
 structure `scheduler.search.cost_model` fits, and a smooth curve does not jump by a fifth at one
 size while its neighbours stay below. So a config whose pooled value exceeds the fit of its stage's
-other configs (three or more, leave one out; one outlier among four or more left out of that fit
+other configs (three or more, leave one out; one outlier among five or more left out of that fit
 too, `cost_model.trimmed_fit`) by more than `FLOOR` and by more than `Z` standard
 errors of that prediction (which grow away from the measured sizes: an optimum at the edge of the
 range, the real GPT example's micro-batch 1, is extrapolated and not contradicted) is ranked at the

@@ -123,10 +123,12 @@ def trimmed_fit(readings: Sequence[Reading], noise: float) -> StageModel | None:
     """`fit`, less the one reading whose leaving out most lowers the misfit, when the fit of all
     misses by more than TRIM_MISFIT times `noise` and leaving it out at least halves that misfit:
     one lucky reading among a stage's others bends their fit up and widens its misfit, so a lucky
-    contender beside them is no longer contradicted (`scheduler.search.ceilings`). Only fits with a
-    degree of freedom left compete: any few readings fit exactly, which singles out no outlier."""
+    contender beside them is no longer contradicted (`scheduler.search.ceilings`). Five readings or
+    more, and only fits with a degree of freedom left compete: any few readings fit exactly, which
+    singles out no outlier (trimming four, one of three left out by chance as often as the lucky
+    one, capped honest contenders twice as often as the plain fit and caught no more lucky ones)."""
     model = fit(readings)
-    if model is None or len(readings) < 4 or model.misfit <= TRIM_MISFIT * noise:
+    if model is None or len(readings) < 5 or model.misfit <= TRIM_MISFIT * noise:
         return model
     trimmed = (fit([r for j, r in enumerate(readings) if j != i]) for i in range(len(readings)))
     best = min((m for m in trimmed if m is not None and m.points > sum(c > 0 for c in m.coefficients)),
