@@ -45,6 +45,16 @@ def test_a_trimmed_fit_leaves_out_one_lucky_reading_and_nothing_from_a_clean_cur
     assert trimmed_fit(noisy, 0.02) == fit(noisy)
 
 
+def test_a_reading_is_left_out_only_for_a_fit_with_a_degree_of_freedom_left() -> None:
+    """Five readings 6 % off either way, none an outlier: their fit misses by more than twice the
+    noise, and any four left fit the four terms exactly, which singles out nothing: the plain fit."""
+    sizes = ((1, 256), (4, 64), (16, 16), (64, 4), (256, 1))
+    readings = [Reading(m, g, speed(m, g) * f) for (m, g), f in zip(sizes, (0.94, 0.94, 0.94, 1.06, 1.0))]
+    model = fit(readings)
+    assert model is not None and model.misfit > 2 * 0.02
+    assert trimmed_fit(readings, 0.02) == model
+
+
 def test_four_readings_are_not_trimmed() -> None:
     """One reading 1.5x among four: three left can fit a curve of fewer terms exactly enough to
     single one out, but whether it singles out the lucky one is chance (a lucky contender's
