@@ -14,14 +14,15 @@ the leader within `TOP_SLACK` of the largest size its stage holds) whose memory 
 least `TOP_GAIN` above what the stage holds without it (its measured failures and the model) is
 measured at its line's top, keeping the leader's samples per step (a larger micro-batch with less
 accumulation; the kept global batch's share when one is kept). A top more than `CAUTIOUS_SPAN` times
-that room is mostly the prior's: its geometric middle is measured first. Strategies stack: when the
-best run with one more strategy beats the run it was added to and sits at its own line's top, each
-remaining strategy is tried on top of it (offload of the optimizer, then of the parameters, then
-checkpointing each free memory the others do not); one that applies only at ZeRO-3 (offload of the
-parameters) is measured once there (`_stack`). Where the samples per step are held, a strategy whose
-time prior (`strategies.step_cost_s`, with the leader's own step time as its compute) already adds
-the leader's whole step is not measured: a larger micro-batch then saves at most the step's
-per-micro-step costs. Each strategy's next size is its line's top again, kept below the geometric
+that room is mostly the prior's: its geometric middle is measured first. Strategies are tried in the
+order of the sizes their lines hold, largest first, and stack: once a run with one more strategy
+beats the run it was added to, the rest are tried only on top of it, while it sits at its own line's
+top (offload of the optimizer, then of the parameters, then checkpointing each free memory the
+others do not; alone, one freeing less holds a smaller size); one that applies only at ZeRO-3
+(offload of the parameters) is measured once there (`_stack`). Where the samples per step are
+held, a strategy whose time prior (`strategies.step_cost_s`, with the leader's own step time as its
+compute) already adds the leader's whole step is not measured: a larger micro-batch then saves at
+most the step's per-micro-step costs. Each strategy's next size is its line's top again, kept below the geometric
 middle between its largest size that ran and its smallest that ran out of memory, and, after a run
 that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of activations
 it keeps: `strategies.measured_keep_share`). A run at its line's top that reads better than the
@@ -101,16 +102,40 @@ def _stack(session: Session, exp: Experiment, record: dict, room: int) -> Step:
     st = session.settings
     while exp is not None:
         base = exp.strategy
-        for name in searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed):
+        names = [name for name in searchable(st.memory_strategies, st.ds_config, st.host_memory,
+                                             st.checkpointing_fixed)
+                 if name not in base and not _too_slow(session, exp, record, name)]
+        names.sort(key=lambda name: -_reach(session, exp, strategy_of((*base, name))))
+        for name in names:
             strategy = strategy_of((*base, name))
-            if name in base or _too_slow(session, exp, record, name):
-                continue
             if applies(strategy, exp.stage):
                 yield from _measure_strategy(session, exp, strategy, room)
+                if _one_more_paid(session, exp, record):
+                    break  # the rest are tried on top of the run that paid
             elif 3 in st.stages and applies(strategy, 3):
                 yield from _measure_strategy(session, replace(exp, stage=3), strategy, room, ROOMIER_PROBES)
         exp, record = _stacking_base(session, exp, record) or (None, None)
         room = exp.micro_batch_size if exp is not None else room
+
+
+def _reach(session: Session, exp: Experiment, strategy: tuple[str, ...]) -> int:
+    """The largest size `strategy` lets `exp`'s stage hold by its memory line (ZeRO-3's for one that
+    applies only there): the order strategies are tried in, the one freeing the most first."""
+    stage = exp.stage if applies(strategy, exp.stage) else 3
+    return _size(session, replace(exp, stage=stage), strategy)
+
+
+def _one_more(session: Session, below: Experiment) -> list[tuple[Experiment, dict]]:
+    """The runs at `below`'s stage whose strategy is `below`'s plus one more."""
+    return [(exp, record) for exp, record in strategy_records(session, below.stage, None)
+            if len(exp.strategy) == len(below.strategy) + 1 and set(below.strategy) < set(exp.strategy)]
+
+
+def _one_more_paid(session: Session, below: Experiment, below_record: dict) -> bool:
+    """Whether a run with one more strategy than `below` reads better than it."""
+    st = session.settings
+    runs = [record for _, record in _one_more(session, below) if succeeded(record)]
+    return best([below_record] + runs, st.metric, st.maximize) is not below_record
 
 
 def _base(session: Session, exp: Experiment, record: dict) -> tuple[Experiment, dict, int]:
@@ -175,8 +200,7 @@ def _stacking_base(session: Session, below: Experiment, below_record: dict) -> t
     its own memory line's top, so one more strategy on top of its own may hold a larger size again:
     strategies are stacked one at a time while each pays (module docstring); None otherwise."""
     st = session.settings
-    pairs = [(exp, record) for exp, record in strategy_records(session, below.stage, None)
-             if len(exp.strategy) == len(below.strategy) + 1 and set(below.strategy) < set(exp.strategy)]
+    pairs = _one_more(session, below)
     winner = best([below_record] + [record for _, record in pairs], st.metric, st.maximize)
     found = next(((exp, record) for exp, record in pairs if record is winner), None)
     if found is None or _size(session, found[0], found[0].strategy) >= TOP_GAIN * found[0].micro_batch_size:

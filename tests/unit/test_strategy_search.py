@@ -264,6 +264,30 @@ def test_strategies_stack_while_each_pays_at_its_own_memory_top() -> None:
     assert tried[first_stacked] == (("offload_optimizer", "activation_checkpointing"), "ok")
 
 
+def _strategies_tried(law: Law, allowed: list[str]) -> list[tuple[tuple[str, ...], str]]:
+    experiments, records = run(law, settings(law, allowed))
+    return [(exp.strategy, records[exp.name]["status"]) for exp in experiments if exp.strategy and "_r" not in exp.name]
+
+
+def test_the_strategy_freeing_the_most_goes_first_and_once_it_pays_the_rest_only_stack_on_it() -> None:
+    """Checkpointing's line holds the larger size at ZeRO-3 and its run there pays, so the optimizer's
+    offload, which frees less, is never measured alone: only on top of checkpointing."""
+    tried = _strategies_tried(Law(num_params=700_000_000, activation=1_000_000_000),
+                              ["offload_optimizer", "activation_checkpointing"])
+    assert tried[0] == (("activation_checkpointing",), "ok")
+    assert (("offload_optimizer", "activation_checkpointing"), "ok") in tried
+    assert all(strategy != ("offload_optimizer",) for strategy, _ in tried)
+
+
+def test_a_strategy_that_does_not_pay_leaves_the_next_to_be_tried_alone() -> None:
+    """Past 6 samples a sample costs more, so checkpointing's larger sizes read worse than the leader:
+    the optimizer's offload is then measured on its own."""
+    tried = _strategies_tried(Law(num_params=700_000_000, activation=1_000_000_000, peak=6),
+                              ["offload_optimizer", "activation_checkpointing"])
+    assert tried[0][0] == ("activation_checkpointing",)
+    assert (("offload_optimizer",), "ok") in tried
+
+
 def test_a_strategy_is_not_ruled_out_by_its_time_prior_at_one_micro_step_per_step() -> None:
     """At one micro-step per step and no kept batch a larger micro-batch also spreads the step's fixed
     costs over more samples, so no time prior says a strategy cannot win."""
