@@ -72,6 +72,8 @@ class Rule:
 _FOLLOW, _SAMPLED, _FAST = "scheduler.search.stage_follow", "scheduler.search.sampled_search", "scheduler.search.fast_search"
 _STRATEGY, _READINGS = "scheduler.search.strategy_search", "scheduler.search.stage_readings"
 RULES = (
+    Rule("aligned-top", "scheduler.search.stage_space", "ALIGN_FROM", math.inf, False,
+         "a top of 128 or more probed at a multiple of 8"),
     Rule("zero3-room", _FOLLOW, "ZERO3_ROOM", math.inf, False, "ZeRO-3 explored when it holds 1.3x ZeRO-1/2's top"),
     Rule("zero3-at-scale", _FOLLOW, "ZERO3_AT_SCALE", 10**9, False, "ZeRO-3 measured once from 4 ranks on"),
     Rule("flat-room", _FOLLOW, "FLAT_ROOM", math.inf, False, "a stage holding 2x a flat incumbent's top explored"),
@@ -86,6 +88,8 @@ RULES = (
     Rule("sawtooth-recheck", _SAMPLED, "_recheck_suspect", _no_phases, False, "a doubted reading after it read again"),
     Rule("widen-step", _FAST, "widen_step", _no_phases, False, "an accumulating leader's step widened to the top"),
     Rule("roomier-stage", _STRATEGY, "_roomier_stage", _no_phases, True, "the best strategy at the roomiest stage"),
+    Rule("first-that-pays", _STRATEGY, "_one_more_paid", _false, True,
+         "once a strategy pays, the rest only stacked on it"),
     Rule("stacking", _STRATEGY, "_stacking_base", _none, True, "strategies stacked on the one that paid"),
     Rule("top-again", _STRATEGY, "_read_top_again", _no_phases_false, True, "the stage's top read again first"),
     Rule("cautious-span", _STRATEGY, "CAUTIOUS_SPAN", math.inf, True, "a far strategy top probed half way first"),
