@@ -16,10 +16,10 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   fits) samples its range on a geometric scale. With max_train_batch_size, a low size first (a
   quarter of the predicted maximum, so the stage's memory line has two measured points before the
   top is probed), then the top; without it, the top first (`anchor`: the step is bounded by a size
-  that ran; from 128 on, a multiple of 8: `stage_space.ALIGN`), then, on CPU slots or for a model whose states fill half the device, the smallest
-  size, with the most accumulation (`_sample_smallest`: the real GPT example's optimum lay there,
-  below a plateau a quarter of the top would have sat on). Then golden-section-like refinement on
-  log(mbs) around the best
+  that ran; from 128 on, a multiple of 8: `stage_space.ALIGN`), then, on CPU slots or for a model
+  whose states fill half the device, the smallest size, with the most accumulation
+  (`_sample_smallest`: the real GPT example's optimum lay there, below a plateau a quarter of the
+  top would have sat on). Then golden-section-like refinement on log(mbs) around the best
   measured size (where the cost model explains four or more readings within the noise, the size it
   predicts best, if its reading is within the noise of the best: `stage_readings.smoothed_best`)
   until its neighbours are within `sampling.REFINE_RATIO` of it, splitting the gaps between

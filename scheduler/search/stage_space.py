@@ -98,7 +98,7 @@ def stage_top(session: Session, stage: int, cautious: bool = False) -> int:
     failures, the largest success. A size that ran at any gas counts (memory does not depend on
     the accumulation), and so does a size a stage holding more ran (`memory_facts.shared_facts`).
     `cautious`: the size is the stage's first probe (`memory_facts.predict_max_micro_batch_size`).
-    A large predicted top above every size that ran is a multiple of `ALIGN` (`ALIGN_FROM`)."""
+    Without a step limit, a predicted top of `ALIGN_FROM` or more is a multiple of `ALIGN`."""
     sizes = sizes_ran(session, stage)
     failed = [m for m, ok in sizes.items() if not ok]
     borrowed = session.shared_facts(stage).success  # the stage's own failure outranks another stage's success

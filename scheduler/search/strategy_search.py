@@ -19,17 +19,17 @@ order of the sizes their lines hold, largest first, and stack: once a run with o
 beats the run it was added to, the rest are tried only on top of it, while it sits at its own line's
 top (offload of the optimizer, then of the parameters, then checkpointing each free memory the
 others do not; alone, one freeing less holds a smaller size); one that applies only at ZeRO-3
-(offload of the parameters) is measured once there (`_stack`). Where the samples per step are
-held, a strategy whose time prior (`strategies.step_cost_s`, with the leader's own step time as its
+(offload of the parameters) is measured once there (`_stack`). Where the samples per step are held,
+a strategy whose time prior (`strategies.step_cost_s`, with the leader's own step time as its
 compute) already adds the leader's whole step is not measured: a larger micro-batch then saves at
-most the step's per-micro-step costs. Each strategy's next size is its line's top again, kept below the geometric
-middle between its largest size that ran and its smallest that ran out of memory, and, after a run
-that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of activations
-it keeps: `strategies.measured_keep_share`). A run at its line's top that reads better than the
-leader measures the sizes the safety margin kept out once (up to the line's own top: the curve still
-rises where the margin cuts it); on a checkpointed line neither a peak nor a failure checked
-(`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP` larger, then the
-middle if it failed. `STRATEGY_PROBES` runs per strategy at most. The best strategy run, when it
+most the step's per-micro-step costs. Each strategy's next size is its line's top again, kept below
+the geometric middle between its largest size that ran and its smallest that ran out of memory, and,
+after a run that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of
+activations it keeps: `strategies.measured_keep_share`). A run at its line's top that reads better
+than the leader measures the sizes the safety margin kept out once (up to the line's own top: the
+curve still rises where the margin cuts it); on a checkpointed line neither a peak nor a failure
+checked (`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP` larger, then
+the middle if it failed. `STRATEGY_PROBES` runs per strategy at most. The best strategy run, when it
 beat the leader, is measured once more at the stage whose line holds the largest size with it
 (`_roomier_stage`: one that shards more of the states has more room for a larger micro-batch with
 it; a stage never measured, such as ZeRO-3 on few ranks, counts, its line the model's); when that
