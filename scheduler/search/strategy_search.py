@@ -125,17 +125,19 @@ def _reach(session: Session, exp: Experiment, strategy: tuple[str, ...]) -> int:
     return _size(session, replace(exp, stage=stage), strategy)
 
 
-def _one_more(session: Session, below: Experiment) -> list[tuple[Experiment, dict]]:
-    """The runs at `below`'s stage whose strategy is `below`'s plus one more."""
-    return [(exp, record) for exp, record in strategy_records(session, below.stage, None)
-            if len(exp.strategy) == len(below.strategy) + 1 and set(below.strategy) < set(exp.strategy)]
+def _one_more_winner(session: Session, below: Experiment, below_record: dict) -> tuple[Experiment, dict] | None:
+    """The best run at `below`'s stage whose strategy is `below`'s plus one more, when it reads
+    better than `below`; None otherwise."""
+    st = session.settings
+    pairs = [(exp, record) for exp, record in strategy_records(session, below.stage, None)
+             if len(exp.strategy) == len(below.strategy) + 1 and set(below.strategy) < set(exp.strategy)]
+    winner = best([below_record] + [record for _, record in pairs], st.metric, st.maximize)
+    return next(((exp, record) for exp, record in pairs if record is winner), None)
 
 
 def _one_more_paid(session: Session, below: Experiment, below_record: dict) -> bool:
     """Whether a run with one more strategy than `below` reads better than it."""
-    st = session.settings
-    runs = [record for _, record in _one_more(session, below) if succeeded(record)]
-    return best([below_record] + runs, st.metric, st.maximize) is not below_record
+    return _one_more_winner(session, below, below_record) is not None
 
 
 def _base(session: Session, exp: Experiment, record: dict) -> tuple[Experiment, dict, int]:
@@ -199,10 +201,7 @@ def _stacking_base(session: Session, below: Experiment, below_record: dict) -> t
     """The strategy run that beat `below` (the run whose strategy it adds one to) and still sits at
     its own memory line's top, so one more strategy on top of its own may hold a larger size again:
     strategies are stacked one at a time while each pays (module docstring); None otherwise."""
-    st = session.settings
-    pairs = _one_more(session, below)
-    winner = best([below_record] + [record for _, record in pairs], st.metric, st.maximize)
-    found = next(((exp, record) for exp, record in pairs if record is winner), None)
+    found = _one_more_winner(session, below, below_record)
     if found is None or _size(session, found[0], found[0].strategy) >= TOP_GAIN * found[0].micro_batch_size:
         return None
     return found
