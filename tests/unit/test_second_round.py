@@ -15,9 +15,10 @@ def test_a_leader_moved_by_confirming_is_refined_again() -> None:
     """bench/lucky_stage.py's mid-peak script 1 (no lucky stage): ZeRO-1 reads micro-batch 51 lucky
     (0.79 of the optimum for a true 0.53), so the refinement stops between 36 and 73; confirming
     reads 51 twice more (0.53, 0.52) and puts 36 ahead. Its stage is refined again below 36, where
-    the optimum (8) lies: without the second round 0.63 of the optimum is named."""
+    the optimum (8) lies: 9 and 13 are measured (1.00 and 0.94 of the optimum; their readings' medians
+    lie within 1 %, so confirmation names either). Without the second round 0.63 is named."""
     outcome = ours(lucky("mid-peak", 1, 0.0))
-    assert outcome.fraction > 0.95
+    assert outcome.fraction > 0.9
 
 
 def test_a_leader_moved_to_another_stage_is_not_explored_from_scratch(monkeypatch) -> None:
