@@ -1,5 +1,6 @@
 """A second round of refinement after confirming moved the leader (`scheduler.search.second_round`),
-and the pooled readings it refines on (`stage_readings.stage_values`)."""
+the pooled readings it refines on (`stage_readings.stage_values`), and the noise of one reading
+they are judged against (`stage_readings.reading_noise`): a config's outlying reading is no noise."""
 from __future__ import annotations
 
 from bench.lucky_stage import lucky
@@ -8,7 +9,7 @@ from bench.surfaces import make_surface
 from scheduler.search import second_round
 from scheduler.search.session import SearchSettings, Session
 from scheduler.search.space import Experiment
-from scheduler.search.stage_readings import stage_values
+from scheduler.search.stage_readings import reading_noise, stage_values, suspect_size
 
 
 def test_a_leader_moved_by_confirming_is_refined_again() -> None:
@@ -55,3 +56,16 @@ def test_strategies_are_tried_again_from_the_leader_confirming_names() -> None:
     From that leader checkpointing is tried, and a checkpointed size near the optimum is named
     (0.60 before)."""
     assert ours(make_surface("needs-strategy", 2021)).fraction > 0.95
+
+
+def test_two_readings_torn_apart_add_nothing_to_the_noise() -> None:
+    """16 read 100 and 104 (2 % noise); 8 read 150 and 80, one of them an outlier. Pooled as noise, that
+    pair alone would give 0.3."""
+    assert 0.02 < reading_noise(_session({"16": 100.0, "16_r2": 104.0, "8": 150.0, "8_r2": 80.0})) < 0.04
+
+
+def test_a_straggler_is_still_found_after_a_config_was_read_torn() -> None:
+    """The curve falls from 110 at size 4 to 85 at 32. 8 read a straggler's 50 beside its 100, and 4
+    read a straggler's 60: the fit of 8, 16 and 32 contradicts 4, which is measured again."""
+    session = _session({"4": 60.0, "8": 50.0, "8_r2": 100.0, "16": 92.0, "32": 85.0})
+    assert suspect_size(session, 1, stage_values(session, 1)) == 4
