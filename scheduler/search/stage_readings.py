@@ -140,6 +140,8 @@ def _body(values: Sequence[float]) -> list[float]:
     outlier's, not the noise of a reading. Counted as noise, one straggler read beside its config's
     honest reading (0.5x) gave a noise of 0.46, and no reading of the job was contradicted after."""
     middle = statistics.median(values)
+    if middle <= 0:
+        return []
     return [v for v in values if v > 0 and max(v / middle, middle / v) <= math.sqrt(TORN_RATIO)]
 
 

@@ -62,6 +62,7 @@ def test_two_readings_torn_apart_add_nothing_to_the_noise() -> None:
     """16 read 100 and 104 (2 % noise); 8 read 150 and 80, one of them an outlier. Pooled as noise, that
     pair alone would give 0.3."""
     assert 0.02 < reading_noise(_session({"16": 100.0, "16_r2": 104.0, "8": 150.0, "8_r2": 80.0})) < 0.04
+    assert 0.02 < reading_noise(_session({"16": 100.0, "16_r2": 104.0, "4": 0.0, "4_r2": 0.0, "4_r3": 5.0})) < 0.04
 
 
 def test_a_straggler_is_still_found_after_a_config_was_read_torn() -> None:
