@@ -11,7 +11,8 @@ leaves, so it runs the same on a cluster, in a replay after a crash and in bench
 - `strategies`: memory strategies (offload, activation checkpointing) the user allows, what each
   frees and costs; `strategy_fit`: the one a model needs to fit at all (`strategy_swap`: its
   optimizer offload swapped for parameter offload at ZeRO-3 once); `strategy_search`: the
-  larger micro-batch one lets a leader at its memory top run; `strategy_lines`: the memory line of
+  larger micro-batch one lets a leader at its memory top run (`strategy_first`: tried from the lead
+  stage's top before its refinement); `strategy_lines`: the memory line of
   a stage under a strategy, where its probes are read off; `strategy_time`: a run's step as the
   strategies' time priors read it;
 - `deepspeed_memory`: DeepSpeed's own memory estimate, for `"estimator": "deepspeed"`;

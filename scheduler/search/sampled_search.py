@@ -24,7 +24,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   predicts best, if its reading is within the noise of the best: `stage_readings.smoothed_best`)
   until its neighbours are within `sampling.REFINE_RATIO` of it, splitting the gaps between
   measured sizes before going below the smallest; a top that the memory line later moves up is
-  probed again only when it is `sampling.TOP_GAIN` larger. A reading the fit of the stage's
+  probed again only when it is `sampling.TOP_GAIN` larger. Where memory strategies are allowed,
+  they are tried from the lead stage's top as soon as it leads the stage's readings, and when they
+  pay decisively the refinement stops there (`scheduler.search.strategy_first`). A reading the fit of the stage's
   other sizes contradicts (`scheduler.search.cost_model`: seconds per sample as a per-micro-step,
   a per-sample, a per-step and a growing per-sample cost, fitted to the stage's readings) is a
   straggler's or a lucky one: that config is measured once more (`_recheck`) and the refinement
@@ -84,6 +86,7 @@ from scheduler.search.stage_readings import (
 from scheduler.search.stage_space import (
     gas_for, known_feasible, samples_per_step, sizes_ran, stage_candidates, stage_top,
 )
+from scheduler.search.strategy_first import strategies_pay_first
 
 
 #: At most this many sizes are measured per stage (a guard; refinement normally stops earlier).
@@ -98,9 +101,12 @@ PRESSED_STATES_SHARE = 0.5
 # ---------------------------------------------------------------- the generators
 
 
-def explore_stage(session: Session, stage: int, floor: int = 0) -> Step:
+def explore_stage(session: Session, stage: int, floor: int = 0, strategies_first: bool = False) -> Step:
     """Sample and refine one stage, above `floor`, until `next_size` says done and the cost model
-    predicts no unmeasured size better (`stage_readings.predicted_better`), or the guards."""
+    predicts no unmeasured size better (`stage_readings.predicted_better`), or the guards. With
+    `strategies_first` (the lead stage), the memory strategies are tried as soon as the stage's top
+    leads its readings (`strategy_first.strategies_pay_first`); True when they paid decisively: the
+    refinement below the top stops there."""
     st = session.settings
     if not (yield from anchor(session, stage)):
         return
@@ -120,6 +126,8 @@ def explore_stage(session: Session, stage: int, floor: int = 0) -> Step:
         suspect = suspect_size(session, stage, values)
         if suspect is not None and (yield from _recheck(session, stage, suspect)):
             continue
+        if strategies_first and (yield from strategies_pay_first(session, stage)):
+            return True
         sizes = [m for m in stage_candidates(session, stage) if m >= floor]
         size = next_size({m: v for m, v in {**predicted, **values}.items() if m >= floor}, sizes, st.maximize,
                          smoothed_best(session, stage, {m: v for m, v in values.items() if m >= floor}))

@@ -66,15 +66,21 @@ ZERO3_AT_SCALE = 4
 
 
 def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
-    """Every allowed stage, in order: sampled, followed from the incumbent, or ruled out."""
+    """Every allowed stage, in order: sampled, followed from the incumbent, or ruled out; once memory
+    strategies paid decisively from the lead stage's top (`strategy_first`), the others only probed at
+    their tops, for the strategies tried from the best of them (`strategy_search.try_strategies`)."""
     explored: list[int] = []
+    paid = False  # memory strategies paid decisively from the lead stage's top (`strategy_first`)
     for stage in lead_first(stages, session.settings.dp_size):
         top = stage_top(session, stage)  # what the earlier stages' probes predict; the stage ran nothing yet
         if top < 1:
             continue
+        if paid:
+            yield from anchor(session, stage)  # its top alone: what it holds and how fast it runs there
+            continue
         incumbent = leader_of(session, explored)
         if incumbent is None:
-            yield from explore_stage(session, stage)
+            paid = bool((yield from explore_stage(session, stage, strategies_first=True)))
             explored.append(stage)
             continue
         inc_mbs = incumbent[1]

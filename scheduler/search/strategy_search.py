@@ -14,7 +14,8 @@ the leader within `TOP_SLACK` of the largest size its stage holds) whose memory 
 least `TOP_GAIN` above what the stage holds without it (its measured failures and the model) is
 measured at its line's top, keeping the leader's samples per step (a larger micro-batch with less
 accumulation; the kept global batch's share when one is kept). A top more than `CAUTIOUS_SPAN` times
-that room is mostly the prior's: its geometric middle is measured first. Strategies are tried in the
+that room is mostly the prior's (`_prior_line`: no run of the strategy at any stage measured a peak or
+ran out of memory): its geometric middle is measured first. Strategies are tried in the
 order of the sizes their lines hold, largest first, and stack: once a run with one more strategy
 beats the run it was added to, the rest are tried only on top of it, while it sits at its own line's
 top (offload of the optimizer, then of the parameters, then checkpointing each free memory the
@@ -29,7 +30,9 @@ activations it keeps: `strategies.measured_keep_share`). A run at its line's top
 than the leader measures the sizes the safety margin kept out once (up to the line's own top: the
 curve still rises where the margin cuts it); on a checkpointed line neither a peak nor a failure
 checked (`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP` larger, then
-the middle if it failed. `STRATEGY_PROBES` runs per strategy at most. The best strategy run, when it
+the middle if it failed. `STRATEGY_PROBES` runs per strategy at most, none within `TOP_GAIN` of a size the strategy ran at
+the stage (`_ran_near`: tried again from the final leader after `scheduler.search.strategy_first`
+tried them from the lead stage's top, the line is measured there). The best strategy run, when it
 beat the leader, is measured once more at the stage whose line holds the largest size with it
 (`_roomier_stage`: one that shards more of the states has more room for a larger micro-batch with
 it; a stage never measured, such as ZeRO-3 on few ranks, counts, its line the model's); when that
@@ -217,10 +220,10 @@ def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str,
     size = _size(session, leader, strategy)
     if size < TOP_GAIN * room:
         return  # it holds no size the stage does not hold without it
-    if size > CAUTIOUS_SPAN * room:  # a line that far past anything measured is mostly prior: half way first
+    if size > CAUTIOUS_SPAN * room and _prior_line(session, strategy):  # mostly prior: half way first
         size = _step_size(session, leader, round(math.sqrt(room * size)))
     for _ in range(STRATEGY_PROBES if probes is None else probes):
-        if size <= ran or (failed is not None and size >= failed):
+        if size <= ran or (failed is not None and size >= failed) or _ran_near(session, leader.stage, strategy, size):
             return
         record = yield from _run(session, leader, strategy, size)
         if succeeded(record) and ran > leader.micro_batch_size and _reads_below(session, record, leader, strategy, ran):
@@ -232,6 +235,19 @@ def _measure_strategy(session: Session, leader: Experiment, strategy: tuple[str,
         else:
             return
         size = _next_size(session, leader, strategy, record, ran, failed)
+
+
+def _prior_line(session: Session, strategy: tuple[str, ...]) -> bool:
+    """Whether no run of `strategy` at any stage measured its peak or ran out of memory: every
+    stage's line with it is the prior's (one slope for every stage, `strategy_lines`)."""
+    return all(unchecked(session, stage, strategy) for stage in range(4))
+
+
+def _ran_near(session: Session, stage: int, strategy: tuple[str, ...], size: int) -> bool:
+    """Whether a run of `strategy` at `stage` within `TOP_GAIN` of `size` ran: that part of the line
+    is measured (strategies tried again from another leader, `strategy_first`)."""
+    return any(succeeded(record) and size / TOP_GAIN <= exp.micro_batch_size <= size * TOP_GAIN
+               for exp, record in strategy_records(session, stage, strategy))
 
 
 def _beats(session: Session, record: dict, leader: Experiment) -> bool:
