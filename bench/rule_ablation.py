@@ -57,6 +57,10 @@ def _false(*_args: Any, **_kwargs: Any) -> bool:
     return False
 
 
+def _true(*_args: Any, **_kwargs: Any) -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class Rule:
     """One rule of the search and how it is switched off: `module.attribute` replaced by `off`."""
@@ -93,6 +97,10 @@ RULES = (
     Rule("stacking", _STRATEGY, "_stacking_base", _none, True, "strategies stacked on the one that paid"),
     Rule("top-again", _STRATEGY, "_read_top_again", _no_phases_false, True, "the stage's top read again first"),
     Rule("cautious-span", _STRATEGY, "CAUTIOUS_SPAN", math.inf, True, "a far strategy top probed half way first"),
+    Rule("checked-line", _STRATEGY, "_prior_line", _true, True, "no half way first once any stage checked the line"),
+    Rule("ran-near", _STRATEGY, "_ran_near", _false, True, "no strategy size within 5 % of one that ran"),
+    Rule("strategies-first", _SAMPLED, "strategies_pay_first", _no_phases_false, True,
+         "strategies from the lead stage's top before its refinement"),
     Rule("offload-swap", _FAST, "swap_own_offload", _no_phases, True, "own optimizer offload swapped at ZeRO-3"),
 )
 

@@ -48,7 +48,7 @@ from scheduler.search.session import Session, Step
 from scheduler.search.stage_readings import (
     at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, stage_values,
 )
-from scheduler.search.stage_space import gas_for, samples_per_step, stage_top
+from scheduler.search.stage_space import MAX_FAILURES, gas_for, samples_per_step, stage_candidates, stage_top
 
 
 #: ZeRO-3 is explored, although the incumbent's curve had turned, when it holds at least this many
@@ -76,7 +76,7 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         if top < 1:
             continue
         if paid:
-            yield from anchor(session, stage)  # its top alone: what it holds and how fast it runs there
+            yield from _top_only(session, stage)
             continue
         incumbent = leader_of(session, explored)
         if incumbent is None:
@@ -114,6 +114,22 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         if value is not None and (upside or beats_other_stages(session, stage, value)
                                   or beats_at_equal_size(session, stage, size, value, incumbent)):
             yield from explore_stage(session, stage, floor=size)
+
+
+def _top_only(session: Session, stage: int) -> Step:
+    """A stage after the strategies paid decisively from the lead stage's top (`strategy_first`): its
+    top alone, what it holds and how fast it runs there, for the strategies tried again from the best
+    of the stages' tops. Without max_train_batch_size its probes to a size that runs (`anchor`); with
+    it, its largest full-step size, a smaller one after a failure, `MAX_FAILURES` probes at most."""
+    if not session.settings.samples_per_step:
+        yield from anchor(session, stage)
+        return
+    for _ in range(MAX_FAILURES):
+        sizes = stage_candidates(session, stage)
+        if not sizes or max(sizes) in stage_values(session, stage):
+            return
+        if (yield from measure_size(session, stage, max(sizes), f"z{stage}_top_{max(sizes)}")) is not None:
+            return
 
 
 def _same_micro_steps(stage: int, other: int) -> bool:

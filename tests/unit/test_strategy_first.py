@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from bench.surfaces import make_surface
 from scheduler.search import strategy_first, strategy_search
 from scheduler.search.fast_search import fast_search
@@ -62,13 +64,15 @@ def test_strategies_are_tried_as_soon_as_the_lead_stages_top_leads_and_the_refin
     assert all(not name.startswith(("z0_", "z2_", "z3_")) for name in phases[:first]), phases
 
 
-def test_strategies_that_pay_decisively_end_the_lead_stages_refinement_and_the_others_run_their_tops_only():
+@pytest.mark.parametrize("kept", [None, 256])
+def test_strategies_that_pay_decisively_end_the_lead_stages_refinement_and_the_others_run_their_tops_only(
+        kept: int | None) -> None:
     """With a large fixed cost per micro-step, checkpointing's runs read over `DECISIVE` times the
     plain top's: ZeRO-1's refinement below its top stops, every other stage runs only its top (what
-    it holds, how fast), and the strategies are tried again from the best of those; a checkpointed
-    config is named."""
+    it holds, how fast; with a kept global batch too, its largest size dividing the batch), and the
+    strategies are tried again from the best of those; a checkpointed config is named."""
     law = Launchy(num_params=100_000_000, activation=1_500_000_000)
-    phases, records = _phases(law)
+    phases, records = _phases(law, kept=kept)
     first = min(i for i, name in enumerate(phases) if "_strategy_" in name)
     plain_after = [name for name in phases[first:] if "_strategy_" not in name and not name.startswith("confirm")]
     assert plain_after and all("_top_" in name for name in plain_after), phases
