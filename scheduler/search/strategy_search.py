@@ -30,9 +30,10 @@ activations it keeps: `strategies.measured_keep_share`). A run at its line's top
 than the leader measures the sizes the safety margin kept out once (up to the line's own top: the
 curve still rises where the margin cuts it); on a checkpointed line neither a peak nor a failure
 checked (`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP` larger, then
-the middle if it failed. `STRATEGY_PROBES` runs per strategy at most, none within `TOP_GAIN` of a size the strategy ran at
-the stage (`_ran_near`: tried again from the final leader after `scheduler.search.strategy_first`
-tried them from the lead stage's top, the line is measured there). The best strategy run, when it
+the middle if it failed. `STRATEGY_PROBES` runs per strategy at most, none within `TOP_GAIN` of a
+size the strategy ran at the stage (`_ran_near`: tried again from the final leader after
+`scheduler.search.strategy_first` tried them from the lead stage's top, the line is measured
+there). The best strategy run, when it
 beat the leader, is measured once more at the stage whose line holds the largest size with it
 (`_roomier_stage`: one that shards more of the states has more room for a larger micro-batch with
 it; a stage never measured, such as ZeRO-3 on few ranks, counts, its line the model's); when that
