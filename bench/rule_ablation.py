@@ -89,7 +89,6 @@ RULES = (
     Rule("unchecked-top", _SAMPLED, "above_unchecked_top", _none, False, "a leading top no peak checked, probed above"),
     Rule("short-curve", _READINGS, "_torn_pair", _none, False, "a size far below a smaller one of a short curve, read again"),
     Rule("sawtooth", _FAST, "try_sawtooth", _no_phases, False, "the leader's saw-tooth neighbour"),
-    Rule("sawtooth-recheck", _SAMPLED, "_recheck_suspect", _no_phases, False, "a doubted reading after it read again"),
     Rule("widen-step", _FAST, "widen_step", _no_phases, False, "an accumulating leader's step widened to the top"),
     Rule("roomier-stage", _STRATEGY, "_roomier_stage", _no_phases, True, "the best strategy at the roomiest stage"),
     Rule("first-that-pays", _STRATEGY, "_one_more_paid", _false, True,

@@ -143,15 +143,6 @@ def explore_stage(session: Session, stage: int, floor: int = 0, strategies_first
         yield from measure_size(session, stage, size, f"z{stage}_sample_{size}")
 
 
-def _recheck_suspect(session: Session, stage: int) -> Step:
-    """The refinement's scrutiny of a stage's readings, for probes made outside it (`try_sawtooth`): a
-    size `suspect_size` doubts is measured once more, so a straggler's reading at the size filling
-    the leader's step does not leave the better config behind."""
-    suspect = suspect_size(session, stage, stage_values(session, stage))
-    if suspect is not None:
-        yield from _recheck(session, stage, suspect)
-
-
 def _recheck(session: Session, stage: int, mbs: int) -> Step:
     """Measure once more a config whose one reading the stage's other sizes contradict (`suspect_size`);
     False when it was read more than once already (then the refinement goes on with what it has).
@@ -235,8 +226,7 @@ def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
     once: refinement stops at sizes within sampling.REFINE_RATIO, which a size one smaller always is, though
     its extra accumulation step may train more samples per step for the same fixed costs. Then, when
     the leader leaves its step unfilled and its stage holds the size filling it at the leader's own
-    accumulation (`filled_size`: a leader measured as a provisional top), that size once; then a
-    reading of the leader's stage its other sizes contradict is read again (`_recheck_suspect`). Only with
+    accumulation (`filled_size`: a leader measured as a provisional top), that size once. Only with
     max_train_batch_size: without it every sampled size fills the step, and a kept global batch is
     filled exactly by every size it allows."""
     st = session.settings
@@ -252,7 +242,6 @@ def try_sawtooth(session: Session, stages: Sequence[int]) -> Step:
     filled = filled_size(mbs, gas_for(session, stage, mbs), st.samples_per_step)
     if filled is not None and filled <= stage_top(session, stage) and filled not in stage_values(session, stage):
         yield from measure_size(session, stage, filled, f"z{stage}_filled_{filled}")
-    yield from _recheck_suspect(session, stage)
 
 
 def widen_step(session: Session, stages: Sequence[int]) -> Step:

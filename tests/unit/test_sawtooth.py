@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from bench.lucky_stage import lucky
 from bench.surfaces import classic, make_surface, user_config
 from scheduler.search.fast_search import PROFILE, fast_search
 from scheduler.search.global_batch import GlobalBatch
@@ -101,20 +100,6 @@ def test_a_leader_measured_as_a_provisional_top_has_its_step_filled_before_confi
     assert names.index("z1_filled_16") < names.index(next(n for n in names if n.startswith("confirm")))
     winner = best([r for r in records if r["name"] != PROFILE], "throughput", True)
     assert _config_of(winner) == (1, 16, 2) == (1, *surface.optimum()[1][1:])
-
-
-def test_a_reading_far_below_a_smaller_size_after_filling_the_step_is_read_again() -> None:
-    """Bench lucky-stage script cliff 1 (ZeRO-2 lucky 30 % of the time): ZeRO-2 leads at 7 x 2, and
-    the size filling its step, 8 x 2 (0.99 of the optimum), reads a straggler's 0.53 beside 7's
-    0.89. The pre-confirmation probes' readings get the refinement's scrutiny (`_recheck_suspect`):
-    8 x 2 is read again, and wins (without it the search named ZeRO-1's 7 x 2, 0.90)."""
-    surface = lucky("cliff", 1, 0.3)
-    phases, records = _search_on(surface)
-    names = [phase.name for phase in phases]
-    assert names.index("z2_filled_8") + 1 == names.index("z2_recheck_8")
-    assert names.index("z2_recheck_8") < names.index(next(n for n in names if n.startswith("confirm")))
-    winner = best([r for r in records if r["name"] != PROFILE], "throughput", True)
-    assert _config_of(winner) == (2, 8, 2)
 
 
 def test_a_kept_global_batch_has_no_sawtooth_to_try() -> None:
