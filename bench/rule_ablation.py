@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import heldout, search_quality  # noqa: E402
 from bench.stats import quantile  # noqa: E402
 from bench.surfaces import FAMILIES, make_surface  # noqa: E402
+from scheduler.search.cost_model import trimmed_fit  # noqa: E402
 
 #: Searches with more than this many failed probes are counted (issue 32's goal, as search_quality's).
 FAILED_GOAL = search_quality.FAILED_GOAL
@@ -61,6 +62,10 @@ def _true(*_args: Any, **_kwargs: Any) -> bool:
     return True
 
 
+def _empty(*_args: Any, **_kwargs: Any) -> dict[Any, Any]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Rule:
     """One rule of the search and how it is switched off: `module.attribute` replaced by `off`."""
@@ -84,6 +89,11 @@ RULES = (
     Rule("half-step", _FOLLOW, "_half_step", _false, False, "a stage filling under half the step not measured"),
     Rule("same-micro-steps", _FOLLOW, "_same_micro_steps", _false, False, "ZeRO-0 beside ZeRO-1 measured once"),
     Rule("fuller-step", _FOLLOW, "_fuller_step", _none, False, "the size filling the step with one gas less"),
+    Rule("follow-reread", _FOLLOW, "_trails", _false, False, "a followed stage read 1.4x below the leader, read again"),
+    Rule("robust-curve", "scheduler.search.ceilings", "robust_fit", trimmed_fit, False,
+         "a curve's fit less the few readings it cannot explain, not one"),
+    Rule("nearest-reading", "scheduler.search.ranking", "unsettled_readings", _empty, False,
+         "three readings that disagree ranked at the one nearest the curve"),
     Rule("predicted-worse", _SAMPLED, "predicted_worse", _none, False, "a size the fit says cannot lead, skipped"),
     Rule("predicted-better", _SAMPLED, "predicted_better", _none, False, "a size the fit says leads, measured"),
     Rule("unchecked-top", _SAMPLED, "above_unchecked_top", _none, False, "a leading top no peak checked, probed above"),

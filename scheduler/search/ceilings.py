@@ -7,19 +7,21 @@ expose them, and their mean beats an honest, better config of another stage: the
 (bench/lucky_stage.py). The readings of the same stage at other sizes tell: training time has the
 structure `scheduler.search.cost_model` fits, and a smooth curve does not jump by a fifth at one
 size while its neighbours stay below. So a config whose pooled value exceeds the fit of its stage's
-other configs (three or more, leave one out; one outlier among five or more left out of that fit
-too, `cost_model.trimmed_fit`) by more than `FLOOR` and by more than `Z` standard
-errors of that prediction (which grow away from the measured sizes: an optimum at the edge of the
-range, the real GPT example's micro-batch 1, is extrapolated and not contradicted) is ranked at the
-prediction instead, until its own readings settle it: from `SETTLED_READINGS` readings on, all
-within `AGREE_RATIO` of each other, they are believed over the curve (a real spike at one size reads
-the same every time; a lucky stage's readings of one config disagree, as only some runs are lucky),
-so `scheduler.search.confirm` measures a contradicted contender until they do or it has that many.
-A config read twice whose readings are further apart than `AGREE_RATIO` (`torn`) is judged but
-judges nothing: the mean of a lucky reading and an honest one says neither, and as evidence it
-would bend its neighbours' fit up to a lucky config beside it. Below the floor the curve is
-trusted to have features of its own (tiles, waves, the allocator near the memory top). Only
-throughput-like metrics: the model is of seconds per sample.
+other configs' readings (leave one out; each reading on its own, a torn pair's too, since one of
+the two is honest; less the few the fit cannot explain, `cost_model.robust_fit`: on a stage often
+read lucky, several lucky neighbours bend the fit of the rest) by more than `FLOOR` and by more
+than `Z` standard errors of that prediction (which grow away from the measured sizes: an optimum
+at the edge of the range, the real GPT example's micro-batch 1, is extrapolated and not
+contradicted) is ranked at the prediction instead, until its own readings settle it: from
+`SETTLED_READINGS` readings on, all within `AGREE_RATIO` of each other, they are believed over the
+curve (a real spike at one size reads the same every time; a lucky stage's readings of one config
+disagree, as only some runs are lucky), so `scheduler.search.confirm` measures a contradicted
+contender until they do or it has that many. Three readings or more that do not settle are
+ranked at the one nearest that fit (`unsettled_readings`): their median is a lucky reading
+whenever two of them are. A config read twice whose readings are further apart than `AGREE_RATIO`
+(`torn`) has no pooled value to judge with: the mean of a lucky reading and an honest one says
+neither. Below the floor the curve is trusted to have features of its own (tiles, waves, the
+allocator near the memory top). Only throughput-like metrics: the model is of seconds per sample.
 
 A curve of two or three configs is too short to fit, but one bound holds on any curve: a step of
 more samples (a larger micro-batch, more accumulation, or both) never takes less time, so a config
@@ -42,7 +44,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.search.cost_model import Reading, trimmed_fit
+from scheduler.search.cost_model import TRIM_MISFIT, Reading, closest_reading, robust_fit
 
 #: A config's pooled value is contradicted only when it beats its stage's prediction by more than this.
 FLOOR = 0.2
@@ -70,6 +72,7 @@ class Point:
     value: float
     evidence: bool = True  #: whether its value may judge other configs (`torn`: a mean of two that says neither)
     readings: int = 1  #: how many readings its value pools
+    values: tuple[float, ...] = ()  #: its readings, one by one (empty: its value only)
 
 
 def torn(values: Sequence[float]) -> bool:
@@ -85,7 +88,7 @@ def settled(values: Sequence[float]) -> bool:
 
 
 def point(key: Hashable, ds_config: Mapping[str, Any] | None, value: float, evidence: bool = True,
-          readings: int = 1) -> Point | None:
+          readings: int = 1, values: Sequence[float] = ()) -> Point | None:
     """The `Point` of a config from its DeepSpeed config, or None without a micro-batch size."""
     if not isinstance(ds_config, Mapping):
         return None
@@ -94,7 +97,7 @@ def point(key: Hashable, ds_config: Mapping[str, Any] | None, value: float, evid
     if not isinstance(mbs, int) or not isinstance(gas, int) or mbs < 1 or gas < 1:
         return None
     curve = json.dumps({k: v for k, v in ds_config.items() if k not in SIZE_KEYS}, sort_keys=True, default=str)
-    return Point(key, curve, mbs, gas, value, evidence, readings)
+    return Point(key, curve, mbs, gas, value, evidence, readings, tuple(values))
 
 
 def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
@@ -108,8 +111,8 @@ def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
         for p in members:
             if p.value < best / (1 + FLOOR):
                 continue  # too far behind its curve's best to lead
-            others = [Reading(o.mbs, o.gas, o.value) for o in members if o is not p and o.evidence]
-            model = trimmed_fit(others, NOISE)
+            others = [Reading(o.mbs, o.gas, v) for o in members if o is not p for v in _readings(o)]
+            model = robust_fit(others, NOISE)
             predicted = model.predict(p.mbs, p.gas) if model is not None else 0.0
             if predicted <= 0:
                 continue
@@ -118,6 +121,30 @@ def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
             if gap > FLOOR and gap > Z * spread:
                 out[p.key] = min(predicted, out.get(p.key, math.inf))
     return out
+
+
+def unsettled_readings(points: Sequence[Point]) -> dict[Hashable, float]:
+    """key -> of each config read three times or more whose readings disagree (not `settled`), the
+    reading nearest what the fit of its curve's other readings predicts, where that fit explains
+    them within twice the noise once the few it cannot are left out (`cost_model.robust_fit`): two
+    lucky readings of three make the median a lucky one, and the curve tells which is honest."""
+    out: dict[Hashable, float] = {}
+    for members in _curves(points).values():
+        for p in members:
+            if len(p.values) < SETTLED_READINGS or settled(p.values):
+                continue
+            others = [Reading(o.mbs, o.gas, v) for o in members if o is not p for v in _readings(o)]
+            model = robust_fit(others, NOISE) if len(others) >= 4 else None
+            if model is not None and model.points > sum(c > 0 for c in model.coefficients) \
+                    and model.misfit <= TRIM_MISFIT * NOISE:
+                out[p.key] = closest_reading(p.values, model.predict(p.mbs, p.gas))
+    return out
+
+
+def _readings(p: Point) -> tuple[float, ...]:
+    """What `p` tells of its curve: each of its readings (a torn pair's too: their mean says neither,
+    one of them is honest), or its value alone where only that is known and it is evidence."""
+    return tuple(v for v in p.values if v > 0) if p.values else (p.value,) if p.evidence else ()
 
 
 def dominance_bound(p: Point, members: Sequence[Point], firm: bool = False) -> float | None:

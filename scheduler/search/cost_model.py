@@ -19,10 +19,11 @@ What it is used for (`scheduler.search.sampled_search`): a reading the fit of th
 readings contradicts by more than the noise allows (`contradicted`: a straggler's or a lucky one) is
 measured again before it steers the refinement or leads, and the two readings are then read where
 the model says (`closest_reading`); a config whose readings beat the fit of its stage's others is
-ranked at that fit (`scheduler.search.ceilings`), which leaves out one outlier among them where
-one bends it (`trimmed_fit`). The model is only trusted where it was checked: a prediction's
-uncertainty (`StageModel.error`) grows with the distance from the measured sizes and with the fit's
-own misfit, so where a real script's curve is not this one the search measures instead.
+ranked at that fit (`scheduler.search.ceilings`), which leaves out the few outliers among them
+that bend it (`robust_fit`; one, `trimmed_fit`, where no few explain the rest within the noise).
+The model is only trusted where it was checked: a prediction's uncertainty (`StageModel.error`)
+grows with the distance from the measured sizes and with the fit's own misfit, so where a real
+script's curve is not this one the search measures instead.
 
 Pure: numbers in, numbers out; no session, no records.
 """
@@ -44,6 +45,9 @@ CONTRADICTION_Z = 3.0
 CONTRADICTION_FLOOR = 0.12
 #: `trimmed_fit` looks for one outlier only when the fit misses by more than this many times the noise.
 TRIM_MISFIT = 2.0
+#: `robust_fit` leaves out at most this share of the readings: under half, so the curve it keeps is
+#: the one most readings agree on (a stage read lucky 30 % of the time, bench/lucky_stage.py).
+ROBUST_SHARE = 0.45
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,28 @@ def trimmed_fit(readings: Sequence[Reading], noise: float) -> StageModel | None:
     best = min((m for m in trimmed if m is not None and m.points > sum(c > 0 for c in m.coefficients)),
                key=lambda m: m.misfit, default=None)
     return best if best is not None and best.misfit <= model.misfit / 2 else model
+
+
+def robust_fit(readings: Sequence[Reading], noise: float, share: float = ROBUST_SHARE) -> StageModel | None:
+    """`fit` of the readings left once the fewest, at most `share` of them, are left out (each time
+    the one whose leaving out most lowers the misfit) for the fit to miss by no more than TRIM_MISFIT
+    times `noise`: on a stage whose readings are often lucky, several lucky readings bend the fit of
+    the others, and one left out (`trimmed_fit`) leaves the rest bent. Where no such few exist,
+    `trimmed_fit`."""
+    kept = list(readings)
+    model = fit(kept)
+    for _ in range(int(len(kept) * share)):
+        if model is None or model.misfit <= TRIM_MISFIT * noise or len(kept) < 5:
+            break
+        trials = [(fit(kept[:i] + kept[i + 1:]), i) for i in range(len(kept))]
+        trials = [(m, i) for m, i in trials if m is not None and m.points > sum(c > 0 for c in m.coefficients)]
+        if not trials:
+            break
+        model, index = min(trials, key=lambda t: t[0].misfit)
+        kept = kept[:index] + kept[index + 1:]
+    if model is not None and model.misfit <= TRIM_MISFIT * noise:
+        return model
+    return trimmed_fit(readings, noise)
 
 
 def _solve(rows: Sequence[tuple[Sequence[float], float]], scales: Sequence[float],

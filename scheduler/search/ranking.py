@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any, Protocol, TypeVar, Union
 
-from scheduler.search.ceilings import Point, ceilings, firm_bounds, point, settled, torn
+from scheduler.search.ceilings import Point, ceilings, firm_bounds, point, settled, torn, unsettled_readings
 
 #: From this many readings on, a config's pooled value is their median (a straggler's or a lucky
 #: reading among them moves it no more than its neighbour's); below, their mean.
@@ -115,7 +115,8 @@ def curve_ceilings(configs: Mapping[K, tuple[Mapping[str, Any] | None, Sequence[
                    maximize: bool) -> dict[K, float]:
     """key -> the value a config read more than once is ranked at when its stage's curve contradicts
     its pooled readings and they are not `settled` (`scheduler.search.ceilings`), or, settled or
-    not, a `firm` dominance bound does, from each config's DeepSpeed config and readings; none for a
+    not, a `firm` dominance bound does; three readings or more that disagree, at the one nearest the
+    curve (`unsettled_readings`), from each config's DeepSpeed config and readings; none for a
     metric minimised (the cost model is of seconds per sample). A config read once is left as read:
     our searches measure a leader again before naming it (`scheduler.search.confirm`), and
     `"search": "deepspeed"` keeps DeepSpeed's best single reading."""
@@ -127,12 +128,14 @@ def curve_ceilings(configs: Mapping[K, tuple[Mapping[str, Any] | None, Sequence[
     for key, bound in firm_bounds(points).items():
         if len(configs[key][1]) >= 2:
             caps[key] = min(bound, caps.get(key, math.inf))
+    for key, reading in unsettled_readings(points).items():
+        caps[key] = min(reading, caps.get(key, math.inf))
     return caps
 
 
 def curve_points(configs: Mapping[K, tuple[Mapping[str, Any] | None, Sequence[float]]]) -> list[Point]:
     """The `scheduler.search.ceilings.Point` of each config read, from its DeepSpeed config and readings."""
-    points = (point(key, ds_config, pooled_value(values), not torn(values), len(values))
+    points = (point(key, ds_config, pooled_value(values), not torn(values), len(values), values)
               for key, (ds_config, values) in configs.items() if values)
     return [p for p in points if p is not None]
 

@@ -3,6 +3,8 @@ settle it (`scheduler.search.ceilings`, `ranking.curve_ceilings`), and confirmin
 (`confirm.unsettled_leader`)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench.lucky_stage import lucky
@@ -174,6 +176,31 @@ def test_a_stage_read_lucky_is_not_named_on_its_lucky_pair() -> None:
     its true speed; its median, 1.21x, would be named (0.82 of the optimum). Its readings disagree
     and the curve of ZeRO-1's other sizes predicts far less: it is ranked there."""
     assert ours(lucky("cliff", 15, 0.3)).fraction > 0.9
+
+
+def _readings_of(lift: dict[int, tuple[float, ...]]) -> dict[tuple[int, int], tuple[dict, list[float]]]:
+    sizes = ((1, 32), (2, 16), (4, 8), (6, 5), (8, 4), (12, 3), (16, 2), (32, 1), (4, 1), (8, 1), (16, 1))
+    return {(m, g): (config(m, g), [speed(m, g) * f for f in lift.get(m, (1.0,))]) for m, g in sizes}
+
+
+def test_lucky_readings_of_several_neighbours_do_not_shield_a_lucky_contender() -> None:
+    """Eleven sizes on one curve; 8 x 4 read 1.5x twice (the contender), and three others read
+    once lucky: 4 x 8 (1.6x), 12 x 3 (1.5x) and 32 x 1 (1.45x), the last beside an honest reading
+    (a torn pair, whose readings count one by one). The fit of all the other readings bends to them;
+    left out as the few the curve cannot explain (`cost_model.robust_fit`), 8 x 4 is ranked at the
+    curve."""
+    configs = _readings_of({8: (1.5, 1.5), 4: (1.6,), 12: (1.5,), 32: (1.45, 1.0)})
+    assert curve_ceilings(configs, True)[(8, 4)] == pytest.approx(speed(8, 4), rel=0.05)
+
+
+def test_readings_that_disagree_are_ranked_at_those_nearest_the_curve() -> None:
+    """8 x 4 read three times, twice lucky (1.5x, 1.45x) and once honestly: their median is a lucky
+    one, the curve of the other sizes says the honest one; read 1.0x, 1.02x and once a straggler's
+    0.55x, the straggler's does not rank it."""
+    lucky = _readings_of({8: (1.5, 1.0, 1.45)})
+    assert curve_ceilings(lucky, True)[(8, 4)] == pytest.approx(speed(8, 4), rel=0.01)
+    straggler = _readings_of({8: (1.0, 0.55, 1.02)})
+    assert curve_ceilings(straggler, True).get((8, 4), math.inf) >= 0.99 * speed(8, 4)
 
 
 def test_point_needs_a_micro_batch_size() -> None:
