@@ -38,13 +38,14 @@ Pure: values in, ceilings out.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.search.cost_model import TRIM_MISFIT, Reading, closest_reading, robust_fit
+from scheduler.search.cost_model import TRIM_MISFIT, Reading, StageModel, closest_reading, robust_fit
 
 #: A config's pooled value is contradicted only when it beats its stage's prediction by more than this.
 FLOOR = 0.2
@@ -111,8 +112,7 @@ def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
         for p in members:
             if p.value < best / (1 + FLOOR):
                 continue  # too far behind its curve's best to lead
-            others = [Reading(o.mbs, o.gas, v) for o in members if o is not p for v in _readings(o)]
-            model = robust_fit(others, NOISE)
+            model = _curve_fit(tuple(Reading(o.mbs, o.gas, v) for o in members if o is not p for v in _readings(o)))
             predicted = model.predict(p.mbs, p.gas) if model is not None else 0.0
             if predicted <= 0:
                 continue
@@ -133,12 +133,19 @@ def unsettled_readings(points: Sequence[Point]) -> dict[Hashable, float]:
         for p in members:
             if len(p.values) < SETTLED_READINGS or settled(p.values):
                 continue
-            others = [Reading(o.mbs, o.gas, v) for o in members if o is not p for v in _readings(o)]
-            model = robust_fit(others, NOISE) if len(others) >= 4 else None
+            others = tuple(Reading(o.mbs, o.gas, v) for o in members if o is not p for v in _readings(o))
+            model = _curve_fit(others) if len(others) >= 4 else None
             if model is not None and model.points > sum(c > 0 for c in model.coefficients) \
                     and model.misfit <= TRIM_MISFIT * NOISE:
                 out[p.key] = closest_reading(p.values, model.predict(p.mbs, p.gas))
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _curve_fit(readings: tuple[Reading, ...]) -> StageModel | None:
+    """`cost_model.robust_fit` of a curve's readings, kept: ranking asks again after every launch,
+    mostly of the same readings, and leaving readings out one at a time takes many fits."""
+    return robust_fit(readings, NOISE)
 
 
 def _readings(p: Point) -> tuple[float, ...]:
