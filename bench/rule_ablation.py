@@ -89,7 +89,6 @@ RULES = (
     Rule("half-step", _FOLLOW, "_half_step", _false, False, "a stage filling under half the step not measured"),
     Rule("same-micro-steps", _FOLLOW, "_same_micro_steps", _false, False, "ZeRO-0 beside ZeRO-1 measured once"),
     Rule("fuller-step", _FOLLOW, "_fuller_step", _none, False, "the size filling the step with one gas less"),
-    Rule("follow-reread", _FOLLOW, "_trails", _false, False, "a followed stage read 1.4x below the leader, read again"),
     Rule("robust-curve", "scheduler.search.ceilings", "robust_fit", trimmed_fit, False,
          "a curve's fit less the few readings it cannot explain, not one"),
     Rule("nearest-reading", "scheduler.search.ranking", "unsettled_readings", _empty, False,

@@ -6,9 +6,7 @@ against the incumbent (the best config so far). One reading at the incumbent's s
 how a stage compares, and exploring a stage that cannot lead costs launches and failed top probes.
 
 - **Followed**: a stage is first measured at the incumbent's size (without max_train_batch_size,
-  after its own top); that one reading tells how it compares. A reading trailing the incumbent's
-  by more than `confirm.TORN_RATIO` is read once more and the better one decides (`_follow`): a
-  straggler's reading (1.5-2x slower) would rule out a stage that holds the optimum.
+  after its own top); that one reading tells how it compares.
 - **Explored further** only when one of these holds, else the reading rules it out:
   - the incumbent was the largest size its own stage could hold and this stage holds more (the
     curve was still rising at the cap), or the cost model puts that largest size within the noise
@@ -42,9 +40,7 @@ Pure decision logic over a `Session`, turned into phases like the sampled search
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
-from scheduler.search.confirm import TORN_RATIO
 from scheduler.search.ranking import metric_value
 from scheduler.search.sampled_search import anchor, explore_stage, measure_size
 from scheduler.search.sampling import TOP_GAIN, lead_first
@@ -110,7 +106,7 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         if not (yield from anchor(session, stage)):
             continue
         size = min(inc_mbs, stage_top(session, stage, cautious=True))
-        value = yield from _follow(session, stage, size, incumbent)
+        value = yield from measure_size(session, stage, size, f"z{stage}_follow_{size}")
         explored.append(stage)
         if value is not None and fuller and not upside:
             value = yield from measure_size(session, stage, fuller, f"z{stage}_step_{fuller}")
@@ -118,26 +114,6 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
         if value is not None and (upside or beats_other_stages(session, stage, value)
                                   or beats_at_equal_size(session, stage, size, value, incumbent)):
             yield from explore_stage(session, stage, floor=size)
-
-
-def _follow(session: Session, stage: int, size: int, incumbent: tuple[int, int]) -> Step:
-    """The stage's reading at `size`, measured twice when the first trails the incumbent's reading
-    by more than `TORN_RATIO`: one reading decides whether the whole stage is explored, and a
-    straggler's (1.5-2x slower) would rule it out; the better of the two decides."""
-    value = yield from measure_size(session, stage, size, f"z{stage}_follow_{size}")
-    lead = stage_values(session, incumbent[0]).get(incumbent[1])
-    if value is None or lead is None or not _trails(value, lead, session.settings.maximize):
-        return value
-    exp = session.experiment(stage, size, gas_for(session, stage, size))
-    [record] = yield from session.measure(f"z{stage}_follow_{size}_recheck", [replace(exp, name=f"{exp.name}_r2")])
-    again = metric_value(record, session.settings.metric)
-    if again is None:
-        return value
-    return max(value, again) if session.settings.maximize else min(value, again)
-
-
-def _trails(value: float, lead: float, maximize: bool) -> bool:
-    return value * TORN_RATIO < lead if maximize else value > lead * TORN_RATIO
 
 
 def _top_only(session: Session, stage: int) -> Step:
