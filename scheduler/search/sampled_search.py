@@ -36,7 +36,7 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   at whose trusted prediction stays below the stage's best reading even at its upper bound is read
   off the fit instead of measured (`stage_readings.predicted_worse`: it could not lead). When the
   refinement has no gap left to split, a size the fit predicts better than the stage's best by more
-  than the noise, where its prediction is trusted, is measured (`stage_readings.predicted_better`);
+  than the noise, however uncertain, is measured (`stage_readings.predicted_better`);
 - every later stage is followed from the incumbent (`scheduler.search.stage_follow`): measured at
   its size, and explored (`explore_stage`, above that size) only where it can lead;
 - a failure that says nothing about the config (`scheduler.search.repeats.says_nothing`: a crash,

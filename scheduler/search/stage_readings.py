@@ -20,8 +20,8 @@ from scheduler.search.session import Session
 from scheduler.search.space import PROFILE
 from scheduler.search.stage_space import MAX_FAILURES, failures_since_a_success, gas_for, sizes_ran, stage_candidates
 
-#: A size the cost model predicts better is measured only where its prediction's relative standard
-#: error is below this: the model is not trusted far from the sizes it was fitted on.
+#: A size the cost model predicts cannot lead is skipped only where its prediction's relative
+#: standard error is below this: the model is not trusted far from the sizes it was fitted on.
 TRUSTED_ERROR = 0.1
 #: On a curve too short to fit, a reading far below a smaller size's is doubted only when that size
 #: is at least the larger over this (`_torn_pair`): across a wider span a real curve can fall as far.
@@ -230,18 +230,18 @@ def predicted_better(session: Session, stage: int, values: Mapping[int, float | 
                      sizes: Sequence[int]) -> int | None:
     """When the refinement has nothing left to split: the unmeasured size of `sizes` the cost model,
     fitted to the stage's readings (three or more), predicts beats the stage's best reading by
-    more than one reading's noise (or the fit's misfit), where the prediction is trusted (standard
-    error under TRUSTED_ERROR); the best such, or None. It finds what the gaps between measured sizes
-    hide, such as a size filling the step with one micro-step less (8 ranks, a step of 512: 128 x 4
-    between 102 x 5 and 136 x 3, which differ by less than the refinement's ratio)."""
+    more than one reading's noise (or the fit's misfit); the best such, or None. It finds what the
+    gaps between measured sizes hide, such as a size filling the step with one micro-step less (8
+    ranks, a step of 512: 128 x 4 between 102 x 5 and 136 x 3, which differ by less than the
+    refinement's ratio). However uncertain the prediction: measuring is how it is checked (only
+    skipping a size needs a trusted one, `predicted_worse`)."""
     fitted = _throughput_fit(session, stage, values)
     if fitted is None:
         return None
     ok, model = fitted
     noise = reading_noise(session)
     bar = max(ok.values()) * (1 + max(noise, model.misfit))
-    options = [(model.predict(m, gas_for(session, stage, m)), m) for m in sizes
-               if m not in values and model.error(m, gas_for(session, stage, m), noise) < TRUSTED_ERROR]
+    options = [(model.predict(m, gas_for(session, stage, m)), m) for m in sizes if m not in values]
     better = [(value, m) for value, m in options if value > bar]
     return max(better)[1] if better else None
 
