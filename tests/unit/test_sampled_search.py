@@ -15,6 +15,7 @@ from scheduler.search.confirm import REPEAT_BUDGET
 from scheduler.search.memory_facts import SharedFacts
 from scheduler.search.fast_search import PROFILE, fast_search
 from scheduler.search.session import SearchSettings, Session
+from scheduler.search.stage_space import gas_for
 from scheduler.search.phases import Phase, drive, replay
 from scheduler.search import sampled_search, stage_readings
 from scheduler.search.ranking import best
@@ -868,6 +869,20 @@ def test_a_size_the_fit_predicts_better_is_measured_where_the_gaps_hide_it() -> 
     assert [p.name for p in phases] == ["z1_sample_34", "z1_sample_137", "z1_sample_64", "z1_sample_102",
                                         "z1_sample_85", "z1_sample_128"]
     assert max(range(1, 138), key=speed_of) == 128
+
+
+def test_a_size_predicted_better_is_measured_however_uncertain_the_prediction() -> None:
+    """Readings at 2, 4 and 8 of a curve still rising: the fit's prediction at every larger size of
+    the space is an extrapolation (relative error 0.2 at 16, about 5 at 128), and its best, 128, is the
+    size measured next: measuring is how an uncertain prediction is checked."""
+    session = Session(sampled())
+
+    def speed_of(mbs: int) -> float:
+        return 1.0 / (0.05 / mbs + 0.0004 + 1.0 / (mbs * gas_for(session, 1, mbs)) + 5e-7 * mbs)
+
+    values = {m: speed_of(m) for m in (2, 4, 8)}
+    assert stage_readings.predicted_better(session, 1, values, [1, 2, 4, 8, 16, 32, 64, 128]) == 128
+    assert stage_readings.predicted_better(session, 1, values, [1, 2, 4, 8]) is None
 
 
 @pytest.mark.parametrize(("zero_0_fits", "measured"), [(15, False), (16, True), (40, True)])
