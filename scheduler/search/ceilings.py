@@ -112,7 +112,7 @@ def ceilings(points: Sequence[Point]) -> dict[Hashable, float]:
         for p in members:
             if p.value < best / (1 + FLOOR):
                 continue  # too far behind its curve's best to lead
-            model = _curve_fit(tuple(Reading(o.mbs, o.gas, v) for o in members if o is not p for v in _readings(o)))
+            model = _curve_fit(_others(p, members))
             predicted = model.predict(p.mbs, p.gas) if model is not None else 0.0
             if predicted <= 0:
                 continue
@@ -133,7 +133,7 @@ def unsettled_readings(points: Sequence[Point]) -> dict[Hashable, float]:
         for p in members:
             if len(p.values) < SETTLED_READINGS or settled(p.values):
                 continue
-            others = tuple(Reading(o.mbs, o.gas, v) for o in members if o is not p for v in _readings(o))
+            others = _others(p, members)
             model = _curve_fit(others) if len(others) >= 4 else None
             if model is not None and model.points > sum(c > 0 for c in model.coefficients) \
                     and model.misfit <= TRIM_MISFIT * NOISE:
@@ -146,6 +146,11 @@ def _curve_fit(readings: tuple[Reading, ...]) -> StageModel | None:
     """`cost_model.robust_fit` of a curve's readings, kept: ranking asks again after every launch,
     mostly of the same readings, and leaving readings out one at a time takes many fits."""
     return robust_fit(readings, NOISE)
+
+
+def _others(p: Point, members: Sequence[Point]) -> tuple[Reading, ...]:
+    """The readings of `p`'s curve that judge it: every other member's (`_readings`)."""
+    return tuple(Reading(o.mbs, o.gas, v) for o in members if o is not p for v in _readings(o))
 
 
 def _readings(p: Point) -> tuple[float, ...]:

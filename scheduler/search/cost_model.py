@@ -48,8 +48,6 @@ TRIM_MISFIT = 2.0
 #: `robust_fit` leaves out at most this share of the readings: under half, so the curve it keeps is
 #: the one most readings agree on (a stage read lucky 30 % of the time, bench/lucky_stage.py).
 ROBUST_SHARE = 0.45
-#: ... each time the one, of this many that the fit of the rest misses most, whose leaving out
-#: lowers the misfit most (an outlier is among the worst fitted; trying every reading is n fits).
 
 
 @dataclass(frozen=True)
