@@ -116,10 +116,10 @@ def test_a_rank_starting_on_a_slot_ends_an_older_launchs_rank_still_running_ther
         client: redis.Redis, tmp_path: Path) -> None:
     """The older launch lost the slot (its node froze, its pool process died) but its rank runs on;
     the newer launch, which holds the slot now, ends it before its own script starts, so the two
-    never share the slot's device (`workers.process.process_identity.end_older_launches`)."""
+    never share the slot's device (`workers.slot.rank_claim.end_older_launches`)."""
     flags = tmp_path / "flags"
     flags.mkdir()
-    older = _script(tmp_path, "older.sh", f"touch {flags}/older_up\n"
+    older = _script(tmp_path, "older.sh", f"date +%s.%N >> {flags}/older_alive\ntouch {flags}/older_up\n"
                     f"while true; do date +%s.%N >> {flags}/older_alive; sleep 0.02; done")
     newer = _script(tmp_path, "newer.sh", f"date +%s.%N > {flags}/newer_start\nexit 1")
     records: dict[str, dict[str, Any]] = {}
