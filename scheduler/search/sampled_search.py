@@ -30,8 +30,8 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   fit of the stage's other sizes contradicts (`scheduler.search.cost_model`: seconds per sample as
   a per-micro-step, a per-sample, a per-step and a growing per-sample cost, fitted to the stage's
   readings) is a straggler's or a lucky one: that config is measured once more (`_recheck`) and
-  the refinement reads the reading the fit agrees with, so one slow run does not hide the region around the
-  optimum and one lucky run does not pull the refinement to it; on a curve too short to fit, so is
+  the refinement reads the reading the fit agrees with, so one slow run does not hide the region
+  around the optimum and one lucky run does not pull the refinement to it; on a curve too short to fit, so is
   a size reading far below a smaller one (`stage_readings.suspect_size`). A size the refinement would split
   at whose trusted prediction stays below the stage's best reading even at its upper bound is read
   off the fit instead of measured (`stage_readings.predicted_worse`: it could not lead). When the

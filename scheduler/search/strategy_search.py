@@ -33,11 +33,11 @@ checked (`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_
 the middle if it failed. `STRATEGY_PROBES` runs per strategy at most, none within `TOP_GAIN` of a
 size the strategy ran at the stage (`_ran_near`: tried again from the final leader after
 `scheduler.search.strategy_first` tried them from the lead stage's top, the line is measured
-there). The best strategy run, when it
-beat the leader, is measured once more at the stage whose line holds the largest size with it
-(`_roomier_stage`: one that shards more of the states has more room for a larger micro-batch with
-it; a stage never measured, such as ZeRO-3 on few ranks, counts, its line the model's); when that
-run leads, strategies stack on it too. The normal confirmation ranks every run with the rest.
+there). The best strategy run, when it beat the leader, is measured once more at the stage whose
+line holds the largest size with it (`_roomier_stage`: one that shards more of the states has
+more room for a larger micro-batch with it; a stage never measured, such as ZeRO-3 on few ranks,
+counts, its line the model's); when that run leads, strategies stack on it too. The normal
+confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy, which each probe is read off, is
 `scheduler.search.strategy_lines`'s: one slope for every stage, each stage's intercept through its own peaks.
