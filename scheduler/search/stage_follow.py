@@ -9,9 +9,7 @@ how a stage compares, and exploring a stage that cannot lead costs launches and 
   after its own top); that one reading tells how it compares.
 - **Explored further** only when one of these holds, else the reading rules it out:
   - the incumbent was the largest size its own stage could hold and this stage holds more (the
-    curve was still rising at the cap), or the cost model puts that largest size within the noise
-    of the incumbent (`stage_readings.flat_to_top`) and this stage holds more than `FLAT_ROOM`
-    times it;
+    curve was still rising at the cap);
   - with max_train_batch_size, the incumbent accumulates because its stage cannot hold the size
     filling the step with one accumulation step less, and this stage can (`_fuller_step`: that
     size is measured once, and wins or rules the stage out);
@@ -46,7 +44,7 @@ from scheduler.search.sampled_search import anchor, explore_stage, measure_size
 from scheduler.search.sampling import TOP_GAIN, lead_first
 from scheduler.search.session import Session, Step
 from scheduler.search.stage_readings import (
-    at_cap, beats_at_equal_size, beats_other_stages, flat_to_top, leader_of, stage_values,
+    at_cap, beats_at_equal_size, beats_other_stages, leader_of, stage_values,
 )
 from scheduler.search.stage_space import MAX_FAILURES, gas_for, samples_per_step, stage_candidates, stage_top
 
@@ -55,9 +53,6 @@ from scheduler.search.stage_space import MAX_FAILURES, gas_for, samples_per_step
 #: times the largest size ZeRO-1/2 hold: near a stage's memory cap the allocator's pressure slows it,
 #: and ZeRO-3 runs those sizes with that much more memory free.
 ZERO3_ROOM = 1.3
-#: A stage holding more than this many times the top of an incumbent's curve that is flat up to
-#: that top (`stage_readings.flat_to_top`) is explored: the leader below the top leads on noise.
-FLAT_ROOM = 2.0
 #: From this many data-parallel ranks ZeRO-3 is measured at least once whatever it holds: its
 #: parameter sharding frees (1 - 1/dp) of the parameters and its prefetch hides the gathers behind
 #: compute, so at scale it can lead (a 4-rank bf16 script; bench/heldout.py's 4-16 rank families).
@@ -85,8 +80,6 @@ def sampled_stages(session: Session, stages: Sequence[int]) -> Step:
             continue
         inc_mbs = incumbent[1]
         upside = at_cap(session, explored, inc_mbs) and top > inc_mbs
-        flat = flat_to_top(session, incumbent[0]) or 0  # a leader below a flat top leads on noise
-        upside = upside or (flat > inc_mbs and at_cap(session, explored, flat) and top > FLAT_ROOM * flat)
         if stage == 3 and any(s in (1, 2) for s in explored):
             lighter = max(stage_top(session, s) for s in explored if s in (1, 2))
             roomy = top >= ZERO3_ROOM * lighter  # near the top pressure slows the lighter stages

@@ -7,9 +7,7 @@ guess brings them in where the leader sits at its stage's memory top (`try_strat
 sampled search and before the winner is confirmed). When the leader is the largest size its stage
 ran at, the curve was still rising where memory cut it; when the cost model fitted to the stage's
 readings predicts that largest size within the noise of the stage's best (`_flat_to_top`: a leader
-below a flat top leads on noise), the strategies start from the top's run; a leader below that
-largest size, read once there, has it read again first (`_read_top_again`: one straggler's reading
-would rule every strategy out). Each allowed strategy (one at a time, on top of the leader's own;
+below a flat top leads on noise), the strategies start from the top's run. Each allowed strategy (one at a time, on top of the leader's own;
 the leader within `TOP_SLACK` of the largest size its stage holds) whose memory line holds a size at
 least `TOP_GAIN` above what the stage holds without it (its measured failures and the model) is
 measured at its line's top, keeping the leader's samples per step (a larger micro-batch with less
@@ -84,9 +82,6 @@ def try_strategies(session: Session) -> Step:
     if leader is None or st.micro_batch_sizes:
         return
     exp, record, top = _base(session, *leader)
-    if exp.micro_batch_size < top and (yield from _read_top_again(session, exp.stage, top)):
-        leader = _leader(session)
-        exp, record, top = _base(session, *leader)
     #: what the stage holds without a further strategy: a strategy is measured where it holds more
     room = min([session.predicted_max(exp.stage, SAFETY)] + [m - 1 for m in failed_sizes(session, exp.stage)])
     room = max(exp.micro_batch_size, _step_size(session, exp, room))
@@ -151,21 +146,6 @@ def _base(session: Session, exp: Experiment, record: dict) -> tuple[Experiment, 
     if exp.micro_batch_size < top:
         exp, record = _flat_to_top(session, exp.stage, top) or (exp, record)
     return exp, record, top
-
-
-def _read_top_again(session: Session, stage: int, top: int) -> Step:
-    """Measure once more the stage's run at its largest size that ran, `top`, when it was read once
-    and strategies are allowed: that one reading, below the leader's, says the curve turned before
-    memory cut it and so rules out every strategy; a straggler's reading there (a needs-strategy
-    surface read ZeRO-2's top at 0.65 of its speed) hides checkpointed sizes three times larger.
-    True when it was measured (the leader may have moved)."""
-    st = session.settings
-    found = _top_run(session, stage, top)
-    if found is None or f"{found.name}_r2" in session.measured \
-            or not searchable(st.memory_strategies, st.ds_config, st.host_memory, st.checkpointing_fixed):
-        return False
-    yield from session.measure(f"z{stage}_top_again_{top}", [replace(found, name=f"{found.name}_r2")])
-    return True
 
 
 def _roomier_stage(session: Session, leader: Experiment, leader_record: dict) -> Step:

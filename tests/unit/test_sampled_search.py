@@ -949,23 +949,6 @@ def test_a_size_the_fit_predicts_worse_beyond_its_uncertainty_is_not_measured() 
     assert sizes == [16, 64, 32, 64, 21, 4, 12]
 
 
-@pytest.mark.parametrize("zero_1, explored", [((16.1, 22.7, 26.0, 25.8), True), ((15.2, 19.2, 19.5, 17.2), False)])
-def test_a_stage_holding_far_more_is_explored_when_the_incumbents_curve_is_flat_to_its_top(
-        zero_1: tuple[float, ...], explored: bool) -> None:
-    """ZeRO-1 holds 4 and reads 16.1, 22.7, 26.0, 25.8 at 1-4 (seconds per sample 0.04/m + 0.02 +
-    0.002 m, 3 read 2 % high and 4 2 % low): 3 leads on a reading, but the fit puts 4 within the
-    noise of it. The curve is flat up to the memory top, as on bench/search_quality.py's large-model
-    28, where the top was 7 % better, read 0.2 % worse, and the pick came out at 0.74. ZeRO-2 holds
-    32, eight times that top: after its reading at the incumbent's 3 it is explored (its top 32
-    first). Where the curve turned before the top (0.006 m: 3 is the peak, 4 reads 12 % below), its
-    reading at 3, no better than ZeRO-1's, rules it out."""
-    speed = {(1, m): v for m, v in zip((1, 2, 3, 4), zero_1)}
-    speed.update({(2, 3): zero_1[2] - 1.0, (2, 32): 80.0, (2, 16): 70.0, (2, 10): 60.0, (2, 8): 55.0, (2, 21): 75.0})
-    launched, _, _ = play(stages_of((1, 2)), speed, {1: 4, 2: 32}, scripted_settings(stages=(1, 2)))
-    assert launched[:5] == [(1, 1, 32), (1, 4, 8), (1, 2, 16), (1, 3, 10), (2, 3, 10)]
-    assert ((2, 32, 1) in launched) is explored
-
-
 def test_between_readings_the_noise_cannot_order_the_refinement_follows_the_fits_best() -> None:
     """Seconds per sample 0.04/m + 0.02 + 0.0008 m, which peaks at 7 (mid-peak 5 of
     bench/search_quality.py had this shape). 8 reads 1 % low and 10 reads 2 % high, so 10 leads on
