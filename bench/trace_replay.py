@@ -20,7 +20,8 @@ own uncertainty) when its mean is within 3 % of the best's mean or inside the be
 interval (`Trace.interval`: its mean +- 1.96 standard errors over its windows; `right`). Printed
 per search: the share of replays whose pick is right, the share within 3 % alone, the median and
 10th percentile of the fraction of the optimum, the median launches (profile run and
-re-measurements included), and the configs named most often.
+re-measurements included), and the configs named most often; the same for every config read once
+(`every_config_once`), the reference of what the trace's noise lets single readings tell apart.
 
     .venv/bin/python bench/trace_replay.py [bench/traces/train_gpt.json] [--replays 200] [--seed 0] [--capacity-gib 24]
 """
@@ -253,6 +254,28 @@ def deepspeed(trace: Trace, seed: int, capacity: int) -> Outcome:
     return _outcome(trace, len(result.launches), result.best_config)
 
 
+def every_config_once(trace: Trace, seed: int, capacity: int) -> Outcome:
+    """The exhaustive reference: every config the optimum is taken over (`Trace.optimum`'s), read
+    once (a window drawn as for a search's launch), the best reading named. What the trace's own
+    noise lets single readings of the whole space tell apart, at many times a search's launches."""
+    readings = {}
+    for key in trace.configs:
+        if trace.windows(key) and trace.fits(key) and trace.in_space(key):
+            record = trace.run(seed, f"once_{label(key)}", _config_of(key), profile=False, engine=False)
+            readings[key] = record["metrics"]["throughput"]
+    named = max(readings, key=readings.get)
+    return Outcome(trace.true_value(named) / trace.optimum()[0], len(readings), label(named),
+                   right=right(trace, named))
+
+
+def _config_of(key: Key) -> dict[str, Any]:
+    """The ds_config a search's launch of `key` carries (`_key`'s inverse)."""
+    stage, mbs, gas, checkpointed = key
+    return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas,
+            "zero_optimization": {"stage": stage},
+            "autotuning": {"memory_strategy": [CHECKPOINTING] if checkpointed else []}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path, nargs="?", default=ROOT / "bench" / "traces" / "train_gpt.json")
@@ -276,7 +299,7 @@ def main() -> int:
           f"{optimum:.1f} samples/s (mean of its windows, 95 % interval {low:.1f}-{high:.1f}: "
           f"{100 * (1 - low / optimum):.1f} % below)")
     seeds = range(args.seed, args.seed + args.replays)
-    for tool, search in (("celery-autotune", ours), ("deepspeed", deepspeed)):
+    for tool, search in (("celery-autotune", ours), ("deepspeed", deepspeed), ("every config once", every_config_once)):
         outcomes = [search(trace, seed, capacity) for seed in seeds]
         fractions = [o.fraction for o in outcomes]
         named = Counter(o.named for o in outcomes).most_common(4)
