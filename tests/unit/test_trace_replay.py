@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from bench.collect_traces import space
-from bench.trace_replay import Trace, Untraced, deepspeed, ours, right
+from bench.trace_replay import Trace, Untraced, deepspeed, every_config_once, ours, right
 
 GiB = 1 << 30
 
@@ -52,6 +52,18 @@ def test_a_replay_is_judged_by_the_mean_of_the_named_configs_windows() -> None:
     assert (found.named, found.fraction, found.untraced) == ("z1 mbs 2 gas 4", 1.0, False)
     missed = deepspeed(trace, 0, 24 * GiB)
     assert missed.fraction == pytest.approx(0.5) and missed.launches == 6
+
+
+def test_every_config_read_once_names_the_best_reading_of_the_whole_space() -> None:
+    """The exhaustive reference reads each of the 24 configs once: the twice-as-fast config reads
+    best in every window, so it is named, at 24 launches. A config at half the best's mean is named
+    whenever its one lucky window (3x the best's) is the one drawn: one reading each names it."""
+    trace = _trace((0, 4, 2))
+    once = every_config_once(trace, 0, 24 * GiB)
+    assert (once.named, once.fraction, once.launches, once.right) == ("z0 mbs 4 gas 2", 1.0, 24, True)
+    lucky = _two_configs([10.0, 10.0], [5.0, 5.0, 30.0])
+    named = {every_config_once(lucky, seed, 24 * GiB).named for seed in range(20)}
+    assert named == {"z1 mbs 1 gas 1", "z1 mbs 2 gas 1"}
 
 
 def _two_configs(best: list[float], other: list[float]) -> Trace:
