@@ -95,16 +95,30 @@ def suspect_size(session: Session, stage: int, values: Mapping[int, float | None
     """The size whose reading the fit of the stage's other sizes contradicts
     (`cost_model.contradicted`: a straggler's or a lucky reading), where it could steer the
     refinement or lead (at least RIVAL_SHARE of the best reading); on a curve of fewer than four,
-    too short to fit, a size reading far below a smaller one (`_torn_pair`); None when there is
-    none. Throughput-like metrics only (the model is of seconds per sample)."""
+    too short to fit, a size reading far below a smaller one (`_torn_pair`), the stage's first
+    readings at its accumulation counted too (`_at_gas`); None when there is none. Throughput-like
+    metrics only (the model is of seconds per sample)."""
     if not session.settings.maximize:
         return None
     ok = {m: v for m, v in values.items() if v is not None and v > 0}
     if len(ok) < 4:  # the fit of the others needs three of them
-        return _torn_pair(ok)
+        return _torn_pair(ok) or next((m for m in ok if _torn_pair(_at_gas(session, stage, m, ok)) == m), None)
     readings = [Reading(m, gas_for(session, stage, m), v) for m, v in sorted(ok.items())]
     found = contradicted(readings, reading_noise(session), RIVAL_SHARE * max(ok.values()))
     return None if found is None else found.mbs
+
+
+def _at_gas(session: Session, stage: int, mbs: int, ok: Mapping[int, float]) -> dict[int, float]:
+    """`mbs`'s reading beside the stage's first readings at its accumulation, in the space or not.
+    Without max_train_batch_size a size that runs above the stage's top widens the step, and the
+    sizes filling the narrower one leave the space (`stage_values`): bench/search_quality.py's
+    large-model 5 read ZeRO-2's 10 at 0.95 of the optimum, then 11, the optimum, at 0.57 (a
+    straggler's), alone in the space. At one accumulation those readings still say how fast the
+    stage runs there."""
+    gas, metric = gas_for(session, stage, mbs), session.settings.metric
+    same = {exp.micro_batch_size: metric_value(record, metric) for exp, record in session.stage_records(stage)
+            if exp.gradient_accumulation_steps == gas and not is_repeat(exp.name, session.measured)}
+    return {**{m: v for m, v in same.items() if v is not None and v > 0}, mbs: ok[mbs]}
 
 
 def _torn_pair(ok: Mapping[int, float]) -> int | None:
