@@ -31,9 +31,9 @@ near the memory cap; measurements are noisy, some configs far more than others. 
   a per-micro-step, a per-sample, a per-step and a growing per-sample cost, fitted to the stage's
   readings) is a straggler's or a lucky one: that config is measured once more (`_recheck`) and
   the refinement reads the reading the fit agrees with, so one slow run does not hide the region
-  around the optimum and one lucky run does not pull the refinement to it; on a curve too short to fit, so is
-  a size reading far below a smaller one at its accumulation (`stage_readings.suspect_size`, the smaller
-  one counted even where a wider step left it out of the space). A size the refinement would split
+  around the optimum and one lucky run does not pull the refinement to it; on a curve too short to
+  fit, so is a size reading far below a smaller one at its accumulation (`stage_readings.suspect_size`,
+  the smaller one counted even where a wider step left it out of the space). A size the refinement would split
   at whose trusted prediction stays below the stage's best reading even at its upper bound is read
   off the fit instead of measured (`stage_readings.predicted_worse`: it could not lead). When the
   refinement has no gap left to split, a size the fit predicts better than the stage's best by more

@@ -1,41 +1,40 @@
 """Memory strategies in a search: the larger micro-batch one lets a leader at its memory top run.
 
 Why: DeepSpeed's autotuner tunes neither offload nor activation checkpointing (`scheduler.search.
-strategies` has what each frees and costs). The strategy a model needs to fit at all is chosen
-before the search (`scheduler.search.strategy_fit`); here, a rule of the memory model rather than a
-guess brings them in where the leader sits at its stage's memory top (`try_strategies`, after the
-sampled search and before the winner is confirmed). When the leader is the largest size its stage
-ran at, the curve was still rising where memory cut it; when the cost model fitted to the stage's
-readings predicts that largest size within the noise of the stage's best (`_flat_to_top`: a leader
-below a flat top leads on noise), the strategies start from the top's run. Each allowed strategy (one at a time, on top of the leader's own;
-the leader within `TOP_SLACK` of the largest size its stage holds) whose memory line holds a size at
-least `TOP_GAIN` above what the stage holds without it (its measured failures and the model) is
-measured at its line's top, keeping the leader's samples per step (a larger micro-batch with less
+strategies` has what each frees and costs). The strategy a model needs to fit at all is chosen before
+the search (`scheduler.search.strategy_fit`); here, a rule of the memory model rather than a guess
+brings them in where the leader sits at its stage's memory top (`try_strategies`, after the sampled
+search and before the winner is confirmed). When the leader is the largest size its stage ran at, the
+curve was still rising where memory cut it; when the cost model fitted to the stage's readings predicts
+that largest size within the noise of the stage's best (`_flat_to_top`: a leader below a flat top leads
+on noise), the strategies start from the top's run. Each allowed strategy (one at a time, on top of the
+leader's own; the leader within `TOP_SLACK` of the largest size its stage holds) whose memory line holds
+a size at least `TOP_GAIN` above what the stage holds without it (its measured failures and the model)
+is measured at its line's top, keeping the leader's samples per step (a larger micro-batch with less
 accumulation; the kept global batch's share when one is kept). A top more than `CAUTIOUS_SPAN` times
 that room is mostly the prior's (`_prior_line`: no run of the strategy at any stage measured a peak or
-ran out of memory): its geometric middle is measured first. Strategies are tried in the
-order of the sizes their lines hold, largest first, and stack: once a run with one more strategy
-beats the run it was added to, the rest are tried only on top of it, while it sits at its own line's
-top (offload of the optimizer, then of the parameters, then checkpointing each free memory the
-others do not; alone, one freeing less holds a smaller size); one that applies only at ZeRO-3
-(offload of the parameters) is measured once there (`_stack`). Where the samples per step are held,
-a strategy whose time prior (`strategies.step_cost_s`, with the leader's own step time as its
-compute) already adds the leader's whole step is not measured: a larger micro-batch then saves at
-most the step's per-micro-step costs. Each strategy's next size is its line's top again, kept below
-the geometric middle between its largest size that ran and its smallest that ran out of memory, and,
-after a run that ran, at least `TOP_GAIN` larger (a checkpointed run that ran measures the share of
-activations it keeps: `strategies.measured_keep_share`). A run at its line's top that reads better
-than the leader measures the sizes the safety margin kept out once (up to the line's own top: the
-curve still rises where the margin cuts it); on a checkpointed line neither a peak nor a failure
-checked (`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP` larger, then
-the middle if it failed. `STRATEGY_PROBES` runs per strategy at most, none within `TOP_GAIN` of a
-size the strategy ran at the stage (`_ran_near`: tried again from the final leader after
-`scheduler.search.strategy_first` tried them from the lead stage's top, the line is measured
-there). The best strategy run, when it beat the leader, is measured once more at the stage whose
-line holds the largest size with it (`_roomier_stage`: one that shards more of the states has
-more room for a larger micro-batch with it; a stage never measured, such as ZeRO-3 on few ranks,
-counts, its line the model's); when that run leads, strategies stack on it too. The normal
-confirmation ranks every run with the rest.
+ran out of memory): its geometric middle is measured first. Strategies are tried in the order of the
+sizes their lines hold, largest first, and stack: once a run with one more strategy beats the run it was
+added to, the rest are tried only on top of it, while it sits at its own line's top (offload of the
+optimizer, then of the parameters, then checkpointing each free memory the others do not; alone, one
+freeing less holds a smaller size); one that applies only at ZeRO-3 (offload of the parameters) is
+measured once there (`_stack`). Where the samples per step are held, a strategy whose time prior
+(`strategies.step_cost_s`, with the leader's own step time as its compute) already adds the leader's
+whole step is not measured: a larger micro-batch then saves at most the step's per-micro-step costs.
+Each strategy's next size is its line's top again, kept below the geometric middle between its largest
+size that ran and its smallest that ran out of memory, and, after a run that ran, at least `TOP_GAIN`
+larger (a checkpointed run that ran measures the share of activations it keeps:
+`strategies.measured_keep_share`). A run at its line's top that reads better than the leader measures
+the sizes the safety margin kept out once (up to the line's own top: the curve still rises where the
+margin cuts it); on a checkpointed line neither a peak nor a failure checked
+(`strategy_lines.unchecked`: the prior's keep share), a size `UNBOUNDED_STEP` larger, then the middle if
+it failed. `STRATEGY_PROBES` runs per strategy at most, none within `TOP_GAIN` of a size the strategy
+ran at the stage (`_ran_near`: tried again from the final leader after `scheduler.search.strategy_first`
+tried them from the lead stage's top, the line is measured there). The best strategy run, when it beat
+the leader, is measured once more at the stage whose line holds the largest size with it
+(`_roomier_stage`: one that shards more of the states has more room for a larger micro-batch with it; a
+stage never measured, such as ZeRO-3 on few ranks, counts, its line the model's); when that run leads,
+strategies stack on it too. The normal confirmation ranks every run with the rest.
 
 The memory line of a stage under a strategy, which each probe is read off, is
 `scheduler.search.strategy_lines`'s: one slope for every stage, each stage's intercept through its own peaks.
