@@ -117,8 +117,11 @@ class Trace:
     def optimum(self) -> tuple[float, Key]:
         """The best mean over the configs both searches choose from: without a capacity every traced
         config; under one, those that fit in the space DeepSpeed's rule sets there (`in_space`)."""
-        return max((self.true_value(key), key) for key in self.configs
-                   if self.windows(key) and self.fits(key) and self.in_space(key))
+        return max((self.true_value(key), key) for key in self.candidates())
+
+    def candidates(self) -> list[Key]:
+        """The configs the optimum is taken over: traced, fitting the capacity, in its stage's space."""
+        return [key for key in self.configs if self.windows(key) and self.fits(key) and self.in_space(key)]
 
     def in_space(self, key: Key) -> bool:
         """Whether `key` is in its stage's space under the capacity: the samples a step are the
@@ -255,14 +258,11 @@ def deepspeed(trace: Trace, seed: int, capacity: int) -> Outcome:
 
 
 def every_config_once(trace: Trace, seed: int, capacity: int) -> Outcome:
-    """The exhaustive reference: every config the optimum is taken over (`Trace.optimum`'s), read
+    """The exhaustive reference: every config the optimum is taken over (`Trace.candidates`), read
     once (a window drawn as for a search's launch), the best reading named. What the trace's own
     noise lets single readings of the whole space tell apart, at many times a search's launches."""
-    readings = {}
-    for key in trace.configs:
-        if trace.windows(key) and trace.fits(key) and trace.in_space(key):
-            record = trace.run(seed, f"once_{label(key)}", _config_of(key), profile=False, engine=False)
-            readings[key] = record["metrics"]["throughput"]
+    readings = {key: trace.run(seed, f"once_{label(key)}", _config_of(key), profile=False,
+                               engine=False)["metrics"]["throughput"] for key in trace.candidates()}
     named = max(readings, key=readings.get)
     return Outcome(trace.true_value(named) / trace.optimum()[0], len(readings), label(named),
                    right=right(trace, named))
